@@ -1,0 +1,28 @@
+"""Pallas kernels for jaxllm's GPU path, and their pure-jnp references.
+
+Public API (see docs/kernels.md):
+
+* ``ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables,
+  query_start_loc, num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
+  interpret=False)`` -> ``[T, num_q_heads, head_dim]``: mixed prefill + decode
+  attention over the paged KV cache in one launch.
+* ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, interpret=False)``
+  -> ``(k_cache, v_cache)``: scatter the new tokens' K/V into the cache.
+* ``ragged_paged_attention_reference`` / ``write_kv_cache_reference``: the same
+  signatures in plain jnp (the oracles; also usable as the XLA backend for small
+  shapes).
+"""
+
+from pallas_kernels.kv_cache_write import write_kv_cache
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reference import (
+    ragged_paged_attention_reference,
+    write_kv_cache_reference,
+)
+
+__all__ = [
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv_cache",
+    "write_kv_cache_reference",
+]

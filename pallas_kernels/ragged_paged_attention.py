@@ -1,0 +1,361 @@
+"""Ragged paged attention for GPU: one Pallas (Triton) launch for a whole mixed step.
+
+Chunked-prefill chunks and single-token decodes of many sequences arrive as one flat,
+ragged batch of query rows ``q[T, num_q_heads, head_dim]``; their keys/values live in a
+paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` reached through a block
+table. This kernel serves all of it in one ``pallas_call``. Design (docs/kernels.md):
+
+* **Work items.** The ragged query rows are cut into *query tiles* of ``block_q``
+  consecutive tokens of one sequence (a decode sequence is one tile holding one token).
+  A few jnp ops before the launch list the tiles as ``(seq, tile index)`` pairs; the
+  list has a static length ``W`` (an upper bound derived from ``T`` and ``S``), the
+  unused tail is marked ``seq = -1`` and those programs exit at once.
+* **Grid** ``(num_kv_heads, W)``: program ``(h, w)`` computes all ``G = Hq / Hkv`` query
+  heads of KV head ``h`` for the tokens of tile ``w``. Its query block has
+  ``M = block_q * next_pow2(G)`` rows (row ``r`` = token ``r // G'``, head ``r % G'``),
+  so K/V are read once per GQA group and a decode with G=4 still fills a 16-row MMA.
+* **K/V tiles** of ``block_kv`` positions are fetched through the block table (a gather
+  of page ids per position, then a gather of K/V rows), masked beyond the sequence's
+  causal horizon, and folded in with an online softmax in float32.
+* Only K/V tiles that intersect ``[window start, last query position]`` are visited.
+
+Everything is whole-array refs plus explicit (masked) gathers/scatters, which is what
+the Pallas Triton lowering handles well for data-dependent addressing; the same code
+runs with ``interpret=True`` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+__all__ = [
+    "ragged_paged_attention",
+    "ragged_work_items",
+    "default_block_q",
+    "default_block_kv",
+    "num_work_items",
+]
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_MMA = 16  # Triton tl.dot needs every dimension >= 16.
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+def default_block_q(num_q_heads: int, num_kv_heads: int, num_tokens: int) -> int:
+    """Query tokens per tile: aim for a 64-row query block, never below 16 rows.
+
+    Rows are ``block_q * next_pow2(G)``. A tile larger than the whole batch buys
+    nothing, so ``block_q`` is also capped at ``next_pow2(num_tokens)``.
+    """
+    g_pad = _next_pow2(num_q_heads // num_kv_heads)
+    bq = max(1, 64 // g_pad)
+    bq = min(bq, _next_pow2(num_tokens))
+    while bq * g_pad < MIN_MMA:
+        bq *= 2
+    return bq
+
+
+def default_block_kv(block_size: int, head_dim: int) -> int:
+    """K/V positions per tile: 64 (two-to-four pages), at least one page, power of 2."""
+    del head_dim
+    return max(64, _next_pow2(block_size))
+
+
+def num_work_items(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
+    """Static upper bound on the number of query tiles.
+
+    Sequence s with q_s tokens has ceil(q_s / block_q) tiles; summed over the n <=
+    min(S, T) non-empty sequences that is <= (T + n * (block_q - 1)) / block_q, and
+    every tile holds at least one token so it is also <= T.
+    """
+    n = min(max_num_seqs, num_tokens)
+    return max(1, min(num_tokens, (num_tokens + n * (block_q - 1)) // block_q))
+
+
+def ragged_work_items(
+    query_start_loc: Int[Array, "S+1"],
+    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    *,
+    num_tokens: int,
+    block_q: int,
+) -> tuple[Int[Array, "W"], Int[Array, "W"]]:
+    """List the query tiles of a ragged batch as (seq id, tile index within the seq).
+
+    Entries past the real number of tiles have seq id -1. Padding sequences
+    (index >= num_seqs) and empty ones (q_len == 0) get no tiles.
+    """
+    S = query_start_loc.shape[0] - 1
+    W = num_work_items(num_tokens, S, block_q)
+    n = jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (-1,))[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    q_lens = jnp.where(jnp.arange(S, dtype=jnp.int32) < n, q_lens, 0)
+    tiles = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(tiles)  # tile w belongs to the first s with ends[s] > w
+    w = jnp.arange(W, dtype=jnp.int32)
+    seq = jnp.sum(ends[None, :] <= w[:, None], axis=1).astype(jnp.int32)
+    valid = w < ends[-1]
+    seq_c = jnp.minimum(seq, S - 1)
+    tile = w - (ends[seq_c] - tiles[seq_c])
+    return jnp.where(valid, seq_c, -1), jnp.where(valid, tile, 0).astype(jnp.int32)
+
+
+def _rpa_kernel(
+    # inputs (all whole-array refs)
+    work_seq_ref,  # [W] int32
+    work_tile_ref,  # [W] int32
+    qsl_ref,  # [S+1] int32
+    kv_lens_ref,  # [S] int32
+    bt_ref,  # [S, MB] int32
+    q_ref,  # [T * Hq, D]
+    k_ref,  # [NB * BS, Hkv, D]
+    v_ref,  # [NB * BS, Hkv, D]
+    # output
+    o_ref,  # [T * Hq, D]
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    group: int,
+    g_pad: int,
+    head_dim: int,
+    d_pad: int,
+    block_q: int,
+    block_kv: int,
+    block_size: int,
+    max_blocks: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    precision,
+):
+    h = pl.program_id(0)
+    w = pl.program_id(1)
+    seq = work_seq_ref[w]
+
+    @pl.when(seq >= 0)
+    def _():
+        tile = work_tile_ref[w]
+        seq_q_start = qsl_ref[seq]
+        q_len = qsl_ref[seq + 1] - seq_q_start
+        kv_len = kv_lens_ref[seq]
+        tok0 = tile * block_q  # first token of this tile, counted within the sequence
+        n_tok = jnp.minimum(block_q, q_len - tok0)
+        first_pos = kv_len - q_len + tok0  # absolute position of the tile's first query
+        kv_hi = first_pos + n_tok  # exclusive: last query position + 1 (<= kv_len)
+
+        m_rows = block_q * g_pad
+        r = jnp.arange(m_rows, dtype=jnp.int32)
+        t = r // g_pad
+        g = r % g_pad
+        row_valid = t < n_tok
+        if g_pad != group:
+            row_valid = row_valid & (g < group)
+        # Flat row in q / o viewed as [T * Hq, D]. Invalid rows point one past the end:
+        # masked on the GPU, dropped by the interpreter's scatter (never aliased).
+        row = (seq_q_start + tok0 + t) * num_q_heads + h * group + g
+        row = jnp.where(row_valid, row, num_tokens * num_q_heads)
+        q_pos = first_pos + t
+
+        d = jnp.arange(d_pad, dtype=jnp.int32)
+        if d_pad != head_dim:
+            d_valid = d < head_dim
+            q_mask = row_valid[:, None] & d_valid[None, :]
+        else:
+            d_valid = None
+            q_mask = row_valid[:, None]
+        q = plgpu.load(q_ref.at[row[:, None], d[None, :]], mask=q_mask, other=0)
+
+        if sliding_window is None:
+            kv_lo = 0
+        else:
+            kv_lo = jnp.maximum(first_pos - (sliding_window - 1), 0)
+        j_lo = kv_lo // block_kv
+        j_hi = (kv_hi + block_kv - 1) // block_kv
+
+        def body(j, carry):
+            acc, m_prev, l_prev = carry
+            pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            kv_valid = pos < kv_hi
+            page = jnp.minimum(pos // block_size, max_blocks - 1)
+            blk = plgpu.load(bt_ref.at[seq, page], mask=kv_valid, other=0)
+            slot = blk * block_size + pos % block_size
+            kv_mask = kv_valid[:, None]
+            if d_valid is not None:
+                kv_mask = kv_mask & d_valid[None, :]
+            k = plgpu.load(k_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=0)
+            v = plgpu.load(v_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=0)
+
+            s = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )
+            s = s * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            mask = (pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if sliding_window is not None:
+                mask = mask & (q_pos[:, None] - pos[None, :] < sliding_window)
+            s = jnp.where(mask, s, MASK_VALUE)
+
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+            l_next = alpha * l_prev + jnp.sum(p, axis=1)
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )
+            return alpha[:, None] * acc + pv, m_next, l_next
+
+        acc0 = jnp.zeros((m_rows, d_pad), jnp.float32)
+        m0 = jnp.full((m_rows,), MASK_VALUE, jnp.float32)
+        l0 = jnp.zeros((m_rows,), jnp.float32)
+        acc, _, l = lax.fori_loop(j_lo, j_hi, body, (acc0, m0, l0))
+        out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+        plgpu.store(o_ref.at[row[:, None], d[None, :]], out.astype(o_ref.dtype), mask=q_mask)
+
+
+def _check_config(*, m_rows: int, block_kv: int, d_pad: int) -> None:
+    for name, val in (("query rows (block_q * next_pow2(G))", m_rows),
+                      ("block_kv", block_kv), ("padded head_dim", d_pad)):
+        if not _is_pow2(val):
+            raise ValueError(f"{name}={val} must be a power of two (Triton block shapes)")
+        if val < MIN_MMA:
+            raise ValueError(f"{name}={val} must be >= {MIN_MMA} (tl.dot minimum)")
+
+
+def build_ragged_paged_attention_call(
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_slots: int,
+    block_size: int,
+    max_blocks: int,
+    num_work: int,
+    dtype,
+    block_q: int,
+    block_kv: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+):
+    """The raw ``pallas_call`` (no validation). Exposed for the lowering tests."""
+    group = num_q_heads // num_kv_heads
+    g_pad = _next_pow2(group)
+    d_pad = _next_pow2(head_dim)
+    precision = (lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
+                 else lax.Precision.DEFAULT)
+    kernel = functools.partial(
+        _rpa_kernel,
+        num_tokens=num_tokens, num_q_heads=num_q_heads, group=group, g_pad=g_pad,
+        head_dim=head_dim, d_pad=d_pad, block_q=block_q, block_kv=block_kv,
+        block_size=block_size, max_blocks=max_blocks, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap, precision=precision,
+    )
+    del num_slots
+    return pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_work),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_g{group}_bkv{block_kv}",
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "block_q",
+                     "block_kv", "num_warps", "num_stages"),
+)
+def ragged_paged_attention(
+    q: Float[Array, "T Hq D"],
+    k_cache: Float[Array, "NB BS Hkv D"],
+    v_cache: Float[Array, "NB BS Hkv D"],
+    kv_lens: Int[Array, "S"],
+    block_tables: Int[Array, "S MB"],
+    query_start_loc: Int[Array, "S+1"],
+    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> Float[Array, "T Hq D"]:
+    """Attention of a ragged batch of new tokens over a paged KV cache.
+
+    See ``pallas_kernels.reference.ragged_paged_attention_reference`` for the exact
+    semantics (this kernel matches it on every non-padding row). ``block_q`` (query
+    tokens per tile), ``block_kv`` (K/V positions per tile), ``num_warps`` and
+    ``num_stages`` are tuning knobs; defaults come from :func:`default_block_q` and
+    :func:`default_block_kv`.
+    """
+    T, Hq, D = q.shape
+    NB, BS, Hkv, Dk = k_cache.shape
+    S, MB = block_tables.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and cache ({Dk}) differ")
+    if Hq % Hkv:
+        raise ValueError(f"num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if kv_lens.shape != (S,) or query_start_loc.shape != (S + 1,):
+        raise ValueError("kv_lens must be [S] and query_start_loc [S+1] for "
+                         f"block_tables [S, MB]; got {kv_lens.shape}, {query_start_loc.shape}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    group = Hq // Hkv
+    if block_q is None:
+        block_q = default_block_q(Hq, Hkv, T)
+    if block_kv is None:
+        block_kv = default_block_kv(BS, D)
+    m_rows = block_q * _next_pow2(group)
+    d_pad = _next_pow2(D)
+    _check_config(m_rows=m_rows, block_kv=block_kv, d_pad=d_pad)
+    if num_warps is None:
+        num_warps = 8 if m_rows * d_pad >= 128 * 128 else 4
+
+    work_seq, work_tile = ragged_work_items(
+        query_start_loc, num_seqs, num_tokens=T, block_q=block_q)
+    call = build_ragged_paged_attention_call(
+        num_tokens=T, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, num_slots=NB * BS,
+        block_size=BS, max_blocks=MB, num_work=work_seq.shape[0], dtype=q.dtype,
+        block_q=block_q, block_kv=block_kv, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )
+    out = call(
+        work_seq, work_tile,
+        query_start_loc.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        q.reshape(T * Hq, D),
+        k_cache.reshape(NB * BS, Hkv, D), v_cache.reshape(NB * BS, Hkv, D),
+    )
+    return out.reshape(T, Hq, D)

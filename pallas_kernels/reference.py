@@ -1,0 +1,120 @@
+"""Pure-jnp references for the Pallas kernels in this package.
+
+These are the oracles the kernel tests compare against, so they are written to be
+obviously correct rather than fast: every query token gathers the *whole* K/V of its
+own sequence through the block table and does a plain masked softmax over it.
+
+Memory is O(T * max_blocks_per_seq * block_size * num_kv_heads * head_dim): fine for
+tests and small models; a production XLA path for long contexts should tile this.
+
+Semantics shared with the kernels (see docs/kernels.md):
+
+* ``q`` rows are the new tokens of all sequences, concatenated; sequence ``s`` owns
+  rows ``query_start_loc[s] .. query_start_loc[s+1]-1``. Rows at or past
+  ``query_start_loc[num_seqs]`` are padding (their output is unspecified; here 0).
+* Sequence ``s`` has ``kv_lens[s]`` tokens in the cache, the last ``q_len`` of which
+  are its new tokens. Its i-th new token sits at position
+  ``kv_lens[s] - q_len + i`` and attends causally to positions ``0 .. that``.
+* ``sliding_window=W`` keeps only keys with ``query_pos - key_pos < W``.
+* ``soft_cap=c`` maps logits ``x -> c * tanh(x / c)`` (after ``sm_scale``).
+* K/V cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``; token at
+  position ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]``
+  at offset ``p % block_size``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+__all__ = ["ragged_paged_attention_reference", "write_kv_cache_reference"]
+
+
+def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, "1"] | int) -> Int[Array, ""]:
+    return jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (-1,))[0]
+
+
+def ragged_paged_attention_reference(
+    q: Float[Array, "T Hq D"],
+    k_cache: Float[Array, "NB BS Hkv D"],
+    v_cache: Float[Array, "NB BS Hkv D"],
+    kv_lens: Int[Array, "S"],
+    block_tables: Int[Array, "S MB"],
+    query_start_loc: Int[Array, "S+1"],
+    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,  # accepted for signature parity with the kernel; unused
+) -> Float[Array, "T Hq D"]:
+    """Ragged paged attention, the simple way. Same signature as the kernel."""
+    del interpret
+    T, Hq, D = q.shape
+    _, BS, Hkv, _ = k_cache.shape
+    S, MB = block_tables.shape
+    G = Hq // Hkv
+    L = MB * BS
+    n = _num_seqs_scalar(num_seqs)
+    qsl = query_start_loc.astype(jnp.int32)
+
+    # Which sequence each query row belongs to: the first s with qsl[s+1] > t
+    # (empty sequences have qsl[s+1] == qsl[s] and are skipped naturally).
+    tok = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.sum(qsl[1 : S + 1][None, :] <= tok[:, None], axis=1).astype(jnp.int32)
+    seq = jnp.minimum(seq, S - 1)
+    row_valid = tok < qsl[n]
+
+    q_len = qsl[seq + 1] - qsl[seq]
+    kv_len = kv_lens[seq]
+    q_pos = kv_len - q_len + (tok - qsl[seq])  # absolute position of each query row
+
+    # Gather each row's full K/V through its sequence's block table.
+    blocks = block_tables[seq]  # [T, MB]
+    k = k_cache[blocks].reshape(T, L, Hkv, D).astype(jnp.float32)
+    v = v_cache[blocks].reshape(T, L, Hkv, D).astype(jnp.float32)
+
+    k_pos = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
+    mask = (k_pos <= q_pos[:, None]) & (k_pos < kv_len[:, None]) & row_valid[:, None]
+    if sliding_window is not None:
+        mask = mask & (q_pos[:, None] - k_pos < sliding_window)
+
+    # Never let bytes outside the mask (stale or NaN cache contents) reach the output.
+    v = jnp.where(mask[:, :, None, None], v, 0.0)
+
+    qg = q.reshape(T, Hkv, G, D).astype(jnp.float32)
+    logits = jnp.einsum("thgd,tlhd->thgl", qg, k, precision=jax.lax.Precision.HIGHEST)
+    logits = logits * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    m4 = mask[:, None, None, :]
+    logits = jnp.where(m4, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    e = jnp.where(m4, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("thgl,tlhd->thgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(T, Hq, D).astype(q.dtype)
+
+
+def write_kv_cache_reference(
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    k_cache: Float[Array, "NB BS Hkv D"],
+    v_cache: Float[Array, "NB BS Hkv D"],
+    slot_mapping: Int[Array, "T"],
+    *,
+    interpret: bool = False,  # signature parity with the kernel; unused
+) -> tuple[Float[Array, "NB BS Hkv D"], Float[Array, "NB BS Hkv D"]]:
+    """Scatter the new tokens' K/V into the paged cache.
+
+    ``slot_mapping[t] = block_id * block_size + offset``. Padding tokens point into the
+    reserved null block; their slots may repeat and what lands there is never read.
+    """
+    del interpret
+    NB, BS, Hkv, D = k_cache.shape
+    kc = k_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(k.astype(k_cache.dtype))
+    vc = v_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(v.astype(v_cache.dtype))
+    return kc.reshape(NB, BS, Hkv, D), vc.reshape(NB, BS, Hkv, D)
