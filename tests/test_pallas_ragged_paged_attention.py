@@ -1,0 +1,265 @@
+"""Interpret-mode tests of pallas_kernels against their jnp references.
+
+The grid is pairwise rather than a full product (interpret mode compiles every
+configuration separately): every GQA ratio 1/2/4/8 meets every batch kind
+(decode-only, prefill-only, mixed), and dtype, head_dim 64/128 and block size 16/32
+are spread over those cases. Every batch contains kv lengths 1, bs-1, bs, bs+1 and one
+longer than a K/V tile, padding rows and padding sequences, shuffled block tables,
+and NaN in every cache slot / query row the kernel must not read.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    write_kv_cache,
+    write_kv_cache_reference,
+)
+from pallas_kernels.ragged_paged_attention import num_work_items, ragged_work_items
+
+BLOCK_KV = 32  # K/V tile used by the interpret tests; "long" sequences exceed 4 tiles
+LONG = 4 * BLOCK_KV + 3
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-3}
+
+
+def seq_specs(kind: str, bs: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) per sequence. kv lengths cover 1, bs-1, bs, bs+1 and LONG."""
+    if kind == "decode":
+        return [(1, 1), (1, bs - 1), (1, bs), (1, bs + 1), (1, LONG)]
+    if kind == "prefill":  # fresh prompts plus one chunk deep into a long context
+        return [(1, 1), (bs - 1, bs - 1), (bs, bs), (bs + 1, bs + 1), (19, LONG)]
+    if kind == "mixed":
+        return [(1, LONG), (bs + 1, bs + 1), (1, 1), (5, bs), (1, bs - 1), (bs, 2 * bs + 1)]
+    raise ValueError(kind)
+
+
+def make_batch(rng, specs, *, hq, hkv, d, bs, dtype, pad_seqs=2, pad_rows=3, poison=True):
+    """Build a padded ragged batch over a shuffled paged cache.
+
+    Cache slots that no sequence owns (incl. the null block 0 and the tail of each
+    sequence's last block) and the padding query rows are NaN when ``poison``.
+    """
+    n = len(specs)
+    S = n + pad_seqs
+    q_lens = np.array([ql for ql, _ in specs], np.int32)
+    kv_lens = np.array([kl for _, kl in specs], np.int32)
+    T = int(q_lens.sum()) + pad_rows
+    mb = max(math.ceil(k / bs) for k in kv_lens) + 1  # +1: an unused table column
+    n_blocks_needed = sum(math.ceil(k / bs) for k in kv_lens)
+    nb = n_blocks_needed + 3  # null block 0 + spare blocks nobody owns
+    perm = rng.permutation(np.arange(1, nb))
+    block_tables = np.zeros((S, mb), np.int32)
+    owned = np.zeros((nb, bs), bool)
+    i = 0
+    for s, kl in enumerate(kv_lens):
+        k = math.ceil(kl / bs)
+        block_tables[s, :k] = perm[i : i + k]
+        for p in range(kl):
+            owned[block_tables[s, p // bs], p % bs] = True
+        i += k
+    qsl = np.zeros(S + 1, np.int32)
+    qsl[1 : n + 1] = np.cumsum(q_lens)
+    qsl[n + 1 :] = qsl[n]
+    kvl = np.zeros(S, np.int32)
+    kvl[:n] = kv_lens
+
+    q = rng.uniform(-1, 1, (T, hq, d)).astype(np.float32)
+    kc = rng.uniform(-1, 1, (nb, bs, hkv, d)).astype(np.float32)
+    vc = rng.uniform(-0.5, 0.5, (nb, bs, hkv, d)).astype(np.float32)
+    if poison:
+        q[qsl[n] :] = np.nan
+        kc[~owned] = np.nan
+        vc[~owned] = np.nan
+    args = (
+        jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
+        jnp.asarray(kvl), jnp.asarray(block_tables), jnp.asarray(qsl),
+        jnp.asarray([n], jnp.int32),
+    )
+    return args, int(qsl[n])
+
+
+def oracle(args, **kw):
+    """float32 reference on the (exactly representable) upcast inputs."""
+    q, kc, vc, *rest = args
+    f32 = [x.astype(jnp.float32) for x in (q, kc, vc)]
+    return np.asarray(ragged_paged_attention_reference(*f32, *rest, **kw))
+
+
+# (group, head_dim, block_size, dtype, kind, block_q): pairwise cover.
+CASES = [
+    (1, 64, 16, jnp.float32, "mixed", None),
+    (1, 128, 32, jnp.bfloat16, "decode", None),
+    (1, 64, 32, jnp.bfloat16, "prefill", 16),
+    (2, 128, 16, jnp.float32, "prefill", None),
+    (2, 64, 32, jnp.bfloat16, "mixed", None),
+    (2, 64, 16, jnp.float32, "decode", None),
+    (4, 64, 32, jnp.float32, "decode", None),
+    (4, 128, 16, jnp.bfloat16, "mixed", 4),
+    (4, 128, 32, jnp.float32, "prefill", None),
+    (8, 128, 32, jnp.float32, "mixed", None),
+    (8, 64, 16, jnp.bfloat16, "prefill", None),
+    (8, 128, 16, jnp.bfloat16, "decode", None),
+]
+
+
+def _id(c):
+    g, d, bs, dt, kind, bq = c
+    return f"g{g}-d{d}-bs{bs}-{jnp.dtype(dt).name}-{kind}" + (f"-bq{bq}" if bq else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kernel_matches_reference(case):
+    g, d, bs, dtype, kind, bq = case
+    hkv = 2
+    rng = np.random.default_rng(zlib.crc32(_id(case).encode()))
+    args, n_rows = make_batch(rng, seq_specs(kind, bs), hq=g * hkv, hkv=hkv, d=d, bs=bs,
+                              dtype=dtype)
+    scale = d ** -0.5
+    out = ragged_paged_attention(*args, sm_scale=scale, interpret=True, block_q=bq,
+                                 block_kv=BLOCK_KV)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    got = np.asarray(out.astype(jnp.float32))[:n_rows]
+    want = oracle(args, sm_scale=scale)[:n_rows]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize(
+    "sliding_window,soft_cap,dtype",
+    [(20, None, jnp.float32), (None, 5.0, jnp.float32), (33, 2.0, jnp.bfloat16)],
+)
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap, dtype):
+    rng = np.random.default_rng(7)
+    args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=8, hkv=2, d=64, bs=16,
+                              dtype=dtype)
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = ragged_paged_attention(*args, interpret=True, block_kv=BLOCK_KV, **kw)
+    got = np.asarray(out.astype(jnp.float32))[:n_rows]
+    np.testing.assert_allclose(got, oracle(args, **kw)[:n_rows], atol=TOL[dtype], rtol=0)
+
+
+def test_non_power_of_two_group_and_head_dim():
+    """G=3 (padded to 4 rows per token) and head_dim 80 (padded to 128, masked)."""
+    rng = np.random.default_rng(3)
+    args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=3, hkv=1, d=80, bs=16,
+                              dtype=jnp.float32)
+    out = ragged_paged_attention(*args, sm_scale=0.1, interpret=True, block_kv=BLOCK_KV)
+    np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.1)[:n_rows],
+                               atol=1e-5, rtol=0)
+
+
+def test_default_tiles_scalar_num_seqs_and_all_padding():
+    """Default block_q/block_kv; num_seqs as a () scalar; num_seqs=0 writes nothing NaN."""
+    rng = np.random.default_rng(11)
+    args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=4, hkv=2, d=64, bs=16,
+                              dtype=jnp.float32, poison=False)
+    args = (*args[:6], args[6][0])
+    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True)
+    np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.125)[:n_rows],
+                               atol=1e-5, rtol=0)
+    # A fully padded step (engine warm-up shape): must run and not fault.
+    empty = ragged_paged_attention(*args[:6], jnp.int32(0), sm_scale=0.125, interpret=True)
+    assert empty.shape == args[0].shape
+
+
+def test_work_items():
+    # q_lens 1, 0 (empty), 17, 3, then a padding sequence with garbage q_len.
+    qsl = jnp.array([0, 1, 1, 18, 21, 30], jnp.int32)
+    seq, tile = ragged_work_items(qsl, jnp.int32(4), num_tokens=32, block_q=8)
+    W = num_work_items(32, 5, 8)
+    assert seq.shape == (W,)
+    n = 1 + 3 + 1
+    assert list(np.asarray(seq[:n])) == [0, 2, 2, 2, 3]
+    assert list(np.asarray(tile[:n])) == [0, 0, 1, 2, 0]
+    assert (np.asarray(seq[n:]) == -1).all()
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs,block_q", [(7, 3, 4), (16, 16, 8), (33, 2, 16)])
+def test_work_item_bound_is_tight_enough(num_tokens, num_seqs, block_q):
+    """The static bound covers the worst split of T tokens over S sequences."""
+    worst = 0
+    # Worst case: as many sequences as possible with q_len = 1 mod block_q.
+    for n in range(1, min(num_seqs, num_tokens) + 1):
+        lens = [1] * (n - 1) + [num_tokens - (n - 1)]
+        worst = max(worst, sum(-(-x // block_q) for x in lens))
+    assert num_work_items(num_tokens, num_seqs, block_q) >= worst
+
+
+def _naive_attention(q, k, v, scale):
+    """Per-sequence causal attention on contiguous K/V, in numpy (float64)."""
+    ql, kl = q.shape[0], k.shape[0]
+    hq, hkv = q.shape[1], k.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for i in range(ql):
+        pos = kl - ql + i
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            logits = k[: pos + 1, kh] @ q[i, h] * scale
+            p = np.exp(logits - logits.max())
+            out[i, h] = (p / p.sum()) @ v[: pos + 1, kh]
+    return out
+
+
+def test_reference_matches_naive_attention():
+    """The oracle itself against a loop over sequences on contiguous K/V."""
+    rng = np.random.default_rng(5)
+    specs = seq_specs("mixed", 16)
+    args, n_rows = make_batch(rng, specs, hq=4, hkv=2, d=16, bs=16, dtype=jnp.float32)
+    q, kc, vc, kvl, bt, qsl, _ = (np.asarray(a) for a in args)
+    out = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.25))
+    for s, (ql, kl) in enumerate(specs):
+        k = np.concatenate([kc[b] for b in bt[s]], axis=0)[:kl]
+        v = np.concatenate([vc[b] for b in bt[s]], axis=0)[:kl]
+        want = _naive_attention(q[qsl[s] : qsl[s + 1]], k, v, 0.25)
+        np.testing.assert_allclose(out[qsl[s] : qsl[s + 1]], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.float32, 64), (jnp.bfloat16, 128)])
+def test_write_kv_cache_matches_reference(dtype, d):
+    rng = np.random.default_rng(1)
+    T, hkv, nb, bs = 45, 2, 12, 16
+    k = jnp.asarray(rng.normal(size=(T, hkv, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(T, hkv, d)), dtype)
+    kc = jnp.asarray(rng.normal(size=(nb, bs, hkv, d)), dtype)
+    vc = jnp.asarray(rng.normal(size=(nb, bs, hkv, d)), dtype)
+    slots = rng.permutation(np.arange(bs, nb * bs))[:T].astype(np.int32)
+    slots[-6:] = [0, 3, 0, 0, 7, 3]  # padding tokens -> null block, repeated
+    got = write_kv_cache(k, v, kc, vc, jnp.asarray(slots), interpret=True)
+    want = write_kv_cache_reference(k, v, kc, vc, jnp.asarray(slots))
+    for g_, w_ in zip(got, want):
+        # Everything but the null block (garbage by contract) must be identical.
+        np.testing.assert_array_equal(np.asarray(g_)[1:], np.asarray(w_)[1:])
+
+
+def test_write_then_attend_roundtrip():
+    """Write a mixed step's new K/V with the kernel, then attend: equals reference."""
+    rng = np.random.default_rng(2)
+    specs = seq_specs("mixed", 16)
+    args, n_rows = make_batch(rng, specs, hq=4, hkv=2, d=64, bs=16, dtype=jnp.float32,
+                              poison=False)
+    q, kc, vc, kvl, bt, qsl, ns = args
+    # slot of every new token; padding rows -> null block
+    slots = np.zeros(q.shape[0], np.int32)
+    bt_np, qsl_np, kvl_np = (np.asarray(a) for a in (bt, qsl, kvl))
+    for s, (ql, kl) in enumerate(specs):
+        for i in range(ql):
+            p = kl - ql + i
+            slots[qsl_np[s] + i] = bt_np[s, p // 16] * 16 + p % 16
+    new_k = jnp.asarray(rng.normal(size=(q.shape[0], 2, 64)), jnp.float32)
+    new_v = jnp.asarray(rng.normal(size=(q.shape[0], 2, 64)), jnp.float32)
+    kc2, vc2 = write_kv_cache(new_k, new_v, kc, vc, jnp.asarray(slots), interpret=True)
+    out = ragged_paged_attention(q, kc2, vc2, kvl, bt, qsl, ns, sm_scale=0.125,
+                                 interpret=True, block_kv=BLOCK_KV)
+    rk, rv = write_kv_cache_reference(new_k, new_v, kc, vc, jnp.asarray(slots))
+    want = ragged_paged_attention_reference(q, rk, rv, kvl, bt, qsl, ns, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out)[:n_rows], np.asarray(want)[:n_rows],
+                               atol=1e-5, rtol=0)
