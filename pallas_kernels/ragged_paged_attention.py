@@ -72,9 +72,15 @@ def default_block_q(num_q_heads: int, num_kv_heads: int, num_tokens: int) -> int
 
 
 def default_block_kv(block_size: int, head_dim: int) -> int:
-    """K/V positions per tile: 64 (two-to-four pages), at least one page, power of 2."""
-    del head_dim
-    return max(64, _next_pow2(block_size))
+    """K/V positions per tile: 64 (32 for head_dim > 128, to bound shared memory),
+    and at least one whole page. Always a power of two >= 16."""
+    target = 64 if head_dim <= 128 else 32
+    return max(target, _next_pow2(block_size))
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to a power of two >= 16 (masked lanes are zero)."""
+    return max(MIN_MMA, _next_pow2(head_dim))
 
 
 def num_work_items(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
@@ -263,7 +269,7 @@ def build_ragged_paged_attention_call(
     """The raw ``pallas_call`` (no validation). Exposed for the lowering tests."""
     group = num_q_heads // num_kv_heads
     g_pad = _next_pow2(group)
-    d_pad = _next_pow2(head_dim)
+    d_pad = padded_head_dim(head_dim)
     precision = (lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
                  else lax.Precision.DEFAULT)
     kernel = functools.partial(
@@ -337,7 +343,7 @@ def ragged_paged_attention(
     if block_kv is None:
         block_kv = default_block_kv(BS, D)
     m_rows = block_q * _next_pow2(group)
-    d_pad = _next_pow2(D)
+    d_pad = padded_head_dim(D)
     _check_config(m_rows=m_rows, block_kv=block_kv, d_pad=d_pad)
     if num_warps is None:
         num_warps = 8 if m_rows * d_pad >= 128 * 128 else 4

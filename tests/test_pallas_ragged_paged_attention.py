@@ -147,10 +147,12 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, dtype):
     np.testing.assert_allclose(got, oracle(args, **kw)[:n_rows], atol=TOL[dtype], rtol=0)
 
 
-def test_non_power_of_two_group_and_head_dim():
-    """G=3 (padded to 4 rows per token) and head_dim 80 (padded to 128, masked)."""
+@pytest.mark.parametrize("hq,hkv,d", [(3, 1, 80), (4, 2, 8)])
+def test_odd_group_and_head_dim(hq, hkv, d):
+    """G=3 (padded to 4 rows per token), head_dim 80 (padded to 128) and head_dim 8
+    (padded to the 16-wide MMA minimum); padded lanes are masked."""
     rng = np.random.default_rng(3)
-    args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=3, hkv=1, d=80, bs=16,
+    args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=hq, hkv=hkv, d=d, bs=16,
                               dtype=jnp.float32)
     out = ragged_paged_attention(*args, sm_scale=0.1, interpret=True, block_kv=BLOCK_KV)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.1)[:n_rows],
