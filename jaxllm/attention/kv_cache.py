@@ -1,0 +1,43 @@
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, Hkv, hd].
+
+Allocated once; the jitted step takes the caches as a donated argument, so the scatter
+of new K/V below is done in place by XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+
+@struct.dataclass
+class KVCache:
+    k: Float[Array, "N B Hkv hd"]
+    v: Float[Array, "N B Hkv hd"]
+
+
+def allocate_kv_caches(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+) -> tuple[KVCache, ...]:
+    """Zero-filled caches, one KVCache per layer (per-layer arrays are donated one by one)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
+    return tuple(KVCache(k=zeros(), v=zeros()) for _ in range(num_layers))
+
+
+def write_kv_cache(
+    cache: KVCache,
+    k: Float[Array, "T Hkv hd"],
+    v: Float[Array, "T Hkv hd"],
+    slot_mapping: Int[Array, "T"],
+) -> KVCache:
+    """Scatter the new tokens' K/V into their slots (slot = block * block_size + offset)."""
+    n, bs, hkv, hd = cache.k.shape
+
+    def scatter(dst, src):
+        flat = dst.reshape(n * bs, hkv, hd)
+        return flat.at[slot_mapping].set(src.astype(dst.dtype), mode="drop").reshape(n, bs, hkv, hd)
+
+    return KVCache(k=scatter(cache.k, k), v=scatter(cache.v, v))

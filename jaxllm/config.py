@@ -1,0 +1,289 @@
+"""ModelConfig: the architecture hyper-parameters of a Llama-family model.
+
+Read from an HF ``config.json`` (transformers 4 form: ``rope_theta``, ``rope_scaling``,
+``torch_dtype``; transformers 5 form: ``rope_parameters``, ``dtype``) or from GGUF
+metadata. The config is a frozen dataclass so it can be a static argument of jitted
+functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+# HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
+# them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model jaxllm cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base frequency and optional frequency scaling."""
+
+    theta: float = 10000.0
+    type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+    # GGUF `rope_freqs.weight`: per-frequency divisors llama.cpp stores instead of the
+    # llama3 parameters; applied on top of `type`.
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder-only transformer of the Llama family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's `attention_bias`
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys
+    checkpoint_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the lm_head included)."""
+        per_layer = (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+        )
+        return self.num_layers * per_layer + self.hidden_size * self.vocab_size
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes of K and V cache one token takes over all layers."""
+        return 2 * self.num_layers * self.kv_size * itemsize
+
+    # ----------------------------------------------------------------- readers
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from the dict of an HF config.json (transformers 4 or 5 form)."""
+        architecture = _hf_architecture(hf, source)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden_size = int(hf["hidden_size"])
+            head_dim = hf.get("head_dim") or hidden_size // num_heads
+            sliding_window = None
+            if model_type == "mistral":
+                sliding_window = hf.get("sliding_window")
+            elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+                raise UnsupportedModelError(
+                    f"{source}: use_sliding_window=true ({model_type}) is not supported"
+                )
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                architecture=architecture,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope=_hf_rope(hf, source),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+                sliding_window=int(sliding_window) if sliding_window else None,
+                checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"{source}: missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json in the model folder")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UnsupportedModelError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf_config(hf, source=str(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF") -> "ModelConfig":
+        """Build from GGUF key/value metadata (already decoded to Python values)."""
+        arch = meta.get("general.architecture")
+        gguf_archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        if arch not in gguf_archs:
+            raise UnsupportedModelError(
+                f"{source}: unsupported GGUF architecture {arch!r}; supported: {sorted(gguf_archs)}"
+            )
+
+        def get(key: str, default: Any = ...) -> Any:
+            full = f"{arch}.{key}"
+            if full in meta:
+                return meta[full]
+            if default is ...:
+                raise UnsupportedModelError(f"{source}: missing GGUF metadata {full!r}")
+            return default
+
+        num_heads = int(get("attention.head_count"))
+        hidden_size = int(get("embedding_length"))
+        head_dim = int(get("attention.key_length", hidden_size // num_heads))
+        scaling_type = get("rope.scaling.type", "none")
+        rope = RopeConfig(theta=float(get("rope.freq_base", 10000.0)))
+        if scaling_type == "linear":
+            rope = dataclasses.replace(rope, type="linear", factor=float(get("rope.scaling.factor")))
+        elif scaling_type not in ("none", None):
+            raise UnsupportedModelError(f"{source}: unsupported rope scaling {scaling_type!r}")
+        vocab = meta.get("tokenizer.ggml.tokens")
+        vocab_size = int(get("vocab_size", len(vocab) if vocab is not None else 0))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=gguf_archs[arch],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            max_position_embeddings=int(get("context_length", 2048)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope=rope,
+            tie_word_embeddings=False,  # set by the loader from whether output.weight exists
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            checkpoint_dtype="float32",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The transformers-5 form config.json of this model (converted checkpoints, and
+        exporting a GGUF to an HF folder). GGUF `rope_freqs` factors are kept under the
+        non-HF key `rope_freq_factors`."""
+        rope: dict[str, Any] = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
+        if self.rope.type != "default":
+            rope["factor"] = self.rope.factor
+        if self.rope.type == "llama3":
+            rope.update(
+                low_freq_factor=self.rope.low_freq_factor,
+                high_freq_factor=self.rope.high_freq_factor,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+        out = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "dtype": self.checkpoint_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.rope.freq_factors is not None:  # not an HF field: jaxllm reads it back
+            out["rope_freq_factors"] = list(self.rope.freq_factors)
+        if self.model_type == "llama":
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        return out
+
+
+def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    if not archs and hf.get("model_type") in by_type:
+        return by_type[hf["model_type"]]
+    named = archs or [hf.get("model_type")]
+    raise UnsupportedModelError(
+        f"{source}: unsupported architecture {', '.join(map(str, named))}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _hf_rope(hf: Mapping[str, Any], source: str) -> RopeConfig:
+    """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4)."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope = RopeConfig(theta=float(params.get("rope_theta", 10000.0)), type=rope_type)
+    if rope_type == "linear":
+        rope = dataclasses.replace(rope, factor=float(params["factor"]))
+    elif rope_type == "llama3":
+        rope = dataclasses.replace(
+            rope,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    if hf.get("rope_freq_factors") is not None:
+        rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in hf["rope_freq_factors"]))
+    return rope

@@ -1,0 +1,51 @@
+"""Converted checkpoints with orbax: save a params pytree once, restore it fast.
+
+A converted checkpoint folder holds `params/` (an orbax PyTree checkpoint),
+`config.json` (the ModelConfig in HF transformers-5 form), the tokenizer files and a
+marker file, so it loads without re-parsing (or dequantizing) the original weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.params import ModelParams, abstract_params
+
+PARAMS_DIR = "params"
+MARKER = "jaxllm_checkpoint.json"
+
+
+def is_converted_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def save_checkpoint(folder: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer, source: str = "") -> Path:
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder).absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(folder / PARAMS_DIR, params, force=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    dtype = str(jax.tree.leaves(params)[0].dtype)
+    (folder / MARKER).write_text(json.dumps({"source": source, "dtype": dtype}))
+    return folder
+
+
+def restore_params(folder: str | Path, cfg: ModelConfig, dtype) -> ModelParams:
+    """Restore into the structure `cfg` implies, cast to the compute dtype."""
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder).absolute()
+    stored = json.loads((folder / MARKER).read_text())["dtype"]
+    target = abstract_params(cfg, jnp.dtype(stored))
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(folder / PARAMS_DIR, target)
+    return jax.tree.map(lambda a: a.astype(dtype), params)

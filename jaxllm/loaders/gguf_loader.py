@@ -1,0 +1,156 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` library.
+
+Quantized tensors are dequantized to the compute dtype; llama.cpp's interleaved row
+order of attn_q / attn_k (its converter permutes them for its RoPE kernel) is undone so
+the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special
+tokens) and chat template come from the file's metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.loaders.weights import CheckpointError, build_params
+from jaxllm.models.params import ModelParams
+
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+_LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N."
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(hf_name)
+    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf `permute` of q/k projection rows."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """An open GGUF file: decoded metadata and dequantizing tensor access."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: GGUF file not found")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # unknown tensor type ids and truncation surface here
+            raise CheckpointError(f"{self.path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
+        self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._check_tensor_types()
+
+    def _check_tensor_types(self) -> None:
+        for t in self._reader.tensors:
+            if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which jaxllm "
+                    f"cannot dequantize; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                )
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        """float32 array in PyTorch/HF orientation ([out, in] for matrices)."""
+        import gguf
+
+        t = self._tensors.get(name)
+        if t is None:
+            return None
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+
+    def model_config(self) -> ModelConfig:
+        cfg = ModelConfig.from_gguf_metadata(self.metadata, source=str(self.path))
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=not self.has_tensor("output.weight"))
+        rope_freqs = self.tensor("rope_freqs.weight")  # Llama 3.1+ frequency scaling
+        if rope_freqs is not None:
+            factors = tuple(float(f) for f in rope_freqs.reshape(-1))
+            cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, freq_factors=factors))
+        return cfg
+
+    def tokenizer(self):
+        """A transformers PreTrainedTokenizerFast built from the GGUF metadata."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        meta = self.metadata
+        if "tokenizer.ggml.tokens" not in meta:
+            raise CheckpointError(f"{self.path}: GGUF file holds no tokenizer")
+        fields = {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+            if f"tokenizer.{key}" in meta
+        }
+        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], fields)
+        tokens = meta["tokenizer.ggml.tokens"]
+
+        def token(key: str) -> str | None:
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[token_id] if token_id is not None else None
+
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            bos_token=token("bos_token_id"),
+            eos_token=token("eos_token_id"),
+            unk_token=token("unknown_token_id"),
+            pad_token=token("padding_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+
+def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype) -> ModelParams:
+    permute_rope = cfg.model_type in ("llama", "mistral")
+
+    def source(hf_name: str) -> np.ndarray | None:
+        w = gguf_file.tensor(gguf_tensor_name(hf_name))
+        if w is not None and permute_rope:
+            if hf_name.endswith("q_proj.weight"):
+                w = unpermute_rope_rows(w, cfg.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        return w
+
+    return build_params(cfg, source, dtype, str(gguf_file.path))
+

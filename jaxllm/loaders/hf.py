@@ -1,0 +1,96 @@
+"""HF model folders: config.json + safetensors (single file or sharded) + tokenizer."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from jaxllm.config import ModelConfig
+from jaxllm.loaders.weights import CheckpointError, build_params, params_to_hf_tensors
+from jaxllm.models.params import ModelParams
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the file that holds it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = {name: folder / fname for name, fname in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard listed in {index} is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
+    return {}  # every name lives in the single file
+
+
+def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype) -> ModelParams:
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    with ExitStack() as stack:
+        handles = {}
+
+        def handle(path: Path):
+            if path not in handles:
+                try:
+                    handles[path] = stack.enter_context(safe_open(str(path), framework="np"))
+                except Exception as e:  # safetensors raises its own error types
+                    raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+            return handles[path]
+
+        def source(name: str):
+            path = files.get(name) if files else folder / SINGLE_FILE
+            if path is None:
+                return None
+            f = handle(path)
+            if name not in f.keys():
+                return None
+            try:
+                return f.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
+        where = str(folder / (INDEX_FILE if files else SINGLE_FILE))
+        return build_params(cfg, source, dtype, where)
+
+
+def load_hf_tokenizer(folder: str | Path, chat_template: str | None = None):
+    """The folder's tokenizer (tokenizer.json); the chat template comes from
+    chat_template.jinja (transformers 5) or tokenizer_config.json (transformers 4)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no tokenizer.json in the model folder")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def save_hf_folder(folder: str | Path, cfg: ModelConfig, params: ModelParams, tokenizer=None) -> Path:
+    """Write params as an HF folder (float32 safetensors + config.json [+ tokenizer]).
+
+    Used to check a GGUF load against HF transformers on the same dequantized weights.
+    """
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = cfg.to_hf_config() | {"dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(params_to_hf_tensors(cfg, params), str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    return folder

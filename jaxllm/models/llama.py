@@ -1,0 +1,138 @@
+"""The forward pass of the Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV
+cache: one function for any step, a flat ragged batch of prefill chunks and decodes.
+
+Pure functions over ModelParams; the differences between the architectures are flags
+on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxllm.attention.kv_cache import KVCache, write_kv_cache
+from jaxllm.attention.metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.models.params import LayerParams, ModelParams
+from jaxllm.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class AttentionFn(Protocol):
+    def __call__(
+        self,
+        q: Float[Array, "T H hd"],
+        k_cache: Float[Array, "N B Hkv hd"],
+        v_cache: Float[Array, "N B Hkv hd"],
+        md: AttentionMetadata,
+        *,
+        sm_scale: float,
+        sliding_window: int | None,
+    ) -> Float[Array, "T H hd"]: ...
+
+
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def attention_block(
+    lp: LayerParams,
+    x: Float[Array, "T D"],
+    cos: Float[Array, "T hd"],
+    sin: Float[Array, "T hd"],
+    cache: KVCache,
+    md: AttentionMetadata,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[Float[Array, "T D"], KVCache]:
+    """Self-attention sublayer (pre-norm, residual added): writes this step's K/V into
+    the cache, then attends through the block tables."""
+    t = x.shape[0]
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = h @ lp.wqkv
+    if lp.bqkv is not None:
+        qkv = qkv + lp.bqkv
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if lp.q_norm is not None:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache = write_kv_cache(cache, k, v, md.slot_mapping)
+    o = attention_fn(
+        q, cache.k, cache.v, md, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window
+    )
+    return x + o.reshape(t, cfg.q_size) @ lp.wo, cache
+
+
+def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig) -> Float[Array, "T D"]:
+    """SwiGLU feed-forward sublayer (pre-norm, residual added)."""
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ lp.w_down
+
+
+def compute_logits(
+    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig
+) -> Float[Array, "S V"]:
+    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head is None:
+        return jnp.einsum("sd,vd->sv", h, params.embed, preferred_element_type=jnp.float32)
+    return jnp.dot(h, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward_hidden(
+    params: ModelParams,
+    kv_caches: tuple[KVCache, ...],
+    input_ids: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    md: AttentionMetadata,
+    *,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
+    """Hidden states of every token (before the final norm), and the updated caches."""
+    x = params.embed[input_ids]
+    inv_freq = jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim))
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    new_caches = []
+    for lp, cache in zip(params.layers, kv_caches, strict=True):
+        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn)
+        x = mlp_block(lp, x, cfg)
+        new_caches.append(cache)
+    return x, tuple(new_caches)
+
+
+def forward(
+    params: ModelParams,
+    kv_caches: tuple[KVCache, ...],
+    input_ids: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    md: AttentionMetadata,
+    logits_indices: Int[Array, "S"],
+    *,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[Float[Array, "S V"], tuple[KVCache, ...]]:
+    """float32 logits of the rows in `logits_indices` only, and the updated caches."""
+    hidden, kv_caches = forward_hidden(
+        params, kv_caches, input_ids, positions, md, cfg=cfg, attention_fn=attention_fn
+    )
+    return compute_logits(params, hidden[logits_indices], cfg), kv_caches
+
+
+def make_forward(cfg: ModelConfig, attention_fn: AttentionFn) -> Callable:
+    """`forward` jitted for one model and backend, with the KV caches donated."""
+
+    def fn(params, kv_caches, input_ids, positions, md, logits_indices):
+        return forward(
+            params, kv_caches, input_ids, positions, md, logits_indices, cfg=cfg, attention_fn=attention_fn
+        )
+
+    return jax.jit(fn, donate_argnums=(1,))

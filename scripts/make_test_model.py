@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""Write tiny random-weight HF model folders, one per supported architecture.
+
+Each folder holds config.json, model.safetensors (or shards + index),
+tokenizer.json (a byte-level BPE trained here on a small built-in corpus) and a ChatML
+chat template, in the transformers 4 form (template in tokenizer_config.json,
+rope_theta/rope_scaling, torch_dtype) or the transformers 5 form (chat_template.jinja,
+rope_parameters, dtype). Uses numpy + safetensors + tokenizers only.
+
+    python scripts/make_test_model.py OUT_DIR [--arch llama,qwen2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache keeps keys and values
+in fixed-size blocks; each sequence has a block table. Continuous batching schedules tokens
+every step under a budget, mixing prefill chunks with decodes. The capital of France is Paris;
+the capital of Italy is Rome; the capital of Japan is Tokyo. One, two, three, four, five, six,
+seven, eight, nine, ten. 0123456789 + - * / = ( ) [ ] { } < > ! ? , . ; : ' " # $ % & @
+Hello world! How are you today? I am fine, thank you. Über naïve café — 日本語 テキスト 😀 ñ ü é.
+def forward(params, x): return x @ params["w"]  # code, too
+"""
+
+# name -> (config.json form, architecture, extra config fields)
+ARCHITECTURES = {
+    # Llama with Llama-3 RoPE scaling and tied embeddings (as SmolLM2), transformers 4 form.
+    "llama": dict(
+        form=4, arch="LlamaForCausalLM", model_type="llama", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        extra={"tie_word_embeddings": True, "rope_theta": 10000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    ),
+    # Mistral with a short sliding window, so the tests cross it; transformers 5 form.
+    "mistral": dict(
+        form=5, arch="MistralForCausalLM", model_type="mistral", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        extra={"sliding_window": 24, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
+    # Qwen2: q/k/v biases, untied; sharded safetensors; transformers 4 form.
+    "qwen2": dict(
+        form=4, arch="Qwen2ForCausalLM", model_type="qwen2", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        extra={"rope_theta": 1000000.0, "use_sliding_window": False}, shards=2,
+    ),
+    # Qwen3: q/k RMSNorm, head_dim independent of hidden size, GQA 4; transformers 5 form.
+    "qwen3": dict(
+        form=5, arch="Qwen3ForCausalLM", model_type="qwen3", hidden=96, heads=4, kv_heads=1, head_dim=32,
+        extra={"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "use_sliding_window": False},
+    ),
+}
+
+
+def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: np.random.Generator) -> dict:
+    d, hd = spec["hidden"], spec["head_dim"]
+    q, kv = spec["heads"] * hd, spec["kv_heads"] * hd
+
+    def mat(out_dim: int, in_dim: int) -> np.ndarray:
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # Small embeddings keep the layers' contribution dominant (no "repeat the input token"
+    # attractor); a tied head is scaled up in the final norm so logits stay well separated.
+    tied = bool(spec["extra"].get("tie_word_embeddings"))
+    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((vocab, d))).astype(np.float32),
+         "model.norm.weight": norm(d) * (5.0 if tied else 1.0)}
+    if not tied:
+        w["lm_head.weight"] = (0.5 * rng.standard_normal((vocab, d))).astype(np.float32)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(d)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+        w[p + "self_attn.q_proj.weight"] = mat(q, d)
+        w[p + "self_attn.k_proj.weight"] = mat(kv, d)
+        w[p + "self_attn.v_proj.weight"] = mat(kv, d)
+        w[p + "self_attn.o_proj.weight"] = mat(d, q)
+        w[p + "mlp.gate_proj.weight"] = mat(intermediate, d)
+        w[p + "mlp.up_proj.weight"] = mat(intermediate, d)
+        w[p + "mlp.down_proj.weight"] = mat(d, intermediate)
+        if spec["model_type"] == "qwen2":
+            for n, size in (("q", q), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+        if spec["model_type"] == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
+    return w
+
+
+def save_weights(folder: Path, weights: dict, shards: int) -> None:
+    if shards <= 1:
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(weights)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[s::shards]}
+        save_file(part, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(a.nbytes for a in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_model(out: Path, name: str, seed: int = 0, layers: int = 2, intermediate: int = 256,
+                max_position_embeddings: int = 1024) -> Path:
+    spec = ARCHITECTURES[name]
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    vocab = tok.get_vocab_size()
+    eos = tok.token_to_id("<|im_end|>")
+    config = {
+        "architectures": [spec["arch"]],
+        "model_type": spec["model_type"],
+        "vocab_size": vocab,
+        "hidden_size": spec["hidden"],
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": spec["heads"],
+        "num_key_value_heads": spec["kv_heads"],
+        "head_dim": spec["head_dim"],
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "eos_token_id": eos,
+        "tie_word_embeddings": False,
+        ("torch_dtype" if spec["form"] == 4 else "dtype"): "float32",
+    } | spec["extra"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    save_weights(folder, random_weights(spec, vocab, intermediate, layers, rng), spec.get("shards", 1))
+
+    tok.save(str(folder / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+    }
+    if spec["form"] == 4:
+        tok_config["chat_template"] = CHAT_TEMPLATE
+    else:
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    )
+    return folder
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf row permutation of q/k projections."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Path:
+    """Convert one of the test HF folders to GGUF the way llama.cpp's converter does:
+    llama.cpp names, q/k rows permuted for llama, Llama-3 scaling as `rope_freqs`,
+    the tokenizer and chat template as metadata. 2-D weights are stored as
+    `tensor_type` (any type gguf.quants can quantize); norms and biases stay F32."""
+    import gguf
+
+    from jaxllm.loaders.gguf_loader import gguf_tensor_name
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg["model_type"]]
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    rope = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1e4))
+    w.add_rope_freq_base(rope["rope_theta"])
+
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    tensors = _hf_tensors(hf_folder)
+    if rope.get("rope_type") == "llama3":
+        from jaxllm.config import ModelConfig
+        from jaxllm.models.rope import inverse_frequencies
+
+        mc = ModelConfig.from_hf_config(cfg)
+        base = inverse_frequencies(dataclasses.replace(mc.rope, type="default"), mc.head_dim)
+        w.add_tensor("rope_freqs.weight", (base / inverse_frequencies(mc.rope, mc.head_dim)).astype(np.float32))
+    for name, array in tensors.items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, cfg["num_attention_heads"])
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, cfg["num_key_value_heads"])
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_tensor_name(name), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", default=",".join(ARCHITECTURES), help="comma-separated subset")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    for name in args.arch.split(","):
+        print(write_model(args.out, name, seed=args.seed, layers=args.layers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+make_test_model = _load_script("make_test_model")
+ARCHITECTURES = list(make_test_model.ARCHITECTURES)
+
+
+@pytest.fixture(scope="session")
+def test_models_dir(tmp_path_factory) -> Path:
+    """Tiny random-weight HF folders, one per architecture, built once per session."""
+    out = tmp_path_factory.mktemp("test_models")
+    for name in ARCHITECTURES:
+        make_test_model.write_model(out, name)
+    return out

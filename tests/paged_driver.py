@@ -1,0 +1,104 @@
+"""Drive the model forward over the paged KV cache by hand, the way the model runner
+does, for tests: sequences with shuffled, non-contiguous block tables; steps that mix
+prefill chunks and decodes; padding tokens and padding sequences in every step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.attention import AttentionMetadata, allocate_kv_caches
+from jaxllm.attention.xla import paged_attention
+from jaxllm.config import ModelConfig
+from jaxllm.models import make_forward
+
+
+@dataclasses.dataclass
+class Sequence:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int = 0
+
+
+class PagedDriver:
+    """Owns a paged KV cache; hands out blocks in a shuffled order (block 0 is the
+    null block that padding writes into)."""
+
+    def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
+                 max_blocks_per_seq: int = 16, attention_fn=paged_attention, seed: int = 0):
+        self.cfg, self.params, self.block_size = cfg, params, block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        dtype = params.embed.dtype
+        self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+        self.forward = make_forward(cfg, attention_fn)
+
+    def new_sequence(self, token_ids: list[int]) -> Sequence:
+        return Sequence(list(token_ids), [])
+
+    def step(self, work: list[tuple[Sequence, int]], pad_tokens: int = 3, pad_seqs: int = 1,
+             all_logits: bool = False) -> list[np.ndarray]:
+        """Run one ragged step: for each (sequence, n), its next n tokens. Returns, per
+        sequence, the logits of its last token ([V]) or of all n tokens ([n, V])."""
+        ids, pos, slots, qsl, seq_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        for seq, n in work:
+            start = seq.num_computed
+            while len(seq.block_ids) * self.block_size < start + n:
+                seq.block_ids.append(int(self.free_blocks.pop()))
+            p = np.arange(start, start + n)
+            ids += seq.token_ids[start:start + n]
+            pos += list(p)
+            slots += [seq.block_ids[i // self.block_size] * self.block_size + i % self.block_size for i in p]
+            rows = range(qsl[-1], qsl[-1] + n)
+            logit_rows += list(rows) if all_logits else [rows[-1]]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_ids + [0] * (self.max_blocks_per_seq - len(seq.block_ids)))
+            seq.num_computed += n
+        # padding: tokens write into the null block, sequences have no tokens
+        ids += [0] * pad_tokens
+        pos += [0] * pad_tokens
+        slots += [i % self.block_size for i in range(pad_tokens)]
+        for _ in range(pad_seqs):
+            qsl.append(qsl[-1])
+            seq_lens.append(0)
+            tables.append([0] * self.max_blocks_per_seq)
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(slots, jnp.int32),
+            block_tables=jnp.asarray(tables, jnp.int32),
+            seq_lens=jnp.asarray(seq_lens, jnp.int32),
+            query_start_loc=jnp.asarray(qsl, jnp.int32),
+            num_seqs=jnp.asarray(len(work), jnp.int32),
+        )
+        logits, self.caches = self.forward(
+            self.params, self.caches, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), md,
+            jnp.asarray(logit_rows, jnp.int32),
+        )
+        logits = np.asarray(logits)
+        out, row = [], 0
+        for _, n in work:
+            k = n if all_logits else 1
+            out.append(logits[row:row + k] if all_logits else logits[row])
+            row += k
+        return out
+
+    def prompt_logits(self, token_ids: list[int], chunks: list[int]) -> np.ndarray:
+        """Logits of every prompt position, computing the prompt in the given chunks."""
+        assert sum(chunks) == len(token_ids)
+        seq = self.new_sequence(token_ids)
+        return np.concatenate([self.step([(seq, n)], all_logits=True)[0] for n in chunks])
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, chunk: int | None = None) -> list[int]:
+        seq = self.new_sequence(prompt)
+        chunk = chunk or len(prompt)
+        while seq.num_computed < len(prompt):
+            n = min(chunk, len(prompt) - seq.num_computed)
+            logits = self.step([(seq, n)])[0]
+        out = []
+        for _ in range(max_new_tokens):
+            out.append(int(np.argmax(logits)))
+            seq.token_ids.append(out[-1])
+            logits = self.step([(seq, 1)])[0]
+        return out
