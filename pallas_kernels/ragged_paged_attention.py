@@ -57,14 +57,19 @@ def _is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 
 
-def default_block_q(num_q_heads: int, num_kv_heads: int, num_tokens: int) -> int:
-    """Query tokens per tile: aim for a 64-row query block, never below 16 rows.
+def default_block_q(num_q_heads: int, num_kv_heads: int, num_tokens: int,
+                    max_num_seqs: int | None = None) -> int:
+    """Query tokens per tile.
 
-    Rows are ``block_q * next_pow2(G)``. A tile larger than the whole batch buys
-    nothing, so ``block_q`` is also capped at ``next_pow2(num_tokens)``.
+    Rows of the query block are ``block_q * next_pow2(G)``. Aim for 64 rows (good MMA
+    shapes for prefill), but 16 rows -- the MMA minimum -- when the bucket has no
+    more tokens than sequences (``T <= S``: decode-dominated, where extra rows would
+    be padding and only waste issue slots). Never larger than the batch itself.
     """
     g_pad = _next_pow2(num_q_heads // num_kv_heads)
-    bq = max(1, 64 // g_pad)
+    decode_bucket = max_num_seqs is not None and num_tokens <= max_num_seqs
+    target_rows = MIN_MMA if decode_bucket else 64
+    bq = max(1, target_rows // g_pad)
     bq = min(bq, _next_pow2(num_tokens))
     while bq * g_pad < MIN_MMA:
         bq *= 2
@@ -339,7 +344,7 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     group = Hq // Hkv
     if block_q is None:
-        block_q = default_block_q(Hq, Hkv, T)
+        block_q = default_block_q(Hq, Hkv, T, S)
     if block_kv is None:
         block_kv = default_block_kv(BS, D)
     m_rows = block_q * _next_pow2(group)
