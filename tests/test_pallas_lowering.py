@@ -66,6 +66,9 @@ def test_engine_configs_lower_for_cuda(cfg, triton_modules):
         assert len(dots) == 2, "expected the QK^T and PV dots"
         for dims in dots:
             assert all(int(x) >= 16 for x in dims), dims
+        if cfg.dtype == "float32":  # float32 must not silently run as TF32
+            dot_lines = [ln for ln in module.splitlines() if "tt.dot" in ln]
+            assert not any("tf32" in ln for ln in dot_lines), dot_lines
 
 
 SMALL = AttentionConfig("small", 8, 2, 64, num_blocks=64, max_model_len=256)
