@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import (
     ragged_paged_attention,
@@ -183,6 +185,28 @@ def test_work_items():
     assert list(np.asarray(seq[:n])) == [0, 2, 2, 2, 3]
     assert list(np.asarray(tile[:n])) == [0, 0, 1, 2, 0]
     assert (np.asarray(seq[n:]) == -1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(0, 9), min_size=6, max_size=6),
+    num_seqs=st.integers(0, 6),
+    block_q=st.sampled_from([1, 2, 4, 8]),
+)
+def test_work_items_cover_every_token_once(q_lens, num_seqs, block_q):
+    """Property: the listed tiles cover each real query row exactly once, in order."""
+    T = 6 * 9
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq, tile = (np.asarray(a) for a in ragged_work_items(
+        jnp.asarray(qsl), jnp.int32(num_seqs), num_tokens=T, block_q=block_q))
+    covered = []
+    for s_, t_ in zip(seq, tile):
+        if s_ < 0:
+            continue
+        start = qsl[s_] + t_ * block_q
+        covered.extend(range(start, min(start + block_q, qsl[s_ + 1])))
+    assert covered == list(range(int(qsl[num_seqs])))
+    assert (seq[: (seq >= 0).sum()] >= 0).all()  # real items first, padding after
 
 
 @pytest.mark.parametrize("num_tokens,num_seqs,block_q", [(7, 3, 4), (16, 16, 8), (33, 2, 16)])
