@@ -52,7 +52,8 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of usable blocks held by requests, in [0, 1]."""
-        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+        num_usable = self.num_blocks - 1
+        return (num_usable - self.free_block_queue.num_free_blocks) / num_usable
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding the content with ``block_hash``, or None on a miss."""

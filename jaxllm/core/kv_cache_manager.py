@@ -1,0 +1,331 @@
+"""KVCacheManager: the scheduler's interface to the paged KV cache.
+
+The scheduler drives it in this order (the same as vLLM v1):
+
+1. At admission, :meth:`KVCacheManager.check_fits` rejects a request that could never
+   fit, even alone in the pool.
+2. When a request that holds no blocks (new, or preempted) is scheduled:
+   :meth:`~KVCacheManager.get_computed_blocks` finds its longest cached prefix, and
+   right after it (no other allocation in between, or the hit blocks may be evicted)
+   :meth:`~KVCacheManager.allocate_slots` takes the hit blocks and allocates blocks for
+   the tokens to compute this step. ``None`` means the pool cannot satisfy the
+   allocation right now; nothing changed, and the scheduler may preempt and retry.
+3. A running request gets :meth:`~KVCacheManager.allocate_slots` each step for its new
+   tokens (a prefill chunk or one decode token).
+4. After the step computed the KV, :meth:`~KVCacheManager.cache_blocks` enters the
+   newly filled blocks into the prefix cache.
+5. A finished, aborted or preempted request gets :meth:`~KVCacheManager.free`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxllm.core.block_pool import BlockPool
+from jaxllm.core.kv_cache_utils import BlockHash, KVCacheBlock, encode_extra_keys, hash_block_tokens
+from jaxllm.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups since the manager was created.
+
+    Attributes:
+        requests: calls of ``get_computed_blocks`` with prefix caching on.
+        queries: tokens of those requests looked up (``request.num_tokens`` each).
+        hits: tokens served from the cache.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens that hit (0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps requests to KV cache blocks, with optional prefix caching.
+
+    Attributes:
+        block_size: tokens per block.
+        enable_caching: whether prefix caching is on. When off, no block hash is
+            ever computed and every lookup misses.
+        block_pool: the blocks, free queue and prefix-cache map.
+        req_to_blocks: request id -> the request's blocks, in token order (its block
+            table). A request is present from its first successful allocation until
+            it is freed.
+        num_cached_blocks: request id -> how many leading blocks of the request were
+            already handed to the prefix cache (so each block is considered once).
+        prefix_cache_stats: lookup counters, in tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        """
+        Args:
+            num_blocks: blocks in the device KV cache, including the null block 0.
+            block_size: tokens per block.
+            enable_caching: turn prefix caching on.
+        """
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ---- usage ------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, including the null block."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold request tokens (all but the null block)."""
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (free cached blocks included)."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one request."""
+        return self.block_pool.num_usable_blocks - self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage: fraction of usable blocks held by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def check_fits(self, request: Request, num_tokens: int | None = None) -> None:
+        """Admission check: raise ValueError if the request can never be scheduled
+        because it alone needs more blocks than the pool has.
+
+        Args:
+            request: the request being admitted.
+            num_tokens: the most tokens whose KV the request will ever hold; defaults
+                to ``request.num_tokens``. A generation request should pass
+                ``num_prompt_tokens + max_tokens - 1`` (the last sampled token is
+                never fed back, so its KV is never written).
+        """
+        if num_tokens is None:
+            num_tokens = request.num_tokens
+        needed = self.num_blocks_for(num_tokens)
+        usable = self.num_usable_blocks
+        if needed > usable:
+            raise ValueError(
+                f"request {request.request_id!r} needs {needed} KV cache blocks for "
+                f"{num_tokens} tokens (block_size={self.block_size}), but the pool has "
+                f"only {usable} usable blocks ({usable * self.block_size} tokens); it "
+                "could never be scheduled. Shorten the prompt or max_tokens, or give "
+                "the KV cache more memory."
+            )
+
+    # ---- scheduling ---------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request that holds no blocks.
+
+        The lookup never covers the request's last token, whose logits must be
+        computed. It has no side effects besides counting the lookup in
+        :attr:`prefix_cache_stats` and filling ``request.block_hashes``; pass the
+        result to :meth:`allocate_slots` right away.
+
+        Returns:
+            The hit blocks (block ``i`` of the request for ``i`` in order) and the
+            number of tokens they hold. ``([], 0)`` with prefix caching off.
+        """
+        if not self.enable_caching:
+            return [], 0
+        if request.request_id in self.req_to_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} already holds KV cache blocks; "
+                "look up the prefix cache only before its first allocation"
+            )
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        block_hashes = self._update_block_hashes(request, max_hit_blocks)
+        cached = self.block_pool.cached_block_hash_to_block
+        hits: list[KVCacheBlock] = []
+        for i in range(max_hit_blocks):
+            block = cached.get(block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for the tokens the request computes this step.
+
+        After the call the request holds blocks for ``request.num_computed_tokens +
+        num_new_computed_tokens + num_new_tokens`` tokens.
+
+        Args:
+            request: the request; ``request.num_computed_tokens`` counts the tokens
+                computed in earlier steps only (not this step's, not the hits).
+            num_new_tokens: tokens to compute this step (at least 1).
+            num_new_computed_tokens: tokens served by ``new_computed_blocks``.
+            new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`
+                (only for a request that holds no blocks yet).
+
+        Returns:
+            The newly allocated blocks (empty if the held blocks already have room),
+            in order; they follow any hit blocks in the request's block table. None
+            if the pool cannot provide them; then nothing changed. On the first
+            successful allocation ``request.num_cached_tokens`` is set to
+            ``num_new_computed_tokens``.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        num_held = len(blocks) if blocks is not None else 0
+        pool = self.block_pool
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total_tokens // self.block_size)
+
+        if new_computed_blocks:
+            self._check_computed_blocks(request, num_held, num_new_computed_tokens, new_computed_blocks)
+            num_new_blocks = num_required - len(new_computed_blocks)
+            # Hits on free blocks take those blocks out of the free queue too.
+            num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            if num_new_blocks + num_free_hits > pool.free_block_queue.num_free_blocks:
+                return None
+            pool.touch(new_computed_blocks)
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            self.req_to_blocks[request_id] = new_computed_blocks + new_blocks
+            self.num_cached_blocks[request_id] = len(new_computed_blocks)
+        else:
+            if num_new_computed_tokens:
+                raise ValueError("num_new_computed_tokens given without new_computed_blocks")
+            num_new_blocks = num_required - num_held
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+            if blocks is None:
+                self.req_to_blocks[request_id] = new_blocks
+            else:
+                blocks.extend(new_blocks)
+
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_new_computed_tokens
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full within its first
+        ``num_computed_tokens`` tokens into the prefix cache.
+
+        Call it once their KV has been written (after the step). Blocks already
+        handled are skipped, so calling it every step costs O(1) when no block filled.
+        No-op with prefix caching off.
+        """
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_full_blocks = num_computed_tokens // self.block_size
+        num_cached_blocks = self.num_cached_blocks.get(request_id, 0)
+        if num_full_blocks <= num_cached_blocks:
+            return
+        blocks = self.req_to_blocks[request_id]
+        if num_full_blocks > len(blocks):
+            raise ValueError(
+                f"request {request_id!r}: cannot cache {num_full_blocks} full blocks, it holds {len(blocks)}"
+            )
+        block_hashes = self._update_block_hashes(request, num_full_blocks)
+        self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
+        self.num_cached_blocks[request_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (no-op if it holds none).
+
+        Blocks are released last to first, so when they become free the request's
+        tail is evicted before its prefix, which other requests are likelier to share.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks in token order (empty if it holds none); do not mutate."""
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table: its block ids in token order."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached content; only possible when no request holds blocks.
+        Returns whether it happened."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _check_computed_blocks(
+        self,
+        request: Request,
+        num_held: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: list[KVCacheBlock],
+    ) -> None:
+        """Reject prefix-cache hits that do not fit the request or went stale
+        (evicted or reused since :meth:`get_computed_blocks`)."""
+        request_id = request.request_id
+        if num_held or request.num_computed_tokens:
+            raise ValueError(f"request {request_id!r}: prefix-cache hits are only valid before its first allocation")
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(
+                f"request {request_id!r}: num_new_computed_tokens={num_new_computed_tokens} but "
+                f"{len(new_computed_blocks)} hit blocks of {self.block_size} tokens"
+            )
+        block_hashes = request.block_hashes
+        for i, block in enumerate(new_computed_blocks):
+            if block.block_hash is None or i >= len(block_hashes) or block.block_hash != block_hashes[i]:
+                raise ValueError(
+                    f"request {request_id!r}: prefix-cache hit block {block.block_id} was evicted or reused "
+                    "since get_computed_blocks; call allocate_slots right after it"
+                )
+
+    def _update_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Extend ``request.block_hashes`` to cover at least ``num_blocks`` full blocks
+        and return it."""
+        block_hashes = request.block_hashes
+        start = len(block_hashes)
+        if start >= num_blocks:
+            return block_hashes
+        block_size = self.block_size
+        if num_blocks * block_size > request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                f"fewer than {num_blocks} full blocks"
+            )
+        extra_keys = encode_extra_keys(request.lora_id, request.cache_salt)
+        parent = block_hashes[-1] if block_hashes else None
+        for i in range(start, num_blocks):
+            parent = hash_block_tokens(
+                parent, request.get_token_ids(i * block_size, (i + 1) * block_size), extra_keys
+            )
+            block_hashes.append(parent)
+        return block_hashes
