@@ -135,6 +135,21 @@ def test_kernel_matches_reference(case):
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0)
 
 
+FULL_GRID = [
+    (g, d, bs, dt, kind, None)
+    for g in (1, 2, 4, 8) for d in (64, 128) for bs in (16, 32)
+    for dt in (jnp.float32, jnp.bfloat16) for kind in ("decode", "prefill", "mixed")
+    if (g, d, bs, dt, kind, None) not in CASES
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL_GRID, ids=_id)
+def test_kernel_matches_reference_full_grid(case):
+    """The full product of the pairwise grid above (~3-4 min in interpret mode)."""
+    test_kernel_matches_reference(case)
+
+
 @pytest.mark.parametrize(
     "sliding_window,soft_cap,dtype",
     [(20, None, jnp.float32), (None, 5.0, jnp.float32), (33, 2.0, jnp.bfloat16)],
