@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention import AttentionMetadata, allocate_kv_caches
-from jaxllm.attention.xla import paged_attention
+from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
 from jaxllm.models import make_forward
 
@@ -27,7 +27,7 @@ class PagedDriver:
     null block that padding writes into)."""
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
-                 max_blocks_per_seq: int = 16, attention_fn=paged_attention, seed: int = 0):
+                 max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0):
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         dtype = params.embed.dtype

@@ -21,12 +21,17 @@ from jaxllm.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
 class AttentionFn(Protocol):
+    """See jaxllm.attention.backends."""
+
     def __call__(
         self,
         q: Float[Array, "T H hd"],
         k_cache: Float[Array, "N B Hkv hd"],
         v_cache: Float[Array, "N B Hkv hd"],
-        md: AttentionMetadata,
+        kv_lens: Int[Array, "S"],
+        block_tables: Int[Array, "S MB"],
+        query_start_loc: Int[Array, "S1"],
+        num_seqs: Int[Array, ""],
         *,
         sm_scale: float,
         sliding_window: int | None,
@@ -66,7 +71,8 @@ def attention_block(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv_cache(cache, k, v, md.slot_mapping)
     o = attention_fn(
-        q, cache.k, cache.v, md, sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window
+        q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+        sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
     )
     return x + o.reshape(t, cfg.q_size) @ lp.wo, cache
 
