@@ -60,9 +60,12 @@ def ragged_paged_attention_reference(
     qsl = query_start_loc.astype(jnp.int32)
 
     # Which sequence each query row belongs to: the first s with qsl[s+1] > t
-    # (empty sequences have qsl[s+1] == qsl[s] and are skipped naturally).
+    # (empty sequences have qsl[s+1] == qsl[s] and are skipped naturally). Only the
+    # first num_seqs entries count, so qsl may hold anything past num_seqs.
     tok = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.sum(qsl[1 : S + 1][None, :] <= tok[:, None], axis=1).astype(jnp.int32)
+    real = jnp.arange(S, dtype=jnp.int32) < n
+    seq = jnp.sum((qsl[1 : S + 1][None, :] <= tok[:, None]) & real[None, :], axis=1)
+    seq = seq.astype(jnp.int32)
     seq = jnp.minimum(seq, S - 1)
     row_valid = tok < qsl[n]
 

@@ -185,6 +185,15 @@ def test_default_tiles_scalar_num_seqs_and_all_padding():
     out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.125)[:n_rows],
                                atol=1e-5, rtol=0)
+    # query_start_loc zero-padded past num_seqs (instead of repeating the last value).
+    qsl0 = np.asarray(args[5]).copy()
+    n = int(np.asarray(args[6]))
+    qsl0[n + 1 :] = 0
+    args0 = (*args[:5], jnp.asarray(qsl0), args[6])
+    out0 = ragged_paged_attention(*args0, sm_scale=0.125, interpret=True)
+    want0 = ragged_paged_attention_reference(*args0, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out0)[:n_rows], np.asarray(out)[:n_rows], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(want0)[:n_rows], np.asarray(out)[:n_rows], atol=1e-5)
     # A fully padded step (engine warm-up shape): must run and not fault.
     empty = ragged_paged_attention(*args[:6], jnp.int32(0), sm_scale=0.125, interpret=True)
     assert empty.shape == args[0].shape
