@@ -148,7 +148,7 @@ def test_allocation_failure_has_no_side_effects():
 def test_decode_allocates_a_block_every_block_size_tokens_and_caches_outputs():
     manager = KVCacheManager(num_blocks=10, block_size=4)
     a = make_request("a", [1, 2, 3])
-    admit(manager, a)
+    _, _, first_blocks = admit(manager, a)
     compute(manager, a, 3)
     allocated = []
     for step in range(9):
@@ -157,6 +157,7 @@ def test_decode_allocates_a_block_every_block_size_tokens_and_caches_outputs():
         allocated.append(len(new_blocks))
         compute(manager, a, 1)
     assert allocated == [0, 1, 0, 0, 0, 1, 0, 0, 0]
+    assert [b.block_id for b in first_blocks] == [1]  # returned lists are not the block table
     assert a.num_computed_tokens == 12 and len(manager.get_blocks("a")) == 3
     assert len(a.block_hashes) == 3 and len(manager.block_pool.cached_block_hash_to_block) == 3
     # Preempt and resume: the request hits its own blocks, output tokens included.

@@ -225,7 +225,7 @@ class KVCacheManager:
                 return None
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             if blocks is None:
-                self.req_to_blocks[request_id] = new_blocks
+                self.req_to_blocks[request_id] = list(new_blocks)  # the caller owns new_blocks
             else:
                 blocks.extend(new_blocks)
 
