@@ -1,15 +1,21 @@
-"""The request record shared by the scheduler and the KV cache manager.
-
-Only what the KV cache manager needs lives here; the scheduler extends it with
-sampling parameters and status.
-"""
+"""The request record shared by the scheduler and the KV cache manager."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxllm.core.kv_cache_utils import BlockHash
+from jaxllm.engine.protocol import EngineCoreRequest, FinishReason
+from jaxllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; recomputes from scratch
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -41,6 +47,37 @@ class Request:
     cache_salt: str | None = None
     lora_id: int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # --- scheduling (the KV cache manager does not read these) ---
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    max_tokens: int = 16  # resolved: max_tokens, or what max_model_len leaves
+    seed: int = 0  # resolved: the user's seed, or one drawn by the engine
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            cache_salt=req.cache_salt,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            max_tokens=max_tokens,
+            seed=seed,
+            arrival_time=req.arrival_time,
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,63 @@
+"""What the scheduler decided for one step, as the model runner needs it.
+
+Requests the runner has not seen (new, or resumed after preemption) come with all
+their tokens and their whole block table; requests it already holds come as a diff
+(new blocks only). The runner keeps its own copy of each request's tokens and appends
+the tokens it samples, so decodes need no token ids here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt, then outputs so far (a resumed request recomputes them)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the last step: drop their state
+    preempted_req_ids: set[str]  # preempted this step: drop their state (they come back as new)
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (in the step's row order): the sampled token, or None for
+    a prefill chunk that does not finish its prompt; logprobs where requested (one row
+    for the sampled token; one row per prompt position scored this step)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int | None]
+    logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)

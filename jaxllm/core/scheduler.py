@@ -1,0 +1,236 @@
+"""The continuous-batching scheduler (vLLM v1 style: no prefill and decode phases).
+
+Every request has num_computed_tokens and a target (all its tokens); each step hands
+out tokens under a budget (max_num_batched_tokens) and a cap on running sequences
+(max_num_seqs): running requests first, in admission order, then waiting ones (FCFS).
+A long prompt is computed in chunks over several steps, mixed with decodes in the same
+ragged batch. When the KV cache cannot give a running request its slots, the most
+recently admitted running request is preempted: its blocks are freed and it goes back
+to the head of the waiting queue, to be recomputed later (its prefix may still hit
+the prefix cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the tail is preempted first
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never fit in the KV cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # The last sampled token is never fed back, so its KV is never written.
+        self.kv_cache_manager.check_fits(request, request.num_prompt_tokens + request.max_tokens - 1)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(self._output(request, [], None))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ----------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:  # the request itself was preempted (it was the tail)
+                break
+            cached_reqs.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+            self._advance(request, num_new, num_scheduled)
+            budget -= num_new
+            i += 1
+
+        # No admissions in a step that had to preempt: the pool is under pressure.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.sampling_params.prompt_logprobs is None:  # hits would skip scoring the prompt
+                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, num_hit_tokens, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    seed=request.seed,
+                    eos_token_id=request.eos_token_id,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            self._advance(request, num_new, num_scheduled)
+            budget -= num_new
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
+        """Slots for `request`, preempting from the tail of `running` until they fit.
+        None if `request` itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _advance(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
+        """Count this step's tokens as computed now (the step always runs before the
+        next schedule) and enter blocks they fill into the prefix cache, so a request
+        admitted later in this same step can already share them: the forward writes
+        every token's K/V before any attention reads the cache."""
+        num_scheduled[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.warning(
+            "preempted request %s (recompute; %d tokens; %d preemptions so far)",
+            request.request_id, request.num_tokens, self.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------- update
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, check stop conditions, free finished requests."""
+        outputs = []
+        for req_id, token in zip(result.req_ids, result.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            prompt_logprobs = result.prompt_logprobs.get(req_id)
+            if token is None:
+                if prompt_logprobs is not None:
+                    outputs.append(self._output(request, [], None, prompt_logprobs))
+                continue
+            request.append_output_token_ids(token)
+            finish, stop_reason = self._check_stop(request, token)
+            if finish is not None:
+                self.running.remove(request)
+                self._finish(request, finish, stop_reason)
+            outputs.append(self._output(request, [token], result.logprobs.get(req_id), prompt_logprobs))
+        return EngineCoreOutputs(outputs=outputs, stats=self.make_stats())
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return FinishReason.STOP, None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids, logprobs, prompt_logprobs=None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_blocks_used=kv.num_used_blocks,
+            num_tokens_held=sum(r.num_computed_tokens for r in self.running),
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,156 @@
+"""The engine core: one scheduler and one model runner, stepped together.
+
+It takes tokenized EngineCoreRequests and returns EngineCoreOutputs (token ids, not
+text); the frontends around it (offline LLMEngine, the server's async client) do the
+tokenizing and detokenizing. It sizes the KV cache from the memory budget, validates
+max_model_len against the model and the pool, and compiles every bucket at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
+from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.loaders import LoadedModel, load_model
+from jaxllm.platform import enable_compilation_cache
+from jaxllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """A chat template given inline, or as the path of a file holding one."""
+    if value is not None and "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    return value
+
+
+def kv_cache_bytes(kv_cache_memory: str | int | float | None) -> int:
+    """The KV cache budget in bytes: given in bytes, or a fraction of what the device
+    reports (GPUs), or vLLM's CPU default of 2 GiB on devices that report nothing."""
+    memory = parse_memory(kv_cache_memory)
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if memory is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES if limit is None else int(DEFAULT_DEVICE_MEMORY_FRACTION * (limit - stats.get("bytes_in_use", 0)))
+    if isinstance(memory, float) and memory <= 1:
+        if limit is None:
+            raise ValueError("kv_cache_memory: a fraction needs a device that reports its memory; give bytes (e.g. 4GiB)")
+        return int(memory * (limit - stats.get("bytes_in_use", 0)))
+    return int(memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    num_blocks: int  # including the null block
+    block_size: int
+    max_model_len: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+
+def plan_cache(config: EngineConfig, model: ModelConfig, itemsize: int) -> CacheLayout:
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's context length "
+            f"{model.max_position_embeddings}"
+        )
+    block_bytes = config.block_size * model.kv_bytes_per_token(itemsize)
+    num_blocks = kv_cache_bytes(config.kv_cache_memory) // block_bytes
+    layout = CacheLayout(num_blocks, config.block_size, max_model_len)
+    if layout.capacity_tokens < max_model_len:
+        raise ValueError(
+            f"max_model_len: {max_model_len} tokens do not fit in the KV cache "
+            f"({layout.capacity_tokens} tokens in {num_blocks - 1} blocks of {config.block_size}); "
+            "raise kv_cache_memory or lower max_model_len"
+        )
+    return layout
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
+                 progress: bool = True) -> None:
+        self.config = config
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.model = model or load_model(config.model, config.dtype, resolve_chat_template(config.chat_template))
+        cfg = self.model.config
+        itemsize = jax.tree.leaves(self.model.params)[0].dtype.itemsize
+        self.cache = plan_cache(config, cfg, itemsize)
+        self.max_model_len = self.cache.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            self.cache.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(
+            cfg,
+            self.model.params,
+            num_blocks=self.cache.num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            attention_backend=config.attention_backend,
+        )
+        self._rng = np.random.default_rng(config.seed)
+        self.warmup_seconds = self.runner.warm_up(progress) if warm_up else 0.0
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and queue; ValueError (naming the field) before anything is queued."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
+        params = req.sampling_params
+        params.validate_for_model(vocab)
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        self.scheduler.add_request(Request.from_engine_core_request(req, max_tokens, seed % 2**64))
+
+    def abort_requests(self, request_ids) -> EngineCoreOutputs:
+        return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute_model(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def describe(self) -> str:
+        c = self.cache
+        return (
+            f"KV cache: {c.num_blocks - 1} blocks of {c.block_size} tokens = {c.capacity_tokens} tokens; "
+            f"max_model_len={c.max_model_len}; {len(self.runner.buckets)} step shapes"
+        )
+

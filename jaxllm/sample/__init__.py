@@ -1,0 +1,1 @@
+"""On-device sampling: logits processors, sampling, logprobs, inside the jitted step."""

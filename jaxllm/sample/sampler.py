@@ -1,0 +1,121 @@
+"""The sampler: logits [S, V] -> one token per row, on device.
+
+Order as in vLLM: logit bias, penalties (presence / frequency over the output tokens,
+repetition over prompt and output tokens), greedy argmax, or temperature, top-k /
+top-p, min-p and a draw. The draw is an inverse-CDF lookup with one uniform per row
+from the request's seed and output index, so a seeded request draws the same tokens
+whatever it is batched with (and costs one cumsum instead of V Gumbel samples).
+Logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+_NEG_INF = float("-inf")
+
+
+def apply_logit_bias(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, md.bias_token_ids].add(md.bias_values)
+
+
+def token_counts(
+    history: Int[Array, "R L"], md: SamplingMetadata, vocab_size: int
+) -> tuple[Float[Array, "S V"], Float[Array, "S V"]]:
+    """(output token counts, prompt token presence) per row, from the token history."""
+    tokens = history[md.history_rows]  # [S, L]
+    pos = jnp.arange(tokens.shape[1])[None, :]
+    known = pos < md.num_known_tokens[:, None]
+    in_prompt = pos < md.num_prompt_tokens[:, None]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    zeros = jnp.zeros((tokens.shape[0], vocab_size), jnp.float32)
+    output_counts = zeros.at[rows, tokens].add((known & ~in_prompt).astype(jnp.float32))
+    prompt_seen = zeros.at[rows, tokens].max((known & in_prompt).astype(jnp.float32))
+    return output_counts, prompt_seen
+
+
+def apply_penalties(logits, history, md: SamplingMetadata):
+    output_counts, prompt_seen = token_counts(history, md, logits.shape[1])
+    seen = (output_counts > 0) | (prompt_seen > 0)
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_top_k_top_p(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
+    """Keep the k largest logits, then, of those (renormalized), the smallest set whose
+    probability reaches top_p; the most likely token always stays."""
+    vocab = logits.shape[1]
+    desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, _NEG_INF)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+    keep = mass_before < md.top_p[:, None]
+    last_kept = jnp.maximum(keep.sum(axis=-1) - 1, 0)
+    pth = jnp.take_along_axis(desc, last_kept[:, None], axis=-1)
+    return jnp.where(logits < jnp.maximum(kth, pth), _NEG_INF, logits)
+
+
+def apply_min_p(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = md.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(probs < threshold, _NEG_INF, logits)
+
+
+def row_uniforms(md: SamplingMetadata) -> Float[Array, "S"]:
+    """One uniform in (0, 1] per row from (seed, output index)."""
+
+    def one(seed, index):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
+        return 1.0 - jax.random.uniform(key, (), jnp.float32)
+
+    return jax.vmap(one)(md.seeds, md.output_index)
+
+
+def draw(logits: Float[Array, "S V"], md: SamplingMetadata) -> Int[Array, "S"]:
+    temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+    logits = logits / temperature
+    logits = jax.lax.cond(md.any_top_k_top_p, apply_top_k_top_p, lambda x, _: x, logits, md)
+    logits = jax.lax.cond(md.any_min_p, apply_min_p, lambda x, _: x, logits, md)
+    probs = jax.nn.softmax(logits, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    target = row_uniforms(md) * cdf[:, -1]
+    return jnp.minimum((cdf < target[:, None]).sum(axis=-1), logits.shape[1] - 1).astype(jnp.int32)
+
+
+def compute_logprobs(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]):
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    rank = (logprobs > sampled[:, None]).sum(axis=-1).astype(jnp.int32) + 1
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return sampled, rank, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _no_logprobs(logits, token_ids):
+    s = logits.shape[0]
+    return (
+        jnp.zeros((s,), jnp.float32),
+        jnp.zeros((s,), jnp.int32),
+        jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+        jnp.zeros((s, MAX_LOGPROBS), jnp.float32),
+    )
+
+
+def sample(logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata) -> SamplerOutput:
+    raw = logits
+    logits = apply_logit_bias(logits, md)
+    logits = jax.lax.cond(md.any_penalties, apply_penalties, lambda x, h, m: x, logits, history, md)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.lax.cond(md.all_greedy, lambda x, m: greedy, draw, logits, md)
+    token_ids = jnp.where(md.temperature > 0, drawn, greedy)
+    lp = jax.lax.cond(md.any_logprobs, compute_logprobs, _no_logprobs, raw, token_ids)
+    return SamplerOutput(token_ids, *lp)

@@ -1,0 +1,137 @@
+"""SamplingParams: how one request is sampled and when it stops, as in vLLM.
+
+Validated on construction: every error is a ValueError that names the field, raised
+before any work is queued. Plain Python (the engine core process imports it too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI allows 20)
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI allows 300)
+MAX_STOP_TOKEN_IDS = 64
+_EPS = 1e-5
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per sampled token (0 = the sampled one only)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    # ------------------------------------------------------------------ checks
+
+    def _validate(self) -> None:
+        def fail(field: str, message: str) -> None:
+            raise ValueError(f"{field}: {message}")
+
+        def integer(field: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail(field, f"must be an integer, got {value!r}")
+
+        def number(field: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                fail(field, f"must be a number, got {value!r}")
+
+        integer("n", self.n)
+        if self.n < 1:
+            fail("n", f"must be at least 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            number(name, getattr(self, name))
+        if self.temperature < 0:
+            fail("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        integer("top_k", self.top_k)
+        if self.top_k < 0:
+            fail("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                fail(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                fail("seed", f"out of range: {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                fail("stop", f"must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            integer("stop_token_ids", t)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} entries, got {len(self.stop_token_ids)}")
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        integer("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            fail("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                integer(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                fail("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if not -100 <= bias <= 100:
+                    fail("logit_bias", f"bias for token {token} must be in [-100, 100], got {bias}")
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids in range."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{name}: token id {t} is out of range [0, {vocab_size})")
+
+    # --------------------------------------------------------------- derived
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

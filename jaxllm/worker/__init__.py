@@ -1,0 +1,1 @@
+"""The model runner side: persistent batch state, bucketed jitted steps."""

@@ -1,0 +1,114 @@
+"""The model runner's persistent, host-side (numpy) state of the requests it holds.
+
+Each request owns one row from admission until it finishes or is preempted: its
+known token ids, its block table and its sampling parameters. A step gathers the rows
+of the scheduled requests with vectorized numpy, so preparing a step costs O(tokens +
+requests), not O(max_model_len) per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.core.sched_output import NewRequestData
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+
+# logit_bias entries, then -inf entries for EOS and stop token ids while below min_tokens
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 1
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+        r = max_num_seqs
+        self.max_num_seqs = max_num_seqs
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(r - 1, -1, -1))
+        self.token_ids = np.zeros((r, max_model_len), np.int32)
+        self.num_tokens = np.zeros(r, np.int32)  # known tokens: prompt + sampled so far
+        self.num_prompt_tokens = np.zeros(r, np.int32)
+        self.num_computed_tokens = np.zeros(r, np.int32)  # KV in the cache, before the step
+        self.block_table = np.zeros((r, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(r, np.int32)
+        # sampling parameters
+        self.temperature = np.zeros(r, np.float32)
+        self.top_k = np.zeros(r, np.int32)
+        self.top_p = np.ones(r, np.float32)
+        self.min_p = np.zeros(r, np.float32)
+        self.presence_penalty = np.zeros(r, np.float32)
+        self.frequency_penalty = np.zeros(r, np.float32)
+        self.repetition_penalty = np.ones(r, np.float32)
+        self.seeds = np.zeros((r, 2), np.uint32)
+        self.bias_token_ids = np.zeros((r, BIAS_WIDTH), np.int32)
+        self.bias_values = np.zeros((r, BIAS_WIDTH), np.float32)
+        self.num_user_bias = np.zeros(r, np.int32)
+        self.min_tokens = np.zeros(r, np.int32)
+        self.logprobs = np.full(r, -1, np.int32)  # -1: not requested
+        self.prompt_logprobs = np.full(r, -1, np.int32)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add_request(self, req: NewRequestData) -> int:
+        row = self.free_rows.pop()
+        self.row_of[req.req_id] = row
+        n = len(req.token_ids)
+        self.token_ids[row, :n] = req.token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = req.num_prompt_tokens
+        self.num_computed_tokens[row] = req.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, req.block_ids)
+
+        p = req.sampling_params
+        self.temperature[row] = 0.0 if p.is_greedy else p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.seeds[row] = (req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF)
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        # A request resumed after preemption has had its prompt scored already.
+        resumed = n > req.num_prompt_tokens
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None or resumed else p.prompt_logprobs
+        self.min_tokens[row] = p.min_tokens
+
+        self.bias_token_ids[row] = 0
+        self.bias_values[row] = 0.0
+        bias = p.logit_bias or {}
+        k = len(bias)
+        self.bias_token_ids[row, :k] = list(bias.keys())
+        self.bias_values[row, :k] = list(bias.values())
+        self.num_user_bias[row] = k
+        stops = list(p.stop_token_ids)
+        if req.eos_token_id is not None and not p.ignore_eos:
+            stops.append(req.eos_token_id)
+        self.bias_token_ids[row, k:k + len(stops)] = stops
+        self._suppress_stops(row, len(stops))
+        return row
+
+    def _suppress_stops(self, row: int, num_stops: int) -> None:
+        """-inf on the stop tokens while the request is below min_tokens."""
+        k = self.num_user_bias[row]
+        below = self.num_tokens[row] - self.num_prompt_tokens[row] < self.min_tokens[row]
+        self.bias_values[row, k:k + num_stops] = float("-inf") if below else 0.0
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record sampled tokens (one per row) and lift min_tokens suppression once met."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        for row in rows[num_outputs == self.min_tokens[rows]]:
+            k = self.num_user_bias[row]
+            self.bias_values[row, k:] = 0.0

@@ -1,0 +1,281 @@
+"""The model runner: turns a SchedulerOutput into one jitted device call and its
+results into a ModelRunnerOutput.
+
+Every step is padded to a (tokens, sequences) bucket from small fixed sets, and every
+bucket is compiled ahead of time at start-up (JAX's persistent compilation cache makes
+a restart cheap). After warm-up a step whose bucket is missing would compile again:
+that is a bug, counted in `num_compilations_after_warmup` and logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.attention.backends import get_attention_fn
+from jaxllm.attention.kv_cache import allocate_kv_caches
+from jaxllm.attention.metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.models.params import ModelParams
+from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
+from jaxllm.worker.step import StepInputs, StepOutput, model_step
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest` up to the token budget, and the budget itself."""
+    buckets, b = [], min(smallest, max_num_batched_tokens)
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+def seq_buckets(max_num_seqs: int, num_tokens: int, smallest: int = 8) -> list[int]:
+    """Sequence-count buckets usable with a token bucket (a step never has more
+    sequences than tokens)."""
+    cap = min(max_num_seqs, num_tokens)
+    buckets, b = set(), min(smallest, cap)
+    while b < cap:
+        buckets.add(b)
+        b *= 2
+    return sorted(buckets | {cap})
+
+
+def _smallest_at_least(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: ModelParams,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.config = config
+        self.params = params
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.kv_caches = allocate_kv_caches(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype
+        )
+        # Token ids per request row (for penalties); the extra last row takes padding.
+        self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = [(t, s) for t in self.token_buckets for s in seq_buckets(max_num_seqs, t)]
+        step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(attention_backend))
+        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
+        self._compiled: dict[tuple[int, int], object] = {}
+        self.warmed_up = False
+        self.num_compilations_after_warmup = 0
+
+    # -------------------------------------------------------------- compiling
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every bucket; returns the seconds it took."""
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        for t, s in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="shape"):
+            self._compile(t, s)
+        self.warmed_up = True
+        return time.perf_counter() - start
+
+    def _compile(self, t: int, s: int):
+        inputs = self._empty_inputs(t, s)
+        compiled = self._step.lower(self.params, self.kv_caches, self.history, inputs).compile()
+        self._compiled[(t, s)] = compiled
+        return compiled
+
+    def _executable(self, t: int, s: int):
+        compiled = self._compiled.get((t, s))
+        if compiled is None:
+            if self.warmed_up:
+                self.num_compilations_after_warmup += 1
+                logger.error("compiling bucket (tokens=%d, seqs=%d) after warm-up: a bug", t, s)
+            compiled = self._compile(t, s)
+        return compiled
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t = _smallest_at_least(self.token_buckets, num_tokens)
+        return t, _smallest_at_least(seq_buckets(self.max_num_seqs, t), num_seqs)
+
+    # ---------------------------------------------------------------- state
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            batch.remove_request(req_id)
+        for req in sched.scheduled_new_reqs:
+            row = batch.add_request(req)
+            if req.sampling_params.uses_penalties:  # prefix hits never pass through the step
+                self.history = self._set_history_row(self.history, row, batch.token_ids[row])
+        for req in sched.scheduled_cached_reqs:
+            batch.append_blocks(batch.row_of[req.req_id], req.new_block_ids)
+
+    # ---------------------------------------------------------------- inputs
+
+    def _empty_inputs(self, t: int, s: int) -> StepInputs:
+        empty_i = np.zeros(0, np.int32)
+        return self._pad_inputs(t, s, empty_i, empty_i, empty_i, empty_i, empty_i, np.zeros(1, np.int32),
+                                empty_i, empty_i, empty_i, np.zeros(0, bool))
+
+    def _pad_inputs(self, t, s, rows, input_ids, positions, tok_rows, slots, qsl, seq_lens, targets,
+                    output_index, samples) -> StepInputs:
+        """Bucket-shaped StepInputs from the real rows; padding writes to the null block,
+        reads nothing, and samples greedily (discarded)."""
+        b = self.input_batch
+        n_tok, n_seq = len(input_ids), len(rows)
+        pad_t, pad_s = t - n_tok, s - n_seq
+
+        def pad(a, n, value=0):
+            return np.concatenate([a, np.full(n, value, a.dtype)]) if n else a
+
+        def gather(column, fill):
+            return pad(column[rows], pad_s, fill)
+
+        real = np.zeros(s, bool)
+        real[:n_seq] = samples
+        temperature = gather(b.temperature, 0.0)
+        sampling_rows = real & (temperature > 0)
+        top_k, top_p = gather(b.top_k, 0), gather(b.top_p, 1.0)
+        penalties = (gather(b.presence_penalty, 0.0) != 0) | (gather(b.frequency_penalty, 0.0) != 0) | (
+            gather(b.repetition_penalty, 1.0) != 1.0)
+        bias_ids = np.zeros((s, BIAS_WIDTH), np.int32)
+        bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
+        bias_ids[:n_seq], bias_values[:n_seq] = b.bias_token_ids[rows], b.bias_values[rows]
+        seeds = np.zeros((s, 2), np.uint32)
+        seeds[:n_seq] = b.seeds[rows]
+        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        tables[:n_seq] = b.block_table[rows]
+        sampling = SamplingMetadata(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=gather(b.min_p, 0.0),
+            presence_penalty=gather(b.presence_penalty, 0.0),
+            frequency_penalty=gather(b.frequency_penalty, 0.0),
+            repetition_penalty=gather(b.repetition_penalty, 1.0),
+            seeds=seeds,
+            output_index=pad(output_index, pad_s),
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
+            history_rows=pad(rows, pad_s, self.max_num_seqs),
+            num_prompt_tokens=gather(b.num_prompt_tokens, 0),
+            num_known_tokens=pad(seq_lens, pad_s),
+            all_greedy=np.bool_(not sampling_rows.any()),
+            any_top_k_top_p=np.bool_((sampling_rows & ((top_k > 0) | (top_p < 1))).any()),
+            any_min_p=np.bool_((sampling_rows & (gather(b.min_p, 0.0) > 0)).any()),
+            any_penalties=np.bool_((real & penalties).any()),
+            any_logprobs=np.bool_((real & (gather(b.logprobs, -1) >= 0)).any()),
+        )
+        attn = AttentionMetadata(
+            slot_mapping=pad(slots, pad_t, 0),  # padding tokens write into the null block
+            block_tables=tables,
+            seq_lens=pad(seq_lens, pad_s),
+            query_start_loc=pad(qsl, pad_s, qsl[-1]),
+            num_seqs=np.int32(n_seq),
+        )
+        targets = pad(targets, pad_t, -1)
+        return StepInputs(
+            input_ids=pad(input_ids, pad_t),
+            positions=pad(positions, pad_t),
+            history_rows=pad(tok_rows, pad_t, self.max_num_seqs),
+            attn=attn,
+            logits_indices=pad(np.maximum(qsl[1:] - 1, 0).astype(np.int32), pad_s),
+            sampling=sampling,
+            prompt_logprob_targets=targets,
+            any_prompt_logprobs=np.bool_((targets >= 0).any()),
+        )
+
+    # --------------------------------------------------------------- execute
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        b = self.input_batch
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), np.int32, len(req_ids))
+        n = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        start = b.num_computed_tokens[rows]
+        qsl = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum(n, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        tok_rows = np.repeat(rows, n)
+        positions = (np.repeat(start - qsl[:-1], n) + np.arange(num_tokens)).astype(np.int32)
+        input_ids = b.token_ids[tok_rows, positions]
+        slots = b.block_table[tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_lens = (start + n).astype(np.int32)
+        samples = seq_lens == b.num_tokens[rows]
+        output_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows]).astype(np.int32)
+        next_pos = np.minimum(positions + 1, self.max_model_len - 1)
+        scored = (b.prompt_logprobs[tok_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[tok_rows])
+        targets = np.where(scored, b.token_ids[tok_rows, next_pos], -1).astype(np.int32)
+
+        t, s = self.bucket_for(num_tokens, len(rows))
+        inputs = self._pad_inputs(t, s, rows, input_ids, positions, tok_rows, slots.astype(np.int32), qsl,
+                                  seq_lens, targets, output_index, samples)
+        executable = self._executable(t, s)
+        self.kv_caches, self.history, out = executable(self.params, self.kv_caches, self.history, inputs)
+        sampled = np.asarray(out.sampled.token_ids)[: len(rows)]
+
+        b.num_computed_tokens[rows] = seq_lens
+        b.append_sampled(rows[samples], sampled[samples])
+        result = ModelRunnerOutput(req_ids, [int(x) if ok else None for x, ok in zip(sampled, samples)])
+        if inputs.sampling.any_logprobs:
+            self._collect_logprobs(result, out, rows, samples)
+        if inputs.any_prompt_logprobs:
+            self._collect_prompt_logprobs(result, out, rows, qsl, targets)
+        return result
+
+    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, samples) -> None:
+        o = jax.device_get(out.sampled)
+        for i, (req_id, row) in enumerate(zip(result.req_ids, rows)):
+            k = self.input_batch.logprobs[row]
+            if k < 0 or not samples[i]:
+                continue
+            result.logprobs[req_id] = LogprobsLists(
+                token_ids=[[int(o.token_ids[i])] + o.top_token_ids[i, :k].tolist()],
+                logprobs=[[float(o.sampled_logprob[i])] + o.top_logprobs[i, :k].tolist()],
+                ranks=[int(o.sampled_rank[i])],
+            )
+
+    def _collect_prompt_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, qsl, targets) -> None:
+        o = jax.device_get(out.prompt_logprobs)
+        for i, (req_id, row) in enumerate(zip(result.req_ids, rows)):
+            k = self.input_batch.prompt_logprobs[row]
+            idx = np.arange(qsl[i], qsl[i + 1])
+            idx = idx[targets[idx] >= 0]
+            if k < 0 or len(idx) == 0:
+                continue
+            result.prompt_logprobs[req_id] = LogprobsLists(
+                token_ids=[[int(targets[j])] + o.top_token_ids[j, :k].tolist() for j in idx],
+                logprobs=[[float(o.logprob[j])] + o.top_logprobs[j, :k].tolist() for j in idx],
+                ranks=[int(o.rank[j]) for j in idx],
+            )

@@ -1,0 +1,91 @@
+"""The jitted step: forward over the paged cache, then sampling, in one device call.
+
+Its inputs are one pytree (StepInputs) of arrays padded to a (tokens, sequences)
+bucket; the KV caches and the token history are donated, so XLA updates them in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxllm.attention.kv_cache import KVCache
+from jaxllm.attention.metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
+from jaxllm.models.params import ModelParams
+from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
+from jaxllm.sample.sampler import sample
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+
+@struct.dataclass
+class StepInputs:
+    input_ids: Int[Array, "T"]
+    positions: Int[Array, "T"]
+    history_rows: Int[Array, "T"]  # token history row of each token (padding: an unused row)
+    attn: AttentionMetadata
+    logits_indices: Int[Array, "S"]  # the row of each sequence's last token
+    sampling: SamplingMetadata
+    prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
+    any_prompt_logprobs: Bool[Array, ""]
+
+
+@struct.dataclass
+class PromptLogprobs:
+    """Per token row: logprob and rank of the next prompt token, and the top-k."""
+
+    logprob: Float[Array, "T"]
+    rank: Int[Array, "T"]
+    top_token_ids: Int[Array, "T K"]
+    top_logprobs: Float[Array, "T K"]
+
+
+@struct.dataclass
+class StepOutput:
+    sampled: SamplerOutput
+    prompt_logprobs: PromptLogprobs
+
+
+def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, "T"], cfg: ModelConfig):
+    logprobs = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
+    safe = jnp.maximum(targets, 0)
+    lp = jnp.take_along_axis(logprobs, safe[:, None], axis=-1)[:, 0]
+    rank = (logprobs > lp[:, None]).sum(axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return PromptLogprobs(lp, rank, top_ids.astype(jnp.int32), top_lp)
+
+
+def _no_prompt_logprobs(params, hidden, targets, cfg):
+    t = hidden.shape[0]
+    return PromptLogprobs(
+        jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
+        jnp.zeros((t, MAX_LOGPROBS), jnp.int32), jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
+    )
+
+
+def model_step(
+    params: ModelParams,
+    kv_caches: tuple[KVCache, ...],
+    history: Int[Array, "R L"],
+    inputs: StepInputs,
+    *,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
+    hidden, kv_caches = forward_hidden(
+        params, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
+    )
+    history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
+    logits = compute_logits(params, hidden[inputs.logits_indices], cfg)
+    sampled = sample(logits, history, inputs.sampling)
+    prompt_lp = jax.lax.cond(
+        inputs.any_prompt_logprobs,
+        lambda h, t: prompt_logprobs(params, h, t, cfg),
+        lambda h, t: _no_prompt_logprobs(params, h, t, cfg),
+        hidden,
+        inputs.prompt_logprob_targets,
+    )
+    return kv_caches, history, StepOutput(sampled, prompt_lp)
