@@ -1,9 +1,8 @@
-"""What the JAX platform is and what follows from it: the default compute dtype, the
-persistent compilation cache, and a quiet start on machines without a GPU."""
+"""What the JAX platform is and what follows from it: the default compute dtype and
+the persistent compilation cache."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -12,12 +11,6 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxllm" / "xla"
-
-
-def quiet_backend_probe() -> None:
-    """JAX logs a traceback-like warning when a CUDA plugin is installed but no GPU is
-    present; the CPU fallback is expected here, so keep that probe quiet."""
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
 
 
 def backend() -> str:

@@ -115,7 +115,20 @@ class EngineCore:
     # --------------------------------------------------------------- requests
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Validate and queue; ValueError (naming the field) before anything is queued."""
+        self.add_requests([req])
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """Validate all, then queue all: a ValueError (naming the field) leaves nothing queued."""
+        requests = [self.make_request(req) for req in reqs]
+        ids = [r.request_id for r in requests]
+        duplicate = next((i for i in ids if ids.count(i) > 1 or i in self.scheduler.requests), None)
+        if duplicate is not None:
+            raise ValueError(f"request_id: {duplicate!r} is already in use")
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def make_request(self, req: EngineCoreRequest) -> Request:
+        """The scheduler's Request for `req`, after every check that can reject it."""
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
@@ -132,7 +145,9 @@ class EngineCore:
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
-        self.scheduler.add_request(Request.from_engine_core_request(req, max_tokens, seed % 2**64))
+        request = Request.from_engine_core_request(req, max_tokens, seed % 2**64)
+        self.kv_cache_manager.check_fits(request, n + max_tokens - 1)
+        return request
 
     def abort_requests(self, request_ids) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())

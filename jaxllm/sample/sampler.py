@@ -92,21 +92,25 @@ def draw(logits: Float[Array, "S V"], md: SamplingMetadata) -> Int[Array, "S"]:
     return jnp.minimum((cdf < target[:, None]).sum(axis=-1), logits.shape[1] - 1).astype(jnp.int32)
 
 
+def num_top_logprobs(vocab_size: int) -> int:
+    return min(MAX_LOGPROBS, vocab_size)
+
+
 def compute_logprobs(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     rank = (logprobs > sampled[:, None]).sum(axis=-1).astype(jnp.int32) + 1
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs(logits.shape[1]))
     return sampled, rank, top_ids.astype(jnp.int32), top_logprobs
 
 
 def _no_logprobs(logits, token_ids):
-    s = logits.shape[0]
+    s, k = logits.shape[0], num_top_logprobs(logits.shape[1])
     return (
         jnp.zeros((s,), jnp.float32),
         jnp.zeros((s,), jnp.int32),
-        jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
-        jnp.zeros((s, MAX_LOGPROBS), jnp.float32),
+        jnp.zeros((s, k), jnp.int32),
+        jnp.zeros((s, k), jnp.float32),
     )
 
 

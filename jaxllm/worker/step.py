@@ -17,8 +17,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
-from jaxllm.sample.sampler import sample
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sample.sampler import num_top_logprobs, sample
 
 
 @struct.dataclass
@@ -54,15 +53,15 @@ def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: I
     safe = jnp.maximum(targets, 0)
     lp = jnp.take_along_axis(logprobs, safe[:, None], axis=-1)[:, 0]
     rank = (logprobs > lp[:, None]).sum(axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(logprobs, num_top_logprobs(logprobs.shape[1]))
     return PromptLogprobs(lp, rank, top_ids.astype(jnp.int32), top_lp)
 
 
 def _no_prompt_logprobs(params, hidden, targets, cfg):
-    t = hidden.shape[0]
+    t, k = hidden.shape[0], num_top_logprobs(cfg.vocab_size)
     return PromptLogprobs(
         jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
-        jnp.zeros((t, MAX_LOGPROBS), jnp.int32), jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
+        jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32),
     )
 
 

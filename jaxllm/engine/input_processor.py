@@ -1,0 +1,93 @@
+"""The frontend's input side: prompts (text, token ids, chat messages) and
+SamplingParams in, validated EngineCoreRequests out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxllm.engine.protocol import EngineCoreRequest
+from jaxllm.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, *, eos_token_id: int | None, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt: must be a string or a list of token ids (ints)")
+        return None, ids
+
+    def render_chat(self, messages: list[Message], *, add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> str:
+        """The conversation as the model's chat template renders it."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("messages: the model has no chat template; pass chat_template")
+        return self.tokenizer.apply_chat_template(
+            [normalize_message(m) for m in messages],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                     add_special_tokens: bool = True, cache_salt: str | None = None,
+                     arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt, add_special_tokens)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range [0, {self.vocab_size})")
+        params.validate_for_model(self.vocab_size)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+        )
+        return request, text
+
+
+def normalize_message(message: Message) -> Message:
+    """A message with string content; OpenAI text parts are joined."""
+    if "role" not in message:
+        raise ValueError("messages: every message needs a 'role'")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: content parts must be {'type': 'text', 'text': ...}")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ValueError("messages: content must be a string or a list of text parts")
+    return {**message, "content": content}

@@ -1,0 +1,79 @@
+"""LLMEngine: the in-process frontend around an EngineCore, for offline use.
+
+Prompts go through the InputProcessor (tokenize, validate) into the core; core outputs
+go through the OutputProcessor (detokenize, stop strings, n > 1 merging) back out as
+RequestOutputs. A request that a stop string finishes is aborted in the core.
+"""
+
+from __future__ import annotations
+
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.core import EngineCore
+from jaxllm.engine.input_processor import InputProcessor, Prompt
+from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
+from jaxllm.engine.protocol import EngineCoreRequest
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+def eos_token_id(tokenizer, model_config) -> int | None:
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return model_config.eos_token_ids[0] if model_config.eos_token_ids else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        self.core = EngineCore(config, progress=progress)
+        self.tokenizer = self.core.model.tokenizer
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            eos_token_id=eos_token_id(self.tokenizer, self.core.model.config),
+            vocab_size=self.core.model.config.vocab_size,
+            max_model_len=self.core.max_model_len,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_requests(
+        self,
+        items: list[tuple[str, Prompt, SamplingParams]],
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Queue (request_id, prompt, params) items; all are validated first, so a
+        ValueError leaves nothing queued."""
+        prepared = [
+            self.input_processor.make_request(rid, prompt, params, add_special_tokens=add_special_tokens)
+            for rid, prompt, params in items
+        ]
+        children: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]] = []
+        for request, text in prepared:
+            n = request.sampling_params.n
+            if n == 1:
+                children.append((request, text, None, 0))
+            else:
+                parent = ParentRequest.from_request(request)
+                children += [(child, text, parent, i) for i, child in enumerate(fan_out(request, n))]
+        self.core.add_requests([child for child, _, _, _ in children])
+        for child, text, parent, index in children:
+            self.output_processor.add_request(child, text, output_kind, parent=parent, index=index)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        core_ids = []
+        for rid in request_ids:
+            parent = self.output_processor.parent_requests.get(rid)
+            core_ids += parent.child_ids if parent is not None else [rid]
+        outputs = self.output_processor.abort_requests(request_ids)
+        self.core.abort_requests(core_ids)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.reqs_to_abort:
+            self.core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()

@@ -1,0 +1,203 @@
+"""The engine end to end on a tiny test model: exact greedy results whatever the batch,
+chunking, preemption or prefix caching; seeds; stop conditions; zero compilations
+after warm-up; no leaked KV blocks; validation before anything is queued."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from jaxllm import LLM, SamplingParams
+
+KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
+
+
+def make_llm(test_models_dir, **options):
+    config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
+                  kv_cache_memory=64 * KV_BYTES_PER_BLOCK, progress=False)
+    return LLM(str(test_models_dir / "llama"), **(config | options))
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    core = llm.llm_engine.core
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.num_used_blocks == 0
+    assert core.runner.num_compilations_after_warmup == 0
+    core.step()  # an empty step delivers the last finished ids to the runner
+    assert len(core.runner.input_batch) == 0
+
+
+def workload(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, 500, int(rng.integers(3, 100)))] for _ in range(n)]
+    lengths = [int(rng.integers(1, 40)) for _ in range(n)]
+    return prompts, lengths
+
+
+@pytest.fixture(scope="module")
+def pressured(test_models_dir):
+    """Budget of 32 tokens (chunked prefill) and a 24-block pool (preemption)."""
+    return make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_batch_invariance_and_hf_exactness(pressured, test_models_dir):
+    prompts, lengths = workload(24)
+    batched = pressured.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    core = pressured.llm_engine.core
+    assert core.scheduler.num_preemptions > 0  # the pool was too small for everyone at once
+    assert_no_leaks(pressured)
+
+    alone = make_llm(test_models_dir, max_num_batched_tokens=128)
+    hf = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32).eval()
+    for prompt, n, out in zip(prompts, lengths, batched):
+        got = out.outputs[0].token_ids
+        assert len(got) == n and out.outputs[0].finish_reason == "length"
+        assert alone.generate([prompt], greedy(n), use_tqdm=False)[0].outputs[0].token_ids == got
+        config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected = hf.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+        assert got == expected
+    assert_no_leaks(alone)
+
+
+def test_prefix_caching_hits_and_identical_output(test_models_dir):
+    rng = np.random.default_rng(1)
+    shared = [int(t) for t in rng.integers(3, 500, 70)]  # 4 full blocks of 16, then 6 tokens
+    first, second = shared + [5, 6, 7], shared + [9, 10]
+    outputs = {}
+    for caching in (True, False):
+        llm = make_llm(test_models_dir, enable_prefix_caching=caching)
+        a = llm.generate([first], greedy(12), use_tqdm=False)[0]
+        b = llm.generate([second], greedy(12), use_tqdm=False)[0]
+        assert a.num_cached_tokens == 0
+        assert b.num_cached_tokens == (64 if caching else 0)
+        outputs[caching] = (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        assert_no_leaks(llm)
+    assert outputs[True] == outputs[False]
+
+
+def test_n_siblings_share_prompt_blocks(test_models_dir):
+    llm = make_llm(test_models_dir)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 50)]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    stats = llm.llm_engine.core.kv_cache_manager.prefix_cache_stats
+    assert stats.hits == 2 * 48  # children 1 and 2 reuse child 0's three full prompt blocks
+    assert_no_leaks(llm)
+
+
+def test_seeded_sampling_is_batch_independent(pressured):
+    prompts, _ = workload(6, seed=3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = pressured.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    together = pressured.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    again = pressured.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == together == again
+    other_seed = pressured.generate([prompts[0]], params.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+    assert_no_leaks(pressured)
+
+
+def test_stop_conditions(pressured):
+    tok = pressured.get_tokenizer()
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 500, 20)]
+    reference = pressured.generate([prompt], greedy(30), use_tqdm=False)[0].outputs[0]
+    ids, text = reference.token_ids, reference.text
+
+    # stop token id: ends at its first occurrence, the token is kept in token_ids
+    stop_id = ids[7]
+    first = ids.index(stop_id)
+    out = pressured.generate([prompt], greedy(30, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+
+    # min_tokens: the stop token cannot end it (nor be sampled) before 10 outputs
+    out = pressured.generate([prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=10,
+                                                      stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 10 and stop_id not in out.token_ids[:9]
+
+    # a stop string spanning a token boundary: the text ends right before it
+    pieces = [tok.decode([t]) for t in ids]
+    j = next(j for j in range(3, len(ids) - 1) if pieces[j] and pieces[j + 1] and pieces[j].isprintable()
+             and pieces[j + 1].isprintable())
+    stop = pieces[j][-1:] + pieces[j + 1][:1]
+    out = pressured.generate([prompt], greedy(30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+    # EOS ends a request unless ignore_eos
+    eos = tok.eos_token_id
+    out = pressured.generate([prompt], SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 100}),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    out = pressured.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                      logit_bias={eos: 100}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] * 5 and out.finish_reason == "length"
+    assert_no_leaks(pressured)
+
+
+def test_max_tokens_default_and_model_len(test_models_dir):
+    llm = make_llm(test_models_dir, max_model_len=64)
+    prompt = list(range(3, 53))  # 50 tokens: 14 left
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 14 and out[0].outputs[0].finish_reason == "length"
+    out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 14  # max_tokens=16 is capped by the model length
+    assert_no_leaks(llm)
+
+
+def test_logprobs_and_prompt_logprobs_match_the_model(test_models_dir):
+    llm = make_llm(test_models_dir)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 40)]
+    out = llm.generate([prompt], greedy(4, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32).eval()
+    seq = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]]) < 1e-4
+        assert set(np.argsort(-ref[p - 1])[:2]) <= set(entry)
+    for i, token in enumerate(out.outputs[0].token_ids):
+        row = ref[len(prompt) - 1 + i]
+        entry = out.outputs[0].logprobs[i]
+        assert entry[token].rank == 1 and abs(entry[token].logprob - row[token]) < 1e-4
+        assert set(np.argsort(-row)[:3]) <= set(entry) and len(entry) == 3
+    assert abs(out.outputs[0].cumulative_logprob - sum(ref[len(prompt) - 1 + i, t] for i, t in
+                                                       enumerate(out.outputs[0].token_ids))) < 1e-3
+    assert_no_leaks(llm)
+
+
+def test_validation_happens_before_anything_is_queued(pressured):
+    good = [3, 4, 5]
+    cases = [
+        ([good, []], SamplingParams(), "prompt: must not be empty"),
+        ([good, [3, 10**6]], SamplingParams(), r"prompt: token id 1000000 is out of range"),
+        ([good, list(range(3, 300))], SamplingParams(), "max_model_len=256"),
+        ([good], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),
+    ]
+    for prompts, params, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pressured.generate(prompts, params, use_tqdm=False)
+        assert not pressured.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="temperature: must be non-negative"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p: must be in"):
+        SamplingParams(top_p=0)
+    assert_no_leaks(pressured)
+
+
+def test_engine_options_are_checked_at_start_up(test_models_dir):
+    with pytest.raises(ValueError, match=r"max_model_len: 256 tokens do not fit in the KV cache \(224 tokens"):
+        make_llm(test_models_dir, kv_cache_memory=15 * KV_BYTES_PER_BLOCK)
+    with pytest.raises(ValueError, match="max_model_len: 4096 exceeds the model's context length 1024"):
+        make_llm(test_models_dir, max_model_len=4096)
+    with pytest.raises(ValueError, match="block_size: must be a power of two"):
+        make_llm(test_models_dir, block_size=12)
+    with pytest.raises(ValueError, match="kv_cache_memory: cannot parse"):
+        make_llm(test_models_dir, kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="attention_backend: unknown 'cuda'"):
+        make_llm(test_models_dir, attention_backend="cuda")
