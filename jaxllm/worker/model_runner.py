@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.attention.backends import get_attention_fn
+from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
 from jaxllm.attention.kv_cache import allocate_kv_caches
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
@@ -87,7 +87,8 @@ class ModelRunner:
 
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, s) for t in self.token_buckets for s in seq_buckets(max_num_seqs, t)]
-        step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(attention_backend))
+        self.attention_backend = resolve_backend_name(attention_backend)
+        step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend))
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}
