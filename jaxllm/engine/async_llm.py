@@ -1,0 +1,178 @@
+"""AsyncLLM: the server's frontend to an engine core running in its own process.
+
+Tokenizing, detokenizing and everything user-facing happen here, in the server's
+event loop; the core process only schedules and runs the model. Each request gets an
+async stream of RequestOutputs. Closing a stream before it finished (a client that
+disconnected) aborts the request in the core at once, freeing its KV blocks. If the
+core dies, every open stream ends with EngineDeadError and `is_healthy()` turns false;
+so it does when the core has work but has sent nothing for `hang_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jaxllm.engine import serialization as wire
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.core_client import DEAD, CoreClient
+from jaxllm.engine.input_processor import InputProcessor, Prompt
+from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
+from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreReady, SchedulerStats
+from jaxllm.metrics import EngineMetrics
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; the request cannot finish."""
+
+
+class RequestRejected(ValueError):
+    """The engine core refused the request (it failed validation there)."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, client: CoreClient, ready: EngineCoreReady, model_name: str,
+                 hang_timeout: float) -> None:
+        from transformers import PreTrainedTokenizerFast
+
+        self.config = config
+        self.client = client
+        self.ready = ready
+        self.model_name = model_name
+        self.hang_timeout = hang_timeout
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(ready.tokenizer_dir)
+        self.input_processor = InputProcessor(self.tokenizer, eos_token_id=ready.eos_token_id,
+                                              vocab_size=ready.vocab_size, max_model_len=ready.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(model_name)
+        self.stats = SchedulerStats()
+        self.dead_reason: str | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._num_generated: dict[str, int] = {}  # tokens delivered so far, per request
+        self._loop = asyncio.get_running_loop()
+        self._last_heard = time.monotonic()
+        client.start(lambda kind, payload: self._loop.call_soon_threadsafe(self._on_core_message, kind, payload))
+
+    @classmethod
+    async def start(cls, config: EngineConfig, model_name: str, hang_timeout: float = 60.0) -> "AsyncLLM":
+        client = CoreClient(config)
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(None, client.wait_ready)
+        except BaseException:
+            client.shutdown(timeout=1)
+            raise
+        return cls(config, client, ready, model_name, hang_timeout)
+
+    # ---------------------------------------------------------------- health
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def is_healthy(self) -> bool:
+        if self.dead_reason is not None or not self.client.is_alive():
+            return False
+        hung = self._streams and time.monotonic() - self._last_heard > self.hang_timeout
+        return not hung
+
+    # ------------------------------------------------------------- requests
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; ValueError before anything is queued if the
+        request is invalid, EngineDeadError if the core dies meanwhile."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        request, text = self.input_processor.make_request(request_id, prompt, params,
+                                                          add_special_tokens=add_special_tokens)
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        children = [request] if params.n == 1 else fan_out(request, params.n)
+        parent = None if params.n == 1 else ParentRequest.from_request(request)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        for index, child in enumerate(children):
+            self.output_processor.add_request(child, text, output_kind, parent=parent, index=index)
+        self.client.send(wire.ADD, children)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            self._num_generated.pop(request_id, None)
+            if not finished:
+                self.abort(request_id, [c.request_id for c in children])
+
+    def abort(self, request_id: str, core_ids: list[str]) -> None:
+        """Stop tracking a request and abort its core requests."""
+        self.output_processor.abort_requests([request_id])
+        if self.dead_reason is None:
+            self.client.send(wire.ABORT, core_ids)
+
+    # ------------------------------------------------------- core messages
+
+    def _on_core_message(self, kind: str, payload: Any) -> None:
+        self._last_heard = time.monotonic()
+        if kind == wire.OUTPUTS:
+            self._on_outputs(payload)
+        elif kind == wire.REJECTED:
+            state = self.output_processor.request_states.get(payload.request_id)
+            request_id = state.parent.request_id if state and state.parent else payload.request_id
+            self.output_processor.abort_requests([request_id])
+            self._deliver(request_id, RequestRejected(payload.message))
+        elif kind in (wire.FATAL, DEAD) and self.dead_reason is None:
+            self.dead_reason = f"engine core died: {payload}" if payload else "engine core process exited"
+            for stream in self._streams.values():
+                stream.put_nowait(EngineDeadError(self.dead_reason))
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.stats is not None:
+            self.stats = outputs.stats
+            self.metrics.observe_stats(outputs.stats)
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.client.send(wire.ABORT, processed.reqs_to_abort)
+        for output in processed.request_outputs:
+            # DELTA outputs carry new tokens, FINAL_ONLY all of them once: either way the sum
+            num = self._num_generated.get(output.request_id, 0) + sum(len(c.token_ids) for c in output.outputs)
+            if output.finished:
+                self._num_generated.pop(output.request_id, None)
+                self.metrics.observe_finished(output, num)
+            else:
+                self._num_generated[output.request_id] = num
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    # -------------------------------------------------------------- shutdown
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is still in flight and stop the core process (idempotent)."""
+        if self.dead_reason is None:
+            self.dead_reason = "server shutting down"
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(self.dead_reason))
+        await self._loop.run_in_executor(None, self.client.shutdown, timeout)
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.ready) | {"model": self.model_name}

@@ -1,0 +1,98 @@
+"""The engine core in its own process: load, compile, then loop — take requests and
+aborts from the frontend, step while there is work, send outputs after every step
+(and a heartbeat with the scheduler stats every second while idle).
+
+The process exits when the frontend says shutdown or goes away (end of pipe), so it
+never outlives the server. It ignores SIGINT: a Ctrl-C reaches the whole process group,
+and shutting down is the frontend's call.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from jaxllm.engine import serialization as wire
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.core import EngineCore
+from jaxllm.engine.llm_engine import eos_token_id
+from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreReady, EngineCoreRejection
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_SECONDS = 1.0
+
+
+def run_engine_core(config: EngineConfig, conn: Connection) -> None:
+    """Entry point of the engine core process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine core] %(message)s")
+    try:
+        core = EngineCore(config, progress=True)
+        model = core.model
+        print(f"model {model.path.name} loaded in {model.load_seconds:.1f} s; {core.describe()}; "
+              f"compiled in {core.warmup_seconds:.1f} s", flush=True)
+        tokenizer_dir = tempfile.mkdtemp(prefix="jaxllm-tokenizer-")
+        model.tokenizer.save_pretrained(tokenizer_dir)
+        ready = EngineCoreReady(
+            max_model_len=core.max_model_len,
+            vocab_size=model.config.vocab_size,
+            eos_token_id=eos_token_id(model.tokenizer, model.config),
+            tokenizer_dir=tokenizer_dir,
+            num_blocks=core.cache.num_blocks,
+            block_size=core.cache.block_size,
+            load_seconds=model.load_seconds,
+            warmup_seconds=core.warmup_seconds,
+        )
+        conn.send_bytes(wire.encode(wire.READY, ready))
+        EngineCoreLoop(core, conn).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the frontend is gone: nothing left to serve
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("engine core failed:\n%s", message)
+        try:
+            conn.send_bytes(wire.encode(wire.FATAL, message))
+        except OSError:
+            pass
+        raise
+
+
+class EngineCoreLoop:
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.last_sent = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            timeout = 0.0 if self.core.has_unfinished_requests() else HEARTBEAT_SECONDS
+            while self.conn.poll(timeout):
+                if not self._handle(*wire.decode(self.conn.recv_bytes())):
+                    return
+                timeout = 0.0
+            if self.core.has_unfinished_requests():
+                self._send(self.core.step())
+            elif time.monotonic() - self.last_sent >= HEARTBEAT_SECONDS:
+                self._send(EngineCoreOutputs([], self.core.scheduler.make_stats()))
+
+    def _handle(self, kind: str, payload) -> bool:
+        """Apply one frontend message; False means shut down."""
+        if kind == wire.ADD:
+            try:
+                self.core.add_requests(payload)
+            except ValueError as e:
+                for request in payload:
+                    self.conn.send_bytes(wire.encode(wire.REJECTED, EngineCoreRejection(request.request_id, str(e))))
+        elif kind == wire.ABORT:
+            self.core.abort_requests(payload)
+        elif kind == wire.SHUTDOWN:
+            return False
+        return True
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.conn.send_bytes(wire.encode(wire.OUTPUTS, outputs))
+        self.last_sent = time.monotonic()

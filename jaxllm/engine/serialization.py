@@ -1,0 +1,43 @@
+"""The wire format between the frontend and the engine core process: one msgpack
+array [kind, payload] per message, payloads being the dataclasses of
+engine/protocol.py (msgspec encodes and checks them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from jaxllm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRejection,
+    EngineCoreRequest,
+)
+
+# frontend -> core
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+# core -> frontend
+READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
+
+PAYLOAD_TYPES: dict[str, Any] = {
+    ADD: list[EngineCoreRequest],
+    ABORT: list[str],
+    SHUTDOWN: None,
+    READY: EngineCoreReady,
+    OUTPUTS: EngineCoreOutputs,
+    REJECTED: EngineCoreRejection,
+    FATAL: str,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(kind: str, payload: Any = None) -> bytes:
+    return _encoder.encode((kind, payload))
+
+
+def decode(data: bytes) -> tuple[str, Any]:
+    kind, payload = msgspec.msgpack.decode(data)
+    payload_type = PAYLOAD_TYPES[kind]
+    return kind, None if payload_type is None else msgspec.convert(payload, payload_type)

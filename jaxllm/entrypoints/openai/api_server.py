@@ -1,0 +1,261 @@
+"""The Starlette app of the OpenAI-compatible server.
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
+GET /v1/models, /health, /version, /metrics. With an API key, every /v1 route and
+/tokenize, /detokenize need `Authorization: Bearer <key>`; /health, /version and
+/metrics stay open. Every error has the OpenAI shape; after any of them the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import jaxllm
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai import serving
+from jaxllm.entrypoints.openai.errors import APIError, error_response
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int = 256  # beyond max_num_seqs running: more waiting gets 503
+    max_num_seqs: int = 64
+    max_request_bytes: int = 16 * 2**20
+    protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize")
+
+
+class BodySizeLimit:
+    """413 for a body over the limit, by Content-Length or by what actually arrives."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise APIError(413, f"request body exceeds {self.limit} bytes")
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except APIError as e:
+            await e.response()(scope, receive, send)
+
+    async def _reject(self, scope, receive, send):
+        await error_response(413, f"request body exceeds {self.limit} bytes")(scope, receive, send)
+
+
+class APIKeyAuth:
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.settings.api_key
+        if scope["type"] == "http" and key and scope["path"].startswith(self.settings.protected_prefixes):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                message = "missing API key" if not given else "incorrect API key"
+                return await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
+    started = int(time.time())
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        try:
+            data = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the JSON body must be an object")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise APIError.from_validation_error(e) from None
+        if getattr(body, "model", None) not in (None, settings.model_name):
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        return body
+
+    def admit(num_requests: int) -> None:
+        if not engine.is_healthy():
+            raise APIError(503, engine.dead_reason or "engine is not healthy", headers={"Retry-After": "5"})
+        capacity = settings.max_num_seqs + settings.max_waiting_requests
+        if engine.num_unfinished_requests + num_requests > capacity:
+            raise APIError(503, f"too many requests waiting (capacity {capacity}); retry later",
+                           headers={"Retry-After": "1"})
+
+    def prepare(prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
+        """Tokenize and check a prompt now, so a bad one is a 400 before anything runs."""
+        text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
+        n, limit = len(ids), engine.ready.max_model_len
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= limit:
+            raise ValueError(f"prompt: this model's maximum context length is {limit} tokens, "
+                             f"but the prompt has {n} tokens (no room to generate)")
+        return ids, text
+
+    async def respond(request: Request, result: dict | AsyncIterator[str]) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    async def until_disconnect(request: Request, make: Callable) -> dict | AsyncIterator[str]:
+        """Run a non-streaming request; a client that leaves aborts it."""
+        task = asyncio.ensure_future(make())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return {}
+        return task.result()
+
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        params = body.to_sampling_params()
+        prompts = body.prompts()
+        admit(len(prompts))
+        rid = serving.new_id("cmpl")
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            ids, text = prepare(prompt, True)
+            jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def run():
+            return serving.completions(engine, jobs, params, model=settings.model_name, echo=body.echo,
+                                       stream=body.stream, include_usage=include_usage)
+
+        return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
+
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        params = body.to_sampling_params(default_max_tokens=None)
+        admit(1)
+        prompt = engine.input_processor.render_chat(body.message_dicts(),
+                                                    add_generation_prompt=body.add_generation_prompt)
+        ids, _ = prepare(prompt, False)
+        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def run():
+            return serving.chat(engine, job, params, model=settings.model_name, stream=body.stream,
+                                include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0)
+
+        return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": started, "owned_by": "jaxllm",
+            "max_model_len": engine.ready.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        if engine.is_healthy():
+            return Response(status_code=200)
+        return error_response(503, engine.dead_reason or "engine core is not making progress")
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxllm.__version__})
+
+    async def tokenize(request: Request) -> Response:
+        body: TokenizeRequest = await parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            text = engine.input_processor.render_chat(
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
+            _, ids = engine.input_processor.tokenize(text, add_special_tokens=False)
+        else:
+            _, ids = engine.input_processor.tokenize(body.prompt, body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.ready.max_model_len})
+
+    async def detokenize(request: Request) -> Response:
+        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        vocab = engine.ready.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    async def metrics(request: Request) -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def guarded(handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return e.response()
+            except ValueError as e:
+                return APIError.from_value_error(e).response()
+            except EngineDeadError as e:
+                return error_response(503, str(e))
+        return endpoint
+
+    routes = [
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        # uvicorn re-raises SIGINT/SIGTERM once serve() returns, so the engine core must
+        # be stopped here, inside the server's own shutdown.
+        await engine.shutdown()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def not_found(request: Request, exc) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}")
+
+    async def method_not_allowed(request: Request, exc) -> Response:
+        return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+
+    app.add_exception_handler(404, not_found)
+    app.add_exception_handler(405, method_not_allowed)
+    app.add_middleware(APIKeyAuth, settings=settings)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    return app

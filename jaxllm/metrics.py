@@ -1,0 +1,73 @@
+"""Prometheus metrics of a serving engine (prometheus-client, one registry per engine).
+
+Gauges and counters follow the engine core's scheduler stats; latency histograms are
+observed from each finished request's timestamps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxllm.engine.protocol import SchedulerStats
+from jaxllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.running = gauge("jaxllm:num_requests_running", "Requests running in the engine.")
+        self.waiting = gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prefix_queries = counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted (to be recomputed).")
+        self.prompt_tokens = counter("jaxllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("jaxllm:generation_tokens", "Generated tokens of finished requests.")
+        self.requests_finished = counter("jaxllm:request_success", "Finished requests.")
+        self.ttft = histogram("jaxllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("jaxllm:time_per_output_token_seconds", "Time per output token after the first.",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram("jaxllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self._last = SchedulerStats()
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The core reports running totals; counters advance by the difference.
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - self._last.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))
+        self.preemptions.inc(max(0, stats.num_preemptions - self._last.num_preemptions))
+        self._last = stats
+
+    def observe_finished(self, output: RequestOutput, num_generated: int) -> None:
+        """A finished request that generated `num_generated` tokens over all its samples."""
+        m = output.metrics
+        self.requests_finished.inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_generated)
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            per_completion = num_generated / max(len(output.outputs), 1)  # over n samples
+            if per_completion > 1 and m.last_token_time is not None:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (per_completion - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

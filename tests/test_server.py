@@ -1,0 +1,374 @@
+"""The OpenAI-compatible server, for real: `python -m jaxllm.serve` on 127.0.0.1 with
+a tiny test model, driven by the `openai` client (sync and async) and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def core_pid(server_pid: int) -> int:
+    for pid in children_of(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return pid
+    raise AssertionError("no engine core process")
+
+
+class Server:
+    def __init__(self, model: Path, cache_dir: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "jaxllm.serve", "--model", str(model), "--port", str(self.port),
+                "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                "--kv-cache-memory", "4MiB", "--compilation-cache-dir", str(cache_dir), *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.log = open(cache_dir / f"server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"JAXLLM_API_KEY": ""})
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            if "jaxllm ready" in self.output():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"server did not start:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="module")
+def server(test_models_dir, cache_dir):
+    s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "64", "--served-model-name", "tiny")
+    yield s
+    s.stop()
+
+
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def wait_idle(server: Server, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "jaxllm:num_requests_running") == 0 and metric(server, "jaxllm:kv_cache_usage_perc") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("engine did not return to idle")
+
+
+# ------------------------------------------------------------------ happy paths
+
+def test_startup_output(server):
+    out = server.output()
+    assert re.search(r"model llama loaded in [\d.]+ s; KV cache: \d+ blocks of 16 tokens = \d+ tokens", out)
+    assert "compiling buckets" in out
+    assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
+
+
+def test_completions_and_usage(server):
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == "tiny" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens == len(httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"},
+                                                   headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"])
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == r.choices[0].text  # greedy is deterministic
+    # a long shared prefix is served from the prefix cache
+    long = "The quick brown fox jumps over the lazy dog. " * 6
+    client.completions.create(model="tiny", prompt=long + "A", max_tokens=2)
+    hit = client.completions.create(model="tiny", prompt=long + "B", max_tokens=2)
+    assert hit.usage.prompt_tokens_details.cached_tokens >= 32
+    # several prompts, token-id prompts, n=2, echo
+    r = client.completions.create(model="tiny", prompt=["One", "Two"], n=2, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens == 12
+    ids = [5, 6, 7, 8]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, echo=True, temperature=0)
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": ids},
+                       headers={"Authorization": f"Bearer {API_KEY}"}).json()["prompt"]
+    assert r.choices[0].text.startswith(detok)
+
+
+def test_logprobs_stop_and_seed(server):
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    # greedy: the sampled token is the most likely one among the alternatives
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == r.choices[0].text or "\ufffd" in "".join(lp.tokens)
+    # stop string: text ends before it
+    full = client.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+    # seeds: same seed same text, sampled
+    kw = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=3, **kw).choices[0].text
+    b = client.completions.create(seed=3, **kw).choices[0].text
+    c = client.completions.create(seed=4, **kw).choices[0].text
+    assert a == b != c
+
+
+def test_chat_and_streaming_with_usage(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 5 and len(r.choices[0].logprobs.content) == 5
+    assert all(len(c.top_logprobs) == 2 for c in r.choices[0].logprobs.content)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+    # completions streaming, n=2
+    stream = client.completions.create(model="tiny", prompt="Hello", n=2, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_async_client(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        rs = await asyncio.gather(*[client.completions.create(model="tiny", prompt=f"Number {i}", max_tokens=6,
+                                                              temperature=0, extra_body={"ignore_eos": True})
+                                    for i in range(6)])
+        await client.close()
+        return rs
+
+    for r in asyncio.run(run()):
+        assert r.usage.completion_tokens == 6
+
+
+def test_open_endpoints_and_tokenize(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    assert "jaxllm:num_requests_running" in httpx.get(f"{server.url}/metrics").text
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth)
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 3
+
+
+# ------------------------------------------------------------------------ errors
+
+def post(server, path, body=None, *, content=None, key=API_KEY, headers=None):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=h | (headers or {}), timeout=30)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": "hi", "tools": []}, "tools"),
+    ({"prompt": "hi " * 300}, "prompt"),
+    ({"prompt": [1, 10**7]}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_requests_are_400(server, body, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_error_codes(server):
+    r = post(server, "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.role")
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key=None).status_code == 401
+    r = post(server, "/v1/completions", {"prompt": "hi"}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert post(server, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    r = post(server, "/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = post(server, "/v1/completions", {"prompt": "x" * (17 * 2**20)})
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body exceeds")
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model="tiny", prompt="hi", temperature=5)
+    # and the server still serves
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+# --------------------------------------------------------- concurrency and aborts
+
+def test_64_streaming_clients_with_disconnects(server):
+    rng = random.Random(0)
+    plan = [(i, rng.randint(20, 60), i % 3 == 0) for i in range(64)]  # every third disconnects
+
+    async def one(client: httpx.AsyncClient, i: int, max_tokens: int, leave: bool):
+        body = {"model": "tiny", "prompt": f"Client {i} says", "max_tokens": max_tokens, "temperature": 0.8,
+                "seed": i, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        leave_after = rng.randint(1, 10)
+        chunks = 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage"' in line and '"choices": []' in line:
+                    return ("usage", line)
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if leave and chunks >= leave_after:
+                        return ("left", None)
+        return ("ended", None)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=120) as client:
+            return await asyncio.gather(*[one(client, *p) for p in plan])
+
+    results = asyncio.run(run())
+    for (i, max_tokens, leave), (kind, line) in zip(plan, results):
+        if not leave:
+            assert kind == "usage", (i, kind)
+            assert f'"completion_tokens": {max_tokens}' in line
+    wait_idle(server)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
+    s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "0", "--max-model-len", "1024",
+               api_key=None)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+                body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+                busy = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
+                while metric(s, "jaxllm:num_requests_running") < 8:
+                    await asyncio.sleep(0.05)
+                extra = await client.post("/v1/completions", json=body)
+                done = await asyncio.gather(*busy)
+                return extra, done
+
+        extra, done = asyncio.run(run())
+        assert extra.status_code == 503 and extra.headers["retry-after"]
+        assert all(r.status_code == 200 for r in done)
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+        # SIGTERM with a request in flight: the server exits, the core with it
+        server_pid, core = s.proc.pid, core_pid(s.proc.pid)
+
+        async def in_flight():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 200}))
+                await asyncio.sleep(0.5)
+                s.proc.send_signal(signal.SIGTERM)
+                try:
+                    return (await task).status_code
+                except httpx.HTTPError:
+                    return None
+
+        asyncio.run(in_flight())
+        assert s.proc.wait(60) is not None
+        time.sleep(0.5)
+        assert not Path(f"/proc/{core}").exists() and children_of(server_pid) == []
+    finally:
+        s.stop()
+
+
+def test_dead_engine_core(test_models_dir, cache_dir):
+    s = Server(test_models_dir / "llama", cache_dir, "--max-model-len", "1024", "--engine-hang-timeout", "1.5",
+               api_key=None)
+    try:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+                plain = asyncio.create_task(client.post("/v1/completions", json=body))
+                lines = []
+
+                async def streamed():
+                    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            lines.append(line)
+
+                stream = asyncio.create_task(streamed())
+                while metric(s, "jaxllm:num_requests_running") < 2:
+                    await asyncio.sleep(0.05)
+                core = core_pid(s.proc.pid)
+                os.kill(core, signal.SIGSTOP)  # hung: busy but silent
+                await asyncio.sleep(2.5)
+                hung = (await client.get("/health")).status_code
+                os.kill(core, signal.SIGCONT)
+                await asyncio.sleep(0.5)
+                recovered = (await client.get("/health")).status_code
+                assert (hung, recovered) == (503, 200)
+                os.kill(core, signal.SIGKILL)
+                await asyncio.wait_for(stream, 30)
+                return await asyncio.wait_for(plain, 30), lines
+
+        plain, lines = asyncio.run(run())
+        assert plain.status_code == 503 and "engine core" in plain.json()["error"]["message"]
+        events = [line for line in lines if line]
+        assert any('"error"' in line for line in events) and events[-1] == "data: [DONE]"
+        r = httpx.get(f"{s.url}/health")
+        assert r.status_code == 503
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi"}).status_code == 503
+    finally:
+        s.stop()
+        assert s.proc.returncode is not None
