@@ -201,3 +201,31 @@ def test_engine_options_are_checked_at_start_up(test_models_dir):
         make_llm(test_models_dir, kv_cache_memory="lots")
     with pytest.raises(ValueError, match="attention_backend: unknown 'cuda'"):
         make_llm(test_models_dir, attention_backend="cuda")
+
+
+def test_evicted_prefix_is_recomputed_correctly(test_models_dir):
+    """A prefix whose cached blocks were evicted by other requests is recomputed, and
+    the output is the same as with caching off."""
+    rng = np.random.default_rng(6)
+    shared = [int(t) for t in rng.integers(3, 500, 64)]
+    fillers = [[int(t) for t in rng.integers(3, 500, 150)] for _ in range(3)]
+    second = shared + [11, 12]
+    expected = make_llm(test_models_dir, enable_prefix_caching=False).generate([second], greedy(10), use_tqdm=False)
+    llm = make_llm(test_models_dir, kv_cache_memory=20 * KV_BYTES_PER_BLOCK)
+    llm.generate([shared + [9]], greedy(4), use_tqdm=False)
+    hit = llm.generate([shared + [10]], greedy(4), use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 64  # cached while nothing else needed the blocks
+    llm.generate(fillers, greedy(8), use_tqdm=False)  # 19 usable blocks: the shared prefix is evicted
+    out = llm.generate([second], greedy(10), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
+def test_import_prints_nothing():
+    import subprocess
+    import sys
+
+    code = "import jaxllm, jax; from jaxllm import LLM, SamplingParams; jax.devices()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stderr == "" and result.stdout == ""
