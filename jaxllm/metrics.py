@@ -16,7 +16,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, block_size: int) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -32,6 +32,9 @@ class EngineMetrics:
         self.running = gauge("jaxllm:num_requests_running", "Requests running in the engine.")
         self.waiting = gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_blocks_used = gauge("jaxllm:kv_cache_blocks_used", "KV cache blocks held by requests.")
+        self.kv_tokens_held = gauge("jaxllm:kv_cache_tokens_held", "Tokens whose K/V the held blocks contain.")
+        gauge("jaxllm:kv_cache_block_size", "Tokens per KV cache block.").set(block_size)
         self.prefix_queries = counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted (to be recomputed).")
@@ -48,6 +51,8 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_used.set(stats.num_blocks_used)
+        self.kv_tokens_held.set(stats.num_tokens_held)
         # The core reports running totals; counters advance by the difference.
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))

@@ -1,0 +1,367 @@
+#!/usr/bin/env python
+"""Serving benchmark, like `vllm bench serve`: drive an OpenAI-compatible server
+(`python -m jaxllm.serve`, or any other) over HTTP and report latency and throughput.
+
+    # against a running server, 32 concurrent clients, the standard workload
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --dataset standard --max-concurrency 32
+
+    # launch jaxllm itself, sweep concurrency, write JSON and plots
+    python scripts/bench_serving.py --launch "--max-num-seqs 64" --dataset standard --concurrency-sweep 1,8,32,64
+
+    # shared-prefix dataset with and without prefix caching (two launched servers)
+    python scripts/bench_serving.py --compare-prefix-caching --max-concurrency 16
+
+Per request: TTFT (time to first token), TPOT (time per output token after the first),
+ITL (gaps between streamed chunks), end-to-end latency; mean, p50, p90, p99 of each;
+request and token throughput. Prompts are token ids (the completions endpoint takes
+them), outputs have exact lengths (ignore_eos + max_tokens). While it runs it samples
+the server's /metrics for the KV accounting: peak blocks in use, tokens held, waste.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+# ----------------------------------------------------------------- datasets
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int]
+    output_len: int
+
+
+def standard_dataset(n: int = 200, seed: int = 0, vocab: int = 49152) -> list[BenchRequest]:
+    """The project's standard workload: prompts U[32, 512], outputs U[16, 256]."""
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(rng.integers(100, vocab, int(rng.integers(32, 513))).tolist(), int(rng.integers(16, 257)))
+            for _ in range(n)]
+
+
+def random_dataset(n: int, input_len: int, output_len: int, seed: int = 0, vocab: int = 49152) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(rng.integers(100, vocab, input_len).tolist(), output_len) for _ in range(n)]
+
+
+def shared_prefix_dataset(n: int = 64, prefix_len: int = 1024, suffix_len: int = 64, output_len: int = 128,
+                          seed: int = 0, vocab: int = 49152) -> list[BenchRequest]:
+    """n requests sharing one system prompt, each with a unique suffix."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(100, vocab, prefix_len).tolist()
+    return [BenchRequest(prefix + rng.integers(100, vocab, suffix_len).tolist(), output_len) for _ in range(n)]
+
+
+# ------------------------------------------------------------------- client
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def run_one(client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    return RequestResult(ok=False, error=str(data["error"]))
+                now = time.perf_counter()
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"]["prompt_tokens"]
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                if data.get("choices") and data["choices"][0].get("text") is not None:
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens == req.output_len
+        if not result.ok:
+            result.error = f"got {result.output_tokens} tokens, wanted {req.output_len}"
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    return result
+
+
+async def sample_kv(client: httpx.AsyncClient, stop: asyncio.Event, samples: list[dict]) -> None:
+    """Poll /metrics for KV accounting while the benchmark runs."""
+    pattern = re.compile(r"^(jaxllm:[a-z_]+)\{[^}]*\} (\S+)$", re.M)
+    while not stop.is_set():
+        try:
+            text = (await client.get("/metrics")).text
+            values = {k: float(v) for k, v in pattern.findall(text)}
+            if "jaxllm:kv_cache_blocks_used" in values:
+                samples.append(values)
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.1)
+
+
+async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, max_concurrency: int | None,
+                    request_rate: float, seed: int = 0) -> dict:
+    limits = httpx.Limits(max_connections=(max_concurrency or len(requests)) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600.0), limits=limits,
+                                 headers=_auth_headers()) as client:
+        semaphore = asyncio.Semaphore(max_concurrency or len(requests))
+        rng = np.random.default_rng(seed)
+        stop, kv_samples = asyncio.Event(), []
+        sampler = asyncio.create_task(sample_kv(client, stop, kv_samples))
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            async with semaphore:
+                return await run_one(client, model, req)
+
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(limited(req)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        stop.set()
+        await sampler
+    return summarize(results, duration, kv_samples) | {"max_concurrency": max_concurrency, "request_rate": request_rate}
+
+
+def _auth_headers() -> dict[str, str]:
+    key = os.environ.get("JAXLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values) * 1000.0  # ms
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, kv_samples: list[dict]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_ms": _stats([r.e2e for r in ok]),
+        "ttft_values_s": [r.ttft for r in ok], "e2e_values_s": [r.e2e for r in ok],
+    }
+    if kv_samples:
+        peak = max(kv_samples, key=lambda s: s["jaxllm:kv_cache_blocks_used"])
+        blocks, held = peak["jaxllm:kv_cache_blocks_used"], peak["jaxllm:kv_cache_tokens_held"]
+        block_size = peak.get("jaxllm:kv_cache_block_size", 16)
+        summary["kv"] = {"peak_blocks_in_use": blocks, "tokens_held_at_peak": held,
+                         "waste_at_peak": 1 - held / (blocks * block_size) if blocks else 0.0}
+        hits = max(s.get("jaxllm:prefix_cache_hits_total", 0) for s in kv_samples)
+        queries = max(s.get("jaxllm:prefix_cache_queries_total", 0) for s in kv_samples)
+        summary["prefix_cache_hit_rate_cumulative"] = hits / queries if queries else 0.0
+    return summary
+
+
+def print_summary(title: str, s: dict) -> None:
+    print(f"\n== {title} ==")
+    print(f"completed {s['completed']}/{s['num_requests']} in {s['duration_s']:.1f} s"
+          + (f"  (errors: {s['errors']})" if s["failed"] else ""))
+    print(f"request throughput {s['request_throughput']:.2f} req/s | output {s['output_token_throughput']:.1f} tok/s | "
+          f"total {s['total_token_throughput']:.1f} tok/s")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        v = s[key]
+        if v["mean"] is not None:
+            print(f"{key[:-3].upper():>5} ms: mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 {v['p90']:8.1f}  p99 {v['p99']:8.1f}")
+    if "kv" in s:
+        kv = s["kv"]
+        print(f"KV at peak: {kv['peak_blocks_in_use']:.0f} blocks in use, {kv['tokens_held_at_peak']:.0f} tokens held, "
+              f"waste {100 * kv['waste_at_peak']:.2f}%; prefix-cache hit rate {100 * s['prefix_cache_hit_rate_cumulative']:.1f}%")
+
+
+# ------------------------------------------------------------------ server
+
+
+class LaunchedServer:
+    """`python -m jaxllm.serve` in a subprocess, for the length of a `with`."""
+
+    def __init__(self, args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *shlex.split(args)]
+
+    def __enter__(self) -> "LaunchedServer":
+        print("launching:", " ".join(self.cmd), flush=True)
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in self.proc.stdout:
+            if "jaxllm ready" in line:
+                break
+        else:
+            raise RuntimeError(f"server exited with {self.proc.wait()}")
+        self.startup_s = time.perf_counter() - start
+        print(f"server ready in {self.startup_s:.1f} s", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+    def model(self) -> str:
+        return httpx.get(f"{self.url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
+
+
+# --------------------------------------------------------------------- plots
+
+
+def plot(results: dict, out_prefix: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    sweep = results.get("sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        conc = [r["max_concurrency"] for r in sweep]
+        ax.plot(conc, [r["output_token_throughput"] for r in sweep], "o-", label="output tok/s")
+        ax.plot(conc, [r["total_token_throughput"] for r in sweep], "s--", label="total tok/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("tokens / s")
+        ax.set_title("throughput against concurrency")
+        ax.legend()
+        path = out_prefix.with_name(out_prefix.name + "_throughput.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        written.append(str(path))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, run in results["runs"].items():
+        for ax, key, label in ((axes[0], "ttft_values_s", "TTFT (s)"), (axes[1], "e2e_values_s", "end-to-end (s)")):
+            values = np.sort(run[key])
+            if len(values):
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
+            ax.set_xlabel(label)
+            ax.set_ylabel("fraction of requests")
+    axes[0].set_title("TTFT CDF")
+    axes[1].set_title("latency CDF")
+    if results["runs"]:
+        axes[1].legend(fontsize=7)
+    path = out_prefix.with_name(out_prefix.name + "_latency_cdf.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    written.append(str(path))
+    return written
+
+
+# ---------------------------------------------------------------------- main
+
+
+def make_dataset(args, seed: int) -> list[BenchRequest]:
+    if args.dataset == "standard":
+        return standard_dataset(args.num_prompts or 200, seed, args.vocab_size)
+    if args.dataset == "random":
+        return random_dataset(args.num_prompts or 200, args.random_input_len, args.random_output_len, seed,
+                              args.vocab_size)
+    return shared_prefix_dataset(args.num_prompts or 64, seed=seed, vocab=args.vocab_size)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=None, help="a running server (default: launch one with --launch)")
+    p.add_argument("--launch", default=None, help="flags for a `python -m jaxllm.serve` this script starts")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--dataset", choices=["standard", "random", "shared-prefix"], default="standard")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--concurrency-sweep", default=None, help="comma-separated concurrency levels")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="shared-prefix dataset on two launched servers: caching on and off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this (SmolLM2's)")
+    p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
+    args = p.parse_args()
+
+    out_prefix = Path(args.out)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {"args": vars(args), "runs": {}}
+
+    if args.compare_prefix_caching:
+        requests = shared_prefix_dataset(args.num_prompts or 64, seed=args.seed, vocab=args.vocab_size)
+        base_flags = args.launch or ""
+        for label, flag in (("prefix caching on", "--enable-prefix-caching"), ("prefix caching off", "--no-enable-prefix-caching")):
+            with LaunchedServer(f"{base_flags} {flag}") as server:
+                run = asyncio.run(benchmark(server.url, server.model(), requests,
+                                            max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+            results["runs"][label] = run
+            print_summary(label, run)
+        on, off = results["runs"]["prefix caching on"], results["runs"]["prefix caching off"]
+        results["ttft_p50_speedup"] = off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"]
+        results["total_throughput_speedup"] = on["total_token_throughput"] / off["total_token_throughput"]
+        print(f"\nprefix caching: TTFT p50 {results['ttft_p50_speedup']:.1f}x lower, "
+              f"total throughput {results['total_throughput_speedup']:.1f}x higher")
+    else:
+        def run_all(url: str, model: str) -> None:
+            levels = [int(c) for c in args.concurrency_sweep.split(",")] if args.concurrency_sweep else [args.max_concurrency]
+            for i, level in enumerate(levels):
+                # fresh prompts per level, so a level does not hit the previous one's prefix cache
+                requests = make_dataset(args, args.seed + i)
+                run = asyncio.run(benchmark(url, model, requests, max_concurrency=level, request_rate=args.request_rate))
+                label = f"{args.dataset} concurrency={level or 'unbounded'}"
+                results["runs"][label] = run
+                print_summary(label, run)
+            if args.concurrency_sweep:
+                results["sweep"] = list(results["runs"].values())
+
+        if args.base_url:
+            model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
+            run_all(args.base_url, model)
+        else:
+            with LaunchedServer(args.launch or "") as server:
+                results["server_startup_s"] = server.startup_s
+                run_all(server.url, args.model or server.model())
+
+    json_path = out_prefix.with_suffix(".json")
+    json_path.write_text(json.dumps(results, indent=2, default=lambda o: asdict(o)))
+    print("\nwrote", json_path, *plot(results, out_prefix))
+
+
+if __name__ == "__main__":
+    main()
