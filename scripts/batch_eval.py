@@ -21,7 +21,7 @@ completion per id.
 Output, one line per id, in input order:
 
     {"id": "q1", "text": " Paris.", "prompt_tokens": 6, "completion_tokens": 3,
-     "cached_tokens": 0, "finish_reason": "stop", "stop_reason": 2,
+     "cached_tokens": 0, "finish_reason": "stop", "stop_reason": null,
      "ttft_s": 0.41, "latency_s": 0.52}
 
 `ttft_s` and `latency_s` run from the moment the request's chunk was submitted to its
