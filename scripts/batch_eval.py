@@ -204,7 +204,8 @@ def _id_of(text: str) -> RequestId | None:
 
 def load_results(path: Path) -> dict[RequestId, dict[str, Any]]:
     """Results already in the output file, by id. A last line torn by an interrupted
-    run is cut off the file; a bad line anywhere else is an error (not our file?)."""
+    run is cut off the file; a bad line anywhere else stops the run rather than
+    append to a file that may not be a results file."""
     if not path.exists():
         return {}
     data = path.read_bytes()
