@@ -174,10 +174,10 @@ def test_logprobs_and_prompt_logprobs_match_the_model(test_models_dir):
 def test_validation_happens_before_anything_is_queued(pressured):
     good = [3, 4, 5]
     cases = [
-        ([good, []], SamplingParams(), "prompt: must not be empty"),
-        ([good, [3, 10**6]], SamplingParams(), r"prompt: token id 1000000 is out of range"),
-        ([good, list(range(3, 300))], SamplingParams(), "max_model_len=256"),
-        ([good], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),
+        ([good, []], SamplingParams(), r"^prompt: must not be empty \(request 1 of 2\)"),
+        ([good, [3, 10**6]], SamplingParams(), r"^prompt: token id 1000000 is out of range"),
+        ([good, list(range(3, 300))], SamplingParams(), r"max_model_len=256 \(request 1 of 2\)"),
+        ([good], SamplingParams(logit_bias={10**6: 1.0}), r"^logit_bias: token id 1000000.*\(request 0 of 1\)"),
     ]
     for prompts, params, message in cases:
         with pytest.raises(ValueError, match=message):

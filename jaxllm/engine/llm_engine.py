@@ -43,10 +43,13 @@ class LLMEngine:
     ) -> None:
         """Queue (request_id, prompt, params) items; all are validated first, so a
         ValueError leaves nothing queued."""
-        prepared = [
-            self.input_processor.make_request(rid, prompt, params, add_special_tokens=add_special_tokens)
-            for rid, prompt, params in items
-        ]
+        prepared = []
+        for index, (rid, prompt, params) in enumerate(items):
+            try:
+                prepared.append(
+                    self.input_processor.make_request(rid, prompt, params, add_special_tokens=add_special_tokens))
+            except ValueError as e:  # the field stays first; say which request it was
+                raise ValueError(f"{e} (request {index} of {len(items)})") from None
         children: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]] = []
         for request, text in prepared:
             n = request.sampling_params.n

@@ -56,7 +56,7 @@ class LLM:
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         if sampling_params is None:
             sampling_params = SamplingParams()
