@@ -8,6 +8,10 @@
     # launch jaxllm itself, sweep concurrency, write JSON and plots
     python scripts/bench_serving.py --launch "--max-num-seqs 64" --dataset standard --concurrency-sweep 1,8,32,64
 
+    # the same against llama.cpp's llama-server first (same workload, same run)
+    python scripts/bench_serving.py --launch "" --max-concurrency 32 \
+        --llama-server path/to/llama-server --llama-gguf smollm2-f32.gguf
+
     # shared-prefix dataset with and without prefix caching (two launched servers)
     python scripts/bench_serving.py --compare-prefix-caching --max-concurrency 16
 
@@ -244,6 +248,32 @@ class LaunchedServer:
         return httpx.get(f"{self.url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
 
 
+class LaunchedLlamaServer(LaunchedServer):
+    """llama.cpp's llama-server as the baseline: `slots` parallel slots sharing the
+    context, as many threads as cores."""
+
+    def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int = 1024) -> None:
+        super().__init__("")
+        self.cmd = [binary, "-m", gguf, "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                    "-t", str(os.cpu_count()), "--cont-batching"]
+
+    def __enter__(self) -> "LaunchedServer":
+        print("launching:", " ".join(self.cmd), flush=True)
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            time.sleep(0.2)
+        self.startup_s = time.perf_counter() - start
+        return self
+
+
 # --------------------------------------------------------------------- plots
 
 
@@ -314,6 +344,9 @@ def main() -> None:
     p.add_argument("--concurrency-sweep", default=None, help="comma-separated concurrency levels")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="shared-prefix dataset on two launched servers: caching on and off")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's llama-server binary: run the same workload on it first, as the baseline")
+    p.add_argument("--llama-gguf", default=None, help="the GGUF llama-server loads (e.g. an F32 export)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this (SmolLM2's)")
     p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
@@ -350,6 +383,15 @@ def main() -> None:
             if args.concurrency_sweep:
                 results["sweep"] = list(results["runs"].values())
 
+        if args.llama_server:
+            slots = max(args.max_concurrency or 32, 1)
+            with LaunchedLlamaServer(args.llama_server, args.llama_gguf, slots) as baseline:
+                requests = make_dataset(args, args.seed)
+                run = asyncio.run(benchmark(baseline.url, baseline.model(), requests,
+                                            max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+            results["baseline"] = run
+            print_summary(f"llama.cpp llama-server ({slots} slots)", run)
+
         if args.base_url:
             model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
             run_all(args.base_url, model)
@@ -357,6 +399,11 @@ def main() -> None:
             with LaunchedServer(args.launch or "") as server:
                 results["server_startup_s"] = server.startup_s
                 run_all(server.url, args.model or server.model())
+
+    if "baseline" in results and results["runs"]:
+        first = next(iter(results["runs"].values()))
+        results["output_throughput_vs_llama_cpp"] = first["output_token_throughput"] / results["baseline"]["output_token_throughput"]
+        print(f"\njaxllm / llama.cpp output tokens/s: {results['output_throughput_vs_llama_cpp']:.2f}x")
 
     json_path = out_prefix.with_suffix(".json")
     json_path.write_text(json.dumps(results, indent=2, default=lambda o: asdict(o)))
