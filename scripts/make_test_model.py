@@ -236,7 +236,10 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    template_file = hf_folder / "chat_template.jinja"
+    tok_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template", CHAT_TEMPLATE)
+    w.add_chat_template(template)
 
     tensors = _hf_tensors(hf_folder)
     if rope.get("rope_type") == "llama3":
