@@ -9,6 +9,7 @@ that is a bug, counted in `num_compilations_after_warmup` and logged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -29,6 +30,27 @@ from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunnerStats:
+    """Cumulative accounting of executed steps (read by benchmarks; cheap to keep).
+
+    host_seconds: building the step's inputs on the host (numpy) and dispatching the
+    call; device_seconds: waiting for the sampled ids after dispatch (the device
+    work not hidden behind host work); post_seconds: recording the results.
+    """
+
+    num_steps: int = 0
+    num_tokens: int = 0  # real (scheduled) tokens
+    num_padded_tokens: int = 0  # tokens of the buckets the steps ran in
+    num_seqs: int = 0
+    num_padded_seqs: int = 0
+    host_seconds: float = 0.0
+    device_seconds: float = 0.0
+    post_seconds: float = 0.0
+    steps_per_bucket: dict = dataclasses.field(default_factory=dict)
+    seconds_per_bucket: dict = dataclasses.field(default_factory=dict)  # host + device wait
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
@@ -56,6 +78,22 @@ def _smallest_at_least(buckets: list[int], n: int) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One step's device inputs and the host-side facts needed to record its results."""
+
+    req_ids: list[str]
+    rows: np.ndarray
+    num_tokens: int
+    t: int  # token bucket
+    s: int  # sequence bucket
+    inputs: StepInputs
+    qsl: np.ndarray
+    seq_lens: np.ndarray
+    samples: np.ndarray  # which rows sample a token this step
+    targets: np.ndarray  # prompt-logprob targets per token
 
 
 class ModelRunner:
@@ -94,6 +132,7 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], object] = {}
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
+        self.stats = RunnerStats()
 
     # -------------------------------------------------------------- compiling
 
@@ -220,6 +259,19 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
+        t0 = time.perf_counter()
+        step = self.prepare_step(sched)
+        executable = self._executable(step.t, step.s)
+        self.kv_caches, self.history, out = executable(self.params, self.kv_caches, self.history, step.inputs)
+        t1 = time.perf_counter()
+        sampled = np.asarray(out.sampled.token_ids)[: len(step.rows)]
+        t2 = time.perf_counter()
+        result = self._record(step, out, sampled)
+        self._account(step, t0, t1, t2)
+        return result
+
+    def prepare_step(self, sched: SchedulerOutput) -> "PreparedStep":
+        """The bucket-shaped inputs of a step, from the rows' host state (numpy only)."""
         b = self.input_batch
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), np.int32, len(req_ids))
@@ -242,18 +294,33 @@ class ModelRunner:
         t, s = self.bucket_for(num_tokens, len(rows))
         inputs = self._pad_inputs(t, s, rows, input_ids, positions, tok_rows, slots.astype(np.int32), qsl,
                                   seq_lens, targets, output_index, samples)
-        executable = self._executable(t, s)
-        self.kv_caches, self.history, out = executable(self.params, self.kv_caches, self.history, inputs)
-        sampled = np.asarray(out.sampled.token_ids)[: len(rows)]
+        return PreparedStep(req_ids, rows, num_tokens, t, s, inputs, qsl, seq_lens, samples, targets)
 
-        b.num_computed_tokens[rows] = seq_lens
+    def _record(self, step: "PreparedStep", out: StepOutput, sampled: np.ndarray) -> ModelRunnerOutput:
+        """Advance the rows' host state by the step's results; the runner's output."""
+        b, rows, samples = self.input_batch, step.rows, step.samples
+        b.num_computed_tokens[rows] = step.seq_lens
         b.append_sampled(rows[samples], sampled[samples])
-        result = ModelRunnerOutput(req_ids, [int(x) if ok else None for x, ok in zip(sampled, samples)])
-        if inputs.sampling.any_logprobs:
+        result = ModelRunnerOutput(step.req_ids, [int(x) if ok else None for x, ok in zip(sampled, samples)])
+        if step.inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, rows, samples)
-        if inputs.any_prompt_logprobs:
-            self._collect_prompt_logprobs(result, out, rows, qsl, targets)
+        if step.inputs.any_prompt_logprobs:
+            self._collect_prompt_logprobs(result, out, rows, step.qsl, step.targets)
         return result
+
+    def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
+        st = self.stats
+        st.num_steps += 1
+        st.num_tokens += step.num_tokens
+        st.num_padded_tokens += step.t
+        st.num_seqs += len(step.rows)
+        st.num_padded_seqs += step.s
+        key = (step.t, step.s)
+        st.steps_per_bucket[key] = st.steps_per_bucket.get(key, 0) + 1
+        st.seconds_per_bucket[key] = st.seconds_per_bucket.get(key, 0.0) + (t2 - t0)
+        st.host_seconds += t1 - t0
+        st.device_seconds += t2 - t1
+        st.post_seconds += time.perf_counter() - t2
 
     def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, samples) -> None:
         o = jax.device_get(out.sampled)
