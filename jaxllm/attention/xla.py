@@ -1,15 +1,27 @@
 """The XLA (pure jnp) attention backend over the paged KV cache: the CPU path.
 
 Cost follows the real sequence lengths, not max_model_len: K/V are read through the
-block tables in chunks of KV_CHUNK tokens inside loops whose trip counts are dynamic,
-with an online softmax across chunks. The ragged batch is split into two kinds of
-work, planned inside the jitted step from query_start_loc:
+block tables in chunks inside loops whose trip counts are dynamic, with an online
+softmax across chunks. The ragged batch is split into two kinds of work, planned
+inside the jitted step from query_start_loc:
 
-- decodes (sequences with one new token): one vectorized pass over all of them, each
-  row reading its own sequence's chunks (the loop runs to the longest decode);
+- decodes (sequences with one new token): the rows are sorted by length, longest
+  first, and the loop runs over (kv chunk j, group of DECODE_ROWS rows that still
+  need chunk j): the rows that need chunk j are a prefix of the sorted order, so every
+  row reads its own length (rounded up to a chunk), not the longest row's;
 - prefill chunks (sequences with several new tokens): query tiles of QUERY_TILE rows
   that belong to one sequence, processed one after another, each reading its chunks
-  up to its last query's position (causal) and from its sliding window's start.
+  of KV_CHUNK keys up to its last query's position (causal) and from its sliding
+  window's start.
+
+K/V chunks are gathered as whole cache blocks (rows of a [num_blocks, block_size *
+Hkv * hd] view), which XLA:CPU copies at memory speed. Decode rows with few KV heads
+(GQA groups of SmolLM2-like models) lay their query heads out block-diagonally over
+the KV heads, so both dots of a chunk are batched matmuls against the gathered
+[chunk, Hkv * hd] with no transposed copy of K or V (the off-diagonal blocks cost
+Hkv-times the FLOPs, cheap next to the memory traffic: decode attention is bound by
+reading the cache). Prefill tiles are compute-bound and use one batched matmul per KV
+head instead.
 
 Same signature as pallas_kernels.ragged_paged_attention, so the backends swap.
 """
@@ -20,13 +32,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-QUERY_TILE = 32  # query rows per prefill tile
-KV_CHUNK = 128  # key/value tokens read per loop iteration (a multiple of block_size)
+QUERY_TILE = 128  # query rows per prefill tile
+KV_CHUNK = 256  # key/value tokens a prefill tile reads per loop iteration
+DECODE_ROWS = 16  # decode rows per loop iteration
+DECODE_CHUNK = 128  # key/value tokens a decode row reads per loop iteration
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4  # block-diagonal decode queries up to this many KV heads
 MASK_VALUE = -1e30  # finite: a fully masked row gives finite garbage, never NaN
 
 
-def _chunk_blocks(block_size: int) -> int:
-    return max(1, KV_CHUNK // block_size)
+def _chunk_blocks(block_size: int, chunk_tokens: int) -> int:
+    return max(1, chunk_tokens // block_size)
 
 
 def _pad_block_tables(block_tables: Int[Array, "S B"], blocks_per_chunk: int) -> Int[Array, "S B2"]:
@@ -35,15 +50,11 @@ def _pad_block_tables(block_tables: Int[Array, "S B"], blocks_per_chunk: int) ->
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
-def _online_softmax_step(carry, scores, v_chunk, spec: str):
-    """Fold one chunk of masked scores [..., C] and values into (max, sum, acc)."""
-    m, l, acc = carry
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    scale = jnp.exp(m - m_new)
-    p = jnp.exp(scores - m_new[..., None])
-    l = l * scale + p.sum(axis=-1)
-    acc = acc * scale[..., None] + jnp.einsum(spec, p, v_chunk, preferred_element_type=jnp.float32)
-    return m_new, l, acc
+def _gather_blocks(cache: Float[Array, "N B Hkv hd"], ids: Int[Array, "... nb"]) -> Float[Array, "... C X"]:
+    """The blocks `ids` of a cache as [..., nb * block_size, Hkv * hd] (a row gather)."""
+    n, bs, hkv, hd = cache.shape
+    rows = cache.reshape(n, bs * hkv * hd).at[ids].get(mode="promise_in_bounds")
+    return rows.reshape(*ids.shape[:-1], ids.shape[-1] * bs, hkv * hd).astype(jnp.float32)
 
 
 def _mask(k_pos, q_pos, sliding_window: int | None):
@@ -57,62 +68,137 @@ def _softcap(scores, soft_cap: float | None):
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
+def _block_diagonal(q: Float[Array, "... Hkv G hd"]) -> Float[Array, "... M X"]:
+    """[..., Hkv, G, hd] -> [..., Hkv*G, Hkv*hd], zero outside each head's own KV head."""
+    hkv, group, hd = q.shape[-3:]
+    eye = jnp.eye(hkv, dtype=q.dtype)
+    bd = q[..., :, :, None, :] * eye[:, None, :, None]  # [..., Hkv, G, Hkv, hd]
+    return bd.reshape(*q.shape[:-3], hkv * group, hkv * hd)
+
+
+def _take_diagonal(o: Float[Array, "... M X"], hkv: int, group: int, hd: int) -> Float[Array, "... M hd"]:
+    """Inverse of the block-diagonal layout on the output: [..., Hkv*G, Hkv*hd] ->
+    [..., Hkv*G, hd], each head's values from its own KV head."""
+    o = o.reshape(*o.shape[:-2], hkv, group, hkv, hd)
+    return jnp.stack([o[..., i, :, i, :] for i in range(hkv)], axis=-3).reshape(*o.shape[:-4], hkv * group, hd)
+
+
+def _scores(q, k, hkv: int, hd: int, block_diagonal: bool):
+    """q: [..., M, X] (block-diagonal) or [..., Hkv, G, hd]; k: [..., C, Hkv*hd] -> [..., M, C]."""
+    if block_diagonal:
+        return jnp.einsum("...mx,...cx->...mc", q, k, preferred_element_type=jnp.float32)
+    k = k.reshape(*k.shape[:-1], hkv, hd)
+    s = jnp.einsum("...kgd,...ckd->...kgc", q, k, preferred_element_type=jnp.float32)
+    return s.reshape(*s.shape[:-3], -1, s.shape[-1])
+
+
+def _values(p, v, hkv: int, group: int, hd: int, block_diagonal: bool):
+    """p: [..., M, C]; v: [..., C, Hkv*hd] -> [..., M, hd]."""
+    if block_diagonal:
+        return _take_diagonal(jnp.einsum("...mc,...cx->...mx", p, v, preferred_element_type=jnp.float32), hkv, group, hd)
+    p = p.reshape(*p.shape[:-2], hkv, group, p.shape[-1])
+    v = v.reshape(*v.shape[:-1], hkv, hd)
+    o = jnp.einsum("...kgc,...ckd->...kgd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(*o.shape[:-3], hkv * group, hd)
+
+
+def _online_softmax_step(m, l, acc, scores, values_fn):
+    """Fold one chunk of masked scores [..., M, C] into (max, sum, acc)."""
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    scale = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    l = l * scale + p.sum(axis=-1)
+    acc = acc * scale[..., None] + values_fn(p)
+    return m_new, l, acc
+
+
 def _decode_attention(q, k_cache, v_cache, seq_lens, tables, active, *, sm_scale, sliding_window, soft_cap):
     """One query per row: q [R, Hkv, G, D]; row r reads table row tables[r] up to
     seq_lens[r]; inactive rows read nothing useful and are discarded by the caller."""
     rows, hkv, group, hd = q.shape
     _, bs, _, _ = k_cache.shape
-    nb = _chunk_blocks(bs)
+    nb = _chunk_blocks(bs, DECODE_CHUNK)
     chunk = nb * bs
-    q_pos = seq_lens - 1
-    lens = jnp.where(active, seq_lens, 0)
-    num_chunks = (lens.max() + chunk - 1) // chunk
-    first = 0
-    if sliding_window is not None:
-        first = jnp.where(active, jnp.maximum(q_pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max).min()
-        first = jnp.minimum(first, num_chunks * chunk) // chunk
+    g = min(DECODE_ROWS, rows)
+    bd = hkv <= BLOCK_DIAGONAL_MAX_KV_HEADS
+    m_rows = hkv * group
 
-    def body(j, carry):
-        ids = jax.lax.dynamic_slice_in_dim(tables, j * nb, nb, axis=1)  # [R, nb]
-        k = k_cache[ids].reshape(rows, chunk, hkv, hd)
-        v = v_cache[ids].reshape(rows, chunk, hkv, hd)
-        s = jnp.einsum("rkgd,rckd->rkgc", q, k, preferred_element_type=jnp.float32) * sm_scale
-        s = _softcap(s, soft_cap)
+    # Longest rows first; g padding rows at the end so a group's slice never clamps.
+    lens = jnp.where(active, seq_lens, 0)
+    order = jnp.argsort(-lens, stable=True)
+    lens_s = jnp.pad(lens[order], (0, g))
+    q_pos = lens_s - 1
+    tables_s = jnp.pad(tables[order], ((0, g), (0, 0)))
+    q_s = jnp.pad(q[order].astype(jnp.float32), ((0, g), (0, 0), (0, 0), (0, 0)))
+    q_s = (_block_diagonal(q_s) if bd else q_s) * sm_scale
+
+    # Loop iterations: for each chunk j, the groups of rows that still need it.
+    max_chunks = tables.shape[1] // nb
+    num_chunks = (lens_s + chunk - 1) // chunk
+    need = (num_chunks[None, :] > jnp.arange(max_chunks)[:, None]).sum(axis=1)  # rows needing chunk j
+    groups = (need + g - 1) // g
+    ends = jnp.cumsum(groups)
+
+    def body(it, carry):
+        m, l, acc = carry
+        j = jnp.minimum(jnp.searchsorted(ends, it, side="right"), max_chunks - 1)
+        r0 = (it - (ends[j] - groups[j])) * g
+        ids = jax.lax.dynamic_slice(tables_s, (r0, j * nb), (g, nb))
+        k = _gather_blocks(k_cache, ids)  # [g, C, Hkv*hd]
+        v = _gather_blocks(v_cache, ids)
+        qq = jax.lax.dynamic_slice_in_dim(q_s, r0, g)
+        s = _softcap(_scores(qq, k, hkv, hd, bd), soft_cap)  # [g, M, C]
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        visible = _mask(k_pos[None, :], q_pos[:, None], sliding_window)  # [R, C]
-        s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)
-        return _online_softmax_step(carry, s, v.astype(jnp.float32), "rkgc,rckd->rkgd")
+        pos = jax.lax.dynamic_slice_in_dim(q_pos, r0, g)
+        visible = _mask(k_pos[None, :], pos[:, None], sliding_window)  # [g, C]
+        s = jnp.where(visible[:, None, :], s, MASK_VALUE)
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)  # noqa: E731
+        m_g, l_g, acc_g = _online_softmax_step(
+            sl(m), sl(l), sl(acc), s, lambda p: _values(p, v, hkv, group, hd, bd)
+        )
+        put = jax.lax.dynamic_update_slice_in_dim
+        return put(m, m_g, r0, 0), put(l, l_g, r0, 0), put(acc, acc_g, r0, 0)
 
     init = (
-        jnp.full((rows, hkv, group), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows, hkv, group), jnp.float32),
-        jnp.zeros((rows, hkv, group, hd), jnp.float32),
+        jnp.full((rows + g, m_rows), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows + g, m_rows), jnp.float32),
+        jnp.zeros((rows + g, m_rows, hd), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(first, num_chunks, body, init)
-    return acc / jnp.maximum(l, 1e-30)[..., None]
+    _, l, acc = jax.lax.fori_loop(0, ends[-1], body, init)
+    out_s = acc[:rows] / jnp.maximum(l[:rows], 1e-30)[..., None]
+    inverse = jnp.zeros(rows, jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    return out_s[inverse].reshape(rows, hkv, group, hd)
 
 
 def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_scale, sliding_window, soft_cap):
-    """QUERY_TILE consecutive queries of one sequence, at positions q_pos0 + i."""
-    hkv, group, tile, hd = q_tile.shape
+    """QUERY_TILE consecutive queries of one sequence, at positions q_pos0 + i:
+    q_tile [tile, Hkv, G, hd] -> [tile, Hkv*G, hd]. Rows are laid out (KV head, group,
+    tile), so each chunk costs one batched matmul per KV head for scores and values."""
+    tile, hkv, group, hd = q_tile.shape
     _, bs, _, _ = k_cache.shape
-    nb = _chunk_blocks(bs)
+    nb = _chunk_blocks(bs, KV_CHUNK)
     chunk = nb * bs
     q_pos = q_pos0 + jnp.arange(tile, dtype=jnp.int32)
     kv_end = q_pos0 + num_rows  # exclusive: the last valid query's position + 1
     num_chunks = (kv_end + chunk - 1) // chunk
     first = 0 if sliding_window is None else jnp.maximum(q_pos0 - sliding_window + 1, 0) // chunk
+    q = (q_tile.astype(jnp.float32) * sm_scale).transpose(1, 2, 0, 3).reshape(hkv, group * tile, hd)
 
     def body(j, carry):
         ids = jax.lax.dynamic_slice_in_dim(table, j * nb, nb)
-        k = k_cache[ids].reshape(chunk, hkv, hd)
-        v = v_cache[ids].reshape(chunk, hkv, hd)
-        s = jnp.einsum("kgtd,ckd->kgtc", q_tile, k, preferred_element_type=jnp.float32) * sm_scale
-        s = _softcap(s, soft_cap)
+        k = _gather_blocks(k_cache, ids).reshape(chunk, hkv, hd)
+        v = _gather_blocks(v_cache, ids).reshape(chunk, hkv, hd)
+        s = jnp.einsum("kmd,ckd->kmc", q, k, preferred_element_type=jnp.float32)
+        s = _softcap(s.reshape(hkv, group, tile, chunk), soft_cap)
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = _mask(k_pos[None, :], q_pos[:, None], sliding_window)  # [tile, C]
-        s = jnp.where(visible[None, None], s, MASK_VALUE)
-        return _online_softmax_step(carry, s, v.astype(jnp.float32), "kgtc,ckd->kgtd")
+        s = jnp.where(visible, s, MASK_VALUE)
+
+        def values(p):
+            o = jnp.einsum("kmc,ckd->kmd", p.reshape(hkv, group * tile, chunk), v, preferred_element_type=jnp.float32)
+            return o.reshape(hkv, group, tile, hd)
+
+        return _online_softmax_step(*carry, s, values)
 
     init = (
         jnp.full((hkv, group, tile), MASK_VALUE, jnp.float32),
@@ -120,7 +206,8 @@ def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_sca
         jnp.zeros((hkv, group, tile, hd), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(first, num_chunks, body, init)
-    return acc / jnp.maximum(l, 1e-30)[..., None]
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.transpose(2, 0, 1, 3).reshape(tile, hkv * group, hd)
 
 
 def ragged_paged_attention_xla(
@@ -140,19 +227,20 @@ def ragged_paged_attention_xla(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_slots = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    tables = _pad_block_tables(block_tables, _chunk_blocks(block_size))
+    blocks_per_chunk = max(_chunk_blocks(block_size, KV_CHUNK), _chunk_blocks(block_size, DECODE_CHUNK))
+    tables = _pad_block_tables(block_tables, blocks_per_chunk)
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
     real = jnp.arange(num_slots) < jnp.reshape(num_seqs, (-1,))[0]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = jnp.zeros((num_tokens + QUERY_TILE, num_kv_heads, group, head_dim), jnp.float32)
+    out = jnp.zeros((num_tokens + QUERY_TILE, num_heads, head_dim), jnp.float32)
 
     # Decodes: every sequence with exactly one new token, vectorized.
     is_decode = real & (q_lens == 1)
     decode_q = q[jnp.minimum(qsl[:-1], num_tokens - 1)].reshape(num_slots, num_kv_heads, group, head_dim)
     decode_out = _decode_attention(decode_q, k_cache, v_cache, kv_lens, tables, is_decode, **kw)
     decode_rows = jnp.where(is_decode, qsl[:-1], num_tokens + QUERY_TILE)  # out of range: dropped
-    out = out.at[decode_rows].set(decode_out, mode="drop")
+    out = out.at[decode_rows].set(decode_out.reshape(num_slots, num_heads, head_dim), mode="drop")
 
     # Prefill chunks: tiles of QUERY_TILE rows, each inside one sequence.
     is_prefill = real & (q_lens > 1)
@@ -167,12 +255,11 @@ def ragged_paged_attention_xla(
         num_rows = jnp.minimum(QUERY_TILE, q_lens[s] - k * QUERY_TILE)
         q_pos0 = kv_lens[s] - q_lens[s] + k * QUERY_TILE
         q_tile = jax.lax.dynamic_slice_in_dim(q_padded, start, QUERY_TILE)
-        q_tile = q_tile.reshape(QUERY_TILE, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
-        o = _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, tables[s], **kw)
-        o = o.transpose(2, 0, 1, 3)  # [tile, Hkv, G, D]
+        q_tile = q_tile.reshape(QUERY_TILE, num_kv_heads, group, head_dim)
+        o = _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, tables[s], **kw)  # [tile, H, D]
         old = jax.lax.dynamic_slice_in_dim(out, start, QUERY_TILE)
-        keep_new = (jnp.arange(QUERY_TILE) < num_rows)[:, None, None, None]
+        keep_new = (jnp.arange(QUERY_TILE) < num_rows)[:, None, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_new, o, old), start, axis=0)
 
     out = jax.lax.fori_loop(0, tile_ends[-1], tile_body, out)
-    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out[:num_tokens].astype(q.dtype)
