@@ -112,9 +112,47 @@ def _online_softmax_step(m, l, acc, scores, values_fn):
     return m_new, l, acc
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, tables, active, *, sm_scale, sliding_window, soft_cap):
-    """One query per row: q [R, Hkv, G, D]; row r reads table row tables[r] up to
-    seq_lens[r]; inactive rows read nothing useful and are discarded by the caller."""
+def _index_of_iteration(ends: Int[Array, "J"], num_iterations: int) -> Int[Array, "I"]:
+    """For iterations 0..num_iterations-1 of a loop whose iterations are grouped
+    (group j ends before iteration ends[j]): the group of each iteration. A vectorized
+    searchsorted, computed once per step: inside a loop body jnp.searchsorted is a
+    nested while loop, per iteration and per layer."""
+    it = jnp.arange(num_iterations, dtype=jnp.int32)
+    return jnp.minimum((ends[None, :] <= it[:, None]).sum(axis=1), ends.shape[0] - 1).astype(jnp.int32)
+
+
+def _decode_plan(seq_lens, tables, active, block_size: int):
+    """What the decode loop needs, from the step's metadata only (so XLA computes it
+    once for all layers): rows sorted longest first, and per loop iteration the KV
+    chunk j and the first sorted row r0 of its group of g rows."""
+    rows = seq_lens.shape[0]
+    nb = _chunk_blocks(block_size, DECODE_CHUNK)
+    chunk = nb * block_size
+    g = min(DECODE_ROWS, rows)
+    lens = jnp.where(active, seq_lens, 0)
+    order = jnp.argsort(-lens, stable=True)
+    lens_s = jnp.pad(lens[order], (0, g))  # g padding rows: a group's slice never clamps
+    max_chunks = tables.shape[1] // nb
+    num_chunks = (lens_s + chunk - 1) // chunk
+    need = (num_chunks[None, :] > jnp.arange(max_chunks)[:, None]).sum(axis=1)  # rows needing chunk j
+    groups = (need + g - 1) // g
+    ends = jnp.cumsum(groups)
+    j = _index_of_iteration(ends, max_chunks * (-(-rows // g)))
+    r0 = (jnp.arange(j.shape[0], dtype=jnp.int32) - (ends[j] - groups[j])) * g
+    return dict(
+        order=order,
+        inverse=jnp.zeros(rows, jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32)),
+        q_pos=lens_s - 1,
+        tables=jnp.pad(tables[order], ((0, g), (0, 0))),
+        chunk_of_iteration=j,
+        row_of_iteration=r0,
+        num_iterations=ends[-1],
+    )
+
+
+def _decode_attention(q, k_cache, v_cache, plan, *, sm_scale, sliding_window, soft_cap):
+    """One query per row: q [R, Hkv, G, D]; row r reads its table row up to its
+    length; inactive rows read nothing useful and are discarded by the caller."""
     rows, hkv, group, hd = q.shape
     _, bs, _, _ = k_cache.shape
     nb = _chunk_blocks(bs, DECODE_CHUNK)
@@ -122,37 +160,20 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, tables, active, *, sm_scale
     g = min(DECODE_ROWS, rows)
     bd = hkv <= BLOCK_DIAGONAL_MAX_KV_HEADS
     m_rows = hkv * group
-
-    # Longest rows first; g padding rows at the end so a group's slice never clamps.
-    lens = jnp.where(active, seq_lens, 0)
-    order = jnp.argsort(-lens, stable=True)
-    lens_s = jnp.pad(lens[order], (0, g))
-    q_pos = lens_s - 1
-    tables_s = jnp.pad(tables[order], ((0, g), (0, 0)))
-    q_s = jnp.pad(q[order].astype(jnp.float32), ((0, g), (0, 0), (0, 0), (0, 0)))
+    q_s = jnp.pad(q[plan["order"]].astype(jnp.float32), ((0, g), (0, 0), (0, 0), (0, 0)))
     q_s = (_block_diagonal(q_s) if bd else q_s) * sm_scale
-
-    # Loop iterations: for each chunk j, the groups of rows that still need it.
-    max_chunks = tables.shape[1] // nb
-    num_chunks = (lens_s + chunk - 1) // chunk
-    need = (num_chunks[None, :] > jnp.arange(max_chunks)[:, None]).sum(axis=1)  # rows needing chunk j
-    groups = (need + g - 1) // g
-    ends = jnp.cumsum(groups)
 
     def body(it, carry):
         m, l, acc = carry
-        j = jnp.minimum(jnp.searchsorted(ends, it, side="right"), max_chunks - 1)
-        r0 = (it - (ends[j] - groups[j])) * g
-        ids = jax.lax.dynamic_slice(tables_s, (r0, j * nb), (g, nb))
+        j, r0 = plan["chunk_of_iteration"][it], plan["row_of_iteration"][it]
+        ids = jax.lax.dynamic_slice(plan["tables"], (r0, j * nb), (g, nb))
         k = _gather_blocks(k_cache, ids)  # [g, C, Hkv*hd]
         v = _gather_blocks(v_cache, ids)
-        qq = jax.lax.dynamic_slice_in_dim(q_s, r0, g)
-        s = _softcap(_scores(qq, k, hkv, hd, bd), soft_cap)  # [g, M, C]
-        k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        pos = jax.lax.dynamic_slice_in_dim(q_pos, r0, g)
-        visible = _mask(k_pos[None, :], pos[:, None], sliding_window)  # [g, C]
-        s = jnp.where(visible[:, None, :], s, MASK_VALUE)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)  # noqa: E731
+        s = _softcap(_scores(sl(q_s), k, hkv, hd, bd), soft_cap)  # [g, M, C]
+        k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        visible = _mask(k_pos[None, :], sl(plan["q_pos"])[:, None], sliding_window)  # [g, C]
+        s = jnp.where(visible[:, None, :], s, MASK_VALUE)
         m_g, l_g, acc_g = _online_softmax_step(
             sl(m), sl(l), sl(acc), s, lambda p: _values(p, v, hkv, group, hd, bd)
         )
@@ -164,10 +185,9 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, tables, active, *, sm_scale
         jnp.zeros((rows + g, m_rows), jnp.float32),
         jnp.zeros((rows + g, m_rows, hd), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, ends[-1], body, init)
+    _, l, acc = jax.lax.fori_loop(0, plan["num_iterations"], body, init)
     out_s = acc[:rows] / jnp.maximum(l[:rows], 1e-30)[..., None]
-    inverse = jnp.zeros(rows, jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
-    return out_s[inverse].reshape(rows, hkv, group, hd)
+    return out_s[plan["inverse"]].reshape(rows, hkv, group, hd)
 
 
 def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_scale, sliding_window, soft_cap):
@@ -210,6 +230,27 @@ def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_sca
     return out.transpose(2, 0, 1, 3).reshape(tile, hkv * group, hd)
 
 
+def _prefill_plan(kv_lens, query_start_loc, real, num_tokens: int):
+    """Per prefill tile (QUERY_TILE rows of one sequence with several new tokens): its
+    sequence, first row, valid rows and first query position. From the step's metadata
+    only, so XLA computes it once for all layers."""
+    qsl = query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]
+    is_prefill = real & (q_lens > 1)
+    tiles_per_seq = jnp.where(is_prefill, (q_lens + QUERY_TILE - 1) // QUERY_TILE, 0)
+    tile_ends = jnp.cumsum(tiles_per_seq)
+    max_tiles = -(-num_tokens // QUERY_TILE) + kv_lens.shape[0]  # each sequence's last tile may be partial
+    seq = _index_of_iteration(tile_ends, max_tiles)
+    k = jnp.arange(max_tiles, dtype=jnp.int32) - (tile_ends[seq] - tiles_per_seq[seq])
+    return dict(
+        seq=seq,
+        start=qsl[seq] + k * QUERY_TILE,
+        num_rows=jnp.minimum(QUERY_TILE, q_lens[seq] - k * QUERY_TILE),
+        q_pos0=kv_lens[seq] - q_lens[seq] + k * QUERY_TILE,
+        num_tiles=tile_ends[-1],
+    )
+
+
 def ragged_paged_attention_xla(
     q: Float[Array, "T H hd"],
     k_cache: Float[Array, "N B Hkv hd"],
@@ -238,28 +279,24 @@ def ragged_paged_attention_xla(
     # Decodes: every sequence with exactly one new token, vectorized.
     is_decode = real & (q_lens == 1)
     decode_q = q[jnp.minimum(qsl[:-1], num_tokens - 1)].reshape(num_slots, num_kv_heads, group, head_dim)
-    decode_out = _decode_attention(decode_q, k_cache, v_cache, kv_lens, tables, is_decode, **kw)
+    plan = _decode_plan(kv_lens, tables, is_decode, block_size)
+    decode_out = _decode_attention(decode_q, k_cache, v_cache, plan, **kw)
     decode_rows = jnp.where(is_decode, qsl[:-1], num_tokens + QUERY_TILE)  # out of range: dropped
     out = out.at[decode_rows].set(decode_out.reshape(num_slots, num_heads, head_dim), mode="drop")
 
     # Prefill chunks: tiles of QUERY_TILE rows, each inside one sequence.
-    is_prefill = real & (q_lens > 1)
-    tiles_per_seq = jnp.where(is_prefill, (q_lens + QUERY_TILE - 1) // QUERY_TILE, 0)
-    tile_ends = jnp.cumsum(tiles_per_seq)
+    tiles = _prefill_plan(kv_lens, qsl, real, num_tokens)
     q_padded = jnp.pad(q, ((0, QUERY_TILE), (0, 0), (0, 0)))
 
     def tile_body(i, out):
-        s = jnp.searchsorted(tile_ends, i, side="right")
-        k = i - (tile_ends[s] - tiles_per_seq[s])
-        start = qsl[s] + k * QUERY_TILE
-        num_rows = jnp.minimum(QUERY_TILE, q_lens[s] - k * QUERY_TILE)
-        q_pos0 = kv_lens[s] - q_lens[s] + k * QUERY_TILE
+        start, num_rows = tiles["start"][i], tiles["num_rows"][i]
         q_tile = jax.lax.dynamic_slice_in_dim(q_padded, start, QUERY_TILE)
         q_tile = q_tile.reshape(QUERY_TILE, num_kv_heads, group, head_dim)
-        o = _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, tables[s], **kw)  # [tile, H, D]
+        table = tables[tiles["seq"][i]]
+        o = _tile_attention(q_tile, tiles["q_pos0"][i], num_rows, k_cache, v_cache, table, **kw)  # [tile, H, D]
         old = jax.lax.dynamic_slice_in_dim(out, start, QUERY_TILE)
         keep_new = (jnp.arange(QUERY_TILE) < num_rows)[:, None, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_new, o, old), start, axis=0)
 
-    out = jax.lax.fori_loop(0, tile_ends[-1], tile_body, out)
+    out = jax.lax.fori_loop(0, tiles["num_tiles"], tile_body, out)
     return out[:num_tokens].astype(q.dtype)
