@@ -1,5 +1,5 @@
 """What the JAX platform is and what follows from it: the default compute dtype and
-the persistent compilation cache."""
+where compiled executables are kept."""
 
 from __future__ import annotations
 
@@ -26,11 +26,24 @@ def resolve_dtype(dtype: str | None) -> jnp.dtype:
     return jnp.dtype(DTYPES[dtype])
 
 
+_compilation_cache_dir: Path | None = None
+
+
 def enable_compilation_cache(cache_dir: str | Path | None = None) -> Path:
-    """Turn on JAX's persistent compilation cache, so a restart skips XLA compiles."""
+    """Keep compiled step executables in `cache_dir` (default ~/.cache/jaxllm/xla), so
+    a restart loads them instead of compiling (jaxllm.worker.executable_cache).
+
+    JAX's own persistent compilation cache is left alone (off unless the user turns it
+    on): it is keyed by the lowered program, so a restart would still trace and lower
+    every bucket, and an executable it returns cannot be serialized again (jaxlib
+    0.10 loses its kernels; the store refuses such executables)."""
+    global _compilation_cache_dir
     path = Path(cache_dir) if cache_dir else DEFAULT_COMPILATION_CACHE
     path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _compilation_cache_dir = path
     return path
+
+
+def compilation_cache_dir() -> Path | None:
+    """The directory enable_compilation_cache() set, or None."""
+    return _compilation_cache_dir

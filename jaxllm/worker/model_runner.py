@@ -1,14 +1,17 @@
 """The model runner: turns a SchedulerOutput into one jitted device call and its
 results into a ModelRunnerOutput.
 
-Every step is padded to a (tokens, sequences) bucket from small fixed sets, and every
-bucket is compiled ahead of time at start-up (JAX's persistent compilation cache makes
-a restart cheap). After warm-up a step whose bucket is missing would compile again:
-that is a bug, counted in `num_compilations_after_warmup` and logged.
+Every step is padded to a bucket: a token count from a small fixed set, with as many
+sequence rows as the token count allows (at most max_num_seqs). Every bucket is
+compiled ahead of time at start-up, two at a time; compiled executables are stored
+next to JAX's persistent compilation cache (worker/executable_cache.py), so a restart
+loads them without tracing. After warm-up a step whose bucket is missing would compile
+again: that is a bug, counted in `num_compilations_after_warmup` and logged.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -19,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
-from jaxllm.attention.kv_cache import allocate_kv_caches
+from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.engine.protocol import LogprobsLists
 from jaxllm.models.params import ModelParams
 from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.worker.executable_cache import ExecutableStore, default_directory, persistent_cache_hits
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
 
@@ -54,23 +58,33 @@ class RunnerStats:
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    """Powers of two from `smallest` up to the token budget, and the budget itself."""
-    buckets, b = [], min(smallest, max_num_batched_tokens)
-    while b < max_num_batched_tokens:
-        buckets.append(b)
-        b *= 2
-    return buckets + [max_num_batched_tokens]
-
-
-def seq_buckets(max_num_seqs: int, num_tokens: int, smallest: int = 8) -> list[int]:
-    """Sequence-count buckets usable with a token bucket (a step never has more
-    sequences than tokens)."""
-    cap = min(max_num_seqs, num_tokens)
-    buckets, b = set(), min(smallest, cap)
-    while b < cap:
+    """Token counts a step is padded to: powers of two from `smallest` up to the spacing
+    of the large buckets, then multiples of that spacing (128, or an eighth of the
+    budget if larger) up to the budget, and the budget itself. For 512: 16, 32, 64,
+    128, 256, 384, 512. Big steps are matmul-bound (cost follows the padded count), so
+    they get a fine spacing; small steps are bound by reading the weights, so padding
+    them costs little."""
+    budget = max_num_batched_tokens
+    step = max(128, budget // 8)
+    buckets, b = set(), min(smallest, budget)
+    while b < min(step, budget):
         buckets.add(b)
         b *= 2
-    return sorted(buckets | {cap})
+    buckets.update(range(step, budget, step))
+    buckets.add(budget)
+    return sorted(buckets)
+
+
+def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
+    """The sequence rows of a token bucket: as many as it can hold (a step never has
+    more sequences than tokens). Padding rows only cost their logits and sampling."""
+    return min(max_num_seqs, num_tokens)
+
+
+def _digest(obj) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
 
 def _smallest_at_least(buckets: list[int], n: int) -> int:
@@ -116,41 +130,78 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         dtype = jax.tree.leaves(params)[0].dtype
-        self.kv_caches = allocate_kv_caches(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype
+        # The KV caches (2 GiB by default: a second of page faults) are zero-filled on
+        # a background thread while warm_up loads or compiles the buckets, which only
+        # need their shapes; the first use of `kv_caches` waits for them.
+        self._kv_caches = None
+        self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
+            allocate_kv_caches, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype
         )
+        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, config.num_kv_heads, config.head_dim), dtype)
+        self._abstract_caches = tuple(KVCache(cache_spec, cache_spec) for _ in range(config.num_layers))
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
         self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.buckets = [(t, s) for t in self.token_buckets for s in seq_buckets(max_num_seqs, t)]
+        self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
         self.attention_backend = resolve_backend_name(attention_backend)
         step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend))
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}
+        args = (params, self._abstract_caches, self.history)
+        abstract = jax.tree.map(lambda a: (a.shape, str(a.dtype)), args)
+        self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend, abstract,
+                                      jax.tree.structure(args))
+        self.num_loaded_executables = 0
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
         self.stats = RunnerStats()
 
+    @property
+    def kv_caches(self) -> tuple[KVCache, ...]:
+        if self._kv_caches_future is not None:
+            self._kv_caches = self._kv_caches_future.result()
+            self._kv_caches_future = None
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: tuple[KVCache, ...]) -> None:
+        self._kv_caches, self._kv_caches_future = caches, None
+
     # -------------------------------------------------------------- compiling
 
     def warm_up(self, progress: bool = True) -> float:
-        """Compile every bucket; returns the seconds it took."""
+        """Load or compile every bucket (two at a time); returns the seconds it took."""
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        for t, s in tqdm(self.buckets, desc="compiling buckets", disable=not progress, unit="shape"):
-            self._compile(t, s)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(self._compile, t, s) for t, s in self.buckets]
+            bar = tqdm(total=len(futures), desc="compiling buckets", disable=not progress, unit="shape")
+            with bar:
+                for future in concurrent.futures.as_completed(futures):
+                    self.num_loaded_executables += future.result()[1]
+                    bar.update(1)
+        jax.block_until_ready(self.kv_caches)
         self.warmed_up = True
         return time.perf_counter() - start
 
     def _compile(self, t: int, s: int):
+        """The executable of bucket (t, s), and whether it came from the executable
+        store (else it was compiled, and stored)."""
         inputs = self._empty_inputs(t, s)
-        compiled = self._step.lower(self.params, self.kv_caches, self.history, inputs).compile()
+        name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
+        compiled = self._store.load(name)
+        loaded = compiled is not None
+        if not loaded:
+            with persistent_cache_hits() as hits:
+                compiled = self._step.lower(self.params, self._abstract_caches, self.history, inputs).compile()
+            if not hits():  # JAX's cache returns executables that cannot be serialized again
+                self._store.save(name, compiled)
         self._compiled[(t, s)] = compiled
-        return compiled
+        return compiled, loaded
 
     def _executable(self, t: int, s: int):
         compiled = self._compiled.get((t, s))
@@ -158,12 +209,15 @@ class ModelRunner:
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
                 logger.error("compiling bucket (tokens=%d, seqs=%d) after warm-up: a bug", t, s)
-            compiled = self._compile(t, s)
+            compiled, _ = self._compile(t, s)
         return compiled
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         t = _smallest_at_least(self.token_buckets, num_tokens)
-        return t, _smallest_at_least(seq_buckets(self.max_num_seqs, t), num_seqs)
+        s = seq_bucket(self.max_num_seqs, t)
+        if num_seqs > s:
+            raise ValueError(f"{num_seqs} sequences exceed bucket ({t} tokens, {s} sequences)")
+        return t, s
 
     # ---------------------------------------------------------------- state
 

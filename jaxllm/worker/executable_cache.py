@@ -1,0 +1,186 @@
+"""Compiled step executables kept on disk, so a restart loads them instead of
+tracing, lowering and compiling.
+
+JAX's persistent compilation cache is keyed by the lowered program, so a restart
+would still trace and lower every bucket (over a second each for a 30-layer model)
+before it could hit. This store is keyed by everything that goes into the program
+instead, known without tracing: the jax/jaxlib versions, the platform and host CPU,
+XLA flags, the jax options that change lowering, the source files a step is traced
+from, and what the caller adds (model config, argument shapes and dtypes, bucket).
+Entries live in `compilation_cache_dir`/jaxllm-executables (jaxllm.platform); with no
+directory configured nothing is stored. A corrupt or unloadable entry is deleted and
+the bucket compiled again.
+
+An executable that JAX's own persistent cache returned (if the user turned it on)
+is never stored: jaxlib 0.10 serializes such an executable without its kernels
+("Function ... not found" when run after loading); `persistent_cache_hits` tells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+SUBDIR = "jaxllm-executables"
+_LOWERING_OPTIONS = (  # jax options that change what a function lowers to
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_numpy_dtype_promotion",
+    "jax_numpy_rank_promotion",
+)
+
+
+# What a step is traced from: these parts of jaxllm, and pallas_kernels.
+_TRACED_SOURCES = ("models", "attention", "sample", "worker", "config.py", "sampling_params.py", "platform.py")
+MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 over the Python sources a step is traced from."""
+    import jaxllm
+
+    h = hashlib.sha256()
+    root = Path(jaxllm.__file__).parent
+    files = [p for name in _TRACED_SOURCES for p in sorted((root / name).rglob("*.py")) or [root / name]]
+    try:
+        import pallas_kernels
+
+        files += sorted(Path(pallas_kernels.__file__).parent.rglob("*.py"))
+    except ImportError:
+        pass
+    for path in files:
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _host_cpu() -> str:
+    """The host CPU's model and feature flags (XLA:CPU compiles for the host)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in lines:
+        if ":" in line:
+            key, value = (s.strip() for s in line.split(":", 1))
+            fields.setdefault(key, value)
+    return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
+
+
+@functools.cache
+def environment_fingerprint() -> str:
+    """Everything outside the caller's arguments that a compiled step depends on."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    parts = [
+        jax.__version__,
+        jaxlib.__version__,
+        device.platform,
+        device.device_kind,
+        _host_cpu(),
+        os.environ.get("XLA_FLAGS", ""),
+        repr([(name, getattr(jax.config, name, None)) for name in _LOWERING_OPTIONS]),
+        _source_digest(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def default_directory() -> Path | None:
+    from jaxllm.platform import compilation_cache_dir
+
+    base = compilation_cache_dir()
+    return base / SUBDIR if base else None
+
+
+_hits = threading.local()
+_PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _PERSISTENT_CACHE_HIT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    jax.monitoring.register_event_listener(_on_event)
+
+
+@contextlib.contextmanager
+def persistent_cache_hits():
+    """Counts JAX persistent-cache hits of compiles in this thread inside the block:
+    `with persistent_cache_hits() as hits: ...; hits()`."""
+    _listen_for_cache_hits()
+    start = getattr(_hits, "count", 0)
+    yield lambda: getattr(_hits, "count", 0) - start
+
+
+class ExecutableStore:
+    """Serialized `jax.stages.Compiled` objects, one file per key."""
+
+    def __init__(self, directory: Path | None, *key_parts: object) -> None:
+        self.directory = directory
+        h = hashlib.sha256(environment_fingerprint().encode())
+        for part in key_parts:
+            h.update(repr(part).encode())
+        self.prefix = h.hexdigest()[:24]
+
+    def _path(self, name: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"{self.prefix}-{name}.bin"
+
+    def load(self, name: str):
+        """The compiled executable stored under `name`, or None."""
+        from jax.experimental import serialize_executable
+
+        path = self._path(name)
+        if path is None or not path.is_file():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            os.utime(path)  # recently used: pruned last
+            return compiled
+        except Exception as e:  # a truncated file, or an executable this jaxlib cannot load
+            logger.warning("dropping unloadable cached executable %s (%s: %s)", path, type(e).__name__, e)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, name: str, compiled) -> None:
+        from jax.experimental import serialize_executable
+
+        path = self._path(name)
+        if path is None:
+            return
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees all or nothing
+            self._prune()
+        except Exception as e:  # serialization unsupported here, or a read-only cache
+            logger.warning("cannot store compiled executable %s (%s: %s)", path, type(e).__name__, e)
+
+    def _prune(self) -> None:
+        entries = sorted(self.directory.glob("*.bin"), key=lambda p: p.stat().st_mtime)
+        for old in entries[:-MAX_ENTRIES]:
+            old.unlink(missing_ok=True)
