@@ -274,17 +274,9 @@ def ragged_paged_attention_xla(
     q_lens = qsl[1:] - qsl[:-1]
     real = jnp.arange(num_slots) < jnp.reshape(num_seqs, (-1,))[0]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = jnp.zeros((num_tokens + QUERY_TILE, num_heads, head_dim), jnp.float32)
 
-    # Decodes: every sequence with exactly one new token, vectorized.
-    is_decode = real & (q_lens == 1)
-    decode_q = q[jnp.minimum(qsl[:-1], num_tokens - 1)].reshape(num_slots, num_kv_heads, group, head_dim)
-    plan = _decode_plan(kv_lens, tables, is_decode, block_size)
-    decode_out = _decode_attention(decode_q, k_cache, v_cache, plan, **kw)
-    decode_rows = jnp.where(is_decode, qsl[:-1], num_tokens + QUERY_TILE)  # out of range: dropped
-    out = out.at[decode_rows].set(decode_out.reshape(num_slots, num_heads, head_dim), mode="drop")
-
-    # Prefill chunks: tiles of QUERY_TILE rows, each inside one sequence.
+    # Prefill chunks: tiles of QUERY_TILE rows, each inside one sequence, written into
+    # a fresh buffer (QUERY_TILE rows of slack for the last tile's full-width write).
     tiles = _prefill_plan(kv_lens, qsl, real, num_tokens)
     q_padded = jnp.pad(q, ((0, QUERY_TILE), (0, 0), (0, 0)))
 
@@ -298,5 +290,15 @@ def ragged_paged_attention_xla(
         keep_new = (jnp.arange(QUERY_TILE) < num_rows)[:, None, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_new, o, old), start, axis=0)
 
+    out = jnp.zeros((num_tokens + QUERY_TILE, num_heads, head_dim), jnp.float32)
     out = jax.lax.fori_loop(0, tiles["num_tiles"], tile_body, out)
+
+    # Decodes: every sequence with exactly one new token, vectorized, scattered into
+    # their rows.
+    is_decode = real & (q_lens == 1)
+    decode_q = q[jnp.minimum(qsl[:-1], num_tokens - 1)].reshape(num_slots, num_kv_heads, group, head_dim)
+    plan = _decode_plan(kv_lens, tables, is_decode, block_size)
+    decode_out = _decode_attention(decode_q, k_cache, v_cache, plan, **kw)
+    decode_rows = jnp.where(is_decode, qsl[:-1], num_tokens + QUERY_TILE)  # out of range: dropped
+    out = out.at[decode_rows].set(decode_out.reshape(num_slots, num_heads, head_dim), mode="drop")
     return out[:num_tokens].astype(q.dtype)

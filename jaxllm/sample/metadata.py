@@ -33,6 +33,9 @@ class SamplingMetadata:
     any_min_p: Bool[Array, ""]
     any_penalties: Bool[Array, ""]
     any_logprobs: Bool[Array, ""]
+    # Any nonzero bias entry (logit_bias, or stop tokens held back by min_tokens); when
+    # False the bias scatter (and the copy of the logits it forces) is skipped.
+    any_logit_bias: Bool[Array, ""] = True
 
 
 @struct.dataclass

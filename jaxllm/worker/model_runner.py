@@ -287,6 +287,7 @@ class ModelRunner:
             any_min_p=np.bool_((sampling_rows & (gather(b.min_p, 0.0) > 0)).any()),
             any_penalties=np.bool_((real & penalties).any()),
             any_logprobs=np.bool_((real & (gather(b.logprobs, -1) >= 0)).any()),
+            any_logit_bias=np.bool_((bias_values != 0).any()),
         )
         attn = AttentionMetadata(
             slot_mapping=pad(slots, pad_t, 0),  # padding tokens write into the null block
