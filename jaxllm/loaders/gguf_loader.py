@@ -3,9 +3,7 @@
 Quantized tensors are dequantized to the compute dtype; llama.cpp's interleaved row
 order of attn_q / attn_k (its converter permutes them for its RoPE kernel) is undone so
 the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special
-tokens) and chat template come from the file's metadata. Files are parsed by
-`gguf_fast` (seconds faster on large vocabularies), with `gguf.GGUFReader` as the
-fallback for layouts it leaves alone.
+tokens) and chat template come from the file's metadata.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.loaders import gguf_fast
 from jaxllm.loaders.weights import CheckpointError, build_params
 from jaxllm.models.params import ModelParams
 
@@ -73,22 +70,15 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: GGUF file not found")
         try:
-            try:
-                contents = gguf_fast.read_gguf(self.path)
-            except Exception:  # a layout the fast reader leaves to gguf, or a broken file
-                reader = gguf.GGUFReader(str(self.path))
-                contents = gguf_fast.GGUFContents(
-                    {k: f.contents() for k, f in reader.fields.items()},
-                    [gguf_fast.Tensor(t.name, t.tensor_type, t.data) for t in reader.tensors],
-                )
+            self._reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # unknown tensor type ids and truncation surface here
             raise CheckpointError(f"{self.path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
-        self.metadata: dict[str, Any] = contents.metadata
-        self._tensors = {t.name: t for t in contents.tensors}
+        self.metadata: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
+        self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_tensor_types()
 
     def _check_tensor_types(self) -> None:
-        for t in self._tensors.values():
+        for t in self._reader.tensors:
             if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
                 raise CheckpointError(
                     f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which jaxllm "
@@ -100,10 +90,12 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray | None:
         """float32 array in PyTorch/HF orientation ([out, in] for matrices)."""
+        import gguf
+
         t = self._tensors.get(name)
         if t is None:
             return None
-        return gguf_fast.dequantize(t.data, t.tensor_type)
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
 
     def model_config(self) -> ModelConfig:
         cfg = ModelConfig.from_gguf_metadata(self.metadata, source=str(self.path))
