@@ -213,3 +213,31 @@ def test_orbax_checkpoint_round_trip(test_models_dir, tmp_path):
         np.testing.assert_array_equal(a, b)
     assert restored.tokenizer.encode(TEXT) == original.tokenizer.encode(TEXT)
     assert restored.tokenizer.chat_template == original.tokenizer.chat_template
+
+
+def test_gguf_conversion_cache(test_models_dir, tmp_path, monkeypatch):
+    """With a conversion cache, the first load of a GGUF keeps an orbax checkpoint and
+    the next restores it (same weights, config and tokenizer); a changed file misses."""
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q8_0")
+    cache = tmp_path / "converted"
+    first = load_model(path, conversion_cache_dir=cache)
+    (entry,) = cache.iterdir()
+    assert (entry / "jaxllm_checkpoint.json").is_file()
+    import jaxllm.loaders
+
+    def no_parse(*args):
+        raise AssertionError("the GGUF was parsed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(jaxllm.loaders, "GGUFFile", no_parse)
+        second = load_model(path, conversion_cache_dir=cache)
+    assert second.config == first.config
+    for a, b in zip(jax_leaves(second.params), jax_leaves(first.params)):
+        np.testing.assert_array_equal(a, b)
+    assert second.tokenizer.encode(TEXT) == first.tokenizer.encode(TEXT)
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
+    import os
+
+    os.utime(path, ns=(0, 0))
+    load_model(path, conversion_cache_dir=cache)
+    assert len(list(cache.iterdir())) == 2

@@ -84,8 +84,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
                  progress: bool = True) -> None:
         self.config = config
-        enable_compilation_cache(config.compilation_cache_dir)
-        self.model = model or load_model(config.model, config.dtype, resolve_chat_template(config.chat_template))
+        cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+        self.model = model or load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),
+                                         conversion_cache_dir=cache_dir / "converted-models")
         cfg = self.model.config
         itemsize = jax.tree.leaves(self.model.params)[0].dtype.itemsize
         self.cache = plan_cache(config, cfg, itemsize)

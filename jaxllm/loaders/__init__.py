@@ -4,18 +4,24 @@ checkpoint folder, or nothing (the embedded SmolLM2)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from jaxllm.config import ModelConfig
-from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params
+from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import default_model_path
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams
 from jaxllm.platform import resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "default_model_path"]
 
@@ -29,26 +35,61 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat_template: str | None = None) -> LoadedModel:
+def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat_template: str | None = None,
+               conversion_cache_dir: str | Path | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer. With `conversion_cache_dir`, a GGUF file is
+    converted once into an orbax checkpoint there (keyed by the file and the dtype),
+    and later loads restore that instead of parsing and dequantizing the GGUF again."""
     start = time.perf_counter()
     path = Path(model) if model is not None else default_model_path()
     compute_dtype = resolve_dtype(dtype)
     if path.is_file() and path.suffix == ".gguf":
-        gguf_file = GGUFFile(path)
-        cfg = gguf_file.model_config()
-        params = load_gguf_params(gguf_file, cfg, compute_dtype)
-        tokenizer = gguf_file.tokenizer()
-        if chat_template is not None:
-            tokenizer.chat_template = chat_template
-    elif path.is_dir():
-        cfg = ModelConfig.from_hf_folder(path)
-        if is_converted_checkpoint(path):
-            params = restore_params(path, cfg, compute_dtype)
+        converted = _converted_path(path, compute_dtype, conversion_cache_dir)
+        if converted is not None and is_converted_checkpoint(converted):
+            cfg, params, tokenizer = _load_folder(converted, compute_dtype, chat_template)
         else:
-            params = load_hf_params(path, cfg, compute_dtype)
-        tokenizer = load_hf_tokenizer(path, chat_template)
+            cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template)
+            if converted is not None:
+                _save_conversion(converted, cfg, params, tokenizer, path)
+    elif path.is_dir():
+        cfg, params, tokenizer = _load_folder(path, compute_dtype, chat_template)
     elif not path.exists():
         raise FileNotFoundError(f"{path}: no such model file or folder")
     else:
         raise CheckpointError(f"{path}: not a model (expected an HF folder or a .gguf file)")
     return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start)
+
+
+def _load_gguf(path: Path, dtype, chat_template: str | None):
+    gguf_file = GGUFFile(path)
+    cfg = gguf_file.model_config()
+    params = load_gguf_params(gguf_file, cfg, dtype)
+    tokenizer = gguf_file.tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return cfg, params, tokenizer
+
+
+def _load_folder(path: Path, dtype, chat_template: str | None):
+    cfg = ModelConfig.from_hf_folder(path)
+    params = restore_params(path, cfg, dtype) if is_converted_checkpoint(path) else load_hf_params(path, cfg, dtype)
+    return cfg, params, load_hf_tokenizer(path, chat_template)
+
+
+def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None) -> Path | None:
+    if cache_dir is None:
+        return None
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{gguf.stem}-{key}"
+
+
+def _save_conversion(folder: Path, cfg, params, tokenizer, source: Path) -> None:
+    """Best effort: a failed save (disk full, read-only cache) only costs the next start."""
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    try:
+        save_checkpoint(tmp, cfg, params, tokenizer, source=str(source))
+        os.replace(tmp, folder)
+    except OSError as e:
+        logger.warning("could not keep a converted checkpoint of %s in %s: %s", source, folder, e)
+        shutil.rmtree(tmp, ignore_errors=True)
