@@ -60,6 +60,24 @@ def test_identical_prefixes_share_physical_blocks():
     assert manager.num_used_blocks == 6
 
 
+def test_tokens_held_counts_shared_blocks_once():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    prefix = list(range(100, 110))  # 2 full blocks + 2 tokens
+    a, b = make_request("a", prefix + [1, 2, 3]), make_request("b", prefix + [7, 7, 7, 7, 7])
+    admit(manager, a)
+    compute(manager, a, a.num_tokens)  # 13 tokens in 4 blocks
+    admit(manager, b)
+    compute(manager, b, b.num_tokens - b.num_computed_tokens)  # 15 tokens, 8 of them in a's blocks
+    assert manager.num_used_blocks == 6
+    # distinct tokens: a's 13 + b's 7 of its own; not 13 + 15
+    assert manager.num_tokens_held([a, b]) == 20
+    # a request with blocks allocated ahead of its computed tokens: those slots are empty
+    c = make_request("c", [5] * 6)
+    admit(manager, c)
+    compute(manager, c, 3)
+    assert manager.num_tokens_held([a, b, c]) == 23
+
+
 def test_lookup_never_covers_the_last_token():
     manager = KVCacheManager(num_blocks=8, block_size=4)
     prompt = list(range(8))  # exactly 2 full blocks

@@ -19,6 +19,7 @@ The scheduler drives it in this order (the same as vLLM v1):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from jaxllm.core.block_pool import BlockPool
@@ -104,6 +105,17 @@ class KVCacheManager:
     def usage(self) -> float:
         """KV cache usage: fraction of usable blocks held by requests, in [0, 1]."""
         return self.block_pool.get_usage()
+
+    def num_tokens_held(self, requests: Iterable[Request]) -> int:
+        """Distinct tokens whose K/V the blocks in use hold, given the requests holding
+        them: blocks in use x block size, less each request's unfilled tail slots. A
+        shared (prefix-cached) block is full and counted once; only a request's own last
+        blocks can be partly filled."""
+        unfilled = sum(
+            max(len(self.req_to_blocks.get(r.request_id, ())) * self.block_size - r.num_computed_tokens, 0)
+            for r in requests
+        )
+        return self.num_used_blocks * self.block_size - unfilled
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""

@@ -229,7 +229,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage,
             num_blocks_used=kv.num_used_blocks,
-            num_tokens_held=sum(r.num_computed_tokens for r in self.running),
+            num_tokens_held=kv.num_tokens_held(self.running),
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
