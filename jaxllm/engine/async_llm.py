@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,6 +47,7 @@ class AsyncLLM:
         self.model_name = model_name
         self.hang_timeout = hang_timeout
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(ready.tokenizer_dir)
+        shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)  # the core's hand-over copy, now loaded
         self.input_processor = InputProcessor(self.tokenizer, eos_token_id=ready.eos_token_id,
                                               vocab_size=ready.vocab_size, max_model_len=ready.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
