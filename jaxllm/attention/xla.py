@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 
 QUERY_TILE = 128  # query rows per prefill tile
 KV_CHUNK = 256  # key/value tokens a prefill tile reads per loop iteration
-DECODE_ROWS = 16  # decode rows per loop iteration
+DECODE_ROWS = 8  # decode rows per loop iteration (8: ~10% faster than 16 at 64 rows of ~400 tokens)
 DECODE_CHUNK = 128  # key/value tokens a decode row reads per loop iteration
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4  # block-diagonal decode queries up to this many KV heads
 MASK_VALUE = -1e30  # finite: a fully masked row gives finite garbage, never NaN

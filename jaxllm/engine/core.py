@@ -8,6 +8,7 @@ max_model_len against the model and the pool, and compiles every bucket at start
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from pathlib import Path
@@ -21,8 +22,9 @@ from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from jaxllm.loaders import LoadedModel, load_model
-from jaxllm.platform import enable_compilation_cache
+from jaxllm.loaders import LoadedModel, load_model, peek_model_config
+from jaxllm.models.params import abstract_params
+from jaxllm.platform import enable_compilation_cache, resolve_dtype
 from jaxllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -85,10 +87,22 @@ class EngineCore:
                  progress: bool = True) -> None:
         self.config = config
         cache_dir = enable_compilation_cache(config.compilation_cache_dir)
-        self.model = model or load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),
-                                         conversion_cache_dir=cache_dir / "converted-models")
-        cfg = self.model.config
-        itemsize = jax.tree.leaves(self.model.params)[0].dtype.itemsize
+        load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
+                                  conversion_cache_dir=cache_dir / "converted-models")
+        # When the config can be read without the weights (an HF folder, or a GGUF
+        # converted on an earlier start), the weights load on a thread while the step
+        # executables load: those need only the params' shapes.
+        cfg = None if model is not None else peek_model_config(config.model, config.dtype, cache_dir / "converted-models")
+        loading = None
+        if cfg is not None:
+            pool = concurrent.futures.ThreadPoolExecutor(1, "model-load")
+            loading = pool.submit(load)
+            pool.shutdown(wait=False)  # the thread ends when the load does
+            params = abstract_params(cfg, resolve_dtype(config.dtype))
+        else:
+            self.model = model or load()
+            cfg, params = self.model.config, self.model.params
+        itemsize = jax.tree.leaves(params)[0].dtype.itemsize
         self.cache = plan_cache(config, cfg, itemsize)
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -102,7 +116,7 @@ class EngineCore:
         )
         self.runner = ModelRunner(
             cfg,
-            self.model.params,
+            params,
             num_blocks=self.cache.num_blocks,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
@@ -112,6 +126,11 @@ class EngineCore:
         )
         self._rng = np.random.default_rng(config.seed)
         self.warmup_seconds = self.runner.warm_up(progress) if warm_up else 0.0
+        if loading is not None:
+            self.model = loading.result()
+            if self.model.config != cfg:
+                raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
+            self.runner.set_params(self.model.params)
 
     # --------------------------------------------------------------- requests
 

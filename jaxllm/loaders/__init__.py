@@ -23,7 +23,7 @@ from jaxllm.platform import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model", "default_model_path"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "peek_model_config", "default_model_path"]
 
 
 @dataclasses.dataclass
@@ -58,6 +58,21 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     else:
         raise CheckpointError(f"{path}: not a model (expected an HF folder or a .gguf file)")
     return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start)
+
+
+def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto",
+                      conversion_cache_dir: str | Path | None = None) -> ModelConfig | None:
+    """The config `load_model` with the same arguments will return, when it can be read
+    without touching the weights (an HF folder or converted checkpoint, or a GGUF
+    already converted in `conversion_cache_dir`); None otherwise. It lets the engine
+    load its compiled executables, which need only shapes, while the weights load."""
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        converted = _converted_path(path, resolve_dtype(dtype), conversion_cache_dir)
+        path = converted if converted is not None and is_converted_checkpoint(converted) else None
+    if path is None or not (path / "config.json").is_file():
+        return None
+    return ModelConfig.from_hf_folder(path)
 
 
 def _load_gguf(path: Path, dtype, chat_template: str | None):
