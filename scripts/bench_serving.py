@@ -33,6 +33,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -220,12 +221,25 @@ def print_summary(title: str, s: dict) -> None:
 class LaunchedServer:
     """`python -m jaxllm.serve` in a subprocess, for the length of a `with`."""
 
-    def __init__(self, args: str) -> None:
+    def __init__(self, args: str, log_path: Path | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *shlex.split(args)]
+        self.log_path = log_path
+
+    def _drain(self, lines) -> None:
+        """Keep reading the server's output after ready (a full pipe would block its
+        logging, and with it the server), into the log file if one was given."""
+        log = open(self.log_path, "a") if self.log_path else None
+        try:
+            for line in lines:
+                if log:
+                    log.write(line)
+        finally:
+            if log:
+                log.close()
 
     def __enter__(self) -> "LaunchedServer":
         print("launching:", " ".join(self.cmd), flush=True)
@@ -236,6 +250,7 @@ class LaunchedServer:
                 break
         else:
             raise RuntimeError(f"server exited with {self.proc.wait()}")
+        threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
         self.startup_s = time.perf_counter() - start
         print(f"server ready in {self.startup_s:.1f} s", flush=True)
         return self
@@ -252,15 +267,17 @@ class LaunchedLlamaServer(LaunchedServer):
     """llama.cpp's llama-server as the baseline: `slots` parallel slots sharing the
     context, as many threads as cores."""
 
-    def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int = 1024) -> None:
-        super().__init__("")
+    def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int = 1024,
+                 log_path: Path | None = None) -> None:
+        super().__init__("", log_path)
         self.cmd = [binary, "-m", gguf, "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                     "-t", str(os.cpu_count()), "--cont-batching"]
 
     def __enter__(self) -> "LaunchedServer":
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
         while True:
             try:
                 if httpx.get(f"{self.url}/health").status_code == 200:
@@ -385,7 +402,8 @@ def main() -> None:
 
         if args.llama_server:
             slots = max(args.max_concurrency or 32, 1)
-            with LaunchedLlamaServer(args.llama_server, args.llama_gguf, slots) as baseline:
+            log = out_prefix.with_name(out_prefix.name + "_llama_server.log")
+            with LaunchedLlamaServer(args.llama_server, args.llama_gguf, slots, log_path=log) as baseline:
                 requests = make_dataset(args, args.seed)
                 run = asyncio.run(benchmark(baseline.url, baseline.model(), requests,
                                             max_concurrency=args.max_concurrency, request_rate=args.request_rate))
@@ -396,7 +414,7 @@ def main() -> None:
             model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
             run_all(args.base_url, model)
         else:
-            with LaunchedServer(args.launch or "") as server:
+            with LaunchedServer(args.launch or "", out_prefix.with_name(out_prefix.name + "_server.log")) as server:
                 results["server_startup_s"] = server.startup_s
                 run_all(server.url, args.model or server.model())
 

@@ -21,6 +21,7 @@ waste = 1 - tokens / (blocks x block_size)), and where jaxllm's time went.
     .venv/bin/python scripts/bench_throughput.py                      # everything
     .venv/bin/python scripts/bench_throughput.py --num-requests 64 --skip-hf --skip-startup
     .venv/bin/python scripts/bench_throughput.py --hf-dtypes float32 --out results.json
+    .venv/bin/python scripts/bench_throughput.py --startup-only                  # cold and warm start only
 """
 
 from __future__ import annotations
@@ -130,11 +131,13 @@ def run_jaxllm(args, workload: Workload, mm_rate: float) -> dict:
     # Sample the KV accounting after every step (the core's own stats of that step).
     samples: list[tuple[int, int]] = []
     timing = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    step_seqs: list[int] = []  # sequences in each step
     core_step = core.step
 
     def step():
         t_a = time.perf_counter()
         sched = core.scheduler.schedule()
+        step_seqs.append(sched.num_scheduled_reqs)
         t_b = time.perf_counter()
         result = core.runner.execute_model(sched)
         t_c = time.perf_counter()
@@ -153,10 +156,18 @@ def run_jaxllm(args, workload: Workload, mm_rate: float) -> dict:
     start = time.perf_counter()
     engine.add_requests(items)
     finished = {}
+    # Per engine step: wall time and the part spent waiting for the device; the rest
+    # (scheduling, input preparation, dispatch, output processing, detokenization) is
+    # the host gap between consecutive device steps.
+    step_walls: list[float] = []
+    step_waits: list[float] = []
     while engine.has_unfinished_requests():
+        t_step, wait_before = time.perf_counter(), runner.stats.device_seconds
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        step_walls.append(time.perf_counter() - t_step)
+        step_waits.append(runner.stats.device_seconds - wait_before)
     wall = time.perf_counter() - start
     core.step = core_step
     outputs_seen = sum(len(o.outputs[0].token_ids) for o in finished.values())
@@ -169,7 +180,15 @@ def run_jaxllm(args, workload: Workload, mm_rate: float) -> dict:
     weighted = [(b, t) for b, t in samples if b]
     mean_waste = (1 - sum(t for _, t in weighted) / (block_size * sum(b for b, _ in weighted))) if weighted else 0.0
     flops = 2 * cfg.num_matmul_params * workload.num_forward_tokens
+    full = [i for i, n in enumerate(step_seqs) if n >= args.max_num_seqs]
+    gap = {
+        "steps_at_max_num_seqs": len(full),
+        "mean_step_seconds": sum(step_walls[i] for i in full) / len(full) if full else 0.0,
+        "mean_gap_seconds": sum(step_walls[i] - step_waits[i] for i in full) / len(full) if full else 0.0,
+    }
+    gap["gap_fraction"] = gap["mean_gap_seconds"] / gap["mean_step_seconds"] if full else 0.0
     return {
+        "host_gap": gap,
         "engine": llm.llm_engine.core.describe(),
         "options": engine_options(args),
         "startup_seconds_in_run": startup,
@@ -348,6 +367,7 @@ def main(argv=None) -> None:
     p.add_argument("--hf-dtypes", default="float32,bfloat16")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-startup", action="store_true", help="skip the cold/warm start-up subprocesses")
+    p.add_argument("--startup-only", action="store_true", help="measure only the cold/warm start-up")
     p.add_argument("--out", default=None, help="write everything to this JSON file")
     p.add_argument("--quiet", action="store_true")
     # engine options
@@ -392,6 +412,11 @@ def main(argv=None) -> None:
                   f"{r['load_seconds']:.1f}s, warm-up {r['warmup_seconds']:.1f}s for {r['num_buckets']} buckets, "
                   f"{r['loaded_executables']} loaded from the executable store)", flush=True)
 
+    if args.startup_only:
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        return
+
     j = run_jaxllm(args, workload, mm)
     results["jaxllm"] = j
     print(f"jaxllm: {j['wall_seconds']:.1f}s  output {j['output_tok_s']:.1f} tok/s  total {j['total_tok_s']:.1f} tok/s  "
@@ -429,6 +454,9 @@ def main(argv=None) -> None:
           f"(host prep+dispatch {s['runner_host_seconds']:.1f}s, device wait {s['runner_device_wait_seconds']:.1f}s, "
           f"post {s['runner_post_seconds']:.1f}s), update {s['update_seconds']:.1f}s, "
           f"frontend {s['frontend_seconds']:.1f}s")
+    g = j["host_gap"]
+    print(f"host gap between device steps at {args.max_num_seqs} running: {1e3 * g['mean_gap_seconds']:.1f} ms of a "
+          f"{1e3 * g['mean_step_seconds']:.0f} ms step ({100 * g['gap_fraction']:.1f}%, {g['steps_at_max_num_seqs']} steps)")
     if "startup" in results:
         c, w = results["startup"]["cold"], results["startup"]["warm"]
         print(f"start-up, spawn to ready: cold {c['process_seconds']:.1f}s (empty cache dir), "
