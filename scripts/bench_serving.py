@@ -85,6 +85,17 @@ class RequestResult:
 
 
 async def run_one(client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
+    """One streamed request. A pooled keep-alive connection the server already closed
+    fails at once with RemoteProtocolError before any response (llama-server drops idle
+    connections after 5 s); that request never reached the server and is sent again."""
+    for attempt in range(3):
+        result = await _run_once(client, model, req)
+        if not (result.error or "").startswith("RemoteProtocolError") or result.ttft or attempt == 2:
+            return result
+    return result
+
+
+async def _run_once(client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
