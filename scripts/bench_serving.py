@@ -88,11 +88,11 @@ async def run_one(client: httpx.AsyncClient, model: str, req: BenchRequest) -> R
     """One streamed request. A pooled keep-alive connection the server already closed
     fails at once with RemoteProtocolError before any response (llama-server drops idle
     connections after 5 s); that request never reached the server and is sent again."""
-    for attempt in range(3):
+    for _ in range(2):
         result = await _run_once(client, model, req)
-        if not (result.error or "").startswith("RemoteProtocolError") or result.ttft or attempt == 2:
+        if not result.error.startswith("RemoteProtocolError") or result.ttft:
             return result
-    return result
+    return await _run_once(client, model, req)
 
 
 async def _run_once(client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
@@ -287,8 +287,11 @@ class LaunchedLlamaServer(LaunchedServer):
     def __enter__(self) -> "LaunchedServer":
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        if self.log_path:
+            with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         while True:
             try:
                 if httpx.get(f"{self.url}/health").status_code == 200:

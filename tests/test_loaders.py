@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import UnsupportedModelError
-from jaxllm.loaders import CheckpointError, load_model
+from jaxllm.loaders import CheckpointError, load_model, peek_model_config
 from jaxllm.loaders.checkpoint import save_checkpoint
 from jaxllm.loaders.gguf_loader import GGUFFile
 from tests.conftest import make_test_model
@@ -241,3 +241,24 @@ def test_gguf_conversion_cache(test_models_dir, tmp_path, monkeypatch):
     os.utime(path, ns=(0, 0))
     load_model(path, conversion_cache_dir=cache)
     assert len(list(cache.iterdir())) == 2
+
+
+def test_peek_model_config_agrees_with_load_model(test_models_dir, tmp_path):
+    """The engine compiles from the peeked config while the weights load: it must be
+    the config load_model returns, and None whenever reading it would mean parsing."""
+    import jax
+
+    from jaxllm.models.params import abstract_params
+
+    folder = test_models_dir / "llama"
+    loaded = load_model(folder)
+    assert peek_model_config(folder) == loaded.config
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)  # noqa: E731
+    assert spec(abstract_params(loaded.config, jax.numpy.float32)) == spec(loaded.params)
+
+    path = make_test_model.write_gguf(folder, tmp_path / "llama.gguf", "Q8_0")
+    cache = tmp_path / "converted"
+    assert peek_model_config(path) is None  # no conversion cache: the GGUF must be parsed
+    assert peek_model_config(path, conversion_cache_dir=cache) is None  # not converted yet
+    from_gguf = load_model(path, conversion_cache_dir=cache)
+    assert peek_model_config(path, conversion_cache_dir=cache) == from_gguf.config

@@ -43,16 +43,14 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     start = time.perf_counter()
     path = Path(model) if model is not None else default_model_path()
     compute_dtype = resolve_dtype(dtype)
-    if path.is_file() and path.suffix == ".gguf":
+    folder = _folder_to_read(path, compute_dtype, conversion_cache_dir)
+    if folder is not None:
+        cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template)
+    elif path.is_file() and path.suffix == ".gguf":
+        cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template)
         converted = _converted_path(path, compute_dtype, conversion_cache_dir)
-        if converted is not None and is_converted_checkpoint(converted):
-            cfg, params, tokenizer = _load_folder(converted, compute_dtype, chat_template)
-        else:
-            cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template)
-            if converted is not None:
-                _save_conversion(converted, cfg, params, tokenizer, path)
-    elif path.is_dir():
-        cfg, params, tokenizer = _load_folder(path, compute_dtype, chat_template)
+        if converted is not None:
+            _save_conversion(converted, cfg, params, tokenizer, path)
     elif not path.exists():
         raise FileNotFoundError(f"{path}: no such model file or folder")
     else:
@@ -67,12 +65,22 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     already converted in `conversion_cache_dir`); None otherwise. It lets the engine
     load its compiled executables, which need only shapes, while the weights load."""
     path = Path(model) if model is not None else default_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        converted = _converted_path(path, resolve_dtype(dtype), conversion_cache_dir)
-        path = converted if converted is not None and is_converted_checkpoint(converted) else None
-    if path is None or not (path / "config.json").is_file():
+    folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir)
+    if folder is None or not (folder / "config.json").is_file():
         return None
-    return ModelConfig.from_hf_folder(path)
+    return ModelConfig.from_hf_folder(folder)
+
+
+def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None) -> Path | None:
+    """The folder `load_model` reads: the model's own (HF or converted checkpoint), or a
+    GGUF's conversion kept in the cache; None when a GGUF must be parsed."""
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        converted = _converted_path(path, dtype, conversion_cache_dir)
+        if converted is not None and is_converted_checkpoint(converted):
+            return converted
+    return None
 
 
 def _load_gguf(path: Path, dtype, chat_template: str | None):

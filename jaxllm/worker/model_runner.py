@@ -82,6 +82,12 @@ def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
     return min(max_num_seqs, num_tokens)
 
 
+def _shapes_and_dtypes(tree):
+    """(shape, dtype name) per leaf: what a compiled step depends on, for concrete and
+    abstract (jax.ShapeDtypeStruct) arrays alike."""
+    return jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
+
+
 def _digest(obj) -> str:
     import hashlib
 
@@ -149,13 +155,13 @@ class ModelRunner:
 
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
-        self.attention_backend = resolve_backend_name(attention_backend)
+        self.attention_backend = resolve_backend_name(attention_backend, head_dim=config.head_dim, dtype=dtype)
         step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend))
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}
         args = (params, self._abstract_caches, self.history)
-        abstract = jax.tree.map(lambda a: (a.shape, str(a.dtype)), args)
+        abstract = _shapes_and_dtypes(args)
         self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend, abstract,
                                       jax.tree.structure(args))
         self.num_loaded_executables = 0
@@ -176,8 +182,7 @@ class ModelRunner:
 
     def set_params(self, params: ModelParams) -> None:
         """The weights, of exactly the shapes and dtypes the runner was built for."""
-        spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)  # noqa: E731
-        if spec(params) != spec(self.params):
+        if _shapes_and_dtypes(params) != _shapes_and_dtypes(self.params):
             raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
         self.params = params
 
