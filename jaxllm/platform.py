@@ -3,7 +3,9 @@ where compiled executables are kept."""
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 from pathlib import Path
 
 import jax
@@ -47,3 +49,19 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> Path:
 def compilation_cache_dir() -> Path | None:
     """The directory enable_compilation_cache() set, or None."""
     return _compilation_cache_dir
+
+
+@functools.cache
+def host_cpu() -> str:
+    """The host CPU's model and feature flags (XLA:CPU and the C++ kernels compile for
+    the host, so what they build is only reused on the same kind of CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in lines:
+        if ":" in line:
+            key, value = (s.strip() for s in line.split(":", 1))
+            fields.setdefault(key, value)
+    return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"

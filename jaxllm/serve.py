@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default=None, help="bytes, e.g. 4GiB, or a fraction of GPU memory")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "cpu", "pallas"])
     p.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before 503s")

@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     seed: int = 0
-    attention_backend: str = "auto"  # auto | xla | pallas
+    attention_backend: str = "auto"  # auto | xla | cpu | pallas
     chat_template: str | None = None  # a template string or a file holding one
     compilation_cache_dir: str | None = None  # default ~/.cache/jaxllm/xla
     served_model_name: str | None = None

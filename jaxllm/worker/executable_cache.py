@@ -31,6 +31,8 @@ from pathlib import Path
 
 import jax
 
+from jaxllm.platform import host_cpu
+
 logger = logging.getLogger(__name__)
 
 SUBDIR = "jaxllm-executables"
@@ -44,7 +46,8 @@ _LOWERING_OPTIONS = (  # jax options that change what a function lowers to
 )
 
 
-# What a step is traced from: these parts of jaxllm, and pallas_kernels.
+# What a step is traced from: these parts of jaxllm (the C++ of custom calls too), and
+# pallas_kernels.
 _TRACED_SOURCES = ("models", "attention", "sample", "worker", "config.py", "sampling_params.py", "platform.py")
 MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
 
@@ -56,7 +59,8 @@ def _source_digest() -> str:
 
     h = hashlib.sha256()
     root = Path(jaxllm.__file__).parent
-    files = [p for name in _TRACED_SOURCES for p in sorted((root / name).rglob("*.py")) or [root / name]]
+    files = [p for name in _TRACED_SOURCES
+             for p in sorted([*(root / name).rglob("*.py"), *(root / name).rglob("*.cc")]) or [root / name]]
     try:
         import pallas_kernels
 
@@ -70,20 +74,6 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _host_cpu() -> str:
-    """The host CPU's model and feature flags (XLA:CPU compiles for the host)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {}
-    for line in lines:
-        if ":" in line:
-            key, value = (s.strip() for s in line.split(":", 1))
-            fields.setdefault(key, value)
-    return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
-
-
 @functools.cache
 def environment_fingerprint() -> str:
     """Everything outside the caller's arguments that a compiled step depends on."""
@@ -95,7 +85,7 @@ def environment_fingerprint() -> str:
         jaxlib.__version__,
         device.platform,
         device.device_kind,
-        _host_cpu(),
+        host_cpu(),
         os.environ.get("XLA_FLAGS", ""),
         repr([(name, getattr(jax.config, name, None)) for name in _LOWERING_OPTIONS]),
         _source_digest(),

@@ -1,0 +1,81 @@
+"""The `cpu` attention backend: ragged paged attention as a C++ XLA FFI custom call.
+
+On XLA:CPU the jnp backend (jaxllm.attention.xla) must copy every K/V block it reads
+out of the paged cache before its dots (XLA:CPU does not fuse a gather into a dot), so
+a decode step reads the cache about three times. The kernel in paged_attention.cc reads
+each K/V row once, where it lies, with an online softmax in float32, on XLA's intra-op
+threads: a decode step of 64 sequences of ~400 tokens spent 457 ms in the XLA path's
+attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
+
+Same signature and semantics as pallas_kernels.ragged_paged_attention and the XLA
+backend, which is its oracle in tests. Float32 q and caches; head_dim one of
+SUPPORTED_HEAD_DIMS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxllm.attention.cpu.build import KernelBuildError, library_path
+
+__all__ = ["KernelBuildError", "SUPPORTED_HEAD_DIMS", "load_kernels", "ragged_paged_attention_cpu", "unsupported"]
+
+TARGET = "jaxllm_ragged_paged_attention_f32"
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def load_kernels() -> str:
+    """Build (or find) the library and register its custom call; the library's path.
+    Raises KernelBuildError when this machine cannot build it."""
+    path = library_path()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        handler = lib.JaxllmRaggedPagedAttentionF32
+    except (OSError, AttributeError) as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return str(path)
+
+
+def unsupported(head_dim: int, dtype) -> str | None:
+    """Why a model cannot use this backend, or None if it can."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"the cpu attention backend needs float32 (got {jnp.dtype(dtype).name})"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the cpu attention backend supports head_dim {SUPPORTED_HEAD_DIMS} (got {head_dim})"
+    return None
+
+
+def ragged_paged_attention_cpu(
+    q: Float[Array, "T H hd"],
+    k_cache: Float[Array, "N B Hkv hd"],
+    v_cache: Float[Array, "N B Hkv hd"],
+    kv_lens: Int[Array, "S"],
+    block_tables: Int[Array, "S MB"],
+    query_start_loc: Int[Array, "S1"],
+    num_seqs: Int[Array, ""],
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> Float[Array, "T H hd"]:
+    load_kernels()
+    reason = unsupported(q.shape[-1], k_cache.dtype) or unsupported(q.shape[-1], q.dtype)
+    if reason:
+        raise ValueError(reason)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q, k_cache, v_cache,
+        kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
+        jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )

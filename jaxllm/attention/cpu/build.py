@@ -1,0 +1,96 @@
+"""Building the C++ kernels of the `cpu` attention backend into a shared library.
+
+Built on first use with the machine's C++ compiler (`$CXX`, else c++ / g++ / clang++)
+against the FFI headers of the installed jaxlib, for the host CPU (-march=native), and
+kept in `<cache>/jaxllm-kernels/` keyed by the source, the flags, the compiler, jaxlib
+and the CPU: a later start loads it at once. No compiler, or a failed build, raises
+KernelBuildError with the compiler's message; `attention_backend="auto"` then falls
+back to the XLA backend (jaxllm.attention.backends).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+SUBDIR = "jaxllm-kernels"
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be built or loaded on this machine."""
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise KernelBuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
+
+
+def _cache_root() -> Path:
+    from jaxllm.platform import DEFAULT_COMPILATION_CACHE, compilation_cache_dir
+
+    return (compilation_cache_dir() or DEFAULT_COMPILATION_CACHE) / SUBDIR
+
+
+def _key(compiler: str, include_dir: str) -> str:
+    import jaxlib
+
+    from jaxllm.platform import host_cpu
+
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{compiler} --version failed: {e}") from e
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+                 include_dir.encode(), host_cpu().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def library_path() -> Path:
+    """The built library, compiling it first if no build for this machine is kept."""
+    import jax.ffi
+
+    compiler = _compiler()
+    include_dir = jax.ffi.include_dir()
+    name = f"{SOURCE.stem}-{_key(compiler, include_dir)}.so"
+    for root in (_cache_root(), Path(tempfile.gettempdir()) / SUBDIR):
+        path = root / name
+        if path.is_file():
+            return path
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # a read-only cache directory: build in the temp directory instead
+        return _compile(compiler, include_dir, path)
+    raise KernelBuildError(f"no writable directory to build {name} in")
+
+
+def _compile(compiler: str, include_dir: str, path: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".so")
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-isystem", include_dir, str(SOURCE), "-o", tmp]
+    logger.info("building the CPU attention kernels: %s", " ".join(cmd))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent build by another process is equivalent
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from e
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path

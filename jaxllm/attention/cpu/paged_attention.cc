@@ -1,0 +1,406 @@
+// Ragged paged attention for XLA:CPU, as an XLA FFI custom call.
+//
+// Same semantics as pallas_kernels.ragged_paged_attention (see docs/kernels.md): a flat
+// ragged batch of query rows (prefill chunks and decodes mixed), each sequence reading
+// its K/V through its block table, causal, optional sliding window and logit soft cap.
+//
+// Why a custom call on CPU: XLA:CPU cannot fuse a gather into a dot, so the jnp path
+// copies every K/V block it reads into a buffer before its dots and reads the cache
+// about three times per step; decode attention is bound by memory traffic, and this
+// reads each K/V row once, from where it lies in the cache.
+//
+// The work: one item per (sequence, tile of up to kRowTile query rows), all heads.
+// Items run on XLA's intra-op thread pool (the caller takes items too), longest first.
+// An item walks its keys in tiles of 16 tokens (any block size: each token's row is
+// found through the block table); for each tile and KV head it computes the scores of
+// the head's query group with 16-lane vectors, folds them into an online softmax
+// (running max and sum per query, float32), and accumulates the values. K and V of a
+// tile are read from memory once and reused from L1 by every head and query row.
+//
+// Portable C++17 with GCC/Clang vector extensions (16 x float32 = one AVX-512 register,
+// two AVX2 or four NEON registers); built by jaxllm/attention/cpu/build.py with
+// -O3 -march=native against the installed jaxlib's FFI headers.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+constexpr int kTile = 16;     // key tokens per tile: the lanes of one vector
+constexpr int kRowTile = 32;  // query rows of one prefill item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x16 select(i32x16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
+
+inline float hmax(f32x16 v) {
+  v = select(v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), v,
+             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(f32x16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v[0] + v[1];
+}
+
+// exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6
+// polynomial, 2^n by exponent bits); about 1 ulp. Lanes below -87.3 give ~1e-38,
+// callers zero the masked ones.
+inline f32x16 vexp(f32x16 x) {
+  x = select(x < -87.3f, splat(-87.3f), x);
+  x = select(x > 88.3f, splat(88.3f), x);
+  f32x16 y = x * 1.44269504088896341f + 0.5f;
+  i32x16 n = __builtin_convertvector(y, i32x16);  // truncates toward zero
+  f32x16 nf = __builtin_convertvector(n, f32x16);
+  i32x16 too_big = nf > y;  // -1 where truncation rounded up (negative y): floor
+  n += too_big;
+  nf = __builtin_convertvector(n, f32x16);
+  f32x16 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits = (n + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// Sixteen vectors of partial dot products -> one vector of their sums. Input slot i
+// must hold token kBitReverse[i]'s partials for lane j of the result to be token j.
+constexpr int kBitReverse[kTile] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline f32x16 fold8(f32x16 a, f32x16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline f32x16 fold4(f32x16 a, f32x16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline f32x16 fold2(f32x16 a, f32x16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline f32x16 fold1(f32x16 a, f32x16 b) {
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline f32x16 reduce16(const f32x16* v) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = fold2(b[2 * i], b[2 * i + 1]);
+  return fold1(c[0], c[1]);
+}
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  const int32_t* qsl;
+  int64_t num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, max_blocks;
+  float sm_scale;
+  int32_t window;  // 0: none
+  float soft_cap;  // 0: none
+};
+
+struct Item {
+  int32_t seq, row0, rows;
+  int64_t cost;
+};
+
+// One KV head's group of GT query vectors against one tile of 16 keys: scores,
+// online-softmax update of (m, l, o), values accumulated into o.
+template <int D, int GT>
+inline void attend_tile(const Problem& pb, const float* q, const float* const* krow, const float* const* vrow,
+                        int ntok, i32x16 visible, float* o, float* m, float* l) {
+  constexpr int C = D / 16;
+  f32x16 s[GT];
+  {
+    f32x16 qv[GT][C];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + 16 * c);
+    f32x16 part[GT][kTile];
+    for (int t = 0; t < kTile; ++t) {
+      f32x16 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load(krow[t] + 16 * c);
+      for (int g = 0; g < GT; ++g) {
+        f32x16 acc = qv[g][0] * kv[0];
+        for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
+        part[g][kBitReverse[t]] = acc;
+      }
+    }
+    for (int g = 0; g < GT; ++g) s[g] = reduce16(part[g]);
+  }
+  alignas(64) float p[GT][kTile];
+  bool any = false;
+  for (int g = 0; g < GT; ++g) {
+    f32x16 sg = s[g];
+    if (pb.soft_cap > 0.f)
+      for (int i = 0; i < kTile; ++i) sg[i] = pb.soft_cap * std::tanh(sg[i] / pb.soft_cap);
+    sg = select(visible, sg, splat(kNegInf));
+    const float mx = hmax(sg);
+    if (mx == kNegInf) {  // nothing visible in this tile for this query
+      store(p[g], splat(0.f));
+      continue;
+    }
+    any = true;
+    const float m_new = std::max(m[g], mx);
+    const float scale = m[g] == kNegInf ? 0.f : std::exp(m[g] - m_new);
+    f32x16 pg = select(visible, vexp(sg - m_new), splat(0.f));
+    l[g] = l[g] * scale + hsum(pg);
+    m[g] = m_new;
+    if (scale != 1.f)
+      for (int c = 0; c < C; ++c) store(o + g * D + 16 * c, load(o + g * D + 16 * c) * scale);
+    store(p[g], pg);
+  }
+  if (!any) return;
+  f32x16 acc[GT][C];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load(o + g * D + 16 * c);
+  for (int t = 0; t < ntok; ++t) {
+    f32x16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + 16 * c);
+    for (int g = 0; g < GT; ++g) {
+      const f32x16 w = splat(p[g][t]);
+      for (int c = 0; c < C; ++c) acc[g][c] += w * vv[c];
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) store(o + g * D + 16 * c, acc[g][c]);
+}
+
+// A KV head's whole query group, in chunks of at most 4 query heads.
+template <int D>
+inline void attend_group(const Problem& pb, int group, const float* q, const float* const* krow,
+                         const float* const* vrow, int ntok, i32x16 visible, float* o, float* m, float* l) {
+  int g = 0;
+  for (; g + 4 <= group; g += 4)
+    attend_tile<D, 4>(pb, q + g * D, krow, vrow, ntok, visible, o + g * D, m + g, l + g);
+  switch (group - g) {
+    case 3: attend_tile<D, 3>(pb, q + g * D, krow, vrow, ntok, visible, o + g * D, m + g, l + g); break;
+    case 2: attend_tile<D, 2>(pb, q + g * D, krow, vrow, ntok, visible, o + g * D, m + g, l + g); break;
+    case 1: attend_tile<D, 1>(pb, q + g * D, krow, vrow, ntok, visible, o + g * D, m + g, l + g); break;
+    default: break;
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, o, m, l, zeros;
+};
+
+template <int D>
+void run_item(const Problem& pb, const Item& it, Scratch& sc) {
+  const int64_t H = pb.num_heads, Hkv = pb.num_kv_heads, BS = pb.block_size;
+  const int group = static_cast<int>(H / Hkv);
+  const int rows = it.rows;
+  const int64_t row_stride = H * D;  // floats per query row
+  const int64_t token_stride = Hkv * D;  // floats per cached token
+  const int32_t s = it.seq;
+  const int64_t q_len = pb.qsl[s + 1] - pb.qsl[s];
+  const int64_t kv_len = std::min<int64_t>(pb.kv_lens[s], pb.max_blocks * BS);
+  const int64_t qpos0 = kv_len - q_len + (it.row0 - pb.qsl[s]);
+  const int64_t kv_end = qpos0 + rows;  // exclusive: the last row's position + 1
+  int64_t k_first = 0;
+  if (pb.window > 0) k_first = std::max<int64_t>(0, qpos0 - pb.window + 1);
+
+  sc.q.resize(rows * row_stride);
+  sc.o.assign(rows * row_stride, 0.f);
+  sc.m.assign(rows * H, kNegInf);
+  sc.l.assign(rows * H, 0.f);
+  if (static_cast<int64_t>(sc.zeros.size()) < token_stride) sc.zeros.assign(token_stride, 0.f);
+  const float* src = pb.q + static_cast<int64_t>(it.row0) * row_stride;
+  for (int64_t i = 0; i < rows * row_stride; ++i) sc.q[i] = src[i] * pb.sm_scale;
+
+  const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
+  const float* krow[kTile];
+  const float* vrow[kTile];
+  for (int64_t t0 = k_first / kTile * kTile; t0 < kv_end; t0 += kTile) {
+    const int ntok = static_cast<int>(std::min<int64_t>(kTile, kv_end - t0));
+    for (int t = 0; t < kTile; ++t) {
+      if (t < ntok) {
+        const int64_t pos = t0 + t;
+        int64_t block = table[pos / BS];
+        block = std::min<int64_t>(std::max<int64_t>(block, 0), pb.num_blocks - 1);
+        const int64_t off = (block * BS + pos % BS) * token_stride;
+        krow[t] = pb.k + off;
+        vrow[t] = pb.v + off;
+      } else {
+        krow[t] = vrow[t] = sc.zeros.data();
+      }
+    }
+    if (t0 + kTile < kv_end) {  // the next tile's rows: start fetching them now
+      const int64_t pos = t0 + kTile;
+      int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
+      const char* kn = reinterpret_cast<const char*>(pb.k + (block * BS + pos % BS) * token_stride);
+      const char* vn = reinterpret_cast<const char*>(pb.v + (block * BS + pos % BS) * token_stride);
+      const int64_t bytes = std::min<int64_t>(kTile, BS - pos % BS) * token_stride * 4;
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
+    }
+    // Rows whose position is before the tile see none of it (causal).
+    const int r_first = static_cast<int>(std::max<int64_t>(0, t0 - qpos0));
+    for (int r = r_first; r < rows; ++r) {
+      const int64_t qpos = qpos0 + r;
+      if (pb.window > 0 && t0 + kTile - 1 <= qpos - pb.window) continue;
+      i32x16 visible;
+      for (int t = 0; t < kTile; ++t) {
+        const int64_t pos = t0 + t;
+        const bool ok = t < ntok && pos <= qpos && (pb.window <= 0 || pos > qpos - pb.window);
+        visible[t] = ok ? -1 : 0;
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* kh[kTile];
+        const float* vh[kTile];
+        for (int t = 0; t < kTile; ++t) kh[t] = krow[t] + h * D, vh[t] = vrow[t] + h * D;
+        const int64_t qh = h * group;
+        attend_group<D>(pb, group, sc.q.data() + r * row_stride + qh * D, kh, vh, ntok, visible,
+                        sc.o.data() + r * row_stride + qh * D, sc.m.data() + r * H + qh, sc.l.data() + r * H + qh);
+      }
+    }
+  }
+  float* dst = pb.out + static_cast<int64_t>(it.row0) * row_stride;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const float lsum = sc.l[r * H + h];
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      for (int d = 0; d < D; ++d) dst[r * row_stride + h * D + d] = sc.o[r * row_stride + h * D + d] * inv;
+    }
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
+
+ItemFn item_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return run_item<16>;
+    case 32: return run_item<32>;
+    case 64: return run_item<64>;
+    case 128: return run_item<128>;
+    case 256: return run_item<256>;
+    default: return nullptr;
+  }
+}
+
+// Items shared by the caller and the pool's helpers; kept alive by the helpers' copies
+// of the pointer, since a helper may start after the caller has returned.
+struct Work {
+  Problem pb;
+  ItemFn fn;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    thread_local Scratch scratch;
+    const int64_t n = static_cast<int64_t>(items.size());
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(pb, items[i], scratch);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                                int32_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q must be [T,H,D], caches [N,B,Hkv,D], tables [S,MB]");
+  auto work = std::make_shared<Work>();
+  Problem& pb = work->pb;
+  pb = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
+               kv_lens.typed_data(), block_tables.typed_data(), query_start_loc.typed_data(),
+               qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale, sliding_window, soft_cap};
+  if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim or head counts do not match");
+  work->fn = item_fn(pb.head_dim);
+  if (work->fn == nullptr)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim must be 16, 32, 64, 128 or 256");
+
+  const int64_t slots = td[0];
+  const int64_t n_seqs = std::min<int64_t>(std::max<int32_t>(num_seqs.typed_data()[0], 0), slots);
+  const int64_t T = pb.num_tokens;
+  int64_t covered = 0;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    const int64_t begin = std::clamp<int64_t>(pb.qsl[s], 0, T), end = std::clamp<int64_t>(pb.qsl[s + 1], begin, T);
+    covered = std::max(covered, end);
+    const int64_t kv = std::min<int64_t>(pb.kv_lens[s], pb.max_blocks * pb.block_size);
+    if (end - begin > kv) {  // more new tokens than the sequence holds: nothing to read
+      std::memset(pb.out + begin * pb.num_heads * pb.head_dim, 0, (end - begin) * pb.num_heads * pb.head_dim * 4);
+      continue;
+    }
+    for (int64_t r = begin; r < end; r += kRowTile) {
+      const int32_t rows = static_cast<int32_t>(std::min<int64_t>(kRowTile, end - r));
+      const int64_t last_pos = kv - (end - begin) + (r - begin) + rows;
+      work->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), rows, rows * last_pos});
+    }
+  }
+  // Rows past the last sequence are padding: zeros, as the references give.
+  std::memset(pb.out + covered * pb.num_heads * pb.head_dim, 0,
+              (T - covered) * pb.num_heads * pb.head_dim * sizeof(float));
+  std::stable_sort(work->items.begin(), work->items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const int64_t n = static_cast<int64_t>(work->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttentionF32, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, MB]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [] or [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
