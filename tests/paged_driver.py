@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention import AttentionMetadata, allocate_kv_caches
+from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
 from jaxllm.models import make_forward
@@ -71,6 +72,9 @@ class PagedDriver:
             seq_lens=jnp.asarray(seq_lens, jnp.int32),
             query_start_loc=jnp.asarray(qsl, jnp.int32),
             num_seqs=jnp.asarray(len(work), jnp.int32),
+            common_prefix_blocks=jnp.asarray(common_prefix_blocks(
+                np.asarray(tables[:len(work)]), np.asarray(seq_lens[:len(work)]) - np.diff(qsl[:len(work) + 1]),
+                self.block_size), jnp.int32),
         )
         logits, self.caches = self.forward(
             self.params, self.caches, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), md,

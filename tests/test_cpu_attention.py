@@ -107,3 +107,55 @@ def test_a_failed_build_reports_the_compiler_error(monkeypatch, tmp_path):
     with pytest.raises(build.KernelBuildError, match="bad.cc"):
         build._compile(build._compiler(), jax.ffi.include_dir(), tmp_path / "bad.so")
     assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
+
+
+def _shared_prefix_batch(rng, prefix_blocks, seqs, *, block_size, num_kv_heads, group, head_dim):
+    """Like make_batch, but every sequence's first `prefix_blocks` blocks are the same
+    physical blocks (a shared system prompt): seqs are (q_len, kv_len) with kv_len -
+    q_len >= prefix_blocks * block_size."""
+    args, valid = make_batch(rng, seqs, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                             head_dim=head_dim)
+    tables = np.asarray(args[4]).copy()
+    tables[: len(seqs), :prefix_blocks] = tables[0, :prefix_blocks]
+    return (*args[:4], jnp.asarray(tables), *args[5:]), valid
+
+
+@pytest.mark.parametrize("block_size,prefix_blocks", [(16, 8), (4, 37), (32, 3)])
+@pytest.mark.parametrize("sliding_window", [None, 50])
+def test_common_prefix_pass_matches_reference(block_size, prefix_blocks, sliding_window):
+    """The common prefix attended once for all rows (decodes and prefill chunks) then
+    merged with each sequence's own keys gives what attending to everything does."""
+    p = prefix_blocks * block_size
+    seqs = [(1, p + 1), (1, p + 40), (20, p + 20), (1, p + 130), (45, p + 100), (1, p + 64)]
+    rng = np.random.default_rng(prefix_blocks)
+    args, valid = _shared_prefix_batch(rng, prefix_blocks, seqs, block_size=block_size, num_kv_heads=2, group=3,
+                                       head_dim=64)
+    kw = dict(sm_scale=0.2, sliding_window=sliding_window)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(prefix_blocks), **kw))(
+        *args)
+    want = ragged_paged_attention_reference(*args, **kw)
+    np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got)[valid:], 0)
+
+
+def test_common_prefix_blocks_from_tables():
+    from jaxllm.attention.metadata import common_prefix_blocks
+
+    tables = np.array([[5, 6, 7, 8, 0], [5, 6, 7, 9, 0], [5, 6, 7, 8, 1]])
+    assert common_prefix_blocks(tables, np.array([64, 64, 64]), 16) == 3
+    assert common_prefix_blocks(tables, np.array([64, 40, 64]), 16) == 2  # not yet computed in one of them
+    assert common_prefix_blocks(tables[:1], np.array([64]), 16) == 0  # a single sequence shares with nobody
+    assert common_prefix_blocks(np.array([[1, 2], [3, 2]]), np.array([32, 32]), 16) == 0
+
+
+def test_common_prefix_hint_is_used():
+    """Negative control: with tables that do NOT share their first blocks, a false hint
+    changes the result (sequence 0's blocks are read for everyone), so the tests above
+    do exercise the common prefix pass."""
+    seqs = [(1, 200), (1, 150), (30, 180)]
+    args, valid = make_batch(np.random.default_rng(9), seqs, block_size=16, num_kv_heads=2, group=3, head_dim=64)
+    want = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.2))[:valid]
+    honest = cpu.ragged_paged_attention_cpu(*args, sm_scale=0.2, common_prefix_blocks=jnp.int32(0))
+    false = cpu.ragged_paged_attention_cpu(*args, sm_scale=0.2, common_prefix_blocks=jnp.int32(8))
+    np.testing.assert_allclose(np.asarray(honest)[:valid], want, atol=2e-5, rtol=0)
+    assert np.abs(np.asarray(false)[:valid] - want).max() > 1e-2

@@ -79,6 +79,22 @@ def test_prefix_caching_hits_and_identical_output(test_models_dir):
     assert outputs[True] == outputs[False]
 
 
+def test_common_prefix_of_the_whole_batch_gives_identical_output(test_models_dir):
+    """Requests sharing a 112-token prefix, batched: the runner tells the attention that
+    every sequence's first blocks are the same (the cpu backend then attends to them
+    once for all), and each output is what the request gives alone without caching."""
+    rng = np.random.default_rng(3)
+    shared = [int(t) for t in rng.integers(3, 500, 112)]
+    prompts = [shared + [int(t) for t in rng.integers(3, 500, k)] for k in (3, 9, 17, 30)]
+    llm = make_llm(test_models_dir, max_num_batched_tokens=128)
+    batched = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert llm.llm_engine.core.runner.stats.num_common_prefix_steps > 0
+    assert_no_leaks(llm)
+    alone = make_llm(test_models_dir, enable_prefix_caching=False)
+    for prompt, out in zip(prompts, batched):
+        assert alone.generate([prompt], greedy(20), use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
 def test_n_siblings_share_prompt_blocks(test_models_dir):
     llm = make_llm(test_models_dir)
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 50)]

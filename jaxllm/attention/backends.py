@@ -13,7 +13,6 @@ pallas_kernels.ragged_paged_attention:
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Callable
 
@@ -64,6 +63,14 @@ def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:
     return None
 
 
+def _pallas_attention(*args, common_prefix_blocks=None, **kwargs):
+    """The Pallas kernels (interpret mode off GPU); they do not use the common-prefix hint."""
+    import pallas_kernels
+
+    del common_prefix_blocks
+    return pallas_kernels.ragged_paged_attention(*args, interpret=jax.default_backend() != "gpu", **kwargs)
+
+
 def get_attention_fn(name: str) -> Callable:
     """The attention function of a resolved backend name (see resolve_backend_name)."""
     if name == "xla":
@@ -73,7 +80,5 @@ def get_attention_fn(name: str) -> Callable:
 
         return ragged_paged_attention_cpu
     if name == "pallas":
-        import pallas_kernels
-
-        return functools.partial(pallas_kernels.ragged_paged_attention, interpret=jax.default_backend() != "gpu")
+        return _pallas_attention
     raise ValueError(f"attention_backend: {name!r} is not a resolved backend name")

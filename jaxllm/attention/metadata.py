@@ -4,6 +4,7 @@ to the step's bucket shapes, and passed into the jitted step as one pytree."""
 
 from __future__ import annotations
 
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Int
 
@@ -24,3 +25,21 @@ class AttentionMetadata:
     seq_lens: Int[Array, "S"]  # tokens in cache after this step, per sequence
     query_start_loc: Int[Array, "S1"]  # S + 1 offsets into the flat token batch
     num_seqs: Int[Array, ""]  # real (unpadded) sequences
+    # A hint (0: none): the first common_prefix_blocks columns of every real sequence's
+    # block table are the same blocks, all computed before this step. A backend may
+    # attend to them once for all queries (the cpu backend does; vLLM calls this cascade
+    # attention); the others ignore it.
+    common_prefix_blocks: Int[Array, ""]
+
+
+def common_prefix_blocks(block_tables: np.ndarray, num_computed: np.ndarray, block_size: int) -> int:
+    """The leading block-table columns every row of `block_tables` shares, within the
+    blocks each sequence had fully in cache before the step (num_computed tokens):
+    the AttentionMetadata hint, computed on the host. 0 for fewer than 2 sequences."""
+    if len(block_tables) < 2:
+        return 0
+    limit = int(num_computed.min()) // block_size
+    if limit <= 0:
+        return 0
+    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
+    return limit if same.all() else int(same.argmin())

@@ -263,7 +263,9 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    common_prefix_blocks: Int[Array, ""] | None = None,  # a hint this backend does not use
 ) -> Float[Array, "T H hd"]:
+    del common_prefix_blocks
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_slots = block_tables.shape[0]

@@ -35,6 +35,7 @@ class AttentionFn(Protocol):
         *,
         sm_scale: float,
         sliding_window: int | None,
+        common_prefix_blocks: Int[Array, ""],
     ) -> Float[Array, "T H hd"]: ...
 
 
@@ -72,7 +73,7 @@ def attention_block(
     cache = write_kv_cache(cache, k, v, md.slot_mapping)
     o = attention_fn(
         q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-        sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+        sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, common_prefix_blocks=md.common_prefix_blocks,
     )
     return x + o.reshape(t, cfg.q_size) @ lp.wo, cache
 

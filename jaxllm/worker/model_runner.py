@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches
-from jaxllm.attention.metadata import AttentionMetadata
+from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.engine.protocol import LogprobsLists
@@ -50,6 +50,7 @@ class RunnerStats:
     num_padded_tokens: int = 0  # tokens of the buckets the steps ran in
     num_seqs: int = 0
     num_padded_seqs: int = 0
+    num_common_prefix_steps: int = 0  # steps whose sequences all shared their first blocks
     host_seconds: float = 0.0
     device_seconds: float = 0.0
     post_seconds: float = 0.0
@@ -311,6 +312,8 @@ class ModelRunner:
             seq_lens=pad(seq_lens, pad_s),
             query_start_loc=pad(qsl, pad_s, qsl[-1]),
             num_seqs=np.int32(n_seq),
+            common_prefix_blocks=np.int32(
+                common_prefix_blocks(tables[:n_seq], seq_lens - np.diff(qsl), self.block_size) if n_seq else 0),
         )
         targets = pad(targets, pad_t, -1)
         return StepInputs(
@@ -386,6 +389,7 @@ class ModelRunner:
         st.num_padded_tokens += step.t
         st.num_seqs += len(step.rows)
         st.num_padded_seqs += step.s
+        st.num_common_prefix_steps += int(step.inputs.attn.common_prefix_blocks > 0)
         key = (step.t, step.s)
         st.steps_per_bucket[key] = st.steps_per_bucket.get(key, 0) + 1
         st.seconds_per_bucket[key] = st.seconds_per_bucket.get(key, 0.0) + (t2 - t0)

@@ -65,7 +65,11 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    common_prefix_blocks: Int[Array, ""] | None = None,
 ) -> Float[Array, "T H hd"]:
+    """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
+    every sequence, are attended once for all query rows (a matrix product per KV head),
+    the rest per sequence, merged through the online softmax's state."""
     load_kernels()
     reason = unsupported(q.shape[-1], k_cache.dtype) or unsupported(q.shape[-1], q.dtype)
     if reason:
@@ -75,6 +79,7 @@ def ragged_paged_attention_cpu(
         q, k_cache, v_cache,
         kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        jnp.reshape(jnp.asarray(0 if common_prefix_blocks is None else common_prefix_blocks), (1,)).astype(jnp.int32),
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -143,6 +144,13 @@ struct Problem {
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
+  // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
+  // are the same blocks, attended once for all query rows; its state per (row, head)
+  // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
+  int64_t prefix_tokens;
+  const float* prefix_m;
+  const float* prefix_l;
+  const float* prefix_o;
 };
 
 struct Item {
@@ -299,12 +307,12 @@ inline void transpose16(const float* const* rows, float* out, int64_t stride) {
 
 constexpr int kScoreBlock = 8;  // queries whose scores are accumulated together (8 registers)
 
-// Prefill path: all nq queries of one KV head (rows x group, row-major) against a chunk
-// of keys, as two small matrix products: K transposed once into kt [D][kChunk], scores
+// Prefill path: all nq queries of one KV head (rows x group, row-major; row r at position
+// row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once into kt [D][kChunk], scores
 // accumulated 8 queries at a time over D (one key vector, eight broadcasts per step),
 // values accumulated for a block of queries at a time (V rows loaded once per block).
 template <int D>
-void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, int64_t qpos0, int64_t t0, int ntok,
+void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
                        int ntiles, const float* const* krow, const float* const* vrow, float* kt, float* p,
                        const float* q, float* o, float* m, float* l) {
   constexpr int C = D / 16;
@@ -331,7 +339,7 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, int64_
     for (int i = 0; i < mb; ++i) {
       const int mq = m0 + i;
       i32x16 vis[kTiles];
-      visible_chunk(t0, ntok, ntiles, qpos0 + mq / group, pb.window, vis);
+      visible_chunk(t0, ntok, ntiles, row_pos[mq / group], pb.window, vis);
       softmax_update<D>(s[i], vis, ntiles, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D,
                         p + static_cast<int64_t>(mq) * kChunk);
     }
@@ -360,6 +368,7 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, int64_
 // g): q and o [Hkv][nq (+ padding)][D], m and l [Hkv][nq]; kt and p for the prefill path.
 struct Scratch {
   std::vector<float> q, o, m, l, zeros, kt, p;
+  std::vector<int32_t> row_pos;
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
@@ -384,14 +393,25 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t kv_len = std::min<int64_t>(pb.kv_lens[s], pb.max_blocks * BS);
   const int64_t qpos0 = kv_len - q_len + (it.row0 - pb.qsl[s]);
   const int64_t kv_end = qpos0 + rows;  // exclusive: the last row's position + 1
-  int64_t k_first = 0;
-  if (pb.window > 0) k_first = std::max<int64_t>(0, qpos0 - pb.window + 1);
+  int64_t k_first = pb.prefix_tokens;  // the common prefix pass did the keys before it
+  if (pb.window > 0) k_first = std::max<int64_t>(k_first, qpos0 - pb.window + 1);
   const bool many = nq >= kManyQueries;
 
   sc.q.assign(Hkv * nq_padded * D, 0.f);
   sc.o.assign(Hkv * nq_padded * D, 0.f);
   sc.m.assign(Hkv * nq, kNegInf);
   sc.l.assign(Hkv * nq, 0.f);
+  if (pb.prefix_tokens > 0)
+    for (int r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int g = 0; g < group; ++g) {
+          const int64_t from = (it.row0 + r) * H + h * group + g, to = h * nq + r * group + g;
+          sc.m[to] = pb.prefix_m[from];
+          sc.l[to] = pb.prefix_l[from];
+          std::memcpy(sc.o.data() + (h * nq_padded + r * group + g) * D, pb.prefix_o + from * D, D * sizeof(float));
+        }
+  sc.row_pos.resize(rows);
+  for (int r = 0; r < rows; ++r) sc.row_pos[r] = static_cast<int32_t>(qpos0 + r);
   if (static_cast<int64_t>(sc.zeros.size()) < token_stride) sc.zeros.assign(token_stride, 0.f);
   if (many) {
     sc.kt.resize(D * kChunk);
@@ -453,7 +473,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       float* mh = sc.m.data() + h * nq;
       float* lh = sc.l.data() + h * nq;
       if (many) {
-        attend_chunk_many<D>(pb, nq, group, r_first * group, qpos0, t0, ntok, ntiles, kh, vh, sc.kt.data(),
+        attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, sc.kt.data(),
                              sc.p.data(), qh, oh, mh, lh);
         continue;
       }
@@ -481,89 +501,185 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
 }
 
-using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
+// The common prefix pass: query rows [row0, row0 + rows) (of any sequences; positions in
+// row_pos) of KV head h against keys [0, prefix_tokens) of sequence 0's block table,
+// with the prefill path; the online-softmax state goes to the prefix_* buffers.
+struct PrefixItem {
+  int32_t head, row0, rows;
+};
 
-ItemFn item_fn(int64_t head_dim) {
+template <int D>
+void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row_pos, float* out_m, float* out_l,
+                     float* out_o, Scratch& sc) {
+  const int64_t H = pb.num_heads, Hkv = pb.num_kv_heads, BS = pb.block_size;
+  const int group = static_cast<int>(H / Hkv);
+  const int nq = it.rows * group;
+  const int64_t nq_padded = nq + kPadQueries;
+  const int64_t token_stride = Hkv * D;
+  const int64_t h = it.head;
+  sc.q.assign(nq_padded * D, 0.f);
+  sc.o.assign(nq_padded * D, 0.f);
+  sc.m.assign(nq, kNegInf);
+  sc.l.assign(nq, 0.f);
+  sc.kt.resize(D * kChunk);
+  sc.p.assign(nq_padded * kChunk, 0.f);
+  for (int r = 0; r < it.rows; ++r)
+    for (int g = 0; g < group; ++g) {
+      const float* from = pb.q + ((it.row0 + r) * H + h * group + g) * D;
+      float* to = sc.q.data() + (r * group + g) * D;
+      for (int d = 0; d < D; ++d) to[d] = from[d] * pb.sm_scale;
+    }
+  const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
+  const float* kh[kChunk];
+  const float* vh[kChunk];
+  for (int64_t t0 = 0; t0 < pb.prefix_tokens; t0 += kChunk) {
+    const int ntok = static_cast<int>(std::min<int64_t>(kChunk, pb.prefix_tokens - t0));
+    const int ntiles = (ntok + kTile - 1) / kTile;  // prefix_tokens is a multiple of kTile
+    for (int t = 0; t < ntok; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
+      const int64_t off = (block * BS + pos % BS) * token_stride + h * D;
+      kh[t] = pb.k + off;
+      vh[t] = pb.v + off;
+    }
+    attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, sc.kt.data(), sc.p.data(),
+                         sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
+  }
+  for (int r = 0; r < it.rows; ++r)
+    for (int g = 0; g < group; ++g) {
+      const int64_t to = (it.row0 + r) * H + h * group + g, from = r * group + g;
+      out_m[to] = sc.m[from];
+      out_l[to] = sc.l[from];
+      std::memcpy(out_o + to * D, sc.o.data() + from * D, D * sizeof(float));
+    }
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
+using PrefixItemFn = void (*)(const Problem&, const PrefixItem&, const int32_t*, float*, float*, float*, Scratch&);
+
+template <int D>
+struct Kernels {
+  static constexpr ItemFn item = run_item<D>;
+  static constexpr PrefixItemFn prefix = run_prefix_item<D>;
+};
+
+bool kernels_for(int64_t head_dim, ItemFn& item, PrefixItemFn& prefix) {
   switch (head_dim) {
-    case 16: return run_item<16>;
-    case 32: return run_item<32>;
-    case 64: return run_item<64>;
-    case 128: return run_item<128>;
-    case 256: return run_item<256>;
-    default: return nullptr;
+    case 16: item = Kernels<16>::item, prefix = Kernels<16>::prefix; return true;
+    case 32: item = Kernels<32>::item, prefix = Kernels<32>::prefix; return true;
+    case 64: item = Kernels<64>::item, prefix = Kernels<64>::prefix; return true;
+    case 128: item = Kernels<128>::item, prefix = Kernels<128>::prefix; return true;
+    case 256: item = Kernels<256>::item, prefix = Kernels<256>::prefix; return true;
+    default: return false;
   }
 }
 
-// Items shared by the caller and the pool's helpers; kept alive by the helpers' copies
-// of the pointer, since a helper may start after the caller has returned.
+// n tasks, taken by the caller and the pool's helpers in index order; returns when all
+// are done. The state is shared with the helpers (a helper may start after the caller
+// has returned, find nothing left, and drop its reference).
 struct Work {
-  Problem pb;
-  ItemFn fn;
-  std::vector<Item> items;
+  std::function<void(int64_t, Scratch&)> task;
+  int64_t n = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void run() {
     thread_local Scratch scratch;
-    const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(pb, items[i], scratch);
+      task(i, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
+void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t, Scratch&)> task) {
+  if (n <= 0) return;
+  auto work = std::make_shared<Work>();
+  work->task = std::move(task);
+  work->n = n;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+constexpr int kPrefixRows = 16;  // query rows per common-prefix item
+constexpr int64_t kMinPrefixTokens = kChunk;  // a shorter common prefix is not worth a pass
+
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                                 ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start_loc,
-                                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                                int32_t sliding_window, float soft_cap) {
+                                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> common_prefix_blocks,
+                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
+                                float soft_cap) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: q must be [T,H,D], caches [N,B,Hkv,D], tables [S,MB]");
-  auto work = std::make_shared<Work>();
-  Problem& pb = work->pb;
-  pb = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
-               kv_lens.typed_data(), block_tables.typed_data(), query_start_loc.typed_data(),
-               qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale, sliding_window, soft_cap};
+  Problem pb{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
+             kv_lens.typed_data(), block_tables.typed_data(), query_start_loc.typed_data(),
+             qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale, sliding_window, soft_cap,
+             0, nullptr, nullptr, nullptr};
   if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim or head counts do not match");
-  work->fn = item_fn(pb.head_dim);
-  if (work->fn == nullptr)
+  ItemFn item_fn;
+  PrefixItemFn prefix_fn;
+  if (!kernels_for(pb.head_dim, item_fn, prefix_fn))
     return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim must be 16, 32, 64, 128 or 256");
 
+  const int64_t H = pb.num_heads, D = pb.head_dim, T = pb.num_tokens;
   const int64_t slots = td[0];
   const int64_t n_seqs = std::min<int64_t>(std::max<int32_t>(num_seqs.typed_data()[0], 0), slots);
-  const int64_t T = pb.num_tokens;
+  std::vector<Item> items;
+  std::vector<int32_t> row_pos(T, 0);
   int64_t covered = 0;
+  int64_t min_computed = std::numeric_limits<int64_t>::max();  // tokens in cache before this step, least of all
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t begin = std::clamp<int64_t>(pb.qsl[s], 0, T), end = std::clamp<int64_t>(pb.qsl[s + 1], begin, T);
     covered = std::max(covered, end);
     const int64_t kv = std::min<int64_t>(pb.kv_lens[s], pb.max_blocks * pb.block_size);
     if (end - begin > kv) {  // more new tokens than the sequence holds: nothing to read
-      std::memset(pb.out + begin * pb.num_heads * pb.head_dim, 0, (end - begin) * pb.num_heads * pb.head_dim * 4);
+      std::memset(pb.out + begin * H * D, 0, (end - begin) * H * D * sizeof(float));
+      min_computed = 0;
       continue;
     }
+    if (end > begin) min_computed = std::min(min_computed, kv - (end - begin));
+    for (int64_t r = begin; r < end; ++r) row_pos[r] = static_cast<int32_t>(kv - (end - r));
     for (int64_t r = begin; r < end; r += kRowTile) {
       const int32_t rows = static_cast<int32_t>(std::min<int64_t>(kRowTile, end - r));
       const int64_t last_pos = kv - (end - begin) + (r - begin) + rows;
-      work->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), rows, rows * last_pos});
+      items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), rows, rows * last_pos});
     }
   }
   // Rows past the last sequence are padding: zeros, as the references give.
-  std::memset(pb.out + covered * pb.num_heads * pb.head_dim, 0,
-              (T - covered) * pb.num_heads * pb.head_dim * sizeof(float));
-  std::stable_sort(work->items.begin(), work->items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::memset(pb.out + covered * H * D, 0, (T - covered) * H * D * sizeof(float));
 
-  const int64_t n = static_cast<int64_t>(work->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  // The common prefix: the caller's promise (the first blocks of every block table are
+  // the same), bounded by what every sequence had in cache before this step, in whole
+  // 16-key tiles.
+  int64_t prefix = static_cast<int64_t>(std::max<int32_t>(common_prefix_blocks.typed_data()[0], 0)) * pb.block_size;
+  prefix = std::min(prefix, n_seqs > 1 && items.size() > 1 ? min_computed : 0) / kTile * kTile;
+  std::vector<float> prefix_m, prefix_l, prefix_o;
+  if (prefix >= kMinPrefixTokens) {
+    pb.prefix_tokens = prefix;
+    prefix_m.assign(covered * H, kNegInf);
+    prefix_l.assign(covered * H, 0.f);
+    prefix_o.assign(covered * H * D, 0.f);
+    pb.prefix_m = prefix_m.data(), pb.prefix_l = prefix_l.data(), pb.prefix_o = prefix_o.data();
+    std::vector<PrefixItem> prefix_items;
+    for (int64_t h = 0; h < pb.num_kv_heads; ++h)
+      for (int64_t r = 0; r < covered; r += kPrefixRows)
+        prefix_items.push_back(PrefixItem{static_cast<int32_t>(h), static_cast<int32_t>(r),
+                                          static_cast<int32_t>(std::min<int64_t>(kPrefixRows, covered - r))});
+    parallel_for(pool, static_cast<int64_t>(prefix_items.size()), [&](int64_t i, Scratch& sc) {
+      prefix_fn(pb, prefix_items[i], row_pos.data(), prefix_m.data(), prefix_l.data(), prefix_o.data(), sc);
+    });
+  }
+
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& sc) { item_fn(pb, items[i], sc); });
   return ffi::Error::Success();
 }
 
@@ -579,6 +695,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttentionF32, RaggedPagedAttentio
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, MB]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [] or [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // common_prefix_blocks [] or [1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
