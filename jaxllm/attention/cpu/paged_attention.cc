@@ -502,10 +502,13 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
 }
 
 // The common prefix pass: query rows [row0, row0 + rows) (of any sequences; positions in
-// row_pos) of KV head h against keys [0, prefix_tokens) of sequence 0's block table,
-// with the prefill path; the online-softmax state goes to the prefix_* buffers.
+// row_pos) of KV head h against keys [k0, k1) of the prefix (sequence 0's block table),
+// with the prefill path; the online-softmax state goes to the out_* buffers of the
+// item's part of the keys (merged afterwards).
 struct PrefixItem {
   int32_t head, row0, rows;
+  int64_t k0, k1;
+  int32_t part;
 };
 
 template <int D>
@@ -532,9 +535,9 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const float* kh[kChunk];
   const float* vh[kChunk];
-  for (int64_t t0 = 0; t0 < pb.prefix_tokens; t0 += kChunk) {
-    const int ntok = static_cast<int>(std::min<int64_t>(kChunk, pb.prefix_tokens - t0));
-    const int ntiles = (ntok + kTile - 1) / kTile;  // prefix_tokens is a multiple of kTile
+  for (int64_t t0 = it.k0; t0 < it.k1; t0 += kChunk) {
+    const int ntok = static_cast<int>(std::min<int64_t>(kChunk, it.k1 - t0));
+    const int ntiles = (ntok + kTile - 1) / kTile;  // k1 - k0 is a multiple of kTile
     for (int t = 0; t < ntok; ++t) {
       const int64_t pos = t0 + t;
       const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
@@ -604,8 +607,19 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t, 
   while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-constexpr int kPrefixRows = 16;  // query rows per common-prefix item
+constexpr int kPrefixRows = 32;  // query rows per common-prefix item
 constexpr int64_t kMinPrefixTokens = kChunk;  // a shorter common prefix is not worth a pass
+constexpr int kPrefixItemsPerThread = 4;  // the prefix's keys are split into parts until there are this many items
+
+// Folds online-softmax state b into a (max m, sum l, unnormalized output o of D floats).
+inline void merge_state(float& ma, float& la, float* oa, float mb, float lb, const float* ob, int64_t D) {
+  if (mb == kNegInf) return;
+  const float m = std::max(ma, mb);
+  const float sa = ma == kNegInf ? 0.f : std::exp(ma - m), sb = std::exp(mb - m);
+  for (int64_t d = 0; d < D; ++d) oa[d] = oa[d] * sa + ob[d] * sb;
+  la = la * sa + lb * sb;
+  ma = m;
+}
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                                 ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
@@ -668,14 +682,41 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     prefix_l.assign(covered * H, 0.f);
     prefix_o.assign(covered * H * D, 0.f);
     pb.prefix_m = prefix_m.data(), pb.prefix_l = prefix_l.data(), pb.prefix_o = prefix_o.data();
+    // Items (KV head, block of rows, part of the keys): the keys are split into parts
+    // (whole chunks) until there are enough items for the threads; part 0 writes the
+    // prefix_* buffers, part j > 0 its own, merged into part 0's afterwards.
+    const int64_t row_blocks = (covered + kPrefixRows - 1) / kPrefixRows;
+    const int64_t chunks = (prefix + kChunk - 1) / kChunk;
+    const int64_t want = kPrefixItemsPerThread * std::max<int64_t>(pool.num_threads(), 1);
+    const int64_t parts = std::clamp<int64_t>((want + pb.num_kv_heads * row_blocks - 1) / (pb.num_kv_heads * row_blocks),
+                                              1, chunks);
+    const int64_t chunks_per_part = (chunks + parts - 1) / parts;
+    std::vector<float> part_m((parts - 1) * covered * H, kNegInf), part_l((parts - 1) * covered * H, 0.f),
+        part_o((parts - 1) * covered * H * D, 0.f);
     std::vector<PrefixItem> prefix_items;
-    for (int64_t h = 0; h < pb.num_kv_heads; ++h)
-      for (int64_t r = 0; r < covered; r += kPrefixRows)
-        prefix_items.push_back(PrefixItem{static_cast<int32_t>(h), static_cast<int32_t>(r),
-                                          static_cast<int32_t>(std::min<int64_t>(kPrefixRows, covered - r))});
+    for (int64_t j = 0; j < parts; ++j) {
+      const int64_t k0 = j * chunks_per_part * kChunk, k1 = std::min(prefix, (j + 1) * chunks_per_part * kChunk);
+      if (k0 >= k1) continue;
+      for (int64_t h = 0; h < pb.num_kv_heads; ++h)
+        for (int64_t r = 0; r < covered; r += kPrefixRows)
+          prefix_items.push_back(PrefixItem{static_cast<int32_t>(h), static_cast<int32_t>(r),
+                                            static_cast<int32_t>(std::min<int64_t>(kPrefixRows, covered - r)), k0, k1,
+                                            static_cast<int32_t>(j)});
+    }
     parallel_for(pool, static_cast<int64_t>(prefix_items.size()), [&](int64_t i, Scratch& sc) {
-      prefix_fn(pb, prefix_items[i], row_pos.data(), prefix_m.data(), prefix_l.data(), prefix_o.data(), sc);
+      const PrefixItem& it = prefix_items[i];
+      const int64_t off = (it.part - 1) * covered * H;  // part j > 0: its slice of the part_* buffers
+      if (it.part == 0)
+        prefix_fn(pb, it, row_pos.data(), prefix_m.data(), prefix_l.data(), prefix_o.data(), sc);
+      else
+        prefix_fn(pb, it, row_pos.data(), part_m.data() + off, part_l.data() + off, part_o.data() + off * D, sc);
     });
+    for (int64_t j = 1; j < parts; ++j) {
+      const int64_t off = (j - 1) * covered * H;
+      for (int64_t i = 0; i < covered * H; ++i)
+        merge_state(prefix_m[i], prefix_l[i], prefix_o.data() + i * D, part_m[off + i], part_l[off + i],
+                    part_o.data() + (off + i) * D, D);
+    }
   }
 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
