@@ -245,3 +245,13 @@ def test_import_prints_nothing():
     code = "import jaxllm, jax; from jaxllm import LLM, SamplingParams; jax.devices()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stderr == "" and result.stdout == ""
+
+
+def test_token_buckets():
+    from jaxllm.worker.model_runner import seq_bucket, token_buckets
+
+    assert token_buckets(512) == [4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(2048) == [4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(100) == [4, 8, 16, 32, 64, 100]  # the budget itself is always a bucket
+    assert token_buckets(3) == [3]
+    assert seq_bucket(64, 16) == 16 and seq_bucket(64, 512) == 64
