@@ -34,7 +34,7 @@ test: setup-dev
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 1 h 15 min on 2 cores).
+# Everything in docs/benchmarks.md, into bench_results/ (about 50 min on 2 cores).
 bench: setup-dev
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_throughput.py --out bench_results/throughput.json
@@ -43,6 +43,7 @@ bench: setup-dev
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
 	  --out bench_results/serving_standard
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --max-concurrency 32 --out bench_results/shared_prefix
+	$(PY) scripts/bench_serving.py --compare-prefix-caching --out bench_results/shared_prefix_burst
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --num-prompts 64 \
 	  --concurrency-sweep 4,16,32,64 --out bench_results/sweep
 
