@@ -87,6 +87,7 @@ def test_common_prefix_of_the_whole_batch_gives_identical_output(test_models_dir
     shared = [int(t) for t in rng.integers(3, 500, 112)]
     prompts = [shared + [int(t) for t in rng.integers(3, 500, k)] for k in (3, 9, 17, 30)]
     llm = make_llm(test_models_dir, max_num_batched_tokens=128)
+    assert llm.llm_engine.core.runner.attention_backend == "cpu"  # the backend that uses the hint
     batched = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert llm.llm_engine.core.runner.stats.num_common_prefix_steps > 0
     assert_no_leaks(llm)

@@ -379,6 +379,14 @@ inline void prefetch_rows(const float* base, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
+// Offset (in floats) of the cached row of the token at `pos`, through a block table;
+// block ids are clamped into the pool.
+inline int64_t token_offset(const Problem& pb, const int32_t* table, int64_t pos) {
+  const int64_t BS = pb.block_size;
+  const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
+  return (block * BS + pos % BS) * pb.num_kv_heads * pb.head_dim;
+}
+
 template <int D>
 void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t H = pb.num_heads, Hkv = pb.num_kv_heads, BS = pb.block_size;
@@ -427,10 +435,6 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
-  auto token_offset = [&](int64_t pos) {
-    const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
-    return (block * BS + pos % BS) * token_stride;
-  };
   const float* krow[kChunk];
   const float* vrow[kChunk];
   const float* knext[kChunk];
@@ -444,7 +448,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
     const int ntiles = (ntok + kTile - 1) / kTile;
     for (int t = 0; t < ntiles * kTile; ++t) {
       if (t < ntok) {
-        const int64_t off = token_offset(t0 + t);
+        const int64_t off = token_offset(pb, table, t0 + t);
         krow[t] = pb.k + off;
         vrow[t] = pb.v + off;
       } else {
@@ -452,7 +456,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
       const int64_t next = t0 + kChunk + t;  // the same token of the next chunk, for prefetching
       if (next < kv_end) {
-        const int64_t off = token_offset(next);
+        const int64_t off = token_offset(pb, table, next);
         knext[t] = pb.k + off;
         vnext[t] = pb.v + off;
       } else {
@@ -514,11 +518,10 @@ struct PrefixItem {
 template <int D>
 void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row_pos, float* out_m, float* out_l,
                      float* out_o, Scratch& sc) {
-  const int64_t H = pb.num_heads, Hkv = pb.num_kv_heads, BS = pb.block_size;
-  const int group = static_cast<int>(H / Hkv);
+  const int64_t H = pb.num_heads;
+  const int group = static_cast<int>(H / pb.num_kv_heads);
   const int nq = it.rows * group;
   const int64_t nq_padded = nq + kPadQueries;
-  const int64_t token_stride = Hkv * D;
   const int64_t h = it.head;
   sc.q.assign(nq_padded * D, 0.f);
   sc.o.assign(nq_padded * D, 0.f);
@@ -539,9 +542,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     const int ntok = static_cast<int>(std::min<int64_t>(kChunk, it.k1 - t0));
     const int ntiles = (ntok + kTile - 1) / kTile;  // k1 - k0 is a multiple of kTile
     for (int t = 0; t < ntok; ++t) {
-      const int64_t pos = t0 + t;
-      const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
-      const int64_t off = (block * BS + pos % BS) * token_stride + h * D;
+      const int64_t off = token_offset(pb, table, t0 + t) + h * D;
       kh[t] = pb.k + off;
       vh[t] = pb.v + off;
     }
@@ -561,18 +562,19 @@ using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
 using PrefixItemFn = void (*)(const Problem&, const PrefixItem&, const int32_t*, float*, float*, float*, Scratch&);
 
 template <int D>
-struct Kernels {
-  static constexpr ItemFn item = run_item<D>;
-  static constexpr PrefixItemFn prefix = run_prefix_item<D>;
-};
+bool set_kernels(ItemFn& item, PrefixItemFn& prefix) {
+  item = run_item<D>;
+  prefix = run_prefix_item<D>;
+  return true;
+}
 
 bool kernels_for(int64_t head_dim, ItemFn& item, PrefixItemFn& prefix) {
   switch (head_dim) {
-    case 16: item = Kernels<16>::item, prefix = Kernels<16>::prefix; return true;
-    case 32: item = Kernels<32>::item, prefix = Kernels<32>::prefix; return true;
-    case 64: item = Kernels<64>::item, prefix = Kernels<64>::prefix; return true;
-    case 128: item = Kernels<128>::item, prefix = Kernels<128>::prefix; return true;
-    case 256: item = Kernels<256>::item, prefix = Kernels<256>::prefix; return true;
+    case 16: return set_kernels<16>(item, prefix);
+    case 32: return set_kernels<32>(item, prefix);
+    case 64: return set_kernels<64>(item, prefix);
+    case 128: return set_kernels<128>(item, prefix);
+    case 256: return set_kernels<256>(item, prefix);
     default: return false;
   }
 }
