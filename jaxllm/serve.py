@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "cpu", "pallas"])
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "xla", "cpu"])
     p.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before 503s")
@@ -58,6 +59,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
         chat_template=args.chat_template,
         compilation_cache_dir=args.compilation_cache_dir,
         served_model_name=args.served_model_name,

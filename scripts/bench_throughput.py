@@ -103,6 +103,7 @@ def engine_options(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
         enable_prefix_caching=not args.no_prefix_caching,
     )
     if args.kv_cache_memory is not None:
@@ -332,7 +333,7 @@ def measure_startup(args, cache_dir: str) -> dict:
 def startup_passthrough(args) -> list[str]:
     out = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
-           "--attention-backend", args.attention_backend]
+           "--attention-backend", args.attention_backend, "--linear-backend", args.linear_backend]
     if args.model:
         out += ["--model", args.model]
     if args.kv_cache_memory is not None:
@@ -377,6 +378,7 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--linear-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)

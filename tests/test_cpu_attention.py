@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm.attention import backends, cpu
-from jaxllm.attention.cpu import build
+from jaxllm.cpu_kernels import build
 from pallas_kernels import ragged_paged_attention_reference
 from tests.test_xla_attention import make_batch
 
@@ -103,7 +103,7 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
 def test_a_failed_build_reports_the_compiler_error(monkeypatch, tmp_path):
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setattr(build, "SOURCES", (bad,))
     with pytest.raises(build.KernelBuildError, match="bad.cc"):
         build._compile(build._compiler(), jax.ffi.include_dir(), tmp_path / "bad.so")
     assert not list(tmp_path.glob("*.so"))  # no half-written library left behind

@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # auto | xla | cpu | pallas
+    linear_backend: str = "auto"  # auto | xla | cpu (jaxllm.models.linear)
     chat_template: str | None = None  # a template string or a file holding one
     compilation_cache_dir: str | None = None  # default ~/.cache/jaxllm/xla
     served_model_name: str | None = None

@@ -123,6 +123,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=config.attention_backend,
+            linear_backend=config.linear_backend,
         )
         self._rng = np.random.default_rng(config.seed)
         self.warmup_seconds = self.runner.warm_up(progress) if warm_up else 0.0
@@ -131,6 +132,9 @@ class EngineCore:
             if self.model.config != cfg:
                 raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
             self.runner.set_params(self.model.params)
+        # The runner holds the weights from here (packed copies for linear_backend cpu):
+        # this reference would keep a second copy alive.
+        self.model = dataclasses.replace(self.model, params=None)
 
     # --------------------------------------------------------------- requests
 
@@ -186,6 +190,7 @@ class EngineCore:
         c = self.cache
         return (
             f"KV cache: {c.num_blocks - 1} blocks of {c.block_size} tokens = {c.capacity_tokens} tokens; "
-            f"max_model_len={c.max_model_len}; {len(self.runner.buckets)} step shapes"
+            f"max_model_len={c.max_model_len}; {len(self.runner.buckets)} step shapes; "
+            f"attention {self.runner.attention_backend}, linear {self.runner.linear_backend}"
         )
 

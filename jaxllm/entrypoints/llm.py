@@ -17,7 +17,7 @@ class LLM:
 
     Options are EngineConfig's fields (dtype, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    seed, attention_backend, chat_template, compilation_cache_dir).
+    seed, attention_backend, linear_backend, chat_template, compilation_cache_dir).
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options) -> None:

@@ -29,7 +29,7 @@ __all__ = ["CheckpointError", "LoadedModel", "load_model", "peek_model_config", 
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: ModelParams
+    params: ModelParams | None  # None in an engine's copy: its model runner holds them
     tokenizer: Any  # a transformers PreTrainedTokenizerFast
     path: Path
     load_seconds: float

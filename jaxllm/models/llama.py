@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int
 from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
+from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams
 from jaxllm.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -59,7 +60,7 @@ def attention_block(
     the cache, then attends through the block tables."""
     t = x.shape[0]
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = h @ lp.wqkv
+    qkv = linear(h, lp.wqkv)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -75,14 +76,14 @@ def attention_block(
         q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
         sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, common_prefix_blocks=md.common_prefix_blocks,
     )
-    return x + o.reshape(t, cfg.q_size) @ lp.wo, cache
+    return x + linear(o.reshape(t, cfg.q_size), lp.wo), cache
 
 
 def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig) -> Float[Array, "T D"]:
     """SwiGLU feed-forward sublayer (pre-norm, residual added)."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
-    return x + (jax.nn.silu(gate) * up) @ lp.w_down
+    gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
+    return x + linear(jax.nn.silu(gate) * up, lp.w_down)
 
 
 def compute_logits(
@@ -91,7 +92,7 @@ def compute_logits(
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
         return jnp.einsum("sd,vd->sv", h, params.embed, preferred_element_type=jnp.float32)
-    return jnp.dot(h, params.lm_head, preferred_element_type=jnp.float32)
+    return linear(h, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward_hidden(

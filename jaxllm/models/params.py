@@ -4,7 +4,8 @@ Weights are stored per layer (a tuple of LayerParams, not one stacked array): in
 stacked weights inside jit, or scanning over layers, measured 4x slower at batch 1 on
 XLA:CPU. Matmul weights are laid out [in, out] so a projection is `x @ w`, and the
 projections that read the same input are fused: q/k/v into `wqkv`, gate/up into
-`w_gate_up`.
+`w_gate_up`. For the `cpu` linear backend the model runner packs them into panels
+(PackedWeight; jaxllm.models.linear).
 """
 
 from __future__ import annotations
@@ -19,17 +20,36 @@ if TYPE_CHECKING:
     from jaxllm.config import ModelConfig
 
 
+PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/dense.cc
+
+
+@struct.dataclass
+class PackedWeight:
+    """An [in, out] weight as panels of PANEL columns, [out/PANEL, in, PANEL], the last
+    panel zero-padded: the layout the `cpu` linear backend multiplies."""
+
+    panels: Float[Array, "P K 32"]
+    out_features: int = struct.field(pytree_node=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
+
+
+Weight = Float[Array, "K N"] | PackedWeight
+
+
 @struct.dataclass
 class LayerParams:
     attn_norm: Float[Array, "D"]
-    wqkv: Float[Array, "D QKV"]  # columns: q (H*hd) | k (Hkv*hd) | v (Hkv*hd)
+    wqkv: Weight  # [D, QKV] columns: q (H*hd) | k (Hkv*hd) | v (Hkv*hd)
     bqkv: Float[Array, "QKV"] | None  # Qwen2 / attention_bias
     q_norm: Float[Array, "hd"] | None  # Qwen3
     k_norm: Float[Array, "hd"] | None  # Qwen3
-    wo: Float[Array, "Hhd D"]
+    wo: Weight  # [H*hd, D]
     mlp_norm: Float[Array, "D"]
-    w_gate_up: Float[Array, "D F2"]  # columns: gate (F) | up (F)
-    w_down: Float[Array, "F D"]
+    w_gate_up: Weight  # [D, 2F] columns: gate (F) | up (F)
+    w_down: Weight  # [F, D]
 
 
 @struct.dataclass
@@ -37,7 +57,7 @@ class ModelParams:
     embed: Float[Array, "V D"]
     layers: tuple[LayerParams, ...]
     final_norm: Float[Array, "D"]
-    lm_head: Float[Array, "D V"] | None  # None when tied to `embed`
+    lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed: always given)
 
 
 def cast_params(params: ModelParams, dtype) -> ModelParams:

@@ -48,19 +48,24 @@ _LOWERING_OPTIONS = (  # jax options that change what a function lowers to
 
 # What a step is traced from: these parts of jaxllm (the C++ of custom calls too), and
 # pallas_kernels.
-_TRACED_SOURCES = ("models", "attention", "sample", "worker", "config.py", "sampling_params.py", "platform.py")
+_TRACED_SOURCES = ("models", "attention", "cpu_kernels", "sample", "worker", "config.py", "sampling_params.py",
+                   "platform.py")
 MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
+
+
+def _source_files(path: Path) -> list[Path]:
+    """`path` itself (a file), or the sources under it (a package)."""
+    return sorted(f for ext in ("*.py", "*.cc", "*.h") for f in path.rglob(ext)) or [path]
 
 
 @functools.cache
 def _source_digest() -> str:
-    """sha256 over the Python sources a step is traced from."""
+    """sha256 over the sources a step is traced from (the custom calls' C++ included)."""
     import jaxllm
 
     h = hashlib.sha256()
     root = Path(jaxllm.__file__).parent
-    files = [p for name in _TRACED_SOURCES
-             for p in sorted([*(root / name).rglob("*.py"), *(root / name).rglob("*.cc")]) or [root / name]]
+    files = [f for name in _TRACED_SOURCES for f in _source_files(root / name)]
     try:
         import pallas_kernels
 

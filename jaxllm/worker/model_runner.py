@@ -27,6 +27,7 @@ from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.models.linear import pack_params, resolve_linear_backend
 from jaxllm.models.params import ModelParams
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.worker.executable_cache import ExecutableStore, default_directory, persistent_cache_hits
@@ -132,17 +133,21 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
-        the first step."""
+        the first step. With the `cpu` linear backend the runner keeps the projection
+        weights packed (jaxllm.models.linear), a copy of what it is given."""
         self.config = config
-        self.params = params
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.linear_backend = resolve_linear_backend(linear_backend, dtype)
+        self._given_shapes = _shapes_and_dtypes(params)
+        self.params = self._layout(params)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        dtype = jax.tree.leaves(params)[0].dtype
         # The KV caches (2 GiB by default: a second of page faults) are zero-filled on
         # a background thread while warm_up loads or compiles the buckets, which only
         # need their shapes; the first use of `kv_caches` waits for them.
@@ -163,10 +168,10 @@ class ModelRunner:
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}
-        args = (params, self._abstract_caches, self.history)
+        args = (self.params, self._abstract_caches, self.history)
         abstract = _shapes_and_dtypes(args)
-        self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend, abstract,
-                                      jax.tree.structure(args))
+        self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend,
+                                      self.linear_backend, abstract, jax.tree.structure(args))
         self.num_loaded_executables = 0
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
@@ -185,9 +190,13 @@ class ModelRunner:
 
     def set_params(self, params: ModelParams) -> None:
         """The weights, of exactly the shapes and dtypes the runner was built for."""
-        if _shapes_and_dtypes(params) != _shapes_and_dtypes(self.params):
+        if _shapes_and_dtypes(params) != self._given_shapes:
             raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
-        self.params = params
+        self.params = self._layout(params)
+
+    def _layout(self, params: ModelParams) -> ModelParams:
+        """`params` in the layout of the linear backend (packed for `cpu`)."""
+        return pack_params(params) if self.linear_backend == "cpu" else params
 
     # -------------------------------------------------------------- compiling
 

@@ -25,7 +25,7 @@
 // ~29); a 448-token prefill chunk runs at ~150 GFLOP/s.
 //
 // Portable C++17 with GCC/Clang vector extensions (16 x float32 = one AVX-512 register,
-// two AVX2 or four NEON registers); built by jaxllm/attention/cpu/build.py with
+// two AVX2 or four NEON registers); built by jaxllm/cpu_kernels/build.py with
 // -O3 -march=native against the installed jaxlib's FFI headers.
 
 #include <algorithm>
@@ -39,9 +39,11 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxllm::parallel_for;
 
 namespace {
 
@@ -579,34 +581,10 @@ bool kernels_for(int64_t head_dim, ItemFn& item, PrefixItemFn& prefix) {
   }
 }
 
-// n tasks, taken by the caller and the pool's helpers in index order; returns when all
-// are done. The state is shared with the helpers (a helper may start after the caller
-// has returned, find nothing left, and drop its reference).
-struct Work {
-  std::function<void(int64_t, Scratch&)> task;
-  int64_t n = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    thread_local Scratch scratch;
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      task(i, scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t, Scratch&)> task) {
-  if (n <= 0) return;
-  auto work = std::make_shared<Work>();
-  work->task = std::move(task);
-  work->n = n;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+// This thread's scratch buffers (the callers of parallel_for and the pool's threads).
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
 }
 
 constexpr int kPrefixRows = 32;  // query rows per common-prefix item
@@ -705,7 +683,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                             static_cast<int32_t>(std::min<int64_t>(kPrefixRows, covered - r)), k0, k1,
                                             static_cast<int32_t>(j)});
     }
-    parallel_for(pool, static_cast<int64_t>(prefix_items.size()), [&](int64_t i, Scratch& sc) {
+    parallel_for(pool, static_cast<int64_t>(prefix_items.size()), [&](int64_t i) {
+      Scratch& sc = thread_scratch();
       const PrefixItem& it = prefix_items[i];
       const int64_t off = (it.part - 1) * covered * H;  // part j > 0: its slice of the part_* buffers
       if (it.part == 0)
@@ -722,7 +701,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   }
 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& sc) { item_fn(pb, items[i], sc); });
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { item_fn(pb, items[i], thread_scratch()); });
   return ffi::Error::Success();
 }
 

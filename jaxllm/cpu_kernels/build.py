@@ -1,11 +1,11 @@
-"""Building the C++ kernels of the `cpu` attention backend into a shared library.
+"""Building the C++ kernels for XLA:CPU (this directory's .cc files) into one shared library.
 
 Built on first use with the machine's C++ compiler (`$CXX`, else c++ / g++ / clang++)
 against the FFI headers of the installed jaxlib, for the host CPU (-march=native), and
 kept in `<cache>/jaxllm-kernels/` keyed by the source, the flags, the compiler, jaxlib
 and the CPU: a later start loads it at once. No compiler, or a failed build, raises
-KernelBuildError with the compiler's message; `attention_backend="auto"` then falls
-back to the XLA backend (jaxllm.attention.backends).
+KernelBuildError with the compiler's message; the `auto` attention and linear backends
+then fall back to XLA (jaxllm.attention.backends, jaxllm.models.linear).
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
+DIRECTORY = Path(__file__).parent
+SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc")
+HEADERS = (DIRECTORY / "parallel.h",)
+LIBRARY = "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 SUBDIR = "jaxllm-kernels"
 
@@ -53,7 +56,7 @@ def _key(compiler: str, include_dir: str) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{compiler} --version failed: {e}") from e
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
                  include_dir.encode(), host_cpu().encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -66,7 +69,7 @@ def library_path() -> Path:
 
     compiler = _compiler()
     include_dir = jax.ffi.include_dir()
-    name = f"{SOURCE.stem}-{_key(compiler, include_dir)}.so"
+    name = f"{LIBRARY}-{_key(compiler, include_dir)}.so"
     for root in (_cache_root(), Path(tempfile.gettempdir()) / SUBDIR):
         path = root / name
         if path.is_file():
@@ -82,15 +85,15 @@ def library_path() -> Path:
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".so")
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-isystem", include_dir, str(SOURCE), "-o", tmp]
-    logger.info("building the CPU attention kernels: %s", " ".join(cmd))
+    cmd = [compiler, *FLAGS, "-isystem", include_dir, *map(str, SOURCES), "-o", tmp]
+    logger.info("building the CPU kernels: %s", " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
         os.replace(tmp, path)  # atomic: a concurrent build by another process is equivalent
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from e
+        raise KernelBuildError(f"building {LIBRARY} failed: {e}") from e
     finally:
         Path(tmp).unlink(missing_ok=True)
     return path

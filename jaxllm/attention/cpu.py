@@ -2,9 +2,9 @@
 
 On XLA:CPU the jnp backend (jaxllm.attention.xla) must copy every K/V block it reads
 out of the paged cache before its dots (XLA:CPU does not fuse a gather into a dot), so
-a decode step reads the cache about three times. The kernel in paged_attention.cc reads
-each K/V row once, where it lies, with an online softmax in float32, on XLA's intra-op
-threads: a decode step of 64 sequences of ~400 tokens spent 457 ms in the XLA path's
+a decode step reads the cache about three times. The kernel (jaxllm/cpu_kernels/
+paged_attention.cc) reads each K/V row once, where it lies, with an online softmax in
+float32, on XLA's intra-op threads: a decode step of 64 sequences of ~400 tokens spent 457 ms in the XLA path's
 attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
 
 Same signature and semantics as pallas_kernels.ragged_paged_attention and the XLA
@@ -14,34 +14,17 @@ SUPPORTED_HEAD_DIMS.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxllm.attention.cpu.build import KernelBuildError, library_path
+from jaxllm.cpu_kernels import KernelBuildError, load_kernels
 
 __all__ = ["KernelBuildError", "SUPPORTED_HEAD_DIMS", "load_kernels", "ragged_paged_attention_cpu", "unsupported"]
 
-TARGET = "jaxllm_ragged_paged_attention_f32"
+TARGET = "jaxllm_ragged_paged_attention_f32"  # registered by load_kernels
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-@functools.cache
-def load_kernels() -> str:
-    """Build (or find) the library and register its custom call; the library's path.
-    Raises KernelBuildError when this machine cannot build it."""
-    path = library_path()
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        handler = lib.JaxllmRaggedPagedAttentionF32
-    except (OSError, AttributeError) as e:
-        raise KernelBuildError(f"cannot load {path}: {e}") from e
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return str(path)
 
 
 def unsupported(head_dim: int, dtype) -> str | None:

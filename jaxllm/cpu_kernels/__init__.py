@@ -1,0 +1,35 @@
+"""C++ kernels for XLA:CPU, as XLA FFI custom calls, in one shared library built on first
+use (build.py): ragged paged attention (paged_attention.cc; jaxllm.attention.cpu) and
+dense projections against packed weights (dense.cc; jaxllm.models.linear)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+
+from jaxllm.cpu_kernels.build import KernelBuildError, library_path
+
+__all__ = ["KernelBuildError", "TARGETS", "load_kernels"]
+
+# FFI target name -> the handler symbol the library exports.
+TARGETS = {
+    "jaxllm_ragged_paged_attention_f32": "JaxllmRaggedPagedAttentionF32",
+    "jaxllm_dense_f32": "JaxllmDenseF32",
+}
+
+
+@functools.cache
+def load_kernels() -> str:
+    """Build (or find) the library and register its custom calls; the library's path.
+    Raises KernelBuildError when this machine cannot build or load it."""
+    path = library_path()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        handlers = {target: getattr(lib, symbol) for target, symbol in TARGETS.items()}
+    except (OSError, AttributeError) as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return str(path)

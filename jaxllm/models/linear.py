@@ -1,0 +1,109 @@
+"""Dense projections, and the weight layout each linear backend multiplies.
+
+`linear(x, w)` is `x @ w` for a plain [in, out] weight (XLA's dot) and the C++ custom
+call of jaxllm/cpu_kernels/dense.cc for a PackedWeight (jaxllm.models.params): the same
+[in, out] matrix cut into panels of 32 columns, [out/32, in, 32], the last panel
+zero-padded. The model code
+is the same for both; the model runner packs the weights once, at load, when its
+backend is `cpu`.
+
+Backends, chosen by name (EngineConfig.linear_backend):
+- `xla`: plain weights, XLA's dot; every platform and dtype.
+- `cpu`: packed weights and the custom call; XLA:CPU, float32. At the 32-512 rows of a
+  step on SmolLM2's shapes it measured 1.1-1.6x XLA:CPU's dot (docs/benchmarks.md).
+- `auto`: `cpu` on the CPU platform for float32 when the kernels build here, else `xla`
+  (the reason logged).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxllm import cpu_kernels
+from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, Weight
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xla", "cpu")
+TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
+
+
+def _pack(w: Float[Array, "K N"]) -> Float[Array, "P K 32"]:
+    k, n = w.shape
+    w = jnp.pad(w, ((0, 0), (0, -n % PANEL)))
+    return w.reshape(k, -1, PANEL).transpose(1, 0, 2)
+
+
+def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
+    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels."""
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return PackedWeight(jax.eval_shape(_pack, w), w.shape[1])
+    return PackedWeight(_pack(w), w.shape[1])
+
+
+def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
+    """The [in, out] matrix back (tests and debugging)."""
+    return w.panels.transpose(1, 0, 2).reshape(w.in_features, -1)[:, : w.out_features]
+
+
+def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> Float[Array, "... N"]:
+    """x @ w, by the backend `w`'s layout says (packed weights are float32 throughout)."""
+    if not isinstance(w, PackedWeight):
+        return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+    cpu_kernels.load_kernels()  # registers the custom call (once)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32))
+    return call(x2, w.panels).reshape(*lead, w.out_features)
+
+
+def pack_params(params: ModelParams) -> ModelParams:
+    """The projection weights packed for the `cpu` backend, the output projection
+    included (a tied one as a packed copy of embed's transpose; embed itself stays for
+    the lookup). Works on abstract params too."""
+
+    def pack_layer(lp: LayerParams) -> LayerParams:
+        return lp.replace(wqkv=pack_weight(lp.wqkv), wo=pack_weight(lp.wo), w_gate_up=pack_weight(lp.w_gate_up),
+                          w_down=pack_weight(lp.w_down))
+
+    if params.lm_head is not None:
+        lm_head = params.lm_head
+    elif isinstance(params.embed, jax.ShapeDtypeStruct):
+        lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
+    else:
+        lm_head = params.embed.T
+    return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers), lm_head=pack_weight(lm_head))
+
+
+def resolve_linear_backend(name: str, dtype) -> str:
+    """The backend `name` means for this compute dtype on this platform; an explicit
+    choice that cannot work raises ValueError saying why."""
+    if name not in BACKENDS:
+        raise ValueError(f"linear_backend: unknown {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "xla":
+        return name
+    reason = _cpu_backend_unavailable(dtype)
+    if reason is None:
+        return "cpu"
+    if name == "cpu":
+        raise ValueError(f"linear_backend 'cpu': {reason}")
+    if jax.default_backend() == "cpu":  # elsewhere xla is simply the backend, not a fallback
+        logger.warning("linear_backend auto: using xla, not cpu: %s", reason)
+    return "xla"
+
+
+def _cpu_backend_unavailable(dtype) -> str | None:
+    platform = jax.default_backend()
+    if platform != "cpu":
+        return f"it runs on the CPU platform only (this is {platform})"
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"it needs float32 (got {jnp.dtype(dtype).name})"
+    try:
+        cpu_kernels.load_kernels()
+    except cpu_kernels.KernelBuildError as e:
+        return str(e)
+    return None

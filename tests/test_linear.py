@@ -1,0 +1,138 @@
+"""The `cpu` linear backend: the packed-weight dense kernel (jaxllm/cpu_kernels/dense.cc)
+against float64 numpy over row counts around its 12-row tiles and 96-row blocks, widths
+that are not whole 32-column panels, and odd depths; packing and unpacking, abstract
+params included; the model forward with packed weights against the plain one; how the
+backend is chosen; and the engine's greedy tokens with either backend."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.loaders import load_model
+from jaxllm.models import linear as linear_mod
+from jaxllm.models.linear import linear, pack_params, pack_weight, resolve_linear_backend, unpack_weight
+from jaxllm.models.llama import compute_logits
+from jaxllm.models.params import PackedWeight, abstract_params
+from tests.paged_driver import PagedDriver
+from tests.test_engine import assert_no_leaks, make_llm
+
+
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
+     (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
+)
+def test_dense_kernel_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = pack_weight(jnp.asarray(w))
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_dense_kernel_keeps_leading_dims_and_a_second_call_with_fewer_rows():
+    """The packed copy of x is reused between calls: a smaller call after a larger one
+    must not read the larger one's rows."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 70)).astype(np.float32)
+    packed = pack_weight(jnp.asarray(w))
+    big = rng.standard_normal((150, 48)).astype(np.float32)
+    small = rng.standard_normal((2, 3, 48)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(big), packed)), big @ w, rtol=1e-5, atol=1e-4)
+    got = np.asarray(linear(jnp.asarray(small), packed))
+    assert got.shape == (2, 3, 70)
+    np.testing.assert_allclose(got, small @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_pack_and_unpack():
+    w = jnp.arange(5 * 70, dtype=jnp.float32).reshape(5, 70)
+    packed = pack_weight(w)
+    assert packed.panels.shape == (3, 5, 32) and packed.out_features == 70 and packed.in_features == 5
+    np.testing.assert_array_equal(packed.panels[1, 2], w[2, 32:64])
+    np.testing.assert_array_equal(packed.panels[2, :, 6:], 0)  # the last panel's padding
+    np.testing.assert_array_equal(unpack_weight(packed), w)
+    abstract = pack_weight(jax.ShapeDtypeStruct((5, 70), jnp.float32))
+    assert abstract.panels.shape == (3, 5, 32) and abstract.out_features == 70
+
+
+def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    assert model.params.lm_head is None  # the test model ties its output projection to embed
+    packed = pack_params(model.params)
+    assert isinstance(packed.lm_head, PackedWeight) and isinstance(packed.layers[0].w_down, PackedWeight)
+    np.testing.assert_array_equal(unpack_weight(packed.lm_head), model.params.embed.T)
+    for a, b in zip(model.params.layers, packed.layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            np.testing.assert_array_equal(unpack_weight(getattr(b, name)), getattr(a, name))
+    h = jax.random.normal(jax.random.key(0), (7, model.config.hidden_size))
+    np.testing.assert_allclose(compute_logits(packed, h, model.config), compute_logits(model.params, h, model.config),
+                               rtol=0, atol=1e-5)
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)  # noqa: E731
+    assert spec(pack_params(abstract_params(model.config, jnp.float32))) == spec(packed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_forward_with_packed_weights_matches_plain(test_models_dir, arch):
+    model = load_model(test_models_dir / arch, dtype="float32")
+    ids = list(range(3, 40))
+    plain = PagedDriver(model.config, model.params, block_size=8).prompt_logits(ids, [9, len(ids) - 9])
+    packed = PagedDriver(model.config, pack_params(model.params), block_size=8).prompt_logits(ids, [9, len(ids) - 9])
+    np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
+
+
+def test_resolve_linear_backend_names(caplog):
+    assert resolve_linear_backend("auto", jnp.float32) == "cpu"
+    assert resolve_linear_backend("xla", jnp.float32) == "xla"
+    with caplog.at_level(logging.WARNING, logger="jaxllm.models.linear"):
+        assert resolve_linear_backend("auto", jnp.bfloat16) == "xla"
+    assert "needs float32" in caplog.text
+    with pytest.raises(ValueError, match="linear_backend 'cpu': it needs float32"):
+        resolve_linear_backend("cpu", jnp.bfloat16)
+    with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'"):
+        resolve_linear_backend("onednn", jnp.float32)
+
+
+def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplog):
+    import jaxllm.cpu_kernels
+
+    def no_build():
+        raise jaxllm.cpu_kernels.KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(jaxllm.cpu_kernels, "load_kernels", no_build)
+    with caplog.at_level(logging.WARNING, logger=linear_mod.__name__):
+        assert resolve_linear_backend("auto", jnp.float32) == "xla"
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+        resolve_linear_backend("cpu", jnp.float32)
+
+
+def test_engine_gives_the_same_tokens_with_either_linear_backend(test_models_dir):
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, k)] for k in (5, 40, 90)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    results = {}
+    for backend in ("xla", "cpu"):
+        llm = make_llm(test_models_dir, linear_backend=backend)
+        runner = llm.llm_engine.core.runner
+        assert runner.linear_backend == backend
+        assert isinstance(runner.params.layers[0].wqkv, PackedWeight) == (backend == "cpu")
+        assert llm.llm_engine.core.model.params is None  # the runner holds the only copy
+        results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_no_leaks(llm)
+    for a, b in zip(results["xla"], results["cpu"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            np.testing.assert_allclose([x.logprob for x in la.values()], [x.logprob for x in lb.values()], atol=1e-4)
+
+
+def test_engine_rejects_an_unknown_linear_backend(test_models_dir):
+    with pytest.raises(ValueError, match="linear_backend: unknown 'gpu'"):
+        make_llm(test_models_dir, linear_backend="gpu")
