@@ -7,6 +7,7 @@ on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol
 
 import jax
@@ -18,7 +19,7 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams
-from jaxllm.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from jaxllm.models.rope import RopeTable, apply_rope, rope_table
 
 
 class AttentionFn(Protocol):
@@ -49,8 +50,8 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) ->
 def attention_block(
     lp: LayerParams,
     x: Float[Array, "T D"],
-    cos: Float[Array, "T hd"],
-    sin: Float[Array, "T hd"],
+    cos: Float[Array, "T half"],
+    sin: Float[Array, "T half"],
     cache: KVCache,
     md: AttentionMetadata,
     cfg: ModelConfig,
@@ -97,6 +98,7 @@ def compute_logits(
 
 def forward_hidden(
     params: ModelParams,
+    rope: RopeTable,
     kv_caches: tuple[KVCache, ...],
     input_ids: Int[Array, "T"],
     positions: Int[Array, "T"],
@@ -107,8 +109,7 @@ def forward_hidden(
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches."""
     x = params.embed[input_ids]
-    inv_freq = jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim))
-    cos, sin = rope_cos_sin(positions, inv_freq)
+    cos, sin = rope.cos[positions], rope.sin[positions]
     new_caches = []
     for lp, cache in zip(params.layers, kv_caches, strict=True):
         x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn)
@@ -119,6 +120,7 @@ def forward_hidden(
 
 def forward(
     params: ModelParams,
+    rope: RopeTable,
     kv_caches: tuple[KVCache, ...],
     input_ids: Int[Array, "T"],
     positions: Int[Array, "T"],
@@ -130,17 +132,19 @@ def forward(
 ) -> tuple[Float[Array, "S V"], tuple[KVCache, ...]]:
     """float32 logits of the rows in `logits_indices` only, and the updated caches."""
     hidden, kv_caches = forward_hidden(
-        params, kv_caches, input_ids, positions, md, cfg=cfg, attention_fn=attention_fn
+        params, rope, kv_caches, input_ids, positions, md, cfg=cfg, attention_fn=attention_fn
     )
     return compute_logits(params, hidden[logits_indices], cfg), kv_caches
 
 
-def make_forward(cfg: ModelConfig, attention_fn: AttentionFn) -> Callable:
-    """`forward` jitted for one model and backend, with the KV caches donated."""
+def make_forward(cfg: ModelConfig, attention_fn: AttentionFn, max_positions: int | None = None) -> Callable:
+    """`forward` jitted for one model and backend, with the KV caches donated and the
+    RoPE table (positions below `max_positions`, default the model's context) built
+    once: fn(params, kv_caches, input_ids, positions, md, logits_indices)."""
+    rope = rope_table(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+    step = jax.jit(functools.partial(forward, cfg=cfg, attention_fn=attention_fn), donate_argnums=(2,))
 
     def fn(params, kv_caches, input_ids, positions, md, logits_indices):
-        return forward(
-            params, kv_caches, input_ids, positions, md, logits_indices, cfg=cfg, attention_fn=attention_fn
-        )
+        return step(params, rope, kv_caches, input_ids, positions, md, logits_indices)
 
-    return jax.jit(fn, donate_argnums=(1,))
+    return fn

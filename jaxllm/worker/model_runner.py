@@ -29,6 +29,7 @@ from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.engine.protocol import LogprobsLists
 from jaxllm.models.linear import pack_params, resolve_linear_backend
 from jaxllm.models.params import ModelParams
+from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.worker.executable_cache import ExecutableStore, default_directory, persistent_cache_hits
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
@@ -159,16 +160,17 @@ class ModelRunner:
         self._abstract_caches = tuple(KVCache(cache_spec, cache_spec) for _ in range(config.num_layers))
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
+        self.rope = rope_table(config.rope, config.head_dim, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
         self.attention_backend = resolve_backend_name(attention_backend, head_dim=config.head_dim, dtype=dtype)
         step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend))
-        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._step = jax.jit(step, donate_argnums=(2, 3))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}
-        args = (self.params, self._abstract_caches, self.history)
+        args = (self.params, self.rope, self._abstract_caches, self.history)
         abstract = _shapes_and_dtypes(args)
         self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend,
                                       self.linear_backend, abstract, jax.tree.structure(args))
@@ -225,7 +227,8 @@ class ModelRunner:
         loaded = compiled is not None
         if not loaded:
             with persistent_cache_hits() as hits:
-                compiled = self._step.lower(self.params, self._abstract_caches, self.history, inputs).compile()
+                compiled = self._step.lower(self.params, self.rope, self._abstract_caches, self.history,
+                                            inputs).compile()
             if not hits():  # JAX's cache returns executables that cannot be serialized again
                 self._store.save(name, compiled)
         self._compiled[(t, s)] = compiled
@@ -347,7 +350,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         step = self.prepare_step(sched)
         executable = self._executable(step.t, step.s)
-        self.kv_caches, self.history, out = executable(self.params, self.kv_caches, self.history, step.inputs)
+        self.kv_caches, self.history, out = executable(self.params, self.rope, self.kv_caches, self.history,
+                                                       step.inputs)
         t1 = time.perf_counter()
         sampled = np.asarray(out.sampled.token_ids)[: len(step.rows)]
         t2 = time.perf_counter()

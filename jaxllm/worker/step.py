@@ -16,6 +16,7 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams
+from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jaxllm.sample.sampler import num_top_logprobs, sample
 
@@ -67,6 +68,7 @@ def _no_prompt_logprobs(params, hidden, targets, cfg):
 
 def model_step(
     params: ModelParams,
+    rope: RopeTable,
     kv_caches: tuple[KVCache, ...],
     history: Int[Array, "R L"],
     inputs: StepInputs,
@@ -75,7 +77,7 @@ def model_step(
     attention_fn: AttentionFn,
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     hidden, kv_caches = forward_hidden(
-        params, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
+        params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
     )
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
     logits = compute_logits(params, hidden[inputs.logits_indices], cfg)
