@@ -136,3 +136,20 @@ def test_engine_gives_the_same_tokens_with_either_linear_backend(test_models_dir
 def test_engine_rejects_an_unknown_linear_backend(test_models_dir):
     with pytest.raises(ValueError, match="linear_backend: unknown 'gpu'"):
         make_llm(test_models_dir, linear_backend="gpu")
+
+
+def test_set_params_lays_out_loaded_weights_and_rejects_other_shapes(test_models_dir):
+    llm = make_llm(test_models_dir, linear_backend="cpu")
+    runner = llm.llm_engine.core.runner
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    prompt, greedy = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, temperature=0)
+    before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    runner.set_params(model.params)  # as loaded: packed by the runner
+    assert isinstance(runner.params.layers[1].w_down, PackedWeight)
+    np.testing.assert_array_equal(unpack_weight(runner.params.layers[1].w_down), model.params.layers[1].w_down)
+    runner.set_params(runner.layout_params(model.params))  # already laid out: kept as given
+    wrong = model.params.replace(layers=(model.params.layers[0].replace(w_down=model.params.layers[0].w_down[:-1]),
+                                         *model.params.layers[1:]))
+    with pytest.raises(ValueError, match="do not match the shapes"):
+        runner.set_params(wrong)
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == before

@@ -126,12 +126,16 @@ class EngineCore:
             linear_backend=config.linear_backend,
         )
         self._rng = np.random.default_rng(config.seed)
+        if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too
+            layout_pool = concurrent.futures.ThreadPoolExecutor(1, "model-layout")
+            laid_out = layout_pool.submit(lambda: self.runner.layout_params(loading.result().params))
+            layout_pool.shutdown(wait=False)
         self.warmup_seconds = self.runner.warm_up(progress) if warm_up else 0.0
         if loading is not None:
             self.model = loading.result()
             if self.model.config != cfg:
                 raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
-            self.runner.set_params(self.model.params)
+            self.runner.set_params(laid_out.result())
         # The runner holds the weights from here (packed copies for linear_backend cpu):
         # this reference would keep a second copy alive.
         self.model = dataclasses.replace(self.model, params=None)

@@ -21,6 +21,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm import cpu_kernels
@@ -39,10 +40,17 @@ def _pack(w: Float[Array, "K N"]) -> Float[Array, "P K 32"]:
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
-    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels."""
+    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels.
+    Packed with numpy on the host (the backend runs on the CPU platform, where that is
+    a view of the array): SmolLM2's weights in ~1.4 s, against 2.7-4.5 s for the same
+    jnp ops run eagerly."""
     if isinstance(w, jax.ShapeDtypeStruct):
         return PackedWeight(jax.eval_shape(_pack, w), w.shape[1])
-    return PackedWeight(_pack(w), w.shape[1])
+    a = np.asarray(w)
+    k, n = a.shape
+    if n % PANEL:
+        a = np.pad(a, ((0, 0), (0, -n % PANEL)))
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
 
 
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
@@ -75,7 +83,7 @@ def pack_params(params: ModelParams) -> ModelParams:
     elif isinstance(params.embed, jax.ShapeDtypeStruct):
         lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
     else:
-        lm_head = params.embed.T
+        lm_head = np.asarray(params.embed).T  # a view; pack_weight copies it once
     return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers), lm_head=pack_weight(lm_head))
 
 

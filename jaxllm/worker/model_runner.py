@@ -191,13 +191,20 @@ class ModelRunner:
         self._kv_caches, self._kv_caches_future = caches, None
 
     def set_params(self, params: ModelParams) -> None:
-        """The weights, of exactly the shapes and dtypes the runner was built for."""
+        """The weights, as loaded (of exactly the shapes and dtypes the runner was built
+        for) or as `layout_params` returned them."""
+        self.params = params if _shapes_and_dtypes(params) == _shapes_and_dtypes(self.params) else \
+            self.layout_params(params)
+
+    def layout_params(self, params: ModelParams) -> ModelParams:
+        """Loaded `params` checked against the shapes the step was compiled for and laid
+        out for the linear backend (packed for `cpu`). Touches no runner state: the
+        engine calls it on its loading thread while the executables load."""
         if _shapes_and_dtypes(params) != self._given_shapes:
             raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
-        self.params = self._layout(params)
+        return self._layout(params)
 
     def _layout(self, params: ModelParams) -> ModelParams:
-        """`params` in the layout of the linear backend (packed for `cpu`)."""
         return pack_params(params) if self.linear_backend == "cpu" else params
 
     # -------------------------------------------------------------- compiling
