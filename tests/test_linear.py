@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, pack_params, pack_weight, resolve_linear_backend, unpack_weight

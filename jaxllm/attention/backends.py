@@ -5,7 +5,8 @@ pallas_kernels.ragged_paged_attention:
        *, sm_scale, sliding_window=None, soft_cap=None) -> [T, H, hd]
 
 - `xla`: pure jnp, every platform; the oracle of the others.
-- `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32; the kernel is in jaxllm/cpu_kernels/).
+- `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32; the kernel
+  is in jaxllm/cpu_kernels/).
 - `pallas`: the Pallas GPU kernels (interpret mode off GPU: for tests, slow but exact).
 - `auto`: pallas on GPU; on CPU the cpu backend when the model can use it and its
   kernels build here, else xla (the reason logged).

@@ -4,8 +4,8 @@ On XLA:CPU the jnp backend (jaxllm.attention.xla) must copy every K/V block it r
 out of the paged cache before its dots (XLA:CPU does not fuse a gather into a dot), so
 a decode step reads the cache about three times. The kernel (jaxllm/cpu_kernels/
 paged_attention.cc) reads each K/V row once, where it lies, with an online softmax in
-float32, on XLA's intra-op threads: a decode step of 64 sequences of ~400 tokens spent 457 ms in the XLA path's
-attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
+float32, on XLA's intra-op threads: a decode step of 64 sequences of ~400 tokens spent
+457 ms in the XLA path's attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
 
 Same signature and semantics as pallas_kernels.ragged_paged_attention and the XLA
 backend, which is its oracle in tests. Float32 q and caches; head_dim one of

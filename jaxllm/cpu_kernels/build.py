@@ -56,7 +56,8 @@ def _key(compiler: str, include_dir: str) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{compiler} --version failed: {e}") from e
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    sources = (f.read_bytes() for f in SOURCES + HEADERS)
+    for part in (*sources, repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
                  include_dir.encode(), host_cpu().encode()):
         h.update(part)
     return h.hexdigest()[:16]

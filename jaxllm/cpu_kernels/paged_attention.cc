@@ -29,14 +29,10 @@
 // -O3 -march=native against the installed jaxlib's FFI headers.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"

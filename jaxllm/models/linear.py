@@ -3,9 +3,8 @@
 `linear(x, w)` is `x @ w` for a plain [in, out] weight (XLA's dot) and the C++ custom
 call of jaxllm/cpu_kernels/dense.cc for a PackedWeight (jaxllm.models.params): the same
 [in, out] matrix cut into panels of 32 columns, [out/32, in, 32], the last panel
-zero-padded. The model code
-is the same for both; the model runner packs the weights once, at load, when its
-backend is `cpu`.
+zero-padded. The model code is the same for both; the model runner packs the weights
+once, at load, when its backend is `cpu`.
 
 Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
@@ -33,21 +32,15 @@ BACKENDS = ("auto", "xla", "cpu")
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 
 
-def _pack(w: Float[Array, "K N"]) -> Float[Array, "P K 32"]:
-    k, n = w.shape
-    w = jnp.pad(w, ((0, 0), (0, -n % PANEL)))
-    return w.reshape(k, -1, PANEL).transpose(1, 0, 2)
-
-
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
     """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels.
     Packed with numpy on the host (the backend runs on the CPU platform, where that is
     a view of the array): SmolLM2's weights in ~1.4 s, against 2.7-4.5 s for the same
     jnp ops run eagerly."""
+    k, n = w.shape
     if isinstance(w, jax.ShapeDtypeStruct):
-        return PackedWeight(jax.eval_shape(_pack, w), w.shape[1])
+        return PackedWeight(jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), w.dtype), n)
     a = np.asarray(w)
-    k, n = a.shape
     if n % PANEL:
         a = np.pad(a, ((0, 0), (0, -n % PANEL)))
     return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)

@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from jaxllm.config import RopeConfig
 

@@ -193,8 +193,9 @@ class ModelRunner:
     def set_params(self, params: ModelParams) -> None:
         """The weights, as loaded (of exactly the shapes and dtypes the runner was built
         for) or as `layout_params` returned them."""
-        self.params = params if _shapes_and_dtypes(params) == _shapes_and_dtypes(self.params) else \
-            self.layout_params(params)
+        if _shapes_and_dtypes(params) != _shapes_and_dtypes(self.params):
+            params = self.layout_params(params)
+        self.params = params
 
     def layout_params(self, params: ModelParams) -> ModelParams:
         """Loaded `params` checked against the shapes the step was compiled for and laid
