@@ -14,7 +14,8 @@ exactly (ignore_eos, max_tokens = the drawn length), greedy.
 
 Printed, all measured in this one run: output and total (prompt + output) tokens/s,
 the ratios jaxllm/HF, jaxllm's model-FLOPs utilization (2 x matmul parameters x tokens
-processed / wall time, against a jitted 2048^3 float32 jnp.dot timed in the same run),
+processed / wall time, against a jitted 2048^3 float32 jnp.dot timed in the same run,
+just before and just after jaxllm's run: their mean, both printed),
 the KV cache accounting at the step with the most blocks in use (blocks, tokens held,
 waste = 1 - tokens / (blocks x block_size)), and where jaxllm's time went.
 
@@ -113,7 +114,7 @@ def engine_options(args) -> dict:
     return opts
 
 
-def run_jaxllm(args, workload: Workload, mm_rate: float) -> dict:
+def run_jaxllm(args, workload: Workload) -> dict:
     from jaxllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -202,7 +203,6 @@ def run_jaxllm(args, workload: Workload, mm_rate: float) -> dict:
         "total_tok_s": (workload.num_prompt_tokens + workload.num_output_tokens) / wall,
         "forward_tokens": workload.num_forward_tokens,
         "model_gflop_s": flops / wall / 1e9,
-        "mfu": flops / wall / 1e9 / mm_rate,
         "kv": {
             "block_size": block_size,
             "num_blocks": core.kv_cache_manager.num_usable_blocks,
@@ -399,9 +399,6 @@ def main(argv=None) -> None:
     print(f"workload: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "
           f"{workload.num_output_tokens} output tokens", flush=True)
 
-    mm = matmul_rate()
-    results["matmul_gflop_s"] = mm
-    print(f"float32 matmul rate (jitted 2048^3 jnp.dot, best of 5): {mm:.1f} GFLOP/s", flush=True)
 
     if not args.skip_startup:
         with tempfile.TemporaryDirectory(prefix="jaxllm-cc-") as cc:
@@ -419,7 +416,18 @@ def main(argv=None) -> None:
             Path(args.out).write_text(json.dumps(results, indent=2, default=str))
         return
 
-    j = run_jaxllm(args, workload, mm)
+    # The matmul rate brackets jaxllm's run: on a shared machine the rate drifts by 10-20%
+    # within minutes, and one snapshot before the run can catch a fast or a slow moment.
+    mm_before = matmul_rate()
+    print(f"float32 matmul rate before jaxllm (jitted 2048^3 jnp.dot, best of 5): {mm_before:.1f} GFLOP/s",
+          flush=True)
+    j = run_jaxllm(args, workload)
+    mm_after = matmul_rate()
+    mm = (mm_before + mm_after) / 2
+    print(f"float32 matmul rate after jaxllm: {mm_after:.1f} GFLOP/s; mean {mm:.1f}", flush=True)
+    j["mfu"] = j["model_gflop_s"] / mm
+    results["matmul_gflop_s"] = mm
+    results["matmul_gflop_s_before_after"] = [mm_before, mm_after]
     results["jaxllm"] = j
     print(f"jaxllm: {j['wall_seconds']:.1f}s  output {j['output_tok_s']:.1f} tok/s  total {j['total_tok_s']:.1f} tok/s  "
           f"MFU {100 * j['mfu']:.1f}% ({j['model_gflop_s']:.1f} of {mm:.1f} GFLOP/s)", flush=True)
@@ -444,7 +452,7 @@ def main(argv=None) -> None:
         results["ratios"][f"hf_{dtype}"] = ratio
         print(f"{'HF ' + dtype:14s}{h['wall_seconds']:9.1f}{h['output_tok_s']:14.1f}{h['total_tok_s']:13.1f}{ratio:9.2f}x")
     print(f"MFU: {100 * j['mfu']:.1f}% = 2 x {j['forward_tokens']} tokens x matmul params / {j['wall_seconds']:.1f}s "
-          f"= {j['model_gflop_s']:.1f} GFLOP/s of {mm:.1f} measured")
+          f"= {j['model_gflop_s']:.1f} GFLOP/s of {mm:.1f} measured (mean of {mm_before:.1f} before, {mm_after:.1f} after)")
     kv = j["kv"]
     print(f"KV: peak {kv['peak_blocks_in_use']} of {kv['num_blocks']} blocks in use, {kv['tokens_held_at_peak']} tokens "
           f"held, waste at peak {100 * kv['waste_at_peak']:.2f}% (mean over steps {100 * kv['mean_waste']:.2f}%), "

@@ -147,3 +147,23 @@ def test_logprobs_of_the_raw_distribution():
     np.testing.assert_allclose(float(out.sampled_logprob[0]), lp[7], rtol=1e-5)  # ...not the logprob
     assert int(out.sampled_rank[0]) == 8
     np.testing.assert_array_equal(np.asarray(out.top_token_ids[0, :V]), np.arange(V))
+
+
+@pytest.mark.parametrize("s,v", [(1, 1), (3, 7), (4, 16), (5, 33), (64, 4099), (2, 49152)])
+def test_argmax_kernel_matches_jnp_argmax(s, v):
+    """The cpu kernels' greedy pick: the first index of the maximum, NaN counting as the
+    maximum, in rows of any length (vector tails, rows shorter than a vector)."""
+    from jaxllm.sample.sampler import argmax_cpu
+
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((s, v)).astype(np.float32)
+    if v > 3:
+        x[0, 2] = x[0, v - 1] = x[0].max() + 1  # a tie: the first index wins
+    if s > 1 and v > 20:
+        x[1, 17] = x[1, v - 2] = np.nan  # the first NaN
+    if s > 2:
+        x[2] = -np.inf  # all equal: index 0
+    if s > 3:
+        x[3, v - 1] = np.inf  # the maximum in the tail
+    ref = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax_cpu)(jnp.asarray(x))), ref)

@@ -1,6 +1,7 @@
 """C++ kernels for XLA:CPU, as XLA FFI custom calls, in one shared library built on first
-use (build.py): ragged paged attention (paged_attention.cc; jaxllm.attention.cpu) and
-dense projections against packed weights (dense.cc; jaxllm.models.linear)."""
+use (build.py): ragged paged attention (paged_attention.cc; jaxllm.attention.cpu),
+dense projections against packed weights (dense.cc; jaxllm.models.linear) and the
+sampler's greedy argmax (argmax.cc; jaxllm.sample.sampler)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ __all__ = ["KernelBuildError", "TARGETS", "load_kernels"]
 TARGETS = {
     "jaxllm_ragged_paged_attention_f32": "JaxllmRaggedPagedAttentionF32",
     "jaxllm_dense_f32": "JaxllmDenseF32",
+    "jaxllm_argmax_f32": "JaxllmArgmaxF32",
 }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DIRECTORY = Path(__file__).parent
-SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc")
+SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY / "argmax.cc")
 HEADERS = (DIRECTORY / "parallel.h",)
 LIBRARY = "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")

@@ -10,14 +10,18 @@ Logprobs are of the raw model distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxllm.cpu_kernels import load_kernels
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 _NEG_INF = float("-inf")
+ARGMAX_TARGET = "jaxllm_argmax_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 
 
 def apply_logit_bias(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
@@ -114,6 +118,9 @@ def _no_logprobs(logits, token_ids):
     )
 
 
+ArgmaxFn = Callable[[Float[Array, "S V"]], Int[Array, "S"]]
+
+
 def argmax(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     """jnp.argmax over the last axis (the first index of the maximum) as top_k(1),
     which keeps ties in index order. After the lm_head on XLA:CPU: 4.5 ms at 64x49152,
@@ -122,11 +129,24 @@ def argmax(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
-def sample(logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata) -> SamplerOutput:
+def argmax_cpu(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
+    """The same as `argmax` (NaN counts as the maximum, as in jnp.argmax), as the C++
+    custom call of jaxllm/cpu_kernels/argmax.cc: both threads, one read of the logits
+    (64x49152 in well under 1 ms). XLA:CPU, float32; the model runner uses it with the
+    `cpu` linear backend, whose kernels it shares."""
+    load_kernels()
+    if logits.dtype != jnp.float32:
+        raise ValueError(f"argmax_cpu needs float32 logits (got {logits.dtype})")
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
+
+
+def sample(
+    logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata, *, argmax_fn: ArgmaxFn = argmax
+) -> SamplerOutput:
     raw = logits
     logits = jax.lax.cond(md.any_logit_bias, apply_logit_bias, lambda x, m: x, logits, md)
     logits = jax.lax.cond(md.any_penalties, apply_penalties, lambda x, h, m: x, logits, history, md)
-    greedy = argmax(logits)
+    greedy = argmax_fn(logits)
     drawn = jax.lax.cond(md.all_greedy, lambda x, m: greedy, draw, logits, md)
     token_ids = jnp.where(md.temperature > 0, drawn, greedy)
     lp = jax.lax.cond(md.any_logprobs, compute_logprobs, _no_logprobs, raw, token_ids)

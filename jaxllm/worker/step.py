@@ -18,7 +18,7 @@ from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
-from jaxllm.sample.sampler import num_top_logprobs, sample
+from jaxllm.sample.sampler import ArgmaxFn, argmax, num_top_logprobs, sample
 
 
 @struct.dataclass
@@ -75,13 +75,14 @@ def model_step(
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
+    argmax_fn: ArgmaxFn = argmax,
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     hidden, kv_caches = forward_hidden(
         params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
     )
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
     logits = compute_logits(params, hidden[inputs.logits_indices], cfg)
-    sampled = sample(logits, history, inputs.sampling)
+    sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
         lambda h, t: prompt_logprobs(params, h, t, cfg),
