@@ -386,6 +386,8 @@ def main(argv=None) -> None:
 
     if args.startup_child:
         return startup_child(args)
+    if args.out:  # made now, not after a half-hour run (a fresh clone has no bench_results/)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
     from jaxllm.loaders import load_model
 

@@ -9,7 +9,9 @@ once, at load, when its backend is `cpu`.
 Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
 - `cpu`: packed weights and the custom call; XLA:CPU, float32. At the 32-512 rows of a
-  step on SmolLM2's shapes it measured 1.1-1.6x XLA:CPU's dot (docs/benchmarks.md).
+  step on SmolLM2's shapes it measured 1.1-1.6x XLA:CPU's dot (docs/benchmarks.md). The
+  model runner then also takes the sampler's greedy argmax from the same library
+  (jaxllm.sample.sampler.argmax_cpu).
 - `auto`: `cpu` on the CPU platform for float32 when the kernels build here, else `xla`
   (the reason logged).
 """

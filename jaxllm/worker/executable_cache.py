@@ -24,7 +24,6 @@ import hashlib
 import logging
 import os
 import pickle
-import platform
 import tempfile
 import threading
 from pathlib import Path
