@@ -401,7 +401,6 @@ def main(argv=None) -> None:
     print(f"workload: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "
           f"{workload.num_output_tokens} output tokens", flush=True)
 
-
     if not args.skip_startup:
         with tempfile.TemporaryDirectory(prefix="jaxllm-cc-") as cc:
             cold = measure_startup(args, cc)

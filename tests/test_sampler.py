@@ -165,5 +165,7 @@ def test_argmax_kernel_matches_jnp_argmax(s, v):
         x[2] = -np.inf  # all equal: index 0
     if s > 3:
         x[3, v - 1] = np.inf  # the maximum in the tail
+    if s > 4 and v > 32:
+        x[4, 15] = x[4, 16] = x[4].max() + 1  # a tie across lanes: lane 15 holds the lesser index
     ref = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax_cpu)(jnp.asarray(x))), ref)

@@ -10,31 +10,28 @@
 // does not replace it), then the lanes are reduced (the greatest value, the least index
 // among lanes that hold it). Rows are items on XLA's intra-op pool.
 //
-// Portable C++17 with GCC/Clang vector extensions; built by jaxllm/cpu_kernels/build.py.
+// Portable C++17 with GCC/Clang vector extensions (simd.h); built by jaxllm/cpu_kernels/build.py.
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxllm::f32x16;
+using jaxllm::i32x16;
+using jaxllm::load;
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 constexpr int kLanes = 16;
 
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// Whether v comes before `best` in argmax order: greater, or a NaN against a number.
+inline bool beats(float v, float best) { return v > best || (std::isnan(v) && !std::isnan(best)); }
 
-// The first index of the maximum of row[0..V); NaN counts as greater than any number.
+// The first index of the maximum of row[0..V).
 int32_t row_argmax(const float* row, int64_t V) {
   int64_t best_index = 0;
   float best = row[0];
@@ -47,28 +44,22 @@ int32_t row_argmax(const float* row, int64_t V) {
     for (i = kLanes; i + kLanes <= V; i += kLanes) {
       const f32x16 v = load(row + i);
       lane_index += kLanes;
-      // Take v where it is greater, or a NaN where the lane's best is not yet one.
-      const i32x16 take = (v > vbest) | ((v != v) & (vbest == vbest));
+      const i32x16 take = (v > vbest) | ((v != v) & (vbest == vbest));  // beats, per lane
       vbest = take ? v : vbest;
       vindex = take ? lane_index : vindex;
     }
     best = vbest[0];
     best_index = vindex[0];
-    for (int l = 1; l < kLanes; ++l) {
-      const float v = vbest[l];
-      const bool nan_v = std::isnan(v), nan_best = std::isnan(best);
-      const bool greater = (nan_v && !nan_best) || (!nan_v && !nan_best && v > best);
-      const bool tie = (nan_v && nan_best) || v == best;
-      if (greater || (tie && vindex[l] < best_index)) {
-        best = v;
+    for (int l = 1; l < kLanes; ++l) {  // the lanes' winners: a tie goes to the least index
+      if (beats(vbest[l], best) || (!beats(best, vbest[l]) && vindex[l] < best_index)) {
+        best = vbest[l];
         best_index = vindex[l];
       }
     }
   }
-  for (; i < V; ++i) {  // the tail (or a row shorter than a vector)
-    const float v = row[i];
-    if ((v > best) || (std::isnan(v) && !std::isnan(best))) {
-      best = v;
+  for (; i < V; ++i) {  // the tail (or a row shorter than a vector): later indices, so only a win counts
+    if (beats(row[i], best)) {
+      best = row[i];
       best_index = i;
     }
   }

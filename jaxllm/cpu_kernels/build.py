@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 DIRECTORY = Path(__file__).parent
 SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY / "argmax.cc")
-HEADERS = (DIRECTORY / "parallel.h",)
+HEADERS = (DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
 LIBRARY = "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 SUBDIR = "jaxllm-kernels"

@@ -27,25 +27,21 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxllm::f32x16;
+using jaxllm::load;
+using jaxllm::splat;
+using jaxllm::store;
 
 namespace {
-
-typedef float f32x16 __attribute__((vector_size(64)));
 
 constexpr int kPanel = 32;          // columns per packed panel: two vectors
 constexpr int kTileRows = 12;       // rows of the register tile: 24 accumulators
 constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
 
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // y[R, cols] = xt @ panel for the R rows of one packed tile xt[K][kTileRows]; cols <= 32
 // (the last panel of a matrix whose width is not a multiple of 32).

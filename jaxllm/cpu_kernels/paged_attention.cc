@@ -36,15 +36,18 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxllm::f32x16;
+using jaxllm::i32x16;
+using jaxllm::load;
 using jaxllm::parallel_for;
+using jaxllm::splat;
+using jaxllm::store;
 
 namespace {
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 constexpr int kTile = 16;     // key tokens per tile: the lanes of one vector
 constexpr int kTiles = 4;     // tiles per chunk: the keys of one online-softmax step
@@ -52,13 +55,6 @@ constexpr int kChunk = kTile * kTiles;
 constexpr int kRowTile = 32;  // query rows of one prefill item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline f32x16 select(i32x16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
 
 inline f32x16 vmax(f32x16 a, f32x16 b) { return select(a > b, a, b); }
