@@ -29,7 +29,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None = up to max_model_len
+    max_tokens: int | None = 16  # None = up to max_model_len; 0 = nothing generated (score the prompt)
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per sampled token (0 = the sampled one only)
     prompt_logprobs: int | None = None
@@ -96,8 +96,8 @@ class SamplingParams:
             fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} entries, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None:
             integer("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
+            if self.max_tokens < 0:
+                fail("max_tokens", f"must be non-negative (0 scores the prompt only), got {self.max_tokens}")
         integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             fail("min_tokens", f"must be non-negative, got {self.min_tokens}")

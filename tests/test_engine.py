@@ -256,3 +256,59 @@ def test_token_buckets():
     assert token_buckets(100) == [4, 8, 16, 32, 64, 100]  # the budget itself is always a bucket
     assert token_buckets(3) == [3]
     assert seq_bucket(64, 16) == 16 and seq_bucket(64, 512) == 64
+
+
+def hf_logprobs(test_models_dir, seq):
+    hf = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1).numpy()
+
+
+def test_prompt_logprobs_once_each_under_preemption(pressured, test_models_dir):
+    """A request preempted mid-prompt or after it is recomputed, but each prompt
+    position is scored once: as many entries as prompt tokens, each the model's."""
+    rng = np.random.default_rng(17)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (3, 150, 40, 90, 7, 120, 64, 33, 100, 12)]
+    before = pressured.llm_engine.core.scheduler.num_preemptions
+    params = [greedy(20, logprobs=1, prompt_logprobs=1, n=2 if i == 3 else 1) for i in range(len(prompts))]
+    outs = pressured.generate(prompts, params, use_tqdm=False)
+    assert pressured.llm_engine.core.scheduler.num_preemptions > before
+    for prompt, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for c in out.outputs:
+            assert len(c.logprobs) == len(c.token_ids) == 20
+        ref = hf_logprobs(test_models_dir, prompt + out.outputs[0].token_ids)
+        got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+        np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-3)
+        sampled = out.outputs[0]
+        got = [e[t].logprob for e, t in zip(sampled.logprobs, sampled.token_ids)]
+        np.testing.assert_allclose(got, ref[len(prompt) - 1 + np.arange(20), sampled.token_ids], atol=2e-3)
+    assert_no_leaks(pressured)
+
+
+def test_scoring_reuses_a_cached_context(test_models_dir):
+    """lm-eval's multiple choice: one context, several continuations, max_tokens=0. The
+    context's KV and its prompt logprobs come from the cache (all but its last block,
+    whose last position scores the continuation); the scores equal an uncached run's
+    and the model's."""
+    rng = np.random.default_rng(3)
+    context = [int(t) for t in rng.integers(3, 500, 53)]  # 3 full blocks
+    prompts = [context + [int(t) for t in rng.integers(3, 500, k)] for k in (1, 4, 2, 7)]
+    score = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    cached = make_llm(test_models_dir)
+    first = cached.generate([prompts[0]], score, use_tqdm=False)
+    rest = [cached.generate([p], score, use_tqdm=False)[0] for p in prompts[1:]]
+    assert [o.num_cached_tokens for o in rest] == [32, 32, 32]
+    plain = make_llm(test_models_dir, enable_prefix_caching=False).generate(prompts, score, use_tqdm=False)
+    for prompt, got, want in zip(prompts, first + rest, plain):
+        assert got.outputs[0].token_ids == [] and got.outputs[0].text == ""
+        assert got.outputs[0].finish_reason == "length"
+        assert len(got.prompt_logprobs) == len(prompt)
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert list(g) == list(w)  # same scored token, same top 2 in order
+            np.testing.assert_allclose([x.logprob for x in g.values()], [x.logprob for x in w.values()], atol=1e-5)
+            assert [x.rank for x in g.values()] == [x.rank for x in w.values()]
+        ref = hf_logprobs(test_models_dir, prompt)
+        got_lp = [got.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+        np.testing.assert_allclose(got_lp, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+    assert_no_leaks(cached)

@@ -4,6 +4,7 @@ a tiny test model, driven by the `openai` client (sync and async) and httpx."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -209,6 +210,135 @@ def test_open_endpoints_and_tokenize(server):
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 3
 
 
+# ------------------------------------------------------- scoring (lm-eval's path)
+
+@pytest.fixture(scope="module")
+def offline(server, test_models_dir, cache_dir):
+    """The same model offline, with the server's shapes (its executables load from the
+    server's store): the oracle for what the server returns."""
+    from jaxllm import LLM
+    return LLM(str(test_models_dir / "llama"), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+               kv_cache_memory="4MiB", compilation_cache_dir=str(cache_dir), progress=False)
+
+
+def offline_scores(offline, ids: list[int], k: int, max_tokens: int = 1):
+    from jaxllm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k, ignore_eos=True)
+    return offline.generate([ids], params, use_tqdm=False)[0]
+
+
+def assert_echo_scores(lp: dict, ids: list[int], want, k: int) -> None:
+    """An echoed prompt's logprobs (then the generated tokens') equal the offline ones."""
+    n = len(ids)
+    generated = want.outputs[0]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + len(generated.token_ids)
+    entries = want.prompt_logprobs[1:] + generated.logprobs
+    for i, (token, entry) in enumerate(zip(ids[1:] + generated.token_ids, entries), start=1):
+        assert lp["token_logprobs"][i] == pytest.approx(entry[token].logprob, abs=1e-4)
+        top = {lp_.decoded_token for t, lp_ in entry.items() if t == token or lp_.rank <= k}
+        assert set(lp["top_logprobs"][i]) == top
+        assert lp["tokens"][i] == entry[token].decoded_token
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp["tokens"]))
+
+
+def test_echo_logprobs_score_the_prompt(server, offline):
+    text = "The quick brown fox jumps over the lazy dog, then naps."
+    ids = post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    want = offline_scores(offline, ids, 2)
+    for prompt in (ids, text, [ids]):
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 2, "echo": True,
+                                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == text + want.outputs[0].text
+        assert_echo_scores(choice["logprobs"], ids, want, 2)
+    # max_tokens 0: the prompt scored, nothing generated (what older lm-eval versions send)
+    r = post(server, "/v1/completions", {"prompt": [ids], "max_tokens": 0, "logprobs": 1, "echo": True})
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    assert_echo_scores(choice["logprobs"], ids, offline_scores(offline, ids, 1, max_tokens=0), 1)
+    r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "echo" in r.json()["error"]["message"]
+
+
+def test_echo_logprobs_with_n_several_prompts_and_streaming(server, offline):
+    a = post(server, "/tokenize", {"prompt": "Paris is the capital of"}).json()["tokens"]
+    b = post(server, "/tokenize", {"prompt": "One, two, three, four, five, six"}).json()["tokens"]
+    body = {"prompt": [a, b], "n": 2, "max_tokens": 3, "logprobs": 1, "echo": True, "temperature": 0,
+            "ignore_eos": True}
+    choices = sorted(post(server, "/v1/completions", body).json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for ids, pair in ((a, choices[:2]), (b, choices[2:])):
+        want = offline_scores(offline, ids, 1, max_tokens=3)
+        for choice in pair:
+            assert_echo_scores(choice["logprobs"], ids, want, 1)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    merged = {}
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            m = merged.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "text_offset": []})
+            m["text"] += c["text"]
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                m[key] += c["logprobs"][key]
+    for choice in choices:
+        m = merged[choice["index"]]
+        assert m["text"] == choice["text"] and m["tokens"] == choice["logprobs"]["tokens"]
+        assert m["text_offset"] == choice["logprobs"]["text_offset"]
+        assert m["token_logprobs"][0] is None
+        assert m["token_logprobs"][1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
+def test_prompt_logprobs_field(server, offline):
+    ids = post(server, "/tokenize", {"prompt": "Hello there, how are you today?"}).json()["tokens"]
+    want = offline_scores(offline, ids, 2)
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for p in range(1, len(ids)):
+        entry = got[p][str(ids[p])]
+        assert entry["logprob"] == pytest.approx(want.prompt_logprobs[p][ids[p]].logprob, abs=1e-4)
+        assert entry["rank"] == want.prompt_logprobs[p][ids[p]].rank
+        assert {int(t) for t, e in got[p].items() if e["rank"] <= 2} >= {
+            t for t, e in want.prompt_logprobs[p].items() if e.rank <= 2}
+    messages = [{"role": "user", "content": "hi"}]
+    n = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0})
+    got = r.json()["prompt_logprobs"]
+    assert got[0] is None and len(got) == n and all(len(e) == 1 for e in got[1:])
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "stop_token_ids": [5]})
+    assert r.status_code == 200
+
+
+def test_tokenizer_info_round_trips(server, test_models_dir, tmp_path):
+    """What lm-eval's tokenizer_backend=remote reads: enough to rebuild the tokenizer
+    from its vocabulary file alone (special tokens, chat template)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    r = httpx.get(f"{server.url}/tokenizer_info", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200
+    assert httpx.get(f"{server.url}/tokenizer_info").status_code == 401
+    info = r.json()
+    shutil.copy(test_models_dir / "llama" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(info))
+    rebuilt = AutoTokenizer.from_pretrained(tmp_path)
+    original = AutoTokenizer.from_pretrained(test_models_dir / "llama")
+    for name in ("bos_token", "eos_token", "pad_token", "chat_template"):
+        assert getattr(rebuilt, name) == getattr(original, name), name
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert rebuilt.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(messages, tokenize=False)
+    assert rebuilt.encode("The lazy dog") == original.encode("The lazy dog")
+
+
 # ------------------------------------------------------------------------ errors
 
 def post(server, path, body=None, *, content=None, key=API_KEY, headers=None):
@@ -372,3 +502,60 @@ def test_dead_engine_core(test_models_dir, cache_dir):
     finally:
         s.stop()
         assert s.proc.returncode is not None
+
+
+# ------------------------------------------------------- lm-eval, end to end
+
+LM_EVAL_TASKS = Path(__file__).resolve().parents[1] / "scripts" / "eval_tasks" / "lm_eval"
+
+
+def lm_eval_run(server, task: str, limit: int) -> list[dict]:
+    """lm-eval's local-completions against the server (tokenizer_backend=remote: no
+    tokenizer files on the client); its per-sample records."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    os.environ["OPENAI_API_KEY"] = API_KEY
+    api = LocalCompletionsAPI(model="tiny", base_url=f"{server.url}/v1/completions", tokenizer_backend="remote",
+                              auth_token=API_KEY, batch_size=4, max_length=256, max_retries=1)
+    results = lm_eval.simple_evaluate(model=api, tasks=[task], limit=limit, log_samples=True,
+                                      task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)))
+    return results["samples"][task]
+
+
+def test_lm_eval_multiple_choice_scores_equal_offline(server, offline):
+    """Every choice's loglikelihood as lm-eval computed it from the server equals
+    LLM's offline prompt logprobs of the same tokens, so the chosen answers agree."""
+    from jaxllm import SamplingParams
+
+    tokenizer = offline.get_tokenizer()
+    samples = lm_eval_run(server, "jaxllm_facts_mc", limit=12)
+    assert len(samples) == 12
+    for s in samples:
+        ours = []
+        for (context, continuation), (loglik, _greedy) in zip(s["arguments"], s["filtered_resps"]):
+            ctx = tokenizer.encode(context, add_special_tokens=False)
+            whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+            out = offline.generate([whole], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)[0]
+            want = sum(out.prompt_logprobs[p][whole[p]].logprob for p in range(len(ctx), len(whole)))
+            assert float(loglik) == pytest.approx(want, abs=1e-4)
+            assert want < 0  # a real score: the defect this guards against summed nothing
+            ours.append(want)
+        scores = [float(r[0]) for r in s["filtered_resps"]]
+        assert max(range(4), key=scores.__getitem__) == max(range(4), key=ours.__getitem__)
+
+
+def test_lm_eval_generation_equals_offline(server, offline):
+    from jaxllm import SamplingParams
+
+    samples = lm_eval_run(server, "jaxllm_facts_gen", limit=6)
+    tokenizer = offline.get_tokenizer()
+    for s in samples:
+        context = s["arguments"][0][0]
+        ids = tokenizer.encode(context, add_special_tokens=False)
+        params = SamplingParams(temperature=0, max_tokens=16, stop=["\n", tokenizer.eos_token])
+        want = offline.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+        assert s["resps"][0][0] == want

@@ -19,7 +19,7 @@ The scheduler drives it in this order (the same as vLLM v1):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from jaxllm.core.block_pool import BlockPool
@@ -147,13 +147,21 @@ class KVCacheManager:
 
     # ---- scheduling ---------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request: Request, usable: Callable[[int], int] | None = None
+    ) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request that holds no blocks.
 
         The lookup never covers the request's last token, whose logits must be
         computed. It has no side effects besides counting the lookup in
         :attr:`prefix_cache_stats` and filling ``request.block_hashes``; pass the
         result to :meth:`allocate_slots` right away.
+
+        Args:
+            request: the request.
+            usable: given the number of leading hit blocks, how many of them the
+                request can take (a request scoring its prompt needs the scores of
+                the positions it skips); all of them when None.
 
         Returns:
             The hit blocks (block ``i`` of the request for ``i`` in order) and the
@@ -175,6 +183,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if usable is not None:
+            del hits[usable(len(hits)):]
         num_hit_tokens = len(hits) * self.block_size
         stats = self.prefix_cache_stats
         stats.requests += 1
@@ -279,6 +289,13 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first ``num_blocks`` full blocks (at least;
+        computed once, kept on the request). Empty with prefix caching off."""
+        if not self.enable_caching:
+            return []
+        return self._update_block_hashes(request, num_blocks)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (empty if it holds none); do not mutate."""

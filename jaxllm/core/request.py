@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxllm.core.kv_cache_utils import BlockHash
+from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.engine.protocol import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import SamplingParams
 
@@ -33,6 +34,8 @@ class Request:
         cache_salt: isolates the request's prefix-cache entries from requests with a
             different (or no) salt.
         lora_id: LoRA adapter id; blocks computed under different adapters never match.
+        prompt_scores: the prompt logprob rows emitted so far, when the request asked
+            for them (kept across preemption, so none is emitted twice).
         block_hashes: chained hashes of the request's leading full blocks (see
             :mod:`jaxllm.core.kv_cache_utils`). The KV cache manager fills it lazily,
             only when prefix caching is on, and only as far as it needs; since tokens
@@ -57,6 +60,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    prompt_scores: PromptScores | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
@@ -69,7 +73,15 @@ class Request:
             max_tokens=max_tokens,
             seed=seed,
             arrival_time=req.arrival_time,
+            prompt_scores=None if req.sampling_params.prompt_logprobs is None
+            else PromptScores(req.sampling_params.prompt_logprobs),
         )
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """The most tokens whose KV the request will hold: the last sampled token is
+        never fed back (and with max_tokens=0 only the prompt is computed)."""
+        return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
 
     @property
     def num_output_tokens(self) -> int:

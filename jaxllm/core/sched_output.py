@@ -24,6 +24,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
+    num_prompt_scored: int = 0  # prompt logprobs: positions scored already (score from here on)
 
 
 @dataclasses.dataclass

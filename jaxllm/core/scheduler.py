@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.prompt_scores import PromptScoresCache
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the tail is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
+        # prompt logprobs of prefix-cached blocks, so scoring a cached prefix skips it
+        self.prompt_scores_cache = (
+            PromptScoresCache(kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks)
+            if kv_cache_manager.enable_caching else None
+        )
 
     # ----------------------------------------------------------------- requests
 
@@ -49,8 +55,7 @@ class Scheduler:
         """Queue a request; ValueError if it could never fit in the KV cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # The last sampled token is never fed back, so its KV is never written.
-        self.kv_cache_manager.check_fits(request, request.num_prompt_tokens + request.max_tokens - 1)
+        self.kv_cache_manager.check_fits(request, request.max_kv_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -100,9 +105,7 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is under pressure.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = [], 0
-            if request.sampling_params.prompt_logprobs is None:  # hits would skip scoring the prompt
-                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request, self._usable_hits(request))
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, num_hit_tokens, hits) is None:
                 break
@@ -110,6 +113,9 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            if request.prompt_scores is not None and self.prompt_scores_cache is not None:
+                self.prompt_scores_cache.fill(request.prompt_scores, request.num_prompt_tokens,
+                                              request.block_hashes, num_hit_tokens)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -120,6 +126,7 @@ class Scheduler:
                     eos_token_id=request.eos_token_id,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
+                    num_prompt_scored=0 if request.prompt_scores is None else len(request.prompt_scores.rows),
                 )
             )
             self._advance(request, num_new, num_scheduled)
@@ -134,6 +141,18 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+
+    def _usable_hits(self, request: Request) -> Callable[[int], int] | None:
+        """For a request scoring its prompt: how many prefix-cache hit blocks it can
+        skip (those whose prompt logprobs are cached too)."""
+        scores = request.prompt_scores
+        if scores is None:
+            return None
+        if self.prompt_scores_cache is None:
+            return lambda num_hit_blocks: 0
+        kv, cache = self.kv_cache_manager, self.prompt_scores_cache
+        hashes = kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
+        return lambda num_hit_blocks: cache.usable_hits(scores, request.num_prompt_tokens, hashes, num_hit_blocks)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
         """Slots for `request`, preempting from the tail of `running` until they fit.
@@ -178,10 +197,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            prompt_logprobs = result.prompt_logprobs.get(req_id)
+            prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
             if token is None:
                 if prompt_logprobs is not None:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
+                continue
+            if request.max_tokens == 0:  # scoring the prompt only: the sample is dropped
+                self.running.remove(request)
+                self._finish(request, FinishReason.LENGTH)
+                outputs.append(self._output(request, [], None, prompt_logprobs))
                 continue
             request.append_output_token_ids(token)
             finish, stop_reason = self._check_stop(request, token)
@@ -190,6 +214,20 @@ class Scheduler:
                 self._finish(request, finish, stop_reason)
             outputs.append(self._output(request, [token], result.logprobs.get(req_id), prompt_logprobs))
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats())
+
+    def _update_prompt_scores(self, request: Request, new_rows: LogprobsLists | None) -> LogprobsLists | None:
+        """Take this step's prompt logprob rows; the rows due in the request's output
+        (with any filled from the cache at admission)."""
+        scores = request.prompt_scores
+        if scores is None:
+            return None
+        if new_rows is not None:
+            scores.extend(new_rows)
+            if self.prompt_scores_cache is not None:
+                kv = self.kv_cache_manager
+                hashes = kv.block_hashes(request, (len(scores.rows) + 1) // kv.block_size)
+                self.prompt_scores_cache.record(scores, hashes)
+        return scores.take_unsent()
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params

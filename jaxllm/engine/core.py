@@ -174,7 +174,7 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         request = Request.from_engine_core_request(req, max_tokens, seed % 2**64)
-        self.kv_cache_manager.check_fits(request, n + max_tokens - 1)
+        self.kv_cache_manager.check_fits(request, request.max_kv_tokens)
         return request
 
     def abort_requests(self, request_ids) -> EngineCoreOutputs:

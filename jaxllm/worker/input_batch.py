@@ -44,6 +44,7 @@ class InputBatch:
         self.min_tokens = np.zeros(r, np.int32)
         self.logprobs = np.full(r, -1, np.int32)  # -1: not requested
         self.prompt_logprobs = np.full(r, -1, np.int32)
+        self.prompt_scored = np.zeros(r, np.int32)  # prompt positions scored already (by the scheduler's count)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -69,9 +70,8 @@ class InputBatch:
         self.repetition_penalty[row] = p.repetition_penalty
         self.seeds[row] = (req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF)
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        # A request resumed after preemption has had its prompt scored already.
-        resumed = n > req.num_prompt_tokens
-        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None or resumed else p.prompt_logprobs
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.prompt_scored[row] = req.num_prompt_scored
         self.min_tokens[row] = p.min_tokens
 
         self.bias_token_ids[row] = 0

@@ -388,7 +388,8 @@ class ModelRunner:
         samples = seq_lens == b.num_tokens[rows]
         output_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows]).astype(np.int32)
         next_pos = np.minimum(positions + 1, self.max_model_len - 1)
-        scored = (b.prompt_logprobs[tok_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[tok_rows])
+        scored = ((b.prompt_logprobs[tok_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[tok_rows])
+                  & (positions >= b.prompt_scored[tok_rows]))
         targets = np.where(scored, b.token_ids[tok_rows, next_pos], -1).astype(np.int32)
 
         t, s = self.bucket_for(num_tokens, len(rows))

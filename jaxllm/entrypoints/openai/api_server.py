@@ -1,8 +1,8 @@
 """The Starlette app of the OpenAI-compatible server.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
-GET /v1/models, /health, /version, /metrics. With an API key, every /v1 route and
-/tokenize, /detokenize need `Authorization: Bearer <key>`; /health, /version and
+GET /v1/models, /tokenizer_info, /health, /version, /metrics. With an API key, every
+/v1 route and /tokenize, /detokenize, /tokenizer_info need `Authorization: Bearer <key>`; /health, /version and
 /metrics stay open. Every error has the OpenAI shape; after any of them the server
 keeps serving.
 """
@@ -44,7 +44,7 @@ class ServerSettings:
     max_waiting_requests: int = 256  # beyond max_num_seqs running: more waiting gets 503
     max_num_seqs: int = 64
     max_request_bytes: int = 16 * 2**20
-    protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize")
+    protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class BodySizeLimit:
@@ -159,7 +159,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
-            return serving.completions(engine, jobs, params, model=settings.model_name, echo=body.echo,
+            shape = serving.CompletionShape(engine, body.echo, body.logprobs, body.prompt_logprobs)
+            return serving.completions(engine, jobs, params, model=settings.model_name, shape=shape,
                                        stream=body.stream, include_usage=include_usage)
 
         return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
@@ -176,7 +177,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
 
         def run():
             return serving.chat(engine, job, params, model=settings.model_name, stream=body.stream,
-                                include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0)
+                                include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
+                                num_prompt_logprobs=body.prompt_logprobs)
 
         return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
 
@@ -214,6 +216,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
+    async def tokenizer_info(request: Request) -> Response:
+        return JSONResponse(serving.tokenizer_info(engine.tokenizer))
+
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -235,6 +240,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/tokenizer_info", guarded(tokenizer_info), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -45,8 +45,11 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
         logit_bias = None
         if self.logit_bias:
             try:
@@ -64,10 +67,12 @@ class _SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -76,7 +81,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -90,8 +95,20 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt: must not be empty")
         return list(p)
 
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the echoed prompt comes with logprobs (echo and logprobs both set)."""
+        return self.echo and self.logprobs is not None
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is only meaningful with echo=true, to return "
+                             "the prompt (with logprobs: its log-probabilities) without generating")
+        # echo with logprobs returns the prompt's logprobs too, with as many alternatives
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo_logprobs:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -119,7 +136,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     self.prompt_logprobs)
 
     def message_dicts(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

@@ -7,13 +7,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.output_processor import RequestOutputKind
 from jaxllm.entrypoints.openai.errors import APIError
-from jaxllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -93,25 +93,50 @@ async def merged(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
 
 # ------------------------------------------------------------------ logprobs
 
-def completion_logprobs(logprobs: SampleLogprobs, token_ids: list[int], text_offset: int) -> dict:
-    """The legacy completions logprobs object."""
+MIN_JSON_LOGPROB = -9999.0  # what -inf becomes in JSON (as OpenAI and vLLM send it)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_JSON_LOGPROB)
+
+
+def completion_logprobs(entries: PromptLogprobs | SampleLogprobs, token_ids: list[int], num_top: int,
+                        decode: Callable[[int], str], text_offset: int = 0) -> dict:
+    """The legacy completions logprobs object over `token_ids` (an echoed prompt's
+    first token has no entry: null logprob and top_logprobs, as in vLLM). top_logprobs
+    holds the scored token and the alternatives ranked up to `num_top`, keyed by text
+    (tokens that decode alike collide: the scored one wins)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, logprobs):
-        sampled = entry[token_id]
-        tokens.append(sampled.decoded_token or "")
-        token_logprobs.append(sampled.logprob)
-        # keyed by text, so tokens that decode alike collide: the sampled one wins
-        alternatives = {(lp.decoded_token or ""): lp.logprob for t, lp in entry.items() if t != token_id}
-        top.append(alternatives | {tokens[-1]: sampled.logprob})
+    for token_id, entry in zip(token_ids, entries):
         offsets.append(text_offset)
+        if entry is None:
+            tokens.append(decode(token_id))
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            scored = entry[token_id]
+            tokens.append(scored.decoded_token or "")
+            token_logprobs.append(_clamp(scored.logprob))
+            alternatives = {(lp.decoded_token or ""): _clamp(lp.logprob)
+                            for t, lp in entry.items() if t != token_id and (lp.rank or 0) <= num_top}
+            top.append(alternatives | {tokens[-1]: token_logprobs[-1]})
         text_offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs, num_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt position (the first is null), token
+    id -> logprob, rank and decoded token, for the prompt token and the top `num_top`."""
+    return [None if entry is None else {
+        str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for i, (t, lp) in enumerate(entry.items()) if i == 0 or (lp.rank or 0) <= num_top
+    } for entry in prompt_logprobs]
 
 
 def chat_logprobs(logprobs: SampleLogprobs, token_ids: list[int], num_top: int) -> dict:
     def item(lp):
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _clamp(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
     for token_id, entry in zip(token_ids, logprobs):
@@ -123,54 +148,71 @@ def chat_logprobs(logprobs: SampleLogprobs, token_ids: list[int], num_top: int) 
 
 # --------------------------------------------------------------- completions
 
-async def completions(engine: AsyncLLM, jobs: list[Job], params: SamplingParams, *, model: str, echo: bool,
-                      stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
+@dataclass
+class CompletionShape:
+    """How /v1/completions turns a job's outputs into choices: echo (the prompt's text,
+    and with logprobs its logprobs, before the generated part), logprobs, and vLLM's
+    prompt_logprobs field."""
+
+    engine: AsyncLLM
+    echo: bool
+    num_logprobs: int | None
+    num_prompt_logprobs: int | None  # the user's prompt_logprobs field
+
+    def prompt_text(self, job: Job) -> str:
+        return job.prompt_text if job.prompt_text is not None else self.engine.tokenizer.decode(job.prompt_ids)
+
+    def decode_one(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def choice(self, job: Job, c: CompletionOutput, prompt_logprobs: PromptLogprobs | None, *,
+               first: bool, text_offset: int = 0) -> dict:
+        """A choice (or, streaming, one chunk's choice): with echo, the first one
+        holds the prompt followed by what was generated so far."""
+        text, token_ids, entries = c.text, c.token_ids, c.logprobs
+        if self.echo and first:
+            text = self.prompt_text(job) + text
+            token_ids = job.prompt_ids + token_ids
+            if self.num_logprobs is not None:
+                entries = list(prompt_logprobs or []) + list(c.logprobs or [])
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(entries or [], token_ids, self.num_logprobs, self.decode_one, text_offset)
+        choice = {"index": job.choice_offset + c.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.num_prompt_logprobs is not None and prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, self.num_prompt_logprobs)
+        return choice
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether a choice's first output must wait for its prompt's logprobs."""
+        return self.echo and self.num_logprobs is not None
+
+
+async def completions(engine: AsyncLLM, jobs: list[Job], params: SamplingParams, *, model: str,
+                      shape: CompletionShape, stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
     rid, created = new_id("cmpl"), int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-
-    def text_of(job: Job) -> str:
-        return job.prompt_text if job.prompt_text is not None else engine.tokenizer.decode(job.prompt_ids)
 
     if not stream:
         usage, choices = Usage(), []
         async for job, output in merged(engine, jobs, params, RequestOutputKind.FINAL_ONLY):
             usage.add(output, None)
-            prefix = text_of(job) if echo else ""
             for c in output.outputs:
                 usage.add(output, c)
-                choices.append({
-                    "index": job.choice_offset + c.index,
-                    "text": prefix + c.text,
-                    "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, c.token_ids, len(prefix)),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                })
+                choices.append(shape.choice(job, c, output.prompt_logprobs, first=True))
         choices.sort(key=lambda c: c["index"])
         return base | {"choices": choices, "usage": usage.as_dict()}
 
     async def events() -> AsyncIterator[str]:
-        usage, echoed, offsets = Usage(), set(), {}
+        stream = CompletionStream(shape)
         try:
             async for job, output in merged(engine, jobs, params, RequestOutputKind.DELTA):
-                usage.add(output, None)
-                for c in output.outputs:
-                    usage.add(output, c)
-                    index = job.choice_offset + c.index
-                    text = c.text
-                    if echo and index not in echoed:
-                        echoed.add(index)
-                        text = text_of(job) + text
-                    offset = offsets.get(index, 0)
-                    offsets[index] = offset + len(text)
-                    if not text and c.finish_reason is None:
-                        continue
-                    choice = {"index": index, "text": text, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason,
-                              "logprobs": None if c.logprobs is None else completion_logprobs(
-                                  c.logprobs, c.token_ids, offset + len(text) - len(c.text))}
+                for choice in stream.feed(job, output):
                     yield sse(base | {"choices": [choice]})
             if include_usage:
-                yield sse(base | {"choices": [], "usage": usage.as_dict()})
+                yield sse(base | {"choices": [], "usage": stream.usage.as_dict()})
         except (ValueError, RuntimeError) as e:
             yield sse(stream_error(e))
         yield sse("[DONE]")
@@ -178,27 +220,71 @@ async def completions(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
     return events()
 
 
+@dataclass
+class CompletionStream:
+    """Streamed completions: DELTA outputs in, one choice per chunk out. A choice's
+    first chunk echoes the prompt; with echo and logprobs it waits for the prompt's
+    logprobs, which only the first sample of a prompt (n > 1) computes."""
+
+    shape: CompletionShape
+    usage: Usage = field(default_factory=Usage)
+    offsets: dict[int, int] = field(default_factory=dict)  # choice index -> text sent so far
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # job id -> its prompt's
+    held: dict[str, list[CompletionOutput]] = field(default_factory=dict)  # job id -> waiting outputs
+
+    def feed(self, job: Job, output: RequestOutput) -> list[dict]:
+        self.usage.add(output, None)
+        for c in output.outputs:
+            self.usage.add(output, c)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[job.request_id] = output.prompt_logprobs
+        ready = job.request_id in self.prompt_logprobs or not self.shape.needs_prompt_logprobs
+        held = self.held.setdefault(job.request_id, [])
+        held.extend(output.outputs)
+        if not ready:
+            return []
+        self.held[job.request_id] = []
+        return [choice for c in held if (choice := self._choice(job, c)) is not None]
+
+    def _choice(self, job: Job, c: CompletionOutput) -> dict | None:
+        index = job.choice_offset + c.index
+        first = index not in self.offsets
+        offset = self.offsets.get(index, 0)
+        if not (first and self.shape.echo) and not c.text and not c.token_ids and c.finish_reason is None:
+            return None
+        choice = self.shape.choice(job, c, self.prompt_logprobs.get(job.request_id), first=first, text_offset=offset)
+        logprobs = choice["logprobs"]
+        self.offsets[index] = offset + (sum(map(len, logprobs["tokens"])) if logprobs else len(choice["text"]))
+        choice.pop("prompt_logprobs", None)  # not streamed, as in vLLM
+        return choice
+
+
 # ---------------------------------------------------------------------- chat
 
 async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str, stream: bool,
-               include_usage: bool, num_top_logprobs: int) -> dict | AsyncIterator[str]:
+               include_usage: bool, num_top_logprobs: int, num_prompt_logprobs: int | None = None,
+               ) -> dict | AsyncIterator[str]:
     rid, created = new_id("chatcmpl"), int(time.time())
 
     def logprobs_of(c: CompletionOutput):
         return None if c.logprobs is None else chat_logprobs(c.logprobs, c.token_ids, num_top_logprobs)
 
     if not stream:
-        usage, choices = Usage(), []
+        usage, choices, prompt_logprobs = Usage(), [], None
         async for _, output in merged(engine, [job], params, RequestOutputKind.FINAL_ONLY):
             usage.add(output, None)
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for c in output.outputs:
                 usage.add(output, c)
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": logprobs_of(c), "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage.as_dict()}
+        if num_prompt_logprobs is not None and prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, num_prompt_logprobs)
+        return body
 
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -232,3 +318,44 @@ def stream_error(error: Exception) -> dict:
     if isinstance(error, ValueError):
         return json.loads(APIError.from_value_error(error).as_json())
     return json.loads(APIError(500, str(error)).as_json())
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """GET /tokenizer_info, in the shape of vLLM's: the tokenizer's init arguments
+    (special tokens as strings, no file paths), its class and chat template, so a
+    client (lm-eval's tokenizer_backend=remote) needs no tokenizer files. Unlike vLLM,
+    added_tokens_decoder keeps each token's flags, as tokenizer_config.json does, so
+    the answer saved as that file loads back with transformers."""
+
+    def plain(value):
+        if hasattr(value, "content"):  # AddedToken
+            return value.content
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+    def added_token(token) -> dict:  # as tokenizer_config.json stores it, so loading it back works
+        if isinstance(token, dict):
+            return token
+        return {name: getattr(token, name) for name in ("content", "single_word", "lstrip", "rstrip", "normalized",
+                                                          "special") if hasattr(token, name)}
+
+    kwargs = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for name in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "tokenizer_object", "is_local",
+                 "local_files_only"):
+        kwargs.pop(name, None)
+    decoder = kwargs.pop("added_tokens_decoder", None) or {}
+    info = {k: plain(v) for k, v in kwargs.items()}
+    if decoder:
+        info["added_tokens_decoder"] = {str(i): added_token(t) for i, t in decoder.items()}
+    info["tokenizer_class"] = type(tokenizer).__name__
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            info[name] = plain(value)
+    info["model_max_length"] = plain(getattr(tokenizer, "model_max_length", None))
+    if getattr(tokenizer, "chat_template", None):
+        info["chat_template"] = tokenizer.chat_template
+    return info
