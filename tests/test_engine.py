@@ -299,8 +299,15 @@ def test_scoring_reuses_a_cached_context(test_models_dir):
     first = cached.generate([prompts[0]], score, use_tqdm=False)
     rest = [cached.generate([p], score, use_tqdm=False)[0] for p in prompts[1:]]
     assert [o.num_cached_tokens for o in rest] == [32, 32, 32]
-    plain = make_llm(test_models_dir, enable_prefix_caching=False).generate(prompts, score, use_tqdm=False)
-    for prompt, got, want in zip(prompts, first + rest, plain):
+    # all at once (lm-eval sends a question's choices together): the later ones wait a
+    # step for the first one's scores instead of computing the context again
+    context2 = [int(t) for t in rng.integers(3, 500, 53)]
+    together = [context2 + p[53:] for p in prompts]
+    at_once = cached.generate(together, score, use_tqdm=False)
+    assert [o.num_cached_tokens for o in at_once] == [0, 32, 32, 32]
+    plain = make_llm(test_models_dir, enable_prefix_caching=False).generate(prompts + together, score,
+                                                                             use_tqdm=False)
+    for prompt, got, want in zip(prompts + together, first + rest + at_once, plain):
         assert got.outputs[0].token_ids == [] and got.outputs[0].text == ""
         assert got.outputs[0].finish_reason == "length"
         assert len(got.prompt_logprobs) == len(prompt)

@@ -169,3 +169,33 @@ def test_argmax_kernel_matches_jnp_argmax(s, v):
         x[4, 15] = x[4, 16] = x[4].max() + 1  # a tie across lanes: lane 15 holds the lesser index
     ref = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax_cpu)(jnp.asarray(x))), ref)
+
+
+@pytest.mark.parametrize("s,v", [(1, 20), (3, 21), (5, 33), (64, 4099), (6, 49152)])
+def test_token_scores_kernel_matches_the_jnp_scores(s, v):
+    """The prompt-logprob kernel against compute_logprobs (log_softmax at the target, its
+    rank, top_k): vector tails, ties in the top k (the lesser index first, as top_k),
+    ties with the target (rank counts only greater values), skipped rows."""
+    from jaxllm.sample.sampler import compute_logprobs, token_scores_cpu
+
+    rng = np.random.default_rng(s + v)
+    x = (4 * rng.standard_normal((s, v))).astype(np.float32)
+    targets = rng.integers(0, v, s).astype(np.int32)
+    x[0, 3] = x[0, v - 1] = x[0].max() + 1  # a tie at the top: index 3 first
+    x[0, 5] = x[0, targets[0]] = x[0, targets[0]] + 0.0  # a value tied with the target
+    if s > 1:
+        x[1, :] = 0.0  # all equal: top_k is 0, 1, 2, ...; rank 1
+    if s > 2:
+        targets[2] = -1  # not scored
+    if s > 4:
+        x[4, 16:20] = x[4].max() + 2  # ties across vector lanes
+    got = [np.asarray(a) for a in jax.jit(token_scores_cpu)(jnp.asarray(x), jnp.asarray(targets))]
+    want = [np.asarray(a) for a in jax.jit(compute_logprobs)(jnp.asarray(x), jnp.asarray(targets))]
+    scored = targets >= 0
+    np.testing.assert_allclose(got[0][scored], want[0][scored], atol=2e-5)  # logprob of the target
+    np.testing.assert_array_equal(got[1][scored], want[1][scored])  # rank
+    np.testing.assert_array_equal(got[2][scored], want[2][scored])  # top ids, in order
+    np.testing.assert_allclose(got[3][scored], want[3][scored], atol=2e-5)
+    assert not scored.all() or s < 3
+    if s > 2:
+        assert (got[0][2], got[1][2]) == (0.0, 0) and not got[2][2].any()

@@ -48,6 +48,7 @@ class Scheduler:
             PromptScoresCache(kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks)
             if kv_cache_manager.enable_caching else None
         )
+        self._scored_this_step: set = set()  # blocks whose prompt rows the step being scheduled completes
 
     # ----------------------------------------------------------------- requests
 
@@ -103,34 +104,19 @@ class Scheduler:
             i += 1
 
         # No admissions in a step that had to preempt: the pool is under pressure.
+        deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request, self._usable_hits(request))
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, num_hit_tokens, hits) is None:
+            if self._scores_come_this_step(request):
+                deferred.append(self.waiting.popleft())
+                continue
+            admitted = self._admit(request, budget, num_scheduled)
+            if admitted is None:
                 break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.prompt_scores is not None and self.prompt_scores_cache is not None:
-                self.prompt_scores_cache.fill(request.prompt_scores, request.num_prompt_tokens,
-                                              request.block_hashes, num_hit_tokens)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    seed=request.seed,
-                    eos_token_id=request.eos_token_id,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    num_prompt_scored=0 if request.prompt_scores is None else len(request.prompt_scores.rows),
-                )
-            )
-            self._advance(request, num_new, num_scheduled)
-            budget -= num_new
+            new_reqs.append(admitted)
+            budget -= num_scheduled[request.request_id]
+        self.waiting.extendleft(reversed(deferred))
+        self._scored_this_step.clear()
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -141,6 +127,56 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+
+    def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]) -> NewRequestData | None:
+        """Take the head of the waiting queue into the running batch with its prefix-cache
+        hits and slots for its first chunk; None if the pool cannot hold that chunk."""
+        kv = self.kv_cache_manager
+        hits, num_hit_tokens = kv.get_computed_blocks(request, self._usable_hits(request))
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        if kv.allocate_slots(request, num_new, num_hit_tokens, hits) is None:
+            return None
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        scores = request.prompt_scores
+        if scores is not None and self.prompt_scores_cache is not None:
+            self.prompt_scores_cache.fill(scores, request.num_prompt_tokens, request.block_hashes, num_hit_tokens)
+        new = NewRequestData(
+            req_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            eos_token_id=request.eos_token_id,
+            block_ids=kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_hit_tokens,
+            num_prompt_scored=0 if scores is None else len(scores.rows),
+        )
+        self._advance(request, num_new, num_scheduled)
+        return new
+
+    def _scores_come_this_step(self, request: Request) -> bool:
+        """Whether a request scoring its prompt should wait a step: a request scheduled
+        in this step scores some of its prompt's blocks, whose rows (and KV) it can take
+        from the cache in the next step instead of computing them again (lm-eval sends
+        the choices of one question together)."""
+        if request.prompt_scores is None or not self._scored_this_step:
+            return False
+        kv = self.kv_cache_manager
+        return any(h in self._scored_this_step for h in kv.block_hashes(request, request.num_prompt_tokens // kv.block_size))
+
+    def _note_scored_blocks(self, request: Request) -> None:
+        """Remember the blocks whose prompt rows this step's part of `request` completes."""
+        scores = request.prompt_scores
+        if scores is None or self.prompt_scores_cache is None:
+            return
+        kv = self.kv_cache_manager
+        rows_after = min(request.num_computed_tokens, request.num_prompt_tokens - 1)
+        num_blocks = min((rows_after + 1) // kv.block_size, request.num_prompt_tokens // kv.block_size)
+        hashes = kv.block_hashes(request, num_blocks)
+        self._scored_this_step.update(hashes[scores.num_recorded_blocks:num_blocks])
 
     def _usable_hits(self, request: Request) -> Callable[[int], int] | None:
         """For a request scoring its prompt: how many prefix-cache hit blocks it can
@@ -175,6 +211,7 @@ class Scheduler:
         num_scheduled[request.request_id] = num_new
         request.num_computed_tokens += num_new
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        self._note_scored_blocks(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -1,7 +1,8 @@
 """C++ kernels for XLA:CPU, as XLA FFI custom calls, in one shared library built on first
 use (build.py): ragged paged attention (paged_attention.cc; jaxllm.attention.cpu),
-dense projections against packed weights (dense.cc; jaxllm.models.linear) and the
-sampler's greedy argmax (argmax.cc; jaxllm.sample.sampler)."""
+dense projections against packed weights (dense.cc; jaxllm.models.linear), the
+sampler's greedy argmax (argmax.cc) and prompt-logprob scores (token_scores.cc;
+jaxllm.sample.sampler)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ TARGETS = {
     "jaxllm_ragged_paged_attention_f32": "JaxllmRaggedPagedAttentionF32",
     "jaxllm_dense_f32": "JaxllmDenseF32",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
+    "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
 }
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DIRECTORY = Path(__file__).parent
-SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY / "argmax.cc")
+SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY / "argmax.cc",
+           DIRECTORY / "token_scores.cc")
 HEADERS = (DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
 LIBRARY = "cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")

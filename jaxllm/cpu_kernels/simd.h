@@ -1,8 +1,9 @@
 // 16-lane float32 / int32 vectors (GCC/Clang vector extensions: one AVX-512 register, two
-// AVX2 or four NEON registers) and their unaligned loads, stores and broadcast, shared by
-// the kernels of this directory.
+// AVX2 or four NEON registers), their unaligned loads, stores and broadcast, lane-wise
+// select / max / exp and horizontal max / sum, shared by the kernels of this directory.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -18,5 +19,48 @@ inline f32x16 load(const float* p) {
 }
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+inline f32x16 select(i32x16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
+
+inline f32x16 vmax(f32x16 a, f32x16 b) { return select(a > b, a, b); }
+inline float hmax(f32x16 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(v[0], v[1]);
+}
+
+inline float hsum(f32x16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v[0] + v[1];
+}
+
+// exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6
+// polynomial, 2^n by exponent bits); about 1 ulp. Lanes below -87.3 give ~1e-38,
+// callers zero the masked ones.
+inline f32x16 vexp(f32x16 x) {
+  x = select(x < -87.3f, splat(-87.3f), x);
+  x = select(x > 88.3f, splat(88.3f), x);
+  f32x16 y = x * 1.44269504088896341f + 0.5f;
+  i32x16 n = __builtin_convertvector(y, i32x16);  // truncates toward zero
+  f32x16 nf = __builtin_convertvector(n, f32x16);
+  i32x16 too_big = nf > y;  // -1 where truncation rounded up (negative y): floor
+  n += too_big;
+  nf = __builtin_convertvector(n, f32x16);
+  f32x16 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits = (n + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
 
 }  // namespace jaxllm

@@ -22,6 +22,7 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 
 _NEG_INF = float("-inf")
 ARGMAX_TARGET = "jaxllm_argmax_f32"  # registered by jaxllm.cpu_kernels.load_kernels
+TOKEN_SCORES_TARGET = "jaxllm_token_scores_f32"
 
 
 def apply_logit_bias(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
@@ -100,9 +101,16 @@ def num_top_logprobs(vocab_size: int) -> int:
     return min(MAX_LOGPROBS, vocab_size)
 
 
+ScoresFn = Callable[[Float[Array, "S V"], Int[Array, "S"]],
+                    tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S K"], Float[Array, "S K"]]]
+
+
 def compute_logprobs(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]):
+    """Per row: the log-probability of token_ids and its rank (1 = most likely), and
+    the top num_top_logprobs tokens with their log-probabilities (a ScoresFn). A row
+    whose token id is negative is not meant to be scored: its values are unspecified."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    sampled = jnp.take_along_axis(logprobs, jnp.maximum(token_ids, 0)[:, None], axis=-1)[:, 0]
     rank = (logprobs > sampled[:, None]).sum(axis=-1).astype(jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs(logits.shape[1]))
     return sampled, rank, top_ids.astype(jnp.int32), top_logprobs
@@ -138,6 +146,20 @@ def argmax_cpu(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     if logits.dtype != jnp.float32:
         raise ValueError(f"argmax_cpu needs float32 logits (got {logits.dtype})")
     return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
+
+
+def token_scores_cpu(logits: Float[Array, "S V"], targets: Int[Array, "S"]):
+    """compute_logprobs as the C++ custom call of jaxllm/cpu_kernels/token_scores.cc
+    (rows with a negative target are skipped: zeros). One read of each row on every
+    thread instead of log_softmax, top_k and a rank count one after another (~200 ms
+    at 512 x 49152 on XLA:CPU). XLA:CPU, float32; used with the `cpu` linear backend."""
+    load_kernels()
+    if logits.dtype != jnp.float32:
+        raise ValueError(f"token_scores_cpu needs float32 logits (got {logits.dtype})")
+    s, k = logits.shape[0], num_top_logprobs(logits.shape[1])
+    out = (jax.ShapeDtypeStruct((s,), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32),
+           jax.ShapeDtypeStruct((s, k), jnp.int32), jax.ShapeDtypeStruct((s, k), jnp.float32))
+    return tuple(jax.ffi.ffi_call(TOKEN_SCORES_TARGET, out)(logits, targets.astype(jnp.int32)))
 
 
 def sample(

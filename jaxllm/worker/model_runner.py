@@ -31,7 +31,7 @@ from jaxllm.models.linear import pack_params, resolve_linear_backend
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
-from jaxllm.sample.sampler import argmax, argmax_cpu
+from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.worker.executable_cache import ExecutableStore, default_directory, persistent_cache_hits
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
@@ -167,9 +167,12 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
         self.attention_backend = resolve_backend_name(attention_backend, head_dim=config.head_dim, dtype=dtype)
-        # The cpu linear backend's kernels also take the sampler's greedy argmax.
+        # The cpu linear backend's kernels also take the sampler's greedy argmax and the
+        # prompt-logprob scores.
+        cpu = self.linear_backend == "cpu"
         step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend),
-                                 argmax_fn=argmax_cpu if self.linear_backend == "cpu" else argmax)
+                                 argmax_fn=argmax_cpu if cpu else argmax,
+                                 scores_fn=token_scores_cpu if cpu else compute_logprobs)
         self._step = jax.jit(step, donate_argnums=(2, 3))
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], object] = {}

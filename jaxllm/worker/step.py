@@ -18,7 +18,7 @@ from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
-from jaxllm.sample.sampler import ArgmaxFn, argmax, num_top_logprobs, sample
+from jaxllm.sample.sampler import ArgmaxFn, ScoresFn, argmax, compute_logprobs, num_top_logprobs, sample
 
 
 @struct.dataclass
@@ -49,13 +49,10 @@ class StepOutput:
     prompt_logprobs: PromptLogprobs
 
 
-def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, "T"], cfg: ModelConfig):
-    logprobs = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
-    safe = jnp.maximum(targets, 0)
-    lp = jnp.take_along_axis(logprobs, safe[:, None], axis=-1)[:, 0]
-    rank = (logprobs > lp[:, None]).sum(axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logprobs, num_top_logprobs(logprobs.shape[1]))
-    return PromptLogprobs(lp, rank, top_ids.astype(jnp.int32), top_lp)
+def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, "T"], cfg: ModelConfig,
+                    scores_fn: ScoresFn = compute_logprobs) -> PromptLogprobs:
+    """Rows with a negative target are not scored (their values are unspecified)."""
+    return PromptLogprobs(*scores_fn(compute_logits(params, hidden, cfg), targets))
 
 
 def _no_prompt_logprobs(params, hidden, targets, cfg):
@@ -76,6 +73,7 @@ def model_step(
     cfg: ModelConfig,
     attention_fn: AttentionFn,
     argmax_fn: ArgmaxFn = argmax,
+    scores_fn: ScoresFn = compute_logprobs,
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     hidden, kv_caches = forward_hidden(
         params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
@@ -85,7 +83,7 @@ def model_step(
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
-        lambda h, t: prompt_logprobs(params, h, t, cfg),
+        lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn),
         lambda h, t: _no_prompt_logprobs(params, h, t, cfg),
         hidden,
         inputs.prompt_logprob_targets,
