@@ -16,6 +16,7 @@ import time
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
+from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-hang-timeout", type=float, default=60.0,
                    help="seconds without a word from a busy engine core before /health says 503")
     p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
+    p.add_argument("--log-level", default=None, choices=LEVELS,
+                   help="jaxllm's log level (default: JAXLLM_LOG_LEVEL, else info); debug also shows the libraries'")
     return p.parse_args(argv)
 
 
@@ -111,8 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         engine_config(args)  # option errors before anything starts
+        level = log_level(args.log_level)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    os.environ[LOG_LEVEL_ENV] = level  # the engine core process reads it
+    configure_logging(level)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # uvicorn installs its own once serving
     try:
         asyncio.run(serve(args))

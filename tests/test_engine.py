@@ -319,3 +319,77 @@ def test_scoring_reuses_a_cached_context(test_models_dir):
         got_lp = [got.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
         np.testing.assert_allclose(got_lp, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
     assert_no_leaks(cached)
+
+
+def penalized_greedy(test_models_dir, prompt, n, repetition_penalty=1.0, frequency_penalty=0.0,
+                     presence_penalty=0.0) -> list[int]:
+    """The penalties' rule step by step in numpy over HF's float64 logits: repetition
+    over prompt and output tokens (divide positive logits, multiply negative ones),
+    frequency by output count, presence by output presence; then greedy."""
+    hf = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float64).eval()
+    seq, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1].numpy()
+        counts = np.bincount(out, minlength=logits.shape[0]).astype(np.float64)
+        seen = counts > 0
+        seen[prompt] = True
+        logits = np.where(seen, np.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
+        logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0)
+        out.append(int(np.argmax(logits)))
+        seq.append(out[-1])
+    return out
+
+
+def test_penalties_and_min_p_through_the_engine(test_models_dir):
+    """Penalties in the whole engine (the token history on device, chunked prompts),
+    batched with requests that use none, equal the numpy rule; min_p=1 samples only the
+    most likely token, so at temperature 1 it is greedy."""
+    llm = make_llm(test_models_dir)
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, 60, n)] for n in (9, 40, 17, 45)]  # small ids: repeats
+    cases = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+             dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.5)]
+    n = 16
+    outs = llm.generate(prompts + prompts, [greedy(n, **c) for c in cases] + [greedy(n)] * len(prompts),
+                        use_tqdm=False)
+    changed = 0
+    for prompt, case, out, plain in zip(prompts, cases, outs, outs[len(prompts):]):
+        want = penalized_greedy(test_models_dir, prompt, n, **case)
+        assert out.outputs[0].token_ids == want, case
+        assert plain.outputs[0].token_ids == penalized_greedy(test_models_dir, prompt, n)
+        changed += want != plain.outputs[0].token_ids
+    assert changed >= 3  # the penalties mattered
+    sampled = llm.generate(prompts, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=n, ignore_eos=True, seed=1),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in outs[len(prompts):]]
+    assert_no_leaks(llm)
+
+
+def test_warm_restart_loads_every_executable(test_models_dir, tmp_path):
+    """A second process with the same compilation cache compiles nothing: every step
+    executable comes from the store, and the tokens are the same."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json
+from jaxllm import LLM, SamplingParams
+llm = LLM({str(test_models_dir / "llama")!r}, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+          kv_cache_memory={32 * KV_BYTES_PER_BLOCK}, compilation_cache_dir={str(tmp_path)!r}, progress=False)
+runner = llm.llm_engine.core.runner
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+print(json.dumps({{"buckets": len(runner.buckets), "loaded": runner.num_loaded_executables,
+                  "after_warmup": runner.num_compilations_after_warmup, "tokens": out.outputs[0].token_ids}}))
+"""
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["loaded"] == 0 and first["buckets"] == 4
+    assert second["loaded"] == second["buckets"] == 4  # compiled: buckets - loaded = 0
+    assert first["after_warmup"] == second["after_warmup"] == 0
+    assert second["tokens"] == first["tokens"]

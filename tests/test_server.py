@@ -341,9 +341,9 @@ def test_tokenizer_info_round_trips(server, test_models_dir, tmp_path):
 
 # ------------------------------------------------------------------------ errors
 
-def post(server, path, body=None, *, content=None, key=API_KEY, headers=None):
+def post(server, path, body=None, *, content=None, key=API_KEY, headers=None, timeout=30):
     h = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=h | (headers or {}), timeout=30)
+    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=h | (headers or {}), timeout=timeout)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -356,12 +356,50 @@ def post(server, path, body=None, *, content=None, key=API_KEY, headers=None):
     ({"prompt": [1, 10**7]}, "prompt"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
 ])
 def test_bad_requests_are_400(server, body, param):
     r = post(server, "/v1/completions", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_max_tokens_beyond_the_context_is_400(server):
+    """As vLLM: the prompt plus max_tokens must fit the context; absent means "up to it"."""
+    messages = [{"role": "user", "content": "hi"}]
+    n = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 10**9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"].startswith(
+        f"This model's maximum context length is 256 tokens. However, you requested {n + 10**9} tokens "
+        f"({n} in the messages, {10**9} in the completion)")
+    ok = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 256 - n})
+    assert ok.status_code == 200
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 257 - n})
+    assert r.status_code == 400
+    r = post(server, "/v1/chat/completions", {"messages": messages, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256 - n  # up to the context
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    """A client that stops waiting for a non-streamed completion frees its slots and stops
+    costing steps: the engine goes idle, having generated far fewer tokens than asked."""
+    import concurrent.futures
+
+    wait_idle(server)
+    before = metric(server, "jaxllm:generation_tokens_total")
+    body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+
+    def leave() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/v1/completions", body, timeout=0.15)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: leave(), range(8)))
+    wait_idle(server)
+    generated = metric(server, "jaxllm:generation_tokens_total") - before
+    assert generated < 8 * 240, generated  # all 8 run to the end if nobody aborts them
 
 
 def test_error_codes(server):

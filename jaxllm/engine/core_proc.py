@@ -21,6 +21,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.llm_engine import eos_token_id
 from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreReady, EngineCoreRejection
+from jaxllm.logs import configure_logging, log_level
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 1.0
@@ -29,7 +30,7 @@ HEARTBEAT_SECONDS = 1.0
 def run_engine_core(config: EngineConfig, conn: Connection) -> None:
     """Entry point of the engine core process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine core] %(message)s")
+    configure_logging(log_level(), tag="engine core")
     try:
         core = EngineCore(config, progress=True)
         model = core.model

@@ -93,6 +93,12 @@ class APIKeyAuth:
         await self.app(scope, receive, send)
 
 
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
     started = int(time.time())
 
@@ -119,8 +125,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
             raise APIError(503, f"too many requests waiting (capacity {capacity}); retry later",
                            headers={"Retry-After": "1"})
 
-    def prepare(prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
-        """Tokenize and check a prompt now, so a bad one is a 400 before anything runs."""
+    def prepare(prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
+        """Tokenize and check a prompt now, so a bad one is a 400 before anything runs;
+        `max_tokens` (None: up to the context) must fit after it, as in vLLM."""
         text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
         n, limit = len(ids), engine.ready.max_model_len
         if n == 0:
@@ -128,6 +135,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         if n >= limit:
             raise ValueError(f"prompt: this model's maximum context length is {limit} tokens, "
                              f"but the prompt has {n} tokens (no room to generate)")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+                                "Please reduce the length of the messages or completion.", param="max_tokens")
         return ids, text
 
     async def respond(request: Request, result: dict | AsyncIterator[str]) -> Response:
@@ -136,14 +147,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         return StreamingResponse(result, media_type="text/event-stream")
 
     async def until_disconnect(request: Request, make: Callable) -> dict | AsyncIterator[str]:
-        """Run a non-streaming request; a client that leaves aborts it."""
+        """Run a non-streaming request; a client that leaves aborts it at once (the ASGI
+        channel says http.disconnect), so its slots and steps are freed."""
         task = asyncio.ensure_future(make())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return {}
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return {}
         return task.result()
 
     async def completions(request: Request) -> Response:
@@ -154,7 +169,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         rid = serving.new_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
-            ids, text = prepare(prompt, True)
+            ids, text = prepare(prompt, True, params.max_tokens)
             jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -171,7 +186,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         admit(1)
         prompt = engine.input_processor.render_chat(body.message_dicts(),
                                                     add_generation_prompt=body.add_generation_prompt)
-        ids, _ = prepare(prompt, False)
+        ids, _ = prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
