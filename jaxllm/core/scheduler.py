@@ -165,7 +165,10 @@ class Scheduler:
         if request.prompt_scores is None or not self._scored_this_step:
             return False
         kv = self.kv_cache_manager
-        return any(h in self._scored_this_step for h in kv.block_hashes(request, request.num_prompt_tokens // kv.block_size))
+        hashes = kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
+        # skipping blocks 0..u-1 needs the rows of block u, a full block too: with fewer
+        # than two full blocks nothing can be skipped, and waiting gains nothing
+        return len(hashes) >= 2 and any(h in self._scored_this_step for h in hashes)
 
     def _note_scored_blocks(self, request: Request) -> None:
         """Remember the blocks whose prompt rows this step's part of `request` completes."""
