@@ -3,6 +3,8 @@
 The HTTP process (Starlette on uvicorn) parses, validates, tokenizes, detokenizes and
 streams; the engine core runs in a child process. SIGINT/SIGTERM stop accepting, let
 in-flight requests finish for a grace period, abort the rest and end the core process.
+If the core process dies, in-flight requests get errors, /health says 503 and the
+server exits with status 1 (as vLLM), so a supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -98,12 +100,23 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"jaxllm ready in {time.perf_counter() - start:.1f} s: serving {name} at "
               f"http://{args.host}:{args.port}/v1", flush=True)
 
+    async def stop_when_the_core_dies() -> None:
+        await engine.core_died.wait()
+        print(f"error: {engine.dead_reason}; the server exits so that a supervisor can restart it",
+              file=sys.stderr, flush=True)
+        await asyncio.sleep(1.0)  # in-flight requests get their errors; health probes see the 503
+        server.should_exit = True
+
     announcer = asyncio.create_task(announce())
+    watcher = asyncio.create_task(stop_when_the_core_dies())
     try:
         await server.serve()
     finally:
         announcer.cancel()
+        watcher.cancel()
         await engine.shutdown()
+    if engine.core_died.is_set():
+        raise SystemExit(1)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -186,6 +186,21 @@ def test_chat_and_streaming_with_usage(server):
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_streamed_chat_logprobs_cover_every_token(server):
+    """Tokens whose text the detokenizer holds back (a partial UTF-8 character) still
+    stream their logprobs: the streamed entries equal the non-streamed ones."""
+    body = {"messages": [{"role": "user", "content": "Lazy grass near stories lazy brown"}], "max_tokens": 15,
+            "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    whole = post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [e for ev in events for c in ev["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert len(whole) == 15
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole], abs=1e-4)
+
+
 def test_async_client(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
@@ -503,6 +518,13 @@ def test_dead_engine_core(test_models_dir, cache_dir):
                api_key=None)
     try:
         assert httpx.get(f"{s.url}/health").status_code == 200
+        core = core_pid(s.proc.pid)
+        os.kill(core, signal.SIGSTOP)  # hung while idle: its heartbeats stop
+        time.sleep(2.5)
+        idle_hung = httpx.get(f"{s.url}/health").status_code
+        os.kill(core, signal.SIGCONT)
+        time.sleep(1.5)
+        assert (idle_hung, httpx.get(f"{s.url}/health").status_code) == (503, 200)
 
         async def run():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
@@ -518,7 +540,6 @@ def test_dead_engine_core(test_models_dir, cache_dir):
                 stream = asyncio.create_task(streamed())
                 while metric(s, "jaxllm:num_requests_running") < 2:
                     await asyncio.sleep(0.05)
-                core = core_pid(s.proc.pid)
                 os.kill(core, signal.SIGSTOP)  # hung: busy but silent
                 await asyncio.sleep(2.5)
                 hung = (await client.get("/health")).status_code
@@ -527,6 +548,10 @@ def test_dead_engine_core(test_models_dir, cache_dir):
                 recovered = (await client.get("/health")).status_code
                 assert (hung, recovered) == (503, 200)
                 os.kill(core, signal.SIGKILL)
+                deadline = time.monotonic() + 5  # 503 within 5 s, before the server exits
+                while (await client.get("/health")).status_code != 503:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
                 await asyncio.wait_for(stream, 30)
                 return await asyncio.wait_for(plain, 30), lines
 
@@ -534,9 +559,9 @@ def test_dead_engine_core(test_models_dir, cache_dir):
         assert plain.status_code == 503 and "engine core" in plain.json()["error"]["message"]
         events = [line for line in lines if line]
         assert any('"error"' in line for line in events) and events[-1] == "data: [DONE]"
-        r = httpx.get(f"{s.url}/health")
-        assert r.status_code == 503
-        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi"}).status_code == 503
+        # then the server goes away with status 1, as vLLM's, for a supervisor to restart it
+        assert s.proc.wait(30) == 1
+        assert "the server exits so that a supervisor can restart it" in s.output()
     finally:
         s.stop()
         assert s.proc.returncode is not None

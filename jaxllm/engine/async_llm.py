@@ -54,6 +54,7 @@ class AsyncLLM:
         self.metrics = EngineMetrics(model_name, ready.block_size)
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        self.core_died = asyncio.Event()  # set when the core process fails or exits on its own
         self._streams: dict[str, asyncio.Queue] = {}
         self._num_generated: dict[str, int] = {}  # tokens delivered so far, per request
         self._loop = asyncio.get_running_loop()
@@ -79,8 +80,9 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         if self.dead_reason is not None or not self.client.is_alive():
             return False
-        hung = self._streams and time.monotonic() - self._last_heard > self.hang_timeout
-        return not hung
+        # the core sends something after every step, and a heartbeat every second when
+        # idle: silence means it is hung (or stopped), busy or not
+        return time.monotonic() - self._last_heard <= self.hang_timeout
 
     # ------------------------------------------------------------- requests
 
@@ -143,6 +145,7 @@ class AsyncLLM:
             self.dead_reason = f"engine core died: {payload}" if payload else "engine core process exited"
             for stream in self._streams.values():
                 stream.put_nowait(EngineDeadError(self.dead_reason))
+            self.core_died.set()
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:

@@ -299,8 +299,8 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
                 usage.add(output, None)
                 for c in output.outputs:
                     usage.add(output, c)
-                    if not c.text and c.finish_reason is None:
-                        continue
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue  # tokens whose text is held back still carry their logprobs
                     delta = {"content": c.text} if c.text else {}
                     yield sse(base | {"choices": [{"index": c.index, "delta": delta, "logprobs": logprobs_of(c),
                                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
