@@ -480,16 +480,22 @@ def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
         async def run():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
                 body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
-                busy = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
-                while metric(s, "jaxllm:num_requests_running") < 8:
+                busy = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(7)]
+                while metric(s, "jaxllm:num_requests_running") < 7:
                     await asyncio.sleep(0.05)
+                # admission counts sequences: n=2 needs two of the one place left
+                two = await client.post("/v1/completions", json=body | {"n": 2})
+                one = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
                 extra = await client.post("/v1/completions", json=body)
                 done = await asyncio.gather(*busy)
-                return extra, done
+                return two, one, extra, done
 
-        extra, done = asyncio.run(run())
-        assert extra.status_code == 503 and extra.headers["retry-after"]
+        two, one, extra, done = asyncio.run(run())
+        assert two.status_code == 503 and two.headers["retry-after"] and one.status_code == 200
+        assert extra.status_code == 200  # the place freed by `one`
         assert all(r.status_code == 200 for r in done)
+        too_many = httpx.post(f"{s.url}/v1/completions", json={"prompt": ["Hi", "Ho"], "n": 5, "max_tokens": 1})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
         # SIGTERM with a request in flight: the server exits, the core with it
@@ -509,6 +515,20 @@ def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
         assert s.proc.wait(60) is not None
         time.sleep(0.5)
         assert not Path(f"/proc/{core}").exists() and children_of(server_pid) == []
+    finally:
+        s.stop()
+
+
+def test_chat_template_errors_are_400(test_models_dir, cache_dir):
+    """A chat template that refuses the messages (raise_exception) is the client's
+    error, in the OpenAI shape (it was Starlette's plain-text 500)."""
+    s = Server(test_models_dir / "llama", cache_dir, "--chat-template",
+               "{{ raise_exception('this template takes no user turns') }}", api_key=None)
+    try:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "this template takes no user turns" in r.json()["error"]["message"]
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
     finally:
         s.stop()
 

@@ -77,6 +77,11 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Sequences the engine holds or will: an n > 1 request counts n."""
+        return self.output_processor.get_num_unfinished_requests()
+
     def is_healthy(self) -> bool:
         if self.dead_reason is not None or not self.client.is_alive():
             return False

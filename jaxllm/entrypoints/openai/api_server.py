@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import jinja2
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -35,6 +37,9 @@ from jaxllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +122,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         return body
 
-    def admit(num_requests: int) -> None:
+    def admit(num_sequences: int) -> None:
+        """Room for a request's sequences (prompts x n: what the engine will hold)."""
         if not engine.is_healthy():
             raise APIError(503, engine.dead_reason or "engine is not healthy", headers={"Retry-After": "5"})
         capacity = settings.max_num_seqs + settings.max_waiting_requests
-        if engine.num_unfinished_requests + num_requests > capacity:
-            raise APIError(503, f"too many requests waiting (capacity {capacity}); retry later",
+        if num_sequences > capacity:
+            raise APIError(400, f"n: this request needs {num_sequences} sequences (prompts x n), more than the "
+                                f"server holds at once ({capacity})", param="n")
+        if engine.num_unfinished_sequences + num_sequences > capacity:
+            raise APIError(503, f"too many requests waiting (capacity {capacity} sequences); retry later",
                            headers={"Retry-After": "1"})
 
     def prepare(prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
@@ -165,7 +174,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         body: CompletionRequest = await parse(request, CompletionRequest)
         params = body.to_sampling_params()
         prompts = body.prompts()
-        admit(len(prompts))
+        admit(len(prompts) * params.n)
         rid = serving.new_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
@@ -175,7 +184,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
 
         def run():
             shape = serving.CompletionShape(engine, body.echo, body.logprobs, body.prompt_logprobs)
-            return serving.completions(engine, jobs, params, model=settings.model_name, shape=shape,
+            return serving.completions(engine, rid, jobs, params, model=settings.model_name, shape=shape,
                                        stream=body.stream, include_usage=include_usage)
 
         return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
@@ -183,7 +192,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         params = body.to_sampling_params(default_max_tokens=None)
-        admit(1)
+        admit(params.n)
         prompt = engine.input_processor.render_chat(body.message_dicts(),
                                                     add_generation_prompt=body.add_generation_prompt)
         ids, _ = prepare(prompt, False, params.max_tokens)
@@ -247,6 +256,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
                 return APIError.from_value_error(e).response()
             except EngineDeadError as e:
                 return error_response(503, str(e))
+            except jinja2.TemplateError as e:  # the chat template refused the messages
+                return error_response(400, f"messages: the chat template failed: {e}", param="messages")
+            except Exception as e:  # noqa: BLE001 - every error leaves as an OpenAI error body
+                logger.exception("error handling %s %s", request.method, request.url.path)
+                return error_response(500, f"internal error: {type(e).__name__}: {e}")
         return endpoint
 
     routes = [

@@ -190,9 +190,10 @@ class CompletionShape:
         return self.echo and self.num_logprobs is not None
 
 
-async def completions(engine: AsyncLLM, jobs: list[Job], params: SamplingParams, *, model: str,
+async def completions(engine: AsyncLLM, request_id: str, jobs: list[Job], params: SamplingParams, *, model: str,
                       shape: CompletionShape, stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
-    rid, created = new_id("cmpl"), int(time.time())
+    """The response to one HTTP request, whose id its jobs' engine ids start with."""
+    rid, created = request_id, int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     if not stream:
@@ -264,7 +265,7 @@ class CompletionStream:
 async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str, stream: bool,
                include_usage: bool, num_top_logprobs: int, num_prompt_logprobs: int | None = None,
                ) -> dict | AsyncIterator[str]:
-    rid, created = new_id("chatcmpl"), int(time.time())
+    rid, created = job.request_id, int(time.time())  # one id end to end: engine, logs, response
 
     def logprobs_of(c: CompletionOutput):
         return None if c.logprobs is None else chat_logprobs(c.logprobs, c.token_ids, num_top_logprobs)
