@@ -104,8 +104,9 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
-    ) -> None:
-        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the prefix cache.
+    ) -> list[KVCacheBlock]:
+        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the prefix cache;
+        the blocks that were entered now.
 
         Args:
             blocks: a request's blocks, in order.
@@ -114,6 +115,7 @@ class BlockPool:
             num_full_blocks: leading blocks whose content is now complete.
         """
         cached = self.cached_block_hash_to_block
+        newly_cached = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:  # a prefix-cache hit, already cached
@@ -122,6 +124,17 @@ class BlockPool:
             if block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
+                newly_cached.append(block)
+        return newly_cached
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks out of the prefix cache (their content was never written: the
+        step that was to write it failed)."""
+        cached = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None and cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
+            block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached content. Only possible when no block is in use (for

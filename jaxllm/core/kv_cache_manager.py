@@ -255,29 +255,38 @@ class KVCacheManager:
             request.num_cached_tokens = num_new_computed_tokens
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Enter the request's blocks that are full within its first
         ``num_computed_tokens`` tokens into the prefix cache.
 
-        Call it once their KV has been written (after the step). Blocks already
-        handled are skipped, so calling it every step costs O(1) when no block filled.
-        No-op with prefix caching off.
+        The scheduler calls it for the tokens a step is about to compute (the step
+        writes every token's K/V before any attention reads the cache, so requests
+        later in the same step can share them); if the step fails, :meth:`uncache`
+        takes back the blocks it returned. Blocks already handled are skipped, so
+        calling it every step costs O(1) when no block filled. No-op with prefix
+        caching off. Returns the blocks entered now.
         """
         if not self.enable_caching:
-            return
+            return []
         request_id = request.request_id
         num_full_blocks = num_computed_tokens // self.block_size
         num_cached_blocks = self.num_cached_blocks.get(request_id, 0)
         if num_full_blocks <= num_cached_blocks:
-            return
+            return []
         blocks = self.req_to_blocks[request_id]
         if num_full_blocks > len(blocks):
             raise ValueError(
                 f"request {request_id!r}: cannot cache {num_full_blocks} full blocks, it holds {len(blocks)}"
             )
         block_hashes = self._update_block_hashes(request, num_full_blocks)
-        self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
+        newly_cached = self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
         self.num_cached_blocks[request_id] = num_full_blocks
+        return newly_cached
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks that :meth:`cache_blocks` entered out of the prefix cache again
+        (the step that was to write their KV failed)."""
+        self.block_pool.uncache(blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (no-op if it holds none).

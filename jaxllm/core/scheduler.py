@@ -49,6 +49,7 @@ class Scheduler:
             if kv_cache_manager.enable_caching else None
         )
         self._scored_this_step: set = set()  # blocks whose prompt rows the step being scheduled completes
+        self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
 
     # ----------------------------------------------------------------- requests
 
@@ -83,6 +84,7 @@ class Scheduler:
     # ----------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        self._cached_this_step = []
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -213,7 +215,7 @@ class Scheduler:
         every token's K/V before any attention reads the cache."""
         num_scheduled[request.request_id] = num_new
         request.num_computed_tokens += num_new
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        self._cached_this_step += self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         self._note_scored_blocks(request)
 
     def _preempt(self, request: Request) -> None:
@@ -227,6 +229,14 @@ class Scheduler:
             "preempted request %s (recompute; %d tokens; %d preemptions so far)",
             request.request_id, request.num_tokens, self.num_preemptions,
         )
+
+    def fail_step(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The step of `sched` failed: the blocks it entered into the prefix cache hold
+        no KV, so they leave the cache, and its requests (whose progress it counted)
+        are aborted. Returns their outputs."""
+        self.kv_cache_manager.uncache(self._cached_this_step)
+        self._cached_this_step = []
+        return self.abort_requests(list(sched.num_scheduled_tokens))
 
     # ------------------------------------------------------------------- update
 

@@ -186,8 +186,15 @@ class EngineCore:
     # ------------------------------------------------------------------- step
 
     def step(self) -> EngineCoreOutputs:
+        """One scheduled step. If the model step raises, the requests it held are
+        aborted and the prefix cache forgets the blocks it was to fill, then the error
+        propagates (the engine stays usable)."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute_model(sched)
+        try:
+            result = self.runner.execute_model(sched)
+        except Exception:
+            self.scheduler.fail_step(sched)
+            raise
         return self.scheduler.update_from_output(sched, result)
 
     def describe(self) -> str:

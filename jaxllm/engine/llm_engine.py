@@ -72,7 +72,15 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+        """One engine step. If it fails, every request in flight is aborted (the call
+        that was waiting for them gets the error) and the engine stays usable."""
+        try:
+            core_outputs = self.core.step()
+        except Exception:
+            tracked = list(self.output_processor.parent_requests) + [
+                rid for rid, state in self.output_processor.request_states.items() if state.parent is None]
+            self.abort_requests(tracked)
+            raise
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
