@@ -872,18 +872,24 @@ class Soak:
             await wait_idle(client, 30)
             # SIGSTOP, idle: the core's heartbeats stop
             healthy = (await client.get("/health")).status_code
-            os.kill(core, signal.SIGSTOP)
-            try:
-                t503 = await self.wait_health(client, 503, hang + 10)
-            finally:
-                os.kill(core, signal.SIGCONT)
-            t200 = await self.wait_health(client, 200, 10)
+            t503, t200 = await self.stop_and_continue(client, core, hang)
             self.check("SIGSTOP of the idle engine core turns /health 503, SIGCONT back to 200",
                        healthy == 200 and t503 is not None and t200 is not None,
                        f"before {healthy}; 503 after {_secs(t503)} (hang timeout {hang} s); "
                        f"200 {_secs(t200)} after SIGCONT")
             await self.stop_busy(client, core, hang)
             await self.kill_mid_load(client, core)
+
+    async def stop_and_continue(self, client: httpx.AsyncClient, core: int,
+                                hang: float) -> tuple[float | None, float | None]:
+        """SIGSTOP the core until /health says 503, then SIGCONT: (seconds to the 503,
+        seconds from SIGCONT to the 200), None where it did not come."""
+        os.kill(core, signal.SIGSTOP)
+        try:
+            t503 = await self.wait_health(client, 503, hang + 10)
+        finally:
+            os.kill(core, signal.SIGCONT)
+        return t503, await self.wait_health(client, 200, 10)
 
     async def wait_health(self, client: httpx.AsyncClient, status: int, timeout: float) -> float | None:
         start = time.monotonic()
@@ -909,12 +915,7 @@ class Soak:
             specs.append(spec)
         tasks = [asyncio.create_task(send(client, s)) for s in specs]
         await self.wait_running(client, 2, 20)
-        os.kill(core, signal.SIGSTOP)
-        try:
-            t503 = await self.wait_health(client, 503, hang + 10)
-        finally:
-            os.kill(core, signal.SIGCONT)
-        t200 = await self.wait_health(client, 200, 10)
+        t503, t200 = await self.stop_and_continue(client, core, hang)
         done, _ = await asyncio.wait(tasks, timeout=60)
         outs = [t.result() for t in done]
         for t in tasks:
