@@ -196,6 +196,5 @@ def test_token_scores_kernel_matches_the_jnp_scores(s, v):
     np.testing.assert_array_equal(got[1][scored], want[1][scored])  # rank
     np.testing.assert_array_equal(got[2][scored], want[2][scored])  # top ids, in order
     np.testing.assert_allclose(got[3][scored], want[3][scored], atol=2e-5)
-    assert not scored.all() or s < 3
     if s > 2:
         assert (got[0][2], got[1][2]) == (0.0, 0) and not got[2][2].any()

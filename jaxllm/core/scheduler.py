@@ -166,11 +166,16 @@ class Scheduler:
         the choices of one question together)."""
         if request.prompt_scores is None or not self._scored_this_step:
             return False
-        kv = self.kv_cache_manager
-        hashes = kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
+        hashes = self._prompt_block_hashes(request)
         # skipping blocks 0..u-1 needs the rows of block u, a full block too: with fewer
         # than two full blocks nothing can be skipped, and waiting gains nothing
         return len(hashes) >= 2 and any(h in self._scored_this_step for h in hashes)
+
+    def _prompt_block_hashes(self, request: Request) -> list:
+        """The hashes of the full blocks of the request's prompt (computed once, kept on
+        the request)."""
+        kv = self.kv_cache_manager
+        return kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
 
     def _note_scored_blocks(self, request: Request) -> None:
         """Remember the blocks whose prompt rows this step's part of `request` completes."""
@@ -191,8 +196,7 @@ class Scheduler:
             return None
         if self.prompt_scores_cache is None:
             return lambda num_hit_blocks: 0
-        kv, cache = self.kv_cache_manager, self.prompt_scores_cache
-        hashes = kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
+        cache, hashes = self.prompt_scores_cache, self._prompt_block_hashes(request)
         return lambda num_hit_blocks: cache.usable_hits(scores, request.num_prompt_tokens, hashes, num_hit_blocks)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
