@@ -41,3 +41,11 @@ def write_kv_cache(
         return flat.at[slot_mapping].set(src.astype(dst.dtype), mode="drop").reshape(n, bs, hkv, hd)
 
     return KVCache(k=scatter(cache.k, k), v=scatter(cache.v, v))
+
+
+def copy_blocks(
+    caches: tuple[KVCache, ...], src: Int[Array, "C"], dst: Int[Array, "C"]
+) -> tuple[KVCache, ...]:
+    """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer (all reads before any
+    write; padding pairs copy the null block onto itself)."""
+    return tuple(KVCache(k=c.k.at[dst].set(c.k[src]), v=c.v.at[dst].set(c.v[src])) for c in caches)

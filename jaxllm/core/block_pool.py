@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from jaxllm.core.block_contents import BlockContents
 from jaxllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 
@@ -21,6 +22,8 @@ class BlockPool:
       entry is dropped (evicted) at that moment.
     * If two requests fill blocks with the same content independently, only the
       first one to be cached is entered in the map; the other stays uncached.
+    * ``contents`` records what written blocks hold token by token (full or not; see
+      :mod:`jaxllm.core.block_contents`), until the block is handed out again.
 
     Attributes:
         num_blocks: total blocks, including the null block.
@@ -29,6 +32,7 @@ class BlockPool:
         cached_block_hash_to_block: prefix cache, block hash -> the block holding
             that content (in use or free).
         null_block: the reserved block 0.
+        contents: the tokens (and prompt rows) of written blocks, for partial reuse.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -40,6 +44,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.contents = BlockContents()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -76,6 +81,7 @@ class BlockPool:
             if block.block_hash is not None:
                 del cached[block.block_hash]
                 block.block_hash = None
+            self.contents.forget(block.block_id)
             block.ref_cnt = 1
         return blocks
 
@@ -144,4 +150,5 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.contents.clear()
         return True

@@ -20,8 +20,9 @@ The scheduler drives it in this order (the same as vLLM v1):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from jaxllm.core.block_contents import BlockContent, common_prefix
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.kv_cache_utils import BlockHash, KVCacheBlock, encode_extra_keys, hash_block_tokens
 from jaxllm.core.request import Request
@@ -45,6 +46,33 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         """Fraction of queried tokens that hit (0 before any query)."""
         return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class ComputedPrefix:
+    """A request's reusable prefix: whole cached blocks, then ``num_tail_tokens``
+    tokens shared with ``tail`` (a written block), which the request's first new block
+    gets as a copy.
+
+    Attributes:
+        blocks: the prefix-cache hit blocks, block ``i`` of the request in order.
+        block_size: tokens per block.
+        tail: the block whose leading tokens follow them, or None.
+        num_tail_tokens: tokens taken from ``tail`` (fewer than a block; 0 without one).
+        records: what the lookup found for the request's blocks in order (the hit
+            blocks', then the best tail's; None where a block has no record), taken
+            before allocation may hand any of them out again.
+    """
+
+    blocks: list[KVCacheBlock]
+    block_size: int
+    tail: KVCacheBlock | None = None
+    num_tail_tokens: int = 0
+    records: list[BlockContent | None] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size + self.num_tail_tokens
 
 
 class KVCacheManager:
@@ -147,28 +175,55 @@ class KVCacheManager:
 
     # ---- scheduling ---------------------------------------------------------------
 
-    def get_computed_blocks(
-        self, request: Request, usable: Callable[[int], int] | None = None
-    ) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of a request that holds no blocks.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request that holds no blocks, in whole blocks.
 
         The lookup never covers the request's last token, whose logits must be
         computed. It has no side effects besides counting the lookup in
         :attr:`prefix_cache_stats` and filling ``request.block_hashes``; pass the
         result to :meth:`allocate_slots` right away.
 
-        Args:
-            request: the request.
-            usable: given the number of leading hit blocks, how many of them the
-                request can take (a request scoring its prompt needs the scores of
-                the positions it skips); all of them when None.
-
         Returns:
             The hit blocks (block ``i`` of the request for ``i`` in order) and the
             number of tokens they hold. ``([], 0)`` with prefix caching off.
         """
+        hits = self._full_block_hits(request)
+        self.count_lookup(request, len(hits) * self.block_size)
+        return hits, len(hits) * self.block_size
+
+    def get_computed_prefix(
+        self,
+        request: Request,
+        choose: Callable[[ComputedPrefix], ComputedPrefix] | None = None,
+    ) -> ComputedPrefix:
+        """Longest reusable prefix of a request that holds no blocks, to the token:
+        the cached full blocks, then the leading tokens it shares with a written block
+        that follows them (the *tail*, copied into the request's first new block).
+
+        Args:
+            request: the request.
+            choose: given the longest prefix, the prefix to take instead (a request scoring its prompt needs the
+                scores of the positions it skips); the longest when None.
+
+        Returns:
+            The prefix, empty with prefix caching off. Pass it to
+            :meth:`allocate_slots` right away, and count the lookup with
+            :meth:`count_lookup` once the request is admitted.
+        """
+        hits = self._full_block_hits(request)
+        prefix = ComputedPrefix(hits, self.block_size)
         if not self.enable_caching:
-            return [], 0
+            return prefix
+        tail, common = self._best_tail(request, len(hits))
+        prefix.records = [self.block_pool.contents.get(b.block_id) for b in hits]
+        if tail is not None:
+            prefix.tail, prefix.num_tail_tokens = self.block_pool.blocks[tail.block_id], common
+            prefix.records.append(tail)
+        return prefix if choose is None else choose(prefix)
+
+    def _full_block_hits(self, request: Request) -> list[KVCacheBlock]:
+        if not self.enable_caching:
+            return []
         if request.request_id in self.req_to_blocks:
             raise ValueError(
                 f"request {request.request_id!r} already holds KV cache blocks; "
@@ -183,14 +238,68 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if usable is not None:
-            del hits[usable(len(hits)):]
-        num_hit_tokens = len(hits) * self.block_size
+        return hits
+
+    def _best_tail(self, request: Request, block_index: int) -> tuple[BlockContent | None, int]:
+        """The written block following the request's first ``block_index`` blocks that
+        shares the most leading tokens with the request's block ``block_index`` (at
+        most a block less one token, and never the request's last token)."""
+        start = block_index * self.block_size
+        limit = min(self.block_size - 1, request.num_tokens - 1 - start)
+        if limit <= 0:
+            return None, 0
+        tokens = request.get_token_ids(start, start + limit)
+        best, best_common = None, 0
+        for content in self.block_pool.contents.children(self.parent_key(request, block_index)):
+            common = common_prefix(content.tokens, tokens)
+            if common > best_common:
+                best, best_common = content, common
+        return best, best_common
+
+    def parent_key(self, request: Request, block_index: int) -> bytes:
+        """What precedes block ``block_index`` of the request: the hash of its previous
+        full block, or for block 0 a root key with the request's extra keys."""
+        if block_index == 0:
+            return b"root" + encode_extra_keys(request.lora_id, request.cache_salt)
+        return self._update_block_hashes(request, block_index)[block_index - 1]
+
+    def count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's prefix lookup in :attr:`prefix_cache_stats`."""
+        if not self.enable_caching:
+            return
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+
+    def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1) -> None:
+        """After a step that computed the request's last ``num_new_tokens`` tokens (of
+        ``request.num_computed_tokens``): record what the blocks it wrote hold.
+
+        Args:
+            request: the request.
+            num_new_tokens: tokens the step computed for it.
+            rows: the request's prompt logprob rows (row ``p`` predicts token ``p + 1``),
+                when it scores its prompt.
+            k: alternatives per row.
+        """
+        if not self.enable_caching or num_new_tokens <= 0:
+            return
+        bs = self.block_size
+        end = request.num_computed_tokens
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        contents = self.block_pool.contents
+        for j in range((end - num_new_tokens) // bs, -(-end // bs)):
+            start = j * bs
+            tokens = request.get_token_ids(start, min(start + bs, end))
+            block_rows: list = []
+            if rows is not None:
+                block_rows = [None] if j == 0 else []
+                block_rows += rows[max(start - 1, 0):start - 1 + len(tokens)]
+            contents.set(BlockContent(blocks[j].block_id, self.parent_key(request, j), tokens, block_rows,
+                                      k if rows is not None else -1))
 
     def allocate_slots(
         self,
@@ -198,6 +307,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_tail_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for the tokens the request computes this step.
 
@@ -211,6 +321,9 @@ class KVCacheManager:
             num_new_computed_tokens: tokens served by ``new_computed_blocks``.
             new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`
                 (only for a request that holds no blocks yet).
+            num_tail_tokens: of ``num_new_computed_tokens``, those after the hit
+                blocks, which the caller copies into the first new block (a
+                :class:`ComputedPrefix`'s tail).
 
         Returns:
             The newly allocated blocks (empty if the held blocks already have room),
@@ -228,8 +341,10 @@ class KVCacheManager:
         num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_total_tokens // self.block_size)
 
-        if new_computed_blocks:
-            self._check_computed_blocks(request, num_held, num_new_computed_tokens, new_computed_blocks)
+        if new_computed_blocks or num_tail_tokens:
+            new_computed_blocks = new_computed_blocks or []
+            self._check_computed_blocks(request, num_held, num_new_computed_tokens, new_computed_blocks,
+                                        num_tail_tokens)
             num_new_blocks = num_required - len(new_computed_blocks)
             # Hits on free blocks take those blocks out of the free queue too.
             num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -327,16 +442,18 @@ class KVCacheManager:
         num_held: int,
         num_new_computed_tokens: int,
         new_computed_blocks: list[KVCacheBlock],
+        num_tail_tokens: int,
     ) -> None:
         """Reject prefix-cache hits that do not fit the request or went stale
         (evicted or reused since :meth:`get_computed_blocks`)."""
         request_id = request.request_id
         if num_held or request.num_computed_tokens:
             raise ValueError(f"request {request_id!r}: prefix-cache hits are only valid before its first allocation")
-        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+        if not 0 <= num_tail_tokens < self.block_size or (
+                num_new_computed_tokens != len(new_computed_blocks) * self.block_size + num_tail_tokens):
             raise ValueError(
                 f"request {request_id!r}: num_new_computed_tokens={num_new_computed_tokens} but "
-                f"{len(new_computed_blocks)} hit blocks of {self.block_size} tokens"
+                f"{len(new_computed_blocks)} hit blocks of {self.block_size} tokens and {num_tail_tokens} tail tokens"
             )
         block_hashes = request.block_hashes
         for i, block in enumerate(new_computed_blocks):

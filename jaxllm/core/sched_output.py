@@ -42,6 +42,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: set[str]  # preempted this step: drop their state (they come back as new)
+    # (source, destination) blocks whose K/V to copy before the step: a new request's
+    # first block takes the tokens it shares with an earlier one's (copy-on-write)
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.core.prompt_scores import PromptScoresCache
+from jaxllm.core.block_contents import common_prefix
+from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+_WAIT = object()  # _admit: the request waits for this step's writes
 
 
 class Scheduler:
@@ -43,13 +45,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the tail is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
-        # prompt logprobs of prefix-cached blocks, so scoring a cached prefix skips it
-        self.prompt_scores_cache = (
-            PromptScoresCache(kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks)
-            if kv_cache_manager.enable_caching else None
-        )
-        self._scored_this_step: set = set()  # blocks whose prompt rows the step being scheduled completes
+        # the token lists of the blocks the step being scheduled writes, by parent key,
+        # while a request scoring its prompt waits (it may reuse them after the step)
+        self._in_flight: dict[bytes, list[list[int]]] | None = None
         self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
+        self._block_copies: list[tuple[int, int]] = []  # (source, destination) of this step's tails
 
     # ----------------------------------------------------------------- requests
 
@@ -84,7 +84,10 @@ class Scheduler:
     # ----------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        self._cached_this_step = []
+        self._cached_this_step, self._block_copies = [], []
+        scoring_waits = self.kv_cache_manager.enable_caching and any(
+            r.prompt_scores is not None for r in self.waiting)
+        self._in_flight = {} if scoring_waits else None
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -109,16 +112,16 @@ class Scheduler:
         deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self._scores_come_this_step(request):
+            admitted = self._admit(request, budget, num_scheduled)
+            if admitted is _WAIT:
                 deferred.append(self.waiting.popleft())
                 continue
-            admitted = self._admit(request, budget, num_scheduled)
             if admitted is None:
                 break
             new_reqs.append(admitted)
             budget -= num_scheduled[request.request_id]
         self.waiting.extendleft(reversed(deferred))
-        self._scored_this_step.clear()
+        self._in_flight = None
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -128,23 +131,33 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            block_copies=self._block_copies,
         )
 
-    def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]) -> NewRequestData | None:
-        """Take the head of the waiting queue into the running batch with its prefix-cache
-        hits and slots for its first chunk; None if the pool cannot hold that chunk."""
+    def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]):
+        """Take the head of the waiting queue into the running batch with the prefix it
+        can reuse and slots for its first chunk. None if the pool cannot hold that
+        chunk; ``_WAIT`` if it scores its prompt and would reuse more of it after this
+        step (lm-eval sends the choices of one question together)."""
         kv = self.kv_cache_manager
-        hits, num_hit_tokens = kv.get_computed_blocks(request, self._usable_hits(request))
+        scores = request.prompt_scores
+        prefix = kv.get_computed_prefix(request, None if scores is None else self._scored_prefix(request))
+        if scores is not None and self._worth_waiting(request, prefix.num_tokens):
+            return _WAIT
+        num_hit_tokens = prefix.num_tokens
         num_new = min(request.num_tokens - num_hit_tokens, budget)
-        if kv.allocate_slots(request, num_new, num_hit_tokens, hits) is None:
+        new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, prefix.blocks, prefix.num_tail_tokens)
+        if new_blocks is None:
             return None
+        kv.count_lookup(request, num_hit_tokens)
+        if prefix.num_tail_tokens:
+            self._block_copies.append((prefix.tail.block_id, new_blocks[0].block_id))
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
-        scores = request.prompt_scores
-        if scores is not None and self.prompt_scores_cache is not None:
-            self.prompt_scores_cache.fill(scores, request.num_prompt_tokens, request.block_hashes, num_hit_tokens)
+        if scores is not None:
+            scores.fill(prefix.records, request.all_token_ids, request.num_prompt_tokens, kv.block_size, num_hit_tokens)
         new = NewRequestData(
             req_id=request.request_id,
             token_ids=request.all_token_ids,
@@ -159,45 +172,42 @@ class Scheduler:
         self._advance(request, num_new, num_scheduled)
         return new
 
-    def _scores_come_this_step(self, request: Request) -> bool:
-        """Whether a request scoring its prompt should wait a step: a request scheduled
-        in this step scores some of its prompt's blocks, whose rows (and KV) it can take
-        from the cache in the next step instead of computing them again (lm-eval sends
-        the choices of one question together)."""
-        if request.prompt_scores is None or not self._scored_this_step:
+    def _scored_prefix(self, request: Request):
+        """For a request scoring its prompt: the part of a reusable prefix whose
+        prompt rows are known (scored already, or recorded with the blocks)."""
+        scores, bs = request.prompt_scores, self.kv_cache_manager.block_size
+
+        def choose(prefix: ComputedPrefix) -> ComputedPrefix:
+            length = scores.reusable(prefix.records, request.all_token_ids, request.num_prompt_tokens, bs,
+                                     prefix.num_tokens)
+            num_blocks, num_tail = divmod(length, bs)
+            tail = None
+            if num_tail:
+                tail = prefix.blocks[num_blocks] if num_blocks < len(prefix.blocks) else prefix.tail
+            # the records stay whole: the row predicting token `length` is in the next one
+            return ComputedPrefix(prefix.blocks[:num_blocks], bs, tail, num_tail, prefix.records)
+
+        return choose
+
+    def _worth_waiting(self, request: Request, num_reusable: int) -> bool:
+        """Whether a request scoring its prompt would reuse more of it after this step:
+        a block this step writes shares more of its next tokens than it reuses now."""
+        if not self._in_flight or num_reusable >= request.num_tokens - 1:
             return False
-        hashes = self._prompt_block_hashes(request)
-        # skipping blocks 0..u-1 needs the rows of block u, a full block too: with fewer
-        # than two full blocks nothing can be skipped, and waiting gains nothing
-        return len(hashes) >= 2 and any(h in self._scored_this_step for h in hashes)
+        kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
+        j = (num_reusable + 1) // bs  # the block of the first token whose row it lacks
+        tokens = request.get_token_ids(j * bs, min((j + 1) * bs, request.num_tokens - 1))
+        written = self._in_flight.get(kv.parent_key(request, j), ())
+        best = max((common_prefix(t, tokens) for t in written), default=0)
+        return j * bs + best - 1 > num_reusable
 
-    def _prompt_block_hashes(self, request: Request) -> list:
-        """The hashes of the full blocks of the request's prompt (computed once, kept on
-        the request)."""
-        kv = self.kv_cache_manager
-        return kv.block_hashes(request, request.num_prompt_tokens // kv.block_size)
-
-    def _note_scored_blocks(self, request: Request) -> None:
-        """Remember the blocks whose prompt rows this step's part of `request` completes."""
-        scores = request.prompt_scores
-        if scores is None or self.prompt_scores_cache is None:
-            return
-        kv = self.kv_cache_manager
-        rows_after = min(request.num_computed_tokens, request.num_prompt_tokens - 1)
-        num_blocks = min((rows_after + 1) // kv.block_size, request.num_prompt_tokens // kv.block_size)
-        hashes = kv.block_hashes(request, num_blocks)
-        self._scored_this_step.update(hashes[scores.num_recorded_blocks:num_blocks])
-
-    def _usable_hits(self, request: Request) -> Callable[[int], int] | None:
-        """For a request scoring its prompt: how many prefix-cache hit blocks it can
-        skip (those whose prompt logprobs are cached too)."""
-        scores = request.prompt_scores
-        if scores is None:
-            return None
-        if self.prompt_scores_cache is None:
-            return lambda num_hit_blocks: 0
-        cache, hashes = self.prompt_scores_cache, self._prompt_block_hashes(request)
-        return lambda num_hit_blocks: cache.usable_hits(scores, request.num_prompt_tokens, hashes, num_hit_blocks)
+    def _note_in_flight(self, request: Request, num_new: int) -> None:
+        """Remember the tokens of the blocks this step writes for `request`."""
+        kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
+        end = request.num_computed_tokens
+        for j in range((end - num_new) // bs, -(-end // bs)):
+            tokens = request.get_token_ids(j * bs, min((j + 1) * bs, end))
+            self._in_flight.setdefault(kv.parent_key(request, j), []).append(tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
         """Slots for `request`, preempting from the tail of `running` until they fit.
@@ -220,7 +230,8 @@ class Scheduler:
         num_scheduled[request.request_id] = num_new
         request.num_computed_tokens += num_new
         self._cached_this_step += self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        self._note_scored_blocks(request)
+        if self._in_flight is not None:
+            self._note_in_flight(request, num_new)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -252,6 +263,10 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
+            scores = request.prompt_scores
+            self.kv_cache_manager.record_contents(request, sched.num_scheduled_tokens[req_id],
+                                                  None if scores is None else scores.rows,
+                                                  -1 if scores is None else scores.k)
             if token is None:
                 if prompt_logprobs is not None:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
@@ -277,10 +292,6 @@ class Scheduler:
             return None
         if new_rows is not None:
             scores.extend(new_rows)
-            if self.prompt_scores_cache is not None:
-                kv = self.kv_cache_manager
-                hashes = kv.block_hashes(request, (len(scores.rows) + 1) // kv.block_size)
-                self.prompt_scores_cache.record(scores, hashes)
         return scores.take_unsent()
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
