@@ -201,7 +201,7 @@ def test_empty_queue_from_no_blocks():
 
 STDLIB_OK = {"__future__", "collections", "dataclasses", "enum", "hashlib", "itertools", "logging", "struct", "time", "typing"}
 # Plain-Python modules outside jaxllm.core that the core may use.
-JAXLLM_PLAIN = ("jaxllm.core", "jaxllm.sampling_params", "jaxllm.engine.protocol")
+JAXLLM_PLAIN = ("jaxllm.core", "jaxllm.sampling_params", "jaxllm.messages")
 
 
 @pytest.mark.parametrize("module", sorted(p.name for p in CORE_DIR.glob("*.py")))
@@ -216,6 +216,25 @@ def test_core_modules_import_only_stdlib_and_plain_jaxllm(module):
             continue
         for name in names:
             assert name.startswith(JAXLLM_PLAIN) or name.split(".")[0] in STDLIB_OK, (module, name)
+
+
+def imported_modules(path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+    return names
+
+
+@pytest.mark.parametrize("package", ["core", "worker", "sample", "attention", "models", "loaders"])
+def test_lower_layers_never_import_the_engine_or_the_server(package):
+    """The frontend (engine/, entrypoints/) sits on the core and the worker, never the
+    other way round; what they share lives in jaxllm.messages."""
+    for path in sorted((CORE_DIR.parent / package).glob("*.py")):
+        for name in imported_modules(path):
+            assert not name.startswith(("jaxllm.engine", "jaxllm.entrypoints", "jaxllm.serve")), (path.name, name)
 
 
 def test_importing_the_core_loads_no_jax_or_numpy():

@@ -5,7 +5,7 @@ from jaxllm.core.block_contents import BlockContent, BlockContents
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.core.request import Request
-from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.messages import LogprobsLists
 
 BS = 4
 

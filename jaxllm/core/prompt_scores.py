@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxllm.core.block_contents import BlockContent, Row
-from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.messages import LogprobsLists
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.core.prompt_scores import PromptScores
-from jaxllm.engine.protocol import EngineCoreRequest, FinishReason
+from jaxllm.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import SamplingParams
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.engine.protocol import LogprobsLists
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -53,15 +52,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """Per scheduled request (in the step's row order): the sampled token, or None for
-    a prefill chunk that does not finish its prompt; logprobs where requested (one row
-    for the sampled token; one row per prompt position scored this step)."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[int | None]
-    logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
-    prompt_logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)

@@ -19,8 +19,15 @@ from collections.abc import Iterable
 from jaxllm.core.block_contents import common_prefix
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, SchedulerStats
+from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
-from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreReady, SchedulerStats
+from jaxllm.engine.protocol import EngineCoreReady
+from jaxllm.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.metrics import EngineMetrics
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
-from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.params import abstract_params
 from jaxllm.platform import enable_compilation_cache, resolve_dtype

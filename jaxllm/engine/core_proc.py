@@ -20,8 +20,9 @@ from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.llm_engine import eos_token_id
-from jaxllm.engine.protocol import EngineCoreOutputs, EngineCoreReady, EngineCoreRejection
+from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection
 from jaxllm.logs import configure_logging, log_level
+from jaxllm.messages import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 1.0

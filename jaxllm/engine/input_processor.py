@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxllm.engine.protocol import EngineCoreRequest
+from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]

@@ -11,7 +11,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
-from jaxllm.engine.protocol import EngineCoreRequest
+from jaxllm.messages import EngineCoreRequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jaxllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 
 if TYPE_CHECKING:

@@ -1,78 +1,10 @@
-"""Messages between the engine frontend (tokenizing, detokenizing, user-facing) and
-the engine core (scheduler + model runner). Plain data, cheap to serialize, so the
-core can live in its own process."""
+"""Messages only the engine frontend and the engine core process exchange (besides
+the shared types of :mod:`jaxllm.messages`): the core's ready report and its refusals."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
-from jaxllm.sampling_params import SamplingParams
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id, or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"  # aborted by the client or the engine
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass
-class EngineCoreRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    arrival_time: float
-    cache_salt: str | None = None
-
-
-@dataclasses.dataclass
-class LogprobsLists:
-    """Logprobs of several positions: row i holds the scored token first, then the
-    top alternatives, and its rank among all tokens."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-@dataclasses.dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: LogprobsLists | None = None
-    new_prompt_logprobs: LogprobsLists | None = None  # for prompt positions computed this step
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks_used: int = 0
-    num_tokens_held: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-
-
-@dataclasses.dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats | None = None
-
-
-# ----------------------------------------------------- between processes
 
 @dataclasses.dataclass
 class EngineCoreReady:

@@ -1,6 +1,6 @@
 """The wire format between the frontend and the engine core process: one msgpack
 array [kind, payload] per message, payloads being the dataclasses of
-engine/protocol.py (msgspec encodes and checks them)."""
+messages.py and engine/protocol.py (msgspec encodes and checks them)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ from typing import Any
 
 import msgspec
 
-from jaxllm.engine.protocol import (
-    EngineCoreOutputs,
-    EngineCoreReady,
-    EngineCoreRejection,
-    EngineCoreRequest,
-)
+from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection
+from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 # frontend -> core
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"

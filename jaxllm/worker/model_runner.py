@@ -25,8 +25,8 @@ from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, copy_blocks
 from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
-from jaxllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from jaxllm.engine.protocol import LogprobsLists
+from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models.linear import pack_params, resolve_linear_backend
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
