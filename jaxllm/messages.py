@@ -21,6 +21,20 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+def check_prompt(token_ids: list[int], *, vocab_size: int, max_model_len: int) -> None:
+    """The checks every prompt passes, wherever it enters (the engine frontend, the
+    server before it answers, the core); ValueError naming the field."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("prompt: must not be empty")
+    if n >= max_model_len:
+        raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens, "
+                         f"but the prompt has {n} tokens (no room to generate)")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab_size})")
+
+
 @dataclasses.dataclass
 class EngineCoreRequest:
     request_id: str
@@ -29,6 +43,13 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     cache_salt: str | None = None
+
+    def validate(self, *, vocab_size: int, max_model_len: int) -> None:
+        """ValueError (naming the field) if the model cannot serve the request."""
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(self.sampling_params).__name__}")
+        check_prompt(self.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
+        self.sampling_params.validate_for_model(vocab_size)
 
 
 @dataclasses.dataclass

@@ -145,7 +145,7 @@ def test_malformed_lines_are_reported_and_skipped(engine_args, tmp_path, capsys)
     errors = {e["line"]: e for e in read_jsonl(errors_path)}
     assert sorted(errors) == [2, 3, 4, 5, 6, 7, 8, 9]
     expected_messages = {2: "invalid JSON", 3: "id:", 4: "'prompt'", 5: "temperature:", 6: "temprature",
-                         7: "already used on line 1", 8: "max_model_len", 9: "stop_token_ids:"}
+                         7: "already used on line 1", 8: "maximum context length is 256 tokens", 9: "stop_token_ids:"}
     for line, text in expected_messages.items():
         assert text in errors[line]["error"], errors[line]
     assert errors[7]["id"] == "a" and errors[8]["id"] == "h" and errors[2]["id"] is None

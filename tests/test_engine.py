@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.messages import EngineCoreRequest
 
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
 
@@ -193,13 +194,20 @@ def test_validation_happens_before_anything_is_queued(pressured):
     cases = [
         ([good, []], SamplingParams(), r"^prompt: must not be empty \(request 1 of 2\)"),
         ([good, [3, 10**6]], SamplingParams(), r"^prompt: token id 1000000 is out of range"),
-        ([good, list(range(3, 300))], SamplingParams(), r"max_model_len=256 \(request 1 of 2\)"),
+        ([good, list(range(3, 300))], SamplingParams(), r"context length is 256 tokens.*297 tokens.*\(request 1 of 2\)"),
         ([good], SamplingParams(logit_bias={10**6: 1.0}), r"^logit_bias: token id 1000000.*\(request 0 of 1\)"),
     ]
+    core = pressured.llm_engine.core
     for prompts, params, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as frontend:
             pressured.generate(prompts, params, use_tqdm=False)
         assert not pressured.llm_engine.has_unfinished_requests()
+        # the core, given the same requests without the frontend, refuses them in the same words
+        reqs = [EngineCoreRequest(f"direct-{i}", p, params, None, 0.0) for i, p in enumerate(prompts)]
+        with pytest.raises(ValueError) as direct:
+            core.add_requests(reqs)
+        assert str(direct.value) == str(frontend.value).rsplit(" (request", 1)[0]
+        assert not core.has_unfinished_requests()
     with pytest.raises(ValueError, match="temperature: must be non-negative"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p: must be in"):

@@ -157,19 +157,8 @@ class EngineCore:
 
     def make_request(self, req: EngineCoreRequest) -> Request:
         """The scheduler's Request for `req`, after every check that can reject it."""
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
-        params = req.sampling_params
-        params.validate_for_model(vocab)
+        req.validate(vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
+        params, n = req.sampling_params, len(req.prompt_token_ids)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))

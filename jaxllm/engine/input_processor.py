@@ -50,19 +50,7 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
                      arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt, add_special_tokens)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is out of range [0, {self.vocab_size})")
-        params.validate_for_model(self.vocab_size)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -71,6 +59,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
         )
+        request.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         return request, text
 
 

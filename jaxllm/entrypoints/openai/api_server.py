@@ -37,6 +37,7 @@ from jaxllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jaxllm.messages import check_prompt
 
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         `max_tokens` (None: up to the context) must fit after it, as in vLLM."""
         text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
         n, limit = len(ids), engine.ready.max_model_len
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        if n >= limit:
-            raise ValueError(f"prompt: this model's maximum context length is {limit} tokens, "
-                             f"but the prompt has {n} tokens (no room to generate)")
+        check_prompt(ids, vocab_size=engine.ready.vocab_size, max_model_len=limit)
         if max_tokens is not None and n + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
