@@ -28,27 +28,19 @@ def resolve_dtype(dtype: str | None) -> jnp.dtype:
     return jnp.dtype(DTYPES[dtype])
 
 
-_compilation_cache_dir: Path | None = None
-
-
-def enable_compilation_cache(cache_dir: str | Path | None = None) -> Path:
-    """Keep compiled step executables in `cache_dir` (default ~/.cache/jaxllm/xla), so
-    a restart loads them instead of compiling (jaxllm.worker.executable_cache).
+def compilation_cache_path(cache_dir: str | Path | None = None) -> Path:
+    """The directory (created) an engine keeps its compiled step executables and
+    converted models in: `cache_dir`, default ~/.cache/jaxllm/xla; the engine passes it
+    down (jaxllm.worker.executable_cache), so a restart loads them instead of compiling,
+    and two engines in one process keep to their own.
 
     JAX's own persistent compilation cache is left alone (off unless the user turns it
     on): it is keyed by the lowered program, so a restart would still trace and lower
     every bucket, and an executable it returns cannot be serialized again (jaxlib
     0.10 loses its kernels; the store refuses such executables)."""
-    global _compilation_cache_dir
     path = Path(cache_dir) if cache_dir else DEFAULT_COMPILATION_CACHE
     path.mkdir(parents=True, exist_ok=True)
-    _compilation_cache_dir = path
     return path
-
-
-def compilation_cache_dir() -> Path | None:
-    """The directory enable_compilation_cache() set, or None."""
-    return _compilation_cache_dir
 
 
 @functools.cache

@@ -2,6 +2,8 @@
 chunking, preemption or prefix caching; seeds; stop conditions; zero compilations
 after warm-up; no leaked KV blocks; validation before anything is queued."""
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -376,6 +378,18 @@ def test_penalties_and_min_p_through_the_engine(test_models_dir):
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in outs[len(prompts):]]
     assert_no_leaks(llm)
+
+
+def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models_dir, tmp_path):
+    import jaxllm.platform
+
+    small = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory=8 * KV_BYTES_PER_BLOCK)
+    first = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "a"), **small)
+    make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "b"), **small)
+    for name in ("a", "b"):
+        assert list((tmp_path / name / "jaxllm-executables").rglob("*")), name
+    assert first.llm_engine.core.runner._store.directory == tmp_path / "a" / "jaxllm-executables"
+    assert not [k for k, v in vars(jaxllm.platform).items() if k.startswith("_") and isinstance(v, pathlib.Path)]
 
 
 def test_warm_restart_loads_every_executable(test_models_dir, tmp_path):

@@ -42,9 +42,11 @@ def _compiler() -> str:
 
 
 def _cache_root() -> Path:
-    from jaxllm.platform import DEFAULT_COMPILATION_CACHE, compilation_cache_dir
+    """The library is one per process (its custom calls are registered once), so it
+    lives in the default cache, not in one engine's `compilation_cache_dir`."""
+    from jaxllm.platform import DEFAULT_COMPILATION_CACHE
 
-    return (compilation_cache_dir() or DEFAULT_COMPILATION_CACHE) / SUBDIR
+    return DEFAULT_COMPILATION_CACHE / SUBDIR
 
 
 def _key(compiler: str, include_dir: str) -> str:

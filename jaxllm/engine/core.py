@@ -24,7 +24,7 @@ from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMO
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.params import abstract_params
-from jaxllm.platform import enable_compilation_cache, resolve_dtype
+from jaxllm.platform import compilation_cache_path, resolve_dtype
 from jaxllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
                  progress: bool = True) -> None:
         self.config = config
-        cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+        cache_dir = compilation_cache_path(config.compilation_cache_dir)
         load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
                                   conversion_cache_dir=cache_dir / "converted-models")
         # When the config can be read without the weights (an HF folder, or a GGUF
@@ -124,6 +124,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=config.attention_backend,
             linear_backend=config.linear_backend,
+            cache_dir=cache_dir,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too

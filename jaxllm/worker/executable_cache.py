@@ -7,8 +7,9 @@ before it could hit. This store is keyed by everything that goes into the progra
 instead, known without tracing: the jax/jaxlib versions, the platform and host CPU,
 XLA flags, the jax options that change lowering, the source files a step is traced
 from, and what the caller adds (model config, argument shapes and dtypes, bucket).
-Entries live in `compilation_cache_dir`/jaxllm-executables (jaxllm.platform); with no
-directory configured nothing is stored. A corrupt or unloadable entry is deleted and
+Entries live in `compilation_cache_dir`/jaxllm-executables: the engine passes its
+directory down to the runner (no process-wide setting, so two engines in one process
+keep to their own); a runner given none stores nothing. A corrupt or unloadable entry is deleted and
 the bucket compiled again.
 
 An executable that JAX's own persistent cache returned (if the user turned it on)
@@ -97,11 +98,10 @@ def environment_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def default_directory() -> Path | None:
-    from jaxllm.platform import compilation_cache_dir
-
-    base = compilation_cache_dir()
-    return base / SUBDIR if base else None
+def store_directory(cache_dir: Path | None) -> Path | None:
+    """Where the store keeps executables under an engine's compilation cache (None:
+    no store)."""
+    return cache_dir / SUBDIR if cache_dir else None
 
 
 _hits = threading.local()

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
-from jaxllm.worker.executable_cache import ExecutableStore, default_directory, persistent_cache_hits
+from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
 
@@ -136,11 +137,14 @@ class ModelRunner:
         max_num_batched_tokens: int,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        cache_dir: Path | None = None,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
         the first step. With the `cpu` linear backend the runner keeps the projection
-        weights packed (jaxllm.models.linear), a copy of what it is given."""
+        weights packed (jaxllm.models.linear), a copy of what it is given. Compiled
+        executables are stored under `cache_dir` (the engine's compilation cache; None:
+        compile every start)."""
         self.config = config
         dtype = jax.tree.leaves(params)[0].dtype
         self.linear_backend = resolve_linear_backend(linear_backend, dtype)
@@ -182,7 +186,7 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], object] = {}
         args = (self.params, self.rope, self._abstract_caches, self.history)
         abstract = _shapes_and_dtypes(args)
-        self._store = ExecutableStore(default_directory(), "model_step", config, self.attention_backend,
+        self._store = ExecutableStore(store_directory(cache_dir), "model_step", config, self.attention_backend,
                                       self.linear_backend, abstract, jax.tree.structure(args))
         self.num_loaded_executables = 0
         self.warmed_up = False
