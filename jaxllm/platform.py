@@ -4,8 +4,10 @@ where compiled executables are kept."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -17,6 +19,36 @@ DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / 
 
 def backend() -> str:
     return jax.default_backend()
+
+
+def choose_backend(option: str, name: str, choices: Sequence[str], preference: Sequence[str],
+                   unavailable: Callable[[str], str | None], logger: logging.Logger) -> str:
+    """The backend `name` means, for every kind of backend (attention, linear): an
+    unknown name or an explicit choice that cannot work here raises ValueError saying
+    why; `auto` takes the first of `preference` (this platform's order) that is
+    available, logging why it passed over the others.
+
+    Args:
+        option: the option's name, for messages (``attention_backend``).
+        name: what the user asked for.
+        choices: the valid names, ``auto`` included.
+        preference: the order ``auto`` tries on this platform.
+        unavailable: why a backend cannot run here, or None when it can.
+        logger: where ``auto``'s choice is explained.
+    """
+    if name not in choices:
+        raise ValueError(f"{option}: unknown {name!r}; choose one of {', '.join(choices)}")
+    if name != "auto":
+        reason = unavailable(name)
+        if reason:
+            raise ValueError(f"{option} {name!r}: {reason}")
+        return name
+    for candidate in preference:
+        reason = unavailable(candidate)
+        if reason is None:
+            return candidate
+        logger.warning("%s auto: not %s: %s", option, candidate, reason)
+    raise ValueError(f"{option}: no backend can run here")
 
 
 def resolve_dtype(dtype: str | None) -> jnp.dtype:

@@ -55,16 +55,16 @@ def _write_kernel(slot_ref, k_ref, v_ref, kc_in_ref, vc_in_ref, kc_ref, vc_ref, 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_warps"))
 def write_kv_cache(
-    k: Float[Array, "T Hkv D"],
-    v: Float[Array, "T Hkv D"],
-    k_cache: Float[Array, "NB BS Hkv D"],
-    v_cache: Float[Array, "NB BS Hkv D"],
+    k: Float[Array, "T Hkv hd"],
+    v: Float[Array, "T Hkv hd"],
+    k_cache: Float[Array, "N B Hkv hd"],
+    v_cache: Float[Array, "N B Hkv hd"],
     slot_mapping: Int[Array, "T"],
     *,
     interpret: bool = False,
     block_t: int = 32,
     num_warps: int = 4,
-) -> tuple[Float[Array, "NB BS Hkv D"], Float[Array, "NB BS Hkv D"]]:
+) -> tuple[Float[Array, "N B Hkv hd"], Float[Array, "N B Hkv hd"]]:
     """Return the caches with ``cache[slot_mapping[t]] = new[t]`` for every token t.
 
     Same contract as ``reference.write_kv_cache_reference``. ``block_t`` (tokens per

@@ -100,7 +100,7 @@ def num_work_items(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
 
 
 def ragged_work_items(
-    query_start_loc: Int[Array, "S+1"],
+    query_start_loc: Int[Array, "S1"],  # S + 1 offsets (S itself is not an argument here)
     num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
     *,
     num_tokens: int,
@@ -301,9 +301,9 @@ def build_ragged_paged_attention_call(
                      "block_kv", "num_warps", "num_stages"),
 )
 def ragged_paged_attention(
-    q: Float[Array, "T Hq D"],
-    k_cache: Float[Array, "NB BS Hkv D"],
-    v_cache: Float[Array, "NB BS Hkv D"],
+    q: Float[Array, "T H hd"],
+    k_cache: Float[Array, "N B Hkv hd"],
+    v_cache: Float[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -317,7 +317,7 @@ def ragged_paged_attention(
     block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-) -> Float[Array, "T Hq D"]:
+) -> Float[Array, "T H hd"]:
     """Attention of a ragged batch of new tokens over a paged KV cache.
 
     See ``pallas_kernels.reference.ragged_paged_attention_reference`` for the exact

@@ -36,9 +36,9 @@ def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, "1"] | int) -> Int[Ar
 
 
 def ragged_paged_attention_reference(
-    q: Float[Array, "T Hq D"],
-    k_cache: Float[Array, "NB BS Hkv D"],
-    v_cache: Float[Array, "NB BS Hkv D"],
+    q: Float[Array, "T H hd"],
+    k_cache: Float[Array, "N B Hkv hd"],
+    v_cache: Float[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -48,7 +48,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,  # accepted for signature parity with the kernel; unused
-) -> Float[Array, "T Hq D"]:
+) -> Float[Array, "T H hd"]:
     """Ragged paged attention, the simple way. Same signature as the kernel."""
     del interpret
     T, Hq, D = q.shape
@@ -103,14 +103,14 @@ def ragged_paged_attention_reference(
 
 
 def write_kv_cache_reference(
-    k: Float[Array, "T Hkv D"],
-    v: Float[Array, "T Hkv D"],
-    k_cache: Float[Array, "NB BS Hkv D"],
-    v_cache: Float[Array, "NB BS Hkv D"],
+    k: Float[Array, "T Hkv hd"],
+    v: Float[Array, "T Hkv hd"],
+    k_cache: Float[Array, "N B Hkv hd"],
+    v_cache: Float[Array, "N B Hkv hd"],
     slot_mapping: Int[Array, "T"],
     *,
     interpret: bool = False,  # signature parity with the kernel; unused
-) -> tuple[Float[Array, "NB BS Hkv D"], Float[Array, "NB BS Hkv D"]]:
+) -> tuple[Float[Array, "N B Hkv hd"], Float[Array, "N B Hkv hd"]]:
     """Scatter the new tokens' K/V into the paged cache.
 
     ``slot_mapping[t] = block_id * block_size + offset``. Padding tokens point into the

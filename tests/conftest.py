@@ -4,6 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from jaxtyping import install_import_hook
+
+# The array functions' jaxtyping shapes are checked at run time in the test run (at
+# trace time under jit), so an annotation that drifts from the code fails a test.
+# Installed before anything imports jaxllm.
+install_import_hook(["jaxllm.models.llama", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
+                     "jaxllm.sample.sampler", "jaxllm.worker.step", "jaxllm.worker.model_runner", "pallas_kernels"],
+                    "beartype.beartype")
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

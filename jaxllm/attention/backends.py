@@ -2,7 +2,9 @@
 pallas_kernels.ragged_paged_attention:
 
     fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-       *, sm_scale, sliding_window=None, soft_cap=None) -> [T, H, hd]
+       *, sm_scale, sliding_window=None, soft_cap=None, common_prefix_blocks=None) -> [T, H, hd]
+
+(`AttentionFn` below writes the contract down once.)
 
 - `xla`: pure jnp, every platform; the oracle of the others.
 - `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32; the kernel
@@ -15,40 +17,73 @@ pallas_kernels.ragged_paged_attention:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Protocol, runtime_checkable
 
 import jax
+from jaxtyping import Array, Float, Int
 
 from jaxllm.attention.xla import ragged_paged_attention_xla
+from jaxllm.platform import choose_backend
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "xla", "cpu", "pallas")
 
 
+@runtime_checkable
+class AttentionFn(Protocol):
+    """The contract every attention backend keeps (the signature of
+    pallas_kernels.ragged_paged_attention, plus the engine's hints).
+
+    Args:
+        q: the step's queries, T tokens of the ragged batch.
+        k_cache, v_cache: one layer's paged cache.
+        kv_lens: tokens of each sequence whose K/V the cache holds after this step's
+            writes (context + new).
+        block_tables: each sequence's blocks.
+        query_start_loc: sequence i's queries are q[query_start_loc[i]:query_start_loc[i + 1]].
+        num_seqs: real sequences (the rest is padding).
+        sm_scale: the softmax scale.
+        sliding_window: attend to at most this many latest positions (None: all).
+        soft_cap: tanh soft-capping of the scores (None: none).
+        common_prefix_blocks: leading blocks all sequences share; a hint a backend may
+            use to read them once (the cpu backend does), never needed for correctness.
+
+    Returns:
+        The attention output, [T, H, hd] (rows of padding tokens are unspecified).
+    """
+
+    def __call__(
+        self,
+        q: Float[Array, "T H hd"],
+        k_cache: Float[Array, "N B Hkv hd"],
+        v_cache: Float[Array, "N B Hkv hd"],
+        kv_lens: Int[Array, "S"],
+        block_tables: Int[Array, "S MB"],
+        query_start_loc: Int[Array, "S+1"],
+        num_seqs: Int[Array, ""],
+        *,
+        sm_scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        common_prefix_blocks: Int[Array, ""] | None = None,
+    ) -> Float[Array, "T H hd"]: ...
+
+
 def resolve_backend_name(name: str, *, head_dim: int, dtype) -> str:
     """The backend `name` means for a model of this head_dim and compute dtype on this
     platform; an explicit choice that cannot work raises ValueError saying why."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend: unknown {name!r}; choose one of {', '.join(BACKENDS)}")
     platform = jax.default_backend()
-    if name == "auto":
-        if platform == "gpu":
-            return "pallas"
-        if platform != "cpu":
-            return "xla"
-        reason = _cpu_backend_unavailable(head_dim, dtype)
-        if reason:
-            logger.warning("attention_backend auto: using xla, not cpu: %s", reason)
-            return "xla"
-        return "cpu"
-    if name == "cpu":
-        if platform != "cpu":
-            raise ValueError(f"attention_backend: 'cpu' runs on the CPU platform only (this is {platform})")
-        reason = _cpu_backend_unavailable(head_dim, dtype)
-        if reason:
-            raise ValueError(f"attention_backend 'cpu': {reason}")
-    return name
+    preference = {"gpu": ["pallas"], "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
+
+    def unavailable(backend: str) -> str | None:
+        if backend == "cpu":
+            if platform != "cpu":
+                return f"it runs on the CPU platform only (this is {platform})"
+            return _cpu_backend_unavailable(head_dim, dtype)
+        return None
+
+    return choose_backend("attention_backend", name, BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:
@@ -72,7 +107,7 @@ def _pallas_attention(*args, common_prefix_blocks=None, **kwargs):
     return pallas_kernels.ragged_paged_attention(*args, interpret=jax.default_backend() != "gpu", **kwargs)
 
 
-def get_attention_fn(name: str) -> Callable:
+def get_attention_fn(name: str) -> AttentionFn:
     """The attention function of a resolved backend name (see resolve_backend_name)."""
     if name == "xla":
         return ragged_paged_attention_xla

@@ -42,7 +42,7 @@ def ragged_paged_attention_cpu(
     v_cache: Float[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S1"],
+    query_start_loc: Int[Array, "S+1"],
     num_seqs: Int[Array, ""],
     *,
     sm_scale: float,

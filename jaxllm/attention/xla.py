@@ -44,7 +44,7 @@ def _chunk_blocks(block_size: int, chunk_tokens: int) -> int:
     return max(1, chunk_tokens // block_size)
 
 
-def _pad_block_tables(block_tables: Int[Array, "S B"], blocks_per_chunk: int) -> Int[Array, "S B2"]:
+def _pad_block_tables(block_tables: Int[Array, "S MB"], blocks_per_chunk: int) -> Int[Array, "S MB2"]:
     """Pad the width to a multiple of a chunk so a chunk's dynamic slice never clamps."""
     pad = (-block_tables.shape[1]) % blocks_per_chunk
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
@@ -257,7 +257,7 @@ def ragged_paged_attention_xla(
     v_cache: Float[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S1"],
+    query_start_loc: Int[Array, "S+1"],
     num_seqs: Int[Array, ""],
     *,
     sm_scale: float,

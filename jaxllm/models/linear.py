@@ -27,6 +27,7 @@ from jaxtyping import Array, Float
 
 from jaxllm import cpu_kernels
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, Weight
+from jaxllm.platform import choose_backend
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +86,9 @@ def pack_params(params: ModelParams) -> ModelParams:
 def resolve_linear_backend(name: str, dtype) -> str:
     """The backend `name` means for this compute dtype on this platform; an explicit
     choice that cannot work raises ValueError saying why."""
-    if name not in BACKENDS:
-        raise ValueError(f"linear_backend: unknown {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "xla":
-        return name
-    reason = _cpu_backend_unavailable(dtype)
-    if reason is None:
-        return "cpu"
-    if name == "cpu":
-        raise ValueError(f"linear_backend 'cpu': {reason}")
-    if jax.default_backend() == "cpu":  # elsewhere xla is simply the backend, not a fallback
-        logger.warning("linear_backend auto: using xla, not cpu: %s", reason)
-    return "xla"
+    preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
+    unavailable = lambda backend: _cpu_backend_unavailable(dtype) if backend == "cpu" else None  # noqa: E731
+    return choose_backend("linear_backend", name, BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(dtype) -> str | None:

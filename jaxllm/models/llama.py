@@ -8,37 +8,19 @@ on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Protocol
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams
 from jaxllm.models.rope import RopeTable, apply_rope, rope_table
-
-
-class AttentionFn(Protocol):
-    """See jaxllm.attention.backends."""
-
-    def __call__(
-        self,
-        q: Float[Array, "T H hd"],
-        k_cache: Float[Array, "N B Hkv hd"],
-        v_cache: Float[Array, "N B Hkv hd"],
-        kv_lens: Int[Array, "S"],
-        block_tables: Int[Array, "S MB"],
-        query_start_loc: Int[Array, "S1"],
-        num_seqs: Int[Array, ""],
-        *,
-        sm_scale: float,
-        sliding_window: int | None,
-        common_prefix_blocks: Int[Array, ""],
-    ) -> Float[Array, "T H hd"]: ...
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:

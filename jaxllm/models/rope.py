@@ -3,6 +3,8 @@ linear frequency scaling."""
 
 from __future__ import annotations
 
+import typing
+
 import math
 
 import jax.numpy as jnp
@@ -41,6 +43,7 @@ def _llama3_scaled(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
 @struct.dataclass
 class RopeTable:
     """cos and sin of position x inverse frequency, [positions, head_dim // 2] float32,

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Bool, Int
 
 from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, copy_blocks
@@ -101,6 +102,11 @@ def _digest(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
 
+def _pad(a: np.ndarray, n: int, value=0) -> np.ndarray:
+    """`a` followed by `n` copies of `value`."""
+    return np.concatenate([a, np.full(n, value, a.dtype)]) if n else a
+
+
 def _smallest_at_least(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -108,20 +114,42 @@ def _smallest_at_least(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """One step's scheduled rows and tokens on the host, before padding to a bucket:
+    what `ModelRunner._pad_inputs` turns into StepInputs (S rows, T tokens)."""
+
+    rows: Int[np.ndarray, "S"]  # the input batch's row of each scheduled request
+    input_ids: Int[np.ndarray, "T"]
+    positions: Int[np.ndarray, "T"]
+    tok_rows: Int[np.ndarray, "T"]  # the row each token belongs to
+    slots: Int[np.ndarray, "T"]  # KV cache slot each token's K/V goes to
+    qsl: Int[np.ndarray, "S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
+    seq_lens: Int[np.ndarray, "S"]  # tokens of each row whose K/V exists after the step
+    targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
+    output_index: Int[np.ndarray, "S"]  # tokens each row has generated so far
+    samples: Bool[np.ndarray, "S"]  # which rows sample a token this step
+
+    @classmethod
+    def empty(cls) -> "StepRows":
+        """No rows: pads to a whole bucket of padding (for compiling)."""
+        i = np.zeros(0, np.int32)
+        return cls(i, i, i, i, i, np.zeros(1, np.int32), i, i, i, np.zeros(0, bool))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
 @dataclasses.dataclass
 class PreparedStep:
     """One step's device inputs and the host-side facts needed to record its results."""
 
     req_ids: list[str]
-    rows: np.ndarray
-    num_tokens: int
+    host: StepRows
     t: int  # token bucket
     s: int  # sequence bucket
     inputs: StepInputs
-    qsl: np.ndarray
-    seq_lens: np.ndarray
-    samples: np.ndarray  # which rows sample a token this step
-    targets: np.ndarray  # prompt-logprob targets per token
 
 
 class ModelRunner:
@@ -245,7 +273,7 @@ class ModelRunner:
     def _compile(self, t: int, s: int):
         """The executable of bucket (t, s), and whether it came from the executable
         store (else it was compiled, and stored)."""
-        inputs = self._empty_inputs(t, s)
+        inputs = self._pad_inputs(t, s, StepRows.empty())
         name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
         compiled, loaded = self._load_or_compile(
             name, lambda: self._step.lower(self.params, self.rope, self._abstract_caches, self.history, inputs))
@@ -313,80 +341,78 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
 
-    def _empty_inputs(self, t: int, s: int) -> StepInputs:
-        empty_i = np.zeros(0, np.int32)
-        return self._pad_inputs(t, s, empty_i, empty_i, empty_i, empty_i, empty_i, np.zeros(1, np.int32),
-                                empty_i, empty_i, empty_i, np.zeros(0, bool))
-
-    def _pad_inputs(self, t, s, rows, input_ids, positions, tok_rows, slots, qsl, seq_lens, targets,
-                    output_index, samples) -> StepInputs:
+    def _pad_inputs(self, t: int, s: int, host: StepRows) -> StepInputs:
         """Bucket-shaped StepInputs from the real rows; padding writes to the null block,
         reads nothing, and samples greedily (discarded)."""
-        b = self.input_batch
-        n_tok, n_seq = len(input_ids), len(rows)
-        pad_t, pad_s = t - n_tok, s - n_seq
+        pad_t, pad_s = t - host.num_tokens, s - len(host.rows)
+        targets = _pad(host.targets, pad_t, -1)
+        return StepInputs(
+            input_ids=_pad(host.input_ids, pad_t),
+            positions=_pad(host.positions, pad_t),
+            history_rows=_pad(host.tok_rows, pad_t, self.max_num_seqs),
+            attn=self._attention_metadata(t, s, host),
+            logits_indices=_pad(np.maximum(host.qsl[1:] - 1, 0).astype(np.int32), pad_s),
+            sampling=self._sampling_metadata(s, host),
+            prompt_logprob_targets=targets,
+            any_prompt_logprobs=np.bool_((targets >= 0).any()),
+        )
 
-        def pad(a, n, value=0):
-            return np.concatenate([a, np.full(n, value, a.dtype)]) if n else a
+    def _attention_metadata(self, t: int, s: int, host: StepRows) -> AttentionMetadata:
+        rows, qsl, seq_lens = host.rows, host.qsl, host.seq_lens
+        n_seq = len(rows)
+        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        tables[:n_seq] = self.input_batch.block_table[rows]
+        return AttentionMetadata(
+            slot_mapping=_pad(host.slots, t - host.num_tokens, 0),  # padding tokens write into the null block
+            block_tables=tables,
+            seq_lens=_pad(seq_lens, s - n_seq),
+            query_start_loc=_pad(qsl, s - n_seq, qsl[-1]),
+            num_seqs=np.int32(n_seq),
+            common_prefix_blocks=np.int32(
+                common_prefix_blocks(tables[:n_seq], seq_lens - np.diff(qsl), self.block_size) if n_seq else 0),
+        )
+
+    def _sampling_metadata(self, s: int, host: StepRows) -> SamplingMetadata:
+        b, rows = self.input_batch, host.rows
+        n_seq = len(rows)
+        pad_s = s - n_seq
 
         def gather(column, fill):
-            return pad(column[rows], pad_s, fill)
+            return _pad(column[rows], pad_s, fill)
 
         real = np.zeros(s, bool)
-        real[:n_seq] = samples
+        real[:n_seq] = host.samples
         temperature = gather(b.temperature, 0.0)
         sampling_rows = real & (temperature > 0)
-        top_k, top_p = gather(b.top_k, 0), gather(b.top_p, 1.0)
-        penalties = (gather(b.presence_penalty, 0.0) != 0) | (gather(b.frequency_penalty, 0.0) != 0) | (
-            gather(b.repetition_penalty, 1.0) != 1.0)
+        top_k, top_p, min_p = gather(b.top_k, 0), gather(b.top_p, 1.0), gather(b.min_p, 0.0)
+        presence, frequency = gather(b.presence_penalty, 0.0), gather(b.frequency_penalty, 0.0)
+        repetition = gather(b.repetition_penalty, 1.0)
         bias_ids = np.zeros((s, BIAS_WIDTH), np.int32)
         bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
         bias_ids[:n_seq], bias_values[:n_seq] = b.bias_token_ids[rows], b.bias_values[rows]
         seeds = np.zeros((s, 2), np.uint32)
         seeds[:n_seq] = b.seeds[rows]
-        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        tables[:n_seq] = b.block_table[rows]
-        sampling = SamplingMetadata(
+        return SamplingMetadata(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            min_p=gather(b.min_p, 0.0),
-            presence_penalty=gather(b.presence_penalty, 0.0),
-            frequency_penalty=gather(b.frequency_penalty, 0.0),
-            repetition_penalty=gather(b.repetition_penalty, 1.0),
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
             seeds=seeds,
-            output_index=pad(output_index, pad_s),
+            output_index=_pad(host.output_index, pad_s),
             bias_token_ids=bias_ids,
             bias_values=bias_values,
-            history_rows=pad(rows, pad_s, self.max_num_seqs),
+            history_rows=_pad(rows, pad_s, self.max_num_seqs),
             num_prompt_tokens=gather(b.num_prompt_tokens, 0),
-            num_known_tokens=pad(seq_lens, pad_s),
+            num_known_tokens=_pad(host.seq_lens, pad_s),
             all_greedy=np.bool_(not sampling_rows.any()),
             any_top_k_top_p=np.bool_((sampling_rows & ((top_k > 0) | (top_p < 1))).any()),
-            any_min_p=np.bool_((sampling_rows & (gather(b.min_p, 0.0) > 0)).any()),
-            any_penalties=np.bool_((real & penalties).any()),
+            any_min_p=np.bool_((sampling_rows & (min_p > 0)).any()),
+            any_penalties=np.bool_((real & ((presence != 0) | (frequency != 0) | (repetition != 1.0))).any()),
             any_logprobs=np.bool_((real & (gather(b.logprobs, -1) >= 0)).any()),
             any_logit_bias=np.bool_((bias_values != 0).any()),
-        )
-        attn = AttentionMetadata(
-            slot_mapping=pad(slots, pad_t, 0),  # padding tokens write into the null block
-            block_tables=tables,
-            seq_lens=pad(seq_lens, pad_s),
-            query_start_loc=pad(qsl, pad_s, qsl[-1]),
-            num_seqs=np.int32(n_seq),
-            common_prefix_blocks=np.int32(
-                common_prefix_blocks(tables[:n_seq], seq_lens - np.diff(qsl), self.block_size) if n_seq else 0),
-        )
-        targets = pad(targets, pad_t, -1)
-        return StepInputs(
-            input_ids=pad(input_ids, pad_t),
-            positions=pad(positions, pad_t),
-            history_rows=pad(tok_rows, pad_t, self.max_num_seqs),
-            attn=attn,
-            logits_indices=pad(np.maximum(qsl[1:] - 1, 0).astype(np.int32), pad_s),
-            sampling=sampling,
-            prompt_logprob_targets=targets,
-            any_prompt_logprobs=np.bool_((targets >= 0).any()),
         )
 
     # --------------------------------------------------------------- execute
@@ -403,7 +429,7 @@ class ModelRunner:
         self.kv_caches, self.history, out = executable(self.params, self.rope, self.kv_caches, self.history,
                                                        step.inputs)
         t1 = time.perf_counter()
-        sampled = np.asarray(out.sampled.token_ids)[: len(step.rows)]
+        sampled = np.asarray(out.sampled.token_ids)[: len(step.host.rows)]
         t2 = time.perf_counter()
         result = self._record(step, out, sampled)
         self._account(step, t0, t1, t2)
@@ -431,29 +457,30 @@ class ModelRunner:
                   & (positions >= b.prompt_scored[tok_rows]))
         targets = np.where(scored, b.token_ids[tok_rows, next_pos], -1).astype(np.int32)
 
+        host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
+                        slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
+                        output_index=output_index, samples=samples)
         t, s = self.bucket_for(num_tokens, len(rows))
-        inputs = self._pad_inputs(t, s, rows, input_ids, positions, tok_rows, slots.astype(np.int32), qsl,
-                                  seq_lens, targets, output_index, samples)
-        return PreparedStep(req_ids, rows, num_tokens, t, s, inputs, qsl, seq_lens, samples, targets)
+        return PreparedStep(req_ids, host, t, s, self._pad_inputs(t, s, host))
 
     def _record(self, step: "PreparedStep", out: StepOutput, sampled: np.ndarray) -> ModelRunnerOutput:
         """Advance the rows' host state by the step's results; the runner's output."""
-        b, rows, samples = self.input_batch, step.rows, step.samples
-        b.num_computed_tokens[rows] = step.seq_lens
+        b, rows, samples = self.input_batch, step.host.rows, step.host.samples
+        b.num_computed_tokens[rows] = step.host.seq_lens
         b.append_sampled(rows[samples], sampled[samples])
         result = ModelRunnerOutput(step.req_ids, [int(x) if ok else None for x, ok in zip(sampled, samples)])
         if step.inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, rows, samples)
         if step.inputs.any_prompt_logprobs:
-            self._collect_prompt_logprobs(result, out, rows, step.qsl, step.targets)
+            self._collect_prompt_logprobs(result, out, rows, step.host.qsl, step.host.targets)
         return result
 
     def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
         st = self.stats
         st.num_steps += 1
-        st.num_tokens += step.num_tokens
+        st.num_tokens += step.host.num_tokens
         st.num_padded_tokens += step.t
-        st.num_seqs += len(step.rows)
+        st.num_seqs += len(step.host.rows)
         st.num_padded_seqs += step.s
         st.num_common_prefix_steps += int(step.inputs.attn.common_prefix_blocks > 0)
         key = (step.t, step.s)

@@ -6,21 +6,25 @@ bucket; the KV caches and the token history are donated, so XLA updates them in 
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import AttentionFn, compute_logits, forward_hidden
+from jaxllm.models.llama import compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jaxllm.sample.sampler import ArgmaxFn, ScoresFn, argmax, compute_logprobs, num_top_logprobs, sample
 
 
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
 @struct.dataclass
 class StepInputs:
     input_ids: Int[Array, "T"]
@@ -33,6 +37,7 @@ class StepInputs:
     any_prompt_logprobs: Bool[Array, ""]
 
 
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
 @struct.dataclass
 class PromptLogprobs:
     """Per token row: logprob and rank of the next prompt token, and the top-k."""
@@ -43,6 +48,7 @@ class PromptLogprobs:
     top_logprobs: Float[Array, "T K"]
 
 
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
 @struct.dataclass
 class StepOutput:
     sampled: SamplerOutput
