@@ -17,10 +17,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxllm" / "xla"
 
 
-def backend() -> str:
-    return jax.default_backend()
-
-
 def choose_backend(option: str, name: str, choices: Sequence[str], preference: Sequence[str],
                    unavailable: Callable[[str], str | None], logger: logging.Logger) -> str:
     """The backend `name` means, for every kind of backend (attention, linear): an
@@ -54,7 +50,7 @@ def choose_backend(option: str, name: str, choices: Sequence[str], preference: S
 def resolve_dtype(dtype: str | None) -> jnp.dtype:
     """'auto' -> float32 on CPU (XLA:CPU is fastest there) and bfloat16 on accelerators."""
     if dtype in (None, "auto"):
-        return jnp.dtype(jnp.float32 if backend() == "cpu" else jnp.bfloat16)
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     if dtype not in DTYPES:
         raise ValueError(f"dtype: unsupported {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     return jnp.dtype(DTYPES[dtype])

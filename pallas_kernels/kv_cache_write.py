@@ -5,8 +5,14 @@ prefill chunk is split over several query-tile programs, and the tile for tokens
 64..127 must see the K/V of tokens 0..63, which another program of the *same* launch
 would be writing. A launch has no grid-wide barrier, so the cache must be complete
 before attention starts. The write is a pure bandwidth-bound copy of
-``T * Hkv * D`` elements per cache, tiny next to the attention's reads, and keeping it
-separate lets the engine reuse it for every backend (see docs/kernels.md).
+``T * Hkv * D`` elements per cache, tiny next to the attention's reads.
+
+The engine does not call it: on every backend, the Pallas one included, the model writes
+K/V with XLA's scatter (``jaxllm.attention.kv_cache.write_kv_cache``), which needs no
+kernel of its own and lowers everywhere. This kernel is the Triton-lowered alternative,
+proven against that scatter in interpret mode and by CUDA lowering (tests), for the day a
+GPU measurement shows the scatter losing; then the Pallas path would pass it to the
+model as its write function. No GPU measurement has been made yet (docs/kernels.md).
 
 Grid ``(cdiv(T, block_t), num_kv_heads)``: each program copies ``block_t`` tokens of
 one KV head to the slots ``slot_mapping`` gives (``block_id * block_size + offset``).

@@ -27,7 +27,6 @@ runs with ``interpret=True`` on CPU.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -5,7 +5,9 @@ prefill chunks and decodes; padding tokens and padding sequences in every step."
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,7 +15,23 @@ from jaxllm.attention import AttentionMetadata, allocate_kv_caches
 from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
-from jaxllm.models import make_forward
+from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.rope import rope_table
+
+
+def make_forward(cfg: ModelConfig, attention_fn):
+    """The model's forward jitted for the tests (the engine's step does the same inside
+    its one executable, with sampling): fn(params, kv_caches, input_ids, positions, md,
+    logits_indices) -> (float32 logits of those rows, caches); the caches donated."""
+    rope = rope_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def fn(params, kv_caches, input_ids, positions, md, logits_indices):
+        hidden, kv_caches = forward_hidden(params, rope, kv_caches, input_ids, positions, md, cfg=cfg,
+                                           attention_fn=attention_fn)
+        return compute_logits(params, hidden[logits_indices], cfg), kv_caches
+
+    return fn
 
 
 @dataclasses.dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -55,11 +55,9 @@ class Request:
     eos_token_id: int | None = None
     max_tokens: int = 16  # resolved: max_tokens, or what max_model_len leaves
     seed: int = 0  # resolved: the user's seed, or one drawn by the engine
-    arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    num_preemptions: int = 0
     prompt_scores: PromptScores | None = None
 
     @classmethod
@@ -72,7 +70,6 @@ class Request:
             eos_token_id=req.eos_token_id,
             max_tokens=max_tokens,
             seed=seed,
-            arrival_time=req.arrival_time,
             prompt_scores=None if req.sampling_params.prompt_logprobs is None
             else PromptScores(req.sampling_params.prompt_logprobs),
         )
@@ -86,10 +83,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -244,7 +244,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.warning(

@@ -1,6 +1,5 @@
 """Model definitions: parameter pytrees and the Llama-family forward."""
 
-from jaxllm.models.llama import forward, make_forward
 from jaxllm.models.params import LayerParams, ModelParams
 
-__all__ = ["LayerParams", "ModelParams", "forward", "make_forward"]
+__all__ = ["LayerParams", "ModelParams"]

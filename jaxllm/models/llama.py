@@ -7,9 +7,6 @@ on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -20,7 +17,7 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams
-from jaxllm.models.rope import RopeTable, apply_rope, rope_table
+from jaxllm.models.rope import RopeTable, apply_rope
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
@@ -98,35 +95,3 @@ def forward_hidden(
         x = mlp_block(lp, x, cfg)
         new_caches.append(cache)
     return x, tuple(new_caches)
-
-
-def forward(
-    params: ModelParams,
-    rope: RopeTable,
-    kv_caches: tuple[KVCache, ...],
-    input_ids: Int[Array, "T"],
-    positions: Int[Array, "T"],
-    md: AttentionMetadata,
-    logits_indices: Int[Array, "S"],
-    *,
-    cfg: ModelConfig,
-    attention_fn: AttentionFn,
-) -> tuple[Float[Array, "S V"], tuple[KVCache, ...]]:
-    """float32 logits of the rows in `logits_indices` only, and the updated caches."""
-    hidden, kv_caches = forward_hidden(
-        params, rope, kv_caches, input_ids, positions, md, cfg=cfg, attention_fn=attention_fn
-    )
-    return compute_logits(params, hidden[logits_indices], cfg), kv_caches
-
-
-def make_forward(cfg: ModelConfig, attention_fn: AttentionFn, max_positions: int | None = None) -> Callable:
-    """`forward` jitted for one model and backend, with the KV caches donated and the
-    RoPE table (positions below `max_positions`, default the model's context) built
-    once: fn(params, kv_caches, input_ids, positions, md, logits_indices)."""
-    rope = rope_table(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
-    step = jax.jit(functools.partial(forward, cfg=cfg, attention_fn=attention_fn), donate_argnums=(2,))
-
-    def fn(params, kv_caches, input_ids, positions, md, logits_indices):
-        return step(params, rope, kv_caches, input_ids, positions, md, logits_indices)
-
-    return fn

@@ -60,15 +60,6 @@ class ModelParams:
     lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed: always given)
 
 
-def cast_params(params: ModelParams, dtype) -> ModelParams:
-    """All floating arrays to `dtype` (norm weights included; math stays float32)."""
-    return jax.tree.map(lambda a: a.astype(dtype), params)
-
-
-def param_count(params: ModelParams) -> int:
-    return sum(a.size for a in jax.tree.leaves(params))
-
-
 def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
     """ModelParams of jax.ShapeDtypeStruct leaves: the shapes `cfg` implies."""
     def spec(*shape: int) -> jax.ShapeDtypeStruct:
