@@ -3,7 +3,8 @@
 Read from an HF ``config.json`` (transformers 4 form: ``rope_theta``, ``rope_scaling``,
 ``torch_dtype``; transformers 5 form: ``rope_parameters``, ``dtype``) or from GGUF
 metadata. The config is a frozen dataclass so it can be a static argument of jitted
-functions.
+functions. Also the names of the engine's choices (dtype, attention and linear
+backends), here at the bottom so that the engine's config and the resolvers share them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Mapping
+
+# The names of the engine's choices (EngineConfig validates them, the CLI offers them,
+# the resolvers in jaxllm.platform, jaxllm.attention and jaxllm.models map them).
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
+LINEAR_BACKENDS = ("auto", "xla", "cpu")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).

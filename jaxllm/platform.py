@@ -13,7 +13,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from jaxllm.config import DTYPE_NAMES
+
+DTYPES = {name: jnp.dtype(name) for name in DTYPE_NAMES if name != "auto"}
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxllm" / "xla"
 
 

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
 from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 
@@ -24,25 +24,12 @@ from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder, GGUF file or converted checkpoint (default: embedded SmolLM2)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: from --model)")
+    add_cli_args(p)  # the engine's options, from EngineConfig's fields
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"), help="required bearer token (or JAXLLM_API_KEY)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    p.add_argument("--kv-cache-memory", default=None, help="bytes, e.g. 4GiB, or a fraction of GPU memory")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "xla", "cpu", "pallas"])
-    p.add_argument("--linear-backend", default="auto", choices=["auto", "xla", "cpu"])
-    p.add_argument("--chat-template", default=None, help="a Jinja template or a file holding one")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before 503s")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
     p.add_argument("--engine-hang-timeout", type=float, default=60.0,
                    help="seconds without a word from a busy engine core before /health says 503")
@@ -53,22 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend,
-        chat_template=args.chat_template,
-        compilation_cache_dir=args.compilation_cache_dir,
-        served_model_name=args.served_model_name,
-    )
+    return from_cli_args(args)
 
 
 def served_model_name(args: argparse.Namespace) -> str:

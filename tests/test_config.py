@@ -88,3 +88,24 @@ def test_from_folder_errors(tmp_path):
         ModelConfig.from_hf_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert ModelConfig.from_hf_folder(tmp_path).num_layers == 2
+
+
+def test_the_serve_cli_is_generated_from_engine_config():
+    """Every EngineConfig field is a flag with its default, help and choices; nothing
+    is restated, so a new option reaches the CLI by being declared once."""
+    import dataclasses
+
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.serve import engine_config, parse_args
+
+    assert engine_config(parse_args([])) == EngineConfig()
+    args = parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--kv-cache-memory", "1GiB",
+                       "--attention-backend", "xla", "--max-model-len", "512", "--port", "9"])
+    assert engine_config(args) == EngineConfig(max_num_seqs=8, enable_prefix_caching=False, kv_cache_memory="1GiB",
+                                               attention_backend="xla", max_model_len=512)
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata.get("help"), f.name
+    with pytest.raises(SystemExit):
+        parse_args(["--linear-backend", "onednn"])
+    with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'; choose one of auto, xla, cpu"):
+        EngineConfig(linear_backend="onednn")

@@ -23,11 +23,11 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from jaxllm.attention.xla import ragged_paged_attention_xla
+from jaxllm.config import ATTENTION_BACKENDS
 from jaxllm.platform import choose_backend
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "xla", "cpu", "pallas")
 
 
 @runtime_checkable
@@ -83,7 +83,7 @@ def resolve_backend_name(name: str, *, head_dim: int, dtype) -> str:
             return _cpu_backend_unavailable(head_dim, dtype)
         return None
 
-    return choose_backend("attention_backend", name, BACKENDS, preference, unavailable, logger)
+    return choose_backend("attention_backend", name, ATTENTION_BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:

@@ -1,10 +1,16 @@
 """EngineConfig: every option of the engine, as LLM(...) and `python -m jaxllm.serve`
-take them (the CLI flags are these field names with dashes). Plain Python."""
+take them. Each option is declared once, as a field with its default, help and (for a
+choice) the names it accepts; `add_cli_args` makes the serve CLI's flags from the
+fields (the names with dashes). Plain Python."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import typing
+
+from jaxllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, LINEAR_BACKENDS
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
@@ -27,24 +33,36 @@ def parse_memory(value: str | int | float | None) -> int | float | None:
     return int(number * _UNITS[m.group(2).lower()])
 
 
+def _option(default, help: str, choices: tuple[str, ...] | None = None):  # noqa: A002 (argparse's word)
+    """A field with the help its CLI flag shows (`add_cli_args`), and the names it
+    accepts when it is a choice."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder, GGUF file or converted checkpoint; None = embedded SmolLM2
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
-    max_model_len: int | None = None  # default: the model's context length
-    block_size: int = 16
-    kv_cache_memory: str | int | float | None = None  # bytes, "4GiB", or a fraction of device memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    attention_backend: str = "auto"  # auto | xla | cpu | pallas
-    linear_backend: str = "auto"  # auto | xla | cpu (jaxllm.models.linear)
-    chat_template: str | None = None  # a template string or a file holding one
-    compilation_cache_dir: str | None = None  # default ~/.cache/jaxllm/xla
-    served_model_name: str | None = None
+    model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded SmolLM2)")
+    dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU", DTYPE_NAMES)
+    max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
+    block_size: int = _option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory: str | int | float | None = _option(
+        None, "KV cache size: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
+    max_num_seqs: int = _option(64, "sequences in one step")
+    max_num_batched_tokens: int = _option(512, "tokens in one step")
+    enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")
+    seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
+    attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
+    linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)
+    chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
+    compilation_cache_dir: str | None = _option(None, "where compiled steps and converted models are kept "
+                                                      "(default ~/.cache/jaxllm/xla)")
+    served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(choices)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -54,3 +72,22 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--max-num-seqs` for max_num_seqs, booleans as
+    `--x/--no-x`), its default and help from the field: the CLI never restates them."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
+        kwargs = {"default": f.default, "help": f.metadata.get("help"), "choices": f.metadata.get("choices")}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif hint in (int, int | None):
+            kwargs["type"] = int
+        parser.add_argument(flag, **kwargs)
+
+
+def from_cli_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig a parsed command line gives (see add_cli_args)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -26,12 +26,12 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm import cpu_kernels
+from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, Weight
 from jaxllm.platform import choose_backend
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "xla", "cpu")
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 
 
@@ -88,7 +88,7 @@ def resolve_linear_backend(name: str, dtype) -> str:
     choice that cannot work raises ValueError saying why."""
     preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
     unavailable = lambda backend: _cpu_backend_unavailable(dtype) if backend == "cpu" else None  # noqa: E731
-    return choose_backend("linear_backend", name, BACKENDS, preference, unavailable, logger)
+    return choose_backend("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(dtype) -> str | None:
