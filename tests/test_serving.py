@@ -34,3 +34,32 @@ def test_one_id_from_the_engine_to_the_response():
     body = asyncio.run(serving.chat(engine, job, SamplingParams(max_tokens=1), model="m", stream=False,
                                     include_usage=False, num_top_logprobs=0))
     assert body["id"] == "chatcmpl-def" == engine.request_ids[-1]
+
+
+class AdmittingEngine:
+    """What the handlers' checks read from an engine."""
+
+    def __init__(self, unfinished: int, healthy: bool = True) -> None:
+        self.num_unfinished_sequences, self._healthy, self.dead_reason = unfinished, healthy, None
+
+    def is_healthy(self) -> bool:
+        return self._healthy
+
+
+def test_handlers_admit_by_sequences_without_a_server():
+    import pytest
+
+    from jaxllm.entrypoints.openai.api_server import Handlers, ServerSettings
+    from jaxllm.entrypoints.openai.errors import APIError
+
+    settings = ServerSettings(model_name="m", max_num_seqs=4, max_waiting_requests=4)  # 8 sequences at once
+    Handlers(AdmittingEngine(unfinished=5), settings).admit(3)
+    with pytest.raises(APIError) as full:
+        Handlers(AdmittingEngine(unfinished=6), settings).admit(3)
+    assert full.value.status == 503
+    with pytest.raises(APIError) as never:
+        Handlers(AdmittingEngine(unfinished=0), settings).admit(9)
+    assert never.value.status == 400 and never.value.param == "n"
+    with pytest.raises(APIError) as dead:
+        Handlers(AdmittingEngine(unfinished=0, healthy=False), settings).admit(1)
+    assert dead.value.status == 503

@@ -105,10 +105,59 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
-    started = int(time.time())
+async def respond(result: dict | AsyncIterator[str]) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
 
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
+
+async def until_disconnect(request: Request, make: Callable) -> dict | AsyncIterator[str]:
+    """Run a non-streaming request; a client that leaves aborts it at once (the ASGI
+    channel says http.disconnect), so its slots and steps are freed."""
+    task = asyncio.ensure_future(make())
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return {}
+    return task.result()
+
+
+def guarded(handler: Callable) -> Callable:
+    """The endpoint of a handler: every error leaves as an OpenAI error body."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except ValueError as e:
+            return APIError.from_value_error(e).response()
+        except EngineDeadError as e:
+            return error_response(503, str(e))
+        except jinja2.TemplateError as e:  # the chat template refused the messages
+            return error_response(400, f"messages: the chat template failed: {e}", param="messages")
+        except Exception as e:  # noqa: BLE001 - every error leaves as an OpenAI error body
+            logger.exception("error handling %s %s", request.method, request.url.path)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    return endpoint
+
+
+class Handlers:
+    """The server's endpoints over one engine: each a method taking the request (so
+    each can be called in a test without a server), plus the checks they share."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------ checks
+
+    async def parse(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body as `model`, or a 400 (bad JSON, bad fields) / 404 (another model)."""
         try:
             data = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -119,15 +168,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
             body = model.model_validate(data)
         except ValidationError as e:
             raise APIError.from_validation_error(e) from None
-        if getattr(body, "model", None) not in (None, settings.model_name):
+        if getattr(body, "model", None) not in (None, self.settings.model_name):
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         return body
 
-    def admit(num_sequences: int) -> None:
+    def admit(self, num_sequences: int) -> None:
         """Room for a request's sequences (prompts x n: what the engine will hold)."""
+        engine = self.engine
         if not engine.is_healthy():
             raise APIError(503, engine.dead_reason or "engine is not healthy", headers={"Retry-After": "5"})
-        capacity = settings.max_num_seqs + settings.max_waiting_requests
+        capacity = self.settings.max_num_seqs + self.settings.max_waiting_requests
         if num_sequences > capacity:
             raise APIError(400, f"n: this request needs {num_sequences} sequences (prompts x n), more than the "
                                 f"server holds at once ({capacity})", param="n")
@@ -135,9 +185,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
             raise APIError(503, f"too many requests waiting (capacity {capacity} sequences); retry later",
                            headers={"Retry-After": "1"})
 
-    def prepare(prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
+    def prepare(self, prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
         """Tokenize and check a prompt now, so a bad one is a 400 before anything runs;
         `max_tokens` (None: up to the context) must fit after it, as in vLLM."""
+        engine = self.engine
         text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
         n, limit = len(ids), engine.ready.max_model_len
         check_prompt(ids, vocab_size=engine.ready.vocab_size, max_model_len=limit)
@@ -147,130 +198,111 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
                                 "Please reduce the length of the messages or completion.", param="max_tokens")
         return ids, text
 
-    async def respond(request: Request, result: dict | AsyncIterator[str]) -> Response:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+    # --------------------------------------------------------- endpoints
 
-    async def until_disconnect(request: Request, make: Callable) -> dict | AsyncIterator[str]:
-        """Run a non-streaming request; a client that leaves aborts it at once (the ASGI
-        channel says http.disconnect), so its slots and steps are freed."""
-        task = asyncio.ensure_future(make())
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return {}
-        return task.result()
-
-    async def completions(request: Request) -> Response:
-        body: CompletionRequest = await parse(request, CompletionRequest)
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await self.parse(request, CompletionRequest)
         params = body.to_sampling_params()
         prompts = body.prompts()
-        admit(len(prompts) * params.n)
+        self.admit(len(prompts) * params.n)
         rid = serving.new_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
-            ids, text = prepare(prompt, True, params.max_tokens)
+            ids, text = self.prepare(prompt, True, params.max_tokens)
             jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
-            shape = serving.CompletionShape(engine, body.echo, body.logprobs, body.prompt_logprobs)
-            return serving.completions(engine, rid, jobs, params, model=settings.model_name, shape=shape,
+            shape = serving.CompletionShape(self.engine, body.echo, body.logprobs, body.prompt_logprobs)
+            return serving.completions(self.engine, rid, jobs, params, model=self.settings.model_name, shape=shape,
                                        stream=body.stream, include_usage=include_usage)
 
-        return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
+        return await respond(await (run() if body.stream else until_disconnect(request, run)))
 
-    async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         params = body.to_sampling_params(default_max_tokens=None)
-        admit(params.n)
-        prompt = engine.input_processor.render_chat(body.message_dicts(),
-                                                    add_generation_prompt=body.add_generation_prompt)
-        ids, _ = prepare(prompt, False, params.max_tokens)
+        self.admit(params.n)
+        prompt = self.engine.input_processor.render_chat(body.message_dicts(),
+                                                         add_generation_prompt=body.add_generation_prompt)
+        ids, _ = self.prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
-            return serving.chat(engine, job, params, model=settings.model_name, stream=body.stream,
+            return serving.chat(self.engine, job, params, model=self.settings.model_name, stream=body.stream,
                                 include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
                                 num_prompt_logprobs=body.prompt_logprobs)
 
-        return await respond(request, await (run() if body.stream else until_disconnect(request, run)))
+        return await respond(await (run() if body.stream else until_disconnect(request, run)))
 
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": started, "owned_by": "jaxllm",
-            "max_model_len": engine.ready.max_model_len}]})
+            "id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "jaxllm",
+            "max_model_len": self.engine.ready.max_model_len}]})
 
-    async def health(request: Request) -> Response:
-        if engine.is_healthy():
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_healthy():
             return Response(status_code=200)
-        return error_response(503, engine.dead_reason or "engine core is not making progress")
+        return error_response(503, self.engine.dead_reason or "engine core is not making progress")
 
-    async def version(request: Request) -> Response:
+    async def version(self, request: Request) -> Response:
         return JSONResponse({"version": jaxllm.__version__})
 
-    async def tokenize(request: Request) -> Response:
-        body: TokenizeRequest = await parse(request, TokenizeRequest)
+    async def tokenize(self, request: Request) -> Response:
+        body: TokenizeRequest = await self.parse(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        processor = self.engine.input_processor
         if body.messages is not None:
-            text = engine.input_processor.render_chat(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt)
-            _, ids = engine.input_processor.tokenize(text, add_special_tokens=False)
+            text = processor.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                         add_generation_prompt=body.add_generation_prompt)
+            _, ids = processor.tokenize(text, add_special_tokens=False)
         else:
-            _, ids = engine.input_processor.tokenize(body.prompt, body.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.ready.max_model_len})
+            _, ids = processor.tokenize(body.prompt, body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.ready.max_model_len})
 
-    async def detokenize(request: Request) -> Response:
-        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
-        vocab = engine.ready.vocab_size
+    async def detokenize(self, request: Request) -> Response:
+        body: DetokenizeRequest = await self.parse(request, DetokenizeRequest)
+        vocab = self.engine.ready.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens)})
 
-    async def tokenizer_info(request: Request) -> Response:
-        return JSONResponse(serving.tokenizer_info(engine.tokenizer))
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse(serving.tokenizer_info(self.engine.tokenizer))
 
-    async def metrics(request: Request) -> Response:
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def guarded(handler):
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as e:
-                return e.response()
-            except ValueError as e:
-                return APIError.from_value_error(e).response()
-            except EngineDeadError as e:
-                return error_response(503, str(e))
-            except jinja2.TemplateError as e:  # the chat template refused the messages
-                return error_response(400, f"messages: the chat template failed: {e}", param="messages")
-            except Exception as e:  # noqa: BLE001 - every error leaves as an OpenAI error body
-                logger.exception("error handling %s %s", request.method, request.url.path)
-                return error_response(500, f"internal error: {type(e).__name__}: {e}")
-        return endpoint
+    def routes(self) -> list[Route]:
+        h = self
+        return [
+            Route("/v1/completions", guarded(h.completions), methods=["POST"]),
+            Route("/v1/chat/completions", guarded(h.chat_completions), methods=["POST"]),
+            Route("/v1/models", guarded(h.models), methods=["GET"]),
+            Route("/tokenize", guarded(h.tokenize), methods=["POST"]),
+            Route("/detokenize", guarded(h.detokenize), methods=["POST"]),
+            Route("/tokenizer_info", guarded(h.tokenizer_info), methods=["GET"]),
+            Route("/health", h.health, methods=["GET"]),
+            Route("/version", h.version, methods=["GET"]),
+            Route("/metrics", h.metrics, methods=["GET"]),
+        ]
 
-    routes = [
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/tokenize", guarded(tokenize), methods=["POST"]),
-        Route("/detokenize", guarded(detokenize), methods=["POST"]),
-        Route("/tokenizer_info", guarded(tokenizer_info), methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
+
+async def _not_found(request: Request, exc) -> Response:
+    return error_response(404, f"no route {request.method} {request.url.path}")
+
+
+async def _method_not_allowed(request: Request, exc) -> Response:
+    return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
+    """The Starlette app: the handlers' routes, OpenAI error bodies for unknown routes
+    and methods, API-key auth and the body size limit; shutting down stops the engine."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         yield
@@ -278,16 +310,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         # be stopped here, inside the server's own shutdown.
         await engine.shutdown()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
-
-    async def not_found(request: Request, exc) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}")
-
-    async def method_not_allowed(request: Request, exc) -> Response:
-        return error_response(405, f"method {request.method} not allowed on {request.url.path}")
-
-    app.add_exception_handler(404, not_found)
-    app.add_exception_handler(405, method_not_allowed)
+    app = Starlette(routes=Handlers(engine, settings).routes(), lifespan=lifespan)
+    app.add_exception_handler(404, _not_found)
+    app.add_exception_handler(405, _method_not_allowed)
     app.add_middleware(APIKeyAuth, settings=settings)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     return app
