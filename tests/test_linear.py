@@ -88,15 +88,33 @@ def test_forward_with_packed_weights_matches_plain(test_models_dir, arch):
 
 
 def test_resolve_linear_backend_names(caplog):
-    assert resolve_linear_backend("auto", jnp.float32) == "cpu"
+    import jaxllm.cpu_kernels
+
+    wide = jaxllm.cpu_kernels.vector_lanes() == 16
+    assert resolve_linear_backend("auto", jnp.float32) == ("cpu" if wide else "xla")
+    assert resolve_linear_backend("cpu", jnp.float32) == "cpu"
     assert resolve_linear_backend("xla", jnp.float32) == "xla"
     with caplog.at_level(logging.WARNING, logger="jaxllm.models.linear"):
         assert resolve_linear_backend("auto", jnp.bfloat16) == "xla"
-    assert "needs float32" in caplog.text
+    assert ("needs float32" in caplog.text) == wide  # a narrow build does not try the kernel
     with pytest.raises(ValueError, match="linear_backend 'cpu': it needs float32"):
         resolve_linear_backend("cpu", jnp.bfloat16)
     with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'"):
         resolve_linear_backend("onednn", jnp.float32)
+
+
+def test_auto_prefers_the_kernel_only_where_it_is_built_wide(monkeypatch, caplog):
+    """Built for AVX2 (8 lanes) the dense kernel measured slower than XLA's dot, so auto
+    takes xla there; an explicit cpu still gets the kernel."""
+    import jaxllm.cpu_kernels
+
+    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", lambda: 8)
+    with caplog.at_level(logging.INFO, logger=linear_mod.__name__):
+        assert resolve_linear_backend("auto", jnp.float32) == "xla"
+    assert "8-lane vectors" in caplog.text
+    assert resolve_linear_backend("cpu", jnp.float32) == "cpu"
+    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", lambda: 16)
+    assert resolve_linear_backend("auto", jnp.float32) == "cpu"
 
 
 def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplog):
@@ -106,6 +124,7 @@ def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplo
         raise jaxllm.cpu_kernels.KernelBuildError("no C++ compiler found")
 
     monkeypatch.setattr(jaxllm.cpu_kernels, "load_kernels", no_build)
+    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", no_build)
     with caplog.at_level(logging.WARNING, logger=linear_mod.__name__):
         assert resolve_linear_backend("auto", jnp.float32) == "xla"
     assert "no C++ compiler found" in caplog.text

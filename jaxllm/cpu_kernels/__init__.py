@@ -13,7 +13,7 @@ import jax
 
 from jaxllm.cpu_kernels.build import KernelBuildError, library_path
 
-__all__ = ["KernelBuildError", "TARGETS", "load_kernels"]
+__all__ = ["KernelBuildError", "TARGETS", "load_kernels", "vector_lanes"]
 
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
@@ -37,3 +37,10 @@ def load_kernels() -> str:
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return str(path)
+
+
+@functools.cache
+def vector_lanes() -> int:
+    """float32 lanes of the vectors the library was built for: 16 (AVX-512), 8 (AVX2),
+    4 (SSE, NEON). Builds and loads the library if needed (KernelBuildError)."""
+    return int(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmVectorLanes())

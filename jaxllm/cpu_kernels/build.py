@@ -1,7 +1,8 @@
 """Building the C++ kernels for XLA:CPU (this directory's .cc files) into one shared library.
 
 Built on first use with the machine's C++ compiler (`$CXX`, else c++ / g++ / clang++)
-against the FFI headers of the installed jaxlib, for the host CPU (-march=native), and
+against the FFI headers of the installed jaxlib, for the host CPU (-march=native; or the
+ISA level $JAXLLM_CPU_MARCH names, e.g. x86-64-v3 for AVX2 + FMA), and
 kept in `<cache>/jaxllm-kernels/` keyed by the source, the flags, the compiler, jaxlib
 and the CPU: a later start loads it at once. No compiler, or a failed build, raises
 KernelBuildError with the compiler's message; the `auto` attention and linear backends
@@ -26,7 +27,15 @@ SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY /
            DIRECTORY / "token_scores.cc")
 HEADERS = (DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
 LIBRARY = "cpu-kernels"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+MARCH_ENV = "JAXLLM_CPU_MARCH"  # e.g. x86-64-v3: an AVX2 + FMA build on an AVX-512 machine
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags: for the host CPU, or for the ISA level $JAXLLM_CPU_MARCH names
+    (to measure and test what an older CPU gets)."""
+    march = os.environ.get(MARCH_ENV, "native")
+    return ("-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
 SUBDIR = "jaxllm-kernels"
 
 
@@ -60,7 +69,7 @@ def _key(compiler: str, include_dir: str) -> str:
         raise KernelBuildError(f"{compiler} --version failed: {e}") from e
     h = hashlib.sha256()
     sources = (f.read_bytes() for f in SOURCES + HEADERS)
-    for part in (*sources, repr(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    for part in (*sources, repr(flags()).encode(), version.encode(), jaxlib.__version__.encode(),
                  include_dir.encode(), host_cpu().encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -89,7 +98,7 @@ def library_path() -> Path:
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".so")
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-isystem", include_dir, *map(str, SOURCES), "-o", tmp]
+    cmd = [compiler, *flags(), "-isystem", include_dir, *map(str, SOURCES), "-o", tmp]
     logger.info("building the CPU kernels: %s", " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -32,22 +32,75 @@
 
 namespace ffi = xla::ffi;
 using jaxllm::f32x16;
+using jaxllm::f32xN;
 using jaxllm::load;
+using jaxllm::loadN;
+using jaxllm::splatN;
+using jaxllm::storeN;
 using jaxllm::splat;
 using jaxllm::store;
 
 namespace {
 
 constexpr int kPanel = 32;          // columns per packed panel: two vectors
-constexpr int kTileRows = 12;       // rows of the register tile: 24 accumulators
+constexpr int kTileRows = 12;       // rows of a packed tile of x
 constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
 
+// The register tile fits the register file of the ISA the library is built for: with
+// AVX-512's 32 registers of 16 lanes, all 12 rows x 32 columns at once (24 accumulators);
+// elsewhere (AVX2's 16 registers of 8 lanes, NEON's 32 of 4) that tile would spill, so
+// 6 rows x 16 columns at a time (12 AVX2 or 24 NEON accumulators), four passes per tile.
+// Each output is the same sum in the same order either way.
+#ifdef __AVX512F__
+constexpr bool kWideTile = true;
+#else
+constexpr bool kWideTile = false;
+#endif
+constexpr int kNarrowRows = 6;
 
-// y[R, cols] = xt @ panel for the R rows of one packed tile xt[K][kTileRows]; cols <= 32
-// (the last panel of a matrix whose width is not a multiple of 32).
+// out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
+// in vectors of the native width (f32xN: 2 per 16 columns with AVX2, 4 with NEON).
+template <int G>
+void narrow_tile(const float* xt, int g, const float* panel, int h, int64_t K, float* out, const float* prefetch) {
+  constexpr int V = 16 / jaxllm::kLanes;
+  f32xN acc[G][V];
+  for (int i = 0; i < G; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = f32xN{};
+  for (int64_t k = 0; k < K; ++k) {
+    f32xN w[V];
+    for (int v = 0; v < V; ++v) w[v] = loadN(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
+    if (prefetch) {
+      __builtin_prefetch(prefetch + k * kPanel);
+      __builtin_prefetch(prefetch + k * kPanel + 16);
+    }
+    for (int i = 0; i < G; ++i) {
+      const f32xN xv = splatN(xt[k * kTileRows + g + i]);
+      for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + 16 * h + v * jaxllm::kLanes, acc[i][v]);
+}
+
+template <int R>
+void narrow_tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
+                             const float* prefetch) {
+  constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
+  float out[kTileRows * kPanel];
+  for (int h = 0; h < 2; ++h) {
+    narrow_tile<G1>(xt, 0, panel, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
+    if constexpr (G2 > 0) narrow_tile<G2>(xt, G1, panel, h, K, out, nullptr);
+  }
+  for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
+}
+
 template <int R>
 void tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
                       const float* prefetch) {
+  if constexpr (!kWideTile) {
+    narrow_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
+    return;
+  }
   f32x16 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splat(0.f);
   for (int64_t k = 0; k < K; ++k) {
@@ -150,3 +203,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, Dense,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels [N/32 rounded up, K, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+// The vector width (float32 lanes) the library was built for: jaxllm.models.linear
+// prefers this kernel to XLA's dot only where its wide tile runs (16 lanes).
+extern "C" int JaxllmVectorLanes() { return jaxllm::kLanes; }

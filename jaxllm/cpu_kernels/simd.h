@@ -20,6 +20,26 @@ inline f32x16 load(const float* p) {
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+// One register of the ISA the library is built for: 16 lanes with AVX-512, 8 with AVX,
+// 4 otherwise (SSE, NEON). Kernels whose inner loop must stay in registers use it: GCC
+// lowers f32x16 on AVX2 through the stack (10x slower in the dense kernel).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float f32xN __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline f32xN loadN(const float* p) {
+  f32xN v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storeN(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
+inline f32xN splatN(float x) { return f32xN{} + x; }
+
 inline f32x16 select(i32x16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
 
 inline f32x16 vmax(f32x16 a, f32x16 b) { return select(a > b, a, b); }

@@ -86,9 +86,27 @@ def pack_params(params: ModelParams) -> ModelParams:
 def resolve_linear_backend(name: str, dtype) -> str:
     """The backend `name` means for this compute dtype on this platform; an explicit
     choice that cannot work raises ValueError saying why."""
-    preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
+    preference = ["xla"]
+    if jax.default_backend() == "cpu":
+        preference = ["cpu", "xla"] if _kernel_is_wide() else ["xla"]
     unavailable = lambda backend: _cpu_backend_unavailable(dtype) if backend == "cpu" else None  # noqa: E731
     return choose_backend("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
+
+
+def _kernel_is_wide() -> bool:
+    """Whether `auto` should try the dense kernel first: only where it was built with
+    16-lane vectors (AVX-512), its 12 x 32 register tile. Built for AVX2 it reached
+    0.7-0.8x XLA's dot on SmolLM2's shapes (AMD EPYC Zen 4, -march=x86-64-v3 and XLA
+    capped at AVX2, scripts/bench_linear.py), so there `auto` takes XLA's dot and
+    `linear_backend="cpu"` stays available."""
+    try:
+        lanes = cpu_kernels.vector_lanes()
+    except cpu_kernels.KernelBuildError:
+        return True  # the cpu backend is unavailable anyway: choose_backend says why
+    if lanes < 16:
+        logger.info("linear_backend auto: xla, not cpu: the dense kernel is built for %d-lane vectors, "
+                    "where XLA's dot measured faster", lanes)
+    return lanes >= 16
 
 
 def _cpu_backend_unavailable(dtype) -> str | None:
