@@ -335,6 +335,39 @@ def test_scoring_reuses_a_cached_context(test_models_dir):
     assert_no_leaks(cached)
 
 
+def test_partly_shared_prompts_under_pressure_equal_an_uncached_run(pressured, test_models_dir):
+    """Prompts sharing contexts of every length (inside a block, across blocks), some
+    scoring their prompt, some generating, in a pool small enough to preempt and to hand
+    out the blocks others copy from: every token and prompt logprob equals a run without
+    prefix caching."""
+    rng = np.random.default_rng(11)
+    contexts = [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 16, 23, 41)]
+    prompts, params = [], []
+    for i in range(20):
+        context = contexts[i % len(contexts)]
+        prompts.append(context[:int(rng.integers(len(context) // 2, len(context) + 1))]
+                       + [int(t) for t in rng.integers(3, 500, int(rng.integers(1, 6)))])
+        params.append(SamplingParams(max_tokens=int(i % 3 == 0), prompt_logprobs=1) if i % 2
+                      else greedy(int(rng.integers(20, 60))))
+    core = pressured.llm_engine.core
+    preemptions, copies = core.scheduler.num_preemptions, []
+    apply = core.runner.apply_block_copies
+    core.runner.apply_block_copies = lambda pairs: (copies.extend(pairs), apply(pairs))
+    try:
+        cached = pressured.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.runner.apply_block_copies = apply
+    assert copies and core.scheduler.num_preemptions > preemptions  # both paths were taken
+    plain = make_llm(test_models_dir, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    for got, want in zip(cached, plain):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+        for g, w in zip((got.prompt_logprobs or [])[1:], (want.prompt_logprobs or [])[1:]):
+            assert list(g) == list(w)
+            np.testing.assert_allclose([x.logprob for x in g.values()], [x.logprob for x in w.values()], atol=5e-5)
+    assert_no_leaks(pressured)
+
+
 def penalized_greedy(test_models_dir, prompt, n, repetition_penalty=1.0, frequency_penalty=0.0,
                      presence_penalty=0.0) -> list[int]:
     """The penalties' rule step by step in numpy over HF's float64 logits: repetition
