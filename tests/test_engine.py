@@ -347,7 +347,7 @@ def test_partly_shared_prompts_under_pressure_equal_an_uncached_run(pressured, t
         context = contexts[i % len(contexts)]
         prompts.append(context[:int(rng.integers(len(context) // 2, len(context) + 1))]
                        + [int(t) for t in rng.integers(3, 500, int(rng.integers(1, 6)))])
-        params.append(SamplingParams(max_tokens=int(i % 3 == 0), prompt_logprobs=1) if i % 2
+        params.append(SamplingParams(max_tokens=int(i % 3 == 0), prompt_logprobs=1, temperature=0) if i % 2
                       else greedy(int(rng.integers(20, 60))))
     core = pressured.llm_engine.core
     preemptions, copies = core.scheduler.num_preemptions, []
