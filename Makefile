@@ -37,6 +37,8 @@ test-slow: setup-dev
 # Everything in docs/benchmarks.md, into bench_results/ (about 50 min on 2 cores).
 bench: setup-dev
 	$(PY) scripts/bench_kv_cache_manager.py
+	$(PY) scripts/bench_linear.py
+	$(PY) scripts/bench_linear.py --isa avx2
 	$(PY) scripts/bench_throughput.py --out bench_results/throughput.json
 	test -f build/smollm2-f32.gguf || $(PY) scripts/export_gguf.py build/smollm2-f32.gguf
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 \

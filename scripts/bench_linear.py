@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -64,6 +65,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     env = ISAS[args.isa]
+    if env and platform.machine() not in ("x86_64", "AMD64"):
+        print(f"--isa {args.isa}: an x86-64 build; this machine is {platform.machine()}, skipped")
+        return
     if any(os.environ.get(key) != value for key, value in env.items()):
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **env}))
     with open("/proc/cpuinfo") as f:
