@@ -20,13 +20,12 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxllm::f32x16;
-using jaxllm::i32x16;
-using jaxllm::load;
+using jaxllm::f32xN;  // the native width (simd.h): 16-lane vectors without AVX-512 go through the stack
+using jaxllm::i32xN;
+using jaxllm::kLanes;
+using jaxllm::loadN;
 
 namespace {
-
-constexpr int kLanes = 16;
 
 // Whether v comes before `best` in argmax order: greater, or a NaN against a number.
 inline bool beats(float v, float best) { return v > best || (std::isnan(v) && !std::isnan(best)); }
@@ -37,14 +36,14 @@ int32_t row_argmax(const float* row, int64_t V) {
   float best = row[0];
   int64_t i = 0;
   if (V >= kLanes) {
-    f32x16 vbest = load(row);
-    i32x16 vindex;
+    f32xN vbest = loadN(row);
+    i32xN vindex;
     for (int l = 0; l < kLanes; ++l) vindex[l] = l;
-    i32x16 lane_index = vindex;
+    i32xN lane_index = vindex;
     for (i = kLanes; i + kLanes <= V; i += kLanes) {
-      const f32x16 v = load(row + i);
+      const f32xN v = loadN(row + i);
       lane_index += kLanes;
-      const i32x16 take = (v > vbest) | ((v != v) & (vbest == vbest));  // beats, per lane
+      const i32xN take = (v > vbest) | ((v != v) & (vbest == vbest));  // beats, per lane
       vbest = take ? v : vbest;
       vindex = take ? lane_index : vindex;
     }

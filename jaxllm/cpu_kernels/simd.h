@@ -24,13 +24,15 @@ inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x,
 // 4 otherwise (SSE, NEON). Kernels whose inner loop must stay in registers use it: GCC
 // lowers f32x16 on AVX2 through the stack (10x slower in the dense kernel).
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
+#define JAXLLM_LANES 16
 #elif defined(__AVX__)
-constexpr int kLanes = 8;
+#define JAXLLM_LANES 8
 #else
-constexpr int kLanes = 4;
+#define JAXLLM_LANES 4
 #endif
+constexpr int kLanes = JAXLLM_LANES;
 typedef float f32xN __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t i32xN __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline f32xN loadN(const float* p) {
   f32xN v;
@@ -60,27 +62,58 @@ inline float hsum(f32x16 v) {
 // exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6
 // polynomial, 2^n by exponent bits); about 1 ulp. Lanes below -87.3 give ~1e-38,
 // callers zero the masked ones.
-inline f32x16 vexp(f32x16 x) {
-  x = select(x < -87.3f, splat(-87.3f), x);
-  x = select(x > 88.3f, splat(88.3f), x);
-  f32x16 y = x * 1.44269504088896341f + 0.5f;
-  i32x16 n = __builtin_convertvector(y, i32x16);  // truncates toward zero
-  f32x16 nf = __builtin_convertvector(n, f32x16);
-  i32x16 too_big = nf > y;  // -1 where truncation rounded up (negative y): floor
+template <class F, class I>
+inline F vexp_of(F x) {
+  x = (x < -87.3f) ? F{} - 87.3f : x;
+  x = (x > 88.3f) ? F{} + 88.3f : x;
+  F y = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(y, I);  // truncates toward zero
+  F nf = __builtin_convertvector(n, F);
+  I too_big = nf > y;  // -1 where truncation rounded up (negative y): floor
   n += too_big;
-  nf = __builtin_convertvector(n, f32x16);
-  f32x16 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
+  nf = __builtin_convertvector(n, F);
+  F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  i32x16 bits = (n + 127) << 23;
-  f32x16 two_n;
+  I bits = (n + 127) << 23;
+  F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
 }
+
+
+inline f32x16 vexp(f32x16 x) { return vexp_of<f32x16, i32x16>(x); }
+
+#if JAXLLM_LANES < 16
+// The same on vectors of the native width (kernels whose loops must stay in registers).
+inline f32xN vexp(f32xN x) { return vexp_of<f32xN, i32xN>(x); }
+inline f32xN vmax(f32xN a, f32xN b) { return a > b ? a : b; }
+#if JAXLLM_LANES == 8
+inline float hmax(f32xN v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  return std::max(v[0], v[1]);
+}
+inline float hsum(f32xN v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+}
+#else
+inline float hmax(f32xN v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+  return std::max(v[0], v[1]);
+}
+inline float hsum(f32xN v) {
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  return v[0] + v[1];
+}
+#endif
+#endif
 
 }  // namespace jaxllm

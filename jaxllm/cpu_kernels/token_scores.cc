@@ -11,8 +11,10 @@
 // thread each, log_softmax materializing a second 100 MB array); here each row is read
 // twice (the second time from L2), on all threads.
 //
-// Per row, pass 1 (16 lanes): the running maximum, the count of values above x[t], and
-// the top K kept sorted (a block of 16 is looked at lane by lane only when one of its
+// Per row, pass 1 (in vectors of the native width: 16 lanes with AVX-512, 8 with AVX2;
+// 16-lane vectors without AVX-512 are lowered through the stack by GCC): the running
+// maximum, the count of values above x[t], and
+// the top K kept sorted (a block is looked at lane by lane only when one of its
 // values beats the current K-th). Pass 2: the sum of exp(x - max). Logits are assumed
 // finite (they come from a matmul).
 //
@@ -28,25 +30,27 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxllm::f32x16;
+using jaxllm::f32xN;  // the native width: f32x16 with AVX-512, 8 lanes with AVX2 (simd.h)
 using jaxllm::hmax;
 using jaxllm::hsum;
-using jaxllm::i32x16;
-using jaxllm::load;
-using jaxllm::splat;
+using jaxllm::i32xN;
+using jaxllm::kLanes;
+using jaxllm::loadN;
+using jaxllm::splatN;
 using jaxllm::vexp;
 using jaxllm::vmax;
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kMaxTop = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline bool any(i32x16 mask) {
-  uint64_t w[8];
+inline bool any(i32xN mask) {
+  uint64_t w[sizeof(i32xN) / 8];
   std::memcpy(w, &mask, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0;
+  uint64_t bits = 0;
+  for (uint64_t x : w) bits |= x;
+  return bits != 0;
 }
 
 // The K largest values seen so far, descending; a value equal to one already kept goes
@@ -81,15 +85,15 @@ RowScore score_row(const float* row, int64_t V, int32_t target, TopK& top) {
   float m = kNegInf;
   int64_t above = 0;
   if (V >= kLanes) {
-    f32x16 vm = splat(kNegInf);
-    i32x16 vabove = {};
-    const f32x16 vt = splat(xt);
+    f32xN vm = splatN(kNegInf);
+    i32xN vabove = {};
+    const f32xN vt = splatN(xt);
     float thr = top.threshold();
     for (; i + kLanes <= V; i += kLanes) {
-      const f32x16 v = load(row + i);
+      const f32xN v = loadN(row + i);
       vm = vmax(vm, v);
       vabove -= v > vt;  // a true lane is -1
-      if (any(v > splat(thr))) {
+      if (any(v > splatN(thr))) {
         for (int l = 0; l < kLanes; ++l) top.offer(v[l], static_cast<int32_t>(i + l));
         thr = top.threshold();
       }
@@ -102,13 +106,23 @@ RowScore score_row(const float* row, int64_t V, int32_t target, TopK& top) {
     above += row[j] > xt;
     top.offer(row[j], static_cast<int32_t>(j));
   }
+  // The sum goes 16 values at a time in 16 / kLanes chains, added up as AVX-512's one
+  // 16-lane chain is: the same float sum whatever the build's vector width.
+  constexpr int kChains = 16 / kLanes;
   float sum = 0.f;
   i = 0;
-  if (V >= kLanes) {
-    f32x16 vs = {};
-    const f32x16 vm = splat(m);
-    for (; i + kLanes <= V; i += kLanes) vs += vexp(load(row + i) - vm);
-    sum = hsum(vs);
+  if (V >= 16) {
+    f32xN vs[kChains] = {};
+    const f32xN vm = splatN(m);
+    for (; i + 16 <= V; i += 16)
+      for (int c = 0; c < kChains; ++c) vs[c] += vexp(loadN(row + i + c * kLanes) - vm);
+    if constexpr (kChains == 4) {
+      sum = hsum((vs[0] + vs[2]) + (vs[1] + vs[3]));
+    } else if constexpr (kChains == 2) {
+      sum = hsum(vs[0] + vs[1]);
+    } else {
+      sum = hsum(vs[0]);
+    }
   }
   for (; i < V; ++i) sum += std::exp(row[i] - m);
   const float lse = m + std::log(sum);
