@@ -71,8 +71,11 @@ def main() -> None:
     if any(os.environ.get(key) != value for key, value in env.items()):
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **env}))
     with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"machine: {model}; build: {args.isa} {env or '(-march=native)'}")
+        lines = f.readlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    isa = "AVX-512" if " avx512f" in flags else "AVX2 only" if " avx2" in flags else "no AVX2"
+    print(f"machine: {model} ({isa}); build: {args.isa} {env or '(-march=native)'}")
     run([int(r) for r in args.rows.split(",")], args.iters)
 
 

@@ -95,12 +95,8 @@ void narrow_tile_times_panel(const float* xt, const float* panel, int64_t K, flo
 }
 
 template <int R>
-void tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
-                      const float* prefetch) {
-  if constexpr (!kWideTile) {
-    narrow_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
-    return;
-  }
+void wide_tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
+                           const float* prefetch) {
   f32x16 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splat(0.f);
   for (int64_t k = 0; k < K; ++k) {
@@ -127,6 +123,17 @@ void tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, 
     store(row, acc0[i]);
     store(row + 16, acc1[i]);
     std::memcpy(y + i * ldy, row, cols * sizeof(float));
+  }
+}
+
+// The tile this build runs (the other is never instantiated).
+template <int R>
+void tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
+                      const float* prefetch) {
+  if constexpr (kWideTile) {
+    wide_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
+  } else {
+    narrow_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
   }
 }
 
