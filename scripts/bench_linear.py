@@ -14,13 +14,10 @@ set before JAX starts). Say which machine and which build a number came from.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
-import sys
 import time
 
-ISAS = {"native": {}, "avx2": {"JAXLLM_CPU_MARCH": "x86-64-v3", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}}
+from isa_build import ISAS, describe, reexec
+
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M: [K, N]
 
 
@@ -64,18 +61,9 @@ def main() -> None:
     p.add_argument("--rows", default="8,32,64,128,512", help="M values (tokens in a step)")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
-    env = ISAS[args.isa]
-    if env and platform.machine() not in ("x86_64", "AMD64"):
-        print(f"--isa {args.isa}: an x86-64 build; this machine is {platform.machine()}, skipped")
+    if not reexec(args.isa):
         return
-    if any(os.environ.get(key) != value for key, value in env.items()):
-        sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **env}))
-    with open("/proc/cpuinfo") as f:
-        lines = f.readlines()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    isa = "AVX-512" if " avx512f" in flags else "AVX2 only" if " avx2" in flags else "no AVX2"
-    print(f"machine: {model} ({isa}); build: {args.isa} {env or '(-march=native)'}")
+    print(describe(args.isa))
     run([int(r) for r in args.rows.split(",")], args.iters)
 
 

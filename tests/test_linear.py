@@ -172,3 +172,25 @@ def test_set_params_lays_out_loaded_weights_and_rejects_other_shapes(test_models
     with pytest.raises(ValueError, match="do not match the shapes"):
         runner.set_params(wrong)
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_vector_lanes_match_the_build():
+    """The library reports the vector width it was built for: the ISA level
+    $JAXLLM_CPU_MARCH names, else the host's (tests/test_kernel_builds.py runs this under
+    the other x86-64 builds)."""
+    import os
+    import platform
+
+    import jaxllm.cpu_kernels
+
+    march = os.environ.get("JAXLLM_CPU_MARCH", "native")
+    if march == "x86-64-v3":
+        want = 8
+    elif march == "x86-64":
+        want = 4
+    elif platform.machine() in ("x86_64", "AMD64"):
+        flags = open("/proc/cpuinfo").read()
+        want = 16 if " avx512f" in flags else 8 if " avx" in flags else 4
+    else:
+        pytest.skip("native width of a non-x86 CPU")
+    assert jaxllm.cpu_kernels.vector_lanes() == want

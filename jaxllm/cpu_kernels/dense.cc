@@ -31,14 +31,10 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxllm::f32x16;
 using jaxllm::f32xN;
-using jaxllm::load;
 using jaxllm::loadN;
 using jaxllm::splatN;
 using jaxllm::storeN;
-using jaxllm::splat;
-using jaxllm::store;
 
 namespace {
 
@@ -97,31 +93,32 @@ void narrow_tile_times_panel(const float* xt, const float* panel, int64_t K, flo
 template <int R>
 void wide_tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
                            const float* prefetch) {
-  f32x16 acc0[R], acc1[R];
-  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splat(0.f);
+  static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
+  f32xN acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
   for (int64_t k = 0; k < K; ++k) {
-    const f32x16 w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + 16);
+    const f32xN w0 = loadN(panel + k * kPanel), w1 = loadN(panel + k * kPanel + 16);
     if (prefetch) {
       __builtin_prefetch(prefetch + k * kPanel);
       __builtin_prefetch(prefetch + k * kPanel + 16);
     }
     for (int i = 0; i < R; ++i) {
-      const f32x16 xv = splat(xt[k * kTileRows + i]);
+      const f32xN xv = splatN(xt[k * kTileRows + i]);
       acc0[i] += xv * w0;
       acc1[i] += xv * w1;
     }
   }
   if (cols == kPanel) {
     for (int i = 0; i < R; ++i) {
-      store(y + i * ldy, acc0[i]);
-      store(y + i * ldy + 16, acc1[i]);
+      storeN(y + i * ldy, acc0[i]);
+      storeN(y + i * ldy + 16, acc1[i]);
     }
     return;
   }
   float row[kPanel];
   for (int i = 0; i < R; ++i) {
-    store(row, acc0[i]);
-    store(row + 16, acc1[i]);
+    storeN(row, acc0[i]);
+    storeN(row + 16, acc1[i]);
     std::memcpy(y + i * ldy, row, cols * sizeof(float));
   }
 }

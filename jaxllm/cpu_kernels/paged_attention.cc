@@ -13,20 +13,25 @@
 // Items run on XLA's intra-op thread pool (the caller takes items too), longest first.
 // An item walks its keys in chunks of 64 tokens (any block size: each token's row is
 // found through the block table), one online-softmax step per chunk and query (running
-// max and sum, float32), per KV head:
+// max and sum, float32), per KV head. A chunk is kTiles tiles of kLanes keys, kLanes
+// being the float32 lanes of one register of the ISA the library is built for (16 with
+// AVX-512, 8 with AVX2, 4 with SSE or NEON: simd.h), so every loop below keeps its
+// accumulators in registers on each:
 // - decode path (fewer than kManyQueries queries per KV head): the scores of the head's
-//   query group as dot products along head_dim, 16 keys' partial sums folded into one
-//   vector; the same loop prefetches the rows it will read one chunk later;
-// - prefill path: K of the chunk transposed once (16x16 in-register transposes), then
-//   scores for 8 queries at a time (one key vector, eight broadcast FMAs per head_dim
-//   step) and values for a block of queries at a time: two small matrix products.
+//   query group as dot products along head_dim, a tile's kLanes partial-sum vectors
+//   folded into one vector; the same loop prefetches the rows it will read one chunk
+//   later;
+// - prefill path: K of the chunk transposed once (kLanes x kLanes in-register
+//   transposes), then scores for 8 queries at a time (one key vector, eight broadcast
+//   FMAs per head_dim step) and values for a block of queries at a time: two small
+//   matrix products.
 // Measured on a 2-core Xeon, SmolLM2 shapes, 30 layers of KV out of cache: a decode of
 // 64 sequences of ~400 tokens reads its 1.18 GB at ~19 GB/s (streaming reads reach
-// ~29); a 448-token prefill chunk runs at ~150 GFLOP/s.
+// ~29); a 448-token prefill chunk runs at ~150 GFLOP/s. scripts/bench_attention.py
+// measures it against the XLA backend under the native and the AVX2 build.
 //
-// Portable C++17 with GCC/Clang vector extensions (16 x float32 = one AVX-512 register,
-// two AVX2 or four NEON registers); built by jaxllm/cpu_kernels/build.py with
-// -O3 -march=native against the installed jaxlib's FFI headers.
+// Portable C++17 with GCC/Clang vector extensions; built by jaxllm/cpu_kernels/build.py
+// with -O3 -march=native (or $JAXLLM_CPU_MARCH) against the installed jaxlib's FFI headers.
 
 #include <algorithm>
 #include <cmath>
@@ -40,52 +45,104 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxllm::f32x16;
 using jaxllm::hmax;
 using jaxllm::hsum;
-using jaxllm::i32x16;
-using jaxllm::load;
+using jaxllm::kLanes;
 using jaxllm::parallel_for;
-using jaxllm::select;
-using jaxllm::splat;
-using jaxllm::store;
 using jaxllm::vexp;
 using jaxllm::vmax;
+using V = jaxllm::f32xN;  // one register of float32
+using M = jaxllm::i32xN;  // its lane mask
 
 namespace {
 
-constexpr int kTile = 16;     // key tokens per tile: the lanes of one vector
-constexpr int kTiles = 4;     // tiles per chunk: the keys of one online-softmax step
-constexpr int kChunk = kTile * kTiles;
-constexpr int kRowTile = 32;  // query rows of one prefill item
+inline V load(const float* p) { return jaxllm::loadN(p); }
+inline void store(float* p, V v) { jaxllm::storeN(p, v); }
+inline V splat(float x) { return jaxllm::splatN(x); }
+inline V select(M mask, V a, V b) { return mask ? a : b; }
+
+constexpr int kTile = kLanes;  // key tokens per tile: the lanes of one vector
+constexpr int kChunk = 64;     // keys of one online-softmax step
+constexpr int kTiles = kChunk / kTile;
+constexpr int kRowTile = 32;   // query rows of one prefill item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Vector registers the ISA has (AVX2 and SSE 16, AVX-512 and NEON 32); loops keep at
+// most about 3/4 of them as accumulators.
+#if JAXLLM_LANES == 16 || defined(__aarch64__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+constexpr int kAccumulators = kRegisters * 3 / 4;
 
-// Sixteen vectors of partial dot products -> one vector of their sums. Input slot i
-// must hold token kBitReverse[i]'s partials for lane j of the result to be token j.
-constexpr int kBitReverse[kTile] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// Two vectors' lanes interleaved in blocks of B: lo takes the even blocks of a and b,
+// hi the odd ones (a's block, then b's, in turn). They are the stages of the tile
+// reduction and of the in-register transpose.
+#if JAXLLM_LANES == 16
+#define JAXLLM_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define JAXLLM_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define JAXLLM_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define JAXLLM_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define JAXLLM_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define JAXLLM_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define JAXLLM_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define JAXLLM_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#elif JAXLLM_LANES == 8
+#define JAXLLM_LO1 0, 8, 2, 10, 4, 12, 6, 14
+#define JAXLLM_HI1 1, 9, 3, 11, 5, 13, 7, 15
+#define JAXLLM_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define JAXLLM_HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define JAXLLM_LO4 0, 1, 2, 3, 8, 9, 10, 11
+#define JAXLLM_HI4 4, 5, 6, 7, 12, 13, 14, 15
+#else
+#define JAXLLM_LO1 0, 4, 2, 6
+#define JAXLLM_HI1 1, 5, 3, 7
+#define JAXLLM_LO2 0, 1, 4, 5
+#define JAXLLM_HI2 2, 3, 6, 7
+#endif
+template <int B>
+inline void interleave(V a, V b, V& lo, V& hi) {
+  if constexpr (B == 1) {
+    lo = __builtin_shufflevector(a, b, JAXLLM_LO1);
+    hi = __builtin_shufflevector(a, b, JAXLLM_HI1);
+  } else if constexpr (B == 2) {
+    lo = __builtin_shufflevector(a, b, JAXLLM_LO2);
+    hi = __builtin_shufflevector(a, b, JAXLLM_HI2);
+#if JAXLLM_LANES >= 8
+  } else if constexpr (B == 4) {
+    lo = __builtin_shufflevector(a, b, JAXLLM_LO4);
+    hi = __builtin_shufflevector(a, b, JAXLLM_HI4);
+#endif
+#if JAXLLM_LANES >= 16
+  } else if constexpr (B == 8) {
+    lo = __builtin_shufflevector(a, b, JAXLLM_LO8);
+    hi = __builtin_shufflevector(a, b, JAXLLM_HI8);
+#endif
+  }
+}
 
-inline f32x16 fold8(f32x16 a, f32x16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// kLanes vectors of partial dot products -> one vector of their sums, halving the
+// vectors and the lanes each stage. Input slot i must hold token bit_reverse(i)'s
+// partials for lane j of the result to be token j.
+constexpr int bit_reverse(int i) {
+  int r = 0;
+  for (int b = 1; b < kLanes; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
 }
-inline f32x16 fold4(f32x16 a, f32x16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+template <int B>
+inline void fold_stage(V* v, int n) {  // n vectors -> n / 2
+  for (int i = 0; i < n / 2; ++i) {
+    V lo, hi;
+    interleave<B>(v[2 * i], v[2 * i + 1], lo, hi);
+    v[i] = lo + hi;
+  }
 }
-inline f32x16 fold2(f32x16 a, f32x16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline f32x16 fold1(f32x16 a, f32x16 b) {
-  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-inline f32x16 reduce16(const f32x16* v) {
-  f32x16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = fold8(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) b[i] = fold4(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) c[i] = fold2(b[2 * i], b[2 * i + 1]);
-  return fold1(c[0], c[1]);
+inline V reduce_tile(V* v) {  // v[kLanes], overwritten
+  if constexpr (kLanes >= 16) fold_stage<8>(v, kLanes);
+  if constexpr (kLanes >= 8) fold_stage<4>(v, kLanes >= 16 ? 8 : kLanes);
+  fold_stage<2>(v, 4);
+  fold_stage<1>(v, 2);
+  return v[0];
 }
 
 struct Problem {
@@ -114,27 +171,31 @@ struct Item {
   int64_t cost;
 };
 
-const i32x16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+M iota() {
+  M v{};
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
+const M kIota = iota();  // 0, 1, ..., kLanes - 1
 
-// Which of the 16 keys at positions t0.. (ntok of them real) a query at qpos sees.
-inline i32x16 visible_keys(int64_t t0, int ntok, int64_t qpos, int32_t window) {
-  const i32x16 pos = kIota + static_cast<int32_t>(t0);
-  i32x16 vis = (kIota < ntok) & (pos <= static_cast<int32_t>(qpos));
+// Which of the kTile keys at positions t0.. (ntok of them real) a query at qpos sees.
+inline M visible_keys(int64_t t0, int ntok, int64_t qpos, int32_t window) {
+  const M pos = kIota + static_cast<int32_t>(t0);
+  M vis = (kIota < ntok) & (pos <= static_cast<int32_t>(qpos));
   if (window > 0) vis &= pos > static_cast<int32_t>(qpos - window);
   return vis;
 }
 
-inline void visible_chunk(int64_t t0, int ntok, int ntiles, int64_t qpos, int32_t window, i32x16* vis) {
+inline void visible_chunk(int64_t t0, int ntok, int ntiles, int64_t qpos, int32_t window, M* vis) {
   for (int j = 0; j < ntiles; ++j) vis[j] = visible_keys(t0 + j * kTile, ntok - j * kTile, qpos, window);
 }
 
-// Folds one chunk's scores (ntiles vectors of 16 keys) of a query into its online
+// Folds one chunk's scores (ntiles vectors of kTile keys) of a query into its online
 // softmax (running max m, sum l, unnormalized output o of D floats); the probabilities
 // go to p (zeros where not visible). False, state untouched, if it sees no key here.
 template <int D>
-inline bool softmax_update(f32x16* s, const i32x16* vis, int ntiles, float soft_cap, float& m, float& l, float* o,
-                           float* p) {
-  f32x16 mx = splat(kNegInf);
+inline bool softmax_update(V* s, const M* vis, int ntiles, float soft_cap, float& m, float& l, float* o, float* p) {
+  V mx = splat(kNegInf);
   for (int j = 0; j < ntiles; ++j) {
     if (soft_cap > 0.f)
       for (int i = 0; i < kTile; ++i) s[j][i] = soft_cap * std::tanh(s[j][i] / soft_cap);
@@ -148,77 +209,85 @@ inline bool softmax_update(f32x16* s, const i32x16* vis, int ntiles, float soft_
   }
   const float m_new = std::max(m, mxs);
   const float scale = m == kNegInf ? 0.f : std::exp(m - m_new);
-  f32x16 sum = splat(0.f);
+  V sum = splat(0.f);
   for (int j = 0; j < ntiles; ++j) {
-    const f32x16 pv = select(vis[j], vexp(s[j] - m_new), splat(0.f));
+    const V pv = select(vis[j], vexp(s[j] - m_new), splat(0.f));
     sum += pv;
     store(p + j * kTile, pv);
   }
   l = l * scale + hsum(sum);
   m = m_new;
   if (scale != 1.f)
-    for (int c = 0; c < D / 16; ++c) store(o + 16 * c, load(o + 16 * c) * scale);
+    for (int c = 0; c < D / kLanes; ++c) store(o + kLanes * c, load(o + kLanes * c) * scale);
   return true;
 }
 
+// o[G][D] += p[G][t] * v_t over the chunk's ntok value rows, GV queries' accumulators at
+// a time (as many as fit the registers; a value row is loaded once per GV queries).
+template <int D, int G>
+inline void accumulate_values(const float* const* vrow, int ntok, const float (*p)[kChunk], float* o) {
+  constexpr int C = D / kLanes;
+  constexpr int GV = G * C <= kAccumulators ? G : std::max(1, kAccumulators / C);
+  for (int g0 = 0; g0 < G; g0 += GV) {
+    V acc[GV][C];
+    for (int g = 0; g < GV; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = g0 + g < G ? load(o + (g0 + g) * D + kLanes * c) : splat(0.f);
+    for (int t = 0; t < ntok; ++t) {
+      V vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + kLanes * c);
+      for (int g = 0; g < GV; ++g) {
+        const V w = splat(g0 + g < G ? p[g0 + g][t] : 0.f);
+        for (int c = 0; c < C; ++c) acc[g][c] += w * vv[c];
+      }
+    }
+    for (int g = 0; g < GV && g0 + g < G; ++g)
+      for (int c = 0; c < C; ++c) store(o + (g0 + g) * D + kLanes * c, acc[g][c]);
+  }
+}
+
 // Decode path: one KV head's GT query vectors (of one row) against a chunk of keys.
-// Scores as dot products along D, each tile's 16 partial-sum vectors folded into one.
+// Scores as dot products along D, each tile's kLanes partial-sum vectors folded into one.
 template <int D, int GT>
 inline void attend_chunk(const Problem& pb, const float* q, const float* const* krow, const float* const* vrow,
-                         const float* const* knext, const float* const* vnext, int ntok, int ntiles,
-                         const i32x16* vis, float* o, float* m, float* l) {
-  constexpr int C = D / 16;
-  f32x16 s[GT][kTiles];
-  {
-    f32x16 qv[GT][C];
-    for (int g = 0; g < GT; ++g)
-      for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + 16 * c);
-    for (int j = 0; j < ntiles; ++j) {
-      f32x16 part[GT][kTile];
-      for (int t = 0; t < kTile; ++t) {
-        f32x16 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = load(krow[j * kTile + t] + 16 * c);
-        if (knext != nullptr)  // what the same loop reads one chunk later: a chunk's distance ahead
-          for (int c = 0; c < C; ++c) {
-            __builtin_prefetch(knext[j * kTile + t] + 16 * c);
-            __builtin_prefetch(vnext[j * kTile + t] + 16 * c);
-          }
-        for (int g = 0; g < GT; ++g) {
-          f32x16 acc = qv[g][0] * kv[0];
-          for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
-          part[g][kBitReverse[t]] = acc;
+                         const float* const* knext, const float* const* vnext, int ntok, int ntiles, const M* vis,
+                         float* o, float* m, float* l) {
+  constexpr int C = D / kLanes;
+  V s[GT][kTiles];
+  for (int j = 0; j < ntiles; ++j) {
+    V part[GT][kTile];
+    for (int t = 0; t < kTile; ++t) {
+      V kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load(krow[j * kTile + t] + kLanes * c);
+      if (knext != nullptr)  // what the same loop reads one chunk later: a chunk's distance ahead
+        for (int c = 0; c < C; c += 16 / kLanes) {  // one prefetch per 64-byte line
+          __builtin_prefetch(knext[j * kTile + t] + kLanes * c);
+          __builtin_prefetch(vnext[j * kTile + t] + kLanes * c);
         }
+      for (int g = 0; g < GT; ++g) {
+        V acc = load(q + g * D) * kv[0];
+        for (int c = 1; c < C; ++c) acc += load(q + g * D + kLanes * c) * kv[c];
+        part[g][bit_reverse(t)] = acc;
       }
-      for (int g = 0; g < GT; ++g) s[g][j] = reduce16(part[g]);
     }
+    for (int g = 0; g < GT; ++g) s[g][j] = reduce_tile(part[g]);
   }
   alignas(64) float p[GT][kChunk];
   bool any = false;
   for (int g = 0; g < GT; ++g) any |= softmax_update<D>(s[g], vis, ntiles, pb.soft_cap, m[g], l[g], o + g * D, p[g]);
-  if (!any) return;
-  f32x16 acc[GT][C];
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = load(o + g * D + 16 * c);
-  for (int t = 0; t < ntok; ++t) {
-    f32x16 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + 16 * c);
-    for (int g = 0; g < GT; ++g) {
-      const f32x16 w = splat(p[g][t]);
-      for (int c = 0; c < C; ++c) acc[g][c] += w * vv[c];
-    }
-  }
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < C; ++c) store(o + g * D + 16 * c, acc[g][c]);
+  if (any) accumulate_values<D, GT>(vrow, ntok, p, o);
 }
 
-// A KV head's whole query group of one row, in chunks of at most 4 query heads.
+// Query heads per decode call: their query vectors and one key row's fit the registers.
+constexpr int kGroupTile = kLanes == 16 ? 4 : kLanes == 8 ? 2 : 1;
+
+// A KV head's whole query group of one row, in calls of at most kGroupTile query heads.
 template <int D>
 inline void attend_group(const Problem& pb, int group, const float* q, const float* const* krow,
                          const float* const* vrow, const float* const* knext, const float* const* vnext, int ntok,
-                         int ntiles, const i32x16* vis, float* o, float* m, float* l) {
+                         int ntiles, const M* vis, float* o, float* m, float* l) {
   int g = 0;
-  for (; g + 4 <= group; g += 4, knext = vnext = nullptr)  // the first call prefetches
-    attend_chunk<D, 4>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+  for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)  // the first call prefetches
+    attend_chunk<D, kGroupTile>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
   switch (group - g) {
     case 3:
       attend_chunk<D, 3>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
@@ -233,60 +302,52 @@ inline void attend_group(const Problem& pb, int group, const float* q, const flo
   }
 }
 
-// 16 rows of 16 floats (row t at rows[t]) transposed into out[d * stride + t]: four
-// stages, each swapping one bit of the row index with one bit of the lane index.
-inline void transpose16(const float* const* rows, float* out, int64_t stride) {
-  f32x16 v[16], w[16];
-  for (int t = 0; t < 16; ++t) v[t] = load(rows[t]);
-#define JAXLLM_STAGE(K, LO, HI)                                                      \
-  for (int t = 0; t < 16; ++t)                                                      \
-    if (!(t & K)) {                                                                 \
-      w[t] = __builtin_shufflevector(v[t], v[t | K], LO);                           \
-      w[t | K] = __builtin_shufflevector(v[t], v[t | K], HI);                       \
-    }                                                                               \
-  for (int t = 0; t < 16; ++t) v[t] = w[t];
-#define JAXLLM_L0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define JAXLLM_H0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
-#define JAXLLM_L1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define JAXLLM_H1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define JAXLLM_L2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define JAXLLM_H2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define JAXLLM_L3 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define JAXLLM_H3 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-  JAXLLM_STAGE(1, JAXLLM_L0, JAXLLM_H0)
-  JAXLLM_STAGE(2, JAXLLM_L1, JAXLLM_H1)
-  JAXLLM_STAGE(4, JAXLLM_L2, JAXLLM_H2)
-  JAXLLM_STAGE(8, JAXLLM_L3, JAXLLM_H3)
-#undef JAXLLM_STAGE
-  for (int d = 0; d < 16; ++d) store(out + d * stride, v[d]);
+// kLanes rows of kLanes floats (row t at rows[t]) transposed into out[d * stride + t]:
+// one stage per bit of the row index, each swapping it with one bit of the lane index.
+template <int B>
+inline void transpose_stage(V* v) {
+  V w[kLanes];
+  for (int t = 0; t < kLanes; ++t)
+    if (!(t & B)) interleave<B>(v[t], v[t | B], w[t], w[t | B]);
+  for (int t = 0; t < kLanes; ++t) v[t] = w[t];
+}
+inline void transpose_tile(const float* const* rows, float* out, int64_t stride) {
+  V v[kLanes];
+  for (int t = 0; t < kLanes; ++t) v[t] = load(rows[t]);
+  transpose_stage<1>(v);
+  transpose_stage<2>(v);
+  if constexpr (kLanes >= 8) transpose_stage<4>(v);
+  if constexpr (kLanes >= 16) transpose_stage<8>(v);
+  for (int d = 0; d < kLanes; ++d) store(out + d * stride, v[d]);
 }
 
 constexpr int kScoreBlock = 8;  // queries whose scores are accumulated together (8 registers)
 
 // Prefill path: all nq queries of one KV head (rows x group, row-major; row r at position
-// row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once into kt [D][kChunk], scores
-// accumulated 8 queries at a time over D (one key vector, eight broadcasts per step),
-// values accumulated for a block of queries at a time (V rows loaded once per block).
+// row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once
+// into kt [D][kChunk], scores accumulated 8 queries at a time over D (one key vector,
+// eight broadcasts per step), values accumulated for a block of queries at a time (V
+// rows loaded once per block).
 template <int D>
 void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
                        int ntiles, const float* const* krow, const float* const* vrow, float* kt, float* p,
                        const float* q, float* o, float* m, float* l) {
-  constexpr int C = D / 16;
-  constexpr int kValueBlock = C >= 24 ? 1 : 24 / C;  // queries per value block: <= 24 accumulators
+  constexpr int C = D / kLanes;
+  constexpr int kValueBlock = std::max(1, kAccumulators / C);  // queries per value block
   for (int j = 0; j < ntiles; ++j)
     for (int c = 0; c < C; ++c) {
       const float* rows[kTile];
-      for (int t = 0; t < kTile; ++t) rows[t] = krow[j * kTile + t] + 16 * c;
-      transpose16(rows, kt + 16 * c * kChunk + j * kTile, kChunk);
+      for (int t = 0; t < kTile; ++t) rows[t] = krow[j * kTile + t] + kLanes * c;
+      transpose_tile(rows, kt + kLanes * c * kChunk + j * kTile, kChunk);
     }
   for (int m0 = m_first; m0 < nq; m0 += kScoreBlock) {
-    alignas(64) f32x16 s[kScoreBlock][kTiles];
+    alignas(64) V s[kScoreBlock][kTiles];
     const float* qb = q + static_cast<int64_t>(m0) * D;  // scratch is padded: a partial block reads zeros
     for (int j = 0; j < ntiles; ++j) {
-      f32x16 acc[kScoreBlock];
+      V acc[kScoreBlock];
       for (int i = 0; i < kScoreBlock; ++i) acc[i] = splat(0.f);
       for (int d = 0; d < D; ++d) {
-        const f32x16 kd = load(kt + d * kChunk + j * kTile);
+        const V kd = load(kt + d * kChunk + j * kTile);
         for (int i = 0; i < kScoreBlock; ++i) acc[i] += splat(qb[i * D + d]) * kd;
       }
       for (int i = 0; i < kScoreBlock; ++i) s[i][j] = acc[i];
@@ -294,7 +355,7 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
     const int mb = std::min(kScoreBlock, nq - m0);
     for (int i = 0; i < mb; ++i) {
       const int mq = m0 + i;
-      i32x16 vis[kTiles];
+      M vis[kTiles];
       visible_chunk(t0, ntok, ntiles, row_pos[mq / group], pb.window, vis);
       softmax_update<D>(s[i], vis, ntiles, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D,
                         p + static_cast<int64_t>(mq) * kChunk);
@@ -302,21 +363,21 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
   }
   for (int m0 = m_first; m0 < nq; m0 += kValueBlock) {
     const int mb = std::min(kValueBlock, nq - m0);
-    f32x16 acc[kValueBlock][C];
+    V acc[kValueBlock][C];
     float* ob = o + static_cast<int64_t>(m0) * D;
     for (int i = 0; i < kValueBlock; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = i < mb ? load(ob + i * D + 16 * c) : splat(0.f);
+      for (int c = 0; c < C; ++c) acc[i][c] = i < mb ? load(ob + i * D + kLanes * c) : splat(0.f);
     const float* pm = p + static_cast<int64_t>(m0) * kChunk;
     for (int t = 0; t < ntok; ++t) {
-      f32x16 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + 16 * c);
+      V vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + kLanes * c);
       for (int i = 0; i < kValueBlock; ++i) {
-        const f32x16 w = splat(pm[i * kChunk + t]);
+        const V w = splat(pm[i * kChunk + t]);
         for (int c = 0; c < C; ++c) acc[i][c] += w * vv[c];
       }
     }
     for (int i = 0; i < mb; ++i)
-      for (int c = 0; c < C; ++c) store(ob + i * D + 16 * c, acc[i][c]);
+      for (int c = 0; c < C; ++c) store(ob + i * D + kLanes * c, acc[i][c]);
   }
 }
 
@@ -440,7 +501,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       for (int r = r_first; r < rows; ++r) {
         const int64_t qpos = qpos0 + r;
         if (pb.window > 0 && t0 + ntok - 1 <= qpos - pb.window) continue;
-        i32x16 vis[kTiles];
+        M vis[kTiles];
         visible_chunk(t0, ntok, ntiles, qpos, pb.window, vis);
         const bool first = r == r_first;  // one row per chunk prefetches the next chunk
         attend_group<D>(pb, group, qh + r * group * D, kh, vh, first ? kn : nullptr, first ? vn : nullptr, ntok,
@@ -606,7 +667,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 
   // The common prefix: the caller's promise (the first blocks of every block table are
   // the same), bounded by what every sequence had in cache before this step, in whole
-  // 16-key tiles.
+  // kTile-key tiles.
   int64_t prefix = static_cast<int64_t>(std::max<int32_t>(common_prefix_blocks.typed_data()[0], 0)) * pb.block_size;
   prefix = std::min(prefix, n_seqs > 1 && items.size() > 1 ? min_computed : 0) / kTile * kTile;
   std::vector<float> prefix_m, prefix_l, prefix_o;

@@ -1,6 +1,6 @@
-// 16-lane float32 / int32 vectors (GCC/Clang vector extensions: one AVX-512 register, two
-// AVX2 or four NEON registers), their unaligned loads, stores and broadcast, lane-wise
-// select / max / exp and horizontal max / sum, shared by the kernels of this directory.
+// float32 / int32 vectors of one register of the ISA the library is built for (GCC/Clang
+// vector extensions), their unaligned loads, stores and broadcast, lane-wise max / exp
+// and horizontal max / sum, shared by the kernels of this directory.
 #pragma once
 
 #include <algorithm>
@@ -9,20 +9,9 @@
 
 namespace jaxllm {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline f32x16 splat(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// One register of the ISA the library is built for: 16 lanes with AVX-512, 8 with AVX,
-// 4 otherwise (SSE, NEON). Kernels whose inner loop must stay in registers use it: GCC
-// lowers f32x16 on AVX2 through the stack (10x slower in the dense kernel).
+// 16 lanes with AVX-512, 8 with AVX, 4 otherwise (SSE, NEON). Only the native width:
+// GCC lowers a wider vector (16 lanes on AVX2) through the stack, 10x slower in the
+// dense kernel and in attention's prefill path.
 #if defined(__AVX512F__)
 #define JAXLLM_LANES 16
 #elif defined(__AVX__)
@@ -40,23 +29,16 @@ inline f32xN loadN(const float* p) {
   return v;
 }
 inline void storeN(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
-inline f32xN splatN(float x) { return f32xN{} + x; }
-
-inline f32x16 select(i32x16 mask, f32x16 a, f32x16 b) { return mask ? a : b; }
-
-inline f32x16 vmax(f32x16 a, f32x16 b) { return select(a > b, a, b); }
-inline float hmax(f32x16 v) {
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  return std::max(v[0], v[1]);
-}
-
-inline float hsum(f32x16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  return v[0] + v[1];
+// A broadcast (not `f32xN{} + x`: without -ffast-math that is an add per call, since
+// 0 + -0 is +0).
+inline f32xN splatN(float x) {
+#if JAXLLM_LANES == 16
+  return f32xN{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif JAXLLM_LANES == 8
+  return f32xN{x, x, x, x, x, x, x, x};
+#else
+  return f32xN{x, x, x, x};
+#endif
 }
 
 // exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6
@@ -87,13 +69,24 @@ inline F vexp_of(F x) {
 }
 
 
-inline f32x16 vexp(f32x16 x) { return vexp_of<f32x16, i32x16>(x); }
-
-#if JAXLLM_LANES < 16
-// The same on vectors of the native width (kernels whose loops must stay in registers).
 inline f32xN vexp(f32xN x) { return vexp_of<f32xN, i32xN>(x); }
 inline f32xN vmax(f32xN a, f32xN b) { return a > b ? a : b; }
-#if JAXLLM_LANES == 8
+
+// The lanes' max and sum, halving the vector each step.
+#if JAXLLM_LANES == 16
+inline float hmax(f32xN v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(v[0], v[1]);
+}
+inline float hsum(f32xN v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v[0] + v[1];
+}
+#elif JAXLLM_LANES == 8
 inline float hmax(f32xN v) {
   v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
   v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
@@ -113,7 +106,6 @@ inline float hsum(f32xN v) {
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
   return v[0] + v[1];
 }
-#endif
 #endif
 
 }  // namespace jaxllm

@@ -30,7 +30,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxllm::f32xN;  // the native width: f32x16 with AVX-512, 8 lanes with AVX2 (simd.h)
+using jaxllm::f32xN;  // the native width: 16 lanes with AVX-512, 8 with AVX2 (simd.h)
 using jaxllm::hmax;
 using jaxllm::hsum;
 using jaxllm::i32xN;

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""The cpu attention kernel (jaxllm.attention.cpu) against the XLA backend
+(jaxllm.attention.xla), one layer of SmolLM2-135M's shapes (9 query / 3 KV heads of 64,
+blocks of 16) on the step mixes the engine runs, in one process: ms per call and ratio.
+
+    .venv/bin/python scripts/bench_attention.py               # this CPU's native build
+    .venv/bin/python scripts/bench_attention.py --isa avx2    # AVX2 + FMA only (scripts/isa_build.py)
+
+Say which machine and which build a number came from (the first line printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from isa_build import ISAS, describe, reexec
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+MIXES = {  # name: (decode context lengths, prefill chunks as (context, new tokens))
+    "decode 64 x ~400": ([400] * 64, []),
+    "decode 16 x ~400": ([400] * 16, []),
+    "decode 64 x ~900": ([900] * 64, []),
+    "prefill 448": ([], [(0, 448)]),
+    "prefill 128 after 384": ([], [(384, 128)]),
+    "32 decodes + 256 chunk": ([400] * 32, [(128, 256)]),
+}
+
+
+def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng):
+    import jax.numpy as jnp
+    import numpy as np
+
+    seqs = [(ctx + 1, 1) for ctx in decodes] + [(ctx + new, new) for ctx, new in chunks]
+    kv_lens = np.array([kv + int(rng.integers(-50, 50)) * (q == 1) for kv, q in seqs], np.int32)
+    q_lens = np.array([q for _, q in seqs], np.int32)
+    max_blocks = -(-int(kv_lens.max()) // BLOCK)
+    num_blocks = int(sum(-(-kv // BLOCK) for kv in kv_lens)) + 1
+    perm = rng.permutation(np.arange(1, num_blocks))  # scattered blocks, as after a while of serving
+    tables = np.zeros((len(seqs), max_blocks), np.int32)
+    used = 0
+    for s, kv in enumerate(kv_lens):
+        n = -(-int(kv) // BLOCK)
+        tables[s, :n] = perm[used:used + n]
+        used += n
+    t = int(q_lens.sum())
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return (jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM), np.float32)),
+            jnp.asarray(rng.standard_normal(shape, np.float32)), jnp.asarray(rng.standard_normal(shape, np.float32)),
+            jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+            jnp.asarray(np.int32(len(seqs))))
+
+
+def timed(fn, args, iters: int) -> float:
+    fn(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def run(iters: int) -> None:
+    import functools
+
+    import jax
+    import numpy as np
+
+    from jaxllm.attention.cpu import ragged_paged_attention_cpu
+    from jaxllm.attention.xla import ragged_paged_attention_xla
+
+    rng = np.random.default_rng(0)
+    scale = HEAD_DIM ** -0.5
+    cpu = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=scale))
+    xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=scale))
+    print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8}")
+    for name, (decodes, chunks) in MIXES.items():
+        args = inputs(decodes, chunks, rng)
+        np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
+        tc, tx = timed(cpu, args, iters), timed(xla, args, iters)
+        print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--isa", choices=sorted(ISAS), default="native")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    if not reexec(args.isa):
+        return
+    print(describe(args.isa))
+    run(args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Which instruction set a benchmark runs under, shared by the bench scripts.
+
+`native`: the C++ kernels built with -march=native, XLA and torch free to use what the
+CPU has. `avx2`: AVX2 + FMA only, as on an AVX2-only CPU (most AMD EPYC before Zen 4,
+many cloud instances): the kernels built with -march=x86-64-v3, XLA's code generation
+capped at AVX2, and torch's (the HF baseline) too. On an AVX-512 machine that gives
+the register file and vector width of the older one.
+
+The environment must be set before JAX (and torch) start, so `reexec` runs the script
+again in a child process with it set.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+ISAS: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {
+        "JAXLLM_CPU_MARCH": "x86-64-v3",
+        "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+}
+
+
+def reexec(isa: str) -> bool:
+    """Re-run this script under `isa`'s environment if it is not set yet (exits with the
+    child's status). False, with a line saying why, where the build cannot run here."""
+    env = ISAS[isa]
+    if env and platform.machine() not in ("x86_64", "AMD64"):
+        print(f"--isa {isa}: an x86-64 build; this machine is {platform.machine()}, skipped")
+        return False
+    if any(os.environ.get(key) != value for key, value in env.items()):
+        sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **env}))
+    return True
+
+
+def describe(isa: str) -> str:
+    """The CPU, what vector ISA it has, and the build measured: the line every number
+    printed by a bench script goes with."""
+    model, flags = "?", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.readlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+        flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    has = "AVX-512" if " avx512f" in flags else "AVX2 only" if " avx2" in flags else platform.machine()
+    build = "-march=native" if not ISAS[isa] else ", ".join(f"{k}={v}" for k, v in ISAS[isa].items())
+    return f"machine: {model} ({has}, {os.cpu_count()} cores); build: {isa} ({build})"

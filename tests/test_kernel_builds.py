@@ -1,0 +1,34 @@
+"""The C++ kernels' correctness tests under the other x86-64 builds: AVX2 + FMA
+(-march=x86-64-v3, the register file of an AVX2-only CPU: 8-lane vectors) and the
+SSE2 baseline (-march=x86-64: 4-lane vectors, the code path NEON builds take), each in
+a subprocess (the library is loaded once per process). The native build runs the same
+tests in the main run."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = [
+    "tests/test_cpu_attention.py::test_matches_reference",
+    "tests/test_cpu_attention.py::test_sliding_window_and_soft_cap",
+    "tests/test_cpu_attention.py::test_common_prefix_pass_matches_reference",
+    "tests/test_linear.py::test_dense_kernel_matches_numpy",
+    "tests/test_linear.py::test_vector_lanes_match_the_build",
+    "tests/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",
+    "tests/test_sampler.py::test_token_scores_kernel_matches_the_jnp_scores",
+]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_kernel_tests_pass_under_the_build(march):
+    env = {**os.environ, "JAXLLM_CPU_MARCH": march}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
