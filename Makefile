@@ -34,16 +34,24 @@ test: setup-dev
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 50 min on 2 cores).
+# Everything in docs/benchmarks.md, into bench_results/ (about 90 min on 2 cores): the
+# native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
 bench: setup-dev
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_linear.py
 	$(PY) scripts/bench_linear.py --isa avx2
-	$(PY) scripts/bench_throughput.py --out bench_results/throughput.json
+	$(PY) scripts/bench_attention.py
+	$(PY) scripts/bench_attention.py --isa avx2
+	$(PY) scripts/bench_throughput.py --compare-xla --out bench_results/throughput.json
+	$(PY) scripts/bench_throughput.py --isa avx2 --compare-xla --hf-dtypes float32 --skip-startup \
+	  --out bench_results/throughput_avx2.json
 	test -f build/smollm2-f32.gguf || $(PY) scripts/export_gguf.py build/smollm2-f32.gguf
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
 	  --out bench_results/serving_standard
+	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 \
+	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
+	  --out bench_results/serving_standard_avx2
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --max-concurrency 32 --out bench_results/shared_prefix
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --out bench_results/shared_prefix_burst
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --num-prompts 64 \

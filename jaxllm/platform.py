@@ -19,12 +19,14 @@ DTYPES = {name: jnp.dtype(name) for name in DTYPE_NAMES if name != "auto"}
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxllm" / "xla"
 
 
-def choose_backend(option: str, name: str, choices: Sequence[str], preference: Sequence[str],
-                   unavailable: Callable[[str], str | None], logger: logging.Logger) -> str:
-    """The backend `name` means, for every kind of backend (attention, linear): an
+def backend_candidates(option: str, name: str, choices: Sequence[str], preference: Sequence[str],
+                       unavailable: Callable[[str], str | None], logger: logging.Logger) -> list[str]:
+    """The backends `name` may mean, for every kind of backend (attention, linear): an
     unknown name or an explicit choice that cannot work here raises ValueError saying
-    why; `auto` takes the first of `preference` (this platform's order) that is
-    available, logging why it passed over the others.
+    why, an explicit one that can is the only candidate; `auto` gives those of
+    `preference` (this platform's order) that are available, logging why it passed over
+    the others. The runner measures the candidates where there are several
+    (jaxllm.worker.autotune).
 
     Args:
         option: the option's name, for messages (``attention_backend``).
@@ -40,13 +42,17 @@ def choose_backend(option: str, name: str, choices: Sequence[str], preference: S
         reason = unavailable(name)
         if reason:
             raise ValueError(f"{option} {name!r}: {reason}")
-        return name
+        return [name]
+    available = []
     for candidate in preference:
         reason = unavailable(candidate)
         if reason is None:
-            return candidate
-        logger.warning("%s auto: not %s: %s", option, candidate, reason)
-    raise ValueError(f"{option}: no backend can run here")
+            available.append(candidate)
+        else:
+            logger.warning("%s auto: not %s: %s", option, candidate, reason)
+    if not available:
+        raise ValueError(f"{option}: no backend can run here")
+    return available
 
 
 def resolve_dtype(dtype: str | None) -> jnp.dtype:

@@ -15,6 +15,10 @@
     # shared-prefix dataset with and without prefix caching (two launched servers)
     python scripts/bench_serving.py --compare-prefix-caching --max-concurrency 16
 
+    # as on an AVX2-only CPU: the launched servers' kernels and XLA (scripts/isa_build.py;
+    # pair it with an AVX2 build of llama-server: LLAMA_ISA=avx2 scripts/build_llama_server.sh)
+    python scripts/bench_serving.py --isa avx2 --launch "" --max-concurrency 32
+
 Per request: TTFT (time to first token), TPOT (time per output token after the first),
 ITL (gaps between streamed chunks), end-to-end latency; mean, p50, p90, p99 of each;
 request and token throughput. Prompts are token ids (the completions endpoint takes
@@ -40,6 +44,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from isa_build import ISAS, describe, reexec
 
 # ----------------------------------------------------------------- datasets
 
@@ -373,6 +379,7 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--concurrency-sweep", default=None, help="comma-separated concurrency levels")
+    p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: launched servers as on an AVX2-only CPU")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="shared-prefix dataset on two launched servers: caching on and off")
     p.add_argument("--llama-server", default=None,
@@ -383,9 +390,12 @@ def main() -> None:
     p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
     args = p.parse_args()
 
+    if not reexec(args.isa):
+        return
+    print(describe(args.isa), flush=True)
     out_prefix = Path(args.out)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    results: dict = {"args": vars(args), "runs": {}}
+    results: dict = {"args": vars(args), "build": describe(args.isa), "runs": {}}
 
     if args.compare_prefix_caching:
         requests = shared_prefix_dataset(args.num_prompts or 64, seed=args.seed, vocab=args.vocab_size)

@@ -23,6 +23,11 @@ waste = 1 - tokens / (blocks x block_size)), and where jaxllm's time went.
     .venv/bin/python scripts/bench_throughput.py --num-requests 64 --skip-hf --skip-startup
     .venv/bin/python scripts/bench_throughput.py --hf-dtypes float32 --out results.json
     .venv/bin/python scripts/bench_throughput.py --startup-only                  # cold and warm start only
+    .venv/bin/python scripts/bench_throughput.py --isa avx2 --compare-xla        # the AVX2 build, and all-xla
+
+`--isa avx2` runs everything (jaxllm, the XLA dot, HF's torch) as on an AVX2-only CPU
+(scripts/isa_build.py); `--compare-xla` runs jaxllm a second time with both backends
+`xla` (the configuration the defaults must never fall below) and prints the ratio.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from isa_build import ISAS, describe, reexec
 
 HERE = Path(__file__).resolve()
 
@@ -114,11 +121,11 @@ def engine_options(args) -> dict:
     return opts
 
 
-def run_jaxllm(args, workload: Workload) -> dict:
+def run_jaxllm(args, workload: Workload, **overrides) -> dict:
     from jaxllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, progress=not args.quiet, **engine_options(args))
+    llm = LLM(model=args.model, progress=not args.quiet, **(engine_options(args) | overrides))
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
     core = engine.core
@@ -381,8 +388,14 @@ def main(argv=None) -> None:
     p.add_argument("--linear-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
+    p.add_argument("--compare-xla", action="store_true", help="run jaxllm again with both backends xla")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.startup_child:
+        if not reexec(args.isa):
+            return
+        print(describe(args.isa), flush=True)
 
     if args.startup_child:
         return startup_child(args)
@@ -391,7 +404,7 @@ def main(argv=None) -> None:
 
     from jaxllm.loaders import load_model
 
-    results: dict = {"machine": machine(), "args": vars(args)}
+    results: dict = {"machine": machine(), "build": describe(args.isa), "args": vars(args)}
     vocab = load_model(args.model).config.vocab_size
     workload = make_workload(args.num_requests, args.seed, vocab)
     results["workload"] = {
@@ -432,6 +445,12 @@ def main(argv=None) -> None:
     results["jaxllm"] = j
     print(f"jaxllm: {j['wall_seconds']:.1f}s  output {j['output_tok_s']:.1f} tok/s  total {j['total_tok_s']:.1f} tok/s  "
           f"MFU {100 * j['mfu']:.1f}% ({j['model_gflop_s']:.1f} of {mm:.1f} GFLOP/s)", flush=True)
+    print(f"jaxllm engine: {j['engine']}", flush=True)
+    if args.compare_xla:
+        x = run_jaxllm(args, workload, attention_backend="xla", linear_backend="xla")
+        results["jaxllm_all_xla"] = x
+        print(f"jaxllm, attention and linear xla: {x['wall_seconds']:.1f}s  output {x['output_tok_s']:.1f} tok/s; "
+              f"defaults / all-xla = {j['output_tok_s'] / x['output_tok_s']:.2f}x", flush=True)
 
     hf_results = {}
     if not args.skip_hf:
@@ -448,6 +467,12 @@ def main(argv=None) -> None:
     print(f"{'':14s}{'wall s':>9s}{'output tok/s':>14s}{'total tok/s':>13s}{'jaxllm/x':>10s}")
     print(f"{'jaxllm f32':14s}{j['wall_seconds']:9.1f}{j['output_tok_s']:14.1f}{j['total_tok_s']:13.1f}{'':>10s}")
     results["ratios"] = {}
+    if "jaxllm_all_xla" in results:
+        x = results["jaxllm_all_xla"]
+        ratio = j["output_tok_s"] / x["output_tok_s"]
+        results["ratios"]["all_xla"] = ratio
+        print(f"{'jaxllm all-xla':14s}{x['wall_seconds']:9.1f}{x['output_tok_s']:14.1f}{x['total_tok_s']:13.1f}"
+              f"{ratio:9.2f}x")
     for dtype, h in hf_results.items():
         ratio = j["output_tok_s"] / h["output_tok_s"]
         results["ratios"][f"hf_{dtype}"] = ratio

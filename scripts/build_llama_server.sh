@@ -4,6 +4,8 @@
 # clone and no model download is needed. Needs cmake and a C++ compiler.
 #
 #   scripts/build_llama_server.sh [build-dir]      # default build/llamacpp
+#   LLAMA_ISA=avx2 scripts/build_llama_server.sh   # AVX2 + FMA only (no AVX-512), for the
+#                                                  # AVX2 builds of the benchmarks
 #   -> prints the path of the llama-server binary
 set -euo pipefail
 
@@ -13,15 +15,22 @@ PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
-BIN="$SRC/build/bin/llama-server"
+ISA=${LLAMA_ISA:-native}
+case "$ISA" in
+  native) FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF) ;;
+  *) echo "LLAMA_ISA: native or avx2, not $ISA" >&2; exit 2 ;;
+esac
+BUILD="$SRC/build$([ "$ISA" = native ] || echo "-$ISA")"
+BIN="$BUILD/bin/llama-server"
 
 if [ ! -x "$BIN" ]; then
   if [ ! -d "$SRC" ]; then
     "$PY" -m pip download -q --no-deps --no-binary :all: --dest "$DIR" "llama-cpp-python==$VERSION"
     tar -xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
   fi
-  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON >"$DIR/cmake.log"
-  cmake --build "$SRC/build" --target llama-server -j "$(nproc)" >"$DIR/build.log"
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${FLAGS[@]}" -DGGML_OPENMP=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON >"$DIR/cmake-$ISA.log"
+  cmake --build "$BUILD" --target llama-server -j "$(nproc)" >"$DIR/build-$ISA.log"
 fi
 echo "$BIN"

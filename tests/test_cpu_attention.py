@@ -69,16 +69,19 @@ def test_num_seqs_zero_and_empty_sequences():
     np.testing.assert_array_equal(np.asarray(got), 0)
 
 
-def test_resolve_backend_names(caplog):
-    assert backends.resolve_backend_name("auto", head_dim=64, dtype=jnp.float32) == "cpu"
-    assert backends.resolve_backend_name("xla", head_dim=64, dtype=jnp.float32) == "xla"
+def test_backend_candidates(caplog):
+    """auto on a CPU: both, the kernel first (the runner measures them); an explicit
+    name: itself, or a ValueError saying why it cannot run."""
+    assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.float32) == ["cpu", "xla"]
+    assert backends.attention_candidates("xla", head_dim=64, dtype=jnp.float32) == ["xla"]
+    assert backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32) == ["cpu"]
     with caplog.at_level(logging.WARNING, logger="jaxllm.attention.backends"):
-        assert backends.resolve_backend_name("auto", head_dim=64, dtype=jnp.bfloat16) == "xla"
+        assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.bfloat16) == ["xla"]
     assert "needs float32" in caplog.text
     with pytest.raises(ValueError, match="head_dim"):
-        backends.resolve_backend_name("cpu", head_dim=80, dtype=jnp.float32)
+        backends.attention_candidates("cpu", head_dim=80, dtype=jnp.float32)
     with pytest.raises(ValueError, match="unknown 'cuda'"):
-        backends.resolve_backend_name("cuda", head_dim=64, dtype=jnp.float32)
+        backends.attention_candidates("cuda", head_dim=64, dtype=jnp.float32)
 
 
 def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplog):
@@ -87,10 +90,10 @@ def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplo
 
     monkeypatch.setattr(cpu, "load_kernels", no_build)
     with caplog.at_level(logging.WARNING, logger="jaxllm.attention.backends"):
-        assert backends.resolve_backend_name("auto", head_dim=64, dtype=jnp.float32) == "xla"
+        assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.float32) == ["xla"]
     assert "no C++ compiler found" in caplog.text
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
-        backends.resolve_backend_name("cpu", head_dim=64, dtype=jnp.float32)
+        backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32)
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch):

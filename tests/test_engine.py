@@ -89,8 +89,7 @@ def test_common_prefix_of_the_whole_batch_gives_identical_output(test_models_dir
     rng = np.random.default_rng(3)
     shared = [int(t) for t in rng.integers(3, 500, 112)]
     prompts = [shared + [int(t) for t in rng.integers(3, 500, k)] for k in (3, 9, 17, 30)]
-    llm = make_llm(test_models_dir, max_num_batched_tokens=128)
-    assert llm.llm_engine.core.runner.attention_backend == "cpu"  # the backend that uses the hint
+    llm = make_llm(test_models_dir, max_num_batched_tokens=128, attention_backend="cpu")  # the one using the hint
     batched = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert llm.llm_engine.core.runner.stats.num_common_prefix_steps > 0
     assert_no_leaks(llm)
@@ -421,7 +420,7 @@ def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models
     make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "b"), **small)
     for name in ("a", "b"):
         assert list((tmp_path / name / "jaxllm-executables").rglob("*")), name
-    assert first.llm_engine.core.runner._store.directory == tmp_path / "a" / "jaxllm-executables"
+    assert first.llm_engine.core.runner._copy_store.directory == tmp_path / "a" / "jaxllm-executables"
     assert not [k for k, v in vars(jaxllm.platform).items() if k.startswith("_") and isinstance(v, pathlib.Path)]
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
-from jaxllm.models.linear import linear, pack_params, pack_weight, resolve_linear_backend, unpack_weight
+from jaxllm.models.linear import linear, pack_params, pack_weight, linear_candidates, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import PackedWeight, abstract_params
 from tests.paged_driver import PagedDriver
@@ -87,34 +87,19 @@ def test_forward_with_packed_weights_matches_plain(test_models_dir, arch):
     np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
 
 
-def test_resolve_linear_backend_names(caplog):
-    import jaxllm.cpu_kernels
-
-    wide = jaxllm.cpu_kernels.vector_lanes() == 16
-    assert resolve_linear_backend("auto", jnp.float32) == ("cpu" if wide else "xla")
-    assert resolve_linear_backend("cpu", jnp.float32) == "cpu"
-    assert resolve_linear_backend("xla", jnp.float32) == "xla"
+def test_linear_candidates(caplog):
+    """auto on a CPU for float32: the kernel and XLA's dot, measured by the runner per
+    step shape (whatever width the kernel was built for); an explicit name: itself."""
+    assert linear_candidates("auto", jnp.float32) == ["cpu", "xla"]
+    assert linear_candidates("cpu", jnp.float32) == ["cpu"]
+    assert linear_candidates("xla", jnp.float32) == ["xla"]
     with caplog.at_level(logging.WARNING, logger="jaxllm.models.linear"):
-        assert resolve_linear_backend("auto", jnp.bfloat16) == "xla"
-    assert ("needs float32" in caplog.text) == wide  # a narrow build does not try the kernel
+        assert linear_candidates("auto", jnp.bfloat16) == ["xla"]
+    assert "needs float32" in caplog.text
     with pytest.raises(ValueError, match="linear_backend 'cpu': it needs float32"):
-        resolve_linear_backend("cpu", jnp.bfloat16)
+        linear_candidates("cpu", jnp.bfloat16)
     with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'"):
-        resolve_linear_backend("onednn", jnp.float32)
-
-
-def test_auto_prefers_the_kernel_only_where_it_is_built_wide(monkeypatch, caplog):
-    """Built for AVX2 (8 lanes) the dense kernel measured slower than XLA's dot, so auto
-    takes xla there; an explicit cpu still gets the kernel."""
-    import jaxllm.cpu_kernels
-
-    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", lambda: 8)
-    with caplog.at_level(logging.INFO, logger=linear_mod.__name__):
-        assert resolve_linear_backend("auto", jnp.float32) == "xla"
-    assert "8-lane vectors" in caplog.text
-    assert resolve_linear_backend("cpu", jnp.float32) == "cpu"
-    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", lambda: 16)
-    assert resolve_linear_backend("auto", jnp.float32) == "cpu"
+        linear_candidates("onednn", jnp.float32)
 
 
 def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplog):
@@ -124,12 +109,11 @@ def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplo
         raise jaxllm.cpu_kernels.KernelBuildError("no C++ compiler found")
 
     monkeypatch.setattr(jaxllm.cpu_kernels, "load_kernels", no_build)
-    monkeypatch.setattr(jaxllm.cpu_kernels, "vector_lanes", no_build)
     with caplog.at_level(logging.WARNING, logger=linear_mod.__name__):
-        assert resolve_linear_backend("auto", jnp.float32) == "xla"
+        assert linear_candidates("auto", jnp.float32) == ["xla"]
     assert "no C++ compiler found" in caplog.text
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
-        resolve_linear_backend("cpu", jnp.float32)
+        linear_candidates("cpu", jnp.float32)
 
 
 def test_engine_gives_the_same_tokens_with_either_linear_backend(test_models_dir):
@@ -140,8 +124,8 @@ def test_engine_gives_the_same_tokens_with_either_linear_backend(test_models_dir
     for backend in ("xla", "cpu"):
         llm = make_llm(test_models_dir, linear_backend=backend)
         runner = llm.llm_engine.core.runner
-        assert runner.linear_backend == backend
-        assert isinstance(runner.params.layers[0].wqkv, PackedWeight) == (backend == "cpu")
+        assert runner.plan.backends("linear") == [backend] and list(runner.weights) == [backend]
+        assert isinstance(runner.weights[backend].layers[0].wqkv, PackedWeight) == (backend == "cpu")
         assert llm.llm_engine.core.model.params is None  # the runner holds the only copy
         results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert_no_leaks(llm)
@@ -164,8 +148,9 @@ def test_set_params_lays_out_loaded_weights_and_rejects_other_shapes(test_models
     prompt, greedy = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, temperature=0)
     before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     runner.set_params(model.params)  # as loaded: packed by the runner
-    assert isinstance(runner.params.layers[1].w_down, PackedWeight)
-    np.testing.assert_array_equal(unpack_weight(runner.params.layers[1].w_down), model.params.layers[1].w_down)
+    assert isinstance(runner.weights["cpu"].layers[1].w_down, PackedWeight)
+    np.testing.assert_array_equal(unpack_weight(runner.weights["cpu"].layers[1].w_down),
+                                  model.params.layers[1].w_down)
     runner.set_params(runner.layout_params(model.params))  # already laid out: kept as given
     wrong = model.params.replace(layers=(model.params.layers[0].replace(w_down=model.params.layers[0].w_down[:-1]),
                                          *model.params.layers[1:]))

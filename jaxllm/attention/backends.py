@@ -10,8 +10,9 @@ pallas_kernels.ragged_paged_attention:
 - `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32; the kernel
   is in jaxllm/cpu_kernels/).
 - `pallas`: the Pallas GPU kernels (interpret mode off GPU: for tests, slow but exact).
-- `auto`: pallas on GPU; on CPU the cpu backend when the model can use it and its
-  kernels build here, else xla (the reason logged).
+- `auto`: pallas on GPU; on CPU the faster of cpu and xla per step shape, measured at
+  start-up (jaxllm.worker.autotune), or xla alone when the model cannot use the cpu
+  backend or its kernels do not build here (the reason logged).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ATTENTION_BACKENDS
-from jaxllm.platform import choose_backend
+from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,10 @@ class AttentionFn(Protocol):
     ) -> Float[Array, "T H hd"]: ...
 
 
-def resolve_backend_name(name: str, *, head_dim: int, dtype) -> str:
-    """The backend `name` means for a model of this head_dim and compute dtype on this
-    platform; an explicit choice that cannot work raises ValueError saying why."""
+def attention_candidates(name: str, *, head_dim: int, dtype) -> list[str]:
+    """The backends `name` may mean for a model of this head_dim and compute dtype on
+    this platform, in preference order (`auto` on a CPU: cpu and xla, measured by the
+    runner); an explicit choice that cannot work raises ValueError saying why."""
     platform = jax.default_backend()
     preference = {"gpu": ["pallas"], "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
 
@@ -83,7 +85,7 @@ def resolve_backend_name(name: str, *, head_dim: int, dtype) -> str:
             return _cpu_backend_unavailable(head_dim, dtype)
         return None
 
-    return choose_backend("attention_backend", name, ATTENTION_BACKENDS, preference, unavailable, logger)
+    return backend_candidates("attention_backend", name, ATTENTION_BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:
@@ -108,7 +110,7 @@ def _pallas_attention(*args, common_prefix_blocks=None, **kwargs):
 
 
 def get_attention_fn(name: str) -> AttentionFn:
-    """The attention function of a resolved backend name (see resolve_backend_name)."""
+    """The attention function of a backend name (one of attention_candidates')."""
     if name == "xla":
         return ragged_paged_attention_xla
     if name == "cpu":

@@ -192,6 +192,6 @@ class EngineCore:
         return (
             f"KV cache: {c.num_blocks - 1} blocks of {c.block_size} tokens = {c.capacity_tokens} tokens; "
             f"max_model_len={c.max_model_len}; {len(self.runner.buckets)} step shapes; "
-            f"attention {self.runner.attention_backend}, linear {self.runner.linear_backend}"
+            f"{self.runner.describe_backends()}"
         )
 

@@ -9,11 +9,11 @@ once, at load, when its backend is `cpu`.
 Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
 - `cpu`: packed weights and the custom call; XLA:CPU, float32. At the 32-512 rows of a
-  step on SmolLM2's shapes it measured 1.1-1.6x XLA:CPU's dot (docs/benchmarks.md). The
-  model runner then also takes the sampler's greedy argmax from the same library
-  (jaxllm.sample.sampler.argmax_cpu).
-- `auto`: `cpu` on the CPU platform for float32 when the kernels build here, else `xla`
-  (the reason logged).
+  step on SmolLM2's shapes it measured 1.0-1.6x XLA:CPU's dot built for AVX-512, and
+  0.75-1.2x built for AVX2 (docs/benchmarks.md).
+- `auto`: on the CPU platform for float32, where the kernels build, the faster of
+  `cpu` and `xla` per step shape, measured at start-up (jaxllm.worker.autotune); else
+  `xla` (the reason logged).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxtyping import Array, Float
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, Weight
-from jaxllm.platform import choose_backend
+from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -83,30 +83,14 @@ def pack_params(params: ModelParams) -> ModelParams:
     return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers), lm_head=pack_weight(lm_head))
 
 
-def resolve_linear_backend(name: str, dtype) -> str:
-    """The backend `name` means for this compute dtype on this platform; an explicit
+def linear_candidates(name: str, dtype) -> list[str]:
+    """The backends `name` may mean for this compute dtype on this platform, in
+    preference order (`auto` on a CPU: cpu and xla, measured by the runner per step
+    shape: built for AVX2 the kernel won at 32 rows and lost at 512); an explicit
     choice that cannot work raises ValueError saying why."""
-    preference = ["xla"]
-    if jax.default_backend() == "cpu":
-        preference = ["cpu", "xla"] if _kernel_is_wide() else ["xla"]
+    preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
     unavailable = lambda backend: _cpu_backend_unavailable(dtype) if backend == "cpu" else None  # noqa: E731
-    return choose_backend("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
-
-
-def _kernel_is_wide() -> bool:
-    """Whether `auto` should try the dense kernel first: only where it was built with
-    16-lane vectors (AVX-512), its 12 x 32 register tile. Built for AVX2 it reached
-    0.7-0.8x XLA's dot on SmolLM2's shapes (AMD EPYC Zen 4, -march=x86-64-v3 and XLA
-    capped at AVX2, scripts/bench_linear.py), so there `auto` takes XLA's dot and
-    `linear_backend="cpu"` stays available."""
-    try:
-        lanes = cpu_kernels.vector_lanes()
-    except cpu_kernels.KernelBuildError:
-        return True  # the cpu backend is unavailable anyway: choose_backend says why
-    if lanes < 16:
-        logger.info("linear_backend auto: xla, not cpu: the dense kernel is built for %d-lane vectors, "
-                    "where XLA's dot measured faster", lanes)
-    return lanes >= 16
+    return backend_candidates("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
 
 
 def _cpu_backend_unavailable(dtype) -> str | None:

@@ -164,15 +164,34 @@ class ExecutableStore:
         if path is None:
             return
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # atomic: a concurrent reader sees all or nothing
-            self._prune()
+            self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))
         except Exception as e:  # serialization unsupported here, or a read-only cache
             logger.warning("cannot store compiled executable %s (%s: %s)", path, type(e).__name__, e)
+
+    def load_text(self, name: str) -> str | None:
+        """A small record kept with the executables (the backend plan), or None."""
+        path = self._path(name)
+        if path is None or not path.is_file():
+            return None
+        os.utime(path)
+        return path.read_text()
+
+    def save_text(self, name: str, text: str) -> None:
+        path = self._path(name)
+        if path is None:
+            return
+        try:
+            self._write(path, text.encode())
+        except OSError as e:  # a read-only cache
+            logger.warning("cannot store %s (%s)", path, e)
+
+    def _write(self, path: Path, blob: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees all or nothing
+        self._prune()
 
     def _prune(self) -> None:
         entries = sorted(self.directory.glob("*.bin"), key=lambda p: p.stat().st_mtime)

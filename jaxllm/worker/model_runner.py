@@ -23,17 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Int
 
-from jaxllm.attention.backends import get_attention_fn, resolve_backend_name
+from jaxllm.attention.backends import attention_candidates, get_attention_fn
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, copy_blocks
 from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
-from jaxllm.models.linear import pack_params, resolve_linear_backend
+from jaxllm.models.linear import linear_candidates, pack_params
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
+from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
@@ -169,19 +170,28 @@ class ModelRunner:
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
-        the first step. With the `cpu` linear backend the runner keeps the projection
-        weights packed (jaxllm.models.linear), a copy of what it is given. Compiled
-        executables are stored under `cache_dir` (the engine's compilation cache; None:
-        compile every start)."""
+        the first step. Each bucket's step runs the attention and linear backends of
+        `self.plan` (measured per bucket where `auto` leaves a choice: jaxllm.worker.
+        autotune); for the `cpu` linear backend the runner keeps the projection weights
+        packed (jaxllm.models.linear), a copy of what it is given, and both layouts if
+        some buckets use each. Compiled executables and the plan are stored under
+        `cache_dir` (the engine's compilation cache; None: compile and measure every
+        start)."""
         self.config = config
         dtype = jax.tree.leaves(params)[0].dtype
-        self.linear_backend = resolve_linear_backend(linear_backend, dtype)
-        self._given_shapes = _shapes_and_dtypes(params)
-        self.params = self._layout(params)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
+        self.plan: BackendPlan = backend_plan(
+            config, dtype, self.buckets,
+            attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype),
+            linear_candidates(linear_backend, dtype),
+            block_size=block_size, max_model_len=max_model_len, store_dir=store_directory(cache_dir))
+        self._given_shapes = _shapes_and_dtypes(params)
+        self.weights = self._layout(params)
         # The KV caches (2 GiB by default: a second of page faults) are zero-filled on
         # a background thread while warm_up loads or compiles the buckets, which only
         # need their shapes; the first use of `kv_caches` waits for them.
@@ -196,26 +206,29 @@ class ModelRunner:
         self.rope = rope_table(config.rope, config.head_dim, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
-        self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
-        self.attention_backend = resolve_backend_name(attention_backend, head_dim=config.head_dim, dtype=dtype)
-        # The cpu linear backend's kernels also take the sampler's greedy argmax and the
-        # prompt-logprob scores.
-        cpu = self.linear_backend == "cpu"
-        step = functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(self.attention_backend),
-                                 argmax_fn=argmax_cpu if cpu else argmax,
-                                 scores_fn=token_scores_cpu if cpu else compute_logprobs)
-        self._step = jax.jit(step, donate_argnums=(2, 3))
+        # Where the C++ kernels run the step, they also take the sampler's greedy argmax
+        # and the prompt-logprob scores.
+        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention")
+        self._steps = {
+            choice: jax.jit(functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(choice.attention),
+                                              argmax_fn=argmax_cpu if kernels else argmax,
+                                              scores_fn=token_scores_cpu if kernels else compute_logprobs),
+                            donate_argnums=(2, 3))
+            for choice in dict.fromkeys(self.plan.choices)
+        }
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         # a step's block copies (at most one per admitted request), padded to a bucket
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int], object] = {}
-        args = (self.params, self.rope, self._abstract_caches, self.history)
-        abstract = _shapes_and_dtypes(args)
-        self._store = ExecutableStore(store_directory(cache_dir), "model_step", config, self.attention_backend,
-                                      self.linear_backend, abstract, jax.tree.structure(args))
+        directory = store_directory(cache_dir)
+        self._stores = {}
+        for choice in self._steps:
+            args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
+            self._stores[choice] = ExecutableStore(directory, "model_step", config, choice.attention, choice.linear,
+                                                   _shapes_and_dtypes(args), jax.tree.structure(args))
+        self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches)
         self.num_loaded_executables = 0
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
@@ -232,23 +245,25 @@ class ModelRunner:
     def kv_caches(self, caches: tuple[KVCache, ...]) -> None:
         self._kv_caches, self._kv_caches_future = caches, None
 
-    def set_params(self, params: ModelParams) -> None:
+    def set_params(self, params: ModelParams | dict[str, ModelParams]) -> None:
         """The weights, as loaded (of exactly the shapes and dtypes the runner was built
         for) or as `layout_params` returned them."""
-        if _shapes_and_dtypes(params) != _shapes_and_dtypes(self.params):
-            params = self.layout_params(params)
-        self.params = params
+        self.weights = params if isinstance(params, dict) else self.layout_params(params)
 
-    def layout_params(self, params: ModelParams) -> ModelParams:
+    def layout_params(self, params: ModelParams) -> dict[str, ModelParams]:
         """Loaded `params` checked against the shapes the step was compiled for and laid
-        out for the linear backend (packed for `cpu`). Touches no runner state: the
-        engine calls it on its loading thread while the executables load."""
+        out for each linear backend the plan uses (packed for `cpu`). Touches no runner
+        state: the engine calls it on its loading thread while the executables load."""
         if _shapes_and_dtypes(params) != self._given_shapes:
             raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
         return self._layout(params)
 
-    def _layout(self, params: ModelParams) -> ModelParams:
-        return pack_params(params) if self.linear_backend == "cpu" else params
+    def _layout(self, params: ModelParams) -> dict[str, ModelParams]:
+        """The weights in the layout of each linear backend some bucket uses."""
+        return {b: pack_params(params) if b == "cpu" else params for b in self.plan.backends("linear")}
+
+    def describe_backends(self) -> str:
+        return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}"
 
     # -------------------------------------------------------------- compiling
 
@@ -275,21 +290,25 @@ class ModelRunner:
         store (else it was compiled, and stored)."""
         inputs = self._pad_inputs(t, s, StepRows.empty())
         name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
+        choice = self.plan.for_bucket(t)
         compiled, loaded = self._load_or_compile(
-            name, lambda: self._step.lower(self.params, self.rope, self._abstract_caches, self.history, inputs))
+            self._stores[choice], name,
+            lambda: self._steps[choice].lower(self.weights[choice.linear], self.rope, self._abstract_caches,
+                                              self.history, inputs))
         self._compiled[(t, s)] = compiled
         return compiled, loaded
 
-    def _load_or_compile(self, name: str, lower):
-        """The executable stored under `name`, else `lower()` compiled (and stored);
-        and whether it was loaded."""
-        compiled = self._store.load(name)
+    @staticmethod
+    def _load_or_compile(store: ExecutableStore, name: str, lower):
+        """The executable `store` keeps under `name`, else `lower()` compiled (and
+        stored); and whether it was loaded."""
+        compiled = store.load(name)
         if compiled is not None:
             return compiled, True
         with persistent_cache_hits() as hits:
             compiled = lower().compile()
         if not hits():  # JAX's cache returns executables that cannot be serialized again
-            self._store.save(name, compiled)
+            store.save(name, compiled)
         return compiled, False
 
     def _executable(self, t: int, s: int):
@@ -308,7 +327,7 @@ class ModelRunner:
         if compiled is None:
             pairs = jax.ShapeDtypeStruct((c,), jnp.int32)
             compiled, _ = self._load_or_compile(
-                f"copy-c{c}", lambda: self._copy_blocks.lower(self._abstract_caches, pairs, pairs))
+                self._copy_store, f"copy-c{c}", lambda: self._copy_blocks.lower(self._abstract_caches, pairs, pairs))
             self._compiled_copies[c] = compiled
         return compiled
 
@@ -426,8 +445,8 @@ class ModelRunner:
             self.apply_block_copies(sched.block_copies)
         step = self.prepare_step(sched)
         executable = self._executable(step.t, step.s)
-        self.kv_caches, self.history, out = executable(self.params, self.rope, self.kv_caches, self.history,
-                                                       step.inputs)
+        weights = self.weights[self.plan.for_bucket(step.t).linear]
+        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs)
         t1 = time.perf_counter()
         sampled = np.asarray(out.sampled.token_ids)[: len(step.host.rows)]
         t2 = time.perf_counter()

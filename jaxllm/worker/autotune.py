@@ -1,0 +1,287 @@
+"""Choosing the attention and linear backends by measurement, per step shape.
+
+Which kernel is faster depends on the CPU, the build and the shape: on an AVX-512 Zen 4
+the C++ dense kernel beat XLA's dot at every step size, built for AVX2 it won at 32
+rows and lost at 512 (scripts/bench_linear.py); the C++ attention won everywhere on
+both, by 1.3-7x. So where both backends of a kind can run (`auto` on the CPU platform,
+float32), the runner times them at start-up on the shapes of the buckets it compiles
+(every other bucket and the largest: `measured_buckets`) and gives each bucket the
+faster:
+
+- linear: one layer's projections at the bucket's T rows and the output projection at
+  its S rows, the layer repeated over as many distinct copies of its weights as make
+  64 MiB below 64 rows (a small step streams its weights from memory; a layer that
+  stayed in cache would flatter it), scaled to the model's layers;
+- attention: one layer of a representative step of the bucket: min(T, S) sequences,
+  decodes of ~min(512, max_model_len / 2) tokens of context, and the rest of the
+  tokens as one prefill chunk, scaled to the model's layers.
+
+The plan (`BackendPlan`) is stored as JSON next to the compiled executables, keyed by
+everything the times depend on (environment, model shapes, buckets, the kernels'
+build), so a warm start reuses it; the engine's start-up line prints it, with the
+times. An explicit `attention_backend` / `linear_backend` is never measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.params import abstract_params
+
+logger = logging.getLogger(__name__)
+
+TIE = 0.02  # within 2%, the first candidate (the kernel) is kept: no flapping on noise
+WEIGHT_BYTES = 64 << 20  # distinct weights a linear measurement streams through
+REPEATS = 3  # best of
+COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by reading its weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBackends:
+    """The backends one bucket's step is compiled with."""
+
+    attention: str
+    linear: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendPlan:
+    """Per token bucket, the backends its step uses; and the seconds per step each
+    candidate measured at the buckets that were measured (kind -> backend -> {T: s};
+    empty for a kind that was not measured)."""
+
+    buckets: tuple[int, ...]
+    choices: tuple[StepBackends, ...]
+    seconds: dict[str, dict[str, dict[int, float]]] = dataclasses.field(default_factory=dict)
+    source: str = "fixed"  # fixed (nothing measured) | measured | stored
+
+    def for_bucket(self, t: int) -> StepBackends:
+        return self.choices[self.buckets.index(t)]
+
+    def backends(self, kind: str) -> list[str]:
+        """The backends of `kind` some bucket uses, in bucket order."""
+        return list(dict.fromkeys(getattr(c, kind) for c in self.choices))
+
+    def describe(self, kind: str) -> str:
+        """Which backend runs which buckets, and why: `cpu (1.10-1.40x xla)` or `cpu at
+        T=4-64 (1.10-1.20x xla), xla at T=128-512 (1.05-1.30x cpu)`, the ratios being
+        the other candidate's measured time over the chosen one's."""
+        used = [getattr(c, kind) for c in self.choices]
+        times = self.seconds.get(kind, {})
+        parts = []
+        for backend, lo, hi in _runs(used):
+            where = "" if (lo, hi) == (0, len(used)) else f" at T={self.buckets[lo]}-{self.buckets[hi - 1]}"
+            other = next((b for b in times if b != backend), None)
+            measured = [t for t in self.buckets[lo:hi] if other and t in times[backend]]
+            why = ""
+            if measured:
+                ratios = [times[other][t] / times[backend][t] for t in measured]
+                why = f" ({min(ratios):.2f}-{max(ratios):.2f}x {other})"
+            parts.append(f"{backend}{where}{why}")
+        return ", ".join(parts) + (f" [{self.source}]" if times else "")
+
+    def to_json(self) -> str:
+        return json.dumps({"buckets": self.buckets, "choices": [dataclasses.asdict(c) for c in self.choices],
+                           "seconds": self.seconds})
+
+    @classmethod
+    def from_json(cls, text: str) -> BackendPlan:
+        d = json.loads(text)
+        seconds = {kind: {b: {int(t): v for t, v in per.items()} for b, per in by.items()}
+                   for kind, by in d["seconds"].items()}
+        return cls(tuple(d["buckets"]), tuple(StepBackends(**c) for c in d["choices"]), seconds, "stored")
+
+
+def _runs(values: list[str]) -> list[tuple[str, int, int]]:
+    """Maximal runs of equal values: (value, start, end)."""
+    runs: list[tuple[str, int, int]] = []
+    for i, v in enumerate(values):
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1], i + 1)
+        else:
+            runs.append((v, i, i + 1))
+    return runs
+
+
+def measured_buckets(buckets: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The buckets timed: every other one and the largest (each compile of a
+    measurement costs ~0.1-1 s; neighbours differ by at most 2x in T). The others take
+    the choice of the nearest smaller measured bucket."""
+    return sorted(set(buckets[::2]) | {buckets[-1]})
+
+
+def plan_backends(
+    buckets: Sequence[tuple[int, int]],
+    attention: Sequence[str],
+    linear: Sequence[str],
+    measure: Callable[[str, str, int, int], float] | None,
+) -> BackendPlan:
+    """Each bucket (T, S) gets, per kind, the candidate `measure(kind, backend, T, S)`
+    (seconds per step) finds fastest at it or at the nearest smaller measured bucket; a
+    kind with one candidate is not measured. The first candidate wins a tie within TIE."""
+    sample = measured_buckets(buckets)
+    seconds: dict[str, dict[str, dict[int, float]]] = {}
+    picks: dict[str, list[str]] = {}
+    for kind, candidates in (("attention", attention), ("linear", linear)):
+        if len(candidates) == 1:
+            picks[kind] = [candidates[0]] * len(buckets)
+            continue
+        seconds[kind] = {b: {} for b in candidates}
+        for t, s in sample:  # candidates alternate: a busy moment of a shared machine hits both
+            for b in candidates:
+                seconds[kind][b][t] = measure(kind, b, t, s)
+        best_at = {}
+        for t, _ in sample:
+            best = min(candidates, key=lambda b: seconds[kind][b][t])
+            if seconds[kind][candidates[0]][t] <= seconds[kind][best][t] * (1 + TIE):
+                best = candidates[0]
+            best_at[t] = best
+        picks[kind] = [best_at[max(m for m, _ in sample if m <= t)] for t, _ in buckets]
+    choices = tuple(StepBackends(a, lin) for a, lin in zip(picks["attention"], picks["linear"]))
+    return BackendPlan(tuple(t for t, _ in buckets), choices, seconds, "measured" if seconds else "fixed")
+
+
+# ------------------------------------------------------------ measurements
+
+
+def _best_of(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class StepTimer:
+    """`measure(kind, backend, T, S)` for plan_backends: seconds one step of bucket
+    (T, S) spends in the projections (linear) or attention of a model of `cfg`'s
+    shapes, on random data (the times do not depend on the values)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int) -> None:
+        self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
+        self.rng = np.random.default_rng(0)
+        self._weights: dict[str, tuple] = {}  # linear backend -> (layers, head), in its layout
+        self._fns = self._linear_fns()
+
+    def __call__(self, kind: str, backend: str, t: int, s: int) -> float:
+        return self.linear(backend, t, s) if kind == "linear" else self.attention(backend, t, s)
+
+    def _filled(self, shape) -> jax.Array:
+        """An array of `shape` (the values do not change the times; filling is cheap)."""
+        return jnp.full(shape, 0.01, self.dtype)
+
+    def _linear_weights(self, backend: str):
+        if backend not in self._weights:
+            self._weights[backend] = self._make_linear_weights(backend)
+        return self._weights[backend]
+
+    def _make_linear_weights(self, backend: str):
+        from jaxllm.models.linear import pack_weight
+
+        p = abstract_params(self.cfg, self.dtype)
+        layer = p.layers[0]
+        shapes = [layer.wqkv.shape, layer.wo.shape, layer.w_gate_up.shape, layer.w_down.shape]
+        per_layer = sum(a * b for a, b in shapes) * self.dtype.itemsize
+        copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
+        layout = pack_weight if backend == "cpu" else (lambda w: w)
+        layers = [[layout(self._filled(shape)) for shape in shapes] for _ in range(copies)]
+        head = layout(self._filled((self.cfg.hidden_size, self.cfg.vocab_size)))
+        return layers, head
+
+    def _linear_fns(self):
+        from jaxllm.models.linear import linear
+
+        q = self.cfg.q_size
+        f = self.cfg.intermediate_size
+
+        def layers_fn(x, layers):
+            for wqkv, wo, w_gate_up, w_down in layers:
+                qkv = linear(x, wqkv)
+                x = x + linear(qkv[:, :q], wo)
+                x = x + linear(linear(x, w_gate_up)[:, :f], w_down)
+            return x
+
+        return jax.jit(layers_fn), jax.jit(lambda x, head: linear(x, head))
+
+    def linear(self, backend: str, t: int, s: int) -> float:
+        layers, head = self._linear_weights(backend)
+        layers_fn, head_fn = self._fns
+        x = self._filled((t, self.cfg.hidden_size))
+        if t >= COMPUTE_BOUND_ROWS:  # the weights' streaming no longer decides: fewer copies, quicker
+            layers = layers[:2]
+        per_layer = _best_of(layers_fn, x, layers) / len(layers)
+        return per_layer * self.cfg.num_layers + _best_of(head_fn, x[:s], head)
+
+    def attention(self, backend: str, t: int, s: int) -> float:
+        from jaxllm.attention.backends import get_attention_fn
+
+        cfg, bs = self.cfg, self.block_size
+        n = min(t, s)
+        q_lens = np.ones(n, np.int32)
+        q_lens[-1] += t - n  # the rest of the tokens: one prefill chunk
+        ctx = self.rng.integers(self.context * 3 // 4, self.context * 5 // 4 + 1, n).astype(np.int32)
+        ctx[-1] = 0 if t > n else ctx[-1]
+        kv_lens = ctx + q_lens
+        blocks = -(-kv_lens // bs)
+        tables = np.zeros((n, int(blocks.max())), np.int32)
+        ids = self.rng.permutation(np.arange(1, int(blocks.sum()) + 1)).astype(np.int32)  # scattered, as in use
+        starts = np.concatenate([[0], np.cumsum(blocks)])
+        for i in range(n):
+            tables[i, : blocks[i]] = ids[starts[i]:starts[i + 1]]
+        cache_shape = (int(blocks.sum()) + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+        args = (self._filled((t, cfg.num_heads, cfg.head_dim)), self._filled(cache_shape), self._filled(cache_shape),
+                jnp.asarray(kv_lens), jnp.asarray(tables),
+                jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)), jnp.asarray(np.int32(n)))
+        fn = jax.jit(functools.partial(get_attention_fn(backend), sm_scale=cfg.head_dim ** -0.5))
+        return _best_of(fn, *args) * cfg.num_layers
+
+
+def backend_plan(
+    cfg: ModelConfig,
+    dtype,
+    buckets: Sequence[tuple[int, int]],
+    attention: Sequence[str],
+    linear: Sequence[str],
+    *,
+    block_size: int,
+    max_model_len: int,
+    store_dir=None,
+) -> BackendPlan:
+    """The plan for these buckets and candidates: fixed where each kind has one
+    candidate; else the one stored under `store_dir` for the same environment, model
+    shapes, buckets and kernel build, or measured now (and stored)."""
+    if len(attention) == 1 and len(linear) == 1:
+        return plan_backends(buckets, attention, linear, measure=None)
+    from jaxllm.cpu_kernels.build import library_path
+    from jaxllm.worker.executable_cache import ExecutableStore
+
+    store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, tuple(buckets), tuple(attention),
+                            tuple(linear), block_size, max_model_len, library_path().name)
+    stored = store.load_text("backends.json")
+    if stored is not None:
+        try:
+            plan = BackendPlan.from_json(stored)
+            if plan.buckets == tuple(t for t, _ in buckets):
+                return plan
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring an unreadable stored backend plan (%s)", e)
+    start = time.perf_counter()
+    timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len)
+    plan = plan_backends(buckets, attention, linear, timer)
+    logger.info("measured the backends in %.1f s: attention %s; linear %s", time.perf_counter() - start,
+                plan.describe("attention"), plan.describe("linear"))
+    store.save_text("backends.json", plan.to_json())
+    return plan

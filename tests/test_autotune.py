@@ -1,0 +1,116 @@
+"""Backends chosen by measurement (jaxllm.worker.autotune): the per-bucket choice from
+given times, the stored plan reused, and an engine whose buckets run different
+backends giving the tokens a single-backend engine gives."""
+
+import numpy as np
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.models.params import PackedWeight
+from jaxllm.worker import autotune
+from jaxllm.worker.autotune import BackendPlan, StepBackends, measured_buckets, plan_backends
+from tests.test_engine import make_llm
+
+BUCKETS = [(4, 4), (8, 8), (16, 8), (32, 8)]
+
+
+def fake_times(kind, backend, t, s):
+    """cpu attention always faster; cpu linear faster below 16 rows, xla from there."""
+    if kind == "attention":
+        return {"cpu": 1.0, "xla": 2.0}[backend] * t
+    return t * (1.0 if backend == "cpu" else 1.5 if t < 16 else 0.5)
+
+
+def test_each_bucket_gets_the_faster_backend():
+    plan = plan_backends(BUCKETS, ["cpu", "xla"], ["cpu", "xla"], fake_times)
+    assert [c.attention for c in plan.choices] == ["cpu"] * 4
+    assert [c.linear for c in plan.choices] == ["cpu", "cpu", "xla", "xla"]
+    assert plan.backends("linear") == ["cpu", "xla"] and plan.source == "measured"
+    assert plan.describe("attention") == "cpu (2.00-2.00x xla) [measured]"
+    assert plan.describe("linear") == "cpu at T=4-8 (1.50-1.50x xla), xla at T=16-32 (2.00-2.00x cpu) [measured]"
+    again = BackendPlan.from_json(plan.to_json())
+    assert again.choices == plan.choices and again.seconds == plan.seconds and again.source == "stored"
+
+
+def test_unmeasured_buckets_follow_the_nearest_smaller_measured_one():
+    buckets = [(t, 8) for t in (4, 8, 16, 32, 64, 128)]
+    assert measured_buckets(buckets) == [(4, 8), (16, 8), (64, 8), (128, 8)]
+    calls = []
+
+    def measure(kind, backend, t, s):
+        calls.append((kind, backend, t))
+        return 1.0 if (backend == "xla") == (t >= 64) else 2.0
+
+    plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure)
+    assert {t for _, _, t in calls} == {4, 16, 64, 128} and {k for k, _, _ in calls} == {"linear"}
+    assert [c.linear for c in plan.choices] == ["cpu", "cpu", "cpu", "cpu", "xla", "xla"]
+    assert plan.describe("attention") == "xla"
+
+
+def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
+    plan = plan_backends(BUCKETS, ["cpu", "xla"], ["xla"], lambda k, b, t, s: 1.0 if b == "cpu" else 0.99)
+    assert {c.attention for c in plan.choices} == {"cpu"}  # 1% faster: within the tie margin
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu"], None)
+    assert plan.choices == (StepBackends("xla", "cpu"),) * 4 and plan.source == "fixed" and plan.seconds == {}
+
+
+def test_the_step_timer_measures_real_steps(test_models_dir):
+    """The times are positive and grow with the bucket, for every candidate."""
+    from jaxllm.loaders import load_model
+
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    timer = autotune.StepTimer(model.config, np.float32, block_size=16, max_model_len=128)
+    for kind in ("attention", "linear"):
+        for backend in ("cpu", "xla"):
+            small, large = timer(kind, backend, 4, 4), timer(kind, backend, 256, 8)
+            assert 0 < small < large
+
+
+def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
+    """A plan where small buckets use the kernels and large ones XLA: the runner keeps
+    both weight layouts, and the tokens and logprobs equal an all-xla engine's. The
+    plan is stored: a second engine with the same cache directory measures nothing."""
+    measured = []
+
+    class FakeTimer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):
+            measured.append((kind, backend, t))
+            return (1.0 if backend == "cpu" else 2.0) if t < 16 else (2.0 if backend == "cpu" else 1.0)
+
+    monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path))
+    runner = mixed.llm_engine.core.runner
+    assert measured and runner.plan.source == "measured"
+    assert {c.linear for c in runner.plan.choices} == {"cpu", "xla"}
+    assert runner.plan.for_bucket(4) == StepBackends("cpu", "cpu")
+    assert runner.plan.for_bucket(32) == StepBackends("xla", "xla")
+    assert isinstance(runner.weights["cpu"].layers[0].wqkv, PackedWeight)
+    assert not isinstance(runner.weights["xla"].layers[0].wqkv, PackedWeight)
+    assert "linear cpu at T=4-8 (2.00-2.00x xla), xla at T=16-32" in mixed.llm_engine.core.describe()
+    got = mixed.generate(prompts, params, use_tqdm=False)
+    want = make_llm(test_models_dir, attention_backend="xla", linear_backend="xla").generate(prompts, params,
+                                                                                             use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            np.testing.assert_allclose([x.logprob for x in la.values()], [x.logprob for x in lb.values()], atol=1e-4)
+
+    measured.clear()
+    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path))
+    assert not measured and again.llm_engine.core.runner.plan.source == "stored"
+    assert again.llm_engine.core.runner.plan.choices == runner.plan.choices
+
+
+@pytest.mark.parametrize("options", [{"attention_backend": "cpu", "linear_backend": "xla"}])
+def test_explicit_backends_are_not_measured(test_models_dir, tmp_path, monkeypatch, options):
+    monkeypatch.setattr(autotune, "StepTimer", None)  # would fail if called
+    llm = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **options)
+    plan = llm.llm_engine.core.runner.plan
+    assert plan.source == "fixed" and set(plan.choices) == {StepBackends("cpu", "xla")}
+    assert "attention cpu; linear xla" in llm.llm_engine.core.describe()
