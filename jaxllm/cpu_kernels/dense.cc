@@ -62,6 +62,7 @@ void narrow_tile(const float* xt, int g, const float* panel, int h, int64_t K, f
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = f32xN{};
+#pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
     for (int v = 0; v < V; ++v) w[v] = loadN(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
@@ -96,6 +97,7 @@ void wide_tile_times_panel(const float* xt, const float* panel, int64_t K, float
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
+#pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     const f32xN w0 = loadN(panel + k * kPanel), w1 = loadN(panel + k * kPanel + 16);
     if (prefetch) {
