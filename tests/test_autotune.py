@@ -47,6 +47,21 @@ def test_unmeasured_buckets_follow_the_nearest_smaller_measured_one():
     assert plan.describe("attention") == "xla"
 
 
+def test_linear_backends_mix_only_for_a_real_gain():
+    """A mixed plan keeps two copies of the weights: only worth it for >= 5% in total."""
+    def slight(kind, backend, t, s):  # xla 3% faster at the two largest buckets
+        return t * (0.97 if backend == "xla" and t >= 16 else 1.0)
+
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], slight)
+    assert {c.linear for c in plan.choices} == {"xla"}  # one layout: the faster in total
+
+    def mostly_xla(kind, backend, t, s):  # cpu faster only at the smallest bucket, slightly
+        return t * (0.9 if backend == "xla" else 1.0) if t > 4 else (0.99 if backend == "cpu" else 1.0)
+
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], mostly_xla)
+    assert {c.linear for c in plan.choices} == {"xla"}
+
+
 def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
     plan = plan_backends(BUCKETS, ["cpu", "xla"], ["xla"], lambda k, b, t, s: 1.0 if b == "cpu" else 0.99)
     assert {c.attention for c in plan.choices} == {"cpu"}  # 1% faster: within the tie margin

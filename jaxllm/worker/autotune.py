@@ -41,6 +41,7 @@ from jaxllm.models.params import abstract_params
 logger = logging.getLogger(__name__)
 
 TIE = 0.02  # within 2%, the first candidate (the kernel) is kept: no flapping on noise
+MIXED_GAIN = 0.05  # two weight layouts only for a 5% gain over the best single linear backend
 WEIGHT_BYTES = 64 << 20  # distinct weights a linear measurement streams through
 REPEATS = 3  # best of
 COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by reading its weights
@@ -128,7 +129,9 @@ def plan_backends(
 ) -> BackendPlan:
     """Each bucket (T, S) gets, per kind, the candidate `measure(kind, backend, T, S)`
     (seconds per step) finds fastest at it or at the nearest smaller measured bucket; a
-    kind with one candidate is not measured. The first candidate wins a tie within TIE."""
+    kind with one candidate is not measured. The first candidate wins a tie within TIE.
+    Linear backends mix across buckets only where that gains MIXED_GAIN (a second copy
+    of the weights)."""
     sample = measured_buckets(buckets)
     seconds: dict[str, dict[str, dict[int, float]]] = {}
     picks: dict[str, list[str]] = {}
@@ -146,9 +149,30 @@ def plan_backends(
             if seconds[kind][candidates[0]][t] <= seconds[kind][best][t] * (1 + TIE):
                 best = candidates[0]
             best_at[t] = best
+        if kind == "linear":
+            best_at = _one_layout_unless_worth_two(best_at, seconds[kind], candidates)
         picks[kind] = [best_at[max(m for m, _ in sample if m <= t)] for t, _ in buckets]
     choices = tuple(StepBackends(a, lin) for a, lin in zip(picks["attention"], picks["linear"]))
     return BackendPlan(tuple(t for t, _ in buckets), choices, seconds, "measured" if seconds else "fixed")
+
+
+def _one_layout_unless_worth_two(best_at: dict[int, str], seconds: dict[str, dict[int, float]],
+                                 candidates: Sequence[str]) -> dict[int, str]:
+    """Linear backends differ in weight layout: buckets that disagree cost a second copy
+    of the projection weights. Keep the per-bucket mix only if its summed time beats
+    the best single backend's by MIXED_GAIN; else that backend everywhere (the first
+    candidate within TIE). On a shared machine, ratios near 1 flip between neighbouring
+    buckets on noise (seen: 1.01-1.15x either way); that is not worth the memory."""
+    if len(set(best_at.values())) == 1:
+        return best_at
+    total = {b: sum(seconds[b].values()) for b in candidates}
+    mixed = sum(seconds[b][t] for t, b in best_at.items())
+    single = min(candidates, key=total.get)
+    if total[candidates[0]] <= total[single] * (1 + TIE):
+        single = candidates[0]
+    if mixed < total[single] * (1 - MIXED_GAIN):
+        return best_at
+    return dict.fromkeys(best_at, single)
 
 
 # ------------------------------------------------------------ measurements
