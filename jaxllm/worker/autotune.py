@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 TIE = 0.02  # within 2%, the first candidate (the kernel) is kept: no flapping on noise
 MIXED_GAIN = 0.05  # two weight layouts only for a 5% gain over the best single linear backend
 WEIGHT_BYTES = 64 << 20  # distinct weights a linear measurement streams through
-REPEATS = 3  # best of
+REPEATS = 3  # best of at least this many calls,
+MIN_SECONDS = 0.1  # or of as many as take this long,
+MAX_REPEATS = 50  # but no more than this many
 COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by reading its weights
 
 
@@ -179,12 +181,16 @@ def _one_layout_unless_worth_two(best_at: dict[int, str], seconds: dict[str, dic
 
 
 def _best_of(fn, *args) -> float:
+    """The fastest of at least REPEATS calls and of as many as fit MIN_SECONDS (at
+    most MAX_REPEATS), after a warm one: a small step takes ~1 ms, where one
+    interruption of a shared machine is several."""
     jax.block_until_ready(fn(*args))  # compile and warm
-    best = float("inf")
-    for _ in range(REPEATS):
+    best, spent, n = float("inf"), 0.0, 0
+    while n < REPEATS or (spent < MIN_SECONDS and n < MAX_REPEATS):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        best, spent, n = min(best, elapsed), spent + elapsed, n + 1
     return best
 
 
