@@ -152,6 +152,8 @@ def test_set_params_lays_out_loaded_weights_and_rejects_other_shapes(test_models
     np.testing.assert_array_equal(unpack_weight(runner.weights["cpu"].layers[1].w_down),
                                   model.params.layers[1].w_down)
     runner.set_params(runner.layout_params(model.params))  # already laid out: kept as given
+    with pytest.raises(ValueError, match="laid-out weights for \\['xla'\\], the plan uses \\['cpu'\\]"):
+        runner.set_params({"xla": model.params})
     wrong = model.params.replace(layers=(model.params.layers[0].replace(w_down=model.params.layers[0].w_down[:-1]),
                                          *model.params.layers[1:]))
     with pytest.raises(ValueError, match="do not match the shapes"):

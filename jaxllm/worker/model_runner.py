@@ -206,16 +206,7 @@ class ModelRunner:
         self.rope = rope_table(config.rope, config.head_dim, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
-        # Where the C++ kernels run the step, they also take the sampler's greedy argmax
-        # and the prompt-logprob scores.
-        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention")
-        self._steps = {
-            choice: jax.jit(functools.partial(model_step, cfg=config, attention_fn=get_attention_fn(choice.attention),
-                                              argmax_fn=argmax_cpu if kernels else argmax,
-                                              scores_fn=token_scores_cpu if kernels else compute_logprobs),
-                            donate_argnums=(2, 3))
-            for choice in dict.fromkeys(self.plan.choices)
-        }
+        self._steps = self._step_functions()
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         # a step's block copies (at most one per admitted request), padded to a bucket
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
@@ -223,16 +214,32 @@ class ModelRunner:
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int], object] = {}
         directory = store_directory(cache_dir)
-        self._stores = {}
-        for choice in self._steps:
-            args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
-            self._stores[choice] = ExecutableStore(directory, "model_step", config, choice.attention, choice.linear,
-                                                   _shapes_and_dtypes(args), jax.tree.structure(args))
+        self._stores = {choice: self._step_store(directory, choice) for choice in self._steps}
         self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches)
         self.num_loaded_executables = 0
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
         self.stats = RunnerStats()
+
+    def _step_functions(self) -> dict[StepBackends, object]:
+        """The jitted step of each pair of backends the plan uses. Where the C++ kernels
+        run the step, they also take the sampler's greedy argmax and prompt-logprob scores."""
+        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention")
+        return {
+            choice: jax.jit(functools.partial(model_step, cfg=self.config,
+                                              attention_fn=get_attention_fn(choice.attention),
+                                              argmax_fn=argmax_cpu if kernels else argmax,
+                                              scores_fn=token_scores_cpu if kernels else compute_logprobs),
+                            donate_argnums=(2, 3))
+            for choice in dict.fromkeys(self.plan.choices)
+        }
+
+    def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
+        """Where the executables of one pair of backends are kept (keyed by what the
+        step is compiled from)."""
+        args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
+        return ExecutableStore(directory, "model_step", self.config, choice.attention, choice.linear,
+                               _shapes_and_dtypes(args), jax.tree.structure(args))
 
     @property
     def kv_caches(self) -> tuple[KVCache, ...]:
@@ -248,7 +255,12 @@ class ModelRunner:
     def set_params(self, params: ModelParams | dict[str, ModelParams]) -> None:
         """The weights, as loaded (of exactly the shapes and dtypes the runner was built
         for) or as `layout_params` returned them."""
-        self.weights = params if isinstance(params, dict) else self.layout_params(params)
+        if not isinstance(params, dict):
+            params = self.layout_params(params)
+        elif set(params) != set(self.plan.backends("linear")):
+            raise ValueError(f"set_params: laid-out weights for {sorted(params)}, the plan uses "
+                             f"{self.plan.backends('linear')}")
+        self.weights = params
 
     def layout_params(self, params: ModelParams) -> dict[str, ModelParams]:
         """Loaded `params` checked against the shapes the step was compiled for and laid
