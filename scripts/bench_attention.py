@@ -12,8 +12,8 @@ Say which machine and which build a number came from (the first line printed).
 from __future__ import annotations
 
 import argparse
-import time
 
+from bench_linear import timed
 from isa_build import ISAS, describe, reexec
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -51,18 +51,6 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng):
             jnp.asarray(np.int32(len(seqs))))
 
 
-def timed(fn, args, iters: int) -> float:
-    fn(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        out.block_until_ready()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
-
-
 def run(iters: int) -> None:
     import functools
 
@@ -80,7 +68,7 @@ def run(iters: int) -> None:
     for name, (decodes, chunks) in MIXES.items():
         args = inputs(decodes, chunks, rng)
         np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
-        tc, tx = timed(cpu, args, iters), timed(xla, args, iters)
+        tc, tx = timed(cpu, *args, iters=iters), timed(xla, *args, iters=iters)
         print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f}", flush=True)
 
 

@@ -10,7 +10,8 @@ Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
 - `cpu`: packed weights and the custom call; XLA:CPU, float32. At the 32-512 rows of a
   step on SmolLM2's shapes it measured 1.0-1.6x XLA:CPU's dot built for AVX-512, and
-  0.75-1.2x built for AVX2 (docs/benchmarks.md).
+  0.75-1.2x built for AVX2 (AMD EPYC Zen 4, 2 vCPUs, before the k-loop unroll;
+  docs/benchmarks.md).
 - `auto`: on the CPU platform for float32, where the kernels build, the faster of
   `cpu` and `xla` per step shape, measured at start-up (jaxllm.worker.autotune); else
   `xla` (the reason logged).
