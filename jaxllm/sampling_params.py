@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxllm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
+
 MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI allows 20)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI allows 300)
 MAX_STOP_TOKEN_IDS = 64
@@ -38,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +53,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     # ------------------------------------------------------------------ checks
@@ -115,9 +122,15 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if not -100 <= bias <= 100:
                     fail("logit_bias", f"bias for token {token} must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     def validate_for_model(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids in range."""
+        """Checks that need the model or are too costly for every copy: token ids in
+        range, a structured output's grammar compiled (a bad JSON schema, regex or grammar
+        is a ValueError naming it)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.check()
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
             for t in ids:
                 if not 0 <= t < vocab_size:

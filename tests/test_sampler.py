@@ -17,12 +17,13 @@ def metadata(s, **rows):
     d = dict(temperature=[1.0] * s, top_k=[0] * s, top_p=[1.0] * s, min_p=[0.0] * s, presence_penalty=[0.0] * s,
              frequency_penalty=[0.0] * s, repetition_penalty=[1.0] * s, seeds=[[0, 0]] * s, output_index=[0] * s,
              bias_token_ids=[[0]] * s, bias_values=[[0.0]] * s, history_rows=list(range(s)),
-             num_prompt_tokens=[0] * s, num_known_tokens=[0] * s)
+             num_prompt_tokens=[0] * s, num_known_tokens=[0] * s, token_bitmask=[[-1]] * s)
     d.update(rows)
     arr = {k: np.asarray(v, np.uint32 if k == "seeds" else None) for k, v in d.items()}
     for k in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_values"):
         arr[k] = arr[k].astype(np.float32)
-    for k in ("top_k", "output_index", "bias_token_ids", "history_rows", "num_prompt_tokens", "num_known_tokens"):
+    for k in ("top_k", "output_index", "bias_token_ids", "history_rows", "num_prompt_tokens", "num_known_tokens",
+              "token_bitmask"):
         arr[k] = arr[k].astype(np.int32)
     t = arr["temperature"]
     return SamplingMetadata(
@@ -33,6 +34,7 @@ def metadata(s, **rows):
         any_penalties=np.bool_(((arr["presence_penalty"] != 0) | (arr["frequency_penalty"] != 0)
                                 | (arr["repetition_penalty"] != 1)).any()),
         any_logprobs=np.bool_(True),
+        any_token_bitmask=np.bool_((arr["token_bitmask"] != -1).any()),
     )
 
 
@@ -147,6 +149,47 @@ def test_logprobs_of_the_raw_distribution():
     np.testing.assert_allclose(float(out.sampled_logprob[0]), lp[7], rtol=1e-5)  # ...not the logprob
     assert int(out.sampled_rank[0]) == 8
     np.testing.assert_array_equal(np.asarray(out.top_token_ids[0, :V]), np.arange(V))
+
+
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """[S, V] bools -> [S, ceil(V / 32)] int32 words (bit t % 32 of word t // 32)."""
+    s, v = allowed.shape
+    bits = np.zeros((s, -(-v // 32) * 32), np.uint64)
+    bits[:, :v] = allowed
+    words = (bits.reshape(s, -1, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def test_token_bitmask_restricts_constrained_rows_only():
+    """Rows 0-3 constrained (greedy, sampled, one token allowed, a token past the first
+    word), rows 4-5 unconstrained: the constrained ones stay in their sets, the others
+    sample as without a mask, and logprobs stay those of the raw distribution."""
+    v, s = 70, 6
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 3
+    allowed = np.ones((s, v), bool)
+    allowed[0] = rng.random(v) < 0.3
+    allowed[1] = rng.random(v) < 0.3
+    allowed[2] = False
+    allowed[2, 5] = True
+    allowed[3] = False
+    allowed[3, [40, 69]] = True
+    temperature = [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    common = dict(temperature=temperature, seeds=[[7, 0]] * s, output_index=list(range(s)))
+    md = metadata(s, token_bitmask=pack_bitmask(allowed), **common)
+    history = np.zeros((s, 1), np.int32)
+    out = _sample(jnp.asarray(logits), history, md)
+    tokens = np.asarray(out.token_ids)
+    assert all(allowed[i, tokens[i]] for i in range(s))
+    assert tokens[0] == np.flatnonzero(allowed[0])[np.argmax(logits[0, allowed[0]])]
+    assert tokens[2] == 5 and tokens[3] == [40, 69][int(np.argmax(logits[3, [40, 69]]))]
+    free = _sample(jnp.asarray(logits), history, metadata(s, token_bitmask=pack_bitmask(np.ones((s, v), bool)),
+                                                            **common))
+    np.testing.assert_array_equal(tokens[4:], np.asarray(free.token_ids)[4:])
+    lp = logits[0] - np.log(np.exp(logits[0].astype(np.float64)).sum())
+    np.testing.assert_allclose(float(out.sampled_logprob[0]), lp[tokens[0]], rtol=1e-5)
+    many = draws(400, logits=logits[1], temperature=1.0, token_bitmask=pack_bitmask(allowed[1:2])[0])
+    assert set(many.tolist()) <= set(np.flatnonzero(allowed[1]).tolist()) and len(set(many.tolist())) > 3
 
 
 @pytest.mark.parametrize("s,v", [(1, 1), (3, 7), (4, 16), (5, 33), (64, 4099), (2, 49152)])

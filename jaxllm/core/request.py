@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.core.prompt_scores import PromptScores
+from jaxllm.core.structured_output import StructuredOutputRequest
 from jaxllm.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import SamplingParams
 
@@ -40,6 +41,8 @@ class Request:
             :mod:`jaxllm.core.kv_cache_utils`). The KV cache manager fills it lazily,
             only when prefix caching is on, and only as far as it needs; since tokens
             are append-only an entry, once computed, stays valid. Nobody else writes it.
+        structured: the grammar state of a request whose output is constrained
+            (JSON schema, regex, choice, grammar); it waits until the grammar is ready.
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     prompt_scores: PromptScores | None = None
+    structured: StructuredOutputRequest | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
@@ -72,6 +76,8 @@ class Request:
             seed=seed,
             prompt_scores=None if req.sampling_params.prompt_logprobs is None
             else PromptScores(req.sampling_params.prompt_logprobs),
+            structured=None if req.sampling_params.structured_outputs is None
+            else StructuredOutputRequest(req.sampling_params.structured_outputs),
         )
 
     @property
@@ -79,6 +85,12 @@ class Request:
         """The most tokens whose KV the request will hold: the last sampled token is
         never fed back (and with max_tokens=0 only the prompt is computed)."""
         return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
+
+    @property
+    def samples_this_step(self) -> bool:
+        """After scheduling: this step computes the request's last known token, so it
+        samples the next one."""
+        return self.num_computed_tokens == self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:

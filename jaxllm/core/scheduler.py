@@ -57,6 +57,7 @@ class Scheduler:
         self._in_flight: dict[bytes, list[list[int]]] | None = None
         self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
         self._block_copies: list[tuple[int, int]] = []  # (source, destination) of this step's tails
+        self._grammar_failures: list[EngineCoreOutput] = []  # aborted for their grammar, reported next update
 
     # ----------------------------------------------------------------- requests
 
@@ -119,6 +120,12 @@ class Scheduler:
         deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.structured is not None and not request.structured.ready:
+                deferred.append(self.waiting.popleft())  # its grammar is compiling: the others go on
+                continue
+            if request.structured is not None and request.structured.error is not None:
+                self._fail_grammar(self.waiting.popleft())
+                continue
             admitted = self._admit(request, budget, num_scheduled)
             if admitted is _WAIT:
                 deferred.append(self.waiting.popleft())
@@ -140,6 +147,23 @@ class Scheduler:
             preempted_req_ids=preempted,
             block_copies=self._block_copies,
         )
+
+    def _fail_grammar(self, request: Request) -> None:
+        logger.error("request %s: its structured output could not be compiled: %s", request.request_id,
+                     request.structured.error)
+        self._finish(request, FinishReason.ABORT)
+        self._grammar_failures.append(self._output(request, [], None))
+
+    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, object]]:
+        """(request id, grammar) of the scheduled requests that sample under a grammar
+        this step, in the step's row order: those need a token bitmask."""
+        rows = []
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests[req_id]
+            s = request.structured
+            if s is not None and s.grammar is not None and request.samples_this_step and not s.grammar.is_terminated:
+                rows.append((req_id, s.grammar))
+        return rows
 
     def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]):
         """Take the head of the waiting queue into the running batch with the prefix it
@@ -263,7 +287,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, check stop conditions, free finished requests."""
-        outputs = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, token in zip(result.req_ids, result.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
@@ -300,8 +324,13 @@ class Scheduler:
             scores.extend(new_rows)
         return scores.take_unsent()
 
-    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
         params = request.sampling_params
+        if request.structured is not None and not request.structured.grammar.accept_token(token):
+            # the mask allowed only what the grammar accepts: a bug, or a stop token held back
+            # by min_tokens where the grammar allowed nothing else
+            logger.error("request %s: token %d is not allowed by its grammar", request.request_id, token)
+            return FinishReason.ABORT, "grammar"
         if request.num_output_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return FinishReason.STOP, None

@@ -25,9 +25,17 @@ from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.params import abstract_params
 from jaxllm.platform import compilation_cache_path, resolve_dtype
+from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def eos_token_id(tokenizer, model_config: ModelConfig) -> int | None:
+    """The token that ends a generation: the tokenizer's EOS, else the model config's first."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return model_config.eos_token_ids[0] if model_config.eos_token_ids else None
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -140,6 +148,9 @@ class EngineCore:
         # The runner holds the weights from here (packed copies for linear_backend cpu):
         # this reference would keep a second copy alive.
         self.model = dataclasses.replace(self.model, params=None)
+        self.structured_outputs = StructuredOutputManager(
+            self.model.tokenizer, vocab_size=self.model.config.vocab_size,
+            eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
 
     # --------------------------------------------------------------- requests
 
@@ -155,6 +166,8 @@ class EngineCore:
             raise ValueError(f"request_id: {duplicate!r} is already in use")
         for request in requests:
             self.scheduler.add_request(request)
+            if request.structured is not None:
+                self.structured_outputs.submit(request.structured)
 
     def make_request(self, req: EngineCoreRequest) -> Request:
         """The scheduler's Request for `req`, after every check that can reject it."""
@@ -180,8 +193,11 @@ class EngineCore:
         aborted and the prefix cache forgets the blocks it was to fill, then the error
         propagates (the engine stays usable)."""
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
+            self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
-            result = self.runner.execute_model(sched)
+            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched))
+            result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
             raise

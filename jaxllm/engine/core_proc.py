@@ -18,8 +18,7 @@ from multiprocessing.connection import Connection
 
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.core import EngineCore
-from jaxllm.engine.llm_engine import eos_token_id
+from jaxllm.engine.core import EngineCore, eos_token_id
 from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection
 from jaxllm.logs import configure_logging, log_level
 from jaxllm.messages import EngineCoreOutputs

@@ -8,18 +8,12 @@ RequestOutputs. A request that a stop string finishes is aborted in the core.
 from __future__ import annotations
 
 from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.core import EngineCore
+from jaxllm.engine.core import EngineCore, eos_token_id
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-
-
-def eos_token_id(tokenizer, model_config) -> int | None:
-    if tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    return model_config.eos_token_ids[0] if model_config.eos_token_ids else None
 
 
 class LLMEngine:

@@ -28,11 +28,14 @@ class SamplingMetadata:
     history_rows: Int[Array, "S"]  # rows of the token history (for penalties)
     num_prompt_tokens: Int[Array, "S"]
     num_known_tokens: Int[Array, "S"]  # tokens in the history row after this step's inputs
+    # structured outputs: bit t % 32 of word t // 32 allows token t (all ones: unconstrained)
+    token_bitmask: Int[Array, "S W"]
     all_greedy: Bool[Array, ""]
     any_top_k_top_p: Bool[Array, ""]
     any_min_p: Bool[Array, ""]
     any_penalties: Bool[Array, ""]
     any_logprobs: Bool[Array, ""]
+    any_token_bitmask: Bool[Array, ""]
     # Any nonzero bias entry (logit_bias, or stop tokens held back by min_tokens); when
     # False the bias scatter (and the copy of the logits it forces) is skipped.
     any_logit_bias: Bool[Array, ""] = True

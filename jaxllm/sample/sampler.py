@@ -1,6 +1,6 @@
 """The sampler: logits [S, V] -> one token per row, on device.
 
-Order as in vLLM: logit bias, penalties (presence / frequency over the output tokens,
+Order as in vLLM: the structured-output token bitmask, logit bias, penalties (presence / frequency over the output tokens,
 repetition over prompt and output tokens), greedy argmax, or temperature, top-k /
 top-p, min-p and a draw. The draw is an inverse-CDF lookup with one uniform per row
 from the request's seed and output index, so a seeded request draws the same tokens
@@ -23,6 +23,14 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 _NEG_INF = float("-inf")
 ARGMAX_TARGET = "jaxllm_argmax_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TOKEN_SCORES_TARGET = "jaxllm_token_scores_f32"
+
+
+def apply_token_bitmask(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
+    """-inf where the row's bitmask clears the token's bit (a grammar forbids it)."""
+    words = md.token_bitmask  # [S, W], W * 32 >= V
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=words.dtype)) & 1
+    allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[1]].astype(bool)
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 def apply_logit_bias(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Array, "S V"]:
@@ -166,6 +174,7 @@ def sample(
     logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata, *, argmax_fn: ArgmaxFn = argmax
 ) -> SamplerOutput:
     raw = logits
+    logits = jax.lax.cond(md.any_token_bitmask, apply_token_bitmask, lambda x, m: x, logits, md)
     logits = jax.lax.cond(md.any_logit_bias, apply_logit_bias, lambda x, m: x, logits, md)
     logits = jax.lax.cond(md.any_penalties, apply_penalties, lambda x, h, m: x, logits, history, md)
     greedy = argmax_fn(logits)

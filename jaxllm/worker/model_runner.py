@@ -34,6 +34,7 @@ from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
+from jaxllm.structured_output.manager import GrammarBitmask, bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
@@ -130,6 +131,9 @@ class StepRows:
     targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
     output_index: Int[np.ndarray, "S"]  # tokens each row has generated so far
     samples: Bool[np.ndarray, "S"]  # which rows sample a token this step
+    # structured outputs: each row's allowed tokens as bits (all ones where unconstrained);
+    # None when no row is constrained
+    token_bitmask: Int[np.ndarray, "S W"] | None = None
 
     @classmethod
     def empty(cls) -> "StepRows":
@@ -213,6 +217,10 @@ class ModelRunner:
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int], object] = {}
+        self.bitmask_width = bitmask_width(config.vocab_size)
+        # an all-allowed bitmask per sequence bucket, kept on the device: steps with no
+        # constrained row pass it without a transfer
+        self._free_bitmasks: dict[int, jax.Array] = {}
         directory = store_directory(cache_dir)
         self._stores = {choice: self._step_store(directory, choice) for choice in self._steps}
         self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches)
@@ -424,6 +432,8 @@ class ModelRunner:
         seeds = np.zeros((s, 2), np.uint32)
         seeds[:n_seq] = b.seeds[rows]
         return SamplingMetadata(
+            token_bitmask=self._bitmask(s, host.token_bitmask),
+            any_token_bitmask=np.bool_(host.token_bitmask is not None),
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -446,16 +456,38 @@ class ModelRunner:
             any_logit_bias=np.bool_((bias_values != 0).any()),
         )
 
+    def _bitmask(self, s: int, rows: np.ndarray | None):
+        """The step's [s, W] token bitmask: the rows' own padded with all-allowed ones."""
+        if rows is None:
+            if s not in self._free_bitmasks:
+                self._free_bitmasks[s] = jnp.full((s, self.bitmask_width), -1, jnp.int32)
+            return self._free_bitmasks[s]
+        mask = np.full((s, self.bitmask_width), -1, np.int32)
+        mask[: len(rows)] = rows
+        return mask
+
+    @staticmethod
+    def _step_bitmask(req_ids: list[str], grammar: GrammarBitmask | None, width: int) -> np.ndarray | None:
+        """Per scheduled row (in the step's order) its grammar's bits, all ones elsewhere."""
+        if grammar is None:
+            return None
+        index = {r: i for i, r in enumerate(req_ids)}
+        mask = np.full((len(req_ids), width), -1, np.int32)
+        mask[[index[r] for r in grammar.req_ids]] = grammar.words
+        return mask
+
     # --------------------------------------------------------------- execute
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step; `grammar` gives the token bitmask of the rows that sample
+        under a structured-output grammar."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         t0 = time.perf_counter()
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
-        step = self.prepare_step(sched)
+        step = self.prepare_step(sched, grammar)
         executable = self._executable(step.t, step.s)
         weights = self.weights[self.plan.for_bucket(step.t).linear]
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs)
@@ -466,7 +498,7 @@ class ModelRunner:
         self._account(step, t0, t1, t2)
         return result
 
-    def prepare_step(self, sched: SchedulerOutput) -> "PreparedStep":
+    def prepare_step(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> "PreparedStep":
         """The bucket-shaped inputs of a step, from the rows' host state (numpy only)."""
         b = self.input_batch
         req_ids = list(sched.num_scheduled_tokens)
@@ -490,7 +522,8 @@ class ModelRunner:
 
         host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
                         slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
-                        output_index=output_index, samples=samples)
+                        output_index=output_index, samples=samples,
+                        token_bitmask=self._step_bitmask(req_ids, grammar, self.bitmask_width))
         t, s = self.bucket_for(num_tokens, len(rows))
         return PreparedStep(req_ids, host, t, s, self._pad_inputs(t, s, host))
 

@@ -1,0 +1,36 @@
+"""A request's structured-output state as the scheduler sees it.
+
+The grammar is compiled off the engine loop (jaxllm.structured_output.manager); until
+it is ready the request waits in the queue while others run. Once running, the
+scheduler advances the grammar's matcher by every token the request accepts, so a
+preempted request resumes with the right state (its output tokens are kept) and each
+of n samples has its own. The grammar is opaque here: anything with the methods of
+`Grammar`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from jaxllm.structured_output.params import StructuredOutputsParams
+
+
+class Grammar(Protocol):
+    def accept_token(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (EOS accepted): no further mask is needed."""
+
+
+@dataclasses.dataclass(eq=False)
+class StructuredOutputRequest:
+    params: StructuredOutputsParams
+    grammar: Grammar | None = None  # set by the compiling thread when ready
+    error: str | None = None  # set by the compiling thread when it failed
+
+    @property
+    def ready(self) -> bool:
+        return self.grammar is not None or self.error is not None

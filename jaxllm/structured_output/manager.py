@@ -1,0 +1,135 @@
+"""Grammars for the engine core: compiled on a thread pool, cached, and turned into
+each step's token bitmask.
+
+llguidance (no other dependencies; its matcher computes a mask over the vocabulary
+lazily from a lexer and an Earley parser, so there is no per-schema automaton to build
+over the whole vocabulary first) is the backend; docs/structured_outputs.md says why.
+A request's grammar is compiled once per distinct constraint: the compiled matcher is
+kept (LRU) and each request gets a deep copy of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+from jaxtyping import Int
+
+from jaxllm.core.structured_output import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+
+class GuidanceGrammar:
+    """One request's matcher (the core's `Grammar`)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None) -> None:
+        self.matcher = matcher
+        self.eos_token_id = eos_token_id
+        self._terminated = False
+
+    def accept_token(self, token: int) -> bool:
+        if self._terminated or self.matcher.is_stopped():
+            self._terminated = True
+            return True
+        if token == self.eos_token_id:
+            self._terminated = True
+        return self.matcher.consume_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+@dataclasses.dataclass
+class GrammarBitmask:
+    """One step's token bitmask: row i (bit t of word t // 32) allows token t for
+    request req_ids[i]."""
+
+    req_ids: list[str]
+    words: Int[np.ndarray, "N W"]
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_id: int | None, num_threads: int = 2,
+                 cache_size: int = 256) -> None:
+        """`tokenizer`: the model's transformers tokenizer (fast); its llguidance form
+        is built on first use (about a second for a 50k vocabulary)."""
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, "grammar")
+        self._executor: llguidance.LLExecutor | None = None
+        self._pending: set[concurrent.futures.Future] = set()
+        self.num_compiled = 0  # distinct grammars compiled (cache misses)
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=self.eos_token_id)
+            return self._ll_tokenizer
+
+    def submit(self, state: StructuredOutputRequest) -> concurrent.futures.Future:
+        """Compile `state`'s grammar on the pool; sets `state.grammar`, or `state.error`."""
+        future = self._pool.submit(self._compile_into, state)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a pending compilation ends (or `timeout` seconds): what a step
+        with nothing to run but requests waiting for their grammar does."""
+        concurrent.futures.wait(list(self._pending), timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def _compile_into(self, state: StructuredOutputRequest) -> None:
+        try:
+            state.grammar = GuidanceGrammar(self.matcher_for(state.params.grammar_text()), self.eos_token_id)
+        except Exception as e:  # reported by the scheduler, which aborts the request
+            state.error = str(e) or type(e).__name__
+
+    def matcher_for(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher of `grammar`, from the cache of compiled ones."""
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is not None:
+                self._compiled.move_to_end(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
+            with self._lock:
+                self.num_compiled += 1
+                self._compiled[grammar] = template
+                while len(self._compiled) > self._cache_size:
+                    self._compiled.popitem(last=False)
+        return template.deep_copy()
+
+    def bitmask(self, rows: list[tuple[str, GuidanceGrammar]]) -> GrammarBitmask | None:
+        """The bitmask of the rows that sample under a grammar this step (None: none do)."""
+        if not rows:
+            return None
+        words = np.empty((len(rows), bitmask_width(self.vocab_size)), np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(g.matcher, i) for i, (_, g) in enumerate(rows)], words)
+        return GrammarBitmask([r for r, _ in rows], words)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
