@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import httpx
@@ -352,6 +353,66 @@ def test_tokenizer_info_round_trips(server, test_models_dir, tmp_path):
     messages = [{"role": "user", "content": "Hi there"}]
     assert rebuilt.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(messages, tokenize=False)
     assert rebuilt.encode("The lazy dog") == original.encode("The lazy dog")
+
+
+# ---------------------------------------------------------------- structured outputs
+
+def test_chat_parse_with_a_pydantic_response_format(server):
+    """The openai client's `parse(response_format=Model)` works unchanged."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=120)
+        pet: typing.Literal["cat", "dog"]
+
+    client = server.client()
+    for seed in range(3):
+        r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "Who?"}],
+                                          response_format=Person, temperature=0.8, seed=seed, max_tokens=200)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop" and isinstance(message.parsed, Person), message.content
+        assert Person.model_validate_json(message.content) == message.parsed
+
+
+def test_regex_choice_grammar_fields_and_streaming(server):
+    """vLLM's structured_outputs field, its older guided_* names, n = 2 and streaming."""
+    client = server.client()
+    r = client.completions.create(model="tiny", prompt="Code:", max_tokens=30, n=2, seed=1,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert len(r.choices) == 2 and all(re.fullmatch("[A-Z]{2}-[0-9]{3}", c.text) for c in r.choices)
+    r = client.completions.create(model="tiny", prompt="Pick:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right", "up"]})
+    assert r.choices[0].text in ("left", "right", "up") and r.choices[0].finish_reason == "stop"
+    grammar = 'root ::= "(" [a-c] ("," [a-c]){0,3} ")"'
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "List"}],
+                                          max_tokens=20, seed=3, extra_body={"guided_grammar": grammar})
+    assert re.fullmatch(r"\([a-c](,[a-c]){0,3}\)", chat.choices[0].message.content)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Json"}], max_tokens=200, seed=4, stream=True,
+        extra_body={"structured_outputs": {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                    "required": ["ok"], "additionalProperties": False}}})
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert chunks[-1].finish_reason == "stop" and isinstance(json.loads(text)["ok"], bool), text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"guided_grammar": "root ::= ("}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn"),
+])
+def test_bad_constraints_are_400_and_the_engine_keeps_serving(server, body, param):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
 
 
 # ------------------------------------------------------------------------ errors

@@ -38,6 +38,7 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from jaxllm.messages import check_prompt
+from jaxllm.sampling_params import SamplingParams
 
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,12 @@ class Handlers:
             raise APIError(503, f"too many requests waiting (capacity {capacity} sequences); retry later",
                            headers={"Retry-After": "1"})
 
+    def checked(self, params: SamplingParams) -> SamplingParams:
+        """`params` after the checks that need the model (token ids in range, a
+        structured output's grammar compiled), so a bad one is a 400 before anything runs."""
+        params.validate_for_model(self.engine.ready.vocab_size)
+        return params
+
     def prepare(self, prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
         """Tokenize and check a prompt now, so a bad one is a 400 before anything runs;
         `max_tokens` (None: up to the context) must fit after it, as in vLLM."""
@@ -202,7 +209,7 @@ class Handlers:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self.parse(request, CompletionRequest)
-        params = body.to_sampling_params()
+        params = self.checked(body.to_sampling_params())
         prompts = body.prompts()
         self.admit(len(prompts) * params.n)
         rid = serving.new_id("cmpl")
@@ -221,7 +228,7 @@ class Handlers:
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        params = body.to_sampling_params(default_max_tokens=None)
+        params = self.checked(body.to_sampling_params(default_max_tokens=None))
         self.admit(params.n)
         prompt = self.engine.input_processor.render_chat(body.message_dicts(),
                                                          add_generation_prompt=body.add_generation_prompt)

@@ -8,16 +8,64 @@ it at once.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # outputs always follow the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format (and vLLM's structural_tag form)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # structural_tag
+    triggers: list[str] | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return StructuredOutputsParams(structural_tag={"structures": self.structures or [],
+                                                       "triggers": self.triggers or []})
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs request field."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                       choice=self.choice, grammar=self.grammar, structural_tag=self.structural_tag,
+                                       disable_any_whitespace=self.disable_any_whitespace)
 
 
 class _SamplingFields(BaseModel):
@@ -47,6 +95,30 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its
+    # older guided_* fields (one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field gives it."""
+        given = {name: getattr(self, name) for name in ("response_format", "structured_outputs", "guided_json",
+                                                         "guided_regex", "guided_choice", "guided_grammar")}
+        if given["response_format"] is not None and given["response_format"].type == "text":
+            given["response_format"] = None
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"{list(given)[1]}: give one output constraint, not {' and '.join(given)}")
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name in ("response_format", "structured_outputs"):
+            return value.constraint()
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -76,6 +148,7 @@ class _SamplingFields(BaseModel):
             logit_bias=logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._constraint(),
         )
 
 
