@@ -125,7 +125,8 @@ def bench_xgrammar(tokenizer, vocab: int, specs: list[dict], rows: int, steps: i
     for _ in range(steps):
         t = time.perf_counter()
         for i, m in enumerate(walk):
-            m.fill_next_token_bitmask(mask, i)
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(mask, i)
         fills.append(time.perf_counter() - t)
         for i, m in enumerate(walk):
             if not m.is_terminated():
@@ -200,7 +201,9 @@ async def serve_load(url: str, specs: list[dict], constrained: bool, clients: in
 
     t = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
-    return tokens, time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    await client.close()
+    return tokens, seconds
 
 
 def bench_serving(specs: list[dict], clients: int, num: int, max_tokens: int) -> dict:

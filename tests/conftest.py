@@ -26,6 +26,7 @@ def _load_script(name: str):
 
 
 make_test_model = _load_script("make_test_model")
+bench_structured = _load_script("bench_structured")  # its varied JSON schemas
 ARCHITECTURES = list(make_test_model.ARCHITECTURES)
 
 

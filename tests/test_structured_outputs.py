@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import StructuredOutputsParams
-
-KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
+from tests.conftest import bench_structured
+from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -43,12 +43,6 @@ ARITHMETIC_RE = re.compile(r"(?:[1-9][0-9]{0,2}|\([1-9][0-9]{0,2}[*/][1-9][0-9]{
                            r"(?:[+-](?:[1-9][0-9]{0,2}|\([1-9][0-9]{0,2}[*/][1-9][0-9]{0,2}\))){0,2}")
 
 
-def make_llm(test_models_dir, **options):
-    config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
-                  kv_cache_memory=64 * KV_BYTES_PER_BLOCK, progress=False)
-    return LLM(str(test_models_dir / "llama"), **(config | options))
-
-
 @pytest.fixture(scope="module")
 def llm(test_models_dir):
     return make_llm(test_models_dir)
@@ -57,13 +51,6 @@ def llm(test_models_dir):
 def constrained(max_tokens=96, temperature=0.9, seed=0, **constraint):
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(**constraint))
-
-
-def assert_clean(llm):
-    core = llm.llm_engine.core
-    assert not core.has_unfinished_requests()
-    assert core.kv_cache_manager.num_used_blocks == 0
-    assert core.runner.num_compilations_after_warmup == 0
 
 
 def test_outputs_match_their_constraints(llm):
@@ -87,7 +74,7 @@ def test_outputs_match_their_constraints(llm):
             assert c.text in ("red", "green", "blue or grey")
         else:
             assert ARITHMETIC_RE.fullmatch(c.text), c.text
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def hf_constrained_greedy(test_models_dir, prompt_ids, grammar_text, n):
@@ -138,7 +125,7 @@ def test_unconstrained_requests_are_unaffected(llm):
     mixed = llm.generate(mixed_prompts + [prompts[5]], mixed_params + [plain], use_tqdm=False)
     got = [mixed[i].outputs[0].token_ids for i in (0, 2, 4, 6, 7, 8)]
     assert got == alone
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_preemption_and_n_keep_each_matcher_right(test_models_dir):
@@ -157,7 +144,7 @@ def test_preemption_and_n_keep_each_matcher_right(test_models_dir):
     three = pressured.generate(["x"], constrained(seed=4, regex=r"[0-9]{3}", max_tokens=10).clone(n=3),
                                use_tqdm=False)[0]
     assert len(three.outputs) == 3 and all(re.fullmatch("[0-9]{3}", c.text) for c in three.outputs)
-    assert_clean(pressured)
+    assert_no_leaks(pressured)
 
 
 def test_truncated_output_reports_length(llm):
@@ -190,50 +177,10 @@ def test_exactly_one_constraint():
 
 
 # ------------------------------------------------- the real model: SmolLM2-135M-Instruct
-
-def random_schema(rng) -> dict:
-    """A JSON schema of 1-4 properties: strings with length bounds, integers and numbers
-    with bounds (numbers in steps of 0.25), booleans, enums, string patterns, arrays
-    with min/max items, nested objects (depth <= 2); some properties required. Every
-    part is bounded, so a valid output is finite."""
-    def leaf(depth):
-        kind = rng.choice(["string", "integer", "number", "boolean", "enum", "pattern", "array", "object"][
-            : 8 if depth < 2 else 6])
-        if kind == "string":
-            return {"type": "string", "minLength": rng.randint(0, 3), "maxLength": rng.randint(4, 20)}
-        if kind == "integer":
-            low = rng.randint(-100, 50)
-            return {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 1000)}
-        if kind == "number":
-            return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 10, 100]), "multipleOf": 0.25}
-        if kind == "boolean":
-            return {"type": "boolean"}
-        if kind == "enum":
-            return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no", "cat"], rng.randint(2, 4))}
-        if kind == "pattern":
-            return {"type": "string", "pattern": rng.choice(["^[A-Z]{3}$", "^[0-9]{3}-[0-9]{4}$",
-                                                             "^[a-z]{1,8}@[a-z]{1,8}\\.com$"])}
-        if kind == "array":
-            low = rng.randint(0, 2)
-            return {"type": "array", "items": leaf(depth + 1), "minItems": low, "maxItems": low + rng.randint(1, 3)}
-        return obj(depth + 1)
-
-    def obj(depth):
-        names = rng.sample(["name", "age", "city", "score", "tags", "active", "id", "color", "size", "email"],
-                           rng.randint(1, 4))
-        return {"type": "object", "properties": {n: leaf(depth) for n in names},
-                "required": rng.sample(names, rng.randint(1, len(names))), "additionalProperties": False}
-
-    return obj(0)
-
-
 def test_smollm2_json_schemas_validate():
     """100 seeded requests over 100 varied schemas on the real model, sampled at
     temperature 0.7, whitespace allowed: every output parses and validates."""
-    import random
-
-    rng = random.Random(0)
-    schemas = [random_schema(rng) for _ in range(100)]
+    schemas = bench_structured.schemas(100, seed=0)
     llm = LLM(max_model_len=1024, max_num_batched_tokens=256, progress=False)
     messages = [[{"role": "user", "content": f"Give me a JSON object with the fields {', '.join(s['properties'])}."}]
                 for s in schemas]
@@ -243,4 +190,4 @@ def test_smollm2_json_schemas_validate():
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
-    assert_clean(llm)
+    assert_no_leaks(llm)

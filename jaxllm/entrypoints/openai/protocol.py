@@ -2,8 +2,7 @@
 their translation into SamplingParams.
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored: a
-client asking for something jaxllm does not do (tools, response_format, ...) learns
-it at once.
+client asking for something jaxllm does not do (tools, ...) learns it at once.
 """
 
 from __future__ import annotations
