@@ -130,6 +130,3 @@ class StructuredOutputManager:
         llguidance.numpy.fill_next_token_bitmask_par(
             self._executor, [(g.matcher, i) for i, (_, g) in enumerate(rows)], words)
         return GrammarBitmask([r for r, _ in rows], words)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
