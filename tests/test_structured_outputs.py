@@ -167,6 +167,22 @@ def test_bad_constraints_fail_before_anything_is_queued(llm, constraint, words):
     assert llm.generate(["a"], ok, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+def test_a_grammar_the_core_cannot_compile_aborts_only_its_request(llm, monkeypatch):
+    """Past the frontend's check, a compile failure in the core (say, tokenizer-specific)
+    finishes that request with `abort`; the others in the batch run to the end."""
+    manager = llm.llm_engine.core.structured_outputs
+
+    def fail(grammar):
+        raise ValueError("injected compile failure")
+
+    monkeypatch.setattr(manager, "matcher_for", fail)
+    ok = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(["a", "b"], [ok, constrained(regex="[0-9]+")], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "length" and len(outs[0].outputs[0].token_ids) == 5
+    assert outs[1].outputs[0].finish_reason == "abort" and outs[1].outputs[0].token_ids == []
+    assert_no_leaks(llm)
+
+
 def test_exactly_one_constraint():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()

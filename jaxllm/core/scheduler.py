@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from jaxllm.core.block_contents import common_prefix
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.structured_output import Grammar
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.messages import (
     EngineCoreOutput,
@@ -154,7 +155,7 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         self._grammar_failures.append(self._output(request, [], None))
 
-    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, object]]:
+    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, Grammar]]:
         """(request id, grammar) of the scheduled requests that sample under a grammar
         this step, in the step's row order: those need a token bitmask."""
         rows = []
