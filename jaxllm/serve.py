@@ -17,6 +17,7 @@ import sys
 import time
 
 from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
+from jaxllm.entrypoints.openai.tools import PARSERS
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
 from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 
@@ -34,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-hang-timeout", type=float, default=60.0,
                    help="seconds without a word from a busy engine core before /health says 503")
     p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how tool calls are found in outputs for tool_choice auto: hermes (<tool_call>...</tool_call>, "
+                        "Qwen2.5/3, Hermes) or llama3_json; required and named tool choices need none")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; --tool-call-parser alone enables tool_choice auto")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help="jaxllm's log level (default: JAXLLM_LOG_LEVEL, else info); debug also shows the libraries'")
     return p.parse_args(argv)
@@ -62,7 +68,8 @@ async def serve(args: argparse.Namespace) -> None:
     name = served_model_name(args)
     engine = await AsyncLLM.start(config, name, hang_timeout=args.engine_hang_timeout)
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                              max_num_seqs=args.max_num_seqs, max_request_bytes=args.max_request_bytes)
+                              max_num_seqs=args.max_num_seqs, max_request_bytes=args.max_request_bytes,
+                              tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
 

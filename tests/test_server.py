@@ -81,7 +81,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(test_models_dir, cache_dir):
-    s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "64", "--served-model-name", "tiny")
+    s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "64", "--served-model-name", "tiny",
+               "--tool-call-parser", "hermes")
     yield s
     s.stop()
 
@@ -395,6 +396,88 @@ def test_regex_choice_grammar_fields_and_streaming(server):
     chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
     text = "".join(c.delta.content or "" for c in chunks)
     assert chunks[-1].finish_reason == "stop" and isinstance(json.loads(text)["ok"], bool), text
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_required_and_named_tool_calls_follow_the_schemas(server):
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice="required", parallel_tool_calls=False, seed=seed,
+                                           max_tokens=200)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert call.id and call.type == "function"
+    named = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=200, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), TIME_TOOL["function"]["parameters"])
+
+
+def test_streamed_tool_calls_reassemble_into_the_same_call(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Time?"}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        kw = dict(model="tiny", messages=messages, tools=[TIME_TOOL], tool_choice=tool_choice, max_tokens=200,
+                  temperature=0.8, seed=5, parallel_tool_calls=False)
+        whole = client.chat.completions.create(**kw).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        name, arguments = None, ""
+        for chunk in chunks:
+            for d in chunk.delta.tool_calls or []:
+                assert d.index == 0
+                name = d.function.name or name
+                arguments += d.function.arguments or ""
+        assert (name, json.loads(arguments)) == (whole.message.tool_calls[0].function.name,
+                                                 json.loads(whole.message.tool_calls[0].function.arguments))
+        assert chunks[-1].finish_reason == whole.finish_reason
+
+
+def test_auto_tool_calls_are_parsed_and_a_tool_result_continues(server):
+    """tool_choice auto with the hermes parser (an output forced into its format by a
+    regex, since a random model writes none); then the conversation goes on with the
+    tool's result, which the chat template renders."""
+    client = server.client()
+    call_re = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "[A-Z][a-z]{2,6}", "unit": "c"\\}\\}\n</tool_call>'
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL],
+              max_tokens=150, temperature=0, extra_body={"structured_outputs": {"regex": "Sure\\. " + call_re}})
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["unit"] == "c"
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    content = "".join(c.delta.content or "" for c in chunks)
+    streamed = [d for c in chunks for d in c.delta.tool_calls or []]
+    assert content.strip() == "Sure." and len(streamed) == 1 and chunks[-1].finish_reason == "tool_calls"
+    assert json.loads(streamed[0].function.arguments) == args
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "21 degrees and sunny"}]
+    rendered = post(server, "/tokenize", {"messages": history}).json()
+    text = post(server, "/detokenize", {"tokens": rendered["tokens"]}).json()["prompt"]
+    assert "21 degrees and sunny" in text
+    after = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL], tool_choice="none",
+                                           max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 5 and after.choices[0].message.tool_calls is None
 
 
 @pytest.mark.parametrize("body, param", [

@@ -33,8 +33,9 @@ class InputProcessor:
         return None, ids
 
     def render_chat(self, messages: list[Message], *, add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> str:
-        """The conversation as the model's chat template renders it."""
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The conversation as the model's chat template renders it (with the tools,
+        OpenAI's `[{"type": "function", "function": {...}}]`, for templates that show them)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
         template = chat_template or self.tokenizer.chat_template
@@ -45,6 +46,7 @@ class InputProcessor:
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxllm.entrypoints.openai import serving
+from jaxllm.entrypoints.openai import serving, tools
 from jaxllm.entrypoints.openai.errors import APIError, error_response
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -52,6 +52,7 @@ class ServerSettings:
     max_num_seqs: int = 64
     max_request_bytes: int = 16 * 2**20
     protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+    tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
 
 
 class BodySizeLimit:
@@ -229,8 +230,9 @@ class Handlers:
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         params = self.checked(body.to_sampling_params(default_max_tokens=None))
+        tool_mode = self.tool_mode(body)
         self.admit(params.n)
-        prompt = self.engine.input_processor.render_chat(body.message_dicts(),
+        prompt = self.engine.input_processor.render_chat(body.message_dicts(), tools=body.tool_dicts(),
                                                          add_generation_prompt=body.add_generation_prompt)
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0)
@@ -239,9 +241,21 @@ class Handlers:
         def run():
             return serving.chat(self.engine, job, params, model=self.settings.model_name, stream=body.stream,
                                 include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
-                                num_prompt_logprobs=body.prompt_logprobs)
+                                num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode)
 
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
+
+    def tool_mode(self, body: ChatCompletionRequest) -> tools.ToolMode | None:
+        """How the answer's tool calls are found (None: no tools in play)."""
+        choice = body.resolved_tool_choice()
+        if choice == "none":
+            return None
+        parser = self.settings.tool_call_parser
+        if choice == "auto" and parser is None:
+            raise APIError(400, '"auto" tool choice requires the server to be started with --tool-call-parser '
+                                f"({' or '.join(tools.PARSERS)}); or ask for tool_choice \"required\" or a named "
+                                "function, which need no parser", param="tool_choice")
+        return tools.ToolMode(choice, tools.PARSERS[parser]() if choice == "auto" else None)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxllm.entrypoints.openai import tools
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
@@ -119,8 +120,10 @@ class _SamplingFields(BaseModel):
             return value.constraint()
         return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams of the request's fields; `constraint` (a forced tool call's)
+        in place of the structured-output fields'."""
         logit_bias = None
         if self.logit_bias:
             try:
@@ -147,7 +150,7 @@ class _SamplingFields(BaseModel):
             logit_bias=logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self._constraint(),
+            structured_outputs=constraint or self._constraint(),
         )
 
 
@@ -189,11 +192,53 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(BaseModel):
+    """A tool call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # forced calls always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -203,16 +248,52 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                     self.prompt_logprobs)
+                                     self.prompt_logprobs, self._tool_constraint())
+
+    def resolved_tool_choice(self) -> str | dict:
+        """"none", "auto", "required" or {"type": "function", "function": {"name"}}, with
+        OpenAI's default (auto with tools, none without); ValueError if it names no tool."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} "
+                             "needs tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+            return choice.model_dump()
+        return choice
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _tool_constraint(self) -> StructuredOutputsParams | None:
+        """A required or named tool call's output constraint (the tools' schemas)."""
+        choice = self.resolved_tool_choice()
+        constraint = tools.constraint(self.tool_dicts() or [], choice, self.parallel_tool_calls)
+        if constraint is None:
+            return None
+        if self._constraint() is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
+                             "response_format or structured_outputs")
+        try:
+            constraint.check()
+        except ValueError as e:
+            raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({e})") from None
+        return constraint
 
     def message_dicts(self) -> list[dict]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return [tools.history_message(m.model_dump(exclude_none=True)) for m in self.messages]
 
 
 class TokenizeRequest(BaseModel):

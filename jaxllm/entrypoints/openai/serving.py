@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.output_processor import RequestOutputKind
 from jaxllm.entrypoints.openai.errors import APIError
+from jaxllm.entrypoints.openai.tools import ToolMode, ToolStream
 from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 
@@ -264,7 +265,9 @@ class CompletionStream:
 
 async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str, stream: bool,
                include_usage: bool, num_top_logprobs: int, num_prompt_logprobs: int | None = None,
-               ) -> dict | AsyncIterator[str]:
+               tool_mode: ToolMode | None = None) -> dict | AsyncIterator[str]:
+    """One chat request's answer; with `tool_mode`, tool calls come out as
+    `message.tool_calls` (streamed as tool-call deltas)."""
     rid, created = job.request_id, int(time.time())  # one id end to end: engine, logs, response
 
     def logprobs_of(c: CompletionOutput):
@@ -277,9 +280,10 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for c in output.outputs:
                 usage.add(output, c)
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": logprobs_of(c), "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                message, finish_reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
+                    if tool_mode is None else tool_mode.message(c.text, c.finish_reason)
+                choices.append({"index": c.index, "message": message, "logprobs": logprobs_of(c),
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage.as_dict()}
@@ -291,6 +295,7 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
 
     async def events() -> AsyncIterator[str]:
         usage, started = Usage(), set()
+        tool_streams = {i: ToolStream(tool_mode) for i in range(params.n)} if tool_mode is not None else None
         try:
             for i in range(params.n):
                 started.add(i)
@@ -302,9 +307,13 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
                     usage.add(output, c)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue  # tokens whose text is held back still carry their logprobs
-                    delta = {"content": c.text} if c.text else {}
+                    delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+                    if tool_streams is not None:
+                        delta, finish_reason = tool_streams[c.index].feed(c.text, c.finish_reason)
+                        if not delta and finish_reason is None and c.logprobs is None:
+                            continue  # text held back for a tool call
                     yield sse(base | {"choices": [{"index": c.index, "delta": delta, "logprobs": logprobs_of(c),
-                                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                                                   "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
             if include_usage:
                 yield sse(base | {"choices": [], "usage": usage.as_dict()})
         except (ValueError, RuntimeError) as e:

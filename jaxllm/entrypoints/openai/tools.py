@@ -1,0 +1,217 @@
+"""Tool calling for /v1/chat/completions, as vLLM does it.
+
+- `tool_choice` "required" or a named function: the output is constrained (a structured
+  output) to what the tools' JSON schemas allow: for a named function its arguments
+  object, for "required" a JSON array of `{"name", "parameters"}` (vLLM's form).
+- "auto": the model writes calls in its own format and a parser per family finds them
+  (`--tool-call-parser`): `hermes` (`<tool_call>{"name", "arguments"}</tool_call>`,
+  Qwen2.5/3, Hermes and others) or `llama3_json` (`{"name", "parameters"}` objects,
+  optionally after `<|python_tag|>`, separated by `;`).
+- "none": tools go to the chat template, nothing is parsed.
+
+Responses carry `message.tool_calls` (ids, names, JSON arguments) and
+`finish_reason: "tool_calls"` (not for a named function: "stop", as vLLM answers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+from jaxllm.sampling_params import StructuredOutputsParams
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+    def as_json(self, index: int | None = None) -> dict:
+        call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def constraint(tools: list[dict], tool_choice: Any, parallel_tool_calls: bool) -> StructuredOutputsParams | None:
+    """The output constraint a tool_choice implies (None for "auto" and "none")."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        function = next(t["function"] for t in tools if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=function.get("parameters") or EMPTY_PARAMETERS)
+    if tool_choice != "required":
+        return None
+    choices = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                 "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS},
+                "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def forced_calls(text: str, tool_choice: Any) -> list[ToolCall]:
+    """The calls of an output constrained by `constraint` (required or named)."""
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], text)]
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+
+
+# ------------------------------------------------------------------- parsers
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text
+    before the first one is the content."""
+
+    start = "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.start)
+        if at < 0:
+            return text, []
+        calls = []
+        for body in self._block.findall(text[at:]):
+            try:
+                call = json.loads(body)
+                calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+            except (ValueError, KeyError, TypeError):
+                return text, []  # not a well-formed call: the text is the answer
+        return (text[:at].strip() or None), calls
+
+    def call_start(self, text: str) -> int | None:
+        """Where tool calls begin in `text`, if they do (streaming holds text from there)."""
+        at = text.find(self.start)
+        return None if at < 0 else at
+
+
+class Llama3JsonParser:
+    """Llama 3.x JSON tool calls: the whole output is `{"name": ..., "parameters": ...}`
+    objects separated by `;` (optionally after `<|python_tag|>`)."""
+
+    start = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix(self.start).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls, decoder, i = [], json.JSONDecoder(), 0
+        try:
+            while i < len(body):
+                call, i = decoder.raw_decode(body, i)
+                calls.append(ToolCall(call["name"], json.dumps(call.get("parameters", call.get("arguments", {})),
+                                                               ensure_ascii=False)))
+                i = len(body) - len(body[i:].lstrip().removeprefix(";").lstrip())
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        return None, calls
+
+    def call_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        return len(text) - len(stripped) if stripped.startswith(("{", self.start)) else None
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could begin `marker` (streaming holds
+    them back until the next delta shows whether a call starts)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def history_message(message: dict) -> dict:
+    """An assistant message's tool_calls as chat templates expect them (arguments as a
+    dict, as transformers' templates read them; vLLM does the same)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        function = dict(call["function"])
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            raise ValueError("messages: a tool call's arguments must be a JSON object string") from None
+        out.append({**call, "function": function})
+    return {**message, "tool_calls": out}
+
+
+# ------------------------------------------------------------------ answers
+
+@dataclasses.dataclass(frozen=True)
+class ToolMode:
+    """How a chat answer's tool calls are found: forced (`choice` "required" or a named
+    function, the output is their JSON) or parsed (`choice` "auto" and a parser)."""
+
+    choice: str | dict
+    parser: HermesParser | Llama3JsonParser | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.choice == "required" or isinstance(self.choice, dict)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished output, and its finish reason."""
+        if self.forced:
+            if finish_reason != "stop":  # cut short (length, abort): no whole call to report
+                return {"role": "assistant", "content": text}, finish_reason
+            calls = forced_calls(text, self.choice)
+            return ({"role": "assistant", "content": None, "tool_calls": [c.as_json() for c in calls]},
+                    "tool_calls" if self.choice == "required" else finish_reason)
+        content, calls = self.parser.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [c.as_json() for c in calls]}, "tool_calls"
+
+
+class ToolStream:
+    """One streamed choice's deltas under a ToolMode. A named function's arguments
+    stream as they come; "required" sends its calls when the output ends; "auto"
+    streams content until a call starts (holding back what could begin its marker)
+    and sends the calls at the end, as whole tool-call deltas."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode, self.text, self.sent, self.named_started = mode, "", 0, False
+
+    def feed(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The delta to send for this piece of output, and the finish reason to report."""
+        self.text += text
+        if isinstance(self.mode.choice, dict):
+            return self._named(text), finish_reason
+        if finish_reason is not None:
+            return self._finish(finish_reason)
+        if self.mode.forced:
+            return {}, None
+        start = self.mode.parser.call_start(self.text)
+        end = start if start is not None else len(self.text) - held_back(self.text, self.mode.parser.start)
+        return self._content_until(end), None
+
+    def _named(self, text: str) -> dict:
+        if not text:
+            return {}
+        if self.named_started:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        self.named_started = True
+        return {"tool_calls": [ToolCall(self.mode.choice["function"]["name"], text).as_json(0)]}
+
+    def _content_until(self, end: int) -> dict:
+        if end <= self.sent:
+            return {}
+        delta = {"content": self.text[self.sent:end]}
+        self.sent = end
+        return delta
+
+    def _finish(self, finish_reason: str) -> tuple[dict, str | None]:
+        message, reason = self.mode.message(self.text, finish_reason)
+        if "tool_calls" not in message:  # no calls: the rest of the text is content
+            return self._content_until(len(self.text)), reason
+        delta = {} if self.mode.forced else self._content_until(self.mode.parser.call_start(self.text))
+        return delta | {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
