@@ -207,3 +207,24 @@ def test_smollm2_json_schemas_validate():
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
     assert_no_leaks(llm)
+
+
+def test_objects_with_declared_properties_are_closed(llm):
+    """As xgrammar's strict mode (vLLM's default): an object that declares properties
+    and says nothing about others gets only those; one that allows others keeps them; a
+    property named "properties" is a property, not a keyword."""
+    from jaxllm.structured_output.params import closed_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"b": {}}},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True}},
+              "$defs": {"X": {"properties": {"z": {}}}}, "anyOf": [{"properties": {}}]}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False and closed["$defs"]["X"]["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]) == {"properties", "open"} and closed["properties"]["open"]["additionalProperties"]
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    loose = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    outs = llm.generate(["x"] * 4, [constrained(seed=i, json=loose, disable_any_whitespace=True) for i in range(4)],
+                        use_tqdm=False)
+    assert all(set(json.loads(o.outputs[0].text)) == {"a"} for o in outs)

@@ -63,7 +63,7 @@ class StructuredOutputsParams:
         kind = self.kind
         try:
             if kind in ("json", "json_object"):
-                schema = self.json if kind == "json" else '{"type": "object"}'
+                schema = closed_objects(json.loads(self.json)) if kind == "json" else {"type": "object"}
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options())
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.regex)
@@ -95,6 +95,34 @@ class StructuredOutputsParams:
         return text
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that declares
+    `properties` and says nothing about others: only the declared properties are
+    generated, as xgrammar's strict mode (vLLM's default backend) does. Without it a
+    model may add properties of its own for as long as max_tokens lets it (SmolLM2 did
+    for a tool's arguments). An object that allows others explicitly keeps them."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMAS:
+        if key in out:
+            out[key] = [closed_objects(x) for x in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _short(message: str, limit: int = 500) -> str:
     message = message.strip()
     return message if len(message) <= limit else message[:limit] + "..."
@@ -116,7 +144,7 @@ def _structural_tag_grammar(text: str, json_options: dict[str, Any]) -> str:
         trigger = next((t for t in triggers if isinstance(t, str) and t and s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"no trigger starts the begin string {s['begin']!r}")
-        schema = s.get("schema", {})
+        schema = closed_objects(s.get("schema", {}))
         if json_options:
             schema = {**schema, "x-guidance": {**json_options, **schema.get("x-guidance", {})}}
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s.get("end", "")))
