@@ -489,6 +489,10 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_continues(server):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_constraints_are_400_and_the_engine_keeps_serving(server, body, param):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})

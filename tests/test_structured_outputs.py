@@ -228,3 +228,26 @@ def test_objects_with_declared_properties_are_closed(llm):
     outs = llm.generate(["x"] * 4, [constrained(seed=i, json=loose, disable_any_whitespace=True) for i in range(4)],
                         use_tqdm=False)
     assert all(set(json.loads(o.outputs[0].text)) == {"a"} for o in outs)
+
+
+def test_structural_tag_constrains_only_the_tagged_segments(test_models_dir):
+    """vLLM's structural tag: free text, in which `begin` + JSON of the schema + `end`
+    follows each trigger. Checked on the grammar itself with the test tokenizer: text
+    with a well-formed segment is accepted to the end, a segment breaking its schema
+    is not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(test_models_dir / "llama")
+    tag = {"structures": [{"begin": "<fn=add>", "schema": {"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]}, "end": "</fn>"}], "triggers": ["<fn="]}
+    grammar = StructuredOutputsParams(structural_tag=tag).grammar_text()
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+
+    def accepted(text: str) -> bool:
+        ids = tok.encode(text, add_special_tokens=False)
+        return llguidance.LLMatcher(ll_tok, grammar).validate_tokens(ids) == len(ids)
+
+    assert accepted('hello <fn=add>{"a": 1}</fn> bye')
+    assert accepted("plain text only")
+    assert not accepted('hello <fn=add>{"a": "x"}</fn>')
+    assert not accepted('hello <fn=add>{"b": 1}</fn>')
