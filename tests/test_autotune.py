@@ -42,9 +42,31 @@ def test_unmeasured_buckets_follow_the_nearest_smaller_measured_one():
         return 1.0 if (backend == "xla") == (t >= 64) else 2.0
 
     plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure)
-    assert {t for _, _, t in calls} == {4, 16, 64, 128} and {k for k, _, _ in calls} == {"linear"}
+    assert {t for k, _, t in calls if k == "linear"} == {4, 16, 64, 128}
+    assert {k for k, _, _ in calls} == {"linear", "head"}
     assert [c.linear for c in plan.choices] == ["cpu", "cpu", "cpu", "cpu", "xla", "xla"]
     assert plan.describe("attention") == "xla"
+    # the output projection: measured once, at the largest bucket, where the kernel runs some bucket
+    assert [(b, t) for k, b, t in calls if k == "head"] == [("cpu", 128)] * 2 + [("xla", 128)] * 2
+    assert plan.head == "xla" and plan.describe_head() == "xla (2.00x cpu at 128 rows, 2.00x at 8)"
+    assert BackendPlan.from_json(plan.to_json()).head == "xla"
+    all_xla = plan_backends(buckets, ["xla"], ["cpu", "xla"], lambda k, b, t, s: 1.0 if b == "xla" else 2.0)
+    assert all_xla.head == "cpu" and "head" not in all_xla.seconds  # no bucket runs the kernel: nothing to lay out
+
+
+@pytest.mark.parametrize("sampling, scoring, head", [
+    ((1.0, 1.04), (10.0, 8.0), "xla"),   # XLA ties the sampling rows and wins the scoring ones
+    ((1.0, 1.10), (10.0, 8.0), "cpu"),   # XLA loses the sampling rows by more than 5%
+    ((1.0, 1.00), (10.0, 10.5), "cpu"),  # XLA slower in all
+])
+def test_the_output_projection_layout(sampling, scoring, head):
+    times = {8: dict(zip(("cpu", "xla"), sampling)), 128: dict(zip(("cpu", "xla"), scoring))}
+
+    def measure(kind, backend, t, s):
+        return times[s][backend] if kind == "head" else (1.0 if backend == "cpu" else 2.0)
+
+    buckets = [(t, 8) for t in (4, 8, 16, 32, 64, 128)]
+    assert plan_backends(buckets, ["xla"], ["cpu", "xla"], measure).head == head
 
 
 def test_linear_backends_mix_only_for_a_real_gain():
@@ -79,6 +101,8 @@ def test_the_step_timer_measures_real_steps(test_models_dir):
         for backend in ("cpu", "xla"):
             small, large = timer(kind, backend, 4, 4), timer(kind, backend, 256, 8)
             assert 0 < small < large
+    for backend in ("cpu", "xla"):  # the output projection: by its rows
+        assert 0 < timer("head", backend, 256, 4) < timer("head", backend, 256, 256)
 
 
 def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
@@ -107,6 +131,7 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
     assert runner.plan.for_bucket(32) == StepBackends("xla", "xla")
     assert isinstance(runner.weights["cpu"].layers[0].wqkv, PackedWeight)
     assert not isinstance(runner.weights["xla"].layers[0].wqkv, PackedWeight)
+    assert runner.plan.head == "xla" and not isinstance(runner.weights["cpu"].lm_head, PackedWeight)
     assert "linear cpu at T=4-8 (2.00-2.00x xla), xla at T=16-32" in mixed.llm_engine.core.describe()
     got = mixed.generate(prompts, params, use_tqdm=False)
     want = make_llm(test_models_dir, attention_backend="xla", linear_backend="xla").generate(prompts, params,

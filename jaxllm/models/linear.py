@@ -66,22 +66,26 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     return call(x2, w.panels).reshape(*lead, w.out_features)
 
 
-def pack_params(params: ModelParams) -> ModelParams:
-    """The projection weights packed for the `cpu` backend, the output projection
-    included (a tied one as a packed copy of embed's transpose; embed itself stays for
-    the lookup). Works on abstract params too."""
+def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
+    """The projection weights packed for the `cpu` backend, and the output projection
+    too unless `pack_head` is False (a tied one as a packed copy of embed's transpose;
+    embed itself stays for the lookup; unpacked, XLA's dot runs it). Works on abstract
+    params too."""
 
     def pack_layer(lp: LayerParams) -> LayerParams:
         return lp.replace(wqkv=pack_weight(lp.wqkv), wo=pack_weight(lp.wo), w_gate_up=pack_weight(lp.w_gate_up),
                           w_down=pack_weight(lp.w_down))
 
+    layers = tuple(pack_layer(lp) for lp in params.layers)
+    if not pack_head:
+        return params.replace(layers=layers)
     if params.lm_head is not None:
         lm_head = params.lm_head
     elif isinstance(params.embed, jax.ShapeDtypeStruct):
         lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
     else:
         lm_head = np.asarray(params.embed).T  # a view; pack_weight copies it once
-    return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers), lm_head=pack_weight(lm_head))
+    return params.replace(layers=layers, lm_head=pack_weight(lm_head))
 
 
 def linear_candidates(name: str, dtype) -> list[str]:

@@ -57,7 +57,7 @@ class ModelParams:
     embed: Float[Array, "V D"]
     layers: tuple[LayerParams, ...]
     final_norm: Float[Array, "D"]
-    lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed: always given)
+    lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed unless left to XLA's dot)
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:

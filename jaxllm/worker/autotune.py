@@ -8,10 +8,11 @@ float32), the runner times them at start-up on the shapes of the buckets it comp
 (every other bucket and the largest: `measured_buckets`) and gives each bucket the
 faster:
 
-- linear: one layer's projections at the bucket's T rows and the output projection at
-  its S rows, the layer repeated over as many distinct copies of its weights as make
+- linear: one layer's projections at the bucket's T rows, the layer repeated over as many distinct copies of its weights as make
   64 MiB below 64 rows (a small step streams its weights from memory; a layer that
-  stayed in cache would flatter it), scaled to the model's layers;
+  stayed in cache would flatter it), scaled to the model's layers; and, where the kernel
+  runs some bucket, the output projection at the largest bucket's S and T rows, packed or
+  left to XLA (one layout for all buckets);
 - attention: one layer of a representative step of the bucket: min(T, S) sequences,
   decodes of ~min(512, max_model_len / 2) tokens of context, and the rest of the
   tokens as one prefill chunk, scaled to the model's layers.
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import abstract_params
+from jaxllm.models.params import PackedWeight, abstract_params
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class BackendPlan:
     choices: tuple[StepBackends, ...]
     seconds: dict[str, dict[str, dict[int, float]]] = dataclasses.field(default_factory=dict)
     source: str = "fixed"  # fixed (nothing measured) | measured | stored
+    # the output projection's layout where the `cpu` linear backend runs: packed for the
+    # kernel ("cpu"), or left to XLA ("xla": a tied one contracts with the embedding, no copy)
+    head: str = "cpu"
 
     def for_bucket(self, t: int) -> StepBackends:
         return self.choices[self.buckets.index(t)]
@@ -93,16 +97,29 @@ class BackendPlan:
             parts.append(f"{backend}{where}{why}")
         return ", ".join(parts) + (f" [{self.source}]" if times else "")
 
+    def describe_head(self) -> str:
+        """`xla (1.29x cpu at 512 rows, 0.98x at 64)`: the output projection's layout and
+        the other's measured time over the chosen one's, per number of rows."""
+        times = self.seconds.get("head")
+        if not times:
+            return self.head
+        other = next(b for b in times if b != self.head)
+        ratios = [f"{times[other][r] / times[self.head][r]:.2f}x" for r in sorted(times[self.head], reverse=True)]
+        rows = sorted(times[self.head], reverse=True)
+        parts = [f"{ratios[0]} {other} at {rows[0]} rows"] + [f"{x} at {r}" for x, r in zip(ratios[1:], rows[1:])]
+        return f"{self.head} ({', '.join(parts)})"
+
     def to_json(self) -> str:
         return json.dumps({"buckets": self.buckets, "choices": [dataclasses.asdict(c) for c in self.choices],
-                           "seconds": self.seconds})
+                           "seconds": self.seconds, "head": self.head})
 
     @classmethod
     def from_json(cls, text: str) -> BackendPlan:
         d = json.loads(text)
         seconds = {kind: {b: {int(t): v for t, v in per.items()} for b, per in by.items()}
                    for kind, by in d["seconds"].items()}
-        return cls(tuple(d["buckets"]), tuple(StepBackends(**c) for c in d["choices"]), seconds, "stored")
+        return cls(tuple(d["buckets"]), tuple(StepBackends(**c) for c in d["choices"]), seconds, "stored",
+                   d.get("head", "cpu"))
 
 
 def _runs(values: list[str]) -> list[tuple[str, int, int]]:
@@ -155,7 +172,26 @@ def plan_backends(
             best_at = _one_layout_unless_worth_two(best_at, seconds[kind], candidates)
         picks[kind] = [best_at[max(m for m, _ in sample if m <= t)] for t, _ in buckets]
     choices = tuple(StepBackends(a, lin) for a, lin in zip(picks["attention"], picks["linear"]))
-    return BackendPlan(tuple(t for t, _ in buckets), choices, seconds, "measured" if seconds else "fixed")
+    head = _head_layout(buckets, picks["linear"], linear, measure, seconds)
+    return BackendPlan(tuple(t for t, _ in buckets), choices, seconds, "measured" if seconds else "fixed", head)
+
+
+def _head_layout(buckets, picked: list[str], linear: Sequence[str], measure, seconds) -> str:
+    """Where buckets run the `cpu` linear backend and XLA's dot is a candidate too: the
+    output projection's layout, measured on its own at the largest bucket's sequence
+    rows (the logits every step samples from) and token rows (a step scoring its
+    prompt takes logits of every token). XLA's unless it loses the sampling rows by
+    more than MIXED_GAIN or both together (leaving it to XLA also drops the packed
+    copy of a tied embedding); on a Xeon the dense kernel tied XLA at 64 rows and lost
+    at 512, 152 against 118 ms."""
+    if measure is None or "cpu" not in picked or "xla" not in linear:
+        return "cpu"
+    t, s = buckets[-1]
+    seconds["head"] = {b: {rows: measure("head", b, t, rows) for rows in sorted({s, t})} for b in ("cpu", "xla")}
+    cpu, xla = seconds["head"]["cpu"], seconds["head"]["xla"]
+    if xla[s] > cpu[s] * (1 + MIXED_GAIN) or sum(xla.values()) > sum(cpu.values()):
+        return "cpu"
+    return "xla"
 
 
 def _one_layout_unless_worth_two(best_at: dict[int, str], seconds: dict[str, dict[int, float]],
@@ -207,6 +243,8 @@ class StepTimer:
         self._fns = self._linear_fns()
 
     def __call__(self, kind: str, backend: str, t: int, s: int) -> float:
+        if kind == "head":  # `s`: the rows of the output projection
+            return self.head(backend, s)
         return self.linear(backend, t, s) if kind == "linear" else self.attention(backend, t, s)
 
     def _filled(self, shape) -> jax.Array:
@@ -228,7 +266,11 @@ class StepTimer:
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
         layout = pack_weight if backend == "cpu" else (lambda w: w)
         layers = [[layout(self._filled(shape)) for shape in shapes] for _ in range(copies)]
-        head = layout(self._filled((self.cfg.hidden_size, self.cfg.vocab_size)))
+        d, v = self.cfg.hidden_size, self.cfg.vocab_size
+        if backend == "cpu":
+            head = pack_weight(self._filled((d, v)))
+        else:  # as compute_logits runs it: against the embedding when tied
+            head = self._filled((v, d) if self.cfg.tie_word_embeddings else (d, v))
         return layers, head
 
     def _linear_fns(self):
@@ -244,16 +286,25 @@ class StepTimer:
                 x = x + linear(linear(x, w_gate_up)[:, :f], w_down)
             return x
 
-        return jax.jit(layers_fn), jax.jit(lambda x, head: linear(x, head))
+        def head_fn(x, head):
+            if not isinstance(head, PackedWeight) and head.shape[0] != x.shape[1]:  # tied: [V, D]
+                return jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
+            return linear(x, head, preferred_element_type=jnp.float32)
+
+        return jax.jit(layers_fn), jax.jit(head_fn)
 
     def linear(self, backend: str, t: int, s: int) -> float:
-        layers, head = self._linear_weights(backend)
-        layers_fn, head_fn = self._fns
+        layers, _ = self._linear_weights(backend)
+        layers_fn = self._fns[0]
         x = self._filled((t, self.cfg.hidden_size))
         if t >= COMPUTE_BOUND_ROWS:  # the weights' streaming no longer decides: fewer copies, quicker
             layers = layers[:2]
-        per_layer = _best_of(layers_fn, x, layers) / len(layers)
-        return per_layer * self.cfg.num_layers + _best_of(head_fn, x[:s], head)
+        return _best_of(layers_fn, x, layers) / len(layers) * self.cfg.num_layers
+
+    def head(self, backend: str, rows: int) -> float:
+        """The output projection of `rows` rows in `backend`'s layout."""
+        _, head = self._linear_weights(backend)
+        return _best_of(self._fns[1], self._filled((rows, self.cfg.hidden_size)), head)
 
     def attention(self, backend: str, t: int, s: int) -> float:
         from jaxllm.attention.backends import get_attention_fn
@@ -311,7 +362,8 @@ def backend_plan(
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len)
     plan = plan_backends(buckets, attention, linear, timer)
-    logger.info("measured the backends in %.1f s: attention %s; linear %s", time.perf_counter() - start,
-                plan.describe("attention"), plan.describe("linear"))
+    logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s",
+                time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
+                plan.describe_head())
     store.save_text("backends.json", plan.to_json())
     return plan

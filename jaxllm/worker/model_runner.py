@@ -280,10 +280,12 @@ class ModelRunner:
 
     def _layout(self, params: ModelParams) -> dict[str, ModelParams]:
         """The weights in the layout of each linear backend some bucket uses."""
-        return {b: pack_params(params) if b == "cpu" else params for b in self.plan.backends("linear")}
+        return {b: pack_params(params, pack_head=self.plan.head == "cpu") if b == "cpu" else params
+                for b in self.plan.backends("linear")}
 
     def describe_backends(self) -> str:
-        return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}"
+        head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
+        return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
 
     # -------------------------------------------------------------- compiling
 
