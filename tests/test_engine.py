@@ -461,7 +461,7 @@ def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_model
     prompt = [int(t) for t in np.random.default_rng(9).integers(3, 500, 40)]  # the first step: 2 full blocks
     runner = llm.llm_engine.core.runner
 
-    def fail(sched, grammar=None):
+    def fail(sched, bitmask=None):
         raise RuntimeError("injected step failure")
 
     runner.execute_model = fail

@@ -155,15 +155,16 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         self._grammar_failures.append(self._output(request, [], None))
 
-    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, Grammar]]:
-        """(request id, grammar) of the scheduled requests that sample under a grammar
-        this step, in the step's row order: those need a token bitmask."""
+    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[int, Grammar]]:
+        """(row, grammar) of the scheduled requests that sample under a grammar this
+        step, the row being the request's place in the step (`num_scheduled_tokens`'
+        order, the model runner's): those rows need a token bitmask."""
         rows = []
-        for req_id in sched.num_scheduled_tokens:
+        for row, req_id in enumerate(sched.num_scheduled_tokens):
             request = self.requests[req_id]
             s = request.structured
             if s is not None and s.grammar is not None and request.samples_this_step and not s.grammar.is_terminated:
-                rows.append((req_id, s.grammar))
+                rows.append((row, s.grammar))
         return rows
 
     def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]):

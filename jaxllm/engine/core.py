@@ -196,7 +196,8 @@ class EngineCore:
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
             self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
-            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched))
+            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched),
+                                                      len(sched.num_scheduled_tokens))
             result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)

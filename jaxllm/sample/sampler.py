@@ -1,8 +1,8 @@
 """The sampler: logits [S, V] -> one token per row, on device.
 
-Order as in vLLM: the structured-output token bitmask, logit bias, penalties (presence / frequency over the output tokens,
-repetition over prompt and output tokens), greedy argmax, or temperature, top-k /
-top-p, min-p and a draw. The draw is an inverse-CDF lookup with one uniform per row
+Order as in vLLM: the structured-output token bitmask, logit bias, penalties
+(presence / frequency over the output tokens, repetition over prompt and output
+tokens), greedy argmax, or temperature, top-k / top-p, min-p and a draw. The draw is an inverse-CDF lookup with one uniform per row
 from the request's seed and output index, so a seeded request draws the same tokens
 whatever it is batched with (and costs one cumsum instead of V Gumbel samples).
 Logprobs are of the raw model distribution.

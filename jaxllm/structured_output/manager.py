@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 
@@ -46,15 +45,6 @@ class GuidanceGrammar:
     @property
     def is_terminated(self) -> bool:
         return self._terminated
-
-
-@dataclasses.dataclass
-class GrammarBitmask:
-    """One step's token bitmask: row i (bit t of word t // 32) allows token t for
-    request req_ids[i]."""
-
-    req_ids: list[str]
-    words: Int[np.ndarray, "N W"]
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -120,13 +110,14 @@ class StructuredOutputManager:
                     self._compiled.popitem(last=False)
         return template.deep_copy()
 
-    def bitmask(self, rows: list[tuple[str, GuidanceGrammar]]) -> GrammarBitmask | None:
-        """The bitmask of the rows that sample under a grammar this step (None: none do)."""
+    def bitmask(self, rows: list[tuple[int, GuidanceGrammar]], num_rows: int) -> Int[np.ndarray, "N W"] | None:
+        """One step's token bitmask over its `num_rows` rows: bit t % 32 of word t // 32
+        allows token t; the rows given (row, grammar) get their grammar's, the others
+        allow everything. None when no row is constrained."""
         if not rows:
             return None
-        words = np.empty((len(rows), bitmask_width(self.vocab_size)), np.int32)
+        words = np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(g.matcher, i) for i, (_, g) in enumerate(rows)], words)
-        return GrammarBitmask([r for r, _ in rows], words)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for row, g in rows], words)
+        return words

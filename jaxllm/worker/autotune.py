@@ -8,11 +8,12 @@ float32), the runner times them at start-up on the shapes of the buckets it comp
 (every other bucket and the largest: `measured_buckets`) and gives each bucket the
 faster:
 
-- linear: one layer's projections at the bucket's T rows, the layer repeated over as many distinct copies of its weights as make
-  64 MiB below 64 rows (a small step streams its weights from memory; a layer that
-  stayed in cache would flatter it), scaled to the model's layers; and, where the kernel
-  runs some bucket, the output projection at the largest bucket's S and T rows, packed or
-  left to XLA (one layout for all buckets);
+- linear: one layer's projections at the bucket's T rows, the layer repeated over as
+  many distinct copies of its weights as make 64 MiB below 64 rows (a small step
+  streams its weights from memory; a layer that stayed in cache would flatter it),
+  scaled to the model's layers; and, where the kernel runs some bucket, the output
+  projection at the largest bucket's S and T rows, packed or left to XLA (one layout
+  for all buckets);
 - attention: one layer of a representative step of the bucket: min(T, S) sequences,
   decodes of ~min(512, max_model_len / 2) tokens of context, and the rest of the
   tokens as one prefill chunk, scaled to the model's layers.
@@ -104,9 +105,9 @@ class BackendPlan:
         if not times:
             return self.head
         other = next(b for b in times if b != self.head)
-        ratios = [f"{times[other][r] / times[self.head][r]:.2f}x" for r in sorted(times[self.head], reverse=True)]
-        rows = sorted(times[self.head], reverse=True)
-        parts = [f"{ratios[0]} {other} at {rows[0]} rows"] + [f"{x} at {r}" for x, r in zip(ratios[1:], rows[1:])]
+        mine, theirs = times[self.head], times[other]
+        parts = [f"{theirs[r] / mine[r]:.2f}x" + (f" {other} at {r} rows" if i == 0 else f" at {r}")
+                 for i, r in enumerate(sorted(mine, reverse=True))]
         return f"{self.head} ({', '.join(parts)})"
 
     def to_json(self) -> str:
@@ -182,8 +183,9 @@ def _head_layout(buckets, picked: list[str], linear: Sequence[str], measure, sec
     rows (the logits every step samples from) and token rows (a step scoring its
     prompt takes logits of every token). XLA's unless it loses the sampling rows by
     more than MIXED_GAIN or both together (leaving it to XLA also drops the packed
-    copy of a tied embedding); on a Xeon the dense kernel tied XLA at 64 rows and lost
-    at 512, 152 against 118 ms."""
+    copy of a tied embedding). On an AVX-512 Xeon (native build; the AVX2 build not
+    measured for it) the dense kernel tied XLA at 64 rows and lost at 512, 152 against
+    118 ms."""
     if measure is None or "cpu" not in picked or "xla" not in linear:
         return "cpu"
     t, s = buckets[-1]

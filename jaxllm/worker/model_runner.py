@@ -34,7 +34,7 @@ from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
-from jaxllm.structured_output.manager import GrammarBitmask, bitmask_width
+from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
@@ -468,28 +468,19 @@ class ModelRunner:
         mask[: len(rows)] = rows
         return mask
 
-    @staticmethod
-    def _step_bitmask(req_ids: list[str], grammar: GrammarBitmask | None, width: int) -> np.ndarray | None:
-        """Per scheduled row (in the step's order) its grammar's bits, all ones elsewhere."""
-        if grammar is None:
-            return None
-        index = {r: i for i, r in enumerate(req_ids)}
-        mask = np.full((len(req_ids), width), -1, np.int32)
-        mask[[index[r] for r in grammar.req_ids]] = grammar.words
-        return mask
-
     # --------------------------------------------------------------- execute
 
-    def execute_model(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        """Run one step; `grammar` gives the token bitmask of the rows that sample
-        under a structured-output grammar."""
+    def execute_model(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "S W"] | None = None,
+                      ) -> ModelRunnerOutput:
+        """Run one step; `bitmask`: the structured-output token bitmask of the step's rows
+        (`num_scheduled_tokens`' order; None: no row is constrained)."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         t0 = time.perf_counter()
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
-        step = self.prepare_step(sched, grammar)
+        step = self.prepare_step(sched, bitmask)
         executable = self._executable(step.t, step.s)
         weights = self.weights[self.plan.for_bucket(step.t).linear]
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs)
@@ -500,7 +491,7 @@ class ModelRunner:
         self._account(step, t0, t1, t2)
         return result
 
-    def prepare_step(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> "PreparedStep":
+    def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "S W"] | None = None) -> "PreparedStep":
         """The bucket-shaped inputs of a step, from the rows' host state (numpy only)."""
         b = self.input_batch
         req_ids = list(sched.num_scheduled_tokens)
@@ -525,7 +516,7 @@ class ModelRunner:
         host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
                         slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
                         output_index=output_index, samples=samples,
-                        token_bitmask=self._step_bitmask(req_ids, grammar, self.bitmask_width))
+                        token_bitmask=bitmask)
         t, s = self.bucket_for(num_tokens, len(rows))
         return PreparedStep(req_ids, host, t, s, self._pad_inputs(t, s, host))
 
