@@ -82,9 +82,19 @@ def per_item(results: dict, task: str) -> dict[int, dict]:
 
 
 def compare(a: dict, b: dict) -> dict:
-    same = sum(a[d]["answer"] == b[d]["answer"] for d in a)
+    """Agreement of two runs' per-item answers; the items they differ on, with both
+    sides' scores and `b`'s margin (its best choice's loglikelihood over the runner-up:
+    a flip under a smaller margin than the runs' loglikelihood differences is a near tie)."""
+    differ = [d for d in a if a[d]["answer"] != b[d]["answer"]]
     diffs = [abs(x - y) for d in a if "scores" in a[d] for x, y in zip(a[d]["scores"], b[d]["scores"])]
-    return {"items": len(a), "same_answers": same, "max_abs_loglik_diff": max(diffs) if diffs else None}
+    return {"items": len(a), "same_answers": len(a) - len(differ),
+            "max_abs_loglik_diff": max(diffs) if diffs else None,
+            "differ": [{"doc_id": d, "a": a[d], "b": b[d], "b_margin": _margin(b[d])} for d in differ]}
+
+
+def _margin(item: dict) -> float | None:
+    scores = sorted(item.get("scores", []), reverse=True)
+    return scores[0] - scores[1] if len(scores) > 1 else None
 
 
 def main() -> None:
@@ -100,6 +110,10 @@ def main() -> None:
     p.add_argument("--tokenizer-backend", choices=("huggingface", "remote"), default="huggingface",
                    help="huggingface: the HF folder's tokenizer on the client; remote: the server's /tokenize")
     p.add_argument("--server-args", default="--max-model-len 2048")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the server's --dtype (bfloat16 on a CPU: bfloat16 weights and matmuls, float32 activations)")
+    p.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the torch dtype of lm-eval's hf backend (default: --dtype)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -110,7 +124,7 @@ def main() -> None:
     shots = [int(x) for x in args.num_fewshot.split(",")]
     folder = export_hf_folder(args.hf_folder, args.model)
     report = {"tasks": tasks, "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
-    server_args = args.server_args + (f" --model {args.model}" if args.model else "")
+    server_args = args.server_args + f" --dtype {args.dtype}" + (f" --model {args.model}" if args.model else "")
     with LaunchedServer(server_args) as server:
         name = server.model()
         tokenizer = {"tokenizer": str(folder)} if args.tokenizer_backend == "huggingface" else {}
@@ -119,17 +133,20 @@ def main() -> None:
                                   num_concurrent=args.num_concurrent, max_length=2048)
         served = {n: run_lm_eval(api, tasks, n, args.limit) for n in shots}
         metrics = httpx_metrics(server.url)
-    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu", batch_size=args.hf_batch_size)
+    hf = HFLM(pretrained=str(folder), dtype=args.hf_dtype or args.dtype, device="cpu", batch_size=args.hf_batch_size)
     for n in shots:
         hf_results, hf_s = run_lm_eval(hf, tasks, n, args.limit)
         results, s = served[n]
         run = {"num_fewshot": n, "jaxllm_s": round(s, 2), "hf_s": round(hf_s, 2), "speedup": round(hf_s / s, 2)}
         for task in tasks:
-            run[task] = compare(per_item(results, task), per_item(hf_results, task))
+            ours, theirs = per_item(results, task), per_item(hf_results, task)
+            run[task] = compare(ours, theirs)
+            report.setdefault("items", {}).setdefault(f"{task}/{n}", {"jaxllm": ours, "hf": theirs})
             run[task]["jaxllm_metrics"] = _metrics(results, task)
             run[task]["hf_metrics"] = _metrics(hf_results, task)
         report["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
+    report["runs"] = report.pop("runs")  # after the items in the file: the summary last
     report["server_prefix_cache"] = metrics
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

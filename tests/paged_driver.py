@@ -46,10 +46,13 @@ class PagedDriver:
     null block that padding writes into)."""
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
-                 max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0):
+                 max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0,
+                 cache_dtype=None):
+        """`cache_dtype`: of the KV cache and so of the hidden states (default: the
+        params' dtype)."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        dtype = params.embed.dtype
+        dtype = cache_dtype or params.embed.dtype
         self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.forward = make_forward(cfg, attention_fn)

@@ -2,6 +2,7 @@
 given times, the stored plan reused, and an engine whose buckets run different
 backends giving the tokens a single-backend engine gives."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -103,6 +104,20 @@ def test_the_step_timer_measures_real_steps(test_models_dir):
             assert 0 < small < large
     for backend in ("cpu", "xla"):  # the output projection: by its rows
         assert 0 < timer("head", backend, 256, 4) < timer("head", backend, 256, 256)
+
+
+def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test_models_dir):
+    """As the runner runs bfloat16 weights on a CPU (jaxllm.platform.activation_dtype):
+    the weights it times are bfloat16, the hidden states and caches float32."""
+    from jaxllm.loaders import load_model
+
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    timer = autotune.StepTimer(model.config, jnp.bfloat16, block_size=16, max_model_len=128,
+                               activation_dtype=jnp.float32)
+    assert 0 < timer("attention", "cpu", 4, 4) and 0 < timer("linear", "xla", 4, 4) and 0 < timer("head", "xla", 0, 8)
+    layers, head = timer._weights["xla"]
+    assert layers[0][0].dtype == jnp.bfloat16 and head.dtype == jnp.bfloat16
+    assert timer._filled((2, 3)).dtype == jnp.float32
 
 
 def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ def _option(default, help: str, choices: tuple[str, ...] | None = None):  # noqa
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded SmolLM2)")
-    dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU", DTYPE_NAMES)
+    dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU (on a CPU, bfloat16 means bfloat16 weights and "
+                                     "matmuls under float32 activations and KV cache)", DTYPE_NAMES)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(

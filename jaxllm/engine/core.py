@@ -24,7 +24,7 @@ from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMO
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.params import abstract_params
-from jaxllm.platform import compilation_cache_path, resolve_dtype
+from jaxllm.platform import activation_dtype, compilation_cache_path, resolve_dtype
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -110,7 +110,7 @@ class EngineCore:
         else:
             self.model = model or load()
             cfg, params = self.model.config, self.model.params
-        itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+        itemsize = activation_dtype(jax.tree.leaves(params)[0].dtype).itemsize  # the KV cache's
         self.cache = plan_cache(config, cfg, itemsize)
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = KVCacheManager(

@@ -56,8 +56,14 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
 
 
 def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> Float[Array, "... N"]:
-    """x @ w, by the backend `w`'s layout says (packed weights are float32 throughout)."""
+    """x @ w, by the backend `w`'s layout says (packed weights are float32 throughout).
+    A plain weight of another dtype than `x` (bfloat16 weights under float32
+    activations: jaxllm.platform.activation_dtype) multiplies `x` rounded to the
+    weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`)."""
     if not isinstance(w, PackedWeight):
+        if w.dtype != x.dtype:
+            out = preferred_element_type or x.dtype
+            return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=out)
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     cpu_kernels.load_kernels()  # registers the custom call (once)
     lead = x.shape[:-1]

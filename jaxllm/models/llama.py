@@ -71,7 +71,7 @@ def compute_logits(
 ) -> Float[Array, "S V"]:
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        return jnp.einsum("sd,vd->sv", h, params.embed, preferred_element_type=jnp.float32)
+        return jnp.einsum("sd,vd->sv", h.astype(params.embed.dtype), params.embed, preferred_element_type=jnp.float32)
     return linear(h, params.lm_head, preferred_element_type=jnp.float32)
 
 
@@ -86,8 +86,10 @@ def forward_hidden(
     cfg: ModelConfig,
     attention_fn: AttentionFn,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
-    """Hidden states of every token (before the final norm), and the updated caches."""
-    x = params.embed[input_ids]
+    """Hidden states of every token (before the final norm), and the updated caches.
+    They are of the caches' dtype (the runner's activation dtype: float32 on the CPU
+    platform for bfloat16 weights too; jaxllm.platform.activation_dtype)."""
+    x = params.embed[input_ids].astype(kv_caches[0].k.dtype)
     cos, sin = rope.cos[positions], rope.sin[positions]
     new_caches = []
     for lp, cache in zip(params.layers, kv_caches, strict=True):

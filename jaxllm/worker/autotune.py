@@ -235,10 +235,13 @@ def _best_of(fn, *args) -> float:
 class StepTimer:
     """`measure(kind, backend, T, S)` for plan_backends: seconds one step of bucket
     (T, S) spends in the projections (linear) or attention of a model of `cfg`'s
-    shapes, on random data (the times do not depend on the values)."""
+    shapes, on random data (the times do not depend on the values). Weights are of
+    `dtype`, hidden states and caches of `activation_dtype` (default: `dtype`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int,
+                 activation_dtype=None) -> None:
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        self.activation_dtype = jnp.dtype(activation_dtype or dtype)
         self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
         self.rng = np.random.default_rng(0)
         self._weights: dict[str, tuple] = {}  # linear backend -> (layers, head), in its layout
@@ -249,9 +252,10 @@ class StepTimer:
             return self.head(backend, s)
         return self.linear(backend, t, s) if kind == "linear" else self.attention(backend, t, s)
 
-    def _filled(self, shape) -> jax.Array:
-        """An array of `shape` (the values do not change the times; filling is cheap)."""
-        return jnp.full(shape, 0.01, self.dtype)
+    def _filled(self, shape, dtype=None) -> jax.Array:
+        """An array of `shape` (the values do not change the times; filling is cheap),
+        of the activations' dtype unless given."""
+        return jnp.full(shape, 0.01, dtype or self.activation_dtype)
 
     def _linear_weights(self, backend: str):
         if backend not in self._weights:
@@ -267,12 +271,12 @@ class StepTimer:
         per_layer = sum(a * b for a, b in shapes) * self.dtype.itemsize
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
         layout = pack_weight if backend == "cpu" else (lambda w: w)
-        layers = [[layout(self._filled(shape)) for shape in shapes] for _ in range(copies)]
+        layers = [[layout(self._filled(shape, self.dtype)) for shape in shapes] for _ in range(copies)]
         d, v = self.cfg.hidden_size, self.cfg.vocab_size
         if backend == "cpu":
-            head = pack_weight(self._filled((d, v)))
+            head = pack_weight(self._filled((d, v), self.dtype))
         else:  # as compute_logits runs it: against the embedding when tied
-            head = self._filled((v, d) if self.cfg.tie_word_embeddings else (d, v))
+            head = self._filled((v, d) if self.cfg.tie_word_embeddings else (d, v), self.dtype)
         return layers, head
 
     def _linear_fns(self):
@@ -290,7 +294,7 @@ class StepTimer:
 
         def head_fn(x, head):
             if not isinstance(head, PackedWeight) and head.shape[0] != x.shape[1]:  # tied: [V, D]
-                return jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
+                return jnp.einsum("sd,vd->sv", x.astype(head.dtype), head, preferred_element_type=jnp.float32)
             return linear(x, head, preferred_element_type=jnp.float32)
 
         return jax.jit(layers_fn), jax.jit(head_fn)
@@ -342,16 +346,20 @@ def backend_plan(
     block_size: int,
     max_model_len: int,
     store_dir=None,
+    activation_dtype=None,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
-    shapes, buckets and kernel build, or measured now (and stored)."""
+    shapes and dtypes (`dtype`: the weights'; `activation_dtype`, default `dtype`),
+    buckets and kernel build, or measured now (and stored)."""
     if len(attention) == 1 and len(linear) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path
     from jaxllm.worker.executable_cache import ExecutableStore
 
-    store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, tuple(buckets), tuple(attention),
+    activation_dtype = jnp.dtype(activation_dtype or dtype)
+    store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name,
+                            tuple(buckets), tuple(attention),
                             tuple(linear), block_size, max_model_len, library_path().name)
     stored = store.load_text("backends.json")
     if stored is not None:
@@ -362,7 +370,8 @@ def backend_plan(
         except (ValueError, KeyError, TypeError) as e:
             logger.warning("ignoring an unreadable stored backend plan (%s)", e)
     start = time.perf_counter()
-    timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len)
+    timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
+                      activation_dtype=activation_dtype)
     plan = plan_backends(buckets, attention, linear, timer)
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s",
                 time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),

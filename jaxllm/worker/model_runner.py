@@ -32,6 +32,7 @@ from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models.linear import linear_candidates, pack_params
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
+from jaxllm.platform import activation_dtype
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.structured_output.manager import bitmask_width
@@ -182,7 +183,8 @@ class ModelRunner:
         `cache_dir` (the engine's compilation cache; None: compile and measure every
         start)."""
         self.config = config
-        dtype = jax.tree.leaves(params)[0].dtype
+        param_dtype = jax.tree.leaves(params)[0].dtype
+        dtype = activation_dtype(param_dtype)  # of the hidden states and the KV cache
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -190,9 +192,9 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
         self.plan: BackendPlan = backend_plan(
-            config, dtype, self.buckets,
+            config, param_dtype, self.buckets,
             attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype),
-            linear_candidates(linear_backend, dtype),
+            linear_candidates(linear_backend, param_dtype), activation_dtype=dtype,
             block_size=block_size, max_model_len=max_model_len, store_dir=store_directory(cache_dir))
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
