@@ -78,9 +78,8 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     embed itself stays for the lookup; unpacked, XLA's dot runs it). Works on abstract
     params too."""
 
-    def pack_layer(lp: LayerParams) -> LayerParams:
-        return lp.replace(wqkv=pack_weight(lp.wqkv), wo=pack_weight(lp.wo), w_gate_up=pack_weight(lp.w_gate_up),
-                          w_down=pack_weight(lp.w_down))
+    def pack_layer(lp: LayerParams) -> LayerParams:  # a layer's matrices are its projections
+        return jax.tree.map(lambda w: pack_weight(w) if len(w.shape) == 2 else w, lp)
 
     layers = tuple(pack_layer(lp) for lp in params.layers)
     if not pack_head:

@@ -10,6 +10,7 @@ projections that read the same input are fused: q/k/v into `wqkv`, gate/up into
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
@@ -60,27 +61,96 @@ class ModelParams:
     lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed unless left to XLA's dot)
 
 
-def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
-    """ModelParams of jax.ShapeDtypeStruct leaves: the shapes `cfg` implies."""
-    def spec(*shape: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype)
+@dataclasses.dataclass(frozen=True)
+class ParamDecl:
+    """One parameter, declared once; its initialization (abstract shapes), loading and
+    exporting (the checkpoint tensors it is made of), packing and sharding are derived
+    from this declaration (`declare`).
 
+    `shape` is jaxllm's layout ([in, out] for a projection); `axes` names each axis
+    logically (`AXES`), which sharding rules map to mesh axes. `hf` lists the HF
+    checkpoint tensors that make it, in order, each with its size along the last axis:
+    several are fused by concatenation there (q | k | v, gate | up). `transposed`: the
+    HF tensors hold the matrix as [out, in] (torch.nn.Linear)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    hf: tuple[tuple[str, int], ...]
+    transposed: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
+            raise ValueError(f"inconsistent parameter declaration {self}")
+
+    def hf_shape(self, size: int) -> tuple[int, ...]:
+        """The shape of one of its HF tensors, of `size` along the fused axis."""
+        shape = (*self.shape[:-1], size)
+        return shape[::-1] if self.transposed else shape
+
+
+# Logical axes of the parameters. Tensor parallelism shards "vocab", "qkv", "heads" and
+# "mlp"; the fused ones ("qkv": q | k | v columns, "mlp" of w_gate_up: gate | up) are
+# laid out shard-major when loaded for several shards (jaxllm.loaders.weights), so that
+# every shard holds whole heads and matching gate and up columns.
+AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim")
+
+
+def declare(cfg: ModelConfig) -> ModelParams:
+    """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = cfg.q_size + 2 * cfg.kv_size
-    layer = LayerParams(
-        attn_norm=spec(d),
-        wqkv=spec(d, qkv),
-        bqkv=spec(qkv) if cfg.qkv_bias else None,
-        q_norm=spec(hd) if cfg.qk_norm else None,
-        k_norm=spec(hd) if cfg.qk_norm else None,
-        wo=spec(cfg.q_size, d),
-        mlp_norm=spec(d),
-        w_gate_up=spec(d, 2 * f),
-        w_down=spec(f, d),
-    )
+
+    def layer(i: int) -> LayerParams:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        q_k_v = ((attn + "q_proj.{}", cfg.q_size), (attn + "k_proj.{}", cfg.kv_size), (attn + "v_proj.{}", cfg.kv_size))
+        named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
+        return LayerParams(
+            attn_norm=ParamDecl((d,), ("embed",), ((p + "input_layernorm.weight", d),)),
+            wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True),
+            bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias")) if cfg.qkv_bias else None,
+            q_norm=ParamDecl((hd,), ("head_dim",), ((attn + "q_norm.weight", hd),)) if cfg.qk_norm else None,
+            k_norm=ParamDecl((hd,), ("head_dim",), ((attn + "k_norm.weight", hd),)) if cfg.qk_norm else None,
+            wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True),
+            mlp_norm=ParamDecl((d,), ("embed",), ((p + "post_attention_layernorm.weight", d),)),
+            w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
+                                transposed=True),
+            w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True),
+        )
+
     return ModelParams(
-        embed=spec(cfg.vocab_size, d),
-        layers=(layer,) * cfg.num_layers,
-        final_norm=spec(d),
-        lm_head=None if cfg.tie_word_embeddings else spec(d, cfg.vocab_size),
+        embed=ParamDecl((cfg.vocab_size, d), ("vocab", "embed"), (("model.embed_tokens.weight", d),)),
+        layers=tuple(layer(i) for i in range(cfg.num_layers)),
+        final_norm=ParamDecl((d,), ("embed",), (("model.norm.weight", d),)),
+        lm_head=None if cfg.tie_word_embeddings else ParamDecl(
+            (d, cfg.vocab_size), ("embed", "vocab"), (("lm_head.weight", cfg.vocab_size),), transposed=True),
     )
+
+
+def declarations(cfg: ModelConfig) -> list[ParamDecl]:
+    """`declare(cfg)`'s leaves, in the pytree's order."""
+    return jax.tree.leaves(declare(cfg), is_leaf=lambda x: isinstance(x, ParamDecl))
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
+    """ModelParams of jax.ShapeDtypeStruct leaves: the shapes `cfg` implies."""
+    return map_declared(lambda decl: jax.ShapeDtypeStruct(decl.shape, dtype), declare(cfg))
+
+
+# Tensor parallelism over a mesh axis named "model" (Megatron's layout): q/k/v and
+# gate/up column-parallel, the attention output and down projections row-parallel, the
+# embedding and output projection split by vocabulary; norms replicated.
+TENSOR_PARALLEL_RULES = {"vocab": "model", "qkv": "model", "heads": "model", "mlp": "model"}
+
+
+def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RULES) -> ModelParams:
+    """A PartitionSpec per parameter: each logical axis mapped to a mesh axis by
+    `rules` (unnamed: replicated)."""
+    from jax.sharding import PartitionSpec
+
+    return map_declared(lambda decl: PartitionSpec(*(rules.get(a) for a in decl.axes)), declare(cfg))
+
+
+def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:
+    """jax.tree.map over a declaration (ParamDecl leaves) and pytrees of its structure."""
+    return jax.tree.map(fn, decls, *rest, is_leaf=lambda x: isinstance(x, ParamDecl))

@@ -1,0 +1,108 @@
+"""The parameters' one declaration (jaxllm.models.params.declare) against checkpoints
+written independently of it (scripts/make_test_model.py), and what is derived from it:
+abstract shapes, HF names and shapes, loading and exporting (shard-major fusing for
+tensor parallelism), packing, PartitionSpecs."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
+
+from jaxllm.loaders import load_model
+from jaxllm.loaders.weights import build_params, fuse, hf_tensor_shapes, params_to_hf_tensors, unfuse
+from jaxllm.models.linear import pack_params
+from jaxllm.models.params import PackedWeight, ParamDecl, abstract_params, declarations, partition_specs
+from tests.conftest import ARCHITECTURES
+
+
+def checkpoint_tensors(folder) -> dict[str, np.ndarray]:
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors |= load_file(str(f))
+    return tensors
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_the_declaration_names_every_checkpoint_tensor_with_its_shape(test_models_dir, name):
+    folder = test_models_dir / name
+    model = load_model(folder, dtype="float32")
+    cfg = model.config
+    tensors = checkpoint_tensors(folder)
+    assert hf_tensor_shapes(cfg) == {n: t.shape for n, t in tensors.items()}
+    abstract = abstract_params(cfg, np.float32)
+    assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(lambda a: a.shape, model.params)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("shards", [1, 2])
+def test_load_and_export_round_trip(test_models_dir, name, shards):
+    folder = test_models_dir / name
+    cfg = load_model(folder, dtype="float32").config
+    tensors = checkpoint_tensors(folder)
+    params = build_params(cfg, tensors.get, np.float32, "test", shards=shards)
+    back = params_to_hf_tensors(cfg, params, shards=shards)
+    assert set(back) == set(tensors)
+    for n, t in tensors.items():
+        np.testing.assert_array_equal(back[n], t, err_msg=n)
+
+
+def test_fused_projections_are_laid_out_shard_major(test_models_dir):
+    """Cut into two, each half of w_qkv is [q | k | v] of that shard's heads, and each
+    half of w_gate_up is [gate | up] of its columns."""
+    folder = test_models_dir / "llama"
+    cfg = load_model(folder, dtype="float32").config
+    t = checkpoint_tensors(folder)
+    params = build_params(cfg, t.get, np.float32, "test", shards=2)
+    wqkv, w_gate_up = np.asarray(params.layers[1].wqkv), np.asarray(params.layers[1].w_gate_up)
+    p = "model.layers.1."
+    q, k, v = (t[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+    gate, up = (t[p + f"mlp.{n}_proj.weight"].T for n in ("gate", "up"))
+    for s in range(2):
+        half = lambda a: np.split(a, 2, axis=-1)[s]  # noqa: E731
+        np.testing.assert_array_equal(half(wqkv), np.concatenate([half(q), half(k), half(v)], axis=-1))
+        np.testing.assert_array_equal(half(w_gate_up), np.concatenate([half(gate), half(up)], axis=-1))
+    one = build_params(cfg, t.get, np.float32, "test")
+    np.testing.assert_array_equal(one.layers[1].wqkv, np.concatenate([q, k, v], axis=-1))
+
+
+def test_fuse_and_unfuse():
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((3, n)) for n in (12, 6, 6)]
+    for shards in (1, 2, 3, 6):
+        fused = fuse(parts, shards)
+        assert fused.shape == (3, 24)
+        for got, want in zip(unfuse(fused, [12, 6, 6], shards), parts):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="do not split into 4 shards"):
+        fuse(parts, 4)
+
+
+def test_partition_specs_follow_megatron(test_models_dir):
+    cfg = load_model(test_models_dir / "qwen2", dtype="float32").config  # qkv bias, untied head
+    specs = partition_specs(cfg)
+    layer = specs.layers[0]
+    assert layer.wqkv == P(None, "model") and layer.bqkv == P("model")
+    assert layer.wo == P("model", None) and layer.w_down == P("model", None)
+    assert layer.w_gate_up == P(None, "model")
+    assert layer.attn_norm == P(None) and layer.mlp_norm == P(None) and specs.final_norm == P(None)
+    assert specs.embed == P("model", None) and specs.lm_head == P(None, "model")
+    assert len(specs.layers) == cfg.num_layers
+
+
+def test_packing_packs_every_projection_and_nothing_else(test_models_dir):
+    model = load_model(test_models_dir / "qwen3", dtype="float32")  # q/k norms: vectors stay
+    packed = pack_params(model.params)
+    layer = packed.layers[0]
+    assert all(isinstance(getattr(layer, n), PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert not isinstance(layer.q_norm, PackedWeight) and not isinstance(layer.attn_norm, PackedWeight)
+    n_matrices = sum(len(d.shape) == 2 for d in declarations(model.config)) - 1  # the embedding stays plain
+    assert sum(isinstance(x, PackedWeight) for x in jax.tree.leaves(
+        packed, is_leaf=lambda x: isinstance(x, PackedWeight))) == n_matrices
+
+
+def test_an_inconsistent_declaration_is_refused():
+    with pytest.raises(ValueError, match="inconsistent"):
+        ParamDecl((4, 6), ("embed", "qkv"), (("a", 2), ("b", 2)), transposed=True)
+    with pytest.raises(ValueError, match="inconsistent"):
+        ParamDecl((4, 6), ("embed",), (("a", 6),))
