@@ -19,17 +19,25 @@ from jaxllm.models.llama import compute_logits, forward_hidden
 from jaxllm.models.rope import rope_table
 
 
-def make_forward(cfg: ModelConfig, attention_fn):
+def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     """The model's forward jitted for the tests (the engine's step does the same inside
     its one executable, with sampling): fn(params, kv_caches, input_ids, positions, md,
-    logits_indices) -> (float32 logits of those rows, caches); the caches donated."""
+    logits_indices) -> (float32 logits of those rows, caches); the caches donated. With
+    a `mesh`, tensor-parallel over it (jaxllm.models.parallel)."""
     rope = rope_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    if mesh is None:
+        forward = functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn)
+        logits = functools.partial(compute_logits, cfg=cfg)
+    else:
+        from jaxllm.models.parallel import ShardedModel
+
+        model = ShardedModel(cfg, mesh, attention_fn)
+        forward, logits = model.forward_hidden, model.compute_logits
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def fn(params, kv_caches, input_ids, positions, md, logits_indices):
-        hidden, kv_caches = forward_hidden(params, rope, kv_caches, input_ids, positions, md, cfg=cfg,
-                                           attention_fn=attention_fn)
-        return compute_logits(params, hidden[logits_indices], cfg), kv_caches
+        hidden, kv_caches = forward(params, rope, kv_caches, input_ids, positions, md)
+        return logits(params, hidden[logits_indices]), kv_caches
 
     return fn
 
@@ -47,15 +55,26 @@ class PagedDriver:
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
                  max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0,
-                 cache_dtype=None):
+                 cache_dtype=None, tensor_parallel_size: int = 1):
         """`cache_dtype`: of the KV cache and so of the hidden states (default: the
-        params' dtype)."""
+        params' dtype). `tensor_parallel_size` > 1: over a mesh of that many devices,
+        the params (as loaded) laid out and sharded for it, the caches by KV head."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         dtype = cache_dtype or params.embed.dtype
         self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-        self.forward = make_forward(cfg, attention_fn)
+        mesh = None
+        if tensor_parallel_size > 1:
+            from jaxllm.models.params import shard_major
+            from jaxllm.models import parallel
+
+            parallel.check_tensor_parallel(cfg, tensor_parallel_size)
+            mesh = parallel.make_mesh(tensor_parallel_size)
+            self.params = jax.device_put(shard_major(cfg, params, tensor_parallel_size),
+                                         parallel.param_shardings(cfg, mesh))
+            self.caches = jax.device_put(self.caches, parallel.kv_cache_sharding(mesh))
+        self.forward = make_forward(cfg, attention_fn, mesh)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
         return Sequence(list(token_ids), [])

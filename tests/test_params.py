@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 from jaxllm.loaders import load_model
-from jaxllm.loaders.weights import build_params, fuse, hf_tensor_shapes, params_to_hf_tensors, unfuse
+from jaxllm.loaders.weights import build_params, hf_tensor_shapes, params_to_hf_tensors
+from jaxllm.models.params import fuse, unfuse
 from jaxllm.models.linear import pack_params
 from jaxllm.models.params import PackedWeight, ParamDecl, abstract_params, declarations, partition_specs
 from tests.conftest import ARCHITECTURES

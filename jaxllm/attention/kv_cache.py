@@ -19,11 +19,12 @@ class KVCache:
 
 
 def allocate_kv_caches(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, sharding=None
 ) -> tuple[KVCache, ...]:
-    """Zero-filled caches, one KVCache per layer (per-layer arrays are donated one by one)."""
+    """Zero-filled caches, one KVCache per layer (per-layer arrays are donated one by
+    one), each filled where `sharding` places it (default: the default device)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return tuple(KVCache(k=zeros(), v=zeros()) for _ in range(num_layers))
 
 

@@ -33,10 +33,11 @@ def parse_memory(value: str | int | float | None) -> int | float | None:
     return int(number * _UNITS[m.group(2).lower()])
 
 
-def _option(default, help: str, choices: tuple[str, ...] | None = None):  # noqa: A002 (argparse's word)
-    """A field with the help its CLI flag shows (`add_cli_args`), and the names it
-    accepts when it is a choice."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _option(default, help: str, choices: tuple[str, ...] | None = None,  # noqa: A002 (argparse's word)
+            aliases: tuple[str, ...] = ()):
+    """A field with the help its CLI flag shows (`add_cli_args`), the names it accepts
+    when it is a choice, and short flags for it."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +59,15 @@ class EngineConfig:
     compilation_cache_dir: str | None = _option(None, "where compiled steps and converted models are kept "
                                                       "(default ~/.cache/jaxllm/xla)")
     served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
+    tensor_parallel_size: int = _option(1, "devices to shard the model over, by heads (tensor parallelism)",
+                                        aliases=("-tp",))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(choices)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -86,7 +89,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif hint in (int, int | None):
             kwargs["type"] = int
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
 def from_cli_args(args: argparse.Namespace) -> EngineConfig:

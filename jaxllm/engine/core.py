@@ -23,6 +23,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
+from jaxllm.models.parallel import check_tensor_parallel
 from jaxllm.models.params import abstract_params
 from jaxllm.platform import activation_dtype, compilation_cache_path, resolve_dtype
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -110,6 +111,7 @@ class EngineCore:
         else:
             self.model = model or load()
             cfg, params = self.model.config, self.model.params
+        check_tensor_parallel(cfg, config.tensor_parallel_size)
         itemsize = activation_dtype(jax.tree.leaves(params)[0].dtype).itemsize  # the KV cache's
         self.cache = plan_cache(config, cfg, itemsize)
         self.max_model_len = self.cache.max_model_len
@@ -133,6 +135,7 @@ class EngineCore:
             attention_backend=config.attention_backend,
             linear_backend=config.linear_backend,
             cache_dir=cache_dir,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import ModelParams, ParamDecl, declarations, declare, map_declared
+from jaxllm.models.params import ModelParams, ParamDecl, declarations, declare, fuse, map_declared, unfuse
 
 TensorSource = Callable[[str], "np.ndarray | None"]
 
@@ -33,25 +33,6 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each HF tensor's name and shape, as the declaration (jaxllm.models.params.declare)
     implies them."""
     return {name: decl.hf_shape(n) for decl in declarations(cfg) for name, n in decl.hf}
-
-
-def fuse(parts: list[np.ndarray], shards: int = 1) -> np.ndarray:
-    """Arrays concatenated along their last axis, shard-major for `shards` shards:
-    [part 0's shard 0 | part 1's shard 0 | ... | part 0's shard 1 | ...], so that
-    cutting the result into `shards` equal pieces gives each shard its share of every
-    part. One shard: a plain concatenation."""
-    if any(p.shape[-1] % shards for p in parts):
-        raise ValueError(f"fused parts of sizes {[p.shape[-1] for p in parts]} do not split into {shards} shards")
-    pieces = [np.split(p, shards, axis=-1) for p in parts]
-    return np.concatenate([piece[s] for s in range(shards) for piece in pieces], axis=-1)
-
-
-def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1) -> list[np.ndarray]:
-    """The inverse of `fuse`: the parts, of `sizes` along the last axis."""
-    per_shard = np.split(array, shards, axis=-1)
-    cuts = np.cumsum([n // shards for n in sizes])[:-1]
-    split = [np.split(piece, cuts, axis=-1) for piece in per_shard]
-    return [np.concatenate([split[s][i] for s in range(shards)], axis=-1) for i in range(len(sizes))]
 
 
 def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shards: int = 1) -> ModelParams:

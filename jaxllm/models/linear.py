@@ -93,13 +93,21 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     return params.replace(layers=layers, lm_head=pack_weight(lm_head))
 
 
-def linear_candidates(name: str, dtype) -> list[str]:
+def linear_candidates(name: str, dtype, tensor_parallel: bool = False) -> list[str]:
     """The backends `name` may mean for this compute dtype on this platform, in
     preference order (`auto` on a CPU: cpu and xla, measured by the runner per step
     shape: built for AVX2 the kernel won at 32 rows and lost at 512); an explicit
-    choice that cannot work raises ValueError saying why."""
+    choice that cannot work raises ValueError saying why. Tensor-parallel steps run
+    plain weights (the packed layout is not sharded)."""
     preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
-    unavailable = lambda backend: _cpu_backend_unavailable(dtype) if backend == "cpu" else None  # noqa: E731
+
+    def unavailable(backend: str) -> str | None:
+        if backend != "cpu":
+            return None
+        if tensor_parallel:
+            return "its packed weights are not sharded for tensor parallelism"
+        return _cpu_backend_unavailable(dtype)
+
     return backend_candidates("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
 
 

@@ -3,6 +3,12 @@ cache: one function for any step, a flat ragged batch of prefill chunks and deco
 
 Pure functions over ModelParams; the differences between the architectures are flags
 on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
+
+Under tensor parallelism (jaxllm.models.parallel) the same functions run on one shard
+of the parameters inside `shard_map`, with `cfg` the shard's (its heads, its share of
+the MLP and vocabulary) and `axis` the mesh axis to reduce over: the row-parallel
+projections' partial sums are all-reduced, the vocabulary-parallel embedding is looked up
+where a shard holds the token and all-reduced, and the logits are all-gathered.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) ->
     return (weight.astype(jnp.float32) * normed).astype(x.dtype)
 
 
+def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
+    """The sum over the shards of `axis` (None: not sharded, `x` itself)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def embed_tokens(embed: Float[Array, "V D"], input_ids: Int[Array, "T"], axis: str | None) -> Float[Array, "T D"]:
+    """Embedding rows of `input_ids`; sharded by vocabulary over `axis`, each shard
+    contributes the rows it holds (zeros elsewhere) and the shards' rows are summed."""
+    if axis is None:
+        return embed[input_ids]
+    v = embed.shape[0]
+    local = input_ids - jax.lax.axis_index(axis) * v
+    held = (local >= 0) & (local < v)
+    return all_reduce(jnp.where(held[:, None], embed[jnp.clip(local, 0, v - 1)], 0), axis)
+
+
 def attention_block(
     lp: LayerParams,
     x: Float[Array, "T D"],
@@ -35,6 +57,7 @@ def attention_block(
     md: AttentionMetadata,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
+    axis: str | None = None,
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Self-attention sublayer (pre-norm, residual added): writes this step's K/V into
     the cache, then attends through the block tables."""
@@ -56,23 +79,28 @@ def attention_block(
         q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
         sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, common_prefix_blocks=md.common_prefix_blocks,
     )
-    return x + linear(o.reshape(t, cfg.q_size), lp.wo), cache
+    return x + all_reduce(linear(o.reshape(t, cfg.q_size), lp.wo), axis), cache
 
 
-def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig) -> Float[Array, "T D"]:
+def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None
+              ) -> Float[Array, "T D"]:
     """SwiGLU feed-forward sublayer (pre-norm, residual added)."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
-    return x + linear(jax.nn.silu(gate) * up, lp.w_down)
+    return x + all_reduce(linear(jax.nn.silu(gate) * up, lp.w_down), axis)
 
 
 def compute_logits(
-    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig
+    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: str | None = None
 ) -> Float[Array, "S V"]:
+    """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        return jnp.einsum("sd,vd->sv", h.astype(params.embed.dtype), params.embed, preferred_element_type=jnp.float32)
-    return linear(h, params.lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("sd,vd->sv", h.astype(params.embed.dtype), params.embed,
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)
+    return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
 
 
 def forward_hidden(
@@ -85,15 +113,16 @@ def forward_hidden(
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
+    axis: str | None = None,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
     They are of the caches' dtype (the runner's activation dtype: float32 on the CPU
     platform for bfloat16 weights too; jaxllm.platform.activation_dtype)."""
-    x = params.embed[input_ids].astype(kv_caches[0].k.dtype)
+    x = embed_tokens(params.embed, input_ids, axis).astype(kv_caches[0].k.dtype)
     cos, sin = rope.cos[positions], rope.sin[positions]
     new_caches = []
     for lp, cache in zip(params.layers, kv_caches, strict=True):
-        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn)
-        x = mlp_block(lp, x, cfg)
+        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn, axis)
+        x = mlp_block(lp, x, cfg, axis)
         new_caches.append(cache)
     return x, tuple(new_caches)

@@ -14,6 +14,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Float
 
@@ -154,3 +156,37 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
 def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:
     """jax.tree.map over a declaration (ParamDecl leaves) and pytrees of its structure."""
     return jax.tree.map(fn, decls, *rest, is_leaf=lambda x: isinstance(x, ParamDecl))
+
+
+def fuse(parts: list[np.ndarray], shards: int = 1) -> np.ndarray:
+    """Arrays concatenated along their last axis, shard-major for `shards` shards:
+    [part 0's shard 0 | part 1's shard 0 | ... | part 0's shard 1 | ...], so that
+    cutting the result into `shards` equal pieces gives each shard its share of every
+    part. One shard: a plain concatenation."""
+    if any(p.shape[-1] % shards for p in parts):
+        raise ValueError(f"fused parts of sizes {[p.shape[-1] for p in parts]} do not split into {shards} shards")
+    pieces = [np.split(p, shards, axis=-1) for p in parts]
+    return np.concatenate([piece[s] for s in range(shards) for piece in pieces], axis=-1)
+
+
+def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1) -> list[np.ndarray]:
+    """The inverse of `fuse`: the parts, of `sizes` along the last axis."""
+    per_shard = np.split(array, shards, axis=-1)
+    cuts = np.cumsum([n // shards for n in sizes])[:-1]
+    split = [np.split(piece, cuts, axis=-1) for piece in per_shard]
+    return [np.concatenate([split[s][i] for s in range(shards)], axis=-1) for i in range(len(sizes))]
+
+
+def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelParams:
+    """Loaded (one-shard) params with their fused parameters laid out for `shards`
+    tensor-parallel shards (`fuse`); the others are returned as they are."""
+    if shards == 1:
+        return params
+
+    def relayout(decl: ParamDecl, array):
+        if len(decl.hf) == 1:
+            return array
+        parts = unfuse(np.asarray(array), [n for _, n in decl.hf])
+        return jnp.asarray(fuse(parts, shards), dtype=array.dtype)
+
+    return map_declared(relayout, declare(cfg), params)

@@ -128,10 +128,14 @@ def persistent_cache_hits():
 
 
 class ExecutableStore:
-    """Serialized `jax.stages.Compiled` objects, one file per key."""
+    """Serialized `jax.stages.Compiled` objects, one file per key. `devices`: the
+    devices the executables run on, in the order they were compiled for (default: what
+    deserialization picks, all of the process's; a one-device executable in a process
+    with several devices needs its device named)."""
 
-    def __init__(self, directory: Path | None, *key_parts: object) -> None:
+    def __init__(self, directory: Path | None, *key_parts: object, devices=None) -> None:
         self.directory = directory
+        self.devices = devices
         h = hashlib.sha256(environment_fingerprint().encode())
         for part in key_parts:
             h.update(repr(part).encode())
@@ -149,7 +153,8 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=self.devices)
             os.utime(path)  # recently used: pruned last
             return compiled
         except Exception as e:  # a truncated file, or an executable this jaxlib cannot load

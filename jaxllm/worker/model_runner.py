@@ -29,6 +29,7 @@ from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
+from jaxllm.models import parallel
 from jaxllm.models.linear import linear_candidates, pack_params
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
@@ -172,6 +173,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         cache_dir: Path | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -181,8 +183,11 @@ class ModelRunner:
         packed (jaxllm.models.linear), a copy of what it is given, and both layouts if
         some buckets use each. Compiled executables and the plan are stored under
         `cache_dir` (the engine's compilation cache; None: compile and measure every
-        start)."""
+        start). With `tensor_parallel_size` > 1 the step runs over a mesh of that many
+        devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
+        replicated; the backends are measured on one shard's shapes."""
         self.config = config
+        self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = jax.tree.leaves(params)[0].dtype
         dtype = activation_dtype(param_dtype)  # of the hidden states and the KV cache
         self.block_size = block_size
@@ -192,9 +197,10 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
         self.plan: BackendPlan = backend_plan(
-            config, param_dtype, self.buckets,
+            parallel.shard_config(config, tensor_parallel_size), param_dtype, self.buckets,
             attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype),
-            linear_candidates(linear_backend, param_dtype), activation_dtype=dtype,
+            linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None),
+            activation_dtype=dtype,
             block_size=block_size, max_model_len=max_model_len, store_dir=store_directory(cache_dir))
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
@@ -202,20 +208,26 @@ class ModelRunner:
         # a background thread while warm_up loads or compiles the buckets, which only
         # need their shapes; the first use of `kv_caches` waits for them.
         self._kv_caches = None
+        cache_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh else None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
-            allocate_kv_caches, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype
+            allocate_kv_caches, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype,
+            cache_sharding,
         )
-        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, config.num_kv_heads, config.head_dim), dtype)
+        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, config.num_kv_heads, config.head_dim), dtype,
+                                          sharding=cache_sharding)
         self._abstract_caches = tuple(KVCache(cache_spec, cache_spec) for _ in range(config.num_layers))
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
+        if self.mesh:
+            self.history = jax.device_put(self.history, parallel.replicated(self.mesh))
         self.rope = rope_table(config.rope, config.head_dim, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
         self._steps = self._step_functions()
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         # a step's block copies (at most one per admitted request), padded to a bucket
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
+        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,),
+                                    **({"out_shardings": cache_sharding} if self.mesh else {}))
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int], object] = {}
@@ -225,7 +237,8 @@ class ModelRunner:
         self._free_bitmasks: dict[int, jax.Array] = {}
         directory = store_directory(cache_dir)
         self._stores = {choice: self._step_store(directory, choice) for choice in self._steps}
-        self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches)
+        self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches, self._mesh_key(),
+                                           devices=self._devices())
         self.num_loaded_executables = 0
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
@@ -234,22 +247,41 @@ class ModelRunner:
     def _step_functions(self) -> dict[StepBackends, object]:
         """The jitted step of each pair of backends the plan uses. Where the C++ kernels
         run the step, they also take the sampler's greedy argmax and prompt-logprob scores."""
-        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention")
+        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention") and self.mesh is None
         return {
             choice: jax.jit(functools.partial(model_step, cfg=self.config,
                                               attention_fn=get_attention_fn(choice.attention),
                                               argmax_fn=argmax_cpu if kernels else argmax,
-                                              scores_fn=token_scores_cpu if kernels else compute_logprobs),
-                            donate_argnums=(2, 3))
+                                              scores_fn=token_scores_cpu if kernels else compute_logprobs,
+                                              mesh=self.mesh),
+                            donate_argnums=(2, 3), **self._step_shardings())
             for choice in dict.fromkeys(self.plan.choices)
         }
+
+    def _step_shardings(self) -> dict:
+        """jit's in/out shardings of the step over the mesh: weights and caches
+        sharded, the rest replicated (none on one device)."""
+        if self.mesh is None:
+            return {}
+        rep, caches = parallel.replicated(self.mesh), parallel.kv_cache_sharding(self.mesh)
+        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep),
+                "out_shardings": (caches, rep, rep)}
 
     def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
         """Where the executables of one pair of backends are kept (keyed by what the
         step is compiled from)."""
         args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
         return ExecutableStore(directory, "model_step", self.config, choice.attention, choice.linear,
-                               _shapes_and_dtypes(args), jax.tree.structure(args))
+                               _shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
+                               devices=self._devices())
+
+    def _devices(self) -> list:
+        """The devices the step runs on, in the mesh's order."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+
+    def _mesh_key(self) -> str:
+        """What the executables depend on of the mesh (none: one device)."""
+        return "" if self.mesh is None else f"tp{self.mesh.size}-" + ",".join(str(d) for d in self.mesh.devices.flat)
 
     @property
     def kv_caches(self) -> tuple[KVCache, ...]:
@@ -282,6 +314,8 @@ class ModelRunner:
 
     def _layout(self, params: ModelParams) -> dict[str, ModelParams]:
         """The weights in the layout of each linear backend some bucket uses."""
+        if self.mesh is not None:  # plain weights only (linear_candidates)
+            return {"xla": parallel.place_params(self.config, params, self.mesh)}
         return {b: pack_params(params, pack_head=self.plan.head == "cpu") if b == "cpu" else params
                 for b in self.plan.backends("linear")}
 

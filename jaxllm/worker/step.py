@@ -6,11 +6,13 @@ bucket; the KV caches and the token history are donated, so XLA updates them in 
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.attention.backends import AttentionFn
@@ -18,6 +20,7 @@ from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.parallel import ShardedModel
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
@@ -56,9 +59,9 @@ class StepOutput:
 
 
 def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, "T"], cfg: ModelConfig,
-                    scores_fn: ScoresFn = compute_logprobs) -> PromptLogprobs:
+                    scores_fn: ScoresFn = compute_logprobs, logits_fn=compute_logits) -> PromptLogprobs:
     """Rows with a negative target are not scored (their values are unspecified)."""
-    return PromptLogprobs(*scores_fn(compute_logits(params, hidden, cfg), targets))
+    return PromptLogprobs(*scores_fn(logits_fn(params, hidden, cfg), targets))
 
 
 def _no_prompt_logprobs(params, hidden, targets, cfg):
@@ -80,16 +83,23 @@ def model_step(
     attention_fn: AttentionFn,
     argmax_fn: ArgmaxFn = argmax,
     scores_fn: ScoresFn = compute_logprobs,
+    mesh: Mesh | None = None,
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
-    hidden, kv_caches = forward_hidden(
-        params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, cfg=cfg, attention_fn=attention_fn
-    )
+    """One engine step; with a `mesh`, the model tensor-parallel over it
+    (jaxllm.models.parallel) and the sampling on the gathered logits."""
+    if mesh is None:
+        forward = functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn)
+        logits_fn = compute_logits
+    else:
+        model = ShardedModel(cfg, mesh, attention_fn)
+        forward, logits_fn = model.forward_hidden, model.compute_logits
+    hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn)
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
-    logits = compute_logits(params, hidden[inputs.logits_indices], cfg)
+    logits = logits_fn(params, hidden[inputs.logits_indices], cfg)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
-        lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn),
+        lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn, logits_fn),
         lambda h, t: _no_prompt_logprobs(params, h, t, cfg),
         hidden,
         inputs.prompt_logprob_targets,

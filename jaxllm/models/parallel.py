@@ -1,0 +1,122 @@
+"""Tensor parallelism: the model's forward over a device mesh, Megatron's way.
+
+The mesh has one axis, `TP_AXIS`, of `tensor_parallel_size` devices. Parameters are
+sharded as their declaration's logical axes say (jaxllm.models.params.partition_specs:
+q/k/v and gate/up by output column, whole heads per shard; the attention output and down
+projections by input row; embedding and output projection by vocabulary), the KV cache
+by KV head, everything else (step inputs, metadata, rope table) replicated. The forward
+runs shard-locally inside `jax.shard_map`: each device runs jaxllm.models.llama on its
+shard with the shard's config (`shard_config`), so every attention backend (the Pallas
+kernel, the XLA path, the CPU custom call) sees only its own heads; two all-reduces per
+layer and one all-gather of the logits are the only communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm.attention.backends import AttentionFn
+from jaxllm.attention.kv_cache import KVCache
+from jaxllm.config import ModelConfig
+from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.params import ModelParams, partition_specs, shard_major
+
+TP_AXIS = "model"
+KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None = None) -> None:
+    """ValueError naming the constraint `size` breaks, if any."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1 (got {size})")
+    available = len(jax.devices()) if num_devices is None else num_devices
+    if size > available:
+        raise ValueError(f"tensor_parallel_size={size}: only {available} devices are visible")
+    for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's {what} ({n}); "
+                             f"possible sizes: {', '.join(map(str, possible_sizes(cfg)))}")
+
+
+def possible_sizes(cfg: ModelConfig) -> list[int]:
+    """Tensor-parallel sizes this model's shapes allow."""
+    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+    return [n for n in range(1, cfg.num_kv_heads + 1) if all(d % n == 0 for d in dims)]
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config one shard's forward sees: its heads and its share of the MLP and the
+    vocabulary."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+                               intermediate_size=cfg.intermediate_size // size, vocab_size=cfg.vocab_size // size)
+
+
+def make_mesh(size: int) -> Mesh:
+    """A mesh of the first `size` devices along TP_AXIS."""
+    return jax.make_mesh((size,), (TP_AXIS,), devices=jax.devices()[:size])
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> ModelParams:
+    """A NamedSharding per parameter."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(cfg),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def place_params(cfg: ModelConfig, params: ModelParams, mesh: Mesh) -> ModelParams:
+    """Params as loaded (one shard's layout), laid out shard-major and sharded over
+    `mesh`; abstract ones (jax.ShapeDtypeStruct) get the shardings only."""
+    shardings = param_shardings(cfg, mesh)
+    if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+    return jax.device_put(shard_major(cfg, params, mesh.shape[TP_AXIS]), shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """forward_hidden and compute_logits over `mesh`, with their signatures (the
+    arguments whole, as the step holds them; the results replicated)."""
+
+    cfg: ModelConfig
+    mesh: Mesh
+    attention_fn: AttentionFn
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    def forward_hidden(self, params, rope, kv_caches, input_ids, positions, md):
+        fn = functools.partial(forward_hidden, cfg=shard_config(self.cfg, self.size),
+                               attention_fn=self.attention_fn, axis=TP_AXIS)
+        caches = tuple(KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC) for _ in kv_caches)
+        return jax.shard_map(
+            lambda p, r, c, i, pos, m: fn(p, r, c, i, pos, m), mesh=self.mesh,
+            in_specs=(self._param_specs(params), P(), caches, P(), P(), P()),
+            out_specs=(P(), caches), check_vma=False,
+        )(params, rope, kv_caches, input_ids, positions, md)
+
+    def compute_logits(self, params, hidden, cfg=None):
+        """`cfg` is ignored (the model's own is used): llama.compute_logits' signature."""
+        local = shard_config(self.cfg, self.size)
+        return jax.shard_map(
+            lambda p, h: compute_logits(p, h, local, axis=TP_AXIS), mesh=self.mesh,
+            in_specs=(self._param_specs(params), P()), out_specs=P(), check_vma=False,
+        )(params, hidden)
+
+    def _param_specs(self, params: ModelParams) -> ModelParams:
+        specs = partition_specs(self.cfg)
+        if len(params.layers) != len(specs.layers):
+            raise ValueError("the params do not have the config's layers")
+        return specs

@@ -1,0 +1,98 @@
+"""Checks that need several JAX devices, run in a subprocess of their own with
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` (it must be set before jax is
+imported, so not in the pytest process): `run(check, *args, devices=N)` runs
+`check(*args)` from this module there and fails with its output if it fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(check: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    code = f"import tests.multidevice as m; m.{check}(*{list(args)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"{check}{tuple(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc.stdout
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris; one two"
+
+
+def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
+    """Tensor-parallel logits equal one device's within 1e-5 of the logits' scale (the
+    all-reduces sum in another order; the test models' logits reach ~20): one prefill,
+    chunked prefill, token by token, a mixed ragged step."""
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.attention.backends import get_attention_fn
+    from jaxllm.loaders import load_model
+    from tests.paged_driver import PagedDriver
+
+    model = load_model(folder, dtype="float32")
+    tok = model.tokenizer
+    ids = tok.encode(PROMPT)
+    fn = get_attention_fn(attention)
+    one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn)
+    tp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, tensor_parallel_size=int(size))
+    assert tp.params.layers[0].wqkv.sharding.spec == P(None, "model")
+    assert tp.caches[0].k.addressable_shards[0].data.shape[2] == model.config.num_kv_heads // int(size)
+    for chunks in ([len(ids)], [5, 7, 1, len(ids) - 13], [1] * len(ids)):
+        want = one.prompt_logits(ids, chunks)
+        got = tp.prompt_logits(ids, chunks)
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0, err_msg=f"chunks={chunks}")
+    a, b = ids, tok.encode("Hello world! How are you today?")
+    outs = []
+    for driver in (one, tp):
+        sa, sb = driver.new_sequence(a), driver.new_sequence(b)
+        (a1,) = driver.step([(sa, len(a) - 1)], all_logits=True)
+        a2, b1 = driver.step([(sa, 1), (sb, len(b))], all_logits=True)
+        outs.append(np.concatenate([a1, a2, b1]))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5 * np.abs(outs[0]).max(), rtol=0)
+    print("ok", folder, size, attention)
+
+
+def tp_engine_matches(folder: str, size: str, attention: str = "auto") -> None:
+    """LLM(tensor_parallel_size=size): greedy tokens and logprobs of a batch (prefix
+    caching on, chunked prefill, a preemption forced by a small KV pool) equal one
+    device's; nothing compiles after warm-up."""
+    import numpy as np
+
+    from jaxllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(3, 500, 40)]
+    prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    from jaxllm.loaders import load_model
+
+    kv_block = load_model(folder, "float32").config.kv_bytes_per_token(4) * 16  # float32, blocks of 16
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+                   kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention)
+    runs = []
+    for tp in (1, int(size)):
+        llm = LLM(folder, tensor_parallel_size=tp, **options)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        core = llm.llm_engine.core
+        assert core.runner.num_compilations_after_warmup == 0
+        runs.append((outs, core.scheduler.num_preemptions))
+        if tp > 1:
+            w = core.runner.weights["xla"].layers[0].wqkv
+            assert len(w.sharding.device_set) == tp and w.addressable_shards[0].data.shape[1] == w.shape[1] // tp
+    (one, preempted), (many, _) = runs
+    assert preempted > 0
+    for a, b in zip(one, many):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    print("ok", folder, size, attention, runs[0][1], runs[1][1])

@@ -1,0 +1,100 @@
+"""Tensor parallelism over simulated CPU devices (each check in a subprocess with
+`--xla_force_host_platform_device_count`: tests/multidevice.py) against one device, and
+the constraints a tensor-parallel size must meet."""
+
+import argparse
+
+import pytest
+
+from jaxllm.engine.config import add_cli_args, from_cli_args
+from jaxllm.loaders import load_model
+from jaxllm.models.parallel import check_tensor_parallel, possible_sizes, shard_config
+from tests import multidevice
+
+
+@pytest.mark.parametrize("name,attention", [("llama", "xla"), ("mistral", "xla"), ("qwen2", "xla"), ("llama", "cpu")])
+def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, attention):
+    """Prefill, chunked prefill, token by token and a mixed step, at TP=2 (the test
+    models have 2 KV heads)."""
+    multidevice.run("tp_logits_match", str(test_models_dir / name), "2", attention, devices=4)
+
+
+def test_tensor_parallel_engine_equals_one_device(test_models_dir):
+    """Through LLM: greedy tokens and logprobs, prefix caching, chunked prefill and
+    preemption, no compilation after warm-up; the weights sharded."""
+    multidevice.run("tp_engine_matches", str(test_models_dir / "llama"), "2", devices=2)
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused(test_models_dir):
+    cfg = load_model(test_models_dir / "llama", dtype="float32").config  # 4 heads, 2 KV heads
+    assert possible_sizes(cfg) == [1, 2]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's num_key_value_heads \(2\)"):
+        check_tensor_parallel(cfg, 4, num_devices=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: only 1 devices are visible"):
+        check_tensor_parallel(cfg, 2, num_devices=1)
+    local = shard_config(cfg, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (
+        2, 1, cfg.intermediate_size // 2, cfg.vocab_size // 2)
+
+
+def test_an_engine_refuses_more_devices_than_it_has(test_models_dir):
+    from tests.test_engine import make_llm
+
+    with pytest.raises(ValueError, match="only 1 devices are visible"):
+        make_llm(test_models_dir, tensor_parallel_size=2)
+
+
+def test_the_cli_takes_vllm_s_flags():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert from_cli_args(parser.parse_args(["-tp", "4"])).tensor_parallel_size == 4
+    assert from_cli_args(parser.parse_args(["--tensor-parallel-size", "2"])).tensor_parallel_size == 2
+
+
+@pytest.mark.slow
+def test_smollm2_at_three_shards(tmp_path):
+    """The embedded SmolLM2 (9 query / 3 KV heads) at TP=3: greedy tokens and logprobs
+    equal one device's."""
+    from jaxllm.loaders.default_model import default_model_path
+
+    multidevice.run("tp_engine_matches", str(default_model_path()), "3", devices=3, timeout=1200)
+
+
+def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus():
+    """Over an AbstractMesh of 8 (no devices needed), the tensor-parallel forward with
+    the Pallas kernel lowers for CUDA: the module calls the Triton kernel, all-reduces
+    after each row-parallel projection and the embedding, and all-gathers the logits."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    import pallas_kernels
+    from jaxllm.attention.kv_cache import KVCache
+    from jaxllm.attention.metadata import AttentionMetadata
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.parallel import TP_AXIS, ShardedModel
+    from jaxllm.models.params import abstract_params
+    from jaxllm.models.rope import rope_table
+    from pallas_kernels.cuda_lowering import has_triton_call
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                      num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=2048)
+
+    def attention(*args, common_prefix_blocks=None, **kwargs):
+        return pallas_kernels.ragged_paged_attention(*args, interpret=False, **kwargs)
+
+    model = ShardedModel(cfg, AbstractMesh((8,), (TP_AXIS,)), attention)
+    t, s, blocks = 64, 8, 16
+    cache = jax.ShapeDtypeStruct((128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
+    rope = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rope_table(cfg.rope, cfg.head_dim, 2048))
+
+    def step(params, rope, caches, ids, positions, md):
+        hidden, caches = model.forward_hidden(params, rope, caches, ids, positions, md)
+        return model.compute_logits(params, hidden[:s]), caches
+
+    text = jax.jit(step).trace(abstract_params(cfg, jnp.bfloat16), rope, (KVCache(cache, cache),) * cfg.num_layers,
+                               i32(t), i32(t), md).lower(lowering_platforms=("cuda",)).as_text()
+    assert has_triton_call(text)
+    assert text.count("all_reduce") == 2 * cfg.num_layers + 1 and "all_gather" in text
