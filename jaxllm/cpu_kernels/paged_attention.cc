@@ -22,13 +22,17 @@
 //   folded into one vector; the same loop prefetches the rows it will read one chunk
 //   later;
 // - prefill path: K of the chunk transposed once (kLanes x kLanes in-register
-//   transposes), then scores for 8 queries at a time (one key vector, eight broadcast
-//   FMAs per head_dim step) and values for a block of queries at a time: two small
-//   matrix products.
-// Measured on a 2-core Xeon, SmolLM2 shapes, 30 layers of KV out of cache: a decode of
-// 64 sequences of ~400 tokens reads its 1.18 GB at ~19 GB/s (streaming reads reach
-// ~29); a 448-token prefill chunk runs at ~150 GFLOP/s. scripts/bench_attention.py
-// measures it against the XLA backend under the native and the AVX2 build.
+//   transposes), then two small matrix products in register blocks sized by the
+//   register file: scores for 6 queries x 2 key tiles (AVX2; x 4 with AVX-512) per
+//   head_dim step, values for 6 queries x a slice of head_dim (2 vectors; 4) per key.
+//   A block of queries skips the key tiles past its last row (the causal diagonal),
+//   and the softmax's exp is vexp's polynomial without the clamps (exp_scores).
+// Measured on a 2-core Xeon (AVX-512), SmolLM2 shapes: a decode of 64 sequences of ~400
+// tokens, 30 layers of KV out of cache, reads its 1.18 GB at ~19 GB/s (streaming reads
+// reach ~29). One layer's 448-token prefill chunk (scripts/bench_attention.py, which
+// measures it against the XLA backend): 1.04-1.20 ms in the native build, 1.62 ms in
+// the AVX2 build (-march=x86-64-v3), from 1.27-1.42 and 2.19 with one key tile of 8
+// queries and, under AVX2, a value block of one query.
 //
 // Portable C++17 with GCC/Clang vector extensions; built by jaxllm/cpu_kernels/build.py
 // with -O3 -march=native (or $JAXLLM_CPU_MARCH) against the installed jaxlib's FFI headers.
@@ -49,7 +53,6 @@ using jaxllm::hmax;
 using jaxllm::hsum;
 using jaxllm::kLanes;
 using jaxllm::parallel_for;
-using jaxllm::vexp;
 using jaxllm::vmax;
 using V = jaxllm::f32xN;  // one register of float32
 using M = jaxllm::i32xN;  // its lane mask
@@ -190,6 +193,24 @@ inline void visible_chunk(int64_t t0, int ntok, int ntiles, int64_t qpos, int32_
   for (int j = 0; j < ntiles; ++j) vis[j] = visible_keys(t0 + j * kTile, ntok - j * kTile, qpos, window);
 }
 
+// exp(x) for the online softmax's x = score - running max (<= 0; -inf for a masked
+// key): vexp's polynomial (simd.h) without its clamps, 0 below -87.3 (masked keys too),
+// n = round(x / ln 2) by a shifter constant (1.5 * 2^23 leaves it in t's low mantissa
+// bits, whence 2^n's exponent) instead of vexp's float-int-float floor. Under AVX2, 20
+// instructions a vector against 27 for vexp and the mask select (its clamps are
+// compare-and-blend pairs): the prefill path 6-8% faster (single thread, AVX2 build).
+using U = uint32_t __attribute__((vector_size(sizeof(V))));
+inline V exp_scores(V x) {
+  constexpr float kShifter = 12582912.f;
+  const V t = x * 1.44269504088896341f + kShifter;
+  U bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits << 23) + (127u << 23);
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return select(x < -87.3f, splat(0.f), jaxllm::vexp_reduced(x, t - kShifter) * two_n);
+}
+
 // Folds one chunk's scores (ntiles vectors of kTile keys) of a query into its online
 // softmax (running max m, sum l, unnormalized output o of D floats); the probabilities
 // go to p (zeros where not visible). False, state untouched, if it sees no key here.
@@ -208,10 +229,10 @@ inline bool softmax_update(V* s, const M* vis, int ntiles, float soft_cap, float
     return false;
   }
   const float m_new = std::max(m, mxs);
-  const float scale = m == kNegInf ? 0.f : std::exp(m - m_new);
+  const float scale = m == kNegInf ? 0.f : m == m_new ? 1.f : std::exp(m - m_new);
   V sum = splat(0.f);
   for (int j = 0; j < ntiles; ++j) {
-    const V pv = select(vis[j], vexp(s[j] - m_new), splat(0.f));
+    const V pv = exp_scores(s[j] - m_new);  // masked keys are -inf: 0
     sum += pv;
     store(p + j * kTile, pv);
   }
@@ -321,63 +342,113 @@ inline void transpose_tile(const float* const* rows, float* out, int64_t stride)
   for (int d = 0; d < kLanes; ++d) store(out + d * stride, v[d]);
 }
 
-constexpr int kScoreBlock = 8;  // queries whose scores are accumulated together (8 registers)
-
-// Prefill path: all nq queries of one KV head (rows x group, row-major; row r at position
-// row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once
-// into kt [D][kChunk], scores accumulated 8 queries at a time over D (one key vector,
-// eight broadcasts per step), values accumulated for a block of queries at a time (V
-// rows loaded once per block).
+// The prefill path's register blocks: per step, a few vector loads and broadcasts feed
+// kAccumulators FMAs (12 with AVX2 or SSE, 24 with AVX-512 or NEON), leaving a register
+// for the broadcast and one per loaded vector. Scores: kScoreBlock queries x kScoreTiles
+// key tiles (AVX2 6 x 2: two key vectors and six broadcasts for 12 FMAs; AVX-512 6 x 4,
+// the whole chunk). Values: kValueBlock queries x a slice of kValueCols vectors of D
+// (AVX2 6 x 2, AVX-512 6 x 4 at D = 64), the slices in turn. Under AVX2 a 3 x 4 value
+// block (12 + 4 + 1 registers) spilled its row vectors and ran ~15% slower.
+constexpr int kScoreTiles = std::min(kTiles, kRegisters / 8);
+constexpr int kScoreBlock = kAccumulators / kScoreTiles;
 template <int D>
-void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
-                       int ntiles, const float* const* krow, const float* const* vrow, float* kt, float* p,
-                       const float* q, float* o, float* m, float* l) {
-  constexpr int C = D / kLanes;
-  constexpr int kValueBlock = std::max(1, kAccumulators / C);  // queries per value block
+constexpr int kValueCols = std::min(D / kLanes, kRegisters / 8);
+template <int D>
+constexpr int kValueBlock = kAccumulators / kValueCols<D>;
+
+// The chunk's ntiles tiles of keys (rows krow[t], D floats) transposed into kt [D][kChunk].
+template <int D>
+inline void transpose_chunk(const float* const* krow, int ntiles, float* kt) {
   for (int j = 0; j < ntiles; ++j)
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < D / kLanes; ++c) {
       const float* rows[kTile];
       for (int t = 0; t < kTile; ++t) rows[t] = krow[j * kTile + t] + kLanes * c;
       transpose_tile(rows, kt + kLanes * c * kChunk + j * kTile, kChunk);
     }
-  for (int m0 = m_first; m0 < nq; m0 += kScoreBlock) {
-    alignas(64) V s[kScoreBlock][kTiles];
-    const float* qb = q + static_cast<int64_t>(m0) * D;  // scratch is padded: a partial block reads zeros
-    for (int j = 0; j < ntiles; ++j) {
-      V acc[kScoreBlock];
-      for (int i = 0; i < kScoreBlock; ++i) acc[i] = splat(0.f);
-      for (int d = 0; d < D; ++d) {
-        const V kd = load(kt + d * kChunk + j * kTile);
-        for (int i = 0; i < kScoreBlock; ++i) acc[i] += splat(qb[i * D + d]) * kd;
-      }
-      for (int i = 0; i < kScoreBlock; ++i) s[i][j] = acc[i];
-    }
-    const int mb = std::min(kScoreBlock, nq - m0);
-    for (int i = 0; i < mb; ++i) {
-      const int mq = m0 + i;
-      M vis[kTiles];
-      visible_chunk(t0, ntok, ntiles, row_pos[mq / group], pb.window, vis);
-      softmax_update<D>(s[i], vis, ntiles, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D,
-                        p + static_cast<int64_t>(mq) * kChunk);
+}
+
+// Scores of kScoreBlock queries (qb, D apart) against NT key tiles from tile j0 of kt,
+// into s[i][j0 ..]: per head_dim step NT key vectors and kScoreBlock broadcasts.
+template <int D, int NT>
+inline void score_tiles(const float* kt, const float* qb, int j0, V (*s)[kTiles]) {
+  V acc[kScoreBlock][NT];
+  for (int i = 0; i < kScoreBlock; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = splat(0.f);
+  const float* kd = kt + j0 * kTile;
+  for (int d = 0; d < D; ++d, kd += kChunk) {
+    V kv[NT];
+    for (int j = 0; j < NT; ++j) kv[j] = load(kd + j * kTile);
+    for (int i = 0; i < kScoreBlock; ++i) {
+      const V qv = splat(qb[i * D + d]);
+      for (int j = 0; j < NT; ++j) acc[i][j] += qv * kv[j];
     }
   }
-  for (int m0 = m_first; m0 < nq; m0 += kValueBlock) {
-    const int mb = std::min(kValueBlock, nq - m0);
-    V acc[kValueBlock][C];
-    float* ob = o + static_cast<int64_t>(m0) * D;
-    for (int i = 0; i < kValueBlock; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = i < mb ? load(ob + i * D + kLanes * c) : splat(0.f);
-    const float* pm = p + static_cast<int64_t>(m0) * kChunk;
-    for (int t = 0; t < ntok; ++t) {
-      V vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + kLanes * c);
-      for (int i = 0; i < kValueBlock; ++i) {
-        const V w = splat(pm[i * kChunk + t]);
-        for (int c = 0; c < C; ++c) acc[i][c] += w * vv[c];
-      }
+  for (int i = 0; i < kScoreBlock; ++i)
+    for (int j = 0; j < NT; ++j) s[i][j0 + j] = acc[i][j];
+}
+
+// o[i][c0 ..] += sum_t p[i][t] * v_t[c0 ..] for kValueBlock queries (ob, D apart; pm,
+// kChunk apart) over a slice of kValueCols vectors of D from c0: per key token, the
+// slice's vectors of its value row and kValueBlock broadcasts. Rows from mb on are
+// padding: computed, not stored.
+template <int D>
+inline void value_slice(const float* const* vrow, int ntok, const float* pm, int c0, int mb, float* ob) {
+  constexpr int QB = kValueBlock<D>, CB = kValueCols<D>;
+  V acc[QB][CB];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < CB; ++c) acc[i][c] = i < mb ? load(ob + i * D + kLanes * (c0 + c)) : splat(0.f);
+  for (int t = 0; t < ntok; ++t) {
+    V vv[CB];
+    for (int c = 0; c < CB; ++c) vv[c] = load(vrow[t] + kLanes * (c0 + c));
+    for (int i = 0; i < QB; ++i) {
+      const V w = splat(pm[i * kChunk + t]);
+      for (int c = 0; c < CB; ++c) acc[i][c] += w * vv[c];
     }
-    for (int i = 0; i < mb; ++i)
-      for (int c = 0; c < C; ++c) store(ob + i * D + kLanes * c, acc[i][c]);
+  }
+  for (int i = 0; i < mb; ++i)
+    for (int c = 0; c < CB; ++c) store(ob + i * D + kLanes * (c0 + c), acc[i][c]);
+}
+
+// How many of the chunk's ntok keys (from position t0) queries [m0, m0 + n) can see at
+// most: causally, those up to their rows' last position (row_pos per row, group queries
+// a row).
+inline int keys_seen(const int32_t* row_pos, int group, int m0, int n, int64_t t0, int ntok) {
+  int32_t last = row_pos[m0 / group];
+  for (int r = m0 / group + 1; r <= (m0 + n - 1) / group; ++r) last = std::max(last, row_pos[r]);
+  return static_cast<int>(std::clamp<int64_t>(last - t0 + 1, 0, ntok));
+}
+
+// Prefill path: all nq queries of one KV head (rows x group, row-major; row r at position
+// row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once
+// into kt [D][kChunk], then scores and values in the register blocks above (the scratch
+// is padded past nq with zero queries and probabilities: a partial block reads them).
+template <int D>
+void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
+                       int ntiles, const float* const* krow, const float* const* vrow, float* kt, float* p,
+                       const float* q, float* o, float* m, float* l) {
+  transpose_chunk<D>(krow, ntiles, kt);
+  for (int m0 = m_first; m0 < nq; m0 += kScoreBlock) {
+    const int mb = std::min(kScoreBlock, nq - m0);
+    const int nt = (keys_seen(row_pos, group, m0, mb, t0, ntok) + kTile - 1) / kTile;  // tiles after: masked
+    alignas(64) V s[kScoreBlock][kTiles];
+    const float* qb = q + static_cast<int64_t>(m0) * D;
+    int j = 0;
+    for (; j + kScoreTiles <= nt; j += kScoreTiles) score_tiles<D, kScoreTiles>(kt, qb, j, s);
+    for (; j < nt; ++j) score_tiles<D, 1>(kt, qb, j, s);
+    for (int i = 0; i < mb; ++i) {
+      const int mq = m0 + i;
+      float* pq = p + static_cast<int64_t>(mq) * kChunk;
+      M vis[kTiles];
+      visible_chunk(t0, ntok, nt, row_pos[mq / group], pb.window, vis);
+      softmax_update<D>(s[i], vis, nt, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D, pq);
+      for (int j = nt; j < ntiles; ++j) store(pq + j * kTile, splat(0.f));
+    }
+  }
+  for (int m0 = m_first; m0 < nq; m0 += kValueBlock<D>) {
+    const int mb = std::min(kValueBlock<D>, nq - m0);
+    const int nk = keys_seen(row_pos, group, m0, mb, t0, ntok);
+    for (int c0 = 0; c0 < D / kLanes; c0 += kValueCols<D>)
+      value_slice<D>(vrow, nk, p + static_cast<int64_t>(m0) * kChunk, c0, mb, o + static_cast<int64_t>(m0) * D);
   }
 }
 
@@ -390,6 +461,7 @@ struct Scratch {
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
 constexpr int kPadQueries = 32;  // >= kScoreBlock and every kValueBlock
+static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  // D = 16: the largest
 
 inline void prefetch_rows(const float* base, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(base);

@@ -41,6 +41,20 @@ inline f32xN splatN(float x) {
 #endif
 }
 
+// exp(x) / 2^n for n = round(x / ln 2) (nf, an integer-valued float): the range
+// reduction and polynomial of vexp_of below, for callers that find n another way.
+template <class F>
+inline F vexp_reduced(F x, F nf) {
+  F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for float32 lanes (Cephes' expf: range reduction by ln 2, degree-6
 // polynomial, 2^n by exponent bits); about 1 ulp. Lanes below -87.3 give ~1e-38,
 // callers zero the masked ones.
@@ -54,14 +68,7 @@ inline F vexp_of(F x) {
   I too_big = nf > y;  // -1 where truncation rounded up (negative y): floor
   n += too_big;
   nf = __builtin_convertvector(n, F);
-  F r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  F p = vexp_reduced(x, nf);
   I bits = (n + 127) << 23;
   F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
