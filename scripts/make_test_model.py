@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Write tiny random-weight HF model folders, one per supported architecture.
+"""Write tiny random-weight HF model folders, one per supported architecture, and
+random-weight models of real shapes (`llama-3.2-1b`, `llama-3.1-8b`: bfloat16, for
+timing on a GPU; not in the default set).
 
 Each folder holds config.json, model.safetensors (or shards + index),
 tokenizer.json (a byte-level BPE trained here on a small built-in corpus) and a ChatML
@@ -8,6 +10,7 @@ rope_theta/rope_scaling, torch_dtype) or the transformers 5 form (chat_template.
 rope_parameters, dtype). Uses numpy + safetensors + tokenizers only.
 
     python scripts/make_test_model.py OUT_DIR [--arch llama,qwen2]
+    python scripts/make_test_model.py OUT_DIR --arch llama-3.1-8b     # 16 GB of bfloat16
 """
 
 from __future__ import annotations
@@ -63,6 +66,24 @@ ARCHITECTURES = {
     ),
 }
 
+# Real shapes (the published configs' sizes; random weights, the tiny tokenizer: feed
+# them token ids). Keys beyond ARCHITECTURES': the sizes the tiny models take from
+# write_model's arguments, and the weights' dtype.
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+REAL_SHAPES = {
+    "llama-3.2-1b": dict(
+        form=4, arch="LlamaForCausalLM", model_type="llama", hidden=2048, heads=32, kv_heads=8, head_dim=64,
+        vocab=128256, intermediate=8192, layers=16, dtype="bfloat16", max_position_embeddings=131072,
+        extra={"tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE | {"factor": 32.0}},
+    ),
+    "llama-3.1-8b": dict(
+        form=4, arch="LlamaForCausalLM", model_type="llama", hidden=4096, heads=32, kv_heads=8, head_dim=128,
+        vocab=128256, intermediate=14336, layers=32, dtype="bfloat16", max_position_embeddings=131072,
+        extra={"rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE | {"factor": 8.0}}, shards=4,
+    ),
+}
+
 
 def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
     tok = Tokenizer(models.BPE())
@@ -79,23 +100,29 @@ def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
     return tok
 
 
-def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: np.random.Generator) -> dict:
+def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: np.random.Generator,
+                   dtype: str = "float32") -> dict:
+    """HF-named random tensors of `dtype` (float32 or bfloat16: each tensor converted
+    as it is drawn, so an 8B model never exists in float32)."""
+    import ml_dtypes
+
+    real = np.float32 if dtype == "float32" else {"bfloat16": ml_dtypes.bfloat16}[dtype]
     d, hd = spec["hidden"], spec["head_dim"]
     q, kv = spec["heads"] * hd, spec["kv_heads"] * hd
 
     def mat(out_dim: int, in_dim: int) -> np.ndarray:
-        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(real)
 
     def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(real)
 
     # Small embeddings keep the layers' contribution dominant (no "repeat the input token"
     # attractor); a tied head is scaled up in the final norm so logits stay well separated.
     tied = bool(spec["extra"].get("tie_word_embeddings"))
-    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((vocab, d))).astype(np.float32),
+    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((vocab, d))).astype(real),
          "model.norm.weight": norm(d) * (5.0 if tied else 1.0)}
     if not tied:
-        w["lm_head.weight"] = (0.5 * rng.standard_normal((vocab, d))).astype(np.float32)
+        w["lm_head.weight"] = (0.5 * rng.standard_normal((vocab, d))).astype(real)
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(d)
@@ -109,7 +136,7 @@ def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: 
         w[p + "mlp.down_proj.weight"] = mat(d, intermediate)
         if spec["model_type"] == "qwen2":
             for n, size in (("q", q), ("k", kv), ("v", kv)):
-                w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+                w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(real)
         if spec["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
@@ -132,13 +159,17 @@ def save_weights(folder: Path, weights: dict, shards: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_model(out: Path, name: str, seed: int = 0, layers: int = 2, intermediate: int = 256,
+def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, intermediate: int = 256,
                 max_position_embeddings: int = 1024) -> Path:
-    spec = ARCHITECTURES[name]
+    spec = ARCHITECTURES.get(name) or REAL_SHAPES[name]
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    vocab = tok.get_vocab_size()
+    vocab = spec.get("vocab", tok.get_vocab_size())
+    intermediate = spec.get("intermediate", intermediate)
+    layers = layers or spec.get("layers", 2)  # given, else the real shape's, else 2
+    max_position_embeddings = spec.get("max_position_embeddings", max_position_embeddings)
+    dtype = spec.get("dtype", "float32")
     eos = tok.token_to_id("<|im_end|>")
     config = {
         "architectures": [spec["arch"]],
@@ -156,11 +187,11 @@ def write_model(out: Path, name: str, seed: int = 0, layers: int = 2, intermedia
         "bos_token_id": tok.token_to_id("<|endoftext|>"),
         "eos_token_id": eos,
         "tie_word_embeddings": False,
-        ("torch_dtype" if spec["form"] == 4 else "dtype"): "float32",
+        ("torch_dtype" if spec["form"] == 4 else "dtype"): dtype,
     } | spec["extra"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
-    save_weights(folder, random_weights(spec, vocab, intermediate, layers, rng), spec.get("shards", 1))
+    save_weights(folder, random_weights(spec, vocab, intermediate, layers, rng, dtype), spec.get("shards", 1))
 
     tok.save(str(folder / "tokenizer.json"))
     tok_config = {
@@ -268,9 +299,10 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--arch", default=",".join(ARCHITECTURES), help="comma-separated subset")
+    parser.add_argument("--arch", default=",".join(ARCHITECTURES),
+                        help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
     args = parser.parse_args()
     for name in args.arch.split(","):
         print(write_model(args.out, name, seed=args.seed, layers=args.layers))

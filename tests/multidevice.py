@@ -61,7 +61,7 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
     print("ok", folder, size, attention)
 
 
-def tp_engine_matches(folder: str, size: str, attention: str = "auto") -> None:
+def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: str = "float32") -> None:
     """LLM(tensor_parallel_size=size): greedy tokens and logprobs of a batch (prefix
     caching on, chunked prefill, a preemption forced by a small KV pool) equal one
     device's; nothing compiles after warm-up."""
@@ -75,9 +75,9 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto") -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     from jaxllm.loaders import load_model
 
-    kv_block = load_model(folder, "float32").config.kv_bytes_per_token(4) * 16  # float32, blocks of 16
+    kv_block = load_model(folder, dtype).config.kv_bytes_per_token(4) * 16  # as float32 (enough), blocks of 16
     options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                   kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention)
+                   kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention, dtype=dtype)
     runs = []
     for tp in (1, int(size)):
         llm = LLM(folder, tensor_parallel_size=tp, **options)

@@ -11,6 +11,7 @@ and NaN in every cache slot / query row the kernel must not read.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import jax.numpy as jnp
@@ -26,6 +27,10 @@ from pallas_kernels import (
     write_kv_cache_reference,
 )
 from pallas_kernels.ragged_paged_attention import num_work_items, ragged_work_items
+
+# Interpret mode (CPU), unless JAXLLM_PALLAS_INTERPRET=0: scripts/gpu_check.py runs these
+# tests natively on a GPU that way.
+INTERPRET = os.environ.get("JAXLLM_PALLAS_INTERPRET", "1") != "0"
 
 BLOCK_KV = 32  # K/V tile used by the interpret tests; "long" sequences exceed 4 tiles
 LONG = 4 * BLOCK_KV + 3
@@ -125,7 +130,7 @@ def test_kernel_matches_reference(case):
     args, n_rows = make_batch(rng, seq_specs(kind, bs), hq=g * hkv, hkv=hkv, d=d, bs=bs,
                               dtype=dtype)
     scale = d ** -0.5
-    out = ragged_paged_attention(*args, sm_scale=scale, interpret=True, block_q=bq,
+    out = ragged_paged_attention(*args, sm_scale=scale, interpret=INTERPRET, block_q=bq,
                                  block_kv=BLOCK_KV)
     assert out.shape == args[0].shape and out.dtype == dtype
     got = np.asarray(out.astype(jnp.float32))[:n_rows]
@@ -158,7 +163,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, dtype):
     args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=8, hkv=2, d=64, bs=16,
                               dtype=dtype)
     kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = ragged_paged_attention(*args, interpret=True, block_kv=BLOCK_KV, **kw)
+    out = ragged_paged_attention(*args, interpret=INTERPRET, block_kv=BLOCK_KV, **kw)
     got = np.asarray(out.astype(jnp.float32))[:n_rows]
     np.testing.assert_allclose(got, oracle(args, **kw)[:n_rows], atol=TOL[dtype], rtol=0)
 
@@ -170,7 +175,7 @@ def test_odd_group_and_head_dim(hq, hkv, d):
     rng = np.random.default_rng(3)
     args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=hq, hkv=hkv, d=d, bs=16,
                               dtype=jnp.float32)
-    out = ragged_paged_attention(*args, sm_scale=0.1, interpret=True, block_kv=BLOCK_KV)
+    out = ragged_paged_attention(*args, sm_scale=0.1, interpret=INTERPRET, block_kv=BLOCK_KV)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.1)[:n_rows],
                                atol=1e-5, rtol=0)
 
@@ -181,7 +186,7 @@ def test_default_tiles_scalar_num_seqs_and_all_padding():
     args, n_rows = make_batch(rng, seq_specs("mixed", 16), hq=4, hkv=2, d=64, bs=16,
                               dtype=jnp.float32, poison=False)
     args = (*args[:6], args[6][0])
-    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True)
+    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], oracle(args, sm_scale=0.125)[:n_rows],
                                atol=1e-5, rtol=0)
     # query_start_loc zero-padded past num_seqs (instead of repeating the last value).
@@ -189,12 +194,12 @@ def test_default_tiles_scalar_num_seqs_and_all_padding():
     n = int(np.asarray(args[6]))
     qsl0[n + 1 :] = 0
     args0 = (*args[:5], jnp.asarray(qsl0), args[6])
-    out0 = ragged_paged_attention(*args0, sm_scale=0.125, interpret=True)
+    out0 = ragged_paged_attention(*args0, sm_scale=0.125, interpret=INTERPRET)
     want0 = ragged_paged_attention_reference(*args0, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out0)[:n_rows], np.asarray(out)[:n_rows], atol=1e-6)
     np.testing.assert_allclose(np.asarray(want0)[:n_rows], np.asarray(out)[:n_rows], atol=1e-5)
     # A fully padded step (engine warm-up shape): must run and not fault.
-    empty = ragged_paged_attention(*args[:6], jnp.int32(0), sm_scale=0.125, interpret=True)
+    empty = ragged_paged_attention(*args[:6], jnp.int32(0), sm_scale=0.125, interpret=INTERPRET)
     assert empty.shape == args[0].shape
 
 
@@ -282,7 +287,7 @@ def test_write_kv_cache_matches_reference(dtype, d):
     vc = jnp.asarray(rng.normal(size=(nb, bs, hkv, d)), dtype)
     slots = rng.permutation(np.arange(bs, nb * bs))[:T].astype(np.int32)
     slots[-6:] = [0, 3, 0, 0, 7, 3]  # padding tokens -> null block, repeated
-    got = write_kv_cache(k, v, kc, vc, jnp.asarray(slots), interpret=True)
+    got = write_kv_cache(k, v, kc, vc, jnp.asarray(slots), interpret=INTERPRET)
     want = write_kv_cache_reference(k, v, kc, vc, jnp.asarray(slots))
     for g_, w_ in zip(got, want):
         # Everything but the null block (garbage by contract) must be identical.
@@ -305,9 +310,9 @@ def test_write_then_attend_roundtrip():
             slots[qsl_np[s] + i] = bt_np[s, p // 16] * 16 + p % 16
     new_k = jnp.asarray(rng.normal(size=(q.shape[0], 2, 64)), jnp.float32)
     new_v = jnp.asarray(rng.normal(size=(q.shape[0], 2, 64)), jnp.float32)
-    kc2, vc2 = write_kv_cache(new_k, new_v, kc, vc, jnp.asarray(slots), interpret=True)
+    kc2, vc2 = write_kv_cache(new_k, new_v, kc, vc, jnp.asarray(slots), interpret=INTERPRET)
     out = ragged_paged_attention(q, kc2, vc2, kvl, bt, qsl, ns, sm_scale=0.125,
-                                 interpret=True, block_kv=BLOCK_KV)
+                                 interpret=INTERPRET, block_kv=BLOCK_KV)
     rk, rv = write_kv_cache_reference(new_k, new_v, kc, vc, jnp.asarray(slots))
     want = ragged_paged_attention_reference(q, rk, rv, kvl, bt, qsl, ns, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], np.asarray(want)[:n_rows],

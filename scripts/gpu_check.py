@@ -1,0 +1,160 @@
+"""One command for the day there is a GPU: the Pallas kernels natively against their
+references, the engine with attention_backend="pallas" against "xla", tensor
+parallelism over every visible GPU against one, the kernel benchmark and the
+throughput benchmark in bfloat16; then one table. Runs end to end on a CPU too
+(interpret mode, simulated devices, small sizes), skipping only what needs CUDA and
+saying so, so that it cannot rot.
+
+    scripts/gpu_check.sh                 # or: .venv/bin/python scripts/gpu_check.py
+    scripts/gpu_check.sh --out gpu_check.json
+
+On a CUDA machine: `pip install -e '.[cuda12]'` (or the image's JAX with CUDA) first.
+Every check runs in its own subprocess, with a time limit; the exit status is non-zero
+if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    cmd: list[str] | None  # None: skipped (`why` says why)
+    why: str = ""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    timeout: float = 1800
+    pick: tuple[str, ...] = ()  # the output lines (starting so) the table shows, else the last one
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    status: str  # pass | FAIL | skipped
+    seconds: float
+    detail: str
+
+
+def platform() -> tuple[str, int, str]:
+    """(JAX's default backend, its device count, the first device's kind), asked in a
+    subprocess so this process never initializes a backend."""
+    code = "import jax; d = jax.devices(); print(jax.default_backend(), len(d), d[0].device_kind, sep='|')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    backend, n, kind = out.stdout.strip().splitlines()[-1].split("|")
+    return backend, int(n), kind
+
+
+def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
+    py, gpu = sys.executable, backend == "gpu"
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    tp = max(n for n in (1, 2, 4, 8) if n <= num_devices) if gpu else 2
+    tp_model = models / ("llama-3.2-1b" if gpu else "llama")
+    # float32 at full matmul precision on both sides: the check is of the sharding, and
+    # bfloat16 (or TF32) rounding in another summation order could flip a greedy token
+    tp_code = (f"import tests.multidevice as m; m.tp_engine_matches({str(tp_model)!r}, '{tp}', 'auto', 'float32')"
+               if gpu else f"import tests.multidevice as m; print(m.run('tp_engine_matches', {str(tp_model)!r}, "
+                           f"'2', devices=2))")
+    kernel_tests = pytest + ["tests/test_pallas_ragged_paged_attention.py"] + ([] if gpu else ["-k", "matches_reference"])
+    return [
+        Check("pallas kernels vs reference" + ("" if gpu else " (interpret mode)"), kernel_tests,
+              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}),
+        Check("pallas kernels lower for CUDA", pytest + ["tests/test_pallas_lowering.py"]),
+        Check("engine: pallas == xla, greedy tokens", pytest + ["tests/test_pallas_engine.py"]),
+        Check(f"tensor parallel {tp} == 1 device" + ("" if gpu else " (simulated CPU devices)"), [py, "-c", tp_code],
+              env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
+        Check("tensor-parallel forward lowers for 8 GPUs", pytest + ["tests/test_tensor_parallel.py", "-k", "lowers"]),
+        Check("bench_kernels.py (llama-3.1-8b shapes)",
+              [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
+              "needs CUDA: in interpret mode it would time the interpreter"),
+        Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes)" if gpu else " (CPU, 16 requests)"),
+              [py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf",
+               "--model", str(models / "llama-3.2-1b-full")] if gpu else
+              [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf"],
+              pick=("jaxllm:",)),
+    ]
+
+
+def make_models(models: Path, gpu: bool) -> None:
+    """The test models the checks use: the tiny llama (and, on a GPU, Llama-3.2-1B's
+    shapes: 2 layers for the TP check, all 16 for the throughput benchmark)."""
+    script = ROOT / "scripts" / "make_test_model.py"
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], check=True, capture_output=True)  # noqa: E731
+    run(str(models), "--arch", "llama")
+    if gpu:
+        run(str(models), "--arch", "llama-3.2-1b", "--layers", "2")
+        full = models / "full"
+        run(str(full), "--arch", "llama-3.2-1b")
+        (full / "llama-3.2-1b").rename(models / "llama-3.2-1b-full")
+
+
+def run_check(check: Check) -> Result:
+    if check.cmd is None:
+        return Result(check.name, "skipped", 0.0, check.why)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **check.env)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(check.cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=check.timeout)
+        status = "pass" if proc.returncode == 0 else "FAIL"
+        picked = [ln.strip() for ln in proc.stdout.splitlines() if check.pick and ln.startswith(check.pick)]
+        lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+        detail = " / ".join(" ".join(ln.split()) for ln in picked) if picked and status == "pass" else _summary(lines, status)
+    except subprocess.TimeoutExpired:
+        status, detail = "FAIL", f"timed out after {check.timeout:.0f} s"
+    return Result(check.name, status, time.perf_counter() - start, detail)
+
+
+def _summary(lines: list[str], status: str) -> str:
+    """The line that says the most: pytest's count, a benchmark's last line, an error."""
+    for ln in reversed(lines):
+        if status == "FAIL" and ("Error" in ln or "FAILED" in ln or "assert" in ln):
+            return ln.strip()[:160]
+        if " passed" in ln or " failed" in ln:
+            return ln.strip()[:160]
+    return lines[-1].strip()[:160] if lines else ""
+
+
+def table(results: list[Result], machine: str) -> str:
+    rows = [f"machine: {machine}", "", "| check | result | s | detail |", "|---|---|---:|---|"]
+    rows += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.detail} |" for r in results]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--only", default=None, help="run the checks whose name contains this")
+    args = p.parse_args()
+    backend, n, kind = platform()
+    machine = f"{backend}, {n} x {kind}"
+    print(f"gpu_check on {machine}" + ("" if backend == "gpu" else ": no GPU, CUDA-only parts skipped"), flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        models = Path(tmp)
+        make_models(models, backend == "gpu")
+        results = []
+        for check in checks(backend, n, models):
+            if args.only and args.only not in check.name:
+                continue
+            print(f"... {check.name}", flush=True)
+            results.append(run_check(check))
+            print(f"    {results[-1].status} ({results[-1].seconds:.0f} s) {results[-1].detail}", flush=True)
+    print()
+    print(table(results, machine))
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine, "results": [dataclasses.asdict(r) for r in results]},
+                                       indent=1))
+    sys.exit(1 if any(r.status == "FAIL" for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
