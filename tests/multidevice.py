@@ -36,6 +36,7 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
 
     from jaxllm.attention.backends import get_attention_fn
     from jaxllm.loaders import load_model
+    from jaxllm.models.parallel import shard_config
     from tests.paged_driver import PagedDriver
 
     model = load_model(folder, dtype="float32")
@@ -45,7 +46,8 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
     one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn)
     tp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, tensor_parallel_size=int(size))
     assert tp.params.layers[0].wqkv.sharding.spec == P(None, "model")
-    assert tp.caches[0].k.addressable_shards[0].data.shape[2] == model.config.num_kv_heads // int(size)
+    local = shard_config(model.config, int(size))
+    assert tp.caches[0].k.addressable_shards[0].data.shape[2] == local.num_kv_heads
     for chunks in ([len(ids)], [5, 7, 1, len(ids) - 13], [1] * len(ids)):
         want = one.prompt_logits(ids, chunks)
         got = tp.prompt_logits(ids, chunks)
@@ -68,19 +70,23 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     import numpy as np
 
     from jaxllm import LLM, SamplingParams
+    from jaxllm.loaders import load_model
+    from jaxllm.models.parallel import shard_config
 
     rng = np.random.default_rng(0)
     shared = [int(t) for t in rng.integers(3, 500, 40)]
     prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    from jaxllm.loaders import load_model
+    cfg = load_model(folder, dtype).config
 
-    kv_block = load_model(folder, dtype).config.kv_bytes_per_token(4) * 16  # as float32 (enough), blocks of 16
-    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                   kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention, dtype=dtype)
+    def options(tp: int) -> dict:  # 10 blocks of 16 on each device, whatever its share of the KV heads
+        kv_block = shard_config(cfg, tp).kv_bytes_per_token(4) * 16
+        return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+                    kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention, dtype=dtype)
+
     runs = []
     for tp in (1, int(size)):
-        llm = LLM(folder, tensor_parallel_size=tp, **options)
+        llm = LLM(folder, tensor_parallel_size=tp, **options(tp))
         outs = llm.generate(prompts, params, use_tqdm=False)
         core = llm.llm_engine.core
         assert core.runner.num_compilations_after_warmup == 0

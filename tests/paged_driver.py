@@ -66,14 +66,14 @@ class PagedDriver:
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         mesh = None
         if tensor_parallel_size > 1:
-            from jaxllm.models.params import shard_major
             from jaxllm.models import parallel
 
             parallel.check_tensor_parallel(cfg, tensor_parallel_size)
             mesh = parallel.make_mesh(tensor_parallel_size)
-            self.params = jax.device_put(shard_major(cfg, params, tensor_parallel_size),
-                                         parallel.param_shardings(cfg, mesh))
-            self.caches = jax.device_put(self.caches, parallel.kv_cache_sharding(mesh))
+            self.params = parallel.place_params(cfg, params, mesh)
+            heads = parallel.cache_kv_heads(cfg, tensor_parallel_size)  # KV heads replicated if fewer than shards
+            self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, heads, cfg.head_dim, dtype,
+                                             parallel.kv_cache_sharding(mesh))
         self.forward = make_forward(cfg, attention_fn, mesh)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:

@@ -77,6 +77,14 @@ def test_fuse_and_unfuse():
             np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="do not split into 4 shards"):
         fuse(parts, 4)
+    # k and v (6 columns: 2 heads of 3) over 4 shards: each head on 2 shards
+    fused = fuse(parts, 4, repeats=[1, 2, 2])
+    assert fused.shape == (3, 12 + 2 * 6 + 2 * 6)
+    q, k, v = parts
+    shard1 = np.split(fused, 4, axis=-1)[1]  # q's 2nd quarter, k's and v's first head
+    np.testing.assert_array_equal(shard1, np.concatenate([q[:, 3:6], k[:, :3], v[:, :3]], axis=-1))
+    for got, want in zip(unfuse(fused, [12, 6, 6], 4, [1, 2, 2]), parts):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_partition_specs_follow_megatron(test_models_dir):

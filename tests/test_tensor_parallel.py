@@ -3,38 +3,49 @@
 the constraints a tensor-parallel size must meet."""
 
 import argparse
+import dataclasses
 
 import pytest
 
 from jaxllm.engine.config import add_cli_args, from_cli_args
 from jaxllm.loaders import load_model
-from jaxllm.models.parallel import check_tensor_parallel, possible_sizes, shard_config
+from jaxllm.models.parallel import cache_kv_heads, check_tensor_parallel, possible_sizes, shard_config
 from tests import multidevice
 
 
-@pytest.mark.parametrize("name,attention", [("llama", "xla"), ("mistral", "xla"), ("qwen2", "xla"), ("llama", "cpu")])
-def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, attention):
-    """Prefill, chunked prefill, token by token and a mixed step, at TP=2 (the test
-    models have 2 KV heads)."""
-    multidevice.run("tp_logits_match", str(test_models_dir / name), "2", attention, devices=4)
+@pytest.mark.parametrize("name,size,attention", [
+    ("llama", 2, "xla"), ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),  # (XLA's attention compiles slowly)
+    ("llama", 4, "cpu"), ("qwen3", 2, "cpu"),  # more shards than KV heads: KV heads replicated
+])
+def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention):
+    """Prefill, chunked prefill, token by token and a mixed step (the test models have 2
+    KV heads, qwen3's 1)."""
+    multidevice.run("tp_logits_match", str(test_models_dir / name), str(size), attention, devices=size)
 
 
-def test_tensor_parallel_engine_equals_one_device(test_models_dir):
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_engine_equals_one_device(test_models_dir, size):
     """Through LLM: greedy tokens and logprobs, prefix caching, chunked prefill and
-    preemption, no compilation after warm-up; the weights sharded."""
-    multidevice.run("tp_engine_matches", str(test_models_dir / "llama"), "2", devices=2)
+    preemption, no compilation after warm-up; the weights sharded (at 4, over the
+    llama test model's 2 KV heads, replicated)."""
+    multidevice.run("tp_engine_matches", str(test_models_dir / "llama"), str(size), devices=size)
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused(test_models_dir):
     cfg = load_model(test_models_dir / "llama", dtype="float32").config  # 4 heads, 2 KV heads
-    assert possible_sizes(cfg) == [1, 2]
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's num_key_value_heads \(2\)"):
-        check_tensor_parallel(cfg, 4, num_devices=8)
+    assert possible_sizes(cfg) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's num_attention_heads \(4\); "
+                                         r"possible sizes: 1, 2, 4"):
+        check_tensor_parallel(cfg, 3, num_devices=8)
     with pytest.raises(ValueError, match="tensor_parallel_size=2: only 1 devices are visible"):
         check_tensor_parallel(cfg, 2, num_devices=1)
+    wide = dataclasses.replace(cfg, num_heads=12, num_kv_heads=4, intermediate_size=384, vocab_size=768)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(4\) or be a multiple of it"):
+        check_tensor_parallel(wide, 6, num_devices=8)
     local = shard_config(cfg, 2)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (
         2, 1, cfg.intermediate_size // 2, cfg.vocab_size // 2)
+    assert shard_config(cfg, 4).num_kv_heads == 1 and cache_kv_heads(cfg, 4) == 4 and cache_kv_heads(cfg, 2) == 2
 
 
 def test_an_engine_refuses_more_devices_than_it_has(test_models_dir):

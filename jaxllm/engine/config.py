@@ -48,7 +48,7 @@ class EngineConfig:
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
-        None, "KV cache size: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
+        None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")

@@ -23,7 +23,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
-from jaxllm.models.parallel import check_tensor_parallel
+from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.platform import activation_dtype, compilation_cache_path, resolve_dtype
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -72,14 +72,17 @@ class CacheLayout:
         return (self.num_blocks - 1) * self.block_size
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig, itemsize: int) -> CacheLayout:
+def plan_cache(config: EngineConfig, model: ModelConfig, itemsize: int, shard: ModelConfig | None = None
+               ) -> CacheLayout:
+    """The KV cache's blocks: as many as `kv_cache_memory` holds on one device, whose
+    share of the KV heads is `shard`'s (default: the whole model's)."""
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
             f"max_model_len: {max_model_len} exceeds the model's context length "
             f"{model.max_position_embeddings}"
         )
-    block_bytes = config.block_size * model.kv_bytes_per_token(itemsize)
+    block_bytes = config.block_size * (shard or model).kv_bytes_per_token(itemsize)
     num_blocks = kv_cache_bytes(config.kv_cache_memory) // block_bytes
     layout = CacheLayout(num_blocks, config.block_size, max_model_len)
     if layout.capacity_tokens < max_model_len:
@@ -113,7 +116,8 @@ class EngineCore:
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
         itemsize = activation_dtype(jax.tree.leaves(params)[0].dtype).itemsize  # the KV cache's
-        self.cache = plan_cache(config, cfg, itemsize)
+        # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
+        self.cache = plan_cache(config, cfg, itemsize, shard_config(cfg, config.tensor_parallel_size))
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = KVCacheManager(
             self.cache.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching

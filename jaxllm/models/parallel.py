@@ -4,7 +4,9 @@ The mesh has one axis, `TP_AXIS`, of `tensor_parallel_size` devices. Parameters 
 sharded as their declaration's logical axes say (jaxllm.models.params.partition_specs:
 q/k/v and gate/up by output column, whole heads per shard; the attention output and down
 projections by input row; embedding and output projection by vocabulary), the KV cache
-by KV head, everything else (step inputs, metadata, rope table) replicated. The forward
+by KV head, everything else (step inputs, metadata, rope table) replicated. Where the
+shards outnumber the KV heads, each KV head is replicated on the shards whose query
+heads read it, in the weights and in the cache (as vLLM does). The forward
 runs shard-locally inside `jax.shard_map`: each device runs jaxllm.models.llama on its
 shard with the shard's config (`shard_config`), so every attention backend (the Pallas
 kernel, the XLA path, the CPU custom call) sees only its own heads; two all-reduces per
@@ -23,7 +25,7 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, forward_hidden
-from jaxllm.models.params import ModelParams, partition_specs, shard_major
+from jaxllm.models.params import ModelParams, kv_replicas, partition_specs, shard_major
 
 TP_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head
@@ -36,24 +38,40 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None =
     available = len(jax.devices()) if num_devices is None else num_devices
     if size > available:
         raise ValueError(f"tensor_parallel_size={size}: only {available} devices are visible")
-    for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+    reason = _unfit(cfg, size)
+    if reason:
+        raise ValueError(f"tensor_parallel_size={size} {reason}; possible sizes: "
+                         f"{', '.join(map(str, possible_sizes(cfg)))}")
+
+
+def _unfit(cfg: ModelConfig, size: int) -> str | None:
+    """Why the model's shapes do not split into `size` shards, or None."""
+    for what, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                    ("vocab_size", cfg.vocab_size)):
         if n % size:
-            raise ValueError(f"tensor_parallel_size={size} must divide the model's {what} ({n}); "
-                             f"possible sizes: {', '.join(map(str, possible_sizes(cfg)))}")
+            return f"must divide the model's {what} ({n})"
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        return (f"must divide the model's num_key_value_heads ({cfg.num_kv_heads}) or be a multiple of it "
+                "(KV heads are then replicated)")
+    return None
 
 
 def possible_sizes(cfg: ModelConfig) -> list[int]:
     """Tensor-parallel sizes this model's shapes allow."""
-    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
-    return [n for n in range(1, cfg.num_kv_heads + 1) if all(d % n == 0 for d in dims)]
+    return [n for n in range(1, cfg.num_heads + 1) if _unfit(cfg, n) is None]
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config one shard's forward sees: its heads and its share of the MLP and the
-    vocabulary."""
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+    """The config one shard's forward sees: its heads (one KV head where the shards
+    outnumber them) and its share of the MLP and the vocabulary."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
                                intermediate_size=cfg.intermediate_size // size, vocab_size=cfg.vocab_size // size)
+
+
+def cache_kv_heads(cfg: ModelConfig, size: int) -> int:
+    """KV heads the sharded KV cache holds over the mesh: the model's, times their
+    replicas when the shards outnumber them."""
+    return cfg.num_kv_heads * kv_replicas(cfg, size)
 
 
 def make_mesh(size: int) -> Mesh:
@@ -79,9 +97,10 @@ def place_params(cfg: ModelConfig, params: ModelParams, mesh: Mesh) -> ModelPara
     """Params as loaded (one shard's layout), laid out shard-major and sharded over
     `mesh`; abstract ones (jax.ShapeDtypeStruct) get the shardings only."""
     shardings = param_shardings(cfg, mesh)
+    laid_out = shard_major(cfg, params, mesh.shape[TP_AXIS])
     if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
-    return jax.device_put(shard_major(cfg, params, mesh.shape[TP_AXIS]), shardings)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), laid_out, shardings)
+    return jax.device_put(laid_out, shardings)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ projections that read the same input are fused: q/k/v into `wqkv`, gate/up into
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -79,6 +80,7 @@ class ParamDecl:
     axes: tuple[str | None, ...]
     hf: tuple[tuple[str, int], ...]
     transposed: bool = False
+    kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
@@ -109,8 +111,8 @@ def declare(cfg: ModelConfig) -> ModelParams:
         named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
         return LayerParams(
             attn_norm=ParamDecl((d,), ("embed",), ((p + "input_layernorm.weight", d),)),
-            wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True),
-            bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias")) if cfg.qkv_bias else None,
+            wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2)),
+            bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias"), kv_parts=(1, 2)) if cfg.qkv_bias else None,
             q_norm=ParamDecl((hd,), ("head_dim",), ((attn + "q_norm.weight", hd),)) if cfg.qk_norm else None,
             k_norm=ParamDecl((hd,), ("head_dim",), ((attn + "k_norm.weight", hd),)) if cfg.qk_norm else None,
             wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True),
@@ -158,35 +160,66 @@ def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:
     return jax.tree.map(fn, decls, *rest, is_leaf=lambda x: isinstance(x, ParamDecl))
 
 
-def fuse(parts: list[np.ndarray], shards: int = 1) -> np.ndarray:
+def fuse(parts: list[np.ndarray], shards: int = 1, repeats: Sequence[int] | None = None) -> np.ndarray:
     """Arrays concatenated along their last axis, shard-major for `shards` shards:
     [part 0's shard 0 | part 1's shard 0 | ... | part 0's shard 1 | ...], so that
     cutting the result into `shards` equal pieces gives each shard its share of every
-    part. One shard: a plain concatenation."""
-    if any(p.shape[-1] % shards for p in parts):
-        raise ValueError(f"fused parts of sizes {[p.shape[-1] for p in parts]} do not split into {shards} shards")
-    pieces = [np.split(p, shards, axis=-1) for p in parts]
-    return np.concatenate([piece[s] for s in range(shards) for piece in pieces], axis=-1)
+    part. A part with `repeats` r > 1 is cut into shards / r pieces, each given to r
+    consecutive shards (K/V heads replicated when the shards outnumber them). One
+    shard: a plain concatenation."""
+    repeats = repeats or [1] * len(parts)
+    pieces = []
+    for p, r in zip(parts, repeats, strict=True):
+        if shards % r or p.shape[-1] % (shards // r):
+            raise ValueError(f"fused parts of sizes {[p.shape[-1] for p in parts]} do not split into {shards} shards"
+                             + (f" (repeats {list(repeats)})" if max(repeats) > 1 else ""))
+        pieces.append(np.split(p, shards // r, axis=-1))
+    return np.concatenate([pieces[i][s // r] for s in range(shards) for i, r in enumerate(repeats)], axis=-1)
 
 
-def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1) -> list[np.ndarray]:
-    """The inverse of `fuse`: the parts, of `sizes` along the last axis."""
+def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1, repeats: Sequence[int] | None = None
+           ) -> list[np.ndarray]:
+    """The inverse of `fuse`: the parts, of `sizes` along the last axis (a repeated
+    part read from the first shard of each group holding it)."""
+    repeats = repeats or [1] * len(sizes)
+    widths = [n // (shards // r) for n, r in zip(sizes, repeats, strict=True)]
     per_shard = np.split(array, shards, axis=-1)
-    cuts = np.cumsum([n // shards for n in sizes])[:-1]
-    split = [np.split(piece, cuts, axis=-1) for piece in per_shard]
-    return [np.concatenate([split[s][i] for s in range(shards)], axis=-1) for i in range(len(sizes))]
+    split = [np.split(piece, np.cumsum(widths)[:-1], axis=-1) for piece in per_shard]
+    return [np.concatenate([split[s][i] for s in range(0, shards, r)], axis=-1) for i, r in enumerate(repeats)]
+
+
+def kv_replicas(cfg: ModelConfig, shards: int) -> int:
+    """How many shards hold each KV head: 1 while the shards divide the KV heads; when
+    they outnumber them, shards / KV heads (vLLM replicates KV heads the same way)."""
+    return max(1, shards // cfg.num_kv_heads)
+
+
+def part_repeats(decl: ParamDecl, replicas: int) -> list[int]:
+    """Per HF part of `decl`, how many shards hold each piece of it."""
+    return [replicas if i in decl.kv_parts else 1 for i in range(len(decl.hf))]
+
+
+def laid_out_shape(decl: ParamDecl, shards: int, replicas: int) -> tuple[int, ...]:
+    """`decl`'s shape laid out for `shards` shards (`fuse`): replicated K/V heads widen
+    the fused axis."""
+    width = sum(n * r for (_, n), r in zip(decl.hf, part_repeats(decl, replicas), strict=True))
+    return (*decl.shape[:-1], width)
 
 
 def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelParams:
     """Loaded (one-shard) params with their fused parameters laid out for `shards`
-    tensor-parallel shards (`fuse`); the others are returned as they are."""
+    tensor-parallel shards (`fuse`, K/V heads replicated where the shards outnumber
+    them); the others are returned as they are. Abstract params get the shapes."""
     if shards == 1:
         return params
+    replicas = kv_replicas(cfg, shards)
 
     def relayout(decl: ParamDecl, array):
         if len(decl.hf) == 1:
             return array
+        if isinstance(array, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(laid_out_shape(decl, shards, replicas), array.dtype)
         parts = unfuse(np.asarray(array), [n for _, n in decl.hf])
-        return jnp.asarray(fuse(parts, shards), dtype=array.dtype)
+        return jnp.asarray(fuse(parts, shards, part_repeats(decl, replicas)), dtype=array.dtype)
 
     return map_declared(relayout, declare(cfg), params)

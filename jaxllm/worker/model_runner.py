@@ -209,11 +209,12 @@ class ModelRunner:
         # need their shapes; the first use of `kv_caches` waits for them.
         self._kv_caches = None
         cache_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh else None
+        kv_heads = parallel.cache_kv_heads(config, tensor_parallel_size)
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
-            allocate_kv_caches, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype,
+            allocate_kv_caches, config.num_layers, num_blocks, block_size, kv_heads, config.head_dim, dtype,
             cache_sharding,
         )
-        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, config.num_kv_heads, config.head_dim), dtype,
+        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, kv_heads, config.head_dim), dtype,
                                           sharding=cache_sharding)
         self._abstract_caches = tuple(KVCache(cache_spec, cache_spec) for _ in range(config.num_layers))
         # Token ids per request row (for penalties); the extra last row takes padding.
