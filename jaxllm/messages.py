@@ -93,6 +93,7 @@ class SchedulerStats:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    replica_stats: list[SchedulerStats] | None = None  # per data-parallel replica (jaxllm.engine.dp_client)
 
 
 @dataclasses.dataclass

@@ -46,8 +46,22 @@ class EngineMetrics:
                               _TPOT_BUCKETS)
         self.e2e = histogram("jaxllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self._last = SchedulerStats()
+        self._replica_gauges = {
+            name: Gauge(f"jaxllm:replica_{name}", doc, ["model_name", "engine"], registry=self.registry)
+            for name, doc in (("num_requests_running", "Requests running, per data-parallel replica."),
+                              ("num_requests_waiting", "Requests waiting, per data-parallel replica."),
+                              ("kv_cache_usage_perc", "KV cache usage (0-1), per data-parallel replica."),
+                              ("prefix_cache_queries", "Prompt tokens looked up, per data-parallel replica."))
+        }
+        self._model_name = model_name
 
-    def observe_stats(self, stats: SchedulerStats) -> None:
+    def observe_stats(self, stats: SchedulerStats, replicas: list[SchedulerStats] | None = None) -> None:
+        """The engine's stats (all replicas together), and each replica's if several."""
+        for i, r in enumerate(replicas or []):
+            for name, value in (("num_requests_running", r.num_running), ("num_requests_waiting", r.num_waiting),
+                                ("kv_cache_usage_perc", r.kv_cache_usage),
+                                ("prefix_cache_queries", r.prefix_cache_queries)):
+                self._replica_gauges[name].labels(self._model_name, str(i)).set(value)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -20,6 +20,7 @@ from typing import Any
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_client import DEAD, CoreClient
+from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
 from jaxllm.engine.protocol import EngineCoreReady
@@ -38,7 +39,7 @@ class RequestRejected(ValueError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: CoreClient, ready: EngineCoreReady, model_name: str,
+    def __init__(self, config: EngineConfig, client: CoreClient | DataParallelClient, ready: EngineCoreReady, model_name: str,
                  hang_timeout: float) -> None:
         from transformers import PreTrainedTokenizerFast
 
@@ -64,7 +65,7 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str, hang_timeout: float = 60.0) -> "AsyncLLM":
-        client = CoreClient(config)
+        client = CoreClient(config) if config.data_parallel_size == 1 else DataParallelClient(config)
         try:
             ready = await asyncio.get_running_loop().run_in_executor(None, client.wait_ready)
         except BaseException:
@@ -156,7 +157,7 @@ class AsyncLLM:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:
             self.stats = outputs.stats
-            self.metrics.observe_stats(outputs.stats)
+            self.metrics.observe_stats(outputs.stats, outputs.replica_stats)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.client.send(wire.ABORT, processed.reqs_to_abort)

@@ -61,13 +61,16 @@ class EngineConfig:
     served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
     tensor_parallel_size: int = _option(1, "devices to shard the model over, by heads (tensor parallelism)",
                                         aliases=("-tp",))
+    data_parallel_size: int = _option(1, "engine replicas, each on its own tensor_parallel_size devices "
+                                         "(the server routes requests between them)", aliases=("-dp",))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(choices)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -8,7 +8,9 @@ fatal error) the callback gets DEAD once.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue
 import threading
 from typing import Any, Callable
@@ -25,13 +27,35 @@ class EngineCoreStartError(RuntimeError):
     pass
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """os.environ with `env` set, restored after (for starting a child process)."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 class CoreClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None,
+                 name: str = "jaxllm-engine-core") -> None:
+        """Start the core process; `env`: variables it starts with (set before it
+        imports JAX: its devices, for a data-parallel replica)."""
         ctx = mp.get_context("spawn")  # never fork a process that has started JAX threads
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=run_engine_core, args=(config, child_conn), name="jaxllm-engine-core",
-                                   daemon=True)
-        self.process.start()
+        self.process = ctx.Process(target=run_engine_core, args=(config, child_conn), name=name, daemon=True)
+        with _environment(env or {}):  # a spawned child starts with the parent's environment
+            self.process.start()
         child_conn.close()
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._threads: list[threading.Thread] = []

@@ -18,6 +18,9 @@ from jaxllm.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        if config.data_parallel_size != 1:
+            raise ValueError("data_parallel_size: data-parallel replicas are served by `python -m jaxllm.serve "
+                             "--data-parallel-size N`; offline, run one LLM per group of devices")
         self.config = config
         self.core = EngineCore(config, progress=progress)
         self.tokenizer = self.core.model.tokenizer
