@@ -102,3 +102,37 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
             for t in x:
                 assert abs(x[t].logprob - y[t].logprob) < 1e-4
     print("ok", folder, size, attention, runs[0][1], runs[1][1])
+
+
+MULTIHOST_PROMPTS = [[int(t) for t in range(5 + 11 * i, 30 + 11 * i)] for i in range(5)]
+
+
+def _multihost_config(folder: str, port: str, process_id: int):
+    from jaxllm.engine.config import EngineConfig
+
+    return EngineConfig(model=folder, tensor_parallel_size=4, max_model_len=128, max_num_seqs=4,
+                        max_num_batched_tokens=32, kv_cache_memory="4MiB", coordinator_address=f"127.0.0.1:{port}",
+                        num_processes=2, process_id=process_id)
+
+
+def multihost_leader(folder: str, port: str) -> None:
+    """Process 0 of two (2 CPU devices each, TP=4 over both): greedy tokens as JSON."""
+    import json
+
+    import dataclasses
+
+    from jaxllm import LLM, SamplingParams
+
+    config = dataclasses.asdict(_multihost_config(folder, port, 0))
+    llm = LLM(config.pop("model"), progress=False, **config)
+    outs = llm.generate([{"prompt_token_ids": p} for p in MULTIHOST_PROMPTS],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    llm.llm_engine.core.close()
+
+
+def multihost_follower(folder: str, port: str) -> None:
+    from jaxllm.engine.core import EngineCore
+
+    EngineCore(_multihost_config(folder, port, 1), progress=False).follow()
+    print("follower done", flush=True)

@@ -63,6 +63,10 @@ class EngineConfig:
                                         aliases=("-tp",))
     data_parallel_size: int = _option(1, "engine replicas, each on its own tensor_parallel_size devices "
                                          "(the server routes requests between them)", aliases=("-dp",))
+    coordinator_address: str | None = _option(None, "host:port of process 0, when one engine spans several "
+                                                    "processes or hosts (jax.distributed)")
+    num_processes: int = _option(1, "processes (hosts) the engine spans; the same command on each")
+    process_id: int = _option(0, "this process's index: 0 schedules (and serves), the others follow its steps")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -70,7 +74,7 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(choices)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "num_processes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -79,6 +83,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

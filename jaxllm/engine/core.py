@@ -20,6 +20,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
@@ -50,7 +51,7 @@ def kv_cache_bytes(kv_cache_memory: str | int | float | None) -> int:
     """The KV cache budget in bytes: given in bytes, or a fraction of what the device
     reports (GPUs), or vLLM's CPU default of 2 GiB on devices that report nothing."""
     memory = parse_memory(kv_cache_memory)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if memory is None:
         return DEFAULT_CPU_KV_CACHE_BYTES if limit is None else int(DEFAULT_DEVICE_MEMORY_FRACTION * (limit - stats.get("bytes_in_use", 0)))
@@ -98,6 +99,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
                  progress: bool = True) -> None:
         self.config = config
+        multihost.initialize(config.coordinator_address, config.num_processes, config.process_id)
         cache_dir = compilation_cache_path(config.compilation_cache_dir)
         load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
                                   conversion_cache_dir=cache_dir / "converted-models")
@@ -155,6 +157,9 @@ class EngineCore:
         # The runner holds the weights from here (packed copies for linear_backend cpu):
         # this reference would keep a second copy alive.
         self.model = dataclasses.replace(self.model, params=None)
+        # process 0 of several sends each step to the others (jaxllm.engine.multihost)
+        self._step_sender = (multihost.StepSender(config.coordinator_address, config.num_processes - 1)
+                             if config.num_processes > 1 and config.process_id == 0 else None)
         self.structured_outputs = StructuredOutputManager(
             self.model.tokenizer, vocab_size=self.model.config.vocab_size,
             eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
@@ -205,11 +210,24 @@ class EngineCore:
         try:
             bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched),
                                                       len(sched.num_scheduled_tokens))
+            if self._step_sender is not None:
+                self._step_sender.send((sched, bitmask))
             result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
             raise
         return self.scheduler.update_from_output(sched, result)
+
+    def close(self) -> None:
+        """Tell the processes following this one to stop (multi-process engines)."""
+        if self._step_sender is not None:
+            self._step_sender.close()
+            self._step_sender = None
+
+    def follow(self) -> None:
+        """A process other than 0 of a multi-process engine: run the steps process 0
+        sends until it stops."""
+        multihost.follow(self, self.config.coordinator_address)
 
     def describe(self) -> str:
         c = self.cache

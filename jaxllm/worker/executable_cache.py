@@ -84,7 +84,7 @@ def environment_fingerprint() -> str:
     """Everything outside the caller's arguments that a compiled step depends on."""
     import jaxlib
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     parts = [
         jax.__version__,
         jaxlib.__version__,

@@ -196,10 +196,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
+        attention = attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype)
+        linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None)
+        if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
+            attention, linear, cache_dir = attention[:1], linear[:1], None
         self.plan: BackendPlan = backend_plan(
-            parallel.shard_config(config, tensor_parallel_size), param_dtype, self.buckets,
-            attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype),
-            linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None),
+            parallel.shard_config(config, tensor_parallel_size), param_dtype, self.buckets, attention, linear,
             activation_dtype=dtype,
             block_size=block_size, max_model_len=max_model_len, store_dir=store_directory(cache_dir))
         self._given_shapes = _shapes_and_dtypes(params)
@@ -278,7 +280,7 @@ class ModelRunner:
 
     def _devices(self) -> list:
         """The devices the step runs on, in the mesh's order."""
-        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+        return [jax.local_devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
 
     def _mesh_key(self) -> str:
         """What the executables depend on of the mesh (none: one device)."""
