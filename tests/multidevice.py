@@ -94,6 +94,7 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
         if tp > 1:
             w = core.runner.weights["xla"].layers[0].wqkv
             assert len(w.sharding.device_set) == tp and w.addressable_shards[0].data.shape[1] == w.shape[1] // tp
+            _check_bytes_per_device(cfg, core.runner.weights["xla"], tp)
     (one, preempted), (many, _) = runs
     assert preempted > 0
     for a, b in zip(one, many):
@@ -136,3 +137,22 @@ def multihost_follower(folder: str, port: str) -> None:
 
     EngineCore(_multihost_config(folder, port, 1), progress=False).follow()
     print("follower done", flush=True)
+
+
+def _check_bytes_per_device(cfg, weights, tp: int) -> None:
+    """Each device holds 1/tp of every sharded parameter (as laid out: with KV heads
+    replicated where they must be) and all of the replicated ones, the norms; nothing
+    more."""
+    import jax
+
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(weights):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    itemsize = jax.tree.leaves(weights)[0].dtype.itemsize
+    norms = sum(a.size for a in jax.tree.leaves(weights) if a.ndim == 1 and a.shape[0] in
+                (cfg.hidden_size, cfg.head_dim)) * itemsize
+    total = sum(a.size for a in jax.tree.leaves(weights)) * itemsize
+    want = (total - norms) // tp + norms
+    assert len(per_device) == tp and all(b == want for b in per_device.values()), (per_device, want)
+    print(f"bytes per device at TP={tp}: {want} of {total} ({norms} replicated)")

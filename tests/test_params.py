@@ -115,3 +115,23 @@ def test_an_inconsistent_declaration_is_refused():
         ParamDecl((4, 6), ("embed", "qkv"), (("a", 2), ("b", 2)), transposed=True)
     with pytest.raises(ValueError, match="inconsistent"):
         ParamDecl((4, 6), ("embed",), (("a", 6),))
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf", "converted"])
+def test_weights_can_stay_in_host_memory(test_models_dir, tmp_path, kind):
+    """on_host: numpy leaves equal to what load_model places on the device (for an
+    engine that then places each device's shard only)."""
+    from tests.conftest import make_test_model
+
+    path = test_models_dir / "llama"
+    if kind != "hf":
+        path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf")
+    cache = tmp_path / "cache" if kind == "converted" else None
+    if cache is not None:
+        load_model(path, dtype="float32", conversion_cache_dir=cache)  # converts, for the next load
+    on_device = load_model(path, dtype="float32", conversion_cache_dir=cache)
+    host = load_model(path, dtype="float32", conversion_cache_dir=cache, on_host=True)
+    leaves = jax.tree.leaves(host.params)
+    assert all(isinstance(a, np.ndarray) for a in leaves)
+    for a, b in zip(leaves, jax.tree.leaves(on_device.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))

@@ -102,7 +102,8 @@ class EngineCore:
         multihost.initialize(config.coordinator_address, config.num_processes, config.process_id)
         cache_dir = compilation_cache_path(config.compilation_cache_dir)
         load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
-                                  conversion_cache_dir=cache_dir / "converted-models")
+                                  conversion_cache_dir=cache_dir / "converted-models",
+                                  on_host=config.tensor_parallel_size > 1)  # placed shard by shard
         # When the config can be read without the weights (an HF folder, or a GGUF
         # converted on an earlier start), the weights load on a thread while the step
         # executables load: those need only the params' shapes.

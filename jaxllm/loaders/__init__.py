@@ -36,18 +36,20 @@ class LoadedModel:
 
 
 def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat_template: str | None = None,
-               conversion_cache_dir: str | Path | None = None) -> LoadedModel:
+               conversion_cache_dir: str | Path | None = None, on_host: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer. With `conversion_cache_dir`, a GGUF file is
     converted once into an orbax checkpoint there (keyed by the file and the dtype),
-    and later loads restore that instead of parsing and dequantizing the GGUF again."""
+    and later loads restore that instead of parsing and dequantizing the GGUF again.
+    `on_host`: the weights stay in host memory (numpy arrays), for an engine that places
+    each device's shard of them (tensor parallelism): no device holds them whole."""
     start = time.perf_counter()
     path = Path(model) if model is not None else default_model_path()
     compute_dtype = resolve_dtype(dtype)
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir)
     if folder is not None:
-        cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template)
+        cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host)
     elif path.is_file() and path.suffix == ".gguf":
-        cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template)
+        cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template, on_host)
         converted = _converted_path(path, compute_dtype, conversion_cache_dir)
         if converted is not None:
             _save_conversion(converted, cfg, params, tokenizer, path)
@@ -83,19 +85,20 @@ def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None) 
     return None
 
 
-def _load_gguf(path: Path, dtype, chat_template: str | None):
+def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = False):
     gguf_file = GGUFFile(path)
     cfg = gguf_file.model_config()
-    params = load_gguf_params(gguf_file, cfg, dtype)
+    params = load_gguf_params(gguf_file, cfg, dtype, on_host)
     tokenizer = gguf_file.tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return cfg, params, tokenizer
 
 
-def _load_folder(path: Path, dtype, chat_template: str | None):
+def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = False):
     cfg = ModelConfig.from_hf_folder(path)
-    params = restore_params(path, cfg, dtype) if is_converted_checkpoint(path) else load_hf_params(path, cfg, dtype)
+    params = (restore_params(path, cfg, dtype, on_host) if is_converted_checkpoint(path)
+              else load_hf_params(path, cfg, dtype, on_host))
     return cfg, params, load_hf_tokenizer(path, chat_template)
 
 

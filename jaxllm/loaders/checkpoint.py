@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import ModelParams, abstract_params
@@ -39,13 +40,20 @@ def save_checkpoint(folder: str | Path, cfg: ModelConfig, params: ModelParams, t
     return folder
 
 
-def restore_params(folder: str | Path, cfg: ModelConfig, dtype) -> ModelParams:
-    """Restore into the structure `cfg` implies, cast to the compute dtype."""
+def restore_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
+    """Restore into the structure `cfg` implies, cast to the compute dtype; `on_host`:
+    restored through the CPU backend into numpy arrays (host memory, for placing shard
+    by shard), never onto an accelerator."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
     stored = json.loads((folder / MARKER).read_text())["dtype"]
     target = abstract_params(cfg, jnp.dtype(stored))
+    if on_host:
+        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), target)
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(folder / PARAMS_DIR, target)
+    if on_host:
+        return jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(dtype)), params)
     return jax.tree.map(lambda a: a.astype(dtype), params)

@@ -140,7 +140,7 @@ class GGUFFile:
         )
 
 
-def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype) -> ModelParams:
+def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
     permute_rope = cfg.model_type in ("llama", "mistral")
 
     def source(hf_name: str) -> np.ndarray | None:
@@ -152,5 +152,5 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype) -> ModelParam
                 w = unpermute_rope_rows(w, cfg.num_kv_heads)
         return w
 
-    return build_params(cfg, source, dtype, str(gguf_file.path))
+    return build_params(cfg, source, dtype, str(gguf_file.path), on_host=on_host)
 

@@ -33,7 +33,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
     return {}  # every name lives in the single file
 
 
-def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype) -> ModelParams:
+def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -62,7 +62,7 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype) -> ModelParams:
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
         where = str(folder / (INDEX_FILE if files else SINGLE_FILE))
-        return build_params(cfg, source, dtype, where)
+        return build_params(cfg, source, dtype, where, on_host=on_host)
 
 
 def load_hf_tokenizer(folder: str | Path, chat_template: str | None = None):

@@ -35,9 +35,11 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: decl.hf_shape(n) for decl in declarations(cfg) for name, n in decl.hf}
 
 
-def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shards: int = 1) -> ModelParams:
-    """Read every tensor through `source`, validate, fuse and place on device; fused
-    parameters laid out for `shards` tensor-parallel shards (`fuse`).
+def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shards: int = 1,
+                 on_host: bool = False) -> ModelParams:
+    """Read every tensor through `source`, validate, fuse and place on device (or keep
+    in host memory, numpy arrays of `dtype`, for placing shard by shard: `on_host`);
+    fused parameters laid out for `shards` tensor-parallel shards (`fuse`).
 
     `where` names the checkpoint in error messages.
     """
@@ -57,7 +59,8 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shar
         parts = [get(name, decl.hf_shape(n)) for name, n in decl.hf]
         if decl.transposed:
             parts = [p.T for p in parts]
-        return jnp.asarray(fuse(parts, shards) if len(parts) > 1 else parts[0], dtype=dtype)
+        array = fuse(parts, shards) if len(parts) > 1 else parts[0]
+        return np.ascontiguousarray(array, dtype=jnp.dtype(dtype)) if on_host else jnp.asarray(array, dtype=dtype)
 
     return map_declared(load, declare(cfg))
 

@@ -220,6 +220,7 @@ def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelPara
         if isinstance(array, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(laid_out_shape(decl, shards, replicas), array.dtype)
         parts = unfuse(np.asarray(array), [n for _, n in decl.hf])
-        return jnp.asarray(fuse(parts, shards, part_repeats(decl, replicas)), dtype=array.dtype)
+        laid_out = fuse(parts, shards, part_repeats(decl, replicas))
+        return laid_out if isinstance(array, np.ndarray) else jnp.asarray(laid_out, dtype=array.dtype)
 
     return map_declared(relayout, declare(cfg), params)
