@@ -21,6 +21,7 @@ def replica_metric(server: Server, name: str, engine: int) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow  # two engine core processes to start and compile: ~50 s
 def test_dp2_tp2_through_the_server_equals_one_device(test_models_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     prompts = [[int(t) for t in range(3 + 7 * i, 23 + 7 * i)] for i in range(8)]

@@ -14,7 +14,8 @@ from tests import multidevice
 
 
 @pytest.mark.parametrize("name,size,attention", [
-    ("llama", 2, "xla"), ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),  # (XLA's attention compiles slowly)
+    pytest.param("llama", 2, "xla", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
+    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),
     ("llama", 4, "cpu"), ("qwen3", 2, "cpu"),  # more shards than KV heads: KV heads replicated
 ])
 def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention):
@@ -23,7 +24,7 @@ def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, at
     multidevice.run("tp_logits_match", str(test_models_dir / name), str(size), attention, devices=size)
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_tensor_parallel_engine_equals_one_device(test_models_dir, size):
     """Through LLM: greedy tokens and logprobs, prefix caching, chunked prefill and
     preemption, no compilation after warm-up; the weights sharded (at 4, over the
