@@ -196,29 +196,13 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
-        attention = attention_candidates(attention_backend, head_dim=config.head_dim, dtype=dtype)
-        linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None)
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
-            attention, linear, cache_dir = attention[:1], linear[:1], None
-        self.plan: BackendPlan = backend_plan(
-            parallel.shard_config(config, tensor_parallel_size), param_dtype, self.buckets, attention, linear,
-            activation_dtype=dtype,
-            block_size=block_size, max_model_len=max_model_len, store_dir=store_directory(cache_dir))
+            cache_dir = None
+        self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
-        # The KV caches (2 GiB by default: a second of page faults) are zero-filled on
-        # a background thread while warm_up loads or compiles the buckets, which only
-        # need their shapes; the first use of `kv_caches` waits for them.
-        self._kv_caches = None
         cache_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh else None
-        kv_heads = parallel.cache_kv_heads(config, tensor_parallel_size)
-        self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
-            allocate_kv_caches, config.num_layers, num_blocks, block_size, kv_heads, config.head_dim, dtype,
-            cache_sharding,
-        )
-        cache_spec = jax.ShapeDtypeStruct((num_blocks, block_size, kv_heads, config.head_dim), dtype,
-                                          sharding=cache_sharding)
-        self._abstract_caches = tuple(KVCache(cache_spec, cache_spec) for _ in range(config.num_layers))
+        self._start_kv_caches(num_blocks, dtype, cache_sharding)
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
         if self.mesh:
@@ -246,6 +230,32 @@ class ModelRunner:
         self.warmed_up = False
         self.num_compilations_after_warmup = 0
         self.stats = RunnerStats()
+
+    def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
+                   cache_dir: Path | None) -> BackendPlan:
+        """The backends of each bucket: measured on one shard's shapes where `auto`
+        leaves a choice, except over several processes (their timings would differ, and
+        the plans must agree: the first candidate)."""
+        attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype)
+        linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None)
+        if jax.process_count() > 1:
+            attention, linear = attention[:1], linear[:1]
+        size = 1 if self.mesh is None else self.mesh.size
+        return backend_plan(parallel.shard_config(self.config, size), param_dtype, self.buckets, attention, linear,
+                            activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
+                            store_dir=store_directory(cache_dir))
+
+    def _start_kv_caches(self, num_blocks: int, dtype, sharding) -> None:
+        """The KV caches (2 GiB by default: a second of page faults) are zero-filled on
+        a background thread while warm_up loads or compiles the buckets, which only need
+        their shapes (`_abstract_caches`); the first use of `kv_caches` waits for them."""
+        cfg = self.config
+        kv_heads = parallel.cache_kv_heads(cfg, 1 if self.mesh is None else self.mesh.size)
+        self._kv_caches = None
+        self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
+            allocate_kv_caches, cfg.num_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim, dtype, sharding)
+        spec = jax.ShapeDtypeStruct((num_blocks, self.block_size, kv_heads, cfg.head_dim), dtype, sharding=sharding)
+        self._abstract_caches = tuple(KVCache(spec, spec) for _ in range(cfg.num_layers))
 
     def _step_functions(self) -> dict[StepBackends, object]:
         """The jitted step of each pair of backends the plan uses. Where the C++ kernels
