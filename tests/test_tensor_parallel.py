@@ -15,7 +15,7 @@ from tests import multidevice
 
 @pytest.mark.parametrize("name,size,attention", [
     pytest.param("llama", 2, "xla", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
-    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),
+    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"), ("llama", 2, "pallas"),  # (the Pallas kernel in interpret mode)
     ("llama", 4, "cpu"), ("qwen3", 2, "cpu"),  # more shards than KV heads: KV heads replicated
 ])
 def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention):
