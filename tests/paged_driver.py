@@ -15,7 +15,7 @@ from jaxllm.attention import AttentionMetadata, allocate_kv_caches
 from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.parallel import model_functions
 from jaxllm.models.rope import rope_table
 
 
@@ -25,19 +25,12 @@ def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     logits_indices) -> (float32 logits of those rows, caches); the caches donated. With
     a `mesh`, tensor-parallel over it (jaxllm.models.parallel)."""
     rope = rope_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
-    if mesh is None:
-        forward = functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn)
-        logits = functools.partial(compute_logits, cfg=cfg)
-    else:
-        from jaxllm.models.parallel import ShardedModel
-
-        model = ShardedModel(cfg, mesh, attention_fn)
-        forward, logits = model.forward_hidden, model.compute_logits
+    forward, logits = model_functions(cfg, attention_fn, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def fn(params, kv_caches, input_ids, positions, md, logits_indices):
         hidden, kv_caches = forward(params, rope, kv_caches, input_ids, positions, md)
-        return logits(params, hidden[logits_indices]), kv_caches
+        return logits(params, hidden[logits_indices], cfg), kv_caches
 
     return fn
 

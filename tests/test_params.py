@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from jaxllm.loaders import load_model
 from jaxllm.loaders.weights import build_params, hf_tensor_shapes, params_to_hf_tensors
-from jaxllm.models.params import fuse, unfuse
+from jaxllm.models.params import fuse, shard_major, unfuse
 from jaxllm.models.linear import pack_params
 from jaxllm.models.params import PackedWeight, ParamDecl, abstract_params, declarations, partition_specs
 from tests.conftest import ARCHITECTURES
@@ -36,25 +36,27 @@ def test_the_declaration_names_every_checkpoint_tensor_with_its_shape(test_model
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-@pytest.mark.parametrize("shards", [1, 2])
-def test_load_and_export_round_trip(test_models_dir, name, shards):
+def test_load_and_export_round_trip(test_models_dir, name):
     folder = test_models_dir / name
     cfg = load_model(folder, dtype="float32").config
     tensors = checkpoint_tensors(folder)
-    params = build_params(cfg, tensors.get, np.float32, "test", shards=shards)
-    back = params_to_hf_tensors(cfg, params, shards=shards)
+    back = params_to_hf_tensors(cfg, build_params(cfg, tensors.get, np.float32, "test"))
     assert set(back) == set(tensors)
     for n, t in tensors.items():
         np.testing.assert_array_equal(back[n], t, err_msg=n)
 
 
-def test_fused_projections_are_laid_out_shard_major(test_models_dir):
+@pytest.mark.parametrize("on_host", [False, True])
+def test_fused_projections_are_laid_out_shard_major(test_models_dir, on_host):
     """Cut into two, each half of w_qkv is [q | k | v] of that shard's heads, and each
-    half of w_gate_up is [gate | up] of its columns."""
+    half of w_gate_up is [gate | up] of its columns; the rest as loaded (device or host
+    arrays alike)."""
     folder = test_models_dir / "llama"
     cfg = load_model(folder, dtype="float32").config
     t = checkpoint_tensors(folder)
-    params = build_params(cfg, t.get, np.float32, "test", shards=2)
+    one = build_params(cfg, t.get, np.float32, "test", on_host=on_host)
+    params = shard_major(cfg, one, 2)
+    assert isinstance(params.layers[1].wqkv, np.ndarray) == on_host
     wqkv, w_gate_up = np.asarray(params.layers[1].wqkv), np.asarray(params.layers[1].w_gate_up)
     p = "model.layers.1."
     q, k, v = (t[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
@@ -63,8 +65,9 @@ def test_fused_projections_are_laid_out_shard_major(test_models_dir):
         half = lambda a: np.split(a, 2, axis=-1)[s]  # noqa: E731
         np.testing.assert_array_equal(half(wqkv), np.concatenate([half(q), half(k), half(v)], axis=-1))
         np.testing.assert_array_equal(half(w_gate_up), np.concatenate([half(gate), half(up)], axis=-1))
-    one = build_params(cfg, t.get, np.float32, "test")
     np.testing.assert_array_equal(one.layers[1].wqkv, np.concatenate([q, k, v], axis=-1))
+    np.testing.assert_array_equal(params.layers[1].wo, one.layers[1].wo)
+    assert shard_major(cfg, one, 1) is one
 
 
 def test_fuse_and_unfuse():

@@ -66,7 +66,6 @@ class DataParallelClient:
         self._in_flight = [0] * dp
         self._prefixes: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
         self._stats = [SchedulerStats() for _ in range(dp)]
-        self.routed = [0] * dp  # requests each replica was given
 
     # -------------------------------------------------- CoreClient's interface
 
@@ -125,7 +124,6 @@ class DataParallelClient:
             for r in requests:
                 self._owner[r.request_id] = replica
             self._in_flight[replica] += len(requests)
-            self.routed[replica] += 1
         return {replica: requests}
 
     def _on_message(self, replica: int, kind: str, payload: Any, on_message: Callable[[str, Any], None]) -> None:

@@ -17,7 +17,9 @@ class LLM:
 
     Options are EngineConfig's fields (dtype, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    seed, attention_backend, linear_backend, chat_template, compilation_cache_dir).
+    seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
+    tensor_parallel_size, and coordinator_address / num_processes / process_id for an
+    engine over several processes; data_parallel_size is the server's).
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options) -> None:

@@ -35,11 +35,10 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: decl.hf_shape(n) for decl in declarations(cfg) for name, n in decl.hf}
 
 
-def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shards: int = 1,
-                 on_host: bool = False) -> ModelParams:
+def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_host: bool = False) -> ModelParams:
     """Read every tensor through `source`, validate, fuse and place on device (or keep
-    in host memory, numpy arrays of `dtype`, for placing shard by shard: `on_host`);
-    fused parameters laid out for `shards` tensor-parallel shards (`fuse`).
+    in host memory, numpy arrays of `dtype`, for placing shard by shard: `on_host`;
+    jaxllm.models.params.shard_major lays them out for tensor parallelism).
 
     `where` names the checkpoint in error messages.
     """
@@ -59,18 +58,18 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, shar
         parts = [get(name, decl.hf_shape(n)) for name, n in decl.hf]
         if decl.transposed:
             parts = [p.T for p in parts]
-        array = fuse(parts, shards) if len(parts) > 1 else parts[0]
+        array = fuse(parts) if len(parts) > 1 else parts[0]
         return np.ascontiguousarray(array, dtype=jnp.dtype(dtype)) if on_host else jnp.asarray(array, dtype=dtype)
 
     return map_declared(load, declare(cfg))
 
 
-def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams, shards: int = 1) -> dict[str, np.ndarray]:
+def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, np.ndarray]:
     """The inverse of build_params: HF-named float32 numpy tensors (for exporting)."""
     out: dict[str, np.ndarray] = {}
 
     def export(decl: ParamDecl, array) -> None:
-        parts = unfuse(np.asarray(array, np.float32), [n for _, n in decl.hf], shards)
+        parts = unfuse(np.asarray(array, np.float32), [n for _, n in decl.hf])
         for (name, _), part in zip(decl.hf, parts, strict=True):
             out[name] = np.ascontiguousarray(part.T if decl.transposed else part)
 

@@ -122,7 +122,7 @@ class ShardedModel:
         caches = tuple(KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC) for _ in kv_caches)
         return jax.shard_map(
             lambda p, r, c, i, pos, m: fn(p, r, c, i, pos, m), mesh=self.mesh,
-            in_specs=(self._param_specs(params), P(), caches, P(), P(), P()),
+            in_specs=(partition_specs(self.cfg), P(), caches, P(), P(), P()),
             out_specs=(P(), caches), check_vma=False,
         )(params, rope, kv_caches, input_ids, positions, md)
 
@@ -131,11 +131,14 @@ class ShardedModel:
         local = shard_config(self.cfg, self.size)
         return jax.shard_map(
             lambda p, h: compute_logits(p, h, local, axis=TP_AXIS), mesh=self.mesh,
-            in_specs=(self._param_specs(params), P()), out_specs=P(), check_vma=False,
+            in_specs=(partition_specs(self.cfg), P()), out_specs=P(), check_vma=False,
         )(params, hidden)
 
-    def _param_specs(self, params: ModelParams) -> ModelParams:
-        specs = partition_specs(self.cfg)
-        if len(params.layers) != len(specs.layers):
-            raise ValueError("the params do not have the config's layers")
-        return specs
+
+def model_functions(cfg: ModelConfig, attention_fn: AttentionFn, mesh: Mesh | None = None):
+    """(forward(params, rope, kv_caches, input_ids, positions, md), compute_logits(params,
+    hidden, cfg)): jaxllm.models.llama's on one device, ShardedModel's over a mesh."""
+    if mesh is None:
+        return functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn), compute_logits
+    model = ShardedModel(cfg, mesh, attention_fn)
+    return model.forward_hidden, model.compute_logits

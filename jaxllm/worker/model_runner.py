@@ -187,6 +187,7 @@ class ModelRunner:
         devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
         replicated; the backends are measured on one shard's shapes."""
         self.config = config
+        self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = jax.tree.leaves(params)[0].dtype
         dtype = activation_dtype(param_dtype)  # of the hidden states and the KV cache
@@ -240,8 +241,7 @@ class ModelRunner:
         linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None)
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
-        size = 1 if self.mesh is None else self.mesh.size
-        return backend_plan(parallel.shard_config(self.config, size), param_dtype, self.buckets, attention, linear,
+        return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype, self.buckets, attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir))
 
@@ -250,7 +250,7 @@ class ModelRunner:
         a background thread while warm_up loads or compiles the buckets, which only need
         their shapes (`_abstract_caches`); the first use of `kv_caches` waits for them."""
         cfg = self.config
-        kv_heads = parallel.cache_kv_heads(cfg, 1 if self.mesh is None else self.mesh.size)
+        kv_heads = parallel.cache_kv_heads(cfg, self.tensor_parallel_size)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
             allocate_kv_caches, cfg.num_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim, dtype, sharding)
@@ -294,7 +294,7 @@ class ModelRunner:
 
     def _mesh_key(self) -> str:
         """What the executables depend on of the mesh (none: one device)."""
-        return "" if self.mesh is None else f"tp{self.mesh.size}-" + ",".join(str(d) for d in self.mesh.devices.flat)
+        return "" if self.mesh is None else f"tp{self.tensor_parallel_size}-" + ",".join(map(str, self._devices()))
 
     @property
     def kv_caches(self) -> tuple[KVCache, ...]:

@@ -6,7 +6,6 @@ bucket; the KV caches and the token history are donated, so XLA updates them in 
 
 from __future__ import annotations
 
-import functools
 import typing
 
 import jax
@@ -19,8 +18,8 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import compute_logits, forward_hidden
-from jaxllm.models.parallel import ShardedModel
+from jaxllm.models.llama import compute_logits
+from jaxllm.models.parallel import model_functions
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
@@ -87,12 +86,7 @@ def model_step(
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     """One engine step; with a `mesh`, the model tensor-parallel over it
     (jaxllm.models.parallel) and the sampling on the gathered logits."""
-    if mesh is None:
-        forward = functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn)
-        logits_fn = compute_logits
-    else:
-        model = ShardedModel(cfg, mesh, attention_fn)
-        forward, logits_fn = model.forward_hidden, model.compute_logits
+    forward, logits_fn = model_functions(cfg, attention_fn, mesh)
     hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn)
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
     logits = logits_fn(params, hidden[inputs.logits_indices], cfg)
