@@ -66,22 +66,30 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
                if gpu else f"import tests.multidevice as m; print(m.run('tp_engine_matches', {str(tp_model)!r}, "
                            f"'2', devices=2))")
     kernel_tests = pytest + ["tests/test_pallas_ragged_paged_attention.py"] + ([] if gpu else ["-k", "matches_reference"])
+    small = models / ("llama-3.2-1b" if gpu else "llama")
+    tokens_code = f"import tests.multidevice as m; m.platform_tokens_match({str(small)!r})"
+    throughput = ([py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf", "--attention-backend", "pallas",
+                   "--model", str(models / "llama-3.2-1b-full")] if gpu else
+                  [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf"])
+    # most telling first (a device lease is short), each with a time limit
     return [
         Check("pallas kernels vs reference" + ("" if gpu else " (interpret mode)"), kernel_tests,
-              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}),
-        Check("pallas kernels lower for CUDA", pytest + ["tests/test_pallas_lowering.py"]),
-        Check("engine: pallas == xla, greedy tokens", pytest + ["tests/test_pallas_engine.py"]),
-        Check(f"tensor parallel {tp} == 1 device" + ("" if gpu else " (simulated CPU devices)"), [py, "-c", tp_code],
-              env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
-        Check("tensor-parallel forward lowers for 8 GPUs", pytest + ["tests/test_tensor_parallel.py", "-k", "lowers"]),
+              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
+        Check("engine: pallas == xla, greedy tokens", pytest + ["tests/test_pallas_engine.py"], timeout=180),
+        Check(("GPU (pallas)" if gpu else "default platform (pallas)") + " == CPU (xla): tokens, logprobs",
+              [py, "-c", tokens_code], timeout=240, pick=("ok",)),
+        Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
+              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap")),
         Check("bench_kernels.py (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
-              "needs CUDA: in interpret mode it would time the interpreter"),
-        Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes)" if gpu else " (CPU, 16 requests)"),
-              [py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf",
-               "--model", str(models / "llama-3.2-1b-full")] if gpu else
-              [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf"],
-              pick=("jaxllm:",)),
+              "needs CUDA: in interpret mode it would time the interpreter", timeout=180),
+        Check("pallas kernels lower for CUDA", pytest + ["tests/test_pallas_lowering.py"], timeout=180),
+        Check(f"tensor parallel {tp} == 1 device" + ("" if gpu else " (simulated CPU devices)"),
+              [py, "-c", tp_code] if tp > 1 else None, "one GPU: nothing to shard over",
+              env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout=300),
+        Check("tensor-parallel forward lowers for 8 GPUs",
+              None if gpu else pytest + ["tests/test_tensor_parallel.py", "-k", "lowers"],
+              "a CPU check (simulated devices): the default test suite runs it", timeout=180),
     ]
 
 

@@ -156,3 +156,53 @@ def _check_bytes_per_device(cfg, weights, tp: int) -> None:
     want = (total - norms) // tp + norms
     assert len(per_device) == tp and all(b == want for b in per_device.values()), (per_device, want)
     print(f"bytes per device at TP={tp}: {want} of {total} ({norms} replicated)")
+
+
+def engine_tokens(folder: str, attention: str, dtype: str, out: str) -> None:
+    """Greedy tokens and top-2 logprobs of a batch through LLM (shared prefix, chunked
+    prefill) on this process's default platform, written as JSON to `out`."""
+    import json
+
+    import jax
+    import numpy as np
+
+    from jaxllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(3, 500, 40)]
+    prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+              attention_backend=attention, dtype=dtype, progress=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = [{"tokens": o.outputs[0].token_ids,
+             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
+            for o in outs]
+    Path(out).write_text(json.dumps({"platform": jax.default_backend(), "rows": rows}))
+
+
+def platform_tokens_match(folder: str, dtype: str = "float32", tol: str = "1e-3") -> None:
+    """The engine on the default platform (a GPU: attention "pallas") gives the CPU
+    backend's (attention "xla") greedy tokens exactly and its logprobs within `tol`,
+    both at full float32 matmul precision (TF32 would flip near-tied tokens)."""
+    import json
+    import tempfile
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, attention, extra in (("default", "pallas", {}), ("cpu", "xla", {"JAX_PLATFORMS": "cpu"})):
+            out = str(Path(tmp) / f"{name}.json")
+            env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", **extra,
+                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            code = f"import tests.multidevice as m; m.engine_tokens({folder!r}, {attention!r}, {dtype!r}, {out!r})"
+            subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True, timeout=600)
+            runs[name] = json.loads(Path(out).read_text())
+    a, b = runs["default"]["rows"], runs["cpu"]["rows"]
+    worst = 0.0
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x["tokens"] == y["tokens"], (i, x["tokens"], y["tokens"])
+        for sx, sy in zip(x["logprobs"], y["logprobs"]):
+            worst = max([worst] + [abs(sx[t] - sy[t]) for t in sx if t in sy])
+    assert worst < float(tol), worst
+    print(f"ok: {runs['default']['platform']} (pallas) == cpu (xla): {len(a)} requests x 24 tokens identical, "
+          f"max logprob diff {worst:.2e}")

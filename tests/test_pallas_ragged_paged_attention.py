@@ -317,3 +317,36 @@ def test_write_then_attend_roundtrip():
     want = ragged_paged_attention_reference(q, rk, rv, kvl, bt, qsl, ns, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out)[:n_rows], np.asarray(want)[:n_rows],
                                atol=1e-5, rtol=0)
+
+
+# The steps of tests/test_pallas_engine.py's workload as the engine schedules them (T
+# padded to a bucket, S = max_num_seqs = 4; (q_len, kv_len) per sequence), captured on
+# the CPU: on the H100 (2026-11-25) that engine test gave other tokens with the pallas
+# backend than with xla from step 3 on, while every case above passed natively. These
+# run the engine's default tiles (block_kv 64 spans four 16-slot pages), not BLOCK_KV.
+ENGINE_STEPS = [
+    (32, [(32, 32)]),
+    (32, [(19, 51), (13, 13)]),
+    (32, [(1, 52), (16, 29), (15, 15)]),
+    (32, [(1, 53), (1, 30), (2, 17), (25, 25)]),
+    (4, [(1, 54), (1, 31), (1, 18), (1, 26)]),
+    (32, [(1, 56), (1, 20), (1, 28), (29, 29)]),
+    (16, [(1, 57), (1, 21), (1, 29), (9, 38)]),
+    (8, [(1, 59), (1, 40), (4, 33)]),
+    (4, [(1, 35)]),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 32, jnp.float32), (32, 8, 64, jnp.bfloat16)],
+                         ids=["tiny-f32", "llama-3.2-1b-bf16"])
+def test_engine_step_compositions(hq, hkv, d, dtype):
+    rng = np.random.default_rng(7)
+    for T, specs in ENGINE_STEPS:
+        args, n_rows = make_batch(rng, specs, hq=hq, hkv=hkv, d=d, bs=16, dtype=dtype,
+                                  pad_seqs=4 - len(specs), pad_rows=T - sum(q for q, _ in specs))
+        assert args[0].shape[0] == T and args[4].shape[0] == 4
+        scale = d ** -0.5
+        got = np.asarray(ragged_paged_attention(*args, sm_scale=scale, interpret=INTERPRET)
+                         .astype(jnp.float32))[:n_rows]
+        want = oracle(args, sm_scale=scale)[:n_rows]
+        np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0, err_msg=f"T={T} {specs}")
