@@ -19,6 +19,11 @@ from typing import Any, Mapping
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
+# Weight quantization (jaxllm.models.quant): None keeps a checkpoint as stored (a GGUF
+# is still dequantized at load: keeping its blocks packed is not built yet), "none"
+# dequantizes everything to the dtype, "int8" is weight-only int8 with a scale per
+# output channel, quantized at load.
+QUANTIZATIONS = (None, "none", "int8")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
@@ -71,6 +76,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys
     checkpoint_dtype: str = "float32"
+    quantization: str | None = None  # of the projection weights as the engine holds them (QUANTIZATIONS)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -27,7 +27,7 @@ def run(check: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
 PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris; one two"
 
 
-def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
+def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization: str | None = None) -> None:
     """Tensor-parallel logits equal one device's within 1e-5 of the logits' scale (the
     all-reduces sum in another order; the test models' logits reach ~20): one prefill,
     chunked prefill, token by token, a mixed ragged step."""
@@ -39,13 +39,17 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla") -> None:
     from jaxllm.models.parallel import shard_config
     from tests.paged_driver import PagedDriver
 
-    model = load_model(folder, dtype="float32")
+    model = load_model(folder, dtype="float32", quantization=quantization)
     tok = model.tokenizer
     ids = tok.encode(PROMPT)
     fn = get_attention_fn(attention)
     one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn)
     tp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, tensor_parallel_size=int(size))
-    assert tp.params.layers[0].wqkv.sharding.spec == P(None, "model")
+    wqkv = tp.params.layers[0].wqkv
+    if quantization == "int8":  # the values as the weight, the scales with their columns
+        assert wqkv.q.sharding.spec == P(None, "model") and wqkv.scale.sharding.spec == P("model")
+        wqkv = wqkv.q
+    assert wqkv.sharding.spec == P(None, "model")
     local = shard_config(model.config, int(size))
     assert tp.caches[0].k.addressable_shards[0].data.shape[2] == local.num_kv_heads
     for chunks in ([len(ids)], [5, 7, 1, len(ids) - 13], [1] * len(ids)):

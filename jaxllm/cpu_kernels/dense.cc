@@ -26,6 +26,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,6 +41,28 @@ using jaxllm::splatN;
 using jaxllm::storeN;
 
 namespace {
+
+// A weight panel's vector of kLanes columns at p, as float32: float panels are loaded,
+// int8 ones (jaxllm.models.quant) sign-extended and converted (their per-column scale is
+// applied to the finished outputs, Dense below). The int8 conversion is written with
+// intrinsics: GCC 12 scalarizes __builtin_convertvector from int8 lanes (16 scalar
+// conversions per vector; it made int8 SmolLM2 slower than float32).
+inline f32xN load_weights(const float* p) { return loadN(p); }
+#if JAXLLM_LANES == 16
+inline f32xN load_weights(const int8_t* p) {
+  return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif JAXLLM_LANES == 8 && defined(__AVX2__)
+inline f32xN load_weights(const int8_t* p) {
+  return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else  // SSE2, AVX without AVX2, NEON: a lane at a time
+inline f32xN load_weights(const int8_t* p) {
+  f32xN v;
+  for (int i = 0; i < jaxllm::kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+#endif
 
 constexpr int kPanel = 32;          // columns per packed panel: two vectors
 constexpr int kTileRows = 12;       // rows of a packed tile of x
@@ -56,8 +82,8 @@ constexpr int kNarrowRows = 6;
 
 // out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
 // in vectors of the native width (f32xN: 2 per 16 columns with AVX2, 4 with NEON).
-template <int G>
-void narrow_tile(const float* xt, int g, const float* panel, int h, int64_t K, float* out, const float* prefetch) {
+template <int G, typename W>
+void narrow_tile(const float* xt, int g, const W* panel, int h, int64_t K, float* out, const W* prefetch) {
   constexpr int V = 16 / jaxllm::kLanes;
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
@@ -65,7 +91,7 @@ void narrow_tile(const float* xt, int g, const float* panel, int h, int64_t K, f
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
-    for (int v = 0; v < V; ++v) w[v] = loadN(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
+    for (int v = 0; v < V; ++v) w[v] = load_weights(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
     if (prefetch) {
       __builtin_prefetch(prefetch + k * kPanel);
       __builtin_prefetch(prefetch + k * kPanel + 16);
@@ -79,27 +105,27 @@ void narrow_tile(const float* xt, int g, const float* panel, int h, int64_t K, f
     for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + 16 * h + v * jaxllm::kLanes, acc[i][v]);
 }
 
-template <int R>
-void narrow_tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
-                             const float* prefetch) {
+template <int R, typename W>
+void narrow_tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
+                             const W* prefetch) {
   constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
   float out[kTileRows * kPanel];
   for (int h = 0; h < 2; ++h) {
-    narrow_tile<G1>(xt, 0, panel, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
-    if constexpr (G2 > 0) narrow_tile<G2>(xt, G1, panel, h, K, out, nullptr);
+    narrow_tile<G1, W>(xt, 0, panel, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
+    if constexpr (G2 > 0) narrow_tile<G2, W>(xt, G1, panel, h, K, out, nullptr);
   }
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
-template <int R>
-void wide_tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
-                           const float* prefetch) {
+template <int R, typename W>
+void wide_tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
+                           const W* prefetch) {
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
-    const f32xN w0 = loadN(panel + k * kPanel), w1 = loadN(panel + k * kPanel + 16);
+    const f32xN w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + 16);
     if (prefetch) {
       __builtin_prefetch(prefetch + k * kPanel);
       __builtin_prefetch(prefetch + k * kPanel + 16);
@@ -126,21 +152,24 @@ void wide_tile_times_panel(const float* xt, const float* panel, int64_t K, float
 }
 
 // The tile this build runs (the other is never instantiated).
-template <int R>
-void tile_times_panel(const float* xt, const float* panel, int64_t K, float* y, int64_t ldy, int cols,
-                      const float* prefetch) {
+template <int R, typename W>
+void tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
+                      const W* prefetch) {
   if constexpr (kWideTile) {
-    wide_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
+    wide_tile_times_panel<R, W>(xt, panel, K, y, ldy, cols, prefetch);
   } else {
-    narrow_tile_times_panel<R>(xt, panel, K, y, ldy, cols, prefetch);
+    narrow_tile_times_panel<R, W>(xt, panel, K, y, ldy, cols, prefetch);
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int, const float*);
-constexpr TileFn kTileFns[kTileRows + 1] = {
-    nullptr,                 tile_times_panel<1>, tile_times_panel<2>,  tile_times_panel<3>, tile_times_panel<4>,
-    tile_times_panel<5>,     tile_times_panel<6>, tile_times_panel<7>,  tile_times_panel<8>, tile_times_panel<9>,
-    tile_times_panel<10>,    tile_times_panel<11>, tile_times_panel<12>};
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, float*, int64_t, int, const W*);
+template <typename W>
+constexpr TileFn<W> kTileFns[kTileRows + 1] = {
+    nullptr,                  tile_times_panel<1, W>,  tile_times_panel<2, W>, tile_times_panel<3, W>,
+    tile_times_panel<4, W>,   tile_times_panel<5, W>,  tile_times_panel<6, W>, tile_times_panel<7, W>,
+    tile_times_panel<8, W>,   tile_times_panel<9, W>,  tile_times_panel<10, W>, tile_times_panel<11, W>,
+    tile_times_panel<12, W>};
 
 // Tile t of x (rows t*12 .. t*12+11, zeros past M) into xt[K][12].
 void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
@@ -151,7 +180,9 @@ void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
   }
 }
 
-ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+// y = x @ panels (times `scales`, one per column of the padded panels, when given).
+template <typename W, typename PanelBuffer>
+ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel)
@@ -161,7 +192,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* X = x.typed_data();
-  const float* W = panels.typed_data();
+  const W* P = panels.typed_data();
   float* Y = y->typed_data();
   if (K == 0) {
     std::memset(Y, 0, M * N * sizeof(float));
@@ -189,21 +220,45 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
     const int64_t b = item / num_panels, p = item % num_panels;
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
-    const float* panel = W + p * K * kPanel;
-    const float* prefetch = p + 2 < num_panels ? W + (p + 2) * K * kPanel : nullptr;
+    const W* panel = P + p * K * kPanel;
+    const W* prefetch = p + 2 < num_panels ? P + (p + 2) * K * kPanel : nullptr;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-      kTileFns[rows](XT + t * kTileRows * K, panel, K, Y + t * kTileRows * N + p * kPanel, N, cols,
-                     t == t0 ? prefetch : nullptr);
+      float* yt = Y + t * kTileRows * N + p * kPanel;
+      kTileFns<W>[rows](XT + t * kTileRows * K, panel, K, yt, N, cols, t == t0 ? prefetch : nullptr);
+      if (scales)
+        for (int i = 0; i < rows; ++i)
+          for (int c = 0; c < cols; ++c) yt[i * N + c] *= scales[p * kPanel + c];
     }
   });
   return ffi::Error::Success();
 }
 
+ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  return Dense<float>(pool, x, panels, nullptr, y);
+}
+
+ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                   ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  const auto pd = panels.dimensions(), sd = scales.dimensions();
+  if (pd.size() != 3 || sd.size() != 1 || sd[0] != pd[0] * kPanel)
+    return ffi::Error::InvalidArgument("dense_i8: scales must be [N/32 * 32], one per column of the panels");
+  return Dense<int8_t>(pool, x, panels, scales.typed_data(), y);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, Dense,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up * 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]

@@ -10,7 +10,7 @@ import dataclasses
 import re
 import typing
 
-from jaxllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, LINEAR_BACKENDS
+from jaxllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, LINEAR_BACKENDS, QUANTIZATIONS
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
@@ -45,6 +45,9 @@ class EngineConfig:
     model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded SmolLM2)")
     dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU (on a CPU, bfloat16 means bfloat16 weights and "
                                      "matmuls under float32 activations and KV cache)", DTYPE_NAMES)
+    quantization: str | None = _option(None, "projection weights: none (dequantized to dtype), int8 (weight-only, "
+                                             "a scale per output channel, quantized at load); default: as stored",
+                                       QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
@@ -72,7 +75,7 @@ class EngineConfig:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(choices)}")
+                raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(map(str, choices))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "data_parallel_size", "num_processes"):
             value = getattr(self, name)

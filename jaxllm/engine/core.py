@@ -26,6 +26,7 @@ from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
+from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import activation_dtype, compilation_cache_path, resolve_dtype
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner
@@ -95,6 +96,17 @@ def plan_cache(config: EngineConfig, model: ModelConfig, itemsize: int, shard: M
     return layout
 
 
+def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
+    """A model loaded by the caller, quantized as the engine's config asks (one already
+    quantized so, or a None ask, as it is)."""
+    if quantization in (None, model.config.quantization):
+        return model
+    if model.config.quantization not in (None, "none"):
+        raise ValueError(f"quantization: {quantization!r} asked for a model loaded with {model.config.quantization!r}")
+    cfg = quantized_config(model.config, quantization)
+    return dataclasses.replace(model, config=cfg, params=quantize_params(cfg, model.params))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
                  progress: bool = True) -> None:
@@ -103,11 +115,13 @@ class EngineCore:
         cache_dir = compilation_cache_path(config.compilation_cache_dir)
         load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
                                   conversion_cache_dir=cache_dir / "converted-models",
-                                  on_host=config.tensor_parallel_size > 1)  # placed shard by shard
+                                  on_host=config.tensor_parallel_size > 1,  # placed shard by shard
+                                  quantization=config.quantization)
         # When the config can be read without the weights (an HF folder, or a GGUF
         # converted on an earlier start), the weights load on a thread while the step
         # executables load: those need only the params' shapes.
-        cfg = None if model is not None else peek_model_config(config.model, config.dtype, cache_dir / "converted-models")
+        cfg = None if model is not None else peek_model_config(config.model, config.dtype, cache_dir / "converted-models",
+                                                               config.quantization)
         loading = None
         if cfg is not None:
             pool = concurrent.futures.ThreadPoolExecutor(1, "model-load")
@@ -115,7 +129,7 @@ class EngineCore:
             pool.shutdown(wait=False)  # the thread ends when the load does
             params = abstract_params(cfg, resolve_dtype(config.dtype))
         else:
-            self.model = model or load()
+            self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
         itemsize = activation_dtype(jax.tree.leaves(params)[0].dtype).itemsize  # the KV cache's
@@ -234,7 +248,8 @@ class EngineCore:
         c = self.cache
         return (
             f"KV cache: {c.num_blocks - 1} blocks of {c.block_size} tokens = {c.capacity_tokens} tokens; "
-            f"max_model_len={c.max_model_len}; {len(self.runner.buckets)} step shapes; "
+            f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
+            f"{len(self.runner.buckets)} step shapes; "
             f"{self.runner.describe_backends()}"
         )
 

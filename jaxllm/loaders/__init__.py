@@ -19,6 +19,7 @@ from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams
+from jaxllm.models.quant import check_quantization, quantize_params, quantized_config
 from jaxllm.platform import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,18 @@ class LoadedModel:
 
 
 def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat_template: str | None = None,
-               conversion_cache_dir: str | Path | None = None, on_host: bool = False) -> LoadedModel:
+               conversion_cache_dir: str | Path | None = None, on_host: bool = False,
+               quantization: str | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. With `conversion_cache_dir`, a GGUF file is
     converted once into an orbax checkpoint there (keyed by the file and the dtype),
     and later loads restore that instead of parsing and dequantizing the GGUF again.
     `on_host`: the weights stay in host memory (numpy arrays), for an engine that places
-    each device's shard of them (tensor parallelism): no device holds them whole."""
+    each device's shard of them (tensor parallelism): no device holds them whole.
+    `quantization` (jaxllm.config.QUANTIZATIONS): "int8" quantizes the projections after
+    loading (the conversion cache keeps the float weights); the returned config says
+    so (`ModelConfig.quantization`)."""
     start = time.perf_counter()
+    check_quantization(quantization)
     path = Path(model) if model is not None else default_model_path()
     compute_dtype = resolve_dtype(dtype)
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir)
@@ -57,11 +63,13 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
         raise FileNotFoundError(f"{path}: no such model file or folder")
     else:
         raise CheckpointError(f"{path}: not a model (expected an HF folder or a .gguf file)")
-    return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start)
+    cfg = quantized_config(cfg, quantization)
+    return LoadedModel(cfg, quantize_params(cfg, params), tokenizer, path, time.perf_counter() - start)
 
 
 def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto",
-                      conversion_cache_dir: str | Path | None = None) -> ModelConfig | None:
+                      conversion_cache_dir: str | Path | None = None,
+                      quantization: str | None = None) -> ModelConfig | None:
     """The config `load_model` with the same arguments will return, when it can be read
     without touching the weights (an HF folder or converted checkpoint, or a GGUF
     already converted in `conversion_cache_dir`); None otherwise. It lets the engine
@@ -70,7 +78,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir)
     if folder is None or not (folder / "config.json").is_file():
         return None
-    return ModelConfig.from_hf_folder(folder)
+    return quantized_config(ModelConfig.from_hf_folder(folder), quantization)
 
 
 def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None) -> Path | None:

@@ -28,19 +28,27 @@ from jaxtyping import Array, Float
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
-from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, Weight
+from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
+TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 
 
-def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
-    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels.
-    Packed with numpy on the host (the backend runs on the CPU platform, where that is
-    a view of the array): SmolLM2's weights in ~1.4 s, against 2.7-4.5 s for the same
-    jnp ops run eagerly."""
+def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
+    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels, a
+    QuantizedWeight int8 panels and its scales zero-padded to their columns. Packed with
+    numpy on the host (the backend runs on the CPU platform, where that is a view of
+    the array): SmolLM2's weights in ~1.4 s, against 2.7-4.5 s for the same jnp ops run
+    eagerly."""
+    if isinstance(w, QuantizedWeight):
+        values = pack_weight(w.q)
+        n_pad = values.panels.shape[0] * PANEL
+        if isinstance(w.scale, jax.ShapeDtypeStruct):
+            return values.replace(scale=jax.ShapeDtypeStruct((n_pad,), w.scale.dtype))
+        return values.replace(scale=jnp.asarray(np.pad(np.asarray(w.scale), (0, n_pad - w.scale.shape[0]))))
     k, n = w.shape
     if isinstance(w, jax.ShapeDtypeStruct):
         return PackedWeight(jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), w.dtype), n)
@@ -51,25 +59,35 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
 
 
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
-    """The [in, out] matrix back (tests and debugging)."""
-    return w.panels.transpose(1, 0, 2).reshape(w.in_features, -1)[:, : w.out_features]
+    """The [in, out] matrix back, dequantized (tests and debugging)."""
+    matrix = w.panels.transpose(1, 0, 2).reshape(w.in_features, -1)
+    if w.scale is not None:
+        matrix = matrix.astype(jnp.float32) * w.scale
+    return matrix[:, : w.out_features]
 
 
 def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> Float[Array, "... N"]:
     """x @ w, by the backend `w`'s layout says (packed weights are float32 throughout).
     A plain weight of another dtype than `x` (bfloat16 weights under float32
     activations: jaxllm.platform.activation_dtype) multiplies `x` rounded to the
-    weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`)."""
+    weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`).
+    A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
+    the output columns (jaxllm.models.quant)."""
+    if isinstance(w, QuantizedWeight):
+        y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=preferred_element_type or x.dtype)
+        return y * w.scale.astype(y.dtype)
     if not isinstance(w, PackedWeight):
         if w.dtype != x.dtype:
             out = preferred_element_type or x.dtype
             return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=out)
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
-    cpu_kernels.load_kernels()  # registers the custom call (once)
+    cpu_kernels.load_kernels()  # registers the custom calls (once)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32))
-    return call(x2, w.panels).reshape(*lead, w.out_features)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
+    if w.scale is not None:
+        return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
+    return jax.ffi.ffi_call(TARGET, out)(x2, w.panels).reshape(*lead, w.out_features)
 
 
 def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
@@ -79,7 +97,8 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     params too."""
 
     def pack_layer(lp: LayerParams) -> LayerParams:  # a layer's matrices are its projections
-        return jax.tree.map(lambda w: pack_weight(w) if len(w.shape) == 2 else w, lp)
+        return jax.tree.map(lambda w: pack_weight(w) if isinstance(w, QuantizedWeight) or len(w.shape) == 2 else w,
+                            lp, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
     layers = tuple(pack_layer(lp) for lp in params.layers)
     if not pack_head:
@@ -98,7 +117,8 @@ def linear_candidates(name: str, dtype, tensor_parallel: bool = False) -> list[s
     preference order (`auto` on a CPU: cpu and xla, measured by the runner per step
     shape: built for AVX2 the kernel won at 32 rows and lost at 512); an explicit
     choice that cannot work raises ValueError saying why. Tensor-parallel steps run
-    plain weights (the packed layout is not sharded)."""
+    plain weights (the packed layout is not sharded). Int8 weights pack too (int8
+    panels, jaxllm.models.quant)."""
     preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
 
     def unavailable(backend: str) -> str | None:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int8
 
 if TYPE_CHECKING:
     from jaxllm.config import ModelConfig
@@ -30,17 +30,32 @@ PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/
 @struct.dataclass
 class PackedWeight:
     """An [in, out] weight as panels of PANEL columns, [out/PANEL, in, PANEL], the last
-    panel zero-padded: the layout the `cpu` linear backend multiplies."""
+    panel zero-padded: the layout the `cpu` linear backend multiplies. An int8 weight
+    (QuantizedWeight) packs its values so, with its scales padded to the panels' columns."""
 
-    panels: Float[Array, "P K 32"]
+    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"]
     out_features: int = struct.field(pytree_node=False)
+    scale: Float[Array, "P32"] | None = None
 
     @property
     def in_features(self) -> int:
         return self.panels.shape[1]
 
 
-Weight = Float[Array, "K N"] | PackedWeight
+@struct.dataclass
+class QuantizedWeight:
+    """An [in, out] weight as int8 values and a float32 scale per output column:
+    w[k, n] ~ q[k, n] * scale[n] (symmetric, weight-only: jaxllm.models.quant)."""
+
+    q: Int8[Array, "K N"]
+    scale: Float[Array, "N"]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+
+Weight = Float[Array, "K N"] | PackedWeight | QuantizedWeight
 
 
 @struct.dataclass
@@ -81,6 +96,7 @@ class ParamDecl:
     hf: tuple[tuple[str, int], ...]
     transposed: bool = False
     kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
+    quant: str | None = None  # a projection held quantized ("int8": QuantizedWeight); None: as loaded
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
@@ -103,6 +119,7 @@ def declare(cfg: ModelConfig) -> ModelParams:
     """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = cfg.q_size + 2 * cfg.kv_size
+    quant = cfg.quantization if cfg.quantization not in (None, "none") else None
 
     def layer(i: int) -> LayerParams:
         p = f"model.layers.{i}."
@@ -111,15 +128,18 @@ def declare(cfg: ModelConfig) -> ModelParams:
         named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
         return LayerParams(
             attn_norm=ParamDecl((d,), ("embed",), ((p + "input_layernorm.weight", d),)),
-            wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2)),
+            wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2),
+                          quant=quant),
             bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias"), kv_parts=(1, 2)) if cfg.qkv_bias else None,
             q_norm=ParamDecl((hd,), ("head_dim",), ((attn + "q_norm.weight", hd),)) if cfg.qk_norm else None,
             k_norm=ParamDecl((hd,), ("head_dim",), ((attn + "k_norm.weight", hd),)) if cfg.qk_norm else None,
-            wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True),
+            wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True,
+                        quant=quant),
             mlp_norm=ParamDecl((d,), ("embed",), ((p + "post_attention_layernorm.weight", d),)),
             w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
-                                transposed=True),
-            w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True),
+                                transposed=True, quant=quant),
+            w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
+                             quant=quant),
         )
 
     return ModelParams(
@@ -127,7 +147,8 @@ def declare(cfg: ModelConfig) -> ModelParams:
         layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=ParamDecl((d,), ("embed",), (("model.norm.weight", d),)),
         lm_head=None if cfg.tie_word_embeddings else ParamDecl(
-            (d, cfg.vocab_size), ("embed", "vocab"), (("lm_head.weight", cfg.vocab_size),), transposed=True),
+            (d, cfg.vocab_size), ("embed", "vocab"), (("lm_head.weight", cfg.vocab_size),), transposed=True,
+            quant=quant),
     )
 
 
@@ -138,7 +159,13 @@ def declarations(cfg: ModelConfig) -> list[ParamDecl]:
 
 def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
     """ModelParams of jax.ShapeDtypeStruct leaves: the shapes `cfg` implies."""
-    return map_declared(lambda decl: jax.ShapeDtypeStruct(decl.shape, dtype), declare(cfg))
+    def abstract(decl: ParamDecl):
+        if decl.quant == "int8":
+            return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8),
+                                   jax.ShapeDtypeStruct(decl.shape[-1:], jnp.float32))
+        return jax.ShapeDtypeStruct(decl.shape, dtype)
+
+    return map_declared(abstract, declare(cfg))
 
 
 # Tensor parallelism over a mesh axis named "model" (Megatron's layout): q/k/v and
@@ -152,7 +179,11 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
     `rules` (unnamed: replicated)."""
     from jax.sharding import PartitionSpec
 
-    return map_declared(lambda decl: PartitionSpec(*(rules.get(a) for a in decl.axes)), declare(cfg))
+    def spec(decl: ParamDecl):
+        whole = PartitionSpec(*(rules.get(a) for a in decl.axes))
+        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1]))) if decl.quant else whole
+
+    return map_declared(spec, declare(cfg))
 
 
 def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:
@@ -217,8 +248,10 @@ def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelPara
     def relayout(decl: ParamDecl, array):
         if len(decl.hf) == 1:
             return array
+        if isinstance(array, QuantizedWeight):  # both lie along the fused (last) axis
+            return QuantizedWeight(relayout(decl, array.q), relayout(decl, array.scale))
         if isinstance(array, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(laid_out_shape(decl, shards, replicas), array.dtype)
+            return jax.ShapeDtypeStruct((*array.shape[:-1], laid_out_shape(decl, shards, replicas)[-1]), array.dtype)
         parts = unfuse(np.asarray(array), [n for _, n in decl.hf])
         laid_out = fuse(parts, shards, part_repeats(decl, replicas))
         return laid_out if isinstance(array, np.ndarray) else jnp.asarray(laid_out, dtype=array.dtype)

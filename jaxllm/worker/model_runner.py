@@ -31,6 +31,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
 from jaxllm.models.linear import linear_candidates, pack_params
+from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import rope_table
 from jaxllm.platform import activation_dtype
@@ -331,6 +332,13 @@ class ModelRunner:
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
         return {b: pack_params(params, pack_head=self.plan.head == "cpu") if b == "cpu" else params
                 for b in self.plan.backends("linear")}
+
+    def describe_weights(self) -> str:
+        """The parameters' bytes per device as held (every layout the plan keeps), and
+        their quantization."""
+        held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
+        quant = self.config.quantization if self.config.quantization not in (None, "none") else "not quantized"
+        return f"{held / 2**20:.0f} MiB ({quant})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""

@@ -1,0 +1,107 @@
+"""Weight-only int8 (jaxllm.models.quant): the arithmetic, what the declaration
+quantizes, and the engine on it against the float engine on the same (fake-quantized)
+weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.config import EngineConfig
+from jaxllm.loaders import load_model
+from jaxllm.loaders.hf import save_hf_folder
+from jaxllm.models.linear import linear
+from jaxllm.models.params import QuantizedWeight, abstract_params, declare, map_declared
+from jaxllm.models.quant import dequantize, param_bytes, quantize_int8, quantize_params, quantized_config
+from tests import multidevice
+from tests.conftest import ARCHITECTURES
+
+
+def test_int8_rounds_each_column_to_its_own_scale():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 24)).astype(np.float32) * rng.uniform(0.01, 3, 24).astype(np.float32)
+    w[:, 5] = 0.0
+    qw = quantize_int8(w)
+    assert qw.q.dtype == np.int8 and qw.scale.dtype == np.float32 and qw.scale.shape == (24,)
+    assert qw.scale[5] == 1.0 and not qw.q[:, 5].any()
+    np.testing.assert_array_equal(np.abs(qw.q).max(axis=0)[np.arange(24) != 5], 127)
+    err = np.abs(np.asarray(dequantize(qw)) - w)
+    assert (err <= qw.scale / 2 * (1 + 1e-6)).all()
+    on_device = quantize_int8(jnp.asarray(w))  # the same numbers from jnp (weights on a device)
+    np.testing.assert_array_equal(np.asarray(on_device.q), qw.q)
+    np.testing.assert_array_equal(np.asarray(on_device.scale), qw.scale)
+
+
+def test_quantized_linear_is_the_matmul_of_the_dequantized_weight():
+    rng = np.random.default_rng(1)
+    qw = quantize_int8(jnp.asarray(rng.standard_normal((96, 40)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((7, 96)), jnp.float32)
+    want = np.asarray(jnp.matmul(x, dequantize(qw), precision="highest"))
+    got = np.asarray(jax.jit(linear)(x, qw))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_the_declaration_says_what_is_quantized(test_models_dir, name):
+    """The projections (an untied output projection too), never the embedding or the
+    norms; loading gives exactly the abstract params' shapes and dtypes."""
+    model = load_model(test_models_dir / name, "float32", quantization="int8")
+    cfg = model.config
+    assert cfg.quantization == "int8"
+    quantized = map_declared(lambda decl: decl.quant == "int8", declare(cfg))
+    layer = quantized.layers[0]
+    assert layer.wqkv and layer.wo and layer.w_gate_up and layer.w_down
+    assert not (quantized.embed or layer.attn_norm or layer.mlp_norm or quantized.final_norm)
+    assert quantized.lm_head is None if cfg.tie_word_embeddings else quantized.lm_head
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
+    assert shapes(model.params) == shapes(abstract_params(cfg, jnp.float32))
+    assert isinstance(model.params.layers[0].wqkv, QuantizedWeight)
+    full = load_model(test_models_dir / name, "float32")
+    assert param_bytes(model.params) < 0.6 * param_bytes(full.params)
+
+
+def _fake_quantized_folder(src, dst):
+    """An HF folder whose projections are their int8 round trip (float32 values that
+    int8 holds exactly, up to the scale's rounding)."""
+    model = load_model(src, "float32")
+    cfg = quantized_config(model.config, "int8")
+    dequantized = jax.tree.map(lambda w: np.asarray(dequantize(w)) if isinstance(w, QuantizedWeight) else w,
+                               quantize_params(cfg, model.params), is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return save_hf_folder(dst, model.config, dequantized, model.tokenizer)
+
+
+def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_models_dir, tmp_path):
+    """The oracle: the float engine on weights already rounded to int8 x scale. Greedy
+    tokens identical, logprobs within 1e-4; and int8 from the original checkpoint is
+    the same model (quantizing is idempotent)."""
+    folder = _fake_quantized_folder(test_models_dir / "llama", tmp_path / "fq")
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 23, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for key, path, quantization in (("float", folder, None), ("int8", folder, "int8"),
+                                    ("int8-original", test_models_dir / "llama", "int8")):
+        llm = LLM(str(path), quantization=quantization, max_model_len=128, progress=False)
+        runs[key] = llm.generate(prompts, params, use_tqdm=False)
+        if quantization:
+            assert "weights" in llm.llm_engine.core.describe() and "(int8)" in llm.llm_engine.core.describe()
+    for other in ("int8", "int8-original"):
+        for a, b in zip(runs["float"], runs[other]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, other
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                for t in set(x) & set(y):
+                    assert abs(x[t].logprob - y[t].logprob) < 1e-4, (other, t)
+
+
+def test_int8_weights_shard_for_tensor_parallelism(test_models_dir):
+    """Values split like the float weight, scales with their output columns: TP=2
+    logits equal one device's."""
+    multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", "int8", devices=2)
+
+
+def test_an_unknown_quantization_is_refused_naming_the_choices(test_models_dir):
+    with pytest.raises(ValueError, match="quantization: unknown 'int3'.*int8"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization: unknown 'int3'"):
+        load_model(test_models_dir / "llama", "float32", quantization="int3")
