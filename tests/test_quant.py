@@ -105,3 +105,13 @@ def test_an_unknown_quantization_is_refused_naming_the_choices(test_models_dir):
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="quantization: unknown 'int3'"):
         load_model(test_models_dir / "llama", "float32", quantization="int3")
+
+
+def test_auto_runs_int8_weights_on_the_kernel_alone():
+    """XLA's dot converts a whole int8 matrix per call: `auto` does not measure it
+    against the kernel for quantized weights (an explicit xla still runs it)."""
+    from jaxllm.models.linear import linear_candidates
+
+    assert linear_candidates("auto", jnp.float32, quantized=True) == ["cpu"]
+    assert linear_candidates("xla", jnp.float32, quantized=True) == ["xla"]
+    assert linear_candidates("auto", jnp.float32) == ["cpu", "xla"]

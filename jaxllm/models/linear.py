@@ -112,13 +112,16 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     return params.replace(layers=layers, lm_head=pack_weight(lm_head))
 
 
-def linear_candidates(name: str, dtype, tensor_parallel: bool = False) -> list[str]:
+def linear_candidates(name: str, dtype, tensor_parallel: bool = False, quantized: bool = False) -> list[str]:
     """The backends `name` may mean for this compute dtype on this platform, in
     preference order (`auto` on a CPU: cpu and xla, measured by the runner per step
     shape: built for AVX2 the kernel won at 32 rows and lost at 512); an explicit
     choice that cannot work raises ValueError saying why. Tensor-parallel steps run
-    plain weights (the packed layout is not sharded). Int8 weights pack too (int8
-    panels, jaxllm.models.quant)."""
+    plain weights (the packed layout is not sharded). `quantized` (int8 weights) on a
+    CPU: `auto` is the kernel alone where it builds, unmeasured: XLA's dot converts the
+    whole int8 matrix to float32 on every call, 4x the bytes the kernel reads (batch-1
+    decode of SmolLM2 at 0.35x float32, where the kernel gives 1.8x); measuring by the
+    summed step time chose it anyway under the AVX2 build, for its lead at 512 rows."""
     preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
 
     def unavailable(backend: str) -> str | None:
@@ -128,7 +131,8 @@ def linear_candidates(name: str, dtype, tensor_parallel: bool = False) -> list[s
             return "its packed weights are not sharded for tensor parallelism"
         return _cpu_backend_unavailable(dtype)
 
-    return backend_candidates("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
+    candidates = backend_candidates("linear_backend", name, LINEAR_BACKENDS, preference, unavailable, logger)
+    return candidates[:1] if quantized and name == "auto" and candidates[0] == "cpu" else candidates
 
 
 def _cpu_backend_unavailable(dtype) -> str | None:

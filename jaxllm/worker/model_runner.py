@@ -239,7 +239,8 @@ class ModelRunner:
         leaves a choice, except over several processes (their timings would differ, and
         the plans must agree: the first candidate)."""
         attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype)
-        linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None)
+        linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None,
+                                   quantized=self.config.quantization not in (None, "none"))
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype, self.buckets, attention, linear,

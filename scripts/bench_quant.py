@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Weight quantization on a CPU (issue 19): each format against float32, in one run.
+
+Per format (`--formats`, default none,int8): the parameter bytes the engine holds,
+batch-1 decode (a 64-token prompt, 128 greedy tokens), offline throughput (32 requests:
+64-token prompts, 128 tokens each, all queued at once), and quality against float32:
+mean and max |logprob difference| of the prompt logprobs of the reference prompts
+(scripts/eval_tasks/capitals.jsonl's chats, rendered with the chat template), and the
+capitals score (the expected answer in the 16-token greedy answer, as
+`scripts/batch_eval.py --score` counts).
+
+    .venv/bin/python scripts/bench_quant.py                 # the embedded SmolLM2
+    .venv/bin/python scripts/bench_quant.py --formats none,int8 --model path/to/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.platform import host_cpu
+
+CAPITALS = Path(__file__).parent / "eval_tasks" / "capitals.jsonl"
+
+
+def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def measure(model: str | None, quantization: str, items: list[dict]) -> dict:
+    llm = LLM(model, quantization=quantization, max_model_len=1024, progress=False)
+    core = llm.llm_engine.core
+    rng = np.random.default_rng(0)
+    random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]
+    decode = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    llm.generate(random_prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
+    s1, n1 = timed_generate(llm, random_prompts[:1], decode)
+    s32, n32 = timed_generate(llm, random_prompts, decode)
+    tok = llm.get_tokenizer()
+    chats = [tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=False) for it in items]
+    scored = llm.generate(chats, SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=0),
+                          use_tqdm=False)
+    result = {
+        "format": quantization, "describe": core.describe(), "weights": core.runner.describe_weights(),
+        "batch1_tok_s": n1 / s1, "batch32_tok_s": n32 / s32,
+        "prompt_logprobs": [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in scored],
+        "correct": sum(any(a.lower() in o.outputs[0].text.lower() for a in _answers(it)) for o, it in zip(scored, items)),
+    }
+    del llm, core
+    gc.collect()
+    return result
+
+
+def _answers(item: dict) -> list[str]:
+    expected = item.get("expected", [])
+    return [expected] if isinstance(expected, str) else list(expected)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--formats", default="none,int8")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    items = [json.loads(line) for line in CAPITALS.read_text().splitlines() if line.strip()]
+    print(f"host: {host_cpu().split('|')[0]}", flush=True)
+    results = [measure(args.model, q, items) for q in args.formats.split(",")]
+    base = results[0]
+    print(f"\n{'format':8s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
+          f"{'capitals':>10s}{'mean |dlp|':>12s}{'max |dlp|':>11s}")
+    for r in results:
+        diffs = np.concatenate([np.abs(np.subtract(a, b)) for a, b in zip(r["prompt_logprobs"], base["prompt_logprobs"])])
+        r["mean_abs_logprob_diff"], r["max_abs_logprob_diff"] = float(diffs.mean()), float(diffs.max())
+        print(f"{r['format']:8s}{r['weights']:>22s}{r['batch1_tok_s']:15.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:7.2f}"
+              f"{r['batch32_tok_s']:14.1f}{r['batch32_tok_s'] / base['batch32_tok_s']:7.2f}"
+              f"{r['correct']:>5d}/{len(items):<4d}{r['mean_abs_logprob_diff']:12.4f}{r['max_abs_logprob_diff']:11.3f}")
+    for r in results:
+        print(f"{r['format']}: {r['describe']}")
+    if args.out:
+        args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "prompt_logprobs"} for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
