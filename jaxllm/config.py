@@ -20,10 +20,11 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
 # Weight quantization (jaxllm.models.quant): None keeps a checkpoint as stored (a GGUF
-# is still dequantized at load: keeping its blocks packed is not built yet), "none"
-# dequantizes everything to the dtype, "int8" is weight-only int8 with a scale per
-# output channel, quantized at load.
-QUANTIZATIONS = (None, "none", "int8")
+# whose projections are all Q8_0 keeps those blocks; other GGUF types are dequantized),
+# "none" dequantizes everything to the dtype, "int8" is weight-only int8 with a scale
+# per output channel and "q8_0" int8 with a scale per 32 inputs (GGUF's Q8_0
+# arithmetic), both quantized at load from a float checkpoint.
+QUANTIZATIONS = (None, "none", "int8", "q8_0")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
@@ -152,6 +153,7 @@ class ModelConfig:
                 qk_norm=model_type == "qwen3",
                 sliding_window=int(sliding_window) if sliding_window else None,
                 checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+                quantization=hf.get("jaxllm_quantization"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -253,6 +255,8 @@ class ModelConfig:
         }
         if self.rope.freq_factors is not None:  # not an HF field: jaxllm reads it back
             out["rope_freq_factors"] = list(self.rope.freq_factors)
+        if self.quantization not in (None, "none"):  # a converted checkpoint holding quantized projections
+            out["jaxllm_quantization"] = self.quantization
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "mistral":

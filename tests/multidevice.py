@@ -49,6 +49,10 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization
     if quantization == "int8":  # the values as the weight, the scales with their columns
         assert wqkv.q.sharding.spec == P(None, "model") and wqkv.scale.sharding.spec == P("model")
         wqkv = wqkv.q
+    if quantization == "q8_0":  # [K / 32, N] scales split like the values (row-parallel: by input groups)
+        assert wqkv.scale.sharding.spec == P(None, "model")
+        assert tp.params.layers[0].w_down.scale.sharding.spec == P("model", None)
+        wqkv = wqkv.q
     assert wqkv.sharding.spec == P(None, "model")
     local = shard_config(model.config, int(size))
     assert tp.caches[0].k.addressable_shards[0].data.shape[2] == local.num_kv_heads

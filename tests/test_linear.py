@@ -17,7 +17,7 @@ from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, pack_params, pack_weight, linear_candidates, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import PackedWeight, abstract_params
-from jaxllm.models.quant import dequantize, quantize_int8
+from jaxllm.models.quant import dequantize, quantize_int8, quantize_q8_0
 from tests.paged_driver import PagedDriver
 from tests.test_engine import assert_no_leaks, make_llm
 
@@ -27,23 +27,30 @@ from tests.test_engine import assert_no_leaks, make_llm
     [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
      (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
 )
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "q8_0"])
 def test_dense_kernel_matches_numpy(m, k, n, weights):
-    """float32 panels, and int8 ones (jaxllm.models.quant) against their dequantized matrix."""
+    """float32 panels, and int8 ones (jaxllm.models.quant; scales per column or per 32
+    inputs) against their dequantized matrix."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
-    if weights == "int8":
-        quantized = quantize_int8(w)
+    if weights == "q8_0" and k % 32:
+        pytest.skip("Q8_0 blocks are 32 inputs")
+    if weights != "float32":
+        quantized = quantize_int8(w) if weights == "int8" else quantize_q8_0(w)
         w = np.asarray(dequantize(quantized))
         packed = pack_weight(quantized)
-        assert packed.panels.dtype == jnp.int8 and packed.scale.shape == (packed.panels.shape[0] * 32,)
+        assert packed.panels.dtype == jnp.int8
+        assert packed.scale.shape == ((packed.panels.shape[0] * 32,) if weights == "int8" else
+                                      (packed.panels.shape[0], k // 32, 32))
     else:
         packed = pack_weight(jnp.asarray(w))
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed))
     ref = x.astype(np.float64) @ w.astype(np.float64)
     assert got.shape == (m, n)
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=(2e-6 if weights == "float32" else 4e-6) * np.abs(ref).max())
+    if weights == "q8_0":  # each weight rounded once, as dequantized at load: the float panels' very sums
+        np.testing.assert_array_equal(got, np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(jnp.asarray(w)))))
 
 
 def test_dense_kernel_keeps_leading_dims_and_a_second_call_with_fewer_rows():

@@ -132,8 +132,9 @@ def test_gguf_quantized_types_dequantize_in_place(test_models_dir, tmp_path, qty
     """Each quantized weight lands where its float32 original was: the relative error
     is the quantization error (a misplaced row or a wrong orientation gives ~1.4)."""
     hf = load_model(test_models_dir / "llama")
-    ours = load_model(make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", qtype))
-    for a, b in zip(jax_leaves(ours.params), jax_leaves(hf.params)):
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", qtype)
+    ours = load_model(path, quantization="none")  # dequantized (Q8_0 projections are otherwise kept)
+    for a, b in zip(jax_leaves(ours.params), jax_leaves(hf.params), strict=True):
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel < max_rel_err
 
@@ -209,7 +210,8 @@ def test_orbax_checkpoint_round_trip(test_models_dir, tmp_path):
     save_checkpoint(tmp_path / "ckpt", original.config, original.params, original.tokenizer, source=str(path))
     restored = load_model(tmp_path / "ckpt")
     assert restored.config == original.config  # rope_freqs factors included
-    for a, b in zip(jax_leaves(restored.params), jax_leaves(original.params)):
+    assert original.config.quantization == "q8_0"  # the blocks kept, and restored as they were saved
+    for a, b in zip(jax_leaves(restored.params), jax_leaves(original.params), strict=True):
         np.testing.assert_array_equal(a, b)
     assert restored.tokenizer.encode(TEXT) == original.tokenizer.encode(TEXT)
     assert restored.tokenizer.chat_template == original.tokenizer.chat_template
@@ -218,7 +220,7 @@ def test_orbax_checkpoint_round_trip(test_models_dir, tmp_path):
 def test_gguf_conversion_cache(test_models_dir, tmp_path, monkeypatch):
     """With a conversion cache, the first load of a GGUF keeps an orbax checkpoint and
     the next restores it (same weights, config and tokenizer); a changed file misses."""
-    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q8_0")
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_0")  # dequantized
     cache = tmp_path / "converted"
     first = load_model(path, conversion_cache_dir=cache)
     (entry,) = cache.iterdir()
@@ -256,7 +258,7 @@ def test_peek_model_config_agrees_with_load_model(test_models_dir, tmp_path):
     spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)  # noqa: E731
     assert spec(abstract_params(loaded.config, jax.numpy.float32)) == spec(loaded.params)
 
-    path = make_test_model.write_gguf(folder, tmp_path / "llama.gguf", "Q8_0")
+    path = make_test_model.write_gguf(folder, tmp_path / "llama.gguf", "Q4_0")  # converted (Q8_0 is kept)
     cache = tmp_path / "converted"
     assert peek_model_config(path) is None  # no conversion cache: the GGUF must be parsed
     assert peek_model_config(path, conversion_cache_dir=cache) is None  # not converted yet

@@ -13,9 +13,14 @@ from jaxllm.loaders import load_model
 from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear
 from jaxllm.models.params import QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import dequantize, param_bytes, quantize_int8, quantize_params, quantized_config
+from jaxllm.models.quant import (dequantize, param_bytes, quantize_int8, quantize_params, quantize_q8_0,
+                                 quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES
+
+
+# engines with few step shapes and no attention measurement: the tests are of the weights
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
 
 
 def test_int8_rounds_each_column_to_its_own_scale():
@@ -82,7 +87,7 @@ def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_
     runs = {}
     for key, path, quantization in (("float", folder, None), ("int8", folder, "int8"),
                                     ("int8-original", test_models_dir / "llama", "int8")):
-        llm = LLM(str(path), quantization=quantization, max_model_len=128, progress=False)
+        llm = LLM(str(path), quantization=quantization, **SMALL)
         runs[key] = llm.generate(prompts, params, use_tqdm=False)
         if quantization:
             assert "weights" in llm.llm_engine.core.describe() and "(int8)" in llm.llm_engine.core.describe()
@@ -94,10 +99,11 @@ def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_
                     assert abs(x[t].logprob - y[t].logprob) < 1e-4, (other, t)
 
 
-def test_int8_weights_shard_for_tensor_parallelism(test_models_dir):
-    """Values split like the float weight, scales with their output columns: TP=2
-    logits equal one device's."""
-    multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", "int8", devices=2)
+@pytest.mark.parametrize("quantization", ["int8", "q8_0"])
+def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, quantization):
+    """Values split like the float weight, scales with their output columns (and Q8_0's
+    with their input groups too): TP=2 logits equal one device's."""
+    multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", quantization, devices=2)
 
 
 def test_an_unknown_quantization_is_refused_naming_the_choices(test_models_dir):
@@ -115,3 +121,72 @@ def test_auto_runs_int8_weights_on_the_kernel_alone():
     assert linear_candidates("auto", jnp.float32, quantized=True) == ["cpu"]
     assert linear_candidates("xla", jnp.float32, quantized=True) == ["xla"]
     assert linear_candidates("auto", jnp.float32) == ["cpu", "xla"]
+
+
+def test_q8_0_is_gguf_s_own_quantizer():
+    """quantize_q8_0's blocks dequantize, by gguf's own code, to what dequantize gives."""
+    import gguf
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    qw = quantize_q8_0(w)
+    assert qw.group == 32 and qw.q.shape == (64, 48) and qw.scale.shape == (2, 48)
+    blocks = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType.Q8_0)
+    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).T
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight has 40 inputs, not a multiple of 32"):
+        quantize_q8_0(w[:40], "model.layers.0.mlp.down_proj.weight")
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])  # tied embeddings and
+# RoPE row order; an untied head, biases
+def test_a_q8_0_gguf_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, name):
+    """A GGUF whose projections are Q8_0 keeps those blocks (int8 values, float32 scales
+    per 32 inputs) and gives the very logprobs of the same file dequantized at load
+    (quantization="none"), through the kernel and through XLA's dot; the weights take
+    well under half the bytes."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", "Q8_0")
+    kept, dequantized = load_model(path, "float32"), load_model(path, "float32", quantization="none")
+    assert kept.config.quantization == "q8_0" and dequantized.config.quantization is None
+    assert isinstance(kept.params.layers[0].w_down, QuantizedWeight) and kept.params.layers[0].w_down.group == 32
+    assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+    def numbers(quantization, linear_backend):
+        llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, **SMALL)
+        values = []
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
+            values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
+        return np.array(values)
+
+    for backend in ("cpu", "xla"):
+        np.testing.assert_array_equal(numbers(None, backend), numbers("none", backend), err_msg=backend)
+
+
+def test_int8_of_a_q8_0_gguf_is_refused(test_models_dir, tmp_path):
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="holds its projections as Q8_0.*would re-quantize"):
+        load_model(path, "float32", quantization="int8")
+    assert load_model(path, "float32", quantization="q8_0").config.quantization == "q8_0"
+
+
+def test_the_conversion_cache_never_turns_kept_blocks_into_floats(test_models_dir, tmp_path):
+    """A Q8_0 GGUF is not converted while its blocks are kept; its dequantized load
+    ("none") is, under a key of its own, which a later default load does not read."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", "Q8_0")
+    cache = tmp_path / "converted"
+    assert load_model(path, conversion_cache_dir=cache).config.quantization == "q8_0"
+    assert not cache.exists() or not list(cache.iterdir())
+    assert load_model(path, conversion_cache_dir=cache, quantization="none").config.quantization is None
+    assert len(list(cache.iterdir())) == 1
+    again = load_model(path, conversion_cache_dir=cache)
+    assert again.config.quantization == "q8_0" and isinstance(again.params.layers[0].wo, QuantizedWeight)

@@ -20,6 +20,7 @@ TARGETS = {
     "jaxllm_ragged_paged_attention_f32": "JaxllmRaggedPagedAttentionF32",
     "jaxllm_dense_f32": "JaxllmDenseF32",
     "jaxllm_dense_i8": "JaxllmDenseI8",
+    "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
 }

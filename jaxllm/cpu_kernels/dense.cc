@@ -64,7 +64,8 @@ inline f32xN load_weights(const int8_t* p) {
 }
 #endif
 
-constexpr int kPanel = 32;          // columns per packed panel: two vectors
+constexpr int kPanel = 32;
+constexpr int kGroup = 32;          // inputs per scale of a Q8_0 panel (GGUF's block)          // columns per packed panel: two vectors
 constexpr int kTileRows = 12;       // rows of a packed tile of x
 constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
 
@@ -82,8 +83,11 @@ constexpr int kNarrowRows = 6;
 
 // out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
 // in vectors of the native width (f32xN: 2 per 16 columns with AVX2, 4 with NEON).
-template <int G, typename W>
-void narrow_tile(const float* xt, int g, const W* panel, int h, int64_t K, float* out, const W* prefetch) {
+// `gscale` (Q8_0 panels; else null): the panel's scales [K / 32][32], each weight
+// multiplied by its own before use, rounded once as gguf's dequantization rounds.
+template <int G, typename W, bool kGroups>
+void narrow_tile(const float* xt, int g, const W* panel, const float* gscale, int h, int64_t K, float* out,
+                 const W* prefetch) {
   constexpr int V = 16 / jaxllm::kLanes;
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
@@ -92,6 +96,8 @@ void narrow_tile(const float* xt, int g, const W* panel, int h, int64_t K, float
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
     for (int v = 0; v < V; ++v) w[v] = load_weights(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
+    if constexpr (kGroups)
+      for (int v = 0; v < V; ++v) w[v] *= loadN(gscale + (k / kGroup) * kPanel + 16 * h + v * jaxllm::kLanes);
     if (prefetch) {
       __builtin_prefetch(prefetch + k * kPanel);
       __builtin_prefetch(prefetch + k * kPanel + 16);
@@ -105,27 +111,31 @@ void narrow_tile(const float* xt, int g, const W* panel, int h, int64_t K, float
     for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + 16 * h + v * jaxllm::kLanes, acc[i][v]);
 }
 
-template <int R, typename W>
-void narrow_tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
-                             const W* prefetch) {
+template <int R, typename W, bool kGroups>
+void narrow_tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
+                             int cols, const W* prefetch) {
   constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
   float out[kTileRows * kPanel];
   for (int h = 0; h < 2; ++h) {
-    narrow_tile<G1, W>(xt, 0, panel, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
-    if constexpr (G2 > 0) narrow_tile<G2, W>(xt, G1, panel, h, K, out, nullptr);
+    narrow_tile<G1, W, kGroups>(xt, 0, panel, gscale, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
+    if constexpr (G2 > 0) narrow_tile<G2, W, kGroups>(xt, G1, panel, gscale, h, K, out, nullptr);
   }
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
-template <int R, typename W>
-void wide_tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
-                           const W* prefetch) {
+template <int R, typename W, bool kGroups>
+void wide_tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
+                           int cols, const W* prefetch) {
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
-    const f32xN w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + 16);
+    f32xN w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + 16);
+    if constexpr (kGroups) {
+      w0 *= loadN(gscale + (k / kGroup) * kPanel);
+      w1 *= loadN(gscale + (k / kGroup) * kPanel + 16);
+    }
     if (prefetch) {
       __builtin_prefetch(prefetch + k * kPanel);
       __builtin_prefetch(prefetch + k * kPanel + 16);
@@ -152,24 +162,24 @@ void wide_tile_times_panel(const float* xt, const W* panel, int64_t K, float* y,
 }
 
 // The tile this build runs (the other is never instantiated).
-template <int R, typename W>
-void tile_times_panel(const float* xt, const W* panel, int64_t K, float* y, int64_t ldy, int cols,
-                      const W* prefetch) {
+template <int R, typename W, bool kGroups>
+void tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
+                      int cols, const W* prefetch) {
   if constexpr (kWideTile) {
-    wide_tile_times_panel<R, W>(xt, panel, K, y, ldy, cols, prefetch);
+    wide_tile_times_panel<R, W, kGroups>(xt, panel, gscale, K, y, ldy, cols, prefetch);
   } else {
-    narrow_tile_times_panel<R, W>(xt, panel, K, y, ldy, cols, prefetch);
+    narrow_tile_times_panel<R, W, kGroups>(xt, panel, gscale, K, y, ldy, cols, prefetch);
   }
 }
 
-template <typename W>
-using TileFn = void (*)(const float*, const W*, int64_t, float*, int64_t, int, const W*);
-template <typename W>
-constexpr TileFn<W> kTileFns[kTileRows + 1] = {
-    nullptr,                  tile_times_panel<1, W>,  tile_times_panel<2, W>, tile_times_panel<3, W>,
-    tile_times_panel<4, W>,   tile_times_panel<5, W>,  tile_times_panel<6, W>, tile_times_panel<7, W>,
-    tile_times_panel<8, W>,   tile_times_panel<9, W>,  tile_times_panel<10, W>, tile_times_panel<11, W>,
-    tile_times_panel<12, W>};
+template <typename W, bool G>
+using TileFn = void (*)(const float*, const W*, const float*, int64_t, float*, int64_t, int, const W*);
+template <typename W, bool G>
+constexpr TileFn<W, G> kTileFns[kTileRows + 1] = {
+    nullptr,                     tile_times_panel<1, W, G>,  tile_times_panel<2, W, G>,  tile_times_panel<3, W, G>,
+    tile_times_panel<4, W, G>,   tile_times_panel<5, W, G>,  tile_times_panel<6, W, G>,  tile_times_panel<7, W, G>,
+    tile_times_panel<8, W, G>,   tile_times_panel<9, W, G>,  tile_times_panel<10, W, G>, tile_times_panel<11, W, G>,
+    tile_times_panel<12, W, G>};
 
 // Tile t of x (rows t*12 .. t*12+11, zeros past M) into xt[K][12].
 void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
@@ -180,8 +190,9 @@ void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
   }
 }
 
-// y = x @ panels (times `scales`, one per column of the padded panels, when given).
-template <typename W, typename PanelBuffer>
+// y = x @ panels (times `scales`, one per column of the padded panels, when given; with
+// kGroups, `scales` are [num_panels][K / 32][32], applied to the weights as they load).
+template <typename W, bool kGroups, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
@@ -226,8 +237,9 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
       float* yt = Y + t * kTileRows * N + p * kPanel;
-      kTileFns<W>[rows](XT + t * kTileRows * K, panel, K, yt, N, cols, t == t0 ? prefetch : nullptr);
-      if (scales)
+      const float* gscale = kGroups ? scales + p * (K / kGroup) * kPanel : nullptr;
+      kTileFns<W, kGroups>[rows](XT + t * kTileRows * K, panel, gscale, K, yt, N, cols, t == t0 ? prefetch : nullptr);
+      if (!kGroups && scales)
         for (int i = 0; i < rows; ++i)
           for (int c = 0; c < cols; ++c) yt[i * N + c] *= scales[p * kPanel + c];
     }
@@ -237,7 +249,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
 
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                     ffi::ResultBuffer<ffi::F32> y) {
-  return Dense<float>(pool, x, panels, nullptr, y);
+  return Dense<float, false>(pool, x, panels, nullptr, y);
 }
 
 ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -245,10 +257,28 @@ ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const auto pd = panels.dimensions(), sd = scales.dimensions();
   if (pd.size() != 3 || sd.size() != 1 || sd[0] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("dense_i8: scales must be [N/32 * 32], one per column of the panels");
-  return Dense<int8_t>(pool, x, panels, scales.typed_data(), y);
+  return Dense<int8_t, false>(pool, x, panels, scales.typed_data(), y);
+}
+
+ffi::Error DenseQ8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  const auto pd = panels.dimensions(), sd = scales.dimensions();
+  if (pd.size() != 3 || pd[1] % kGroup || sd.size() != 3 || sd[0] != pd[0] || sd[1] != pd[1] / kGroup ||
+      sd[2] != kPanel)
+    return ffi::Error::InvalidArgument("dense_q8_0: panels must be [P, K, 32] with K a multiple of 32, "
+                                       "scales [P, K/32, 32]");
+  return Dense<int8_t, true>(pool, x, panels, scales.typed_data(), y);
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
                               ffi::Ffi::Bind()

@@ -15,7 +15,7 @@ from jaxllm.sampling_params import SamplingParams
 class LLM:
     """An engine in this process. `model=None` is the embedded SmolLM2-135M-Instruct.
 
-    Options are EngineConfig's fields (dtype, max_model_len, block_size,
+    Options are EngineConfig's fields (dtype, quantization, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
     tensor_parallel_size, and coordinator_address / num_processes / process_id for an

@@ -51,20 +51,22 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     check_quantization(quantization)
     path = Path(model) if model is not None else default_model_path()
     compute_dtype = resolve_dtype(dtype)
-    folder = _folder_to_read(path, compute_dtype, conversion_cache_dir)
+    folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
         cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host)
     elif path.is_file() and path.suffix == ".gguf":
-        cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template, on_host)
-        converted = _converted_path(path, compute_dtype, conversion_cache_dir)
-        if converted is not None:
+        cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template, on_host, quantization)
+        converted = _converted_path(path, compute_dtype, conversion_cache_dir, quantization)
+        if converted is not None and cfg.quantization is None:  # kept blocks load as fast as a conversion
             _save_conversion(converted, cfg, params, tokenizer, path)
     elif not path.exists():
         raise FileNotFoundError(f"{path}: no such model file or folder")
     else:
         raise CheckpointError(f"{path}: not a model (expected an HF folder or a .gguf file)")
-    cfg = quantized_config(cfg, quantization)
-    return LoadedModel(cfg, quantize_params(cfg, params), tokenizer, path, time.perf_counter() - start)
+    if cfg.quantization is None and quantization not in (None, "none"):  # float weights quantized at load
+        cfg = quantized_config(cfg, quantization)
+        params = quantize_params(cfg, params)
+    return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start)
 
 
 def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto",
@@ -75,27 +77,48 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     already converted in `conversion_cache_dir`); None otherwise. It lets the engine
     load its compiled executables, which need only shapes, while the weights load."""
     path = Path(model) if model is not None else default_model_path()
-    folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir)
+    folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
-    return quantized_config(ModelConfig.from_hf_folder(folder), quantization)
+    cfg = ModelConfig.from_hf_folder(folder)
+    return cfg if quantization in (None, "none") else quantized_config(cfg, quantization)
 
 
-def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None) -> Path | None:
+def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,
+                    quantization: str | None = None) -> Path | None:
     """The folder `load_model` reads: the model's own (HF or converted checkpoint), or a
-    GGUF's conversion kept in the cache; None when a GGUF must be parsed."""
+    GGUF's conversion kept in the cache; None when a GGUF must be parsed. A GGUF whose
+    Q8_0 blocks are kept is never converted, so its key finds nothing unless
+    `quantization` is "none" (dequantized: a key of its own)."""
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
-        converted = _converted_path(path, dtype, conversion_cache_dir)
+        converted = _converted_path(path, dtype, conversion_cache_dir, quantization)
         if converted is not None and is_converted_checkpoint(converted):
             return converted
     return None
 
 
-def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = False):
+def _gguf_quantization(gguf_file: GGUFFile, cfg: ModelConfig, asked: str | None) -> str | None:
+    """What a GGUF's projections are held as: its own Q8_0 blocks unless `asked` is
+    "none" (dequantize); None (dequantized, then quantized as asked). Asking int8 of a
+    Q8_0 file is an error, not a silent re-quantization."""
+    own = gguf_file.own_quantization(cfg)
+    if own is None or asked == "none":
+        return None
+    if asked not in (None, own):
+        raise ValueError(f"quantization {asked!r}: {gguf_file.path} holds its projections as {own.upper()} "
+                         f"(kept as they are by default); {asked} would re-quantize them. Leave quantization "
+                         f"unset to keep them, or 'none' to dequantize")
+    return own
+
+
+def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = False, quantization: str | None = None):
     gguf_file = GGUFFile(path)
     cfg = gguf_file.model_config()
+    own = _gguf_quantization(gguf_file, cfg, quantization)
+    if own is not None:
+        cfg = quantized_config(cfg, own)
     params = load_gguf_params(gguf_file, cfg, dtype, on_host)
     tokenizer = gguf_file.tokenizer()
     if chat_template is not None:
@@ -110,11 +133,12 @@ def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = F
     return cfg, params, load_hf_tokenizer(path, chat_template)
 
 
-def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None) -> Path | None:
+def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:
     if cache_dir is None:
         return None
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    mode = "|dequantized" if quantization == "none" else ""  # else as stored: only files nothing is kept of
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}{mode}".encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{gguf.stem}-{key}"
 
 

@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format), read with the `gguf` library.
 
-Quantized tensors are dequantized to the compute dtype; llama.cpp's interleaved row
+Quantized tensors are dequantized to the compute dtype, except a file whose projections
+are all Q8_0: those blocks are kept (int8 values and their scales, jaxllm.models.quant); llama.cpp's interleaved row
 order of attn_q / attn_k (its converter permutes them for its RoPE kernel) is undone so
 the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special
 tokens) and chat template come from the file's metadata.
@@ -17,7 +18,8 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
-from jaxllm.models.params import ModelParams
+from jaxllm.models.params import Q8_0_GROUP, ModelParams, QuantizedWeight, declarations
+from jaxllm.models.quant import q8_0_parts, quantized_config
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
@@ -97,6 +99,24 @@ class GGUFFile:
             return None
         return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
 
+    def tensor_type(self, name: str) -> str | None:
+        t = self._tensors.get(name)
+        return None if t is None else t.tensor_type.name
+
+    def q8_0_tensor(self, name: str) -> QuantizedWeight:
+        """A Q8_0 tensor's blocks as they are, in HF orientation ([out, in]): int8 values
+        and float32 scales [out, in / 32] (QuantizedWeight's fields, not yet laid out)."""
+        t = self._tensors[name]
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
+        q, scale = q8_0_parts(t.data, rows, cols)
+        return QuantizedWeight(q, scale, Q8_0_GROUP)
+
+    def own_quantization(self, cfg: ModelConfig) -> str | None:
+        """"q8_0" when every projection of `cfg` is stored as Q8_0 (jaxllm keeps those
+        blocks), else None (the file is dequantized)."""
+        names = [name for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant for name, _ in decl.hf]
+        return "q8_0" if all(self.tensor_type(gguf_tensor_name(n)) == "Q8_0" for n in names) else None
+
     def model_config(self) -> ModelConfig:
         cfg = ModelConfig.from_gguf_metadata(self.metadata, source=str(self.path))
         cfg = dataclasses.replace(cfg, tie_word_embeddings=not self.has_tensor("output.weight"))
@@ -141,10 +161,18 @@ class GGUFFile:
 
 
 def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
+    """The file's weights for `cfg`: with `cfg.quantization` "q8_0" (`own_quantization`)
+    the projections' Q8_0 blocks as they are (QuantizedWeight), everything else
+    dequantized to `dtype`."""
     permute_rope = cfg.model_type in ("llama", "mistral")
+    packed = {name for decl in declarations(cfg) if decl.quant == "q8_0" for name, _ in decl.hf}
 
-    def source(hf_name: str) -> np.ndarray | None:
-        w = gguf_file.tensor(gguf_tensor_name(hf_name))
+    def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
+        name = gguf_tensor_name(hf_name)
+        w = gguf_file.q8_0_tensor(name) if hf_name in packed else gguf_file.tensor(name)
+        if isinstance(w, QuantizedWeight):  # the RoPE row order is undone on values and scales alike
+            return QuantizedWeight(*(_unpermuted(hf_name, a, cfg) if permute_rope else a for a in (w.q, w.scale)),
+                                   w.group)
         if w is not None and permute_rope:
             if hf_name.endswith("q_proj.weight"):
                 w = unpermute_rope_rows(w, cfg.num_heads)
@@ -153,4 +181,12 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
         return w
 
     return build_params(cfg, source, dtype, str(gguf_file.path), on_host=on_host)
+
+
+def _unpermuted(hf_name: str, rows: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    if hf_name.endswith("q_proj.weight"):
+        return unpermute_rope_rows(rows, cfg.num_heads)
+    if hf_name.endswith("k_proj.weight"):
+        return unpermute_rope_rows(rows, cfg.num_kv_heads)
+    return rows
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import ModelParams, ParamDecl, declarations, declare, fuse, map_declared, unfuse
+from jaxllm.models.params import (ModelParams, ParamDecl, QuantizedWeight, declarations, declare, fuse,
+                                  map_declared, unfuse)
 
 TensorSource = Callable[[str], "np.ndarray | None"]
 
@@ -43,25 +44,40 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
     `where` names the checkpoint in error messages.
     """
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray | QuantizedWeight:
         array = source(name)
         if array is None:
             raise CheckpointError(f"{where}: missing tensor {name!r}")
-        if tuple(array.shape) != shape:
+        if tuple(array.q.shape if isinstance(array, QuantizedWeight) else array.shape) != shape:
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"but the model config implies {shape}"
             )
-        return np.asarray(array, dtype=np.float32)
+        return array if isinstance(array, QuantizedWeight) else np.asarray(array, dtype=np.float32)
 
     def load(decl: ParamDecl):
         parts = [get(name, decl.hf_shape(n)) for name, n in decl.hf]
+        if decl.quant:
+            return _load_quantized(decl, parts, on_host, where)
         if decl.transposed:
             parts = [p.T for p in parts]
         array = fuse(parts) if len(parts) > 1 else parts[0]
         return np.ascontiguousarray(array, dtype=jnp.dtype(dtype)) if on_host else jnp.asarray(array, dtype=dtype)
 
     return map_declared(load, declare(cfg))
+
+
+def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> QuantizedWeight:
+    """A projection the source gives quantized (GGUF Q8_0 blocks, [out, in] values and
+    [out, in / 32] scales per part): transposed and fused like a float one, values and
+    scales alike."""
+    if not all(isinstance(p, QuantizedWeight) and p.group for p in parts):
+        raise CheckpointError(f"{where}: {decl.hf[0][0]} is declared {decl.quant} but not stored so")
+    q = fuse([np.ascontiguousarray(p.q.T) for p in parts])
+    scale = fuse([np.ascontiguousarray(p.scale.T) for p in parts])
+    if on_host:
+        return QuantizedWeight(q, scale, parts[0].group)
+    return QuantizedWeight(jnp.asarray(q), jnp.asarray(scale), parts[0].group)
 
 
 def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, np.ndarray]:

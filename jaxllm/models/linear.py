@@ -29,12 +29,14 @@ from jaxtyping import Array, Float
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.quant import dequantize
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
+TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
@@ -45,10 +47,16 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     eagerly."""
     if isinstance(w, QuantizedWeight):
         values = pack_weight(w.q)
-        n_pad = values.panels.shape[0] * PANEL
+        p = values.panels.shape[0]
+        groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
         if isinstance(w.scale, jax.ShapeDtypeStruct):
-            return values.replace(scale=jax.ShapeDtypeStruct((n_pad,), w.scale.dtype))
-        return values.replace(scale=jnp.asarray(np.pad(np.asarray(w.scale), (0, n_pad - w.scale.shape[0]))))
+            shape = (p, *groups, PANEL) if groups else (p * PANEL,)
+            return values.replace(scale=jax.ShapeDtypeStruct(shape, w.scale.dtype), group=w.group)
+        scale = np.asarray(w.scale)
+        scale = np.pad(scale, [(0, 0)] * len(groups) + [(0, p * PANEL - scale.shape[-1])])
+        if groups:  # [G, P * 32] -> [P, G, 32]: a panel's scales next to its values
+            scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
+        return values.replace(scale=jnp.asarray(scale), group=w.group)
     k, n = w.shape
     if isinstance(w, jax.ShapeDtypeStruct):
         return PackedWeight(jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), w.dtype), n)
@@ -61,7 +69,10 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
     """The [in, out] matrix back, dequantized (tests and debugging)."""
     matrix = w.panels.transpose(1, 0, 2).reshape(w.in_features, -1)
-    if w.scale is not None:
+    if w.scale is not None and w.group:
+        scale = w.scale.transpose(1, 0, 2).reshape(w.scale.shape[1], -1)  # [G, P * 32]
+        matrix = dequantize(QuantizedWeight(matrix, scale, w.group))
+    elif w.scale is not None:
         matrix = matrix.astype(jnp.float32) * w.scale
     return matrix[:, : w.out_features]
 
@@ -74,6 +85,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
     the output columns (jaxllm.models.quant)."""
     if isinstance(w, QuantizedWeight):
+        if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
+            return jnp.matmul(x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=preferred_element_type or x.dtype)
         return y * w.scale.astype(y.dtype)
     if not isinstance(w, PackedWeight):
@@ -86,7 +99,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
     if w.scale is not None:
-        return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
+        target = TARGET_Q8_0 if w.group else TARGET_INT8
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
     return jax.ffi.ffi_call(TARGET, out)(x2, w.panels).reshape(*lead, w.out_features)
 
 

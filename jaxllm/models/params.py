@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from jaxllm.config import ModelConfig
 
 
+Q8_0_GROUP = 32  # rows (inputs) per scale of a GGUF Q8_0 block
 PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/dense.cc
 
 
@@ -35,7 +36,8 @@ class PackedWeight:
 
     panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"]
     out_features: int = struct.field(pytree_node=False)
-    scale: Float[Array, "P32"] | None = None
+    scale: Float[Array, "P32"] | Float[Array, "P G 32"] | None = None  # [P * 32] per column, [P, G, 32] per group
+    group: int = struct.field(pytree_node=False, default=0)
 
     @property
     def in_features(self) -> int:
@@ -44,11 +46,14 @@ class PackedWeight:
 
 @struct.dataclass
 class QuantizedWeight:
-    """An [in, out] weight as int8 values and a float32 scale per output column:
-    w[k, n] ~ q[k, n] * scale[n] (symmetric, weight-only: jaxllm.models.quant)."""
+    """An [in, out] weight as int8 values and float32 scales (symmetric, weight-only:
+    jaxllm.models.quant): one per output column, w[k, n] ~ q[k, n] * scale[n], or with
+    `group` > 0 one per column and `group` consecutive rows, w[k, n] = q[k, n] *
+    scale[k // group, n] (GGUF's Q8_0 blocks, group 32, kept as they are)."""
 
     q: Int8[Array, "K N"]
-    scale: Float[Array, "N"]
+    scale: Float[Array, "N"] | Float[Array, "G N"]
+    group: int = struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -96,7 +101,7 @@ class ParamDecl:
     hf: tuple[tuple[str, int], ...]
     transposed: bool = False
     kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
-    quant: str | None = None  # a projection held quantized ("int8": QuantizedWeight); None: as loaded
+    quant: str | None = None  # a projection held quantized ("int8", "q8_0": QuantizedWeight); None: as loaded
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
@@ -163,6 +168,10 @@ def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
         if decl.quant == "int8":
             return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8),
                                    jax.ShapeDtypeStruct(decl.shape[-1:], jnp.float32))
+        if decl.quant == "q8_0":
+            k, n = decl.shape
+            return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8),
+                                   jax.ShapeDtypeStruct((k // Q8_0_GROUP, n), jnp.float32), Q8_0_GROUP)
         return jax.ShapeDtypeStruct(decl.shape, dtype)
 
     return map_declared(abstract, declare(cfg))
@@ -181,7 +190,11 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
 
     def spec(decl: ParamDecl):
         whole = PartitionSpec(*(rules.get(a) for a in decl.axes))
-        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1]))) if decl.quant else whole
+        if not decl.quant:
+            return whole
+        if decl.quant == "q8_0":  # [K / 32, N]: the groups split with the inputs, as the values do
+            return QuantizedWeight(whole, whole, Q8_0_GROUP)
+        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1])))
 
     return map_declared(spec, declare(cfg))
 
@@ -249,7 +262,7 @@ def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelPara
         if len(decl.hf) == 1:
             return array
         if isinstance(array, QuantizedWeight):  # both lie along the fused (last) axis
-            return QuantizedWeight(relayout(decl, array.q), relayout(decl, array.scale))
+            return QuantizedWeight(relayout(decl, array.q), relayout(decl, array.scale), array.group)
         if isinstance(array, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((*array.shape[:-1], laid_out_shape(decl, shards, replicas)[-1]), array.dtype)
         parts = unfuse(np.asarray(array), [n for _, n in decl.hf])

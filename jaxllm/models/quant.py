@@ -22,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import ModelParams, ParamDecl, QuantizedWeight, declare, map_declared
+from jaxllm.models.params import Q8_0_GROUP, ModelParams, ParamDecl, QuantizedWeight, declare, map_declared
 
 INT8_MAX = 127
 
@@ -46,9 +46,39 @@ def quantize_int8(w: Float[Array, "K N"] | np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(q, scale)
 
 
+def quantize_q8_0(w: Float[Array, "K N"] | np.ndarray, name: str = "weight") -> QuantizedWeight:
+    """`w` as GGUF Q8_0 blocks (32 consecutive inputs of one output column share a
+    float16 scale; gguf's own quantizer, bit-exact with llama.cpp's), kept as int8
+    values and float32 scales [K / 32, N]; numpy in, numpy out, else jax arrays."""
+    import gguf
+
+    k, n = w.shape
+    if k % Q8_0_GROUP:
+        raise ValueError(f"quantization 'q8_0': {name} has {k} inputs, not a multiple of {Q8_0_GROUP} (its block)")
+    on_host = isinstance(w, np.ndarray)
+    blocks = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T), gguf.GGMLQuantizationType.Q8_0)
+    q, scale = q8_0_parts(blocks, n, k)
+    q, scale = np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T)
+    return QuantizedWeight(q, scale, Q8_0_GROUP) if on_host else QuantizedWeight(jnp.asarray(q), jnp.asarray(scale),
+                                                                                  Q8_0_GROUP)
+
+
 def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
-    """The float32 matrix `w` stands for (the oracle of the quantized matmul)."""
-    return w.q.astype(jnp.float32) * w.scale
+    """The float32 matrix `w` stands for (the oracle of the quantized matmul): each
+    value times its scale, rounded once, as gguf's Q8_0 dequantization computes it."""
+    if not w.group:
+        return w.q.astype(jnp.float32) * w.scale
+    k, n = w.q.shape
+    return (w.q.reshape(k // w.group, w.group, n).astype(jnp.float32) * w.scale[:, None, :]).reshape(k, n)
+
+
+def q8_0_parts(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 values [rows, cols] and float32 scales [rows, cols / 32] of a GGUF Q8_0
+    tensor's raw blocks (2 bytes of float16 scale, then 32 int8 values, along a row)."""
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, 2 + Q8_0_GROUP)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // Q8_0_GROUP)
+    q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, scale
 
 
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
@@ -67,6 +97,8 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
             return array
         if decl.quant == "int8":
             return quantize_int8(array if isinstance(array, np.ndarray) else jnp.asarray(array))
+        if decl.quant == "q8_0":
+            return quantize_q8_0(array if isinstance(array, np.ndarray) else jnp.asarray(array), decl.hf[0][0])
         raise ValueError(f"quantization {decl.quant!r} is declared but not implemented")
 
     return map_declared(convert, declare(cfg), params)
