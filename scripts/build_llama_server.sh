@@ -21,7 +21,10 @@ case "$ISA" in
   avx2) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF) ;;
   *) echo "LLAMA_ISA: native or avx2, not $ISA" >&2; exit 2 ;;
 esac
-BUILD="$SRC/build$([ "$ISA" = native ] || echo "-$ISA")"
+# A native build runs only on CPUs with the same instructions (one built on an AMD EPYC
+# died of SIGILL on an Intel Xeon): its folder is keyed by this CPU's flags.
+CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)
+BUILD="$SRC/build$([ "$ISA" = native ] && echo "-native-$CPU_KEY" || echo "-$ISA")"
 BIN="$BUILD/bin/llama-server"
 
 if [ ! -x "$BIN" ]; then
