@@ -6,6 +6,7 @@
 #   scripts/build_llama_server.sh [build-dir]      # default build/llamacpp
 #   LLAMA_ISA=avx2 scripts/build_llama_server.sh   # AVX2 + FMA only (no AVX-512), for the
 #                                                  # AVX2 builds of the benchmarks
+#   LLAMA_ISA=avx512 scripts/build_llama_server.sh # AVX-512 without AMX (see below)
 #   -> prints the path of the llama-server binary
 set -euo pipefail
 
@@ -19,10 +20,14 @@ ISA=${LLAMA_ISA:-native}
 case "$ISA" in
   native) FLAGS=(-DGGML_NATIVE=ON) ;;
   avx2) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF) ;;
-  *) echo "LLAMA_ISA: native or avx2, not $ISA" >&2; exit 2 ;;
+  # AVX-512 (VBMI, VNNI, BF16) without AMX: on an Intel Xeon VM whose /proc/cpuinfo lists
+  # AMX, the native build died of SIGILL at its first computation (2026-11-25); this one ran
+  avx512) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+                 -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON) ;;
+  *) echo "LLAMA_ISA: native, avx512 or avx2, not $ISA" >&2; exit 2 ;;
 esac
-# A native build runs only on CPUs with the same instructions (one built on an AMD EPYC
-# died of SIGILL on an Intel Xeon): its folder is keyed by this CPU's flags.
+# A native build runs only on CPUs with the same instructions (the machine changes
+# between sessions): its folder is keyed by this CPU's flags.
 CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8 || echo any)
 BUILD="$SRC/build$([ "$ISA" = native ] && echo "-native-$CPU_KEY" || echo "-$ISA")"
 BIN="$BUILD/bin/llama-server"
