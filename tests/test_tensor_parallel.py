@@ -72,10 +72,14 @@ def test_smollm2_at_three_shards(tmp_path):
     multidevice.run("tp_engine_matches", str(default_model_path()), "3", devices=3, timeout=1200)
 
 
-def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus():
+@pytest.mark.parametrize("quantization", [None, "int8", "q8_0"])
+def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization):
     """Over an AbstractMesh of 8 (no devices needed), the tensor-parallel forward with
     the Pallas kernel lowers for CUDA: the module calls the Triton kernel, all-reduces
-    after each row-parallel projection and the embedding, and all-gathers the logits."""
+    after each row-parallel projection and the embedding, and all-gathers the logits;
+    quantized projections reach the GPU program as int8, sharded with their scales."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh
@@ -91,6 +95,7 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus():
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
                       num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=2048)
+    cfg = dataclasses.replace(cfg, quantization=quantization)
 
     def attention(*args, common_prefix_blocks=None, **kwargs):
         return pallas_kernels.ragged_paged_attention(*args, interpret=False, **kwargs)
@@ -110,6 +115,7 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus():
                                i32(t), i32(t), md).lower(lowering_platforms=("cuda",)).as_text()
     assert has_triton_call(text)
     assert text.count("all_reduce") == 2 * cfg.num_layers + 1 and "all_gather" in text
+    assert ("xi8>" in text) == (quantization is not None)
 
 
 def test_two_processes_as_one_engine(test_models_dir):
