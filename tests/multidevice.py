@@ -166,7 +166,7 @@ def _check_bytes_per_device(cfg, weights, tp: int) -> None:
     print(f"bytes per device at TP={tp}: {want} of {total} ({norms} replicated)")
 
 
-def engine_tokens(folder: str, attention: str, dtype: str, out: str) -> None:
+def engine_tokens(folder: str, attention: str, dtype: str, out: str, quantization: str | None = None) -> None:
     """Greedy tokens and top-2 logprobs of a batch through LLM (shared prefix, chunked
     prefill) on this process's default platform, written as JSON to `out`."""
     import json
@@ -181,7 +181,7 @@ def engine_tokens(folder: str, attention: str, dtype: str, out: str) -> None:
     prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     llm = LLM(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-              attention_backend=attention, dtype=dtype, progress=False)
+              attention_backend=attention, dtype=dtype, quantization=quantization, progress=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
     rows = [{"tokens": o.outputs[0].token_ids,
              "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
@@ -189,20 +189,23 @@ def engine_tokens(folder: str, attention: str, dtype: str, out: str) -> None:
     Path(out).write_text(json.dumps({"platform": jax.default_backend(), "rows": rows}))
 
 
-def platform_tokens_match(folder: str, dtype: str = "float32", tol: str = "1e-3") -> None:
-    """The engine on the default platform (a GPU: attention "pallas") gives the CPU
+def platform_tokens_match(folder: str, dtype: str = "float32", tol: str = "1e-3", quantization: str | None = None,
+                          attention: str = "pallas") -> None:
+    """The engine on the default platform (a GPU: attention `attention`) gives the CPU
     backend's (attention "xla") greedy tokens exactly and its logprobs within `tol`,
-    both at full float32 matmul precision (TF32 would flip near-tied tokens)."""
+    both at full float32 matmul precision (TF32 would flip near-tied tokens), with the
+    projections quantized as `quantization` says on both."""
     import json
     import tempfile
 
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, attention, extra in (("default", "pallas", {}), ("cpu", "xla", {"JAX_PLATFORMS": "cpu"})):
+        for name, backend, extra in (("default", attention, {}), ("cpu", "xla", {"JAX_PLATFORMS": "cpu"})):
             out = str(Path(tmp) / f"{name}.json")
             env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", **extra,
                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            code = f"import tests.multidevice as m; m.engine_tokens({folder!r}, {attention!r}, {dtype!r}, {out!r})"
+            code = (f"import tests.multidevice as m; "
+                    f"m.engine_tokens({folder!r}, {backend!r}, {dtype!r}, {out!r}, {quantization!r})")
             subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True, timeout=600)
             runs[name] = json.loads(Path(out).read_text())
     a, b = runs["default"]["rows"], runs["cpu"]["rows"]
@@ -212,5 +215,5 @@ def platform_tokens_match(folder: str, dtype: str = "float32", tol: str = "1e-3"
         for sx, sy in zip(x["logprobs"], y["logprobs"]):
             worst = max([worst] + [abs(sx[t] - sy[t]) for t in sx if t in sy])
     assert worst < float(tol), worst
-    print(f"ok: {runs['default']['platform']} (pallas) == cpu (xla): {len(a)} requests x 24 tokens identical, "
-          f"max logprob diff {worst:.2e}")
+    print(f"ok: {runs['default']['platform']} ({attention}) == cpu (xla), weights {quantization or 'as stored'}: "
+          f"{len(a)} requests x 24 tokens identical, max logprob diff {worst:.2e}")

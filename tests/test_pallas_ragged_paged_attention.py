@@ -337,7 +337,8 @@ ENGINE_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 32, jnp.float32), (32, 8, 64, jnp.bfloat16)],
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 32, jnp.float32),
+                                            pytest.param(32, 8, 64, jnp.bfloat16, marks=pytest.mark.slow)],
                          ids=["tiny-f32", "llama-3.2-1b-bf16"])
 def test_engine_step_compositions(hq, hkv, d, dtype):
     rng = np.random.default_rng(7)

@@ -99,7 +99,7 @@ def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_
                     assert abs(x[t].logprob - y[t].logprob) < 1e-4, (other, t)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "q8_0"])
+@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow), "q8_0"])
 def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, quantization):
     """Values split like the float weight, scales with their output columns (and Q8_0's
     with their input groups too): TP=2 logits equal one device's."""
