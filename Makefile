@@ -57,7 +57,8 @@ bench: setup-dev
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --num-prompts 64 \
 	  --concurrency-sweep 4,16,32,64 --out bench_results/sweep
 	$(PY) scripts/bench_structured.py --out bench_results/structured.json
-	$(PY) scripts/bench_quant.py --formats none,int8,q8_0 --out bench_results/quant.json
+	$(PY) scripts/bench_quant.py --out bench_results/quant.json
+	$(PY) scripts/bench_quant.py --isa avx2 --out bench_results/quant_avx2.json
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json
 

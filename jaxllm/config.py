@@ -77,7 +77,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys
     checkpoint_dtype: str = "float32"
-    quantization: str | None = None  # of the projection weights as the engine holds them (QUANTIZATIONS)
+    quantization: str | None = None  # the projections as the engine holds them: None (as loaded), "int8", "q8_0"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -255,7 +255,7 @@ class ModelConfig:
         }
         if self.rope.freq_factors is not None:  # not an HF field: jaxllm reads it back
             out["rope_freq_factors"] = list(self.rope.freq_factors)
-        if self.quantization not in (None, "none"):  # a converted checkpoint holding quantized projections
+        if self.quantization is not None:  # a converted checkpoint holding quantized projections
             out["jaxllm_quantization"] = self.quantization
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Weight quantization on a CPU (issue 19): each format against float32, in one run.
 
-Per format (`--formats`, default none,int8): the parameter bytes the engine holds,
+Per format (`--formats`, default none,int8,q8_0): the parameter bytes the engine holds,
 batch-1 decode (a 64-token prompt, 128 greedy tokens), offline throughput (32 requests:
 64-token prompts, 128 tokens each, all queued at once), and quality against float32:
 mean and max |logprob difference| of the prompt logprobs of the reference prompts
 (scripts/eval_tasks/capitals.jsonl's chats, rendered with the chat template), and the
-capitals score (the expected answer in the 16-token greedy answer, as
-`scripts/batch_eval.py --score` counts).
+capitals score (the expected answer as a whole word of the 16-token greedy answer:
+`scripts/batch_eval.py --score`'s `is_correct`).
 
     .venv/bin/python scripts/bench_quant.py                 # the embedded SmolLM2
     .venv/bin/python scripts/bench_quant.py --formats none,int8 --model path/to/model
+    .venv/bin/python scripts/bench_quant.py --isa avx2    # the kernels and XLA as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from batch_eval import is_correct
+from isa_build import ISAS, describe, reexec
+
 from jaxllm import LLM, SamplingParams
-from jaxllm.platform import host_cpu
 
 CAPITALS = Path(__file__).parent / "eval_tasks" / "capitals.jsonl"
 
@@ -52,7 +55,7 @@ def measure(model: str | None, quantization: str, items: list[dict]) -> dict:
         "format": quantization, "describe": core.describe(), "weights": core.runner.describe_weights(),
         "batch1_tok_s": n1 / s1, "batch32_tok_s": n32 / s32,
         "prompt_logprobs": [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in scored],
-        "correct": sum(any(a.lower() in o.outputs[0].text.lower() for a in _answers(it)) for o, it in zip(scored, items)),
+        "correct": sum(is_correct(o.outputs[0].text, _answers(it)) for o, it in zip(scored, items)),
     }
     del llm, core
     gc.collect()
@@ -67,11 +70,14 @@ def _answers(item: dict) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--formats", default="none,int8")
+    p.add_argument("--formats", default="none,int8,q8_0")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
     args = p.parse_args()
+    if not reexec(args.isa):
+        return
     items = [json.loads(line) for line in CAPITALS.read_text().splitlines() if line.strip()]
-    print(f"host: {host_cpu().split('|')[0]}", flush=True)
+    print(describe(args.isa), flush=True)
     results = [measure(args.model, q, items) for q in args.formats.split(",")]
     base = results[0]
     print(f"\n{'format':8s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"

@@ -27,6 +27,32 @@ def run(check: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
 PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris; one two"
 
 
+def shared_prefix_batch():
+    """Five prompts of random token ids sharing a 40-token prefix, 24 greedy tokens each
+    with top-2 logprobs: prefix caching and chunked prefill in one batch."""
+    import numpy as np
+
+    from jaxllm import SamplingParams
+
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(3, 500, 40)]
+    prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
+    return prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def pallas_engine_workload():
+    """tests/test_pallas_engine.py's six prompts (3-60 random token ids) and their greedy
+    sampling params (2-12 tokens)."""
+    import numpy as np
+
+    from jaxllm import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 500, int(rng.integers(3, 60)))] for _ in range(6)]
+    return prompts, [SamplingParams(temperature=0, max_tokens=int(rng.integers(2, 12)), ignore_eos=True)
+                     for _ in prompts]
+
+
 def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization: str | None = None) -> None:
     """Tensor-parallel logits equal one device's within 1e-5 of the logits' scale (the
     all-reduces sum in another order; the test models' logits reach ~20): one prefill,
@@ -75,16 +101,11 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     """LLM(tensor_parallel_size=size): greedy tokens and logprobs of a batch (prefix
     caching on, chunked prefill, a preemption forced by a small KV pool) equal one
     device's; nothing compiles after warm-up."""
-    import numpy as np
-
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
     from jaxllm.loaders import load_model
     from jaxllm.models.parallel import shard_config
 
-    rng = np.random.default_rng(0)
-    shared = [int(t) for t in rng.integers(3, 500, 40)]
-    prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts, params = shared_prefix_batch()
     cfg = load_model(folder, dtype).config
 
     def options(tp: int) -> dict:  # 10 blocks of 16 on each device, whatever its share of the KV heads
@@ -172,14 +193,10 @@ def engine_tokens(folder: str, attention: str, dtype: str, out: str, quantizatio
     import json
 
     import jax
-    import numpy as np
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
-    rng = np.random.default_rng(0)
-    shared = [int(t) for t in rng.integers(3, 500, 40)]
-    prompts = [{"prompt_token_ids": shared + [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45, 7, 60)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts, params = shared_prefix_batch()
     llm = LLM(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
               attention_backend=attention, dtype=dtype, quantization=quantization, progress=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -236,7 +253,7 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4") -> None:
 
     import jaxllm.attention.backends as backends
     import pallas_kernels
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
     calls, original = [], backends._pallas_attention
 
@@ -246,9 +263,7 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4") -> None:
         return original(*args, **kwargs)
 
     backends._pallas_attention = capture
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, 500, int(rng.integers(3, 60)))] for _ in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(2, 12)), ignore_eos=True) for _ in prompts]
+    prompts, params = pallas_engine_workload()
     with tempfile.TemporaryDirectory() as cache:  # a fresh compile: stored executables lack the callback
         llm = LLM(folder, attention_backend="pallas", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                   kv_cache_memory="8MiB", progress=False, compilation_cache_dir=cache)  # each call copies the caches

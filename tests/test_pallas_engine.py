@@ -2,16 +2,13 @@
 on CPU): greedy outputs token-identical to the xla backend on a workload that mixes
 chunked prefills (budget 32 tokens, prompts up to 60) with decodes."""
 
-import numpy as np
-
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
+from tests.multidevice import pallas_engine_workload
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks
 
 
 def test_pallas_backend_matches_xla_through_the_engine(test_models_dir):
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, 500, int(rng.integers(3, 60)))] for _ in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(2, 12)), ignore_eos=True) for _ in prompts]
+    prompts, params = pallas_engine_workload()
     results = {}
     for backend in ("xla", "pallas"):
         llm = LLM(str(test_models_dir / "llama"), attention_backend=backend, max_model_len=128, max_num_seqs=4,

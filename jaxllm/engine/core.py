@@ -101,7 +101,7 @@ def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
     quantized so, or a None ask, as it is)."""
     if quantization in (None, model.config.quantization):
         return model
-    if model.config.quantization not in (None, "none"):
+    if model.config.quantization is not None:
         raise ValueError(f"quantization: {quantization!r} asked for a model loaded with {model.config.quantization!r}")
     cfg = quantized_config(model.config, quantization)
     return dataclasses.replace(model, config=cfg, params=quantize_params(cfg, model.params))

@@ -44,9 +44,11 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     and later loads restore that instead of parsing and dequantizing the GGUF again.
     `on_host`: the weights stay in host memory (numpy arrays), for an engine that places
     each device's shard of them (tensor parallelism): no device holds them whole.
-    `quantization` (jaxllm.config.QUANTIZATIONS): "int8" quantizes the projections after
-    loading (the conversion cache keeps the float weights); the returned config says
-    so (`ModelConfig.quantization`)."""
+    `quantization` (jaxllm.config.QUANTIZATIONS): "int8" and "q8_0" quantize a float
+    checkpoint's projections after loading (the conversion cache keeps the float
+    weights); a GGUF whose projections are Q8_0 keeps those blocks unless it is "none"
+    (`_gguf_quantization`); the returned config says what is held
+    (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     check_quantization(quantization)
     path = Path(model) if model is not None else default_model_path()
@@ -80,8 +82,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
-    cfg = ModelConfig.from_hf_folder(folder)
-    return cfg if quantization in (None, "none") else quantized_config(cfg, quantization)
+    return quantized_config(ModelConfig.from_hf_folder(folder), quantization)
 
 
 def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,

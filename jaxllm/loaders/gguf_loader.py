@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format), read with the `gguf` library.
 
 Quantized tensors are dequantized to the compute dtype, except a file whose projections
-are all Q8_0: those blocks are kept (int8 values and their scales, jaxllm.models.quant); llama.cpp's interleaved row
+are all Q8_0: those blocks are kept (int8 values and their scales, jaxllm.models.quant).
+llama.cpp's interleaved row
 order of attn_q / attn_k (its converter permutes them for its RoPE kernel) is undone so
 the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special
 tokens) and chat template come from the file's metadata.
@@ -170,15 +171,11 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
         name = gguf_tensor_name(hf_name)
         w = gguf_file.q8_0_tensor(name) if hf_name in packed else gguf_file.tensor(name)
+        if w is None or not permute_rope:
+            return w
         if isinstance(w, QuantizedWeight):  # the RoPE row order is undone on values and scales alike
-            return QuantizedWeight(*(_unpermuted(hf_name, a, cfg) if permute_rope else a for a in (w.q, w.scale)),
-                                   w.group)
-        if w is not None and permute_rope:
-            if hf_name.endswith("q_proj.weight"):
-                w = unpermute_rope_rows(w, cfg.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                w = unpermute_rope_rows(w, cfg.num_kv_heads)
-        return w
+            return QuantizedWeight(_unpermuted(hf_name, w.q, cfg), _unpermuted(hf_name, w.scale, cfg), w.group)
+        return _unpermuted(hf_name, w, cfg)
 
     return build_params(cfg, source, dtype, str(gguf_file.path), on_host=on_host)
 

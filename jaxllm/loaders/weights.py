@@ -48,7 +48,7 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
         array = source(name)
         if array is None:
             raise CheckpointError(f"{where}: missing tensor {name!r}")
-        if tuple(array.q.shape if isinstance(array, QuantizedWeight) else array.shape) != shape:
+        if tuple(array.shape) != shape:  # a QuantizedWeight's is its values' shape
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"but the model config implies {shape}"

@@ -124,7 +124,6 @@ def declare(cfg: ModelConfig) -> ModelParams:
     """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = cfg.q_size + 2 * cfg.kv_size
-    quant = cfg.quantization if cfg.quantization not in (None, "none") else None
 
     def layer(i: int) -> LayerParams:
         p = f"model.layers.{i}."
@@ -134,17 +133,17 @@ def declare(cfg: ModelConfig) -> ModelParams:
         return LayerParams(
             attn_norm=ParamDecl((d,), ("embed",), ((p + "input_layernorm.weight", d),)),
             wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2),
-                          quant=quant),
+                          quant=cfg.quantization),
             bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias"), kv_parts=(1, 2)) if cfg.qkv_bias else None,
             q_norm=ParamDecl((hd,), ("head_dim",), ((attn + "q_norm.weight", hd),)) if cfg.qk_norm else None,
             k_norm=ParamDecl((hd,), ("head_dim",), ((attn + "k_norm.weight", hd),)) if cfg.qk_norm else None,
             wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True,
-                        quant=quant),
+                        quant=cfg.quantization),
             mlp_norm=ParamDecl((d,), ("embed",), ((p + "post_attention_layernorm.weight", d),)),
             w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
-                                transposed=True, quant=quant),
+                                transposed=True, quant=cfg.quantization),
             w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
-                             quant=quant),
+                             quant=cfg.quantization),
         )
 
     return ModelParams(
@@ -153,7 +152,7 @@ def declare(cfg: ModelConfig) -> ModelParams:
         final_norm=ParamDecl((d,), ("embed",), (("model.norm.weight", d),)),
         lm_head=None if cfg.tie_word_embeddings else ParamDecl(
             (d, cfg.vocab_size), ("embed", "vocab"), (("lm_head.weight", cfg.vocab_size),), transposed=True,
-            quant=quant),
+            quant=cfg.quantization),
     )
 
 

@@ -8,6 +8,11 @@ the scale. A projection then reads 1 byte a weight instead of 4 (float32) or 2
 exact reassociation (the scale is per column), so the XLA path is `x @ dequantize(w)`
 up to the dot's own rounding.
 
+`q8_0`: GGUF's Q8_0, a float16 scale per 32 inputs of each column (gguf's quantizer),
+held as int8 values and float32 scales [K / 32, N]; a GGUF whose projections are Q8_0
+keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is `q * scale` rounded once,
+as gguf dequantizes it, so the kernel's sums are those of the dequantized matrix.
+
 The embedding (a lookup) and the norms stay as loaded, as in vLLM's weight-only
 schemes; so does a tied output projection, which is the embedding.
 """
@@ -82,10 +87,10 @@ def q8_0_parts(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np
 
 
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
-    """`cfg` with the weight quantization the engine will hold (None and "none" leave
-    the projections as loaded)."""
+    """`cfg` with the weight quantization the engine will hold: "int8" or "q8_0"; None
+    and "none" both leave the projections as loaded (the config says None)."""
     check_quantization(quantization)
-    return dataclasses.replace(cfg, quantization=quantization)
+    return dataclasses.replace(cfg, quantization=None if quantization == "none" else quantization)
 
 
 def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:

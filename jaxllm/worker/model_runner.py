@@ -240,7 +240,7 @@ class ModelRunner:
         the plans must agree: the first candidate)."""
         attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype)
         linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None,
-                                   quantized=self.config.quantization not in (None, "none"))
+                                   quantized=self.config.quantization is not None)
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype, self.buckets, attention, linear,
@@ -338,8 +338,7 @@ class ModelRunner:
         """The parameters' bytes per device as held (every layout the plan keeps), and
         their quantization."""
         held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
-        quant = self.config.quantization if self.config.quantization not in (None, "none") else "not quantized"
-        return f"{held / 2**20:.0f} MiB ({quant})"
+        return f"{held / 2**20:.0f} MiB ({self.config.quantization or 'not quantized'})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
