@@ -20,11 +20,12 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
 # Weight quantization (jaxllm.models.quant): None keeps a checkpoint as stored (a GGUF
-# whose projections are all Q8_0 keeps those blocks; other GGUF types are dequantized),
-# "none" dequantizes everything to the dtype, "int8" is weight-only int8 with a scale
-# per output channel and "q8_0" int8 with a scale per 32 inputs (GGUF's Q8_0
-# arithmetic), both quantized at load from a float checkpoint.
-QUANTIZATIONS = (None, "none", "int8", "q8_0")
+# whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks; other GGUF
+# types are dequantized), "none" dequantizes everything to the dtype, "int8" is
+# weight-only int8 with a scale per output channel, "q8_0" / "q4_0" / "q4_1" GGUF's block
+# formats (a scale, for Q4_1 also a min, per 32 inputs); a float checkpoint is
+# quantized at load.
+QUANTIZATIONS = (None, "none", "int8", "q8_0", "q4_0", "q4_1")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
@@ -77,7 +78,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys
     checkpoint_dtype: str = "float32"
-    quantization: str | None = None  # the projections as the engine holds them: None (as loaded), "int8", "q8_0"
+    quantization: str | None = None  # the projections as the engine holds them: None (as loaded), or a QUANTIZATIONS name
+    embed_quantization: str | None = None  # the embedding (and a tied output projection): a GGUF's kept blocks, or None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -154,6 +156,7 @@ class ModelConfig:
                 sliding_window=int(sliding_window) if sliding_window else None,
                 checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 quantization=hf.get("jaxllm_quantization"),
+                embed_quantization=hf.get("jaxllm_embed_quantization"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -257,6 +260,8 @@ class ModelConfig:
             out["rope_freq_factors"] = list(self.rope.freq_factors)
         if self.quantization is not None:  # a converted checkpoint holding quantized projections
             out["jaxllm_quantization"] = self.quantization
+        if self.embed_quantization is not None:  # ... or a quantized embedding
+            out["jaxllm_embed_quantization"] = self.embed_quantization
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "mistral":

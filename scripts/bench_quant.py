@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Weight quantization on a CPU (issue 19): each format against float32, in one run.
 
-Per format (`--formats`, default none,int8,q8_0): the parameter bytes the engine holds,
+Per format (`--formats`, default none,int8,q8_0,q4_1; the first is the baseline): the
+parameter bytes the engine holds,
 batch-1 decode (a 64-token prompt, 128 greedy tokens), offline throughput (32 requests:
 64-token prompts, 128 tokens each, all queued at once), and quality against float32:
 mean and max |logprob difference| of the prompt logprobs of the reference prompts
@@ -11,6 +12,11 @@ capitals score (the expected answer as a whole word of the 16-token greedy answe
 
     .venv/bin/python scripts/bench_quant.py                 # the embedded SmolLM2
     .venv/bin/python scripts/bench_quant.py --formats none,int8 --model path/to/model
+
+The embedded SmolLM2 is a Q4_1 GGUF: `none` dequantizes it, `q4_1` keeps its blocks
+(the default), and the other formats quantize its dequantized weights, exported once
+as an F32 GGUF (build/smollm2-f32.gguf; asking another format of the Q4_1 file itself
+is refused, not re-quantized).
     .venv/bin/python scripts/bench_quant.py --isa avx2    # the kernels and XLA as on an AVX2-only CPU
 """
 
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +46,23 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def measure(model: str | None, quantization: str, items: list[dict]) -> dict:
+FLOAT_GGUF = Path(__file__).parent.parent / "build" / "smollm2-f32.gguf"
+
+
+def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
+    """The checkpoint and the quantization to load for `fmt`: `--model` as asked; the
+    embedded Q4_1 file dequantized (none) or kept (q4_1), else its float export."""
+    if model is not None:
+        return model, fmt
+    if fmt in ("none", "q4_1"):
+        return None, fmt if fmt == "none" else None
+    if not FLOAT_GGUF.exists():
+        subprocess.run([sys.executable, str(Path(__file__).parent / "export_gguf.py"), str(FLOAT_GGUF)], check=True)
+    return str(FLOAT_GGUF), fmt
+
+
+def measure(model: str | None, fmt: str, items: list[dict]) -> dict:
+    model, quantization = source(model, fmt)
     llm = LLM(model, quantization=quantization, max_model_len=1024, progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
@@ -52,7 +76,7 @@ def measure(model: str | None, quantization: str, items: list[dict]) -> dict:
     scored = llm.generate(chats, SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=0),
                           use_tqdm=False)
     result = {
-        "format": quantization, "describe": core.describe(), "weights": core.runner.describe_weights(),
+        "format": fmt, "describe": core.describe(), "weights": core.runner.describe_weights(),
         "batch1_tok_s": n1 / s1, "batch32_tok_s": n32 / s32,
         "prompt_logprobs": [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in scored],
         "correct": sum(is_correct(o.outputs[0].text, _answers(it)) for o, it in zip(scored, items)),
@@ -70,7 +94,7 @@ def _answers(item: dict) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--formats", default="none,int8,q8_0")
+    p.add_argument("--formats", default="none,int8,q8_0,q4_1")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
     args = p.parse_args()

@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--type", default="F32", help="tensor type for 2-D weights (F32, F16, Q8_0, Q4_0, Q4_1)")
     args = p.parse_args()
-    model = load_model(args.model, dtype="float32")
+    model = load_model(args.model, dtype="float32", quantization="none")
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf_folder(Path(tmp) / "hf", model.config, model.params, model.tokenizer)
         print(write_gguf(folder, args.out, args.type))

@@ -75,9 +75,12 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization
     if quantization == "int8":  # the values as the weight, the scales with their columns
         assert wqkv.q.sharding.spec == P(None, "model") and wqkv.scale.sharding.spec == P("model")
         wqkv = wqkv.q
-    if quantization == "q8_0":  # [K / 32, N] scales split like the values (row-parallel: by input groups)
-        assert wqkv.scale.sharding.spec == P(None, "model")
-        assert tp.params.layers[0].w_down.scale.sharding.spec == P("model", None)
+    if quantization in ("q8_0", "q4_0", "q4_1"):  # [K / 32, N] scales (and mins) split like the values
+        w_down = tp.params.layers[0].w_down  # row-parallel: by input groups
+        for grouped in (wqkv.scale, wqkv.mins) if quantization == "q4_1" else (wqkv.scale,):
+            assert grouped.sharding.spec == P(None, "model")
+        for grouped in (w_down.scale, w_down.mins) if quantization == "q4_1" else (w_down.scale,):
+            assert grouped.sharding.spec == P("model", None)
         wqkv = wqkv.q
     assert wqkv.sharding.spec == P(None, "model")
     local = shard_config(model.config, int(size))

@@ -54,7 +54,7 @@ class PagedDriver:
         the params (as loaded) laid out and sharded for it, the caches by KV head."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        dtype = cache_dtype or params.embed.dtype
+        dtype = cache_dtype or params.final_norm.dtype
         self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         mesh = None

@@ -25,7 +25,7 @@ TESTS = [
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("march", ["x86-64-v3", pytest.param("x86-64", marks=pytest.mark.slow)])  # AVX2; SSE2
 def test_kernel_tests_pass_under_the_build(march):
     env = {**os.environ, "JAXLLM_CPU_MARCH": march}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT, env=env,

@@ -16,8 +16,8 @@ from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, pack_params, pack_weight, linear_candidates, unpack_weight
 from jaxllm.models.llama import compute_logits
-from jaxllm.models.params import PackedWeight, abstract_params
-from jaxllm.models.quant import dequantize, quantize_int8, quantize_q8_0
+from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
+from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int8
 from tests.paged_driver import PagedDriver
 from tests.test_engine import assert_no_leaks, make_llm
 
@@ -27,31 +27,36 @@ from tests.test_engine import assert_no_leaks, make_llm
     [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
      (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
 )
-@pytest.mark.parametrize("weights", ["float32", "int8", "q8_0"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "q8_0", "q4_0", "q4_1"])
 def test_dense_kernel_matches_numpy(m, k, n, weights):
-    """float32 panels, and int8 ones (jaxllm.models.quant; scales per column or per 32
-    inputs) against their dequantized matrix."""
+    """float32 panels, and quantized ones (jaxllm.models.quant: int8 with scales per
+    column; GGUF's Q8_0, Q4_0 and Q4_1 blocks of 32 inputs) against their dequantized
+    matrix; the block formats give the very sums of that matrix packed as floats."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
-    if weights == "q8_0" and k % 32:  # Q8_0 blocks are 32 inputs: such a matrix is refused, naming why
+    fmt = QUANT_FORMATS.get(weights)
+    if fmt is not None and fmt.group and k % 32:  # blocks are 32 inputs: such a matrix is refused, naming why
         with pytest.raises(ValueError, match=f"has {k} inputs, not a multiple of 32"):
-            quantize_q8_0(w)
+            quantize_blocks(w, fmt)
         return
-    if weights != "float32":
-        quantized = quantize_int8(w) if weights == "int8" else quantize_q8_0(w)
+    if fmt is not None:
+        quantized = quantize_int8(w) if weights == "int8" else quantize_blocks(w, fmt)
         w = np.asarray(dequantize(quantized))
         packed = pack_weight(quantized)
-        assert packed.panels.dtype == jnp.int8
+        assert packed.panels.dtype == (jnp.uint8 if fmt.bits == 4 else jnp.int8)
+        assert packed.panels.shape == (-(-n // 32), k, 32 * fmt.bits // 8)
         assert packed.scale.shape == ((packed.panels.shape[0] * 32,) if weights == "int8" else
                                       (packed.panels.shape[0], k // 32, 32))
+        assert (packed.mins is not None) == fmt.mins
+        np.testing.assert_array_equal(np.asarray(unpack_weight(packed)), w)
     else:
         packed = pack_weight(jnp.asarray(w))
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed))
     ref = x.astype(np.float64) @ w.astype(np.float64)
     assert got.shape == (m, n)
     np.testing.assert_allclose(got, ref, rtol=0, atol=(2e-6 if weights == "float32" else 4e-6) * np.abs(ref).max())
-    if weights == "q8_0":  # each weight rounded once, as dequantized at load: the float panels' very sums
+    if fmt is not None and fmt.group:  # each weight as dequantized at load: the float panels' very sums
         np.testing.assert_array_equal(got, np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(jnp.asarray(w)))))
 
 

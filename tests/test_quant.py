@@ -9,11 +9,12 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.config import EngineConfig
-from jaxllm.loaders import load_model
+from jaxllm.loaders import load_model, peek_model_config
 from jaxllm.loaders.hf import save_hf_folder
-from jaxllm.models.linear import linear
-from jaxllm.models.params import QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import (dequantize, param_bytes, quantize_int8, quantize_params, quantize_q8_0,
+from jaxllm.models.linear import linear, pack_weight
+from jaxllm.config import QUANTIZATIONS
+from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
+from jaxllm.models.quant import (dequantize, param_bytes, quantize_blocks, quantize_int8, quantize_params,
                                  quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES
@@ -99,10 +100,12 @@ def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_
                     assert abs(x[t].logprob - y[t].logprob) < 1e-4, (other, t)
 
 
-@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow), "q8_0"])
+@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow),
+                                          pytest.param("q8_0", marks=pytest.mark.slow), "q4_1"])
 def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, quantization):
-    """Values split like the float weight, scales with their output columns (and Q8_0's
-    with their input groups too): TP=2 logits equal one device's."""
+    """Values split like the float weight, scales (and Q4_1's mins) with their output
+    columns (and the block formats' with their input groups too): TP=2 logits equal
+    one device's."""
     multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", quantization, devices=2)
 
 
@@ -123,35 +126,52 @@ def test_auto_runs_int8_weights_on_the_kernel_alone():
     assert linear_candidates("auto", jnp.float32) == ["cpu", "xla"]
 
 
-def test_q8_0_is_gguf_s_own_quantizer():
-    """quantize_q8_0's blocks dequantize, by gguf's own code, to what dequantize gives."""
+def test_the_formats_are_the_config_s_choices():
+    assert set(QUANT_FORMATS) == set(QUANTIZATIONS) - {None, "none"}
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_the_block_formats_are_gguf_s_own_quantizer(name):
+    """quantize_blocks' blocks dequantize, by gguf's own code, to what dequantize gives:
+    Q4_1's d * q + m rounded twice, as numpy does, never fused."""
     import gguf
 
     rng = np.random.default_rng(2)
     w = rng.standard_normal((64, 48)).astype(np.float32)
-    qw = quantize_q8_0(w)
-    assert qw.group == 32 and qw.q.shape == (64, 48) and qw.scale.shape == (2, 48)
-    blocks = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType.Q8_0)
-    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).T
+    fmt = QUANT_FORMATS[name]
+    qw = quantize_blocks(w, fmt)
+    assert qw.group == 32 and qw.q.shape == (64, 48) and qw.scale.shape == (2, 48) and qw.bits == fmt.bits
+    assert (qw.mins is not None) == fmt.mins and qw.q.min() >= (0 if fmt.mins else -(2 ** (fmt.bits - 1)))
+    assert qw.q.max() < (2 ** fmt.bits if fmt.mins else 2 ** (fmt.bits - 1))
+    kind = gguf.GGMLQuantizationType[name.upper()]
+    theirs = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(w.T), kind), kind).T
     np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(qw.map_arrays(jnp.asarray))), theirs)
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight has 40 inputs, not a multiple of 32"):
-        quantize_q8_0(w[:40], "model.layers.0.mlp.down_proj.weight")
+        quantize_blocks(w[:40], fmt, "model.layers.0.mlp.down_proj.weight")
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])  # tied embeddings and
-# RoPE row order; an untied head, biases
-def test_a_q8_0_gguf_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, name):
-    """A GGUF whose projections are Q8_0 keeps those blocks (int8 values, float32 scales
-    per 32 inputs) and gives the very logprobs of the same file dequantized at load
-    (quantization="none"), through the kernel and through XLA's dot; the weights take
-    well under half the bytes."""
+@pytest.mark.parametrize("name,tensor_type", [("llama", "Q8_0"), ("llama", "Q4_1"),
+                                              pytest.param("llama", "Q4_0", marks=pytest.mark.slow),
+                                              pytest.param("qwen2", "Q8_0", marks=pytest.mark.slow)])
+# llama: tied embeddings and RoPE row order; qwen2: an untied head, biases
+def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, name, tensor_type):
+    """A GGUF whose projections are Q8_0 (Q4_0, Q4_1) keeps those blocks (integer
+    values, float32 scales and mins per 32 inputs) and gives the very logprobs of the
+    same file dequantized at load (quantization="none"), through the kernel and
+    through XLA's dot; the weights take well under half the bytes (the kernel's 4-bit
+    panels a quarter of the float ones)."""
     from tests.conftest import make_test_model
 
-    path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", "Q8_0")
+    path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", tensor_type)
     kept, dequantized = load_model(path, "float32"), load_model(path, "float32", quantization="none")
-    assert kept.config.quantization == "q8_0" and dequantized.config.quantization is None
-    assert isinstance(kept.params.layers[0].w_down, QuantizedWeight) and kept.params.layers[0].w_down.group == 32
+    fmt = QUANT_FORMATS[tensor_type.lower()]
+    assert kept.config.quantization == fmt.name and dequantized.config.quantization is None
+    w_down = kept.params.layers[0].w_down
+    assert isinstance(w_down, QuantizedWeight) and w_down.group == 32 and w_down.bits == fmt.bits
     assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
+    packed, floats = pack_weight(w_down), pack_weight(dequantized.params.layers[0].w_down)
+    assert packed.panels.nbytes == floats.panels.nbytes * fmt.bits // 32
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -177,16 +197,24 @@ def test_int8_of_a_q8_0_gguf_is_refused(test_models_dir, tmp_path):
     assert load_model(path, "float32", quantization="q8_0").config.quantization == "q8_0"
 
 
-def test_the_conversion_cache_never_turns_kept_blocks_into_floats(test_models_dir, tmp_path):
-    """A Q8_0 GGUF is not converted while its blocks are kept; its dequantized load
-    ("none") is, under a key of its own, which a later default load does not read."""
+def test_the_conversion_cache_keeps_blocks_as_blocks(test_models_dir, tmp_path):
+    """A Q4_1 GGUF's conversion holds its blocks as they are (a warm start neither
+    parses the file nor turns them into floats) and restores bit-identical arrays; its
+    dequantized load ("none") has a key of its own; asking another quantization of the
+    converted blocks is refused as for the file."""
     from tests.conftest import make_test_model
 
-    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", "Q8_0")
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", "Q4_1")
     cache = tmp_path / "converted"
-    assert load_model(path, conversion_cache_dir=cache).config.quantization == "q8_0"
-    assert not cache.exists() or not list(cache.iterdir())
-    assert load_model(path, conversion_cache_dir=cache, quantization="none").config.quantization is None
-    assert len(list(cache.iterdir())) == 1
+    first = load_model(path, conversion_cache_dir=cache)
+    assert first.config.quantization == "q4_1" and len(list(cache.iterdir())) == 1
+    assert peek_model_config(path, conversion_cache_dir=cache).quantization == "q4_1"
     again = load_model(path, conversion_cache_dir=cache)
-    assert again.config.quantization == "q8_0" and isinstance(again.params.layers[0].wo, QuantizedWeight)
+    assert again.config.quantization == "q4_1" and isinstance(again.params.layers[0].wo, QuantizedWeight)
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="holds its projections as Q4_1.*would re-quantize"):
+        load_model(path, conversion_cache_dir=cache, quantization="int8")
+    assert load_model(path, conversion_cache_dir=cache, quantization="none").config.quantization is None
+    assert len(list(cache.iterdir())) == 2

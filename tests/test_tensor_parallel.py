@@ -15,7 +15,8 @@ from tests import multidevice
 
 @pytest.mark.parametrize("name,size,attention", [
     pytest.param("llama", 2, "xla", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
-    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"), ("llama", 2, "pallas"),  # (the Pallas kernel in interpret mode)
+    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),
+    pytest.param("llama", 2, "pallas", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)
     ("llama", 4, "cpu"), ("qwen3", 2, "cpu"),  # more shards than KV heads: KV heads replicated
 ])
 def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention):
@@ -118,6 +119,7 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     assert ("xi8>" in text) == (quantization is not None)
 
 
+@pytest.mark.slow  # 42 s: two processes, each compiling its steps
 def test_two_processes_as_one_engine(test_models_dir):
     """Two processes on localhost with 2 CPU devices each, jax.distributed between them,
     TP=4 over all four: process 0 schedules and sends each step, process 1 follows; the

@@ -1,6 +1,10 @@
-// Dense projections for XLA:CPU, as an XLA FFI custom call: y[M, N] = x[M, K] @ W[K, N],
+// Dense projections for XLA:CPU, as XLA FFI custom calls: y[M, N] = x[M, K] @ W[K, N],
 // float32, with W packed ahead of time into panels of 32 columns (jaxllm.models.linear
-// packs it once at load: panels[N/32, K, 32], the last panel zero-padded).
+// packs it once at load: panels[N/32, K, 32], the last panel zero-padded). Quantized
+// panels (int8 values with a scale per column; GGUF's Q8_0, Q4_0 and Q4_1 blocks, a
+// scale (and min) per 32 inputs, the 4-bit values two to a byte) are converted to
+// float32 weights in registers when one tile of rows passes over a panel, or once into
+// a float panel when several do; each weight is the float gguf dequantizes it to.
 //
 // Why on CPU: a step multiplies a few dozen to a few hundred rows by every weight matrix
 // of the model. XLA:CPU's dot reached ~100-160 GFLOP/s at 32-128 rows on SmolLM2's
@@ -24,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -42,32 +47,107 @@ using jaxllm::storeN;
 
 namespace {
 
-// A weight panel's vector of kLanes columns at p, as float32: float panels are loaded,
-// int8 ones (jaxllm.models.quant) sign-extended and converted (their per-column scale is
-// applied to the finished outputs, Dense below). The int8 conversion is written with
-// intrinsics: GCC 12 scalarizes __builtin_convertvector from int8 lanes (16 scalar
-// conversions per vector; it made int8 SmolLM2 slower than float32).
-inline f32xN load_weights(const float* p) { return loadN(p); }
+constexpr int kPanel = 32;          // columns per packed panel: two vectors
+constexpr int kGroup = 32;          // inputs per scale of a grouped panel (GGUF's block)
+constexpr int kTileRows = 12;       // rows of a packed tile of x
+constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
+
+// How a panel stores its weights, and how kLanes of its columns at one input k become
+// float32 lanes. Float panels are loaded; int8 ones (jaxllm.models.quant: per-column
+// int8, GGUF's Q8_0) sign-extended and converted; 4-bit ones (GGUF's Q4_0 / Q4_1) hold
+// 16 bytes per input, byte j holding column j in its low nibble and column j + 16 in
+// its high one. The conversions are written with intrinsics: GCC 12 scalarizes
+// __builtin_convertvector from int8 lanes (16 scalar conversions per vector; it made
+// int8 SmolLM2 slower than float32).
 #if JAXLLM_LANES == 16
-inline f32xN load_weights(const int8_t* p) {
+inline f32xN int8_lanes(const int8_t* p) {
   return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline f32xN nibble_lanes(const uint8_t* p, int high) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
+  return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
 #elif JAXLLM_LANES == 8 && defined(__AVX2__)
-inline f32xN load_weights(const int8_t* p) {
+inline f32xN int8_lanes(const int8_t* p) {
   return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline f32xN nibble_lanes(const uint8_t* p, int high) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
+  return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
 #else  // SSE2, AVX without AVX2, NEON: a lane at a time
-inline f32xN load_weights(const int8_t* p) {
+inline f32xN int8_lanes(const int8_t* p) {
   f32xN v;
   for (int i = 0; i < jaxllm::kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
+inline f32xN nibble_lanes(const uint8_t* p, int high) {
+  f32xN v;
+  for (int i = 0; i < jaxllm::kLanes; ++i) v[i] = static_cast<float>((p[i] >> (4 * high)) & 0x0F);
+  return v;
+}
 #endif
 
-constexpr int kPanel = 32;
-constexpr int kGroup = 32;          // inputs per scale of a Q8_0 panel (GGUF's block)          // columns per packed panel: two vectors
-constexpr int kTileRows = 12;       // rows of a packed tile of x
-constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
+struct F32Weights {
+  using T = float;
+  static constexpr int kRow = kPanel;  // elements of T per input
+  static f32xN load(const T* row, int c) { return loadN(row + c); }
+};
+struct I8Weights {
+  using T = int8_t;
+  static constexpr int kRow = kPanel;
+  static f32xN load(const T* row, int c) { return int8_lanes(row + c); }
+};
+template <int kZero>  // Q4_0: nibble - 8 (exact in float32); Q4_1: the nibble
+struct Q4Weights {
+  using T = uint8_t;
+  static constexpr int kRow = kPanel / 2;
+  static f32xN load(const T* row, int c) {
+    const f32xN q = nibble_lanes(row + c % kRow, c / kRow);
+    return kZero ? q - splatN(static_cast<float>(kZero)) : q;
+  }
+};
+
+// What scales a panel carries. kColumnScales: one per column, applied to the finished
+// outputs (Dense below). kGroupScales: [K / 32][32] per panel, each weight multiplied by
+// its own before use (GGUF's d * q). kGroupScalesMins: also mins, d * q + m, with the
+// product rounded before the sum as gguf's dequantization does (no fused multiply-add:
+// the empty asm hides the product from contraction). Either way each weight is the
+// float32 gguf dequantizes it to, so the sums are those of the dequantized matrix.
+enum Scaling { kNoScales, kColumnScales, kGroupScales, kGroupScalesMins };
+
+inline void rounded(f32xN& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__SSE__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile f32xN keep = v;
+  v = keep;
+#endif
+}
+
+// The kLanes weights of columns c.. at input k, as float32.
+template <class Wt, int S>
+inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int64_t k, int c) {
+  f32xN w = Wt::load(panel + k * Wt::kRow, c);
+  if constexpr (S == kGroupScales || S == kGroupScalesMins) w *= loadN(gscale + (k / kGroup) * kPanel + c);
+  if constexpr (S == kGroupScalesMins) {
+    rounded(w);
+    w += loadN(gmin + (k / kGroup) * kPanel + c);
+  }
+  return w;
+}
+
+template <class Wt>
+inline void prefetch_row(const typename Wt::T* prefetch, int64_t k) {
+  __builtin_prefetch(prefetch + k * Wt::kRow);
+  if constexpr (Wt::kRow * sizeof(typename Wt::T) > 64) __builtin_prefetch(prefetch + k * Wt::kRow + 16);
+}
 
 // The register tile fits the register file of the ISA the library is built for: with
 // AVX-512's 32 registers of 16 lanes, all 12 rows x 32 columns at once (24 accumulators);
@@ -81,13 +161,19 @@ constexpr bool kWideTile = false;
 #endif
 constexpr int kNarrowRows = 6;
 
+// A panel's weights and scales, as a tile function reads them.
+template <class Wt>
+struct Panel {
+  const typename Wt::T* w;
+  const float* scale;      // [K / 32][32] (grouped scales), else null
+  const float* min;        // [K / 32][32] (Q4_1), else null
+  const typename Wt::T* prefetch;  // the panel two ahead, or null
+};
+
 // out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
 // in vectors of the native width (f32xN: 2 per 16 columns with AVX2, 4 with NEON).
-// `gscale` (Q8_0 panels; else null): the panel's scales [K / 32][32], each weight
-// multiplied by its own before use, rounded once as gguf's dequantization rounds.
-template <int G, typename W, bool kGroups>
-void narrow_tile(const float* xt, int g, const W* panel, const float* gscale, int h, int64_t K, float* out,
-                 const W* prefetch) {
+template <int G, class Wt, int S>
+void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, float* out, bool prefetch) {
   constexpr int V = 16 / jaxllm::kLanes;
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
@@ -95,13 +181,8 @@ void narrow_tile(const float* xt, int g, const W* panel, const float* gscale, in
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
-    for (int v = 0; v < V; ++v) w[v] = load_weights(panel + k * kPanel + 16 * h + v * jaxllm::kLanes);
-    if constexpr (kGroups)
-      for (int v = 0; v < V; ++v) w[v] *= loadN(gscale + (k / kGroup) * kPanel + 16 * h + v * jaxllm::kLanes);
-    if (prefetch) {
-      __builtin_prefetch(prefetch + k * kPanel);
-      __builtin_prefetch(prefetch + k * kPanel + 16);
-    }
+    for (int v = 0; v < V; ++v) w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, k, 16 * h + v * jaxllm::kLanes);
+    if (prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < G; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + g + i]);
       for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
@@ -111,35 +192,26 @@ void narrow_tile(const float* xt, int g, const W* panel, const float* gscale, in
     for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + 16 * h + v * jaxllm::kLanes, acc[i][v]);
 }
 
-template <int R, typename W, bool kGroups>
-void narrow_tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
-                             int cols, const W* prefetch) {
+template <int R, class Wt, int S>
+void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
   float out[kTileRows * kPanel];
   for (int h = 0; h < 2; ++h) {
-    narrow_tile<G1, W, kGroups>(xt, 0, panel, gscale, h, K, out, h == 0 ? prefetch : nullptr);  // the next panel, once
-    if constexpr (G2 > 0) narrow_tile<G2, W, kGroups>(xt, G1, panel, gscale, h, K, out, nullptr);
+    narrow_tile<G1, Wt, S>(xt, 0, p, h, K, out, h == 0 && p.prefetch);  // the next panel, once
+    if constexpr (G2 > 0) narrow_tile<G2, Wt, S>(xt, G1, p, h, K, out, false);
   }
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
-template <int R, typename W, bool kGroups>
-void wide_tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
-                           int cols, const W* prefetch) {
+template <int R, class Wt, int S>
+void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
-    f32xN w0 = load_weights(panel + k * kPanel), w1 = load_weights(panel + k * kPanel + 16);
-    if constexpr (kGroups) {
-      w0 *= loadN(gscale + (k / kGroup) * kPanel);
-      w1 *= loadN(gscale + (k / kGroup) * kPanel + 16);
-    }
-    if (prefetch) {
-      __builtin_prefetch(prefetch + k * kPanel);
-      __builtin_prefetch(prefetch + k * kPanel + 16);
-    }
+    const f32xN w0 = weights_at<Wt, S>(p.w, p.scale, p.min, k, 0), w1 = weights_at<Wt, S>(p.w, p.scale, p.min, k, 16);
+    if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < R; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + i]);
       acc0[i] += xv * w0;
@@ -162,24 +234,23 @@ void wide_tile_times_panel(const float* xt, const W* panel, const float* gscale,
 }
 
 // The tile this build runs (the other is never instantiated).
-template <int R, typename W, bool kGroups>
-void tile_times_panel(const float* xt, const W* panel, const float* gscale, int64_t K, float* y, int64_t ldy,
-                      int cols, const W* prefetch) {
+template <int R, class Wt, int S>
+void tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   if constexpr (kWideTile) {
-    wide_tile_times_panel<R, W, kGroups>(xt, panel, gscale, K, y, ldy, cols, prefetch);
+    wide_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
   } else {
-    narrow_tile_times_panel<R, W, kGroups>(xt, panel, gscale, K, y, ldy, cols, prefetch);
+    narrow_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
   }
 }
 
-template <typename W, bool G>
-using TileFn = void (*)(const float*, const W*, const float*, int64_t, float*, int64_t, int, const W*);
-template <typename W, bool G>
-constexpr TileFn<W, G> kTileFns[kTileRows + 1] = {
-    nullptr,                     tile_times_panel<1, W, G>,  tile_times_panel<2, W, G>,  tile_times_panel<3, W, G>,
-    tile_times_panel<4, W, G>,   tile_times_panel<5, W, G>,  tile_times_panel<6, W, G>,  tile_times_panel<7, W, G>,
-    tile_times_panel<8, W, G>,   tile_times_panel<9, W, G>,  tile_times_panel<10, W, G>, tile_times_panel<11, W, G>,
-    tile_times_panel<12, W, G>};
+template <class Wt, int S>
+using TileFn = void (*)(const float*, const Panel<Wt>&, int64_t, float*, int64_t, int);
+template <class Wt, int S>
+constexpr TileFn<Wt, S> kTileFns[kTileRows + 1] = {
+    nullptr,                       tile_times_panel<1, Wt, S>,  tile_times_panel<2, Wt, S>,  tile_times_panel<3, Wt, S>,
+    tile_times_panel<4, Wt, S>,    tile_times_panel<5, Wt, S>,  tile_times_panel<6, Wt, S>,  tile_times_panel<7, Wt, S>,
+    tile_times_panel<8, Wt, S>,    tile_times_panel<9, Wt, S>,  tile_times_panel<10, Wt, S>, tile_times_panel<11, Wt, S>,
+    tile_times_panel<12, Wt, S>};
 
 // Tile t of x (rows t*12 .. t*12+11, zeros past M) into xt[K][12].
 void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
@@ -190,25 +261,43 @@ void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
   }
 }
 
-// y = x @ panels (times `scales`, one per column of the padded panels, when given; with
-// kGroups, `scales` are [num_panels][K / 32][32], applied to the weights as they load).
-template <typename W, bool kGroups, typename PanelBuffer>
+// A quantized panel's weights as float32 [K][32], each the value weights_at gives (the
+// per-column scales of int8 panels are left to the outputs), for the tiles of a row
+// block to share: converting a panel costs about as much as a 12-row tile's FMAs.
+template <class Wt, int S>
+void dequantize_panel(const Panel<Wt>& p, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
+    for (int c = 0; c < kPanel; c += jaxllm::kLanes)
+      storeN(out + k * kPanel + c, weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, k, c));
+  }
+}
+
+void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scales) {
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < cols; ++c) y[i * ldy + c] *= scales[c];
+}
+
+// y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
+// panels (kColumnScales), or [num_panels][K / 32][32] with `mins` alike (grouped).
+template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
-                 ffi::ResultBuffer<ffi::F32> y) {
+                 const float* mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel)
-    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32], y [M, N]");
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != Wt::kRow)
+    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)], y [M, N]");
   const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1];
   if (pd[1] != K || yd[0] != M || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* X = x.typed_data();
-  const W* P = panels.typed_data();
+  const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
   float* Y = y->typed_data();
   if (K == 0) {
     std::memset(Y, 0, M * N * sizeof(float));
     return ffi::Error::Success();
   }
+  constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
 
   // Row blocks of equal size (whole tiles, at most kRowBlock rows).
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
@@ -231,25 +320,48 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
     const int64_t b = item / num_panels, p = item % num_panels;
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
-    const W* panel = P + p * K * kPanel;
-    const W* prefetch = p + 2 < num_panels ? P + (p + 2) * K * kPanel : nullptr;
+    const int64_t group_offset = p * (K / kGroup) * kPanel;
+    Panel<Wt> panel{P + p * K * Wt::kRow, kGrouped ? scales + group_offset : nullptr,
+                    S == kGroupScalesMins ? mins + group_offset : nullptr,
+                    p + 2 < num_panels ? P + (p + 2) * K * Wt::kRow : nullptr};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    if constexpr (!std::is_same_v<Wt, F32Weights>) {
+      if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
+        thread_local std::vector<float> converted;
+        converted.resize(K * kPanel);
+        dequantize_panel<Wt, S>(panel, K, converted.data());
+        const Panel<F32Weights> floats{converted.data(), nullptr, nullptr, nullptr};
+        for (int64_t t = t0; t < t1; ++t) {
+          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
+          float* yt = Y + t * kTileRows * N + p * kPanel;
+          kTileFns<F32Weights, kNoScales>[rows](XT + t * kTileRows * K, floats, K, yt, N, cols);
+          if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
+        }
+        return;
+      }
+    }
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
       float* yt = Y + t * kTileRows * N + p * kPanel;
-      const float* gscale = kGroups ? scales + p * (K / kGroup) * kPanel : nullptr;
-      kTileFns<W, kGroups>[rows](XT + t * kTileRows * K, panel, gscale, K, yt, N, cols, t == t0 ? prefetch : nullptr);
-      if (!kGroups && scales)
-        for (int i = 0; i < rows; ++i)
-          for (int c = 0; c < cols; ++c) yt[i * N + c] *= scales[p * kPanel + c];
+      kTileFns<Wt, S>[rows](XT + t * kTileRows * K, panel, K, yt, N, cols);
+      panel.prefetch = nullptr;  // the first tile of an item prefetches
+      if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
     }
   });
   return ffi::Error::Success();
 }
 
+// Grouped scales (and mins) must be [panels, K / 32, 32].
+template <typename PanelBuffer>
+bool grouped_shape_ok(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales) {
+  const auto pd = panels.dimensions(), sd = scales.dimensions();
+  return pd.size() == 3 && pd[1] % kGroup == 0 && sd.size() == 3 && sd[0] == pd[0] && sd[1] == pd[1] / kGroup &&
+         sd[2] == kPanel;
+}
+
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                     ffi::ResultBuffer<ffi::F32> y) {
-  return Dense<float, false>(pool, x, panels, nullptr, y);
+  return Dense<F32Weights, kNoScales>(pool, x, panels, nullptr, nullptr, y);
 }
 
 ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -257,20 +369,51 @@ ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const auto pd = panels.dimensions(), sd = scales.dimensions();
   if (pd.size() != 3 || sd.size() != 1 || sd[0] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("dense_i8: scales must be [N/32 * 32], one per column of the panels");
-  return Dense<int8_t, false>(pool, x, panels, scales.typed_data(), y);
+  return Dense<I8Weights, kColumnScales>(pool, x, panels, scales.typed_data(), nullptr, y);
 }
 
 ffi::Error DenseQ8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
                      ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  const auto pd = panels.dimensions(), sd = scales.dimensions();
-  if (pd.size() != 3 || pd[1] % kGroup || sd.size() != 3 || sd[0] != pd[0] || sd[1] != pd[1] / kGroup ||
-      sd[2] != kPanel)
+  if (!grouped_shape_ok(panels, scales))
     return ffi::Error::InvalidArgument("dense_q8_0: panels must be [P, K, 32] with K a multiple of 32, "
                                        "scales [P, K/32, 32]");
-  return Dense<int8_t, true>(pool, x, panels, scales.typed_data(), y);
+  return Dense<I8Weights, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
+}
+
+ffi::Error DenseQ4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (!grouped_shape_ok(panels, scales))
+    return ffi::Error::InvalidArgument("dense_q4_0: panels must be [P, K, 16] with K a multiple of 32, "
+                                       "scales [P, K/32, 32]");
+  return Dense<Q4Weights<8>, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
+}
+
+ffi::Error DenseQ4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  if (!grouped_shape_ok(panels, scales) || !grouped_shape_ok(panels, mins))
+    return ffi::Error::InvalidArgument("dense_q4_1: panels must be [P, K, 16] with K a multiple of 32, "
+                                       "scales and mins [P, K/32, 32]");
+  return Dense<Q4Weights<0>, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y);
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                               ffi::Ffi::Bind()

@@ -132,7 +132,7 @@ class EngineCore:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
-        itemsize = activation_dtype(jax.tree.leaves(params)[0].dtype).itemsize  # the KV cache's
+        itemsize = activation_dtype(params.final_norm.dtype).itemsize  # the KV cache's
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
         self.cache = plan_cache(config, cfg, itemsize, shard_config(cfg, config.tensor_parallel_size))
         self.max_model_len = self.cache.max_model_len

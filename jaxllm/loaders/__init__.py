@@ -44,11 +44,11 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     and later loads restore that instead of parsing and dequantizing the GGUF again.
     `on_host`: the weights stay in host memory (numpy arrays), for an engine that places
     each device's shard of them (tensor parallelism): no device holds them whole.
-    `quantization` (jaxllm.config.QUANTIZATIONS): "int8" and "q8_0" quantize a float
+    `quantization` (jaxllm.config.QUANTIZATIONS): "int8", "q8_0", "q4_0", "q4_1" quantize a float
     checkpoint's projections after loading (the conversion cache keeps the float
-    weights); a GGUF whose projections are Q8_0 keeps those blocks unless it is "none"
-    (`_gguf_quantization`); the returned config says what is held
-    (`ModelConfig.quantization`)."""
+    weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps those blocks
+    (and its conversion holds them so) unless it is "none" (`_gguf_quantization`); the
+    returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     check_quantization(quantization)
     path = Path(model) if model is not None else default_model_path()
@@ -56,10 +56,11 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
         cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host)
+        _check_not_requantized(cfg.quantization, quantization, path)
     elif path.is_file() and path.suffix == ".gguf":
         cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template, on_host, quantization)
         converted = _converted_path(path, compute_dtype, conversion_cache_dir, quantization)
-        if converted is not None and cfg.quantization is None:  # kept blocks load as fast as a conversion
+        if converted is not None:  # floats, or the blocks kept as they are
             _save_conversion(converted, cfg, params, tokenizer, path)
     elif not path.exists():
         raise FileNotFoundError(f"{path}: no such model file or folder")
@@ -82,15 +83,16 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
-    return quantized_config(ModelConfig.from_hf_folder(folder), quantization)
+    cfg = ModelConfig.from_hf_folder(folder)  # a GGUF's kept blocks: quantized as stored
+    return cfg if cfg.quantization is not None else quantized_config(cfg, quantization)
 
 
 def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,
                     quantization: str | None = None) -> Path | None:
     """The folder `load_model` reads: the model's own (HF or converted checkpoint), or a
-    GGUF's conversion kept in the cache; None when a GGUF must be parsed. A GGUF whose
-    Q8_0 blocks are kept is never converted, so its key finds nothing unless
-    `quantization` is "none" (dequantized: a key of its own)."""
+    GGUF's conversion kept in the cache; None when a GGUF must be parsed. A GGUF's
+    conversion holds what it loads as by default (its kept blocks, else floats);
+    `quantization` "none" (dequantized) has a key of its own."""
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
@@ -101,17 +103,22 @@ def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,
 
 
 def _gguf_quantization(gguf_file: GGUFFile, cfg: ModelConfig, asked: str | None) -> str | None:
-    """What a GGUF's projections are held as: its own Q8_0 blocks unless `asked` is
-    "none" (dequantize); None (dequantized, then quantized as asked). Asking int8 of a
-    Q8_0 file is an error, not a silent re-quantization."""
+    """What a GGUF's projections are held as: its own blocks (Q8_0, Q4_0, Q4_1) unless
+    `asked` is "none" (dequantize); None (dequantized, then quantized as asked)."""
     own = gguf_file.own_quantization(cfg)
     if own is None or asked == "none":
         return None
-    if asked not in (None, own):
-        raise ValueError(f"quantization {asked!r}: {gguf_file.path} holds its projections as {own.upper()} "
+    _check_not_requantized(own, asked, gguf_file.path)
+    return own
+
+
+def _check_not_requantized(held: str | None, asked: str | None, path: Path) -> None:
+    """Asking another quantization of a checkpoint that holds its projections quantized
+    (a GGUF's kept blocks, or its conversion) is an error, not a silent re-quantization."""
+    if held is not None and asked not in (None, "none", held):
+        raise ValueError(f"quantization {asked!r}: {path} holds its projections as {held.upper()} "
                          f"(kept as they are by default); {asked} would re-quantize them. Leave quantization "
                          f"unset to keep them, or 'none' to dequantize")
-    return own
 
 
 def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = False, quantization: str | None = None):
@@ -120,6 +127,8 @@ def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = Fal
     own = _gguf_quantization(gguf_file, cfg, quantization)
     if own is not None:
         cfg = quantized_config(cfg, own)
+    if quantization != "none":  # the embedding keeps its blocks too, unless everything is dequantized
+        cfg = dataclasses.replace(cfg, embed_quantization=gguf_file.own_embed_quantization())
     params = load_gguf_params(gguf_file, cfg, dtype, on_host)
     tokenizer = gguf_file.tokenizer()
     if chat_template is not None:

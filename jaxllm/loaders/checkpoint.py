@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import ModelParams, abstract_params
+from jaxllm.models.params import ModelParams, abstract_params, declare, map_declared
 
 PARAMS_DIR = "params"
 MARKER = "jaxllm_checkpoint.json"
@@ -35,13 +35,14 @@ def save_checkpoint(folder: str | Path, cfg: ModelConfig, params: ModelParams, t
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
-    dtype = str(jax.tree.leaves(params)[0].dtype)
+    dtype = str(params.final_norm.dtype)  # the float parameters (quantized ones are stored as they are)
     (folder / MARKER).write_text(json.dumps({"source": source, "dtype": dtype}))
     return folder
 
 
 def restore_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
-    """Restore into the structure `cfg` implies, cast to the compute dtype; `on_host`:
+    """Restore into the structure `cfg` implies, cast to the compute dtype (quantized
+    projections as stored: `cfg.quantization`, from the folder's config); `on_host`:
     restored through the CPU backend into numpy arrays (host memory, for placing shard
     by shard), never onto an accelerator."""
     import orbax.checkpoint as ocp
@@ -54,6 +55,10 @@ def restore_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), target)
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(folder / PARAMS_DIR, target)
-    if on_host:
-        return jax.tree.map(lambda a: np.asarray(a).astype(jnp.dtype(dtype)), params)
-    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+    def cast(decl, array):  # quantized projections (values, scales, mins) stay as stored
+        if decl.quant:
+            return jax.tree.map(np.asarray, array) if on_host else array
+        return np.asarray(array).astype(jnp.dtype(dtype)) if on_host else array.astype(dtype)
+
+    return map_declared(cast, declare(cfg), params)

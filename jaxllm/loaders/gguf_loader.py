@@ -1,11 +1,11 @@
 """GGUF files (llama.cpp's format), read with the `gguf` library.
 
 Quantized tensors are dequantized to the compute dtype, except a file whose projections
-are all Q8_0: those blocks are kept (int8 values and their scales, jaxllm.models.quant).
-llama.cpp's interleaved row
-order of attn_q / attn_k (its converter permutes them for its RoPE kernel) is undone so
-the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special
-tokens) and chat template come from the file's metadata.
+are all Q8_0, all Q4_0 or all Q4_1: those blocks are kept (their values, scales and
+mins, jaxllm.models.quant). llama.cpp's interleaved row order of attn_q / attn_k (its
+converter permutes them for its RoPE kernel) is undone so the standard rotate-half RoPE
+applies. The tokenizer (BPE vocab, merges, special tokens) and chat template come from
+the file's metadata.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
-from jaxllm.models.params import Q8_0_GROUP, ModelParams, QuantizedWeight, declarations
-from jaxllm.models.quant import q8_0_parts, quantized_config
+from jaxllm.models.params import QUANT_FORMATS, ModelParams, QuantizedWeight, declarations
+from jaxllm.models.quant import block_parts, quantized_config
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# GGUF types whose blocks jaxllm keeps as they are (the projections' quantization) when
+# every projection of a file is of one of them; the other types are dequantized.
+KEPT_TENSOR_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 _LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N."
     "input_layernorm.weight": "attn_norm.weight",
@@ -104,19 +107,26 @@ class GGUFFile:
         t = self._tensors.get(name)
         return None if t is None else t.tensor_type.name
 
-    def q8_0_tensor(self, name: str) -> QuantizedWeight:
-        """A Q8_0 tensor's blocks as they are, in HF orientation ([out, in]): int8 values
-        and float32 scales [out, in / 32] (QuantizedWeight's fields, not yet laid out)."""
+    def quantized_tensor(self, name: str) -> QuantizedWeight:
+        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, in HF orientation ([out,
+        in]): values [out, in] and float32 scales (and mins) [out, in / 32]
+        (QuantizedWeight's fields, not yet laid out)."""
         t = self._tensors[name]
         rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
-        q, scale = q8_0_parts(t.data, rows, cols)
-        return QuantizedWeight(q, scale, Q8_0_GROUP)
+        return block_parts(t.data, QUANT_FORMATS[KEPT_TENSOR_TYPES[t.tensor_type.name]], rows, cols)
 
     def own_quantization(self, cfg: ModelConfig) -> str | None:
-        """"q8_0" when every projection of `cfg` is stored as Q8_0 (jaxllm keeps those
-        blocks), else None (the file is dequantized)."""
+        """The format jaxllm keeps the projections of `cfg` in, when every one is stored
+        in the same type of KEPT_TENSOR_TYPES ("q8_0", "q4_0", "q4_1"); else None (the
+        file is dequantized)."""
         names = [name for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant for name, _ in decl.hf]
-        return "q8_0" if all(self.tensor_type(gguf_tensor_name(n)) == "Q8_0" for n in names) else None
+        types = {self.tensor_type(gguf_tensor_name(n)) for n in names}
+        return KEPT_TENSOR_TYPES.get(types.pop()) if len(types) == 1 else None
+
+    def own_embed_quantization(self) -> str | None:
+        """The format jaxllm keeps the token embedding in (a tied output projection too)
+        when the file stores it in one of KEPT_TENSOR_TYPES; else None."""
+        return KEPT_TENSOR_TYPES.get(self.tensor_type("token_embd.weight"))
 
     def model_config(self) -> ModelConfig:
         cfg = ModelConfig.from_gguf_metadata(self.metadata, source=str(self.path))
@@ -162,19 +172,19 @@ class GGUFFile:
 
 
 def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
-    """The file's weights for `cfg`: with `cfg.quantization` "q8_0" (`own_quantization`)
-    the projections' Q8_0 blocks as they are (QuantizedWeight), everything else
-    dequantized to `dtype`."""
+    """The file's weights for `cfg`: with `cfg.quantization` the file's own
+    (`own_quantization`) the projections' blocks as they are (QuantizedWeight),
+    everything else dequantized to `dtype`."""
     permute_rope = cfg.model_type in ("llama", "mistral")
-    packed = {name for decl in declarations(cfg) if decl.quant == "q8_0" for name, _ in decl.hf}
+    kept = {name for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
         name = gguf_tensor_name(hf_name)
-        w = gguf_file.q8_0_tensor(name) if hf_name in packed else gguf_file.tensor(name)
+        w = gguf_file.quantized_tensor(name) if hf_name in kept else gguf_file.tensor(name)
         if w is None or not permute_rope:
             return w
-        if isinstance(w, QuantizedWeight):  # the RoPE row order is undone on values and scales alike
-            return QuantizedWeight(_unpermuted(hf_name, w.q, cfg), _unpermuted(hf_name, w.scale, cfg), w.group)
+        if isinstance(w, QuantizedWeight):  # the RoPE row order is undone on values, scales and mins alike
+            return w.map_arrays(lambda rows: _unpermuted(hf_name, rows, cfg))
         return _unpermuted(hf_name, w, cfg)
 
     return build_params(cfg, source, dtype, str(gguf_file.path), on_host=on_host)

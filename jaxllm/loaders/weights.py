@@ -17,6 +17,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import (ModelParams, ParamDecl, QuantizedWeight, declarations, declare, fuse,
                                   map_declared, unfuse)
+from jaxllm.models.quant import dequantize
 
 TensorSource = Callable[[str], "np.ndarray | None"]
 
@@ -68,23 +69,27 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
 
 
 def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> QuantizedWeight:
-    """A projection the source gives quantized (GGUF Q8_0 blocks, [out, in] values and
-    [out, in / 32] scales per part): transposed and fused like a float one, values and
-    scales alike."""
-    if not all(isinstance(p, QuantizedWeight) and p.group for p in parts):
+    """A parameter the source gives quantized (GGUF blocks, grouped along the HF
+    tensor's rows: [out, in] values and [out, in / 32] scales and mins per part):
+    transposed and fused like a float one, values, scales and mins alike."""
+    if not all(isinstance(p, QuantizedWeight) and p.group and p.group_axis == 1 for p in parts):
         raise CheckpointError(f"{where}: {decl.hf[0][0]} is declared {decl.quant} but not stored so")
-    q = fuse([np.ascontiguousarray(p.q.T) for p in parts])
-    scale = fuse([np.ascontiguousarray(p.scale.T) for p in parts])
-    if on_host:
-        return QuantizedWeight(q, scale, parts[0].group)
-    return QuantizedWeight(jnp.asarray(q), jnp.asarray(scale), parts[0].group)
+    if decl.transposed:
+        parts = [p.transposed().map_arrays(np.ascontiguousarray) for p in parts]
+    fused_field = lambda field: fuse([getattr(p, field) for p in parts])  # noqa: E731
+    fused = parts[0].replace(q=fused_field("q"), scale=fused_field("scale"),
+                             mins=None if parts[0].mins is None else fused_field("mins"))
+    return fused if on_host else fused.map_arrays(jnp.asarray)
 
 
 def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, np.ndarray]:
-    """The inverse of build_params: HF-named float32 numpy tensors (for exporting)."""
+    """The inverse of build_params: HF-named float32 numpy tensors (for exporting;
+    quantized projections dequantized)."""
     out: dict[str, np.ndarray] = {}
 
     def export(decl: ParamDecl, array) -> None:
+        if isinstance(array, QuantizedWeight):
+            array = dequantize(array)
         parts = unfuse(np.asarray(array, np.float32), [n for _, n in decl.hf])
         for (name, _), part in zip(decl.hf, parts, strict=True):
             out[name] = np.ascontiguousarray(part.T if decl.transposed else part)

@@ -37,26 +37,18 @@ logger = logging.getLogger(__name__)
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
+TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
+TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
     """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels, a
-    QuantizedWeight int8 panels and its scales zero-padded to their columns. Packed with
-    numpy on the host (the backend runs on the CPU platform, where that is a view of
-    the array): SmolLM2's weights in ~1.4 s, against 2.7-4.5 s for the same jnp ops run
-    eagerly."""
+    QuantizedWeight integer panels (4-bit values two to a byte) and its scales and mins
+    zero-padded to their columns. Packed with numpy on the host (the backend runs on
+    the CPU platform, where that is a view of the array): SmolLM2's weights in ~1.4 s,
+    against 2.7-4.5 s for the same jnp ops run eagerly."""
     if isinstance(w, QuantizedWeight):
-        values = pack_weight(w.q)
-        p = values.panels.shape[0]
-        groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
-        if isinstance(w.scale, jax.ShapeDtypeStruct):
-            shape = (p, *groups, PANEL) if groups else (p * PANEL,)
-            return values.replace(scale=jax.ShapeDtypeStruct(shape, w.scale.dtype), group=w.group)
-        scale = np.asarray(w.scale)
-        scale = np.pad(scale, [(0, 0)] * len(groups) + [(0, p * PANEL - scale.shape[-1])])
-        if groups:  # [G, P * 32] -> [P, G, 32]: a panel's scales next to its values
-            scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
-        return values.replace(scale=jnp.asarray(scale), group=w.group)
+        return _pack_quantized(w)
     k, n = w.shape
     if isinstance(w, jax.ShapeDtypeStruct):
         return PackedWeight(jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), w.dtype), n)
@@ -66,12 +58,42 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
 
 
+def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
+    values = pack_weight(w.q)
+    p = values.panels.shape[0]
+    groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
+    if w.bits == 4:  # [P, K, 32] -> [P, K, 16] uint8: column j low, column j + 16 high
+        half = PANEL // 2
+        if isinstance(values.panels, jax.ShapeDtypeStruct):
+            panels = jax.ShapeDtypeStruct((*values.panels.shape[:2], half), jnp.uint8)
+        else:
+            nibbles = np.asarray(values.panels).astype(np.uint8) + np.uint8(0 if w.mins is not None else 8)
+            panels = jnp.asarray((nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4))
+        values = values.replace(panels=panels)
+
+    def padded(scale):
+        if isinstance(scale, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((p, *groups, PANEL) if groups else (p * PANEL,), scale.dtype)
+        scale = np.asarray(scale)
+        scale = np.pad(scale, [(0, 0)] * len(groups) + [(0, p * PANEL - scale.shape[-1])])
+        if groups:  # [G, P * 32] -> [P, G, 32]: a panel's scales next to its values
+            scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
+        return jnp.asarray(scale)
+
+    return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins))
+
+
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
     """The [in, out] matrix back, dequantized (tests and debugging)."""
-    matrix = w.panels.transpose(1, 0, 2).reshape(w.in_features, -1)
+    panels = w.panels
+    if panels.dtype == jnp.uint8:  # 4-bit: the nibbles back as values (minus 8 without mins)
+        panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=-1).astype(jnp.int8)
+        panels = panels if w.mins is not None else panels - 8
+    matrix = panels.transpose(1, 0, 2).reshape(w.in_features, -1)
     if w.scale is not None and w.group:
-        scale = w.scale.transpose(1, 0, 2).reshape(w.scale.shape[1], -1)  # [G, P * 32]
-        matrix = dequantize(QuantizedWeight(matrix, scale, w.group))
+        by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)  # noqa: E731  [P, G, 32] -> [G, P * 32]
+        mins = None if w.mins is None else by_group(w.mins)
+        matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins))
     elif w.scale is not None:
         matrix = matrix.astype(jnp.float32) * w.scale
     return matrix[:, : w.out_features]
@@ -83,7 +105,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     activations: jaxllm.platform.activation_dtype) multiplies `x` rounded to the
     weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`).
     A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
-    the output columns (jaxllm.models.quant)."""
+    the output columns (jaxllm.models.quant); grouped ones (GGUF blocks) are dequantized
+    first."""
     if isinstance(w, QuantizedWeight):
         if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
             return jnp.matmul(x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
@@ -98,8 +121,10 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
+    if w.mins is not None:
+        return jax.ffi.ffi_call(TARGET_Q4_1, out)(x2, w.panels, w.scale, w.mins).reshape(*lead, w.out_features)
     if w.scale is not None:
-        target = TARGET_Q8_0 if w.group else TARGET_INT8
+        target = (TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0) if w.group else TARGET_INT8
         return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
     return jax.ffi.ffi_call(TARGET, out)(x2, w.panels).reshape(*lead, w.out_features)
 
@@ -119,6 +144,9 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
         return params.replace(layers=layers)
     if params.lm_head is not None:
         lm_head = params.lm_head
+    elif isinstance(params.embed, QuantizedWeight):  # [V, D] grouped along D: [D, V] grouped along its inputs
+        lm_head = params.embed.transposed().map_arrays(
+            lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else np.ascontiguousarray(a))
     elif isinstance(params.embed, jax.ShapeDtypeStruct):
         lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
     else:

@@ -22,7 +22,8 @@ from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
-from jaxllm.models.params import LayerParams, ModelParams
+from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
+from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
 
 
@@ -37,15 +38,20 @@ def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def embed_tokens(embed: Float[Array, "V D"], input_ids: Int[Array, "T"], axis: str | None) -> Float[Array, "T D"]:
-    """Embedding rows of `input_ids`; sharded by vocabulary over `axis`, each shard
+def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight, input_ids: Int[Array, "T"],
+                 axis: str | None) -> Float[Array, "T D"]:
+    """Embedding rows of `input_ids` (a quantized embedding's rows dequantized: the
+    values a dequantized table holds); sharded by vocabulary over `axis`, each shard
     contributes the rows it holds (zeros elsewhere) and the shards' rows are summed."""
+    rows = (lambda ids: dequantize(embed.take_rows(ids))) if isinstance(embed, QuantizedWeight) else (
+        lambda ids: embed[ids])
+
     if axis is None:
-        return embed[input_ids]
+        return rows(input_ids)
     v = embed.shape[0]
     local = input_ids - jax.lax.axis_index(axis) * v
     held = (local >= 0) & (local < v)
-    return all_reduce(jnp.where(held[:, None], embed[jnp.clip(local, 0, v - 1)], 0), axis)
+    return all_reduce(jnp.where(held[:, None], rows(jnp.clip(local, 0, v - 1)), 0), axis)
 
 
 def attention_block(
@@ -95,9 +101,9 @@ def compute_logits(
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
-    if params.lm_head is None:
-        logits = jnp.einsum("sd,vd->sv", h.astype(params.embed.dtype), params.embed,
-                            preferred_element_type=jnp.float32)
+    if params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
+        embed = dequantize(params.embed) if isinstance(params.embed, QuantizedWeight) else params.embed
+        logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:
         logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)

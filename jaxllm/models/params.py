@@ -18,26 +18,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Float, Int, Int8, UInt8
 
 if TYPE_CHECKING:
     from jaxllm.config import ModelConfig
 
 
-Q8_0_GROUP = 32  # rows (inputs) per scale of a GGUF Q8_0 block
+Q8_0_GROUP = 32  # rows (inputs) per scale of a GGUF block (Q8_0, Q4_0, Q4_1)
 PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/dense.cc
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How a quantized projection is held (jaxllm.models.quant): `group` inputs per
+    scale (0: one scale per output column), values of `bits` bits (int8 values in
+    [-2^(bits-1), 2^(bits-1)) without mins, [0, 2^bits) with them), and whether each
+    group also has a min added after the scaling (GGUF's Q4_1: w = d * q + m)."""
+
+    name: str
+    group: int
+    bits: int
+    mins: bool = False
+
+
+QUANT_FORMATS = {
+    "int8": QuantFormat("int8", 0, 8),
+    "q8_0": QuantFormat("q8_0", Q8_0_GROUP, 8),
+    "q4_0": QuantFormat("q4_0", Q8_0_GROUP, 4),
+    "q4_1": QuantFormat("q4_1", Q8_0_GROUP, 4, mins=True),
+}
 
 
 @struct.dataclass
 class PackedWeight:
     """An [in, out] weight as panels of PANEL columns, [out/PANEL, in, PANEL], the last
-    panel zero-padded: the layout the `cpu` linear backend multiplies. An int8 weight
-    (QuantizedWeight) packs its values so, with its scales padded to the panels' columns."""
+    panel zero-padded: the layout the `cpu` linear backend multiplies. A quantized weight
+    (QuantizedWeight) packs its values so, with its scales (and mins) padded to the
+    panels' columns; 4-bit values two to a byte, [out/PANEL, in, PANEL / 2] uint8, byte
+    j holding column j in its low nibble and column j + 16 in its high one (an offset of
+    8 added where the values are signed: Q4_0)."""
 
-    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"]
+    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"]
     out_features: int = struct.field(pytree_node=False)
     scale: Float[Array, "P32"] | Float[Array, "P G 32"] | None = None  # [P * 32] per column, [P, G, 32] per group
     group: int = struct.field(pytree_node=False, default=0)
+    mins: Float[Array, "P G 32"] | None = None  # Q4_1
 
     @property
     def in_features(self) -> int:
@@ -46,18 +71,39 @@ class PackedWeight:
 
 @struct.dataclass
 class QuantizedWeight:
-    """An [in, out] weight as int8 values and float32 scales (symmetric, weight-only:
-    jaxllm.models.quant): one per output column, w[k, n] ~ q[k, n] * scale[n], or with
-    `group` > 0 one per column and `group` consecutive rows, w[k, n] = q[k, n] *
-    scale[k // group, n] (GGUF's Q8_0 blocks, group 32, kept as they are)."""
+    """An [in, out] weight as integer values and float32 scales (weight-only:
+    jaxllm.models.quant): one scale per output column, w[k, n] ~ q[k, n] * scale[n], or
+    with `group` > 0 one per column and `group` consecutive rows, w[k, n] = q[k, n] *
+    scale[k // group, n] (+ mins[k // group, n] where there are mins: GGUF's Q4_1). The
+    values are int8 whatever `bits` says (4: GGUF's Q4_0 as q - 8, Q4_1 as q); the
+    `cpu` backend packs 4-bit ones two to a byte (PackedWeight)."""
 
     q: Int8[Array, "K N"]
     scale: Float[Array, "N"] | Float[Array, "G N"]
     group: int = struct.field(pytree_node=False, default=0)
+    mins: Float[Array, "G N"] | None = None
+    bits: int = struct.field(pytree_node=False, default=8)
+    group_axis: int = struct.field(pytree_node=False, default=0)  # 1: groups along the last axis (the embedding)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape
+
+    def map_arrays(self, fn) -> QuantizedWeight:
+        """`fn` applied to the values, the scales and the mins alike (transposes, row
+        orders, layouts along the output axis, which all three share)."""
+        return self.replace(q=fn(self.q), scale=fn(self.scale), mins=None if self.mins is None else fn(self.mins))
+
+    def transposed(self) -> QuantizedWeight:
+        """The transpose, its groups along the other axis (a tied embedding [V, D],
+        grouped along D, as the output projection [D, V], grouped along its inputs);
+        abstract arrays too."""
+        flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T  # noqa: E731
+        return self.map_arrays(flip).replace(group_axis=1 - self.group_axis)
+
+    def take_rows(self, rows: Int[Array, "T"]) -> QuantizedWeight:
+        """Rows of an embedding grouped along its last axis (a lookup)."""
+        return self.map_arrays(lambda a: a[rows])
 
 
 Weight = Float[Array, "K N"] | PackedWeight | QuantizedWeight
@@ -101,7 +147,7 @@ class ParamDecl:
     hf: tuple[tuple[str, int], ...]
     transposed: bool = False
     kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
-    quant: str | None = None  # a projection held quantized ("int8", "q8_0": QuantizedWeight); None: as loaded
+    quant: str | None = None  # a projection held quantized (a QUANT_FORMATS name: QuantizedWeight); None: as loaded
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
@@ -147,7 +193,8 @@ def declare(cfg: ModelConfig) -> ModelParams:
         )
 
     return ModelParams(
-        embed=ParamDecl((cfg.vocab_size, d), ("vocab", "embed"), (("model.embed_tokens.weight", d),)),
+        embed=ParamDecl((cfg.vocab_size, d), ("vocab", "embed"), (("model.embed_tokens.weight", d),),
+                        quant=cfg.embed_quantization),
         layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=ParamDecl((d,), ("embed",), (("model.norm.weight", d),)),
         lm_head=None if cfg.tie_word_embeddings else ParamDecl(
@@ -164,16 +211,32 @@ def declarations(cfg: ModelConfig) -> list[ParamDecl]:
 def abstract_params(cfg: ModelConfig, dtype) -> ModelParams:
     """ModelParams of jax.ShapeDtypeStruct leaves: the shapes `cfg` implies."""
     def abstract(decl: ParamDecl):
-        if decl.quant == "int8":
-            return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8),
-                                   jax.ShapeDtypeStruct(decl.shape[-1:], jnp.float32))
-        if decl.quant == "q8_0":
-            k, n = decl.shape
-            return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8),
-                                   jax.ShapeDtypeStruct((k // Q8_0_GROUP, n), jnp.float32), Q8_0_GROUP)
+        if decl.quant:
+            return quantized_abstract(decl)
         return jax.ShapeDtypeStruct(decl.shape, dtype)
 
     return map_declared(abstract, declare(cfg))
+
+
+def quantized_layout(decl: ParamDecl) -> dict:
+    """QuantizedWeight's static fields for `decl`: its format's group and bits, and the
+    axis the groups run along, the HF tensor's rows (its inputs): axis 0 of a
+    projection (transposed to [in, out]), the last axis of the embedding."""
+    fmt = QUANT_FORMATS[decl.quant]
+    return dict(group=fmt.group, bits=fmt.bits, group_axis=0 if decl.transposed or not fmt.group else 1)
+
+
+def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
+    """The abstract QuantizedWeight of a parameter declared quantized."""
+    fmt, layout = QUANT_FORMATS[decl.quant], quantized_layout(decl)
+    a, b = decl.shape
+    if not fmt.group:
+        scale_shape = (b,)
+    else:
+        scale_shape = (a // fmt.group, b) if layout["group_axis"] == 0 else (a, b // fmt.group)
+    scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+    return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8), scale, mins=scale if fmt.mins else None,
+                           **layout)
 
 
 # Tensor parallelism over a mesh axis named "model" (Megatron's layout): q/k/v and
@@ -191,9 +254,10 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
         whole = PartitionSpec(*(rules.get(a) for a in decl.axes))
         if not decl.quant:
             return whole
-        if decl.quant == "q8_0":  # [K / 32, N]: the groups split with the inputs, as the values do
-            return QuantizedWeight(whole, whole, Q8_0_GROUP)
-        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1])))
+        fmt = QUANT_FORMATS[decl.quant]
+        if fmt.group:  # [K / group, N] ([V, D / group]): the groups split with their axis, as the values do
+            return QuantizedWeight(whole, whole, mins=whole if fmt.mins else None, **quantized_layout(decl))
+        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1])), **quantized_layout(decl))
 
     return map_declared(spec, declare(cfg))
 
@@ -261,7 +325,7 @@ def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelPara
         if len(decl.hf) == 1:
             return array
         if isinstance(array, QuantizedWeight):  # both lie along the fused (last) axis
-            return QuantizedWeight(relayout(decl, array.q), relayout(decl, array.scale), array.group)
+            return array.map_arrays(lambda a: relayout(decl, a))
         if isinstance(array, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((*array.shape[:-1], laid_out_shape(decl, shards, replicas)[-1]), array.dtype)
         parts = unfuse(np.asarray(array), [n for _, n in decl.hf])

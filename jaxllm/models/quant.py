@@ -8,10 +8,13 @@ the scale. A projection then reads 1 byte a weight instead of 4 (float32) or 2
 exact reassociation (the scale is per column), so the XLA path is `x @ dequantize(w)`
 up to the dot's own rounding.
 
-`q8_0`: GGUF's Q8_0, a float16 scale per 32 inputs of each column (gguf's quantizer),
-held as int8 values and float32 scales [K / 32, N]; a GGUF whose projections are Q8_0
-keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is `q * scale` rounded once,
-as gguf dequantizes it, so the kernel's sums are those of the dequantized matrix.
+`q8_0`, `q4_0`, `q4_1`: GGUF's block formats, a float16 scale per 32 inputs of each
+column (gguf's own quantizer), held as int8 values and float32 scales [K / 32, N]: Q8_0
+values in [-127, 127], Q4_0 in [-8, 7] (the stored nibble minus 8), Q4_1 in [0, 15]
+with a float16 min per block as well (w = d * q + m). A GGUF whose projections are all
+of one of these keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is what
+gguf dequantizes it to, `q * scale` rounded once (then `+ min`, rounded again: never a
+fused multiply-add), so the kernel's sums are those of the dequantized matrix.
 
 The embedding (a lookup) and the norms stay as loaded, as in vLLM's weight-only
 schemes; so does a tied output projection, which is the embedding.
@@ -27,7 +30,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import Q8_0_GROUP, ModelParams, ParamDecl, QuantizedWeight, declare, map_declared
+from jaxllm.models.params import (Q8_0_GROUP, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
+                                  declare, map_declared)
 
 INT8_MAX = 127
 
@@ -51,44 +55,76 @@ def quantize_int8(w: Float[Array, "K N"] | np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(q, scale)
 
 
-def quantize_q8_0(w: Float[Array, "K N"] | np.ndarray, name: str = "weight") -> QuantizedWeight:
-    """`w` as GGUF Q8_0 blocks (32 consecutive inputs of one output column share a
-    float16 scale; gguf's own quantizer, bit-exact with llama.cpp's), kept as int8
-    values and float32 scales [K / 32, N]; numpy in, numpy out, else jax arrays."""
+def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
+    """`w` in one of GGUF's block formats (`fmt`: q8_0, q4_0, q4_1; 32 consecutive inputs
+    of one output column share a float16 scale; gguf's own quantizer, bit-exact with
+    llama.cpp's), kept as QuantizedWeight; numpy in, numpy out, else jax arrays."""
     import gguf
 
     k, n = w.shape
-    if k % Q8_0_GROUP:
-        raise ValueError(f"quantization 'q8_0': {name} has {k} inputs, not a multiple of {Q8_0_GROUP} (its block)")
+    if k % fmt.group:
+        raise ValueError(f"quantization {fmt.name!r}: {name} has {k} inputs, not a multiple of {fmt.group} "
+                         f"(its block)")
     on_host = isinstance(w, np.ndarray)
-    blocks = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T), gguf.GGMLQuantizationType.Q8_0)
-    q, scale = q8_0_parts(blocks, n, k)
-    q, scale = np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T)
-    return QuantizedWeight(q, scale, Q8_0_GROUP) if on_host else QuantizedWeight(jnp.asarray(q), jnp.asarray(scale),
-                                                                                  Q8_0_GROUP)
+    kind = gguf.GGMLQuantizationType[fmt.name.upper()]
+    blocks = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T), kind)
+    qw = block_parts(blocks, fmt, n, k).transposed().map_arrays(np.ascontiguousarray)
+    return qw if on_host else qw.map_arrays(jnp.asarray)
+
+
+def quantize_q8_0(w: Float[Array, "K N"] | np.ndarray, name: str = "weight") -> QuantizedWeight:
+    """`w` as GGUF Q8_0 blocks (quantize_blocks)."""
+    return quantize_blocks(w, QUANT_FORMATS["q8_0"], name)
 
 
 def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
     """The float32 matrix `w` stands for (the oracle of the quantized matmul): each
-    value times its scale, rounded once, as gguf's Q8_0 dequantization computes it."""
+    value times its scale, rounded once, plus its min where it has one, rounded again,
+    as gguf's dequantization computes them (XLA:CPU does not contract the two into one
+    multiply-add: tests/test_quant.py compares the jitted result with gguf's)."""
     if not w.group:
         return w.q.astype(jnp.float32) * w.scale
-    k, n = w.q.shape
-    return (w.q.reshape(k // w.group, w.group, n).astype(jnp.float32) * w.scale[:, None, :]).reshape(k, n)
+    # Each scale (min) gathered by its group's index along the grouped axis (the last
+    # one for an embedding), not broadcast over a reshape: XLA:CPU saw through a
+    # [K / 32, 32, N] reshape into a sum over the result (an RMS norm of embedding rows)
+    # and split that sum by the groups, another order than the same sum over a
+    # dequantized table.
+    axis = w.group_axis
+    group_of = np.arange(w.q.shape[axis]) // w.group
+    values = w.q.astype(jnp.float32) * jnp.take(w.scale, group_of, axis=axis)
+    if w.mins is not None:
+        values = values + jnp.take(w.mins, group_of, axis=axis)
+    return values
 
 
-def q8_0_parts(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """The int8 values [rows, cols] and float32 scales [rows, cols / 32] of a GGUF Q8_0
-    tensor's raw blocks (2 bytes of float16 scale, then 32 int8 values, along a row)."""
-    blocks = np.asarray(blocks, np.uint8).reshape(-1, 2 + Q8_0_GROUP)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // Q8_0_GROUP)
-    q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
-    return q, scale
+# Bytes of one GGUF block of 32 weights before its values: a float16 scale, and a
+# float16 min for Q4_1.
+_BLOCK_HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
+
+
+def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks of `fmt` (along a row: a float16 scale, for Q4_1 a
+    float16 min, then 32 values: Q8_0 as int8, Q4_0 / Q4_1 as 16 bytes of nibbles, byte
+    j holding value j low and value j + 16 high) as a QuantizedWeight grouped along its
+    last axis: values [rows, cols], scales (mins) [rows, cols / 32], in the file's (HF)
+    orientation."""
+    header = _BLOCK_HEADER[fmt.name]
+    blocks = np.asarray(blocks, np.uint8).reshape(-1, header + fmt.group * fmt.bits // 8)
+    halves = lambda a: a.copy().view(np.float16).astype(np.float32).reshape(rows, cols // fmt.group)  # noqa: E731
+    if fmt.bits == 8:
+        q = blocks[:, header:].copy().view(np.int8)
+    else:
+        nibbles = blocks[:, header:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8)
+        if not fmt.mins:
+            q -= 8
+    return QuantizedWeight(q.reshape(rows, cols), halves(blocks[:, :2]), fmt.group,
+                           halves(blocks[:, 2:4]) if fmt.mins else None, fmt.bits, group_axis=1)
 
 
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
-    """`cfg` with the weight quantization the engine will hold: "int8" or "q8_0"; None
-    and "none" both leave the projections as loaded (the config says None)."""
+    """`cfg` with the weight quantization the engine will hold (a QUANT_FORMATS name);
+    None and "none" both leave the projections as loaded (the config says None)."""
     check_quantization(quantization)
     return dataclasses.replace(cfg, quantization=None if quantization == "none" else quantization)
 
@@ -100,15 +136,13 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
     def convert(decl: ParamDecl, array):
         if decl.quant is None or isinstance(array, QuantizedWeight):
             return array
-        if decl.quant == "int8":
-            return quantize_int8(array if isinstance(array, np.ndarray) else jnp.asarray(array))
-        if decl.quant == "q8_0":
-            return quantize_q8_0(array if isinstance(array, np.ndarray) else jnp.asarray(array), decl.hf[0][0])
-        raise ValueError(f"quantization {decl.quant!r} is declared but not implemented")
+        w = array if isinstance(array, np.ndarray) else jnp.asarray(array)
+        return quantize_int8(w) if decl.quant == "int8" else quantize_blocks(w, QUANT_FORMATS[decl.quant],
+                                                                             decl.hf[0][0])
 
     return map_declared(convert, declare(cfg), params)
 
 
 def param_bytes(params: ModelParams) -> int:
-    """Bytes the parameters take (quantized ones with their scales)."""
+    """Bytes the parameters take (quantized ones with their scales and mins)."""
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))

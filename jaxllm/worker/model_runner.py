@@ -190,7 +190,7 @@ class ModelRunner:
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        param_dtype = jax.tree.leaves(params)[0].dtype
+        param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states and the KV cache
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -338,7 +338,9 @@ class ModelRunner:
         """The parameters' bytes per device as held (every layout the plan keeps), and
         their quantization."""
         held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
-        return f"{held / 2**20:.0f} MiB ({self.config.quantization or 'not quantized'})"
+        cfg = self.config
+        embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
+        return f"{held / 2**20:.0f} MiB ({cfg.quantization or 'not quantized'}{embed})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
