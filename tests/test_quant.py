@@ -218,3 +218,20 @@ def test_the_conversion_cache_keeps_blocks_as_blocks(test_models_dir, tmp_path):
         load_model(path, conversion_cache_dir=cache, quantization="int8")
     assert load_model(path, conversion_cache_dir=cache, quantization="none").config.quantization is None
     assert len(list(cache.iterdir())) == 2
+
+
+def test_a_conversion_of_another_format_is_not_restored(test_models_dir, tmp_path, monkeypatch):
+    """A conversion written when jaxllm kept other tensors as blocks (an older version:
+    floats where blocks are now kept) is keyed apart, not restored as it was."""
+    import jaxllm.loaders as loaders
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "q.gguf", "Q4_1")
+    cache = tmp_path / "converted"
+    floats = load_model(path, quantization="none")
+    monkeypatch.setattr(loaders, "CONVERSION_FORMAT", loaders.CONVERSION_FORMAT - 1)
+    old = loaders._converted_path(path, "float32", cache)
+    loaders._save_conversion(old, floats.config, floats.params, floats.tokenizer, path)
+    assert load_model(path, conversion_cache_dir=cache).config.quantization is None  # as that version restored it
+    monkeypatch.undo()
+    assert load_model(path, conversion_cache_dir=cache).config.quantization == "q4_1"

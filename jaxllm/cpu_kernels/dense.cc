@@ -63,19 +63,19 @@ constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's shar
 inline f32xN int8_lanes(const int8_t* p) {
   return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// Zero-extended first, then one op picks the nibble (the two halves of a 16-byte load
+// share the extension): 3 integer ops per 32 weights, against 5 splitting the bytes.
 inline f32xN nibble_lanes(const uint8_t* p, int high) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
-  return (f32xN)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (f32xN)_mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
 }
 #elif JAXLLM_LANES == 8 && defined(__AVX2__)
 inline f32xN int8_lanes(const int8_t* p) {
   return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline f32xN nibble_lanes(const uint8_t* p, int high) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0F));
-  return (f32xN)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (f32xN)_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
 }
 #else  // SSE2, AVX without AVX2, NEON: a lane at a time
 inline f32xN int8_lanes(const int8_t* p) {

@@ -143,12 +143,19 @@ def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = F
     return cfg, params, load_hf_tokenizer(path, chat_template)
 
 
+# What a conversion of a GGUF holds, by version: a change to which tensors are kept as
+# blocks (2: Q4_0 / Q4_1 projections and the embedding's blocks) must not restore an
+# older conversion (floats where blocks are now kept).
+CONVERSION_FORMAT = 2
+
+
 def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:
     if cache_dir is None:
         return None
     stat = gguf.stat()
-    mode = "|dequantized" if quantization == "none" else ""  # else as stored: only files nothing is kept of
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}{mode}".encode()).hexdigest()[:16]
+    mode = "|dequantized" if quantization == "none" else ""  # else as it loads by default (floats or kept blocks)
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}{mode}|{CONVERSION_FORMAT}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{gguf.stem}-{key}"
 
 
