@@ -465,7 +465,7 @@ def main(argv=None) -> None:
 
     print()
     print(f"{'':14s}{'wall s':>9s}{'output tok/s':>14s}{'total tok/s':>13s}{'jaxllm/x':>10s}")
-    print(f"{'jaxllm f32':14s}{j['wall_seconds']:9.1f}{j['output_tok_s']:14.1f}{j['total_tok_s']:13.1f}{'':>10s}")
+    print(f"{'jaxllm':14s}{j['wall_seconds']:9.1f}{j['output_tok_s']:14.1f}{j['total_tok_s']:13.1f}{'':>10s}")
     results["ratios"] = {}
     if "jaxllm_all_xla" in results:
         x = results["jaxllm_all_xla"]

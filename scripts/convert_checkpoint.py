@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a model (GGUF file, HF folder; default: the embedded SmolLM2) into an orbax
-checkpoint folder that jaxllm loads without re-parsing or dequantizing, and print how
-long each way takes.
+checkpoint folder that jaxllm loads without re-parsing it (a GGUF's kept blocks stay
+blocks), and print how long each way takes.
 
     python scripts/convert_checkpoint.py OUT_DIR [--model PATH] [--dtype float32]
 """
