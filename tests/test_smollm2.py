@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from jaxllm.loaders import default_model_path, load_model
 from jaxllm.loaders.hf import save_hf_folder
+from jaxllm.models.linear import pack_params
+from jaxllm.models.quant import param_bytes
 from tests.paged_driver import PagedDriver
 
 
@@ -43,3 +45,21 @@ def test_greedy_says_paris(smollm2):
     driver = PagedDriver(smollm2.config, smollm2.params, block_size=16)
     out = driver.greedy(tok.encode("The capital of France is"), max_new_tokens=8)
     assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.slow  # ~25 s more than the module's load; the test models check the same per format by default
+def test_the_default_model_keeps_its_blocks_with_the_dequantized_logits(smollm2):
+    """The embedded GGUF's Q4_1 projections and Q8_0 embedding are kept as blocks (4-bit
+    and int8 kernel panels) and give the very logits of the same file dequantized to
+    float32 at load, for a one-tile chunk (converted in registers) and a 37-token one
+    (each panel converted once)."""
+    assert (smollm2.config.quantization, smollm2.config.embed_quantization) == ("q4_1", "q8_0")
+    floats = load_model(None, quantization="none")
+    kept, dequantized = pack_params(smollm2.params), pack_params(floats.params)  # as the `cpu` backend holds them
+    assert param_bytes(kept) < 0.25 * param_bytes(dequantized)  # 137 of 621 MiB
+    ids = smollm2.tokenizer.encode("The capital of France is Paris, the capital of Germany is Berlin, and the "
+                                   "capital of Italy is Rome. Name three more capitals of Europe, in order:")
+    assert len(ids) > 24
+    got, want = ([PagedDriver(m.config, params, block_size=16).prompt_logits(ids, [5, len(ids) - 5])
+                  for m, params in ((smollm2, kept), (floats, dequantized))])
+    np.testing.assert_array_equal(got, want)
