@@ -34,8 +34,11 @@ test: setup-dev
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 90 min on 2 cores): the
+# Everything in docs/benchmarks.md, into bench_results/ (about 105 min on 2 cores): the
 # native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
+# the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
+DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
+
 bench: setup-dev
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_linear.py
@@ -47,11 +50,17 @@ bench: setup-dev
 	  --out bench_results/throughput_avx2.json
 	test -f build/smollm2-f32.gguf || $(PY) scripts/export_gguf.py build/smollm2-f32.gguf
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 \
-	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
+	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard
 	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 \
-	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
+	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard_avx2
+	$(PY) scripts/bench_serving.py --launch "--quantization none" --dataset standard --max-concurrency 32 \
+	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
+	  --out bench_results/serving_standard_f32
+	$(PY) scripts/bench_serving.py --launch "" --dataset random --num-prompts 6 --max-concurrency 1 \
+	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
+	  --out bench_results/serving_batch1
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --max-concurrency 32 --out bench_results/shared_prefix
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --out bench_results/shared_prefix_burst
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --num-prompts 64 \

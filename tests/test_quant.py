@@ -109,6 +109,16 @@ def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, quantiz
     multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", quantization, devices=2)
 
 
+@pytest.mark.slow  # 12 s; the q4_1 case above shards the same formats quantized at load
+def test_a_kept_gguf_with_its_embedding_shards_for_tensor_parallelism(test_models_dir, tmp_path):
+    """Kept Q4_1 blocks, the embedding's too (vocabulary-parallel rows and scales, the
+    tied output projection from them): TP=2 logits equal one device's."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "l.gguf", "Q4_1")
+    multidevice.run("tp_logits_match", str(path), "2", "cpu", "q4_1", devices=2)
+
+
 def test_an_unknown_quantization_is_refused_naming_the_choices(test_models_dir):
     with pytest.raises(ValueError, match="quantization: unknown 'int3'.*int8"):
         EngineConfig(quantization="int3")

@@ -325,28 +325,25 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
                     S == kGroupScalesMins ? mins + group_offset : nullptr,
                     p + 2 < num_panels ? P + (p + 2) * K * Wt::kRow : nullptr};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
+      for (int64_t t = t0; t < t1; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
+        float* yt = Y + t * kTileRows * N + p * kPanel;
+        tile_fns[rows](XT + t * kTileRows * K, pan, K, yt, N, cols);
+        pan.prefetch = nullptr;  // the first tile of an item prefetches
+        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
+      }
+    };
     if constexpr (!std::is_same_v<Wt, F32Weights>) {
       if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
         thread_local std::vector<float> converted;
         converted.resize(K * kPanel);
         dequantize_panel<Wt, S>(panel, K, converted.data());
-        const Panel<F32Weights> floats{converted.data(), nullptr, nullptr, nullptr};
-        for (int64_t t = t0; t < t1; ++t) {
-          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-          float* yt = Y + t * kTileRows * N + p * kPanel;
-          kTileFns<F32Weights, kNoScales>[rows](XT + t * kTileRows * K, floats, K, yt, N, cols);
-          if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
-        }
+        tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
         return;
       }
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-      float* yt = Y + t * kTileRows * N + p * kPanel;
-      kTileFns<Wt, S>[rows](XT + t * kTileRows * K, panel, K, yt, N, cols);
-      panel.prefetch = nullptr;  // the first tile of an item prefetches
-      if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
-    }
+    tiles_times(kTileFns<Wt, S>, panel);
   });
   return ffi::Error::Success();
 }
@@ -372,21 +369,18 @@ ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return Dense<I8Weights, kColumnScales>(pool, x, panels, scales.typed_data(), nullptr, y);
 }
 
-ffi::Error DenseQ8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
-                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+// GGUF blocks with a scale per 32 inputs: Q8_0 (int8 panels [P, K, 32]), Q4_0 (4-bit
+// panels [P, K, 16]).
+template <class Wt, ffi::DataType kPanelType>
+ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
+                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
   if (!grouped_shape_ok(panels, scales))
-    return ffi::Error::InvalidArgument("dense_q8_0: panels must be [P, K, 32] with K a multiple of 32, "
-                                       "scales [P, K/32, 32]");
-  return Dense<I8Weights, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
+    return ffi::Error::InvalidArgument("dense_q8_0 / dense_q4_0: panels must be [P, K, 32] int8 or [P, K, 16] "
+                                       "4-bit with K a multiple of 32, scales [P, K/32, 32]");
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
 }
-
-ffi::Error DenseQ4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                     ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  if (!grouped_shape_ok(panels, scales))
-    return ffi::Error::InvalidArgument("dense_q4_0: panels must be [P, K, 16] with K a multiple of 32, "
-                                       "scales [P, K/32, 32]");
-  return Dense<Q4Weights<8>, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
-}
+constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
+constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 
 ffi::Error DenseQ4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {

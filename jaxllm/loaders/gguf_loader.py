@@ -25,7 +25,7 @@ from jaxllm.models.quant import block_parts, quantized_config
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # GGUF types whose blocks jaxllm keeps as they are (the projections' quantization) when
 # every projection of a file is of one of them; the other types are dequantized.
-KEPT_TENSOR_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+KEPT_TENSOR_TYPES = {name.upper(): name for name, fmt in QUANT_FORMATS.items() if fmt.group}  # Q8_0, Q4_0, Q4_1
 
 _LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N."
     "input_layernorm.weight": "attn_norm.weight",

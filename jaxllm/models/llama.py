@@ -43,8 +43,8 @@ def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight, input_ids: Int[Ar
     """Embedding rows of `input_ids` (a quantized embedding's rows dequantized: the
     values a dequantized table holds); sharded by vocabulary over `axis`, each shard
     contributes the rows it holds (zeros elsewhere) and the shards' rows are summed."""
-    rows = (lambda ids: dequantize(embed.take_rows(ids))) if isinstance(embed, QuantizedWeight) else (
-        lambda ids: embed[ids])
+    def rows(ids):
+        return dequantize(embed.take_rows(ids)) if isinstance(embed, QuantizedWeight) else embed[ids]
 
     if axis is None:
         return rows(input_ids)

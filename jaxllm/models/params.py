@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from jaxllm.config import ModelConfig
 
 
-Q8_0_GROUP = 32  # rows (inputs) per scale of a GGUF block (Q8_0, Q4_0, Q4_1)
+GGUF_BLOCK = 32  # rows (inputs) per scale of a GGUF block (Q8_0, Q4_0, Q4_1)
 PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/dense.cc
 
 
@@ -43,9 +43,9 @@ class QuantFormat:
 
 QUANT_FORMATS = {
     "int8": QuantFormat("int8", 0, 8),
-    "q8_0": QuantFormat("q8_0", Q8_0_GROUP, 8),
-    "q4_0": QuantFormat("q4_0", Q8_0_GROUP, 4),
-    "q4_1": QuantFormat("q4_1", Q8_0_GROUP, 4, mins=True),
+    "q8_0": QuantFormat("q8_0", GGUF_BLOCK, 8),
+    "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4),
+    "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True),
 }
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import (Q8_0_GROUP, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
+from jaxllm.models.params import (QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
                                   declare, map_declared)
 
 INT8_MAX = 127
@@ -72,11 +72,6 @@ def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name:
     return qw if on_host else qw.map_arrays(jnp.asarray)
 
 
-def quantize_q8_0(w: Float[Array, "K N"] | np.ndarray, name: str = "weight") -> QuantizedWeight:
-    """`w` as GGUF Q8_0 blocks (quantize_blocks)."""
-    return quantize_blocks(w, QUANT_FORMATS["q8_0"], name)
-
-
 def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
     """The float32 matrix `w` stands for (the oracle of the quantized matmul): each
     value times its scale, rounded once, plus its min where it has one, rounded again,
@@ -97,18 +92,13 @@ def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
     return values
 
 
-# Bytes of one GGUF block of 32 weights before its values: a float16 scale, and a
-# float16 min for Q4_1.
-_BLOCK_HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
-
-
 def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> QuantizedWeight:
     """A GGUF tensor's raw blocks of `fmt` (along a row: a float16 scale, for Q4_1 a
     float16 min, then 32 values: Q8_0 as int8, Q4_0 / Q4_1 as 16 bytes of nibbles, byte
     j holding value j low and value j + 16 high) as a QuantizedWeight grouped along its
     last axis: values [rows, cols], scales (mins) [rows, cols / 32], in the file's (HF)
     orientation."""
-    header = _BLOCK_HEADER[fmt.name]
+    header = 4 if fmt.mins else 2  # float16 scale (and min) before the values
     blocks = np.asarray(blocks, np.uint8).reshape(-1, header + fmt.group * fmt.bits // 8)
     halves = lambda a: a.copy().view(np.float16).astype(np.float32).reshape(rows, cols // fmt.group)  # noqa: E731
     if fmt.bits == 8:
