@@ -26,6 +26,10 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu")
 # formats (a scale, for Q4_1 also a min, per 32 inputs); a float checkpoint is
 # quantized at load.
 QUANTIZATIONS = (None, "none", "int8", "q8_0", "q4_0", "q4_1")
+# The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the
+# activations' dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is
+# "fp8_e4m3" (vLLM's names), saturated at +-448, no scale.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
@@ -113,10 +117,6 @@ class ModelConfig:
             + 3 * self.hidden_size * self.intermediate_size
         )
         return self.num_layers * per_layer + self.hidden_size * self.vocab_size
-
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes of K and V cache one token takes over all layers."""
-        return 2 * self.num_layers * self.kv_size * itemsize
 
     # ----------------------------------------------------------------- readers
 

@@ -39,9 +39,19 @@ class AttentionConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_model_len: int = 2048
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # q's (activations')
     sliding_window: int | None = None
     soft_cap: float | None = None
+    cache_dtype: str | None = None  # the KV cache's (None: `dtype`); int8 comes with scales
+
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype if self.cache_dtype is None else self.cache_dtype)
+
+    @property
+    def scaled(self) -> bool:
+        """An int8 cache: float32 scales per (token, KV head) come with it."""
+        return self.kv_dtype == jnp.int8
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -78,33 +88,46 @@ DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((8, 8), (2048, 256))
 
 
 def attention_specs(cfg: AttentionConfig, num_tokens: int, max_num_seqs: int):
+    """The attention kernel's positional arguments (q, caches, kv_lens, block_tables,
+    query_start_loc, num_seqs); for an int8 cache followed by k_scale, v_scale (which
+    the kernel takes by keyword: see :func:`lower_attention_for_cuda`)."""
     dt = jnp.dtype(cfg.dtype)
     sd = jax.ShapeDtypeStruct
     cache = (cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-    return (
+    specs = (
         sd((num_tokens, cfg.num_q_heads, cfg.head_dim), dt),
-        sd(cache, dt),
-        sd(cache, dt),
+        sd(cache, cfg.kv_dtype),
+        sd(cache, cfg.kv_dtype),
         sd((max_num_seqs,), jnp.int32),
         sd((max_num_seqs, cfg.max_blocks_per_seq), jnp.int32),
         sd((max_num_seqs + 1,), jnp.int32),
         sd((1,), jnp.int32),
     )
+    if cfg.scaled:
+        specs += (sd(cache[:3], jnp.float32), sd(cache[:3], jnp.float32))
+    return specs
 
 
 def write_specs(cfg: AttentionConfig, num_tokens: int):
+    """New K/V in the activations' dtype, caches in the cache's."""
     dt = jnp.dtype(cfg.dtype)
     sd = jax.ShapeDtypeStruct
     new = sd((num_tokens, cfg.num_kv_heads, cfg.head_dim), dt)
-    cache = sd((cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim), dt)
+    cache = sd((cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim), cfg.kv_dtype)
     return new, new, cache, cache, sd((num_tokens,), jnp.int32)
 
 
 def lower_attention_for_cuda(cfg: AttentionConfig, num_tokens: int, max_num_seqs: int,
                              **kernel_kwargs):
-    f = functools.partial(ragged_paged_attention, sm_scale=cfg.sm_scale,
-                          sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap,
-                          **kernel_kwargs)
+    kw = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window,
+              soft_cap=cfg.soft_cap, **kernel_kwargs)
+
+    def f(*args):
+        if cfg.scaled:
+            *args, k_scale, v_scale = args
+            return ragged_paged_attention(*args, k_scale=k_scale, v_scale=v_scale, **kw)
+        return ragged_paged_attention(*args, **kw)
+
     specs = attention_specs(cfg, num_tokens, max_num_seqs)
     return jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
 
@@ -128,13 +151,17 @@ def check_cuda_lowering(
 
     Returns the number of lowerings done. Each lowered module must contain the
     Triton custom call, i.e. the Pallas kernel really went through the GPU path.
+    An int8 cache has no Pallas write (jaxllm.attention.kv_cache writes it): only
+    its attention is lowered.
     """
     n = 0
     buckets = tuple(buckets)
     for cfg in configs:
         for num_tokens, max_num_seqs in buckets:
-            for lowered in (lower_attention_for_cuda(cfg, num_tokens, max_num_seqs),
-                            lower_write_kv_cache_for_cuda(cfg, num_tokens)):
+            lowerings = [lower_attention_for_cuda(cfg, num_tokens, max_num_seqs)]
+            if not cfg.scaled:
+                lowerings.append(lower_write_kv_cache_for_cuda(cfg, num_tokens))
+            for lowered in lowerings:
                 if not has_triton_call(lowered.as_text()):
                     raise AssertionError(f"{cfg.name}: no Triton kernel in the lowering")
                 n += 1

@@ -19,6 +19,12 @@ one KV head to the slots ``slot_mapping`` gives (``block_id * block_size + offse
 Caches are aliased input -> output, so under ``jit`` with donation the update is in
 place. Padding tokens point into the null block; their (possibly repeated) writes are
 garbage that is never read.
+
+Cache dtypes: the new K/V are cast to the cache's dtype; for a float8_e4m3fn cache they
+are first clipped to +-448 (the format has no inf: writes saturate, as
+``jaxllm.attention.kv_cache.quantize_rows`` does). An int8 cache needs per-row scales
+computed from each row; that write is ``jaxllm.attention.kv_cache.write_kv_cache``'s
+(no Pallas int8 write yet), and this kernel refuses one.
 """
 
 from __future__ import annotations
@@ -29,13 +35,22 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallas_kernels.reference import FP8_E4M3_MAX
 
 __all__ = ["write_kv_cache"]
 
 
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _to_cache(x, dtype):
+    """New K/V elements as the cache stores them: fp8 saturates at +-448."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.astype(dtype)
 
 
 def _write_kernel(slot_ref, k_ref, v_ref, kc_in_ref, vc_in_ref, kc_ref, vc_ref, *,
@@ -55,26 +70,28 @@ def _write_kernel(slot_ref, k_ref, v_ref, kc_in_ref, vc_in_ref, kc_ref, vc_ref, 
         mask = mask & (d < head_dim)[None, :]
     k = plgpu.load(k_ref.at[t[:, None], h, d[None, :]], mask=mask, other=0)
     v = plgpu.load(v_ref.at[t[:, None], h, d[None, :]], mask=mask, other=0)
-    plgpu.store(kc_ref.at[slot[:, None], h, d[None, :]], k.astype(kc_ref.dtype), mask=mask)
-    plgpu.store(vc_ref.at[slot[:, None], h, d[None, :]], v.astype(vc_ref.dtype), mask=mask)
+    plgpu.store(kc_ref.at[slot[:, None], h, d[None, :]], _to_cache(k, kc_ref.dtype), mask=mask)
+    plgpu.store(vc_ref.at[slot[:, None], h, d[None, :]], _to_cache(v, vc_ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "num_warps"))
 def write_kv_cache(
     k: Float[Array, "T Hkv hd"],
     v: Float[Array, "T Hkv hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     slot_mapping: Int[Array, "T"],
     *,
     interpret: bool = False,
     block_t: int = 32,
     num_warps: int = 4,
-) -> tuple[Float[Array, "N B Hkv hd"], Float[Array, "N B Hkv hd"]]:
+) -> tuple[Shaped[Array, "N B Hkv hd"], Shaped[Array, "N B Hkv hd"]]:
     """Return the caches with ``cache[slot_mapping[t]] = new[t]`` for every token t.
 
     Same contract as ``reference.write_kv_cache_reference``. ``block_t`` (tokens per
-    program) must be a power of two.
+    program) must be a power of two. A float8_e4m3fn cache gets the values clipped to
+    +-448; an int8 cache is refused (its scaled write is
+    ``jaxllm.attention.kv_cache.write_kv_cache``'s).
     """
     T, Hkv, D = k.shape
     NB, BS, Hkv_c, D_c = k_cache.shape
@@ -84,6 +101,11 @@ def write_kv_cache(
         raise ValueError(f"new K/V heads/dim {(Hkv, D)} != cache {(Hkv_c, D_c)}")
     if slot_mapping.shape != (T,):
         raise ValueError(f"slot_mapping must be [{T}], got {slot_mapping.shape}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
+    if k_cache.dtype == jnp.int8:
+        raise ValueError("write_kv_cache: an int8 KV cache needs per-row scales; its scaled write is "
+                         "done by jaxllm.attention.kv_cache.write_kv_cache (no Pallas int8 write yet)")
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} must be a power of two")
     num_slots = NB * BS

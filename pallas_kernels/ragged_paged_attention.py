@@ -18,6 +18,12 @@ table. This kernel serves all of it in one ``pallas_call``. Design (docs/kernels
   of page ids per position, then a gather of K/V rows), masked beyond the sequence's
   causal horizon, and folded in with an online softmax in float32.
 * Only K/V tiles that intersect ``[window start, last query position]`` are visited.
+* **Quantized caches.** The cache may hold float32, bfloat16, float16, float8_e4m3fn or
+  int8 elements, whatever q's dtype (float32, bfloat16 or float16). A K/V tile whose
+  dtype is not q's is widened to float32 -- for int8 times its rows' scales, loaded
+  through the same slots (``k_scale`` / ``v_scale`` ``[num_blocks, block_size,
+  num_kv_heads]``) -- and cast to q's dtype for the dots. When the cache's dtype is q's
+  the kernel is the unquantized one: no conversion, no scale inputs.
 
 Everything is whole-array refs plus explicit (masked) gathers/scatters, which is what
 the Pallas Triton lowering handles well for data-dependent addressing; the same code
@@ -34,7 +40,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallas_kernels.reference import SCALED_CACHE_DTYPE, check_kv_cache_scales
 
 __all__ = [
     "ragged_paged_attention",
@@ -42,10 +50,13 @@ __all__ = [
     "default_block_q",
     "default_block_kv",
     "num_work_items",
+    "Q_DTYPES",
 ]
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_MMA = 16  # Triton tl.dot needs every dimension >= 16.
+# q (and output) dtypes; the cache's are reference.CACHE_DTYPES.
+Q_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def _next_pow2(x: int) -> int:
@@ -136,9 +147,8 @@ def _rpa_kernel(
     q_ref,  # [T * Hq, D]
     k_ref,  # [NB * BS, Hkv, D]
     v_ref,  # [NB * BS, Hkv, D]
-    # output
-    o_ref,  # [T * Hq, D]
-    *,
+    *refs,  # int8 cache: k_scale_ref, v_scale_ref ([NB * BS, Hkv] float32); then o_ref [T * Hq, D]
+    scaled: bool,
     num_tokens: int,
     num_q_heads: int,
     group: int,
@@ -154,6 +164,10 @@ def _rpa_kernel(
     soft_cap: float | None,
     precision,
 ):
+    if scaled:
+        ks_ref, vs_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     h = pl.program_id(0)
     w = pl.program_id(1)
     seq = work_seq_ref[w]
@@ -191,6 +205,19 @@ def _rpa_kernel(
             q_mask = row_valid[:, None]
         q = plgpu.load(q_ref.at[row[:, None], d[None, :]], mask=q_mask, other=0)
 
+        # The value of masked K/V lanes. The Triton lowering casts an int `other` to
+        # integer and 16/32-bit float pointees but not to float8: give fp8 a float zero.
+        kv_other = 0.0 if k_ref.dtype == jnp.float8_e4m3fn else 0
+
+        def widen(x, scale):
+            """A K/V tile as q's dtype: through float32, times its rows' scales if any."""
+            if scale is None and x.dtype == q.dtype:
+                return x  # unquantized: the tile is used as loaded
+            x = x.astype(jnp.float32)
+            if scale is not None:
+                x = x * scale[:, None]
+            return x.astype(q.dtype)
+
         if sliding_window is None:
             kv_lo = 0
         else:
@@ -208,8 +235,15 @@ def _rpa_kernel(
             kv_mask = kv_valid[:, None]
             if d_valid is not None:
                 kv_mask = kv_mask & d_valid[None, :]
-            k = plgpu.load(k_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=0)
-            v = plgpu.load(v_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=0)
+            k = plgpu.load(k_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=kv_other)
+            v = plgpu.load(v_ref.at[slot[:, None], h, d[None, :]], mask=kv_mask, other=kv_other)
+            if scaled:
+                k_sc = plgpu.load(ks_ref.at[slot, h], mask=kv_valid, other=0)
+                v_sc = plgpu.load(vs_ref.at[slot, h], mask=kv_valid, other=0)
+            else:
+                k_sc = v_sc = None
+            k = widen(k, k_sc)
+            v = widen(v, v_sc)
 
             s = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
@@ -269,8 +303,16 @@ def build_ragged_paged_attention_call(
     num_warps: int,
     num_stages: int,
     interpret: bool,
+    cache_dtype=None,
 ):
-    """The raw ``pallas_call`` (no validation). Exposed for the lowering tests."""
+    """The raw ``pallas_call`` (no validation). Exposed for the lowering tests.
+
+    ``dtype`` is q's (and the output's); ``cache_dtype`` the K/V cache's (default:
+    ``dtype``). An int8 cache's call takes ``k_scale, v_scale`` ([num_slots, Hkv]
+    float32) after the caches; other caches' calls take no scales.
+    """
+    cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
+    scaled = cache_dtype == SCALED_CACHE_DTYPE
     group = num_q_heads // num_kv_heads
     g_pad = _next_pow2(group)
     d_pad = padded_head_dim(head_dim)
@@ -278,7 +320,7 @@ def build_ragged_paged_attention_call(
                  else lax.Precision.DEFAULT)
     kernel = functools.partial(
         _rpa_kernel,
-        num_tokens=num_tokens, num_q_heads=num_q_heads, group=group, g_pad=g_pad,
+        scaled=scaled, num_tokens=num_tokens, num_q_heads=num_q_heads, group=group, g_pad=g_pad,
         head_dim=head_dim, d_pad=d_pad, block_q=block_q, block_kv=block_kv,
         block_size=block_size, max_blocks=max_blocks, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=soft_cap, precision=precision,
@@ -290,7 +332,7 @@ def build_ragged_paged_attention_call(
         out_shape=jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{block_q}_g{group}_bkv{block_kv}",
+        name=f"ragged_paged_attention_bq{block_q}_g{group}_bkv{block_kv}_kv{cache_dtype.name}",
     )
 
 
@@ -301,8 +343,8 @@ def build_ragged_paged_attention_call(
 )
 def ragged_paged_attention(
     q: Float[Array, "T H hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -316,6 +358,8 @@ def ragged_paged_attention(
     block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    k_scale: Float[Array, "N B Hkv"] | None = None,
+    v_scale: Float[Array, "N B Hkv"] | None = None,
 ) -> Float[Array, "T H hd"]:
     """Attention of a ragged batch of new tokens over a paged KV cache.
 
@@ -324,6 +368,11 @@ def ragged_paged_attention(
     tokens per tile), ``block_kv`` (K/V positions per tile), ``num_warps`` and
     ``num_stages`` are tuning knobs; defaults come from :func:`default_block_q` and
     :func:`default_block_kv`.
+
+    q is float32, bfloat16 or float16 (the output has its dtype); the caches hold any
+    of ``reference.CACHE_DTYPES``. An int8 cache needs ``k_scale`` / ``v_scale``
+    (float32 ``[num_blocks, block_size, num_kv_heads]``: an element reads as its value
+    times its row's scale); no other cache takes them.
     """
     T, Hq, D = q.shape
     NB, BS, Hkv, Dk = k_cache.shape
@@ -334,8 +383,9 @@ def ragged_paged_attention(
         raise ValueError(f"head_dim of q ({D}) and cache ({Dk}) differ")
     if Hq % Hkv:
         raise ValueError(f"num_q_heads={Hq} is not a multiple of num_kv_heads={Hkv}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not one of {', '.join(d.name for d in Q_DTYPES)}")
+    scaled = check_kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
     if kv_lens.shape != (S,) or query_start_loc.shape != (S + 1,):
         raise ValueError("kv_lens must be [S] and query_start_loc [S+1] for "
                          f"block_tables [S, MB]; got {kv_lens.shape}, {query_start_loc.shape}")
@@ -359,13 +409,16 @@ def ragged_paged_attention(
         block_size=BS, max_blocks=MB, num_work=work_seq.shape[0], dtype=q.dtype,
         block_q=block_q, block_kv=block_kv, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret,
+        num_stages=num_stages, interpret=interpret, cache_dtype=k_cache.dtype,
     )
+    scales = ((k_scale.astype(jnp.float32).reshape(NB * BS, Hkv),
+               v_scale.astype(jnp.float32).reshape(NB * BS, Hkv)) if scaled else ())
     out = call(
         work_seq, work_tile,
         query_start_loc.astype(jnp.int32), kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         q.reshape(T * Hq, D),
         k_cache.reshape(NB * BS, Hkv, D), v_cache.reshape(NB * BS, Hkv, D),
+        *scales,
     )
     return out.reshape(T, Hq, D)

@@ -20,15 +20,56 @@ Semantics shared with the kernels (see docs/kernels.md):
 * K/V cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]``; token at
   position ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]``
   at offset ``p % block_size``.
+* The cache holds float32, bfloat16, float16, float8_e4m3fn or int8 elements
+  (``CACHE_DTYPES``; the formats of ``jaxllm.attention.kv_cache``). An int8 cache comes
+  with float32 scales ``k_scale`` / ``v_scale`` ``[num_blocks, block_size,
+  num_kv_heads]``, one per token and KV head: an element reads as its value times its
+  row's scale. The other dtypes are read as they are (no scales).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
-__all__ = ["ragged_paged_attention_reference", "write_kv_cache_reference"]
+__all__ = ["ragged_paged_attention_reference", "write_kv_cache_reference", "CACHE_DTYPES",
+           "check_kv_cache_scales"]
+
+# The KV cache element dtypes the attention kernels read (jaxllm.attention.kv_cache's
+# KV_CACHE_FORMATS); int8 is the one with per-row scales.
+CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16,
+                                            jnp.float8_e4m3fn, jnp.int8))
+SCALED_CACHE_DTYPE = jnp.dtype(jnp.int8)
+FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value: writes saturate there
+
+
+def check_kv_cache_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Validate a cache's dtype and its scales; return whether it is scaled (int8).
+
+    K and V share one of ``CACHE_DTYPES``; ``k_scale`` and ``v_scale`` are given
+    together, exactly when the cache is int8, shaped like the cache without head_dim.
+    """
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of "
+                         f"{', '.join(d.name for d in CACHE_DTYPES)}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass k_scale and v_scale together (both or neither)")
+    scaled = k_cache.dtype == SCALED_CACHE_DTYPE
+    if scaled and k_scale is None:
+        raise ValueError("an int8 KV cache needs its per-row scales: pass k_scale and v_scale "
+                         "([num_blocks, block_size, num_kv_heads] float32)")
+    if not scaled and k_scale is not None:
+        raise ValueError(f"k_scale/v_scale are for an int8 KV cache only; this cache is "
+                         f"{k_cache.dtype} (its elements are read as they are)")
+    if scaled:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc.shape != k_cache.shape[:3]:
+                raise ValueError(f"{name} must be {k_cache.shape[:3]} (the cache's shape without "
+                                 f"head_dim), got {sc.shape}")
+    return scaled
 
 
 def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, "1"] | int) -> Int[Array, ""]:
@@ -37,8 +78,8 @@ def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, "1"] | int) -> Int[Ar
 
 def ragged_paged_attention_reference(
     q: Float[Array, "T H hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -48,9 +89,16 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,  # accepted for signature parity with the kernel; unused
+    k_scale: Float[Array, "N B Hkv"] | None = None,
+    v_scale: Float[Array, "N B Hkv"] | None = None,
 ) -> Float[Array, "T H hd"]:
-    """Ragged paged attention, the simple way. Same signature as the kernel."""
+    """Ragged paged attention, the simple way. Same signature as the kernel.
+
+    ``k_scale`` / ``v_scale``: an int8 cache's per-row scales (required exactly then);
+    the gathered K/V are dequantized in float32 (element * scale) before any math.
+    """
     del interpret
+    scaled = check_kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
     T, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     S, MB = block_tables.shape
@@ -77,6 +125,9 @@ def ragged_paged_attention_reference(
     blocks = block_tables[seq]  # [T, MB]
     k = k_cache[blocks].reshape(T, L, Hkv, D).astype(jnp.float32)
     v = v_cache[blocks].reshape(T, L, Hkv, D).astype(jnp.float32)
+    if scaled:  # int8: element * its row's scale (float32)
+        k = k * k_scale[blocks].reshape(T, L, Hkv, 1).astype(jnp.float32)
+        v = v * v_scale[blocks].reshape(T, L, Hkv, 1).astype(jnp.float32)
 
     k_pos = jnp.arange(L, dtype=jnp.int32)[None, :]  # [1, L]
     mask = (k_pos <= q_pos[:, None]) & (k_pos < kv_len[:, None]) & row_valid[:, None]
@@ -105,19 +156,27 @@ def ragged_paged_attention_reference(
 def write_kv_cache_reference(
     k: Float[Array, "T Hkv hd"],
     v: Float[Array, "T Hkv hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     slot_mapping: Int[Array, "T"],
     *,
     interpret: bool = False,  # signature parity with the kernel; unused
-) -> tuple[Float[Array, "N B Hkv hd"], Float[Array, "N B Hkv hd"]]:
+) -> tuple[Shaped[Array, "N B Hkv hd"], Shaped[Array, "N B Hkv hd"]]:
     """Scatter the new tokens' K/V into the paged cache.
 
     ``slot_mapping[t] = block_id * block_size + offset``. Padding tokens point into the
     reserved null block; their slots may repeat and what lands there is never read.
+    Values are cast to the cache's dtype (a float8_e4m3fn cache saturates at +-448).
+    Unscaled caches only: an int8 cache's write is jaxllm.attention.kv_cache's.
     """
     del interpret
     NB, BS, Hkv, D = k_cache.shape
-    kc = k_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(k.astype(k_cache.dtype))
-    vc = v_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(v.astype(v_cache.dtype))
+
+    def to_cache(x, dtype):
+        if dtype == jnp.float8_e4m3fn:
+            x = jnp.clip(x.astype(jnp.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return x.astype(dtype)
+
+    kc = k_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(to_cache(k, k_cache.dtype))
+    vc = v_cache.reshape(NB * BS, Hkv, D).at[slot_mapping].set(to_cache(v, v_cache.dtype))
     return kc.reshape(NB, BS, Hkv, D), vc.reshape(NB, BS, Hkv, D)

@@ -113,6 +113,7 @@ def engine_options(args) -> dict:
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.kv_cache_memory is not None:
         opts["kv_cache_memory"] = args.kv_cache_memory
@@ -340,7 +341,8 @@ def measure_startup(args, cache_dir: str) -> dict:
 def startup_passthrough(args) -> list[str]:
     out = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
-           "--attention-backend", args.attention_backend, "--linear-backend", args.linear_backend]
+           "--attention-backend", args.attention_backend, "--linear-backend", args.linear_backend,
+           "--kv-cache-dtype", args.kv_cache_dtype]
     if args.model:
         out += ["--model", args.model]
     if args.kv_cache_memory is not None:
@@ -384,6 +386,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="jaxllm.config.KV_CACHE_DTYPES")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--linear-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -106,13 +106,15 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     device's; nothing compiles after warm-up."""
     from jaxllm import LLM
     from jaxllm.loaders import load_model
+    from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
     from jaxllm.models.parallel import shard_config
 
     prompts, params = shared_prefix_batch()
     cfg = load_model(folder, dtype).config
 
     def options(tp: int) -> dict:  # 10 blocks of 16 on each device, whatever its share of the KV heads
-        kv_block = shard_config(cfg, tp).kv_bytes_per_token(4) * 16
+        shard = shard_config(cfg, tp)
+        kv_block = KV_CACHE_FORMATS["float32"].token_bytes(shard.num_layers, shard.num_kv_heads, shard.head_dim) * 16
         return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
                     kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention, dtype=dtype)
 

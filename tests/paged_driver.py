@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention import AttentionMetadata, allocate_kv_caches
+from jaxllm.attention.kv_cache import cache_shapes, kv_cache_format
 from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
@@ -48,14 +49,16 @@ class PagedDriver:
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
                  max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0,
-                 cache_dtype=None, tensor_parallel_size: int = 1):
-        """`cache_dtype`: of the KV cache and so of the hidden states (default: the
-        params' dtype). `tensor_parallel_size` > 1: over a mesh of that many devices,
-        the params (as loaded) laid out and sharded for it, the caches by KV head."""
+                 cache_dtype=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
+        """`cache_dtype`: the activations' dtype (default: the params'), the KV cache's
+        where `kv_cache_dtype` (a KV_CACHE_DTYPES name) is auto. `tensor_parallel_size`
+        > 1: over a mesh of that many devices, the params (as loaded) laid out and
+        sharded for it, the caches by KV head."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        dtype = cache_dtype or params.final_norm.dtype
-        self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        fmt = kv_cache_format(kv_cache_dtype, cache_dtype or params.final_norm.dtype)
+        self.caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                                      cfg.head_dim))
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         mesh = None
         if tensor_parallel_size > 1:
@@ -65,8 +68,9 @@ class PagedDriver:
             mesh = parallel.make_mesh(tensor_parallel_size)
             self.params = parallel.place_params(cfg, params, mesh)
             heads = parallel.cache_kv_heads(cfg, tensor_parallel_size)  # KV heads replicated if fewer than shards
-            self.caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, heads, cfg.head_dim, dtype,
-                                             parallel.kv_cache_sharding(mesh))
+            sharding = parallel.kv_cache_sharding(mesh, fmt)
+            self.caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, num_blocks, block_size, heads,
+                                                          cfg.head_dim, sharding.k, sharding.k_scale))
         self.forward = make_forward(cfg, attention_fn, mesh)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:

@@ -474,3 +474,37 @@ def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_model
     fresh = make_llm(test_models_dir, enable_prefix_caching=False).generate([prompt], greedy(5), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == fresh.outputs[0].token_ids
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("bfloat16", marks=pytest.mark.slow),
+                                            pytest.param("fp8", marks=pytest.mark.slow)])
+def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_cache_dtype):
+    """kv_cache_dtype: the same kv_cache_memory holds more blocks (bfloat16 2x; int8
+    hd + 4 bytes a row against 4 hd); with prefix caching, chunking and preemption the
+    outputs equal an uncached run of the same format exactly, and stay close to float32
+    (the mean difference of the prompt tokens' logprobs and the greedy continuations
+    equal to float32's, per format: fp8 without a scale is the coarsest)."""
+    rng = np.random.default_rng(5)
+    context = [int(t) for t in rng.integers(3, 500, 40)]
+    prompts = [context[:int(rng.integers(20, 41))] + [int(t) for t in rng.integers(3, 500, 3)] for _ in range(8)]
+    params = [SamplingParams(max_tokens=24, prompt_logprobs=1, temperature=0, ignore_eos=True)] * len(prompts)
+    llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, kv_cache_dtype=kv_cache_dtype)
+    core = llm.llm_engine.core
+    ratio = {"int8": 4 * 32 / (32 + 4), "bfloat16": 2, "fp8": 4}[kv_cache_dtype]  # head_dim 32
+    assert core.cache.num_blocks == int(25 * ratio)
+    assert f"KV cache ({core.runner.kv_format.name})" in core.describe()
+    cached = llm.generate(prompts, params, use_tqdm=False)
+    plain = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, kv_cache_dtype=kv_cache_dtype,
+                     enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    exact = pressured.generate(prompts, params, use_tqdm=False)
+    same, diffs = 0, []
+    for got, want, f32 in zip(cached, plain, exact):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for g, w, e in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], f32.prompt_logprobs[1:]):
+            np.testing.assert_allclose([x.logprob for x in g.values()], [x.logprob for x in w.values()], atol=5e-5)
+            diffs.append(abs(next(iter(g.values())).logprob - next(iter(e.values())).logprob))
+        same += got.outputs[0].token_ids == f32.outputs[0].token_ids
+    # measured: bfloat16 mean 0.019 (7 of 8 continuations equal), int8 0.076 (5), fp8 0.38 (2)
+    assert np.mean(diffs) < {"bfloat16": 0.04, "int8": 0.15, "fp8": 0.6}[kv_cache_dtype]
+    assert same >= {"bfloat16": 6, "int8": 4, "fp8": 1}[kv_cache_dtype]
+    assert_no_leaks(llm)

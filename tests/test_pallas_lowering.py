@@ -8,6 +8,7 @@ which the lowering itself does not check). The last tests show the check can fai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -25,6 +26,7 @@ from pallas_kernels.cuda_lowering import (
     ENGINE_CONFIGS,
     AttentionConfig,
     attention_specs,
+    check_cuda_lowering,
     has_triton_call,
     lower_attention_for_cuda,
     lower_write_kv_cache_for_cuda,
@@ -128,3 +130,64 @@ def test_public_api_rejects_invalid_tiles_before_lowering(kwargs, match):
     f = functools.partial(ragged_paged_attention, sm_scale=0.1, **kwargs)
     with pytest.raises(ValueError, match=match):
         jax.jit(f).trace(*attention_specs(SMALL, 16, 4)).lower(lowering_platforms=("cuda",))
+
+
+FUNC_ARGS_RE = re.compile(r"tt\.func public @\S+\((.*?)\)\s*(?:attributes|\{)")
+
+
+def _pointer_args(module: str) -> list[str]:
+    """The element types of the Triton kernel's pointer arguments, in order."""
+    return re.findall(r"!tt\.ptr<(\w+)>", FUNC_ARGS_RE.search(module).group(1))
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("cfg", [SMALL, ENGINE_CONFIGS[1]], ids=lambda c: f"{c.name}-q_{c.dtype}")
+def test_quantized_caches_lower_for_cuda(cfg, cache_dtype, triton_modules):
+    """q bfloat16 (or float32) over an int8 (+ scales) or fp8 cache: lowers to one Triton
+    kernel per bucket whose dots take q's dtype, named after the cache dtype."""
+    cfg = dataclasses.replace(cfg, cache_dtype=cache_dtype)
+    for num_tokens, max_num_seqs in DEFAULT_BUCKETS:
+        text = lower_attention_for_cuda(cfg, num_tokens, max_num_seqs).as_text()
+        assert has_triton_call(text)
+        assert f"_kv{cache_dtype}" in text  # the kernel name: own executables per cache dtype
+    if triton_modules is None:
+        return
+    assert len(triton_modules) == len(DEFAULT_BUCKETS)
+    q_ir = {"bfloat16": "bf16", "float32": "f32"}[cfg.dtype]
+    cache_ir = {"int8": "i8", "float8_e4m3fn": "f8E4M3FN"}[cache_dtype]
+    for module in triton_modules:
+        # work items, qsl, kv_lens, block tables; q, K, V, [k_scale, v_scale,] out
+        scales = ["f32", "f32"] if cache_dtype == "int8" else []
+        assert _pointer_args(module) == ["i32"] * 5 + [q_ir, cache_ir, cache_ir, *scales, q_ir]
+        dots = DOT_RE.findall(module)
+        assert len(dots) == 2
+        for dims in dots:
+            assert all(int(x) >= 16 for x in dims), dims
+        for ln in (ln for ln in module.splitlines() if "tt.dot" in ln):
+            operands = re.search(r"tensor<\d+x\d+x(\w+)> \* tensor<\d+x\d+x(\w+)>", ln).groups()
+            assert operands == (q_ir, q_ir), ln  # both operands in q's dtype
+            if cfg.dtype == "float32":
+                assert "tf32" not in ln, ln
+
+
+def test_unquantized_kernel_takes_no_scales(triton_modules):
+    """The cache in q's dtype: no scale inputs and no conversion of the K/V tiles."""
+    text = lower_attention_for_cuda(SMALL, 16, 4).as_text()
+    assert has_triton_call(text) and "_kvbfloat16" in text
+    if triton_modules is None:
+        return
+    [module] = triton_modules
+    assert _pointer_args(module) == ["i32"] * 5 + ["bf16"] * 4
+    assert "sitofp" not in module and "tt.fp_to_fp" not in module
+    assert "arith.extf" not in module  # K/V tiles are fed to the dots as loaded
+
+
+def test_quantized_cache_lowering_checks():
+    """check_cuda_lowering covers quantized caches: an fp8 cache lowers both kernels
+    (the write saturates), an int8 cache only attention (its write is not Pallas)."""
+    fp8 = dataclasses.replace(SMALL, cache_dtype="float8_e4m3fn")
+    int8 = dataclasses.replace(SMALL, cache_dtype="int8")
+    assert check_cuda_lowering([fp8, int8], buckets=[(8, 8)]) == 3
+    assert len(attention_specs(int8, 8, 8)) == len(attention_specs(SMALL, 8, 8)) + 2
+    with pytest.raises(ValueError, match="int8"):
+        lower_write_kv_cache_for_cuda(int8, 8)

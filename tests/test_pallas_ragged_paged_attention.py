@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxllm.attention.kv_cache import KV_CACHE_FORMATS, quantize_rows
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -351,3 +352,148 @@ def test_engine_step_compositions(hq, hkv, d, dtype):
                          .astype(jnp.float32))[:n_rows]
         want = oracle(args, sm_scale=scale)[:n_rows]
         np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0, err_msg=f"T={T} {specs}")
+
+
+# Quantized KV caches: the cache formats of jaxllm.attention.kv_cache, written by its
+# quantize_rows from make_batch's float32 K/V. The NaN poison survives quantization (a
+# NaN fp8 / 16-bit element; for int8 a NaN row scale), so every slot the kernel must not
+# read still poisons the output if it is read. The oracle is the reference on the same
+# quantized cache; with q bfloat16 the kernel also rounds the dequantized K/V to bfloat16
+# for the dots (the reference keeps them float32), hence the looser bfloat16 tolerance.
+QUANT_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 4e-3}
+
+
+def quantized_batch(rng, specs, fmt_name, *, q_dtype, hq, hkv, d, bs, **kw):
+    """make_batch in float32, then the caches as format `fmt_name` stores them.
+
+    Returns (args with q in q_dtype and the quantized caches, scale kwargs, the
+    float32 args, number of real rows)."""
+    args32, n_rows = make_batch(rng, specs, hq=hq, hkv=hkv, d=d, bs=bs, dtype=jnp.float32, **kw)
+    q, kc, vc, *rest = args32
+    fmt = KV_CACHE_FORMATS[fmt_name]
+    kq, k_scale = quantize_rows(kc, fmt)
+    vq, v_scale = quantize_rows(vc, fmt)
+    scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
+    return (q.astype(q_dtype), kq, vq, *rest), scales, args32, n_rows
+
+
+# (group, head_dim, block_size, kind, cache format, q dtype, extra kernel kwargs)
+QUANT_CASES = [
+    (1, 64, 16, "mixed", "bfloat16", jnp.float32, {}),
+    (2, 128, 32, "decode", "float16", jnp.float32, {}),
+    (4, 64, 16, "prefill", "fp8_e4m3", jnp.float32, {}),
+    (8, 64, 32, "mixed", "int8", jnp.float32, {}),
+    (4, 128, 16, "decode", "int8", jnp.float32, dict(sliding_window=20, soft_cap=5.0)),
+    (2, 64, 16, "mixed", "int8", jnp.bfloat16, {}),
+    (4, 128, 32, "mixed", "fp8_e4m3", jnp.bfloat16, {}),
+    (1, 64, 16, "prefill", "float16", jnp.bfloat16, {}),
+]
+
+
+def _quant_id(c):
+    g, d, bs, kind, fmt, qdt, kw = c
+    extra = "".join(f"-{k}{v}" for k, v in kw.items())
+    return f"g{g}-d{d}-bs{bs}-{kind}-kv_{fmt}-q_{jnp.dtype(qdt).name}{extra}"
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=_quant_id)
+def test_kernel_reads_quantized_cache(case):
+    g, d, bs, kind, fmt_name, q_dtype, kw = case
+    hkv = 2
+    rng = np.random.default_rng(zlib.crc32(_quant_id(case).encode()))
+    args, scales, _, n_rows = quantized_batch(rng, seq_specs(kind, bs), fmt_name, q_dtype=q_dtype,
+                                              hq=g * hkv, hkv=hkv, d=d, bs=bs)
+    assert args[1].dtype == KV_CACHE_FORMATS[fmt_name].dtype
+    kw = dict(sm_scale=d ** -0.5, **kw)
+    out = ragged_paged_attention(*args, interpret=INTERPRET, block_kv=BLOCK_KV, **scales, **kw)
+    assert out.shape == args[0].shape and out.dtype == q_dtype
+    got = np.asarray(out.astype(jnp.float32))[:n_rows]
+    q, *rest = args
+    want = np.asarray(ragged_paged_attention_reference(q.astype(jnp.float32), *rest, **scales, **kw))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want[:n_rows], atol=QUANT_TOL[q_dtype], rtol=0)
+
+
+def test_kernel_reads_int8_cache_odd_group_and_head_dim():
+    """G=3 and head_dim 80 (padded lanes masked) over an int8 cache with scales."""
+    rng = np.random.default_rng(13)
+    args, scales, _, n_rows = quantized_batch(rng, seq_specs("mixed", 16), "int8",
+                                              q_dtype=jnp.float32, hq=3, hkv=1, d=80, bs=16)
+    out = ragged_paged_attention(*args, sm_scale=0.1, interpret=INTERPRET, block_kv=BLOCK_KV, **scales)
+    want = ragged_paged_attention_reference(*args, sm_scale=0.1, **scales)
+    np.testing.assert_allclose(np.asarray(out)[:n_rows], np.asarray(want)[:n_rows], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt_name,bound", [("int8", 1e-2), ("fp8_e4m3", 1e-1)])
+def test_quantization_error_is_bounded(fmt_name, bound):
+    """The reference on a quantized cache vs on the float32 cache it was made from: max
+    abs error relative to the output's scale (max |out|). int8 rounds each element to
+    1/254 of its row's max |x| (measured ~4e-3 here), fp8 e4m3 to 3 mantissa bits
+    (relative 2^-4 at worst; measured ~4e-2)."""
+    rng = np.random.default_rng(17)
+    args, scales, args32, n_rows = quantized_batch(rng, seq_specs("mixed", 16), fmt_name,
+                                                   q_dtype=jnp.float32, hq=8, hkv=2, d=64, bs=16)
+    got = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.125, **scales))[:n_rows]
+    want = np.asarray(ragged_paged_attention_reference(*args32, sm_scale=0.125))[:n_rows]
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < bound, err
+
+
+def _int8_args():
+    rng = np.random.default_rng(19)
+    args, scales, args32, _ = quantized_batch(rng, [(1, 5), (3, 3)], "int8", q_dtype=jnp.float32,
+                                              hq=4, hkv=2, d=16, bs=16, poison=False)
+    return args, scales, args32
+
+
+@pytest.mark.parametrize("fn", [ragged_paged_attention, ragged_paged_attention_reference],
+                         ids=["kernel", "reference"])
+def test_cache_scale_arguments_are_checked(fn):
+    args, scales, args32 = _int8_args()
+    q, kq, vq, *rest = args
+    _, kc, vc, *_ = args32
+    kw = dict(sm_scale=0.25)
+    if fn is ragged_paged_attention:
+        kw["interpret"] = INTERPRET
+    with pytest.raises(ValueError, match="int8 KV cache needs its per-row scales"):
+        fn(*args, **kw)
+    with pytest.raises(ValueError, match="both or neither"):
+        fn(*args, k_scale=scales["k_scale"], **kw)
+    with pytest.raises(ValueError, match="int8 KV cache only"):
+        fn(q, kc.astype(jnp.bfloat16), vc.astype(jnp.bfloat16), *rest, **scales, **kw)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        fn(q, kq, vc, *rest, **scales, **kw)
+
+
+def test_kernel_rejects_quantized_q():
+    args, scales, _ = _int8_args()
+    q, *rest = args
+    with pytest.raises(ValueError, match="q dtype"):
+        ragged_paged_attention(q.astype(jnp.float8_e4m3fn), *rest, sm_scale=0.25,
+                               interpret=INTERPRET, **scales)
+
+
+def test_write_kv_cache_fp8_saturates_like_quantize_rows():
+    """Values past +-448 are clipped (float8_e4m3fn has no inf), as quantize_rows does."""
+    rng = np.random.default_rng(23)
+    T, hkv, d, nb, bs = 20, 2, 64, 4, 16
+    k = jnp.asarray(rng.normal(scale=300.0, size=(T, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(scale=300.0, size=(T, hkv, d)), jnp.bfloat16)
+    cache = jnp.zeros((nb, bs, hkv, d), jnp.float8_e4m3fn)
+    slots = jnp.asarray(rng.permutation(np.arange(bs, nb * bs))[:T].astype(np.int32))
+    kc, vc = write_kv_cache(k, v, cache, cache, slots, interpret=INTERPRET)
+    rk, rv = write_kv_cache_reference(k, v, cache, cache, slots)
+    fmt = KV_CACHE_FORMATS["fp8_e4m3"]
+    for got, ref, new in ((kc, rk, k), (vc, rv, v)):
+        rows = np.asarray(got.reshape(nb * bs, hkv, d)[slots].astype(jnp.float32))
+        assert np.isfinite(rows).all() and np.abs(rows).max() == 448.0
+        np.testing.assert_array_equal(rows, np.asarray(quantize_rows(new, fmt)[0].astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+
+def test_write_kv_cache_refuses_int8_cache():
+    k = jnp.zeros((4, 2, 16), jnp.float32)
+    cache = jnp.zeros((2, 16, 2, 16), jnp.int8)
+    with pytest.raises(ValueError, match="jaxllm.attention.kv_cache.write_kv_cache"):
+        write_kv_cache(k, k, cache, cache, jnp.arange(4, dtype=jnp.int32), interpret=INTERPRET)

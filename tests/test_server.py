@@ -107,7 +107,7 @@ def wait_idle(server: Server, timeout: float = 30) -> None:
 
 def test_startup_output(server):
     out = server.output()
-    assert re.search(r"model llama loaded in [\d.]+ s; KV cache: \d+ blocks of 16 tokens = \d+ tokens", out)
+    assert re.search(r"model llama loaded in [\d.]+ s; KV cache \(float32\): \d+ blocks of 16 tokens = \d+ tokens", out)
     assert "compiling buckets" in out
     assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
 

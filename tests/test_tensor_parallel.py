@@ -98,7 +98,8 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
                       num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=2048)
     cfg = dataclasses.replace(cfg, quantization=quantization)
 
-    def attention(*args, common_prefix_blocks=None, **kwargs):
+    def attention(*args, common_prefix_blocks=None, cache_dtype="", **kwargs):
+        assert not cache_dtype  # bfloat16 caches as such (their bits only on the CPU platform)
         return pallas_kernels.ragged_paged_attention(*args, interpret=False, **kwargs)
 
     model = ShardedModel(cfg, AbstractMesh((8,), (TP_AXIS,)), attention)

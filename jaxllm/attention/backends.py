@@ -2,13 +2,14 @@
 pallas_kernels.ragged_paged_attention:
 
     fn(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-       *, sm_scale, sliding_window=None, soft_cap=None, common_prefix_blocks=None) -> [T, H, hd]
+       *, sm_scale, sliding_window=None, soft_cap=None, common_prefix_blocks=None,
+       k_scale=None, v_scale=None, cache_dtype="") -> [T, H, hd]
 
 (`AttentionFn` below writes the contract down once.)
 
 - `xla`: pure jnp, every platform; the oracle of the others.
-- `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32; the kernel
-  is in jaxllm/cpu_kernels/).
+- `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32
+  activations, a cache of any KV cache format; the kernel is in jaxllm/cpu_kernels/).
 - `pallas`: the Pallas GPU kernels (interpret mode off GPU: for tests, slow but exact).
 - `auto`: xla on GPU (see PALLAS_ON_GPU); on CPU the faster of cpu and xla per step
   shape, measured at start-up (jaxllm.worker.autotune), or xla alone when the model
@@ -21,8 +22,9 @@ import logging
 from typing import Protocol, runtime_checkable
 
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
+from jaxllm.attention.kv_cache import as_elements
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ATTENTION_BACKENDS
 from jaxllm.platform import backend_candidates
@@ -46,7 +48,8 @@ class AttentionFn(Protocol):
 
     Args:
         q: the step's queries, T tokens of the ragged batch.
-        k_cache, v_cache: one layer's paged cache.
+        k_cache, v_cache: one layer's paged cache, in one of the KV cache formats
+            (jaxllm.attention.kv_cache: float32, bfloat16, float16, float8_e4m3fn, int8).
         kv_lens: tokens of each sequence whose K/V the cache holds after this step's
             writes (context + new).
         block_tables: each sequence's blocks.
@@ -57,6 +60,10 @@ class AttentionFn(Protocol):
         soft_cap: tanh soft-capping of the scores (None: none).
         common_prefix_blocks: leading blocks all sequences share; a hint a backend may
             use to read them once (the cpu backend does), never needed for correctness.
+        k_scale, v_scale: an int8 cache's scale per token and KV head (None otherwise):
+            a row reads as its elements times its scale.
+        cache_dtype: the element type's name where the caches hold its bits as unsigned
+            integers (KVCache.dtype: 16- and 8-bit floats on the CPU); "": their dtype.
 
     Returns:
         The attention output, [T, H, hd] (rows of padding tokens are unspecified).
@@ -65,8 +72,8 @@ class AttentionFn(Protocol):
     def __call__(
         self,
         q: Float[Array, "T H hd"],
-        k_cache: Float[Array, "N B Hkv hd"],
-        v_cache: Float[Array, "N B Hkv hd"],
+        k_cache: Shaped[Array, "N B Hkv hd"],
+        v_cache: Shaped[Array, "N B Hkv hd"],
         kv_lens: Int[Array, "S"],
         block_tables: Int[Array, "S MB"],
         query_start_loc: Int[Array, "S+1"],
@@ -76,13 +83,17 @@ class AttentionFn(Protocol):
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         common_prefix_blocks: Int[Array, ""] | None = None,
+        k_scale: Float[Array, "N B Hkv"] | None = None,
+        v_scale: Float[Array, "N B Hkv"] | None = None,
+        cache_dtype: str = "",
     ) -> Float[Array, "T H hd"]: ...
 
 
-def attention_candidates(name: str, *, head_dim: int, dtype) -> list[str]:
-    """The backends `name` may mean for a model of this head_dim and compute dtype on
-    this platform, in preference order (`auto` on a CPU: cpu and xla, measured by the
-    runner); an explicit choice that cannot work raises ValueError saying why."""
+def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None) -> list[str]:
+    """The backends `name` may mean for a model of this head_dim and compute dtype, with
+    a KV cache of `cache_dtype` (default: `dtype`), on this platform, in preference
+    order (`auto` on a CPU: cpu and xla, measured by the runner); an explicit choice
+    that cannot work raises ValueError saying why."""
     platform = jax.default_backend()
     preference = {"cpu": ["cpu", "xla"]}.get(platform, ["xla"])
     if name == "pallas" and platform == "gpu":
@@ -92,16 +103,16 @@ def attention_candidates(name: str, *, head_dim: int, dtype) -> list[str]:
         if backend == "cpu":
             if platform != "cpu":
                 return f"it runs on the CPU platform only (this is {platform})"
-            return _cpu_backend_unavailable(head_dim, dtype)
+            return _cpu_backend_unavailable(head_dim, dtype, dtype if cache_dtype is None else cache_dtype)
         return None
 
     return backend_candidates("attention_backend", name, ATTENTION_BACKENDS, preference, unavailable, logger)
 
 
-def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:
+def _cpu_backend_unavailable(head_dim: int, dtype, cache_dtype) -> str | None:
     from jaxllm.attention import cpu
 
-    reason = cpu.unsupported(head_dim, dtype)
+    reason = cpu.unsupported(head_dim, dtype, cache_dtype)
     if reason:
         return reason
     try:
@@ -111,12 +122,16 @@ def _cpu_backend_unavailable(head_dim: int, dtype) -> str | None:
     return None
 
 
-def _pallas_attention(*args, common_prefix_blocks=None, **kwargs):
-    """The Pallas kernels (interpret mode off GPU); they do not use the common-prefix hint."""
+def _pallas_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cache_dtype="", **kwargs):
+    """The Pallas kernels (interpret mode off GPU); they do not use the common-prefix
+    hint, and read caches of their element type (a cache of bits, on the CPU, is viewed
+    as it: a copy, in interpret mode only)."""
     import pallas_kernels
 
     del common_prefix_blocks
-    return pallas_kernels.ragged_paged_attention(*args, interpret=jax.default_backend() != "gpu", **kwargs)
+    k_cache, v_cache = as_elements(k_cache, cache_dtype), as_elements(v_cache, cache_dtype)
+    return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, *args,
+                                                 interpret=jax.default_backend() != "gpu", **kwargs)
 
 
 def get_attention_fn(name: str) -> AttentionFn:

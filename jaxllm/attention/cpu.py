@@ -8,8 +8,9 @@ float32, on XLA's intra-op threads: a decode step of 64 sequences of ~400 tokens
 457 ms in the XLA path's attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
 
 Same signature and semantics as pallas_kernels.ragged_paged_attention and the XLA
-backend, which is its oracle in tests. Float32 q and caches; head_dim one of
-SUPPORTED_HEAD_DIMS.
+backend, which is its oracle in tests. Float32 q; a cache of any KV cache format
+(float32, bfloat16, float16, float8_e4m3fn, or int8 with its scales), widened to float32
+as it is read; head_dim one of SUPPORTED_HEAD_DIMS.
 """
 
 from __future__ import annotations
@@ -17,20 +18,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
+from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
 from jaxllm.cpu_kernels import KernelBuildError, load_kernels
 
 __all__ = ["KernelBuildError", "SUPPORTED_HEAD_DIMS", "load_kernels", "ragged_paged_attention_cpu", "unsupported"]
 
-TARGET = "jaxllm_ragged_paged_attention_f32"  # registered by load_kernels
+TARGET = "jaxllm_ragged_paged_attention"  # registered by load_kernels
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+CACHE_DTYPES = tuple(f.dtype for f in KV_CACHE_FORMATS.values())  # the kernel reads every format
 
 
-def unsupported(head_dim: int, dtype) -> str | None:
-    """Why a model cannot use this backend, or None if it can."""
+def unsupported(head_dim: int, dtype, cache_dtype=jnp.float32) -> str | None:
+    """Why a model cannot use this backend (activations of `dtype`, a KV cache of
+    `cache_dtype`), or None if it can."""
     if jnp.dtype(dtype) != jnp.float32:
-        return f"the cpu attention backend needs float32 (got {jnp.dtype(dtype).name})"
+        return f"the cpu attention backend needs float32 activations (got {jnp.dtype(dtype).name})"
+    if jnp.dtype(cache_dtype) not in CACHE_DTYPES:
+        return f"the cpu attention backend reads a KV cache of {', '.join(d.name for d in CACHE_DTYPES)} " \
+               f"(got {jnp.dtype(cache_dtype).name})"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"the cpu attention backend supports head_dim {SUPPORTED_HEAD_DIMS} (got {head_dim})"
     return None
@@ -38,8 +45,8 @@ def unsupported(head_dim: int, dtype) -> str | None:
 
 def ragged_paged_attention_cpu(
     q: Float[Array, "T H hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -49,21 +56,31 @@ def ragged_paged_attention_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     common_prefix_blocks: Int[Array, ""] | None = None,
+    k_scale: Float[Array, "N B Hkv"] | None = None,
+    v_scale: Float[Array, "N B Hkv"] | None = None,
+    cache_dtype: str = "",
 ) -> Float[Array, "T H hd"]:
     """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
     every sequence, are attended once for all query rows (a matrix product per KV head),
-    the rest per sequence, merged through the online softmax's state."""
+    the rest per sequence, merged through the online softmax's state. `k_scale`,
+    `v_scale`: an int8 cache's scales (jaxllm.attention.kv_cache); `cache_dtype`: the
+    element type whose bits the caches hold ("": their dtype)."""
     load_kernels()
-    reason = unsupported(q.shape[-1], k_cache.dtype) or unsupported(q.shape[-1], q.dtype)
+    cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
+    reason = unsupported(q.shape[-1], q.dtype, cache_dtype)
     if reason:
         raise ValueError(reason)
+    if (cache_dtype == jnp.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("the cpu attention backend takes scales with an int8 cache, and only then")
+    none = jnp.zeros((1,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
-        q, k_cache, v_cache,
+        q, k_cache, v_cache, none if k_scale is None else k_scale, none if v_scale is None else v_scale,
         kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
         jnp.reshape(jnp.asarray(0 if common_prefix_blocks is None else common_prefix_blocks), (1,)).astype(jnp.int32),
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        cache_dtype=cache_dtype.name,
     )

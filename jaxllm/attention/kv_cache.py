@@ -1,31 +1,142 @@
-"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, Hkv, hd].
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, Hkv, hd],
+in one of KV_CACHE_FORMATS (the `kv_cache_dtype` option), plus for int8 a float32
+scale per token and KV head ([num_blocks, block_size, Hkv]).
 
 Allocated once; the jitted step takes the caches as a donated argument, so the scatter
-of new K/V below is done in place by XLA.
+of new K/V below is done in place by XLA. The write quantizes; every attention backend
+reads the stored elements, times the row's scale where there is one (`dequantize_rows`
+is that arithmetic for the jnp backends).
+
+On the CPU platform 16- and 8-bit float caches are stored as the unsigned integers of
+their bits (`KVCache.dtype` names the element type): XLA:CPU runs a scatter into a
+bfloat16 buffer by converting the whole buffer to float32 and back, 23 ms a SmolLM2
+layer of 5000 blocks against 0.01 ms for the same bits as uint16 (so every step's K/V
+write, and every block copy, would cost that).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Num, Shaped
+
+FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448: writes saturate there (it has no inf)
+INT8_MAX = 127.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheFormat:
+    """How the cache stores K and V: `dtype` elements, and where `scaled`, a float32
+    scale per (token, KV head) row (x ~ q * scale, the row's max |x| maps to 127)."""
+
+    name: str
+    dtype: jnp.dtype
+    scaled: bool = False
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes one token's K (or V) of one KV head takes, its scale included."""
+        return head_dim * jnp.dtype(self.dtype).itemsize + (4 if self.scaled else 0)
+
+    def token_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of K and V one token takes over all layers."""
+        return 2 * num_layers * num_kv_heads * self.row_bytes(head_dim)
+
+    def storage_dtype(self, platform: str | None = None) -> jnp.dtype:
+        """The arrays' dtype on `platform` (default: JAX's): the element type, or on the
+        CPU the unsigned integers of a 16- or 8-bit float's bits (module docstring)."""
+        if (platform or jax.default_backend()) == "cpu" and jnp.issubdtype(self.dtype, jnp.floating) \
+                and self.dtype.itemsize < 4:
+            return jnp.dtype({2: jnp.uint16, 1: jnp.uint8}[self.dtype.itemsize])
+        return self.dtype
+
+    def bits_of(self) -> str:
+        """KVCache.dtype of caches of this format: the element type's name where the
+        arrays hold its bits, else ""."""
+        return self.dtype.name if self.storage_dtype() != self.dtype else ""
+
+
+KV_CACHE_FORMATS = {
+    "float32": KVCacheFormat("float32", jnp.dtype(jnp.float32)),
+    "bfloat16": KVCacheFormat("bfloat16", jnp.dtype(jnp.bfloat16)),
+    "float16": KVCacheFormat("float16", jnp.dtype(jnp.float16)),
+    "int8": KVCacheFormat("int8", jnp.dtype(jnp.int8), scaled=True),
+    "fp8_e4m3": KVCacheFormat("fp8_e4m3", jnp.dtype(jnp.float8_e4m3fn)),
+}
+
+
+def kv_cache_format(name: str, activation_dtype) -> KVCacheFormat:
+    """The format of a `kv_cache_dtype` name (KV_CACHE_DTYPES): "auto" is the
+    activations' dtype, "fp8" is "fp8_e4m3"."""
+    if name == "auto":
+        name = jnp.dtype(activation_dtype).name
+    name = {"fp8": "fp8_e4m3"}.get(name, name)
+    if name not in KV_CACHE_FORMATS:
+        raise ValueError(f"kv_cache_dtype: unknown {name!r}; choose one of auto, {', '.join(KV_CACHE_FORMATS)}")
+    return KV_CACHE_FORMATS[name]
 
 
 @struct.dataclass
 class KVCache:
-    k: Float[Array, "N B Hkv hd"]
-    v: Float[Array, "N B Hkv hd"]
+    k: Shaped[Array, "N B Hkv hd"]
+    v: Shaped[Array, "N B Hkv hd"]
+    k_scale: Float[Array, "N B Hkv"] | None = None  # scaled formats only
+    v_scale: Float[Array, "N B Hkv"] | None = None
+    # The element type's name where k and v hold its bits ("": their own dtype).
+    dtype: str = struct.field(pytree_node=False, default="")
+
+    @property
+    def format(self) -> KVCacheFormat:
+        """The format of the elements these arrays hold."""
+        dtype = jnp.dtype(self.dtype or self.k.dtype)
+        return next(f for f in KV_CACHE_FORMATS.values() if f.dtype == dtype)
 
 
-def allocate_kv_caches(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, sharding=None
-) -> tuple[KVCache, ...]:
-    """Zero-filled caches, one KVCache per layer (per-layer arrays are donated one by
-    one), each filled where `sharding` places it (default: the default device)."""
+def cache_shapes(fmt: KVCacheFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, sharding=None, scale_sharding=None) -> tuple[KVCache, ...]:
+    """The caches' jax.ShapeDtypeStructs (what compiling a step needs), stored as
+    `fmt.storage_dtype()`."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return tuple(KVCache(k=zeros(), v=zeros()) for _ in range(num_layers))
+    rows = jax.ShapeDtypeStruct(shape, fmt.storage_dtype(), sharding=sharding)
+    scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_sharding) if fmt.scaled else None
+    return tuple(KVCache(rows, rows, scale, scale, fmt.bits_of()) for _ in range(num_layers))
+
+
+def allocate_kv_caches(abstract: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
+    """Zero-filled caches of `cache_shapes`' shapes, each array filled where its
+    sharding places it (none: the default device); per-layer arrays are donated one by one."""
+    def zeros(spec):
+        return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
+
+    return tuple(jax.tree.map(zeros, c) for c in abstract)
+
+
+def as_elements(rows: Shaped[Array, "*r"], dtype: str = "") -> Shaped[Array, "*r"]:
+    """Cache rows as their element type (`dtype`: KVCache.dtype; "": as they are)."""
+    return rows if not dtype or rows.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(rows, jnp.dtype(dtype))
+
+
+def quantize_rows(x: Float[Array, "T Hkv hd"], fmt: KVCacheFormat
+                  ) -> tuple[Num[Array, "T Hkv hd"], Float[Array, "T Hkv"] | None]:
+    """New K (or V) rows as the cache stores them: int8 with the scale max|x| / 127 per
+    row (an all-zero row: scale 0), fp8 saturated at +-448, others rounded to the dtype."""
+    if fmt.scaled:
+        x = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x), axis=-1) / INT8_MAX
+        inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+        q = jnp.clip(jnp.round(x * inv[..., None]), -INT8_MAX, INT8_MAX).astype(fmt.dtype)
+        return q, scale
+    if fmt.dtype == jnp.float8_e4m3fn:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.astype(fmt.dtype), None
+
+
+def dequantize_rows(rows: Shaped[Array, "*r hd"], scale: Float[Array, "*r"] | None) -> Float[Array, "*r hd"]:
+    """Stored rows back to float32 (times their scales, where the format has them)."""
+    rows = rows.astype(jnp.float32)
+    return rows if scale is None else rows * scale[..., None]
 
 
 def write_kv_cache(
@@ -34,19 +145,28 @@ def write_kv_cache(
     v: Float[Array, "T Hkv hd"],
     slot_mapping: Int[Array, "T"],
 ) -> KVCache:
-    """Scatter the new tokens' K/V into their slots (slot = block * block_size + offset)."""
+    """Scatter the new tokens' K/V (quantized as the cache's format stores them) into
+    their slots (slot = block * block_size + offset)."""
+    fmt = cache.format
     n, bs, hkv, hd = cache.k.shape
 
     def scatter(dst, src):
-        flat = dst.reshape(n * bs, hkv, hd)
-        return flat.at[slot_mapping].set(src.astype(dst.dtype), mode="drop").reshape(n, bs, hkv, hd)
+        if dst is None:
+            return None
+        if src.dtype != dst.dtype:  # the element type's bits
+            src = jax.lax.bitcast_convert_type(src, dst.dtype)
+        flat = dst.reshape(n * bs, *dst.shape[2:])
+        return flat.at[slot_mapping].set(src, mode="drop").reshape(dst.shape)
 
-    return KVCache(k=scatter(cache.k, k), v=scatter(cache.v, v))
+    kq, ks = quantize_rows(k, fmt)
+    vq, vs = quantize_rows(v, fmt)
+    return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
+                   v_scale=scatter(cache.v_scale, vs), dtype=cache.dtype)
 
 
 def copy_blocks(
     caches: tuple[KVCache, ...], src: Int[Array, "C"], dst: Int[Array, "C"]
 ) -> tuple[KVCache, ...]:
-    """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer (all reads before any
-    write; padding pairs copy the null block onto itself)."""
-    return tuple(KVCache(k=c.k.at[dst].set(c.k[src]), v=c.v.at[dst].set(c.v[src])) for c in caches)
+    """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer, scales too (all reads
+    before any write; padding pairs copy the null block onto itself)."""
+    return tuple(jax.tree.map(lambda a: a.at[dst].set(a[src]), c) for c in caches)  # keeps KVCache.dtype

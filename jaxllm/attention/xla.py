@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
+
+from jaxllm.attention.kv_cache import as_elements, dequantize_rows
 
 QUERY_TILE = 128  # query rows per prefill tile
 KV_CHUNK = 256  # key/value tokens a prefill tile reads per loop iteration
@@ -50,11 +52,18 @@ def _pad_block_tables(block_tables: Int[Array, "S MB"], blocks_per_chunk: int) -
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
-def _gather_blocks(cache: Float[Array, "N B Hkv hd"], ids: Int[Array, "... nb"]) -> Float[Array, "... C X"]:
-    """The blocks `ids` of a cache as [..., nb * block_size, Hkv * hd] (a row gather)."""
+def _gather_blocks(cache: Shaped[Array, "N B Hkv hd"], ids: Int[Array, "... nb"],
+                   scale: Float[Array, "N B Hkv"] | None = None, cache_dtype: str = "") -> Float[Array, "... C X"]:
+    """The blocks `ids` of a cache (holding `cache_dtype`'s bits where named) as
+    float32 [..., nb * block_size, Hkv * hd] (a row gather; an int8 cache's rows times
+    their scales)."""
     n, bs, hkv, hd = cache.shape
-    rows = cache.reshape(n, bs * hkv * hd).at[ids].get(mode="promise_in_bounds")
-    return rows.reshape(*ids.shape[:-1], ids.shape[-1] * bs, hkv * hd).astype(jnp.float32)
+    shape = (*ids.shape[:-1], ids.shape[-1] * bs, hkv, hd)
+    rows = cache.reshape(n, bs * hkv * hd).at[ids].get(mode="promise_in_bounds").reshape(shape)
+    rows = as_elements(rows, cache_dtype)
+    if scale is not None:
+        scale = scale.reshape(n, bs * hkv).at[ids].get(mode="promise_in_bounds").reshape(shape[:-1])
+    return dequantize_rows(rows, scale).reshape(*shape[:-2], hkv * hd)
 
 
 def _mask(k_pos, q_pos, sliding_window: int | None):
@@ -150,7 +159,8 @@ def _decode_plan(seq_lens, tables, active, block_size: int):
     )
 
 
-def _decode_attention(q, k_cache, v_cache, plan, *, sm_scale, sliding_window, soft_cap):
+def _decode_attention(q, k_cache, v_cache, k_scale, v_scale, plan, *, sm_scale, sliding_window, soft_cap,
+                      cache_dtype):
     """One query per row: q [R, Hkv, G, D]; row r reads its table row up to its
     length; inactive rows read nothing useful and are discarded by the caller."""
     rows, hkv, group, hd = q.shape
@@ -167,8 +177,8 @@ def _decode_attention(q, k_cache, v_cache, plan, *, sm_scale, sliding_window, so
         m, l, acc = carry
         j, r0 = plan["chunk_of_iteration"][it], plan["row_of_iteration"][it]
         ids = jax.lax.dynamic_slice(plan["tables"], (r0, j * nb), (g, nb))
-        k = _gather_blocks(k_cache, ids)  # [g, C, Hkv*hd]
-        v = _gather_blocks(v_cache, ids)
+        k = _gather_blocks(k_cache, ids, k_scale, cache_dtype)  # [g, C, Hkv*hd]
+        v = _gather_blocks(v_cache, ids, v_scale, cache_dtype)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)  # noqa: E731
         s = _softcap(_scores(sl(q_s), k, hkv, hd, bd), soft_cap)  # [g, M, C]
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -190,7 +200,8 @@ def _decode_attention(q, k_cache, v_cache, plan, *, sm_scale, sliding_window, so
     return out_s[plan["inverse"]].reshape(rows, hkv, group, hd)
 
 
-def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_scale, sliding_window, soft_cap):
+def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, k_scale, v_scale, table, *, sm_scale,
+                    sliding_window, soft_cap, cache_dtype):
     """QUERY_TILE consecutive queries of one sequence, at positions q_pos0 + i:
     q_tile [tile, Hkv, G, hd] -> [tile, Hkv*G, hd]. Rows are laid out (KV head, group,
     tile), so each chunk costs one batched matmul per KV head for scores and values."""
@@ -206,8 +217,8 @@ def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, table, *, sm_sca
 
     def body(j, carry):
         ids = jax.lax.dynamic_slice_in_dim(table, j * nb, nb)
-        k = _gather_blocks(k_cache, ids).reshape(chunk, hkv, hd)
-        v = _gather_blocks(v_cache, ids).reshape(chunk, hkv, hd)
+        k = _gather_blocks(k_cache, ids, k_scale, cache_dtype).reshape(chunk, hkv, hd)
+        v = _gather_blocks(v_cache, ids, v_scale, cache_dtype).reshape(chunk, hkv, hd)
         s = jnp.einsum("kmd,ckd->kmc", q, k, preferred_element_type=jnp.float32)
         s = _softcap(s.reshape(hkv, group, tile, chunk), soft_cap)
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -253,8 +264,8 @@ def _prefill_plan(kv_lens, query_start_loc, real, num_tokens: int):
 
 def ragged_paged_attention_xla(
     q: Float[Array, "T H hd"],
-    k_cache: Float[Array, "N B Hkv hd"],
-    v_cache: Float[Array, "N B Hkv hd"],
+    k_cache: Shaped[Array, "N B Hkv hd"],
+    v_cache: Shaped[Array, "N B Hkv hd"],
     kv_lens: Int[Array, "S"],
     block_tables: Int[Array, "S MB"],
     query_start_loc: Int[Array, "S+1"],
@@ -264,6 +275,9 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     common_prefix_blocks: Int[Array, ""] | None = None,  # a hint this backend does not use
+    k_scale: Float[Array, "N B Hkv"] | None = None,
+    v_scale: Float[Array, "N B Hkv"] | None = None,
+    cache_dtype: str = "",
 ) -> Float[Array, "T H hd"]:
     del common_prefix_blocks
     num_tokens, num_heads, head_dim = q.shape
@@ -275,7 +289,7 @@ def ragged_paged_attention_xla(
     qsl = query_start_loc.astype(jnp.int32)
     q_lens = qsl[1:] - qsl[:-1]
     real = jnp.arange(num_slots) < jnp.reshape(num_seqs, (-1,))[0]
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, cache_dtype=cache_dtype)
 
     # Prefill chunks: tiles of QUERY_TILE rows, each inside one sequence, written into
     # a fresh buffer (QUERY_TILE rows of slack for the last tile's full-width write).
@@ -287,7 +301,7 @@ def ragged_paged_attention_xla(
         q_tile = jax.lax.dynamic_slice_in_dim(q_padded, start, QUERY_TILE)
         q_tile = q_tile.reshape(QUERY_TILE, num_kv_heads, group, head_dim)
         table = tables[tiles["seq"][i]]
-        o = _tile_attention(q_tile, tiles["q_pos0"][i], num_rows, k_cache, v_cache, table, **kw)  # [tile, H, D]
+        o = _tile_attention(q_tile, tiles["q_pos0"][i], num_rows, k_cache, v_cache, k_scale, v_scale, table, **kw)  # [tile, H, D]
         old = jax.lax.dynamic_slice_in_dim(out, start, QUERY_TILE)
         keep_new = (jnp.arange(QUERY_TILE) < num_rows)[:, None, None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_new, o, old), start, axis=0)
@@ -300,7 +314,7 @@ def ragged_paged_attention_xla(
     is_decode = real & (q_lens == 1)
     decode_q = q[jnp.minimum(qsl[:-1], num_tokens - 1)].reshape(num_slots, num_kv_heads, group, head_dim)
     plan = _decode_plan(kv_lens, tables, is_decode, block_size)
-    decode_out = _decode_attention(decode_q, k_cache, v_cache, plan, **kw)
+    decode_out = _decode_attention(decode_q, k_cache, v_cache, k_scale, v_scale, plan, **kw)
     decode_rows = jnp.where(is_decode, qsl[:-1], num_tokens + QUERY_TILE)  # out of range: dropped
     out = out.at[decode_rows].set(decode_out.reshape(num_slots, num_heads, head_dim), mode="drop")
     return out[:num_tokens].astype(q.dtype)

@@ -17,7 +17,7 @@ __all__ = ["KernelBuildError", "TARGETS", "load_kernels", "vector_lanes"]
 
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
-    "jaxllm_ragged_paged_attention_f32": "JaxllmRaggedPagedAttentionF32",
+    "jaxllm_ragged_paged_attention": "JaxllmRaggedPagedAttention",
     "jaxllm_dense_f32": "JaxllmDenseF32",
     "jaxllm_dense_i8": "JaxllmDenseI8",
     "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",

@@ -42,7 +42,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string_view>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "simd.h"
@@ -63,6 +69,102 @@ inline V load(const float* p) { return jaxllm::loadN(p); }
 inline void store(float* p, V v) { jaxllm::storeN(p, v); }
 inline V splat(float x) { return jaxllm::splatN(x); }
 inline V select(M mask, V a, V b) { return mask ? a : b; }
+
+// The cache's element types (the kv_cache_dtype option): float32; bfloat16, float16 and
+// float8 e4m3fn as their bits; int8 with a float32 scale per token and KV head, which the
+// kernel applies to a key's scores and a value's probabilities rather than to each
+// element. load_row widens kLanes elements to float32 exactly (integer ops only: XLA's
+// threads flush denormal floats, so float16's and e4m3's subnormals are built as m * 2^-k).
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+struct F8E4M3 {
+  uint8_t bits;
+};
+template <class R>
+constexpr bool kScaled = std::is_same_v<R, int8_t>;
+typedef uint32_t u32xN __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16xN __attribute__((vector_size(kLanes * 2)));
+typedef uint8_t u8xN __attribute__((vector_size(kLanes)));
+typedef int8_t i8xN __attribute__((vector_size(kLanes)));
+
+template <class T, class F>
+inline T bit_cast_vec(F x) {
+  static_assert(sizeof(T) == sizeof(F));
+  T t;
+  std::memcpy(&t, &x, sizeof t);
+  return t;
+}
+// kLanes 8- or 16-bit integers widened to 32 bits. The x86 intrinsics: GCC lowers a
+// memcpy into a 16-byte int8 vector and its __builtin_convertvector through general
+// registers, lane by lane (an int8 cache read slower than float32's four times the bytes).
+template <class E>
+inline E load_elems(const void* p) {
+  E e;
+  std::memcpy(&e, p, sizeof e);
+  return e;
+}
+inline u32xN widen_u16(const void* p) {
+#if JAXLLM_LANES == 16
+  return reinterpret_cast<u32xN>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))));
+#elif JAXLLM_LANES == 8 && defined(__AVX2__)
+  return reinterpret_cast<u32xN>(_mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(load_elems<u16xN>(p), u32xN);
+#endif
+}
+inline u32xN widen_u8(const void* p) {
+#if JAXLLM_LANES == 16
+  return reinterpret_cast<u32xN>(_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#elif JAXLLM_LANES == 8 && defined(__AVX2__)
+  return reinterpret_cast<u32xN>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(load_elems<u8xN>(p), u32xN);
+#endif
+}
+inline M widen_i8(const void* p) {
+#if JAXLLM_LANES == 16
+  return reinterpret_cast<M>(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#elif JAXLLM_LANES == 8 && defined(__AVX2__)
+  return reinterpret_cast<M>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(load_elems<i8xN>(p), M);
+#endif
+}
+
+template <class R>
+inline V load_row(const R* p);
+template <>
+inline V load_row<float>(const float* p) {
+  return load(p);
+}
+template <>
+inline V load_row<BF16>(const BF16* p) {
+  return bit_cast_vec<V>(widen_u16(p) << 16);
+}
+template <>
+inline V load_row<F16>(const F16* p) {
+  const u32xN x = widen_u16(p);
+  const u32xN em = x & 0x7fffu, e = em >> 10, sign = (x & 0x8000u) << 16;
+  const u32xN normal = (em << 13) + (112u << 23), special = (em << 13) | 0x7f800000u;  // e == 31: inf, nan
+  const u32xN sub = bit_cast_vec<u32xN>(__builtin_convertvector(x & 0x3ffu, V) * (1.f / 16777216.f));  // m * 2^-24
+  return bit_cast_vec<V>((e == 0 ? sub : e == 31 ? special : normal) | sign);
+}
+template <>
+inline V load_row<F8E4M3>(const F8E4M3* p) {
+  const u32xN x = widen_u8(p);
+  const u32xN em = x & 0x7fu, sign = (x & 0x80u) << 24;
+  const u32xN normal = (em << 20) + (120u << 23);  // no inf; 0x7f (nan) is never written: saturated
+  const u32xN sub = bit_cast_vec<u32xN>(__builtin_convertvector(x & 7u, V) * (1.f / 512.f));  // m * 2^-9
+  return bit_cast_vec<V>(((em >> 3) == 0 ? sub : normal) | sign);
+}
+template <>
+inline V load_row<int8_t>(const int8_t* p) {
+  return __builtin_convertvector(widen_i8(p), V);
+}
 
 constexpr int kTile = kLanes;  // key tokens per tile: the lanes of one vector
 constexpr int kChunk = 64;     // keys of one online-softmax step
@@ -150,8 +252,10 @@ inline V reduce_tile(V* v) {  // v[kLanes], overwritten
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // [N, B, Hkv, D] of the kernel's element type
+  const void* v;
+  const float* k_scale;  // [N, B, Hkv]: int8 caches only
+  const float* v_scale;
   float* out;
   const int32_t* kv_lens;
   const int32_t* tables;
@@ -245,8 +349,8 @@ inline bool softmax_update(V* s, const M* vis, int ntiles, float soft_cap, float
 
 // o[G][D] += p[G][t] * v_t over the chunk's ntok value rows, GV queries' accumulators at
 // a time (as many as fit the registers; a value row is loaded once per GV queries).
-template <int D, int G>
-inline void accumulate_values(const float* const* vrow, int ntok, const float (*p)[kChunk], float* o) {
+template <int D, int G, class R>
+inline void accumulate_values(const R* const* vrow, int ntok, const float (*p)[kChunk], float* o) {
   constexpr int C = D / kLanes;
   constexpr int GV = G * C <= kAccumulators ? G : std::max(1, kAccumulators / C);
   for (int g0 = 0; g0 < G; g0 += GV) {
@@ -255,7 +359,7 @@ inline void accumulate_values(const float* const* vrow, int ntok, const float (*
       for (int c = 0; c < C; ++c) acc[g][c] = g0 + g < G ? load(o + (g0 + g) * D + kLanes * c) : splat(0.f);
     for (int t = 0; t < ntok; ++t) {
       V vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load(vrow[t] + kLanes * c);
+      for (int c = 0; c < C; ++c) vv[c] = load_row(vrow[t] + kLanes * c);
       for (int g = 0; g < GV; ++g) {
         const V w = splat(g0 + g < G ? p[g0 + g][t] : 0.f);
         for (int c = 0; c < C; ++c) acc[g][c] += w * vv[c];
@@ -268,17 +372,18 @@ inline void accumulate_values(const float* const* vrow, int ntok, const float (*
 
 // Decode path: one KV head's GT query vectors (of one row) against a chunk of keys.
 // Scores as dot products along D, each tile's kLanes partial-sum vectors folded into one.
-template <int D, int GT>
-inline void attend_chunk(const Problem& pb, const float* q, const float* const* krow, const float* const* vrow,
-                         const float* const* knext, const float* const* vnext, int ntok, int ntiles, const M* vis,
-                         float* o, float* m, float* l) {
+// Scaled (int8) caches: ks, vs hold the chunk's key and value rows' scales.
+template <int D, int GT, class R>
+inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow, const R* const* vrow,
+                         const R* const* knext, const R* const* vnext, const float* ks, const float* vs, int ntok,
+                         int ntiles, const M* vis, float* o, float* m, float* l) {
   constexpr int C = D / kLanes;
   V s[GT][kTiles];
   for (int j = 0; j < ntiles; ++j) {
     V part[GT][kTile];
     for (int t = 0; t < kTile; ++t) {
       V kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load(krow[j * kTile + t] + kLanes * c);
+      for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
       if (knext != nullptr)  // what the same loop reads one chunk later: a chunk's distance ahead
         for (int c = 0; c < C; c += 16 / kLanes) {  // one prefetch per 64-byte line
           __builtin_prefetch(knext[j * kTile + t] + kLanes * c);
@@ -290,11 +395,17 @@ inline void attend_chunk(const Problem& pb, const float* q, const float* const* 
         part[g][bit_reverse(t)] = acc;
       }
     }
-    for (int g = 0; g < GT; ++g) s[g][j] = reduce_tile(part[g]);
+    for (int g = 0; g < GT; ++g) {
+      s[g][j] = reduce_tile(part[g]);
+      if constexpr (kScaled<R>) s[g][j] *= load(ks + j * kTile);
+    }
   }
   alignas(64) float p[GT][kChunk];
   bool any = false;
   for (int g = 0; g < GT; ++g) any |= softmax_update<D>(s[g], vis, ntiles, pb.soft_cap, m[g], l[g], o + g * D, p[g]);
+  if constexpr (kScaled<R>)
+    for (int g = 0; g < GT; ++g)
+      for (int j = 0; j < ntiles; ++j) store(p[g] + j * kTile, load(p[g] + j * kTile) * load(vs + j * kTile));
   if (any) accumulate_values<D, GT>(vrow, ntok, p, o);
 }
 
@@ -302,22 +413,23 @@ inline void attend_chunk(const Problem& pb, const float* q, const float* const* 
 constexpr int kGroupTile = kLanes == 16 ? 4 : kLanes == 8 ? 2 : 1;
 
 // A KV head's whole query group of one row, in calls of at most kGroupTile query heads.
-template <int D>
-inline void attend_group(const Problem& pb, int group, const float* q, const float* const* krow,
-                         const float* const* vrow, const float* const* knext, const float* const* vnext, int ntok,
+template <int D, class R>
+inline void attend_group(const Problem& pb, int group, const float* q, const R* const* krow, const R* const* vrow,
+                         const R* const* knext, const R* const* vnext, const float* ks, const float* vs, int ntok,
                          int ntiles, const M* vis, float* o, float* m, float* l) {
   int g = 0;
   for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)  // the first call prefetches
-    attend_chunk<D, kGroupTile>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+    attend_chunk<D, kGroupTile>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g,
+                                l + g);
   switch (group - g) {
     case 3:
-      attend_chunk<D, 3>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+      attend_chunk<D, 3>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
       break;
     case 2:
-      attend_chunk<D, 2>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+      attend_chunk<D, 2>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
       break;
     case 1:
-      attend_chunk<D, 1>(pb, q + g * D, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+      attend_chunk<D, 1>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
       break;
     default: break;
   }
@@ -332,9 +444,14 @@ inline void transpose_stage(V* v) {
     if (!(t & B)) interleave<B>(v[t], v[t | B], w[t], w[t | B]);
   for (int t = 0; t < kLanes; ++t) v[t] = w[t];
 }
-inline void transpose_tile(const float* const* rows, float* out, int64_t stride) {
+// Scaled rows (int8) are multiplied by their scales (scale[t]) first.
+template <class R>
+inline void transpose_tile(const R* const* rows, const float* scale, float* out, int64_t stride) {
   V v[kLanes];
-  for (int t = 0; t < kLanes; ++t) v[t] = load(rows[t]);
+  for (int t = 0; t < kLanes; ++t) {
+    v[t] = load_row(rows[t]);
+    if constexpr (kScaled<R>) v[t] *= splat(scale[t]);
+  }
   transpose_stage<1>(v);
   transpose_stage<2>(v);
   if constexpr (kLanes >= 8) transpose_stage<4>(v);
@@ -357,13 +474,13 @@ template <int D>
 constexpr int kValueBlock = kAccumulators / kValueCols<D>;
 
 // The chunk's ntiles tiles of keys (rows krow[t], D floats) transposed into kt [D][kChunk].
-template <int D>
-inline void transpose_chunk(const float* const* krow, int ntiles, float* kt) {
+template <int D, class R>
+inline void transpose_chunk(const R* const* krow, const float* ks, int ntiles, float* kt) {
   for (int j = 0; j < ntiles; ++j)
     for (int c = 0; c < D / kLanes; ++c) {
-      const float* rows[kTile];
+      const R* rows[kTile];
       for (int t = 0; t < kTile; ++t) rows[t] = krow[j * kTile + t] + kLanes * c;
-      transpose_tile(rows, kt + kLanes * c * kChunk + j * kTile, kChunk);
+      transpose_tile(rows, kScaled<R> ? ks + j * kTile : nullptr, kt + kLanes * c * kChunk + j * kTile, kChunk);
     }
 }
 
@@ -391,15 +508,15 @@ inline void score_tiles(const float* kt, const float* qb, int j0, V (*s)[kTiles]
 // kChunk apart) over a slice of kValueCols vectors of D from c0: per key token, the
 // slice's vectors of its value row and kValueBlock broadcasts. Rows from mb on are
 // padding: computed, not stored.
-template <int D>
-inline void value_slice(const float* const* vrow, int ntok, const float* pm, int c0, int mb, float* ob) {
+template <int D, class R>
+inline void value_slice(const R* const* vrow, int ntok, const float* pm, int c0, int mb, float* ob) {
   constexpr int QB = kValueBlock<D>, CB = kValueCols<D>;
   V acc[QB][CB];
   for (int i = 0; i < QB; ++i)
     for (int c = 0; c < CB; ++c) acc[i][c] = i < mb ? load(ob + i * D + kLanes * (c0 + c)) : splat(0.f);
   for (int t = 0; t < ntok; ++t) {
     V vv[CB];
-    for (int c = 0; c < CB; ++c) vv[c] = load(vrow[t] + kLanes * (c0 + c));
+    for (int c = 0; c < CB; ++c) vv[c] = load_row(vrow[t] + kLanes * (c0 + c));
     for (int i = 0; i < QB; ++i) {
       const V w = splat(pm[i * kChunk + t]);
       for (int c = 0; c < CB; ++c) acc[i][c] += w * vv[c];
@@ -422,11 +539,11 @@ inline int keys_seen(const int32_t* row_pos, int group, int m0, int n, int64_t t
 // row_pos[r]) against a chunk of keys, as two small matrix products: K transposed once
 // into kt [D][kChunk], then scores and values in the register blocks above (the scratch
 // is padded past nq with zero queries and probabilities: a partial block reads them).
-template <int D>
+template <int D, class R>
 void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
-                       int ntiles, const float* const* krow, const float* const* vrow, float* kt, float* p,
-                       const float* q, float* o, float* m, float* l) {
-  transpose_chunk<D>(krow, ntiles, kt);
+                       int ntiles, const R* const* krow, const R* const* vrow, const float* ks, const float* vs,
+                       float* kt, float* p, const float* q, float* o, float* m, float* l) {
+  transpose_chunk<D>(krow, ks, ntiles, kt);
   for (int m0 = m_first; m0 < nq; m0 += kScoreBlock) {
     const int mb = std::min(kScoreBlock, nq - m0);
     const int nt = (keys_seen(row_pos, group, m0, mb, t0, ntok) + kTile - 1) / kTile;  // tiles after: masked
@@ -441,6 +558,8 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
       M vis[kTiles];
       visible_chunk(t0, ntok, nt, row_pos[mq / group], pb.window, vis);
       softmax_update<D>(s[i], vis, nt, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D, pq);
+      if constexpr (kScaled<R>)
+        for (int j = 0; j < nt; ++j) store(pq + j * kTile, load(pq + j * kTile) * load(vs + j * kTile));
       for (int j = nt; j < ntiles; ++j) store(pq + j * kTile, splat(0.f));
     }
   }
@@ -468,7 +587,7 @@ inline void prefetch_rows(const float* base, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-// Offset (in floats) of the cached row of the token at `pos`, through a block table;
+// Offset (in elements) of the cached row of the token at `pos`, through a block table;
 // block ids are clamped into the pool.
 inline int64_t token_offset(const Problem& pb, const int32_t* table, int64_t pos) {
   const int64_t BS = pb.block_size;
@@ -476,7 +595,16 @@ inline int64_t token_offset(const Problem& pb, const int32_t* table, int64_t pos
   return (block * BS + pos % BS) * pb.num_kv_heads * pb.head_dim;
 }
 
-template <int D>
+// A scaled cache's scales of KV head h for the chunk's rows (row -1: padding, scale 0).
+inline void gather_scales(const Problem& pb, const int64_t* row, int n, int64_t h, float* ks, float* vs) {
+  for (int t = 0; t < n; ++t) {
+    const int64_t i = row[t] * pb.num_kv_heads + h;
+    ks[t] = row[t] < 0 ? 0.f : pb.k_scale[i];
+    vs[t] = row[t] < 0 ? 0.f : pb.v_scale[i];
+  }
+}
+
+template <int D, class R>
 void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t H = pb.num_heads, Hkv = pb.num_kv_heads, BS = pb.block_size;
   const int group = static_cast<int>(H / Hkv);
@@ -524,32 +652,39 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
-  const float* krow[kChunk];
-  const float* vrow[kChunk];
-  const float* knext[kChunk];
-  const float* vnext[kChunk];
-  const float* kh[kChunk];
-  const float* vh[kChunk];
-  const float* kn[kChunk];
-  const float* vn[kChunk];
+  const R* const kbase = static_cast<const R*>(pb.k);
+  const R* const vbase = static_cast<const R*>(pb.v);
+  const R* const zeros = reinterpret_cast<const R*>(sc.zeros.data());  // zero bits: 0 in every type
+  const R* krow[kChunk];
+  const R* vrow[kChunk];
+  const R* knext[kChunk];
+  const R* vnext[kChunk];
+  const R* kh[kChunk];
+  const R* vh[kChunk];
+  const R* kn[kChunk];
+  const R* vn[kChunk];
+  int64_t row[kChunk];  // the token's cache row (block * BS + offset), for the scales
+  alignas(64) float ks[kChunk], vs[kChunk];
   for (int64_t t0 = k_first / kTile * kTile; t0 < kv_end; t0 += kChunk) {
     const int ntok = static_cast<int>(std::min<int64_t>(kChunk, kv_end - t0));
     const int ntiles = (ntok + kTile - 1) / kTile;
     for (int t = 0; t < ntiles * kTile; ++t) {
       if (t < ntok) {
         const int64_t off = token_offset(pb, table, t0 + t);
-        krow[t] = pb.k + off;
-        vrow[t] = pb.v + off;
+        krow[t] = kbase + off;
+        vrow[t] = vbase + off;
+        row[t] = off / token_stride;
       } else {
-        krow[t] = vrow[t] = sc.zeros.data();
+        krow[t] = vrow[t] = zeros;
+        row[t] = -1;
       }
       const int64_t next = t0 + kChunk + t;  // the same token of the next chunk, for prefetching
       if (next < kv_end) {
         const int64_t off = token_offset(pb, table, next);
-        knext[t] = pb.k + off;
-        vnext[t] = pb.v + off;
+        knext[t] = kbase + off;
+        vnext[t] = vbase + off;
       } else {
-        knext[t] = vnext[t] = sc.zeros.data();
+        knext[t] = vnext[t] = zeros;
       }
     }
     // Rows whose position is before the chunk see none of it (causal).
@@ -561,13 +696,14 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         kn[t] = knext[t] + h * D;
         vn[t] = vnext[t] + h * D;
       }
+      if constexpr (kScaled<R>) gather_scales(pb, row, ntiles * kTile, h, ks, vs);
       float* qh = sc.q.data() + h * nq_padded * D;
       float* oh = sc.o.data() + h * nq_padded * D;
       float* mh = sc.m.data() + h * nq;
       float* lh = sc.l.data() + h * nq;
       if (many) {
-        attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, sc.kt.data(),
-                             sc.p.data(), qh, oh, mh, lh);
+        attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, ks, vs,
+                             sc.kt.data(), sc.p.data(), qh, oh, mh, lh);
         continue;
       }
       for (int r = r_first; r < rows; ++r) {
@@ -576,8 +712,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         M vis[kTiles];
         visible_chunk(t0, ntok, ntiles, qpos, pb.window, vis);
         const bool first = r == r_first;  // one row per chunk prefetches the next chunk
-        attend_group<D>(pb, group, qh + r * group * D, kh, vh, first ? kn : nullptr, first ? vn : nullptr, ntok,
-                        ntiles, vis, oh + r * group * D, mh + r * group, lh + r * group);
+        attend_group<D>(pb, group, qh + r * group * D, kh, vh, first ? kn : nullptr, first ? vn : nullptr, ks, vs,
+                        ntok, ntiles, vis, oh + r * group * D, mh + r * group, lh + r * group);
       }
     }
   }
@@ -604,7 +740,7 @@ struct PrefixItem {
   int32_t part;
 };
 
-template <int D>
+template <int D, class R>
 void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row_pos, float* out_m, float* out_l,
                      float* out_o, Scratch& sc) {
   const int64_t H = pb.num_heads;
@@ -625,18 +761,23 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
       for (int d = 0; d < D; ++d) to[d] = from[d] * pb.sm_scale;
     }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
-  const float* kh[kChunk];
-  const float* vh[kChunk];
+  const int64_t token_stride = pb.num_kv_heads * D;
+  const R* kh[kChunk];
+  const R* vh[kChunk];
+  int64_t row[kChunk];
+  alignas(64) float ks[kChunk], vs[kChunk];
   for (int64_t t0 = it.k0; t0 < it.k1; t0 += kChunk) {
     const int ntok = static_cast<int>(std::min<int64_t>(kChunk, it.k1 - t0));
     const int ntiles = (ntok + kTile - 1) / kTile;  // k1 - k0 is a multiple of kTile
     for (int t = 0; t < ntok; ++t) {
-      const int64_t off = token_offset(pb, table, t0 + t) + h * D;
-      kh[t] = pb.k + off;
-      vh[t] = pb.v + off;
+      const int64_t off = token_offset(pb, table, t0 + t);
+      kh[t] = static_cast<const R*>(pb.k) + off + h * D;
+      vh[t] = static_cast<const R*>(pb.v) + off + h * D;
+      row[t] = off / token_stride;
     }
-    attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, sc.kt.data(), sc.p.data(),
-                         sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
+    if constexpr (kScaled<R>) gather_scales(pb, row, ntok, h, ks, vs);
+    attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
+                         sc.p.data(), sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
   }
   for (int r = 0; r < it.rows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -650,22 +791,27 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
 using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
 using PrefixItemFn = void (*)(const Problem&, const PrefixItem&, const int32_t*, float*, float*, float*, Scratch&);
 
-template <int D>
-bool set_kernels(ItemFn& item, PrefixItemFn& prefix) {
-  item = run_item<D>;
-  prefix = run_prefix_item<D>;
-  return true;
-}
-
-bool kernels_for(int64_t head_dim, ItemFn& item, PrefixItemFn& prefix) {
+template <class R>
+bool set_kernels(int64_t head_dim, ItemFn& item, PrefixItemFn& prefix) {
   switch (head_dim) {
-    case 16: return set_kernels<16>(item, prefix);
-    case 32: return set_kernels<32>(item, prefix);
-    case 64: return set_kernels<64>(item, prefix);
-    case 128: return set_kernels<128>(item, prefix);
-    case 256: return set_kernels<256>(item, prefix);
+    case 16: item = run_item<16, R>, prefix = run_prefix_item<16, R>; return true;
+    case 32: item = run_item<32, R>, prefix = run_prefix_item<32, R>; return true;
+    case 64: item = run_item<64, R>, prefix = run_prefix_item<64, R>; return true;
+    case 128: item = run_item<128, R>, prefix = run_prefix_item<128, R>; return true;
+    case 256: item = run_item<256, R>, prefix = run_prefix_item<256, R>; return true;
     default: return false;
   }
+}
+
+// The kernels of a head_dim and cache element type (its numpy name; the buffers may
+// hold its bits as unsigned integers), and the element's bytes (0: not built for them).
+int64_t kernels_for(int64_t head_dim, std::string_view type, ItemFn& item, PrefixItemFn& prefix) {
+  if (type == "float32") return set_kernels<float>(head_dim, item, prefix) ? 4 : 0;
+  if (type == "bfloat16") return set_kernels<BF16>(head_dim, item, prefix) ? 2 : 0;
+  if (type == "float16") return set_kernels<F16>(head_dim, item, prefix) ? 2 : 0;
+  if (type == "float8_e4m3fn") return set_kernels<F8E4M3>(head_dim, item, prefix) ? 1 : 0;
+  if (type == "int8") return set_kernels<int8_t>(head_dim, item, prefix) ? 1 : 0;
+  return 0;
 }
 
 // This thread's scratch buffers (the callers of parallel_for and the pool's threads).
@@ -688,27 +834,38 @@ inline void merge_state(float& ma, float& la, float* oa, float mb, float lb, con
   ma = m;
 }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start_loc,
-                                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> common_prefix_blocks,
-                                ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
-                                float soft_cap) {
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                                ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::S32> common_prefix_blocks, ffi::ResultBuffer<ffi::F32> out,
+                                float sm_scale, int32_t sliding_window, float soft_cap,
+                                std::string_view cache_dtype) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: q must be [T,H,D], caches [N,B,Hkv,D], tables [S,MB]");
-  Problem pb{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), out->typed_data(),
-             kv_lens.typed_data(), block_tables.typed_data(), query_start_loc.typed_data(),
-             qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale, sliding_window, soft_cap,
-             0, nullptr, nullptr, nullptr};
+  if (v_cache.element_type() != k_cache.element_type() || v_cache.element_count() != k_cache.element_count())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: k and v caches differ");
+  const bool scaled = cache_dtype == "int8";
+  const size_t rows = static_cast<size_t>(kd[0] * kd[1] * kd[2]);
+  if (scaled && (k_scale.element_count() != rows || v_scale.element_count() != rows))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: an int8 cache needs scales [N,B,Hkv]");
+  Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
+             v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
+             query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
+             sliding_window, soft_cap, 0, nullptr, nullptr, nullptr};
   if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim or head counts do not match");
   ItemFn item_fn;
   PrefixItemFn prefix_fn;
-  if (!kernels_for(pb.head_dim, item_fn, prefix_fn))
-    return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim must be 16, 32, 64, 128 or 256");
+  const int64_t elem_bytes = kernels_for(pb.head_dim, cache_dtype, item_fn, prefix_fn);
+  if (elem_bytes == 0)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim must be 16, 32, 64, 128 or 256 and the "
+                                       "cache float32, bfloat16, float16, float8_e4m3fn or int8");
+  if (static_cast<int64_t>(k_cache.size_bytes()) != elem_bytes * static_cast<int64_t>(k_cache.element_count()))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: the cache buffers are not of cache_dtype's width");
 
   const int64_t H = pb.num_heads, D = pb.head_dim, T = pb.num_tokens;
   const int64_t slots = td[0];
@@ -794,12 +951,14 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttentionF32, RaggedPagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [N, B, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()  // k_cache [N, B, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()  // v_cache [N, B, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [N, B, Hkv] (int8 cache; else [1])
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, MB]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [S + 1]
@@ -808,4 +967,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttentionF32, RaggedPagedAttentio
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<std::string_view>("cache_dtype"));

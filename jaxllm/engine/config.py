@@ -10,7 +10,7 @@ import dataclasses
 import re
 import typing
 
-from jaxllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, LINEAR_BACKENDS, QUANTIZATIONS
+from jaxllm.config import ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPES, LINEAR_BACKENDS, QUANTIZATIONS
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
@@ -54,6 +54,10 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
         None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
+    kv_cache_dtype: str = _option("auto", "KV cache elements: auto (the activations' dtype), float32, bfloat16, "
+                                          "float16, int8 (a float32 scale per token and KV head), fp8 / fp8_e4m3 "
+                                          "(saturated at +-448); the narrower, the more tokens the same memory holds",
+                                  KV_CACHE_DTYPES)
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")

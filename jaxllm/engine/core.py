@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxllm.attention.kv_cache import KVCacheFormat, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
@@ -74,17 +75,18 @@ class CacheLayout:
         return (self.num_blocks - 1) * self.block_size
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig, itemsize: int, shard: ModelConfig | None = None
+def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, shard: ModelConfig | None = None
                ) -> CacheLayout:
-    """The KV cache's blocks: as many as `kv_cache_memory` holds on one device, whose
-    share of the KV heads is `shard`'s (default: the whole model's)."""
+    """The KV cache's blocks: as many as `kv_cache_memory` holds on one device in format
+    `fmt`, whose share of the KV heads is `shard`'s (default: the whole model's)."""
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
             f"max_model_len: {max_model_len} exceeds the model's context length "
             f"{model.max_position_embeddings}"
         )
-    block_bytes = config.block_size * (shard or model).kv_bytes_per_token(itemsize)
+    heads = shard or model
+    block_bytes = config.block_size * fmt.token_bytes(heads.num_layers, heads.num_kv_heads, heads.head_dim)
     num_blocks = kv_cache_bytes(config.kv_cache_memory) // block_bytes
     layout = CacheLayout(num_blocks, config.block_size, max_model_len)
     if layout.capacity_tokens < max_model_len:
@@ -132,9 +134,9 @@ class EngineCore:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
-        itemsize = activation_dtype(params.final_norm.dtype).itemsize  # the KV cache's
+        kv_format = kv_cache_format(config.kv_cache_dtype, activation_dtype(params.final_norm.dtype))
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
-        self.cache = plan_cache(config, cfg, itemsize, shard_config(cfg, config.tensor_parallel_size))
+        self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size))
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = KVCacheManager(
             self.cache.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
@@ -157,6 +159,7 @@ class EngineCore:
             linear_backend=config.linear_backend,
             cache_dir=cache_dir,
             tensor_parallel_size=config.tensor_parallel_size,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too
@@ -247,7 +250,8 @@ class EngineCore:
     def describe(self) -> str:
         c = self.cache
         return (
-            f"KV cache: {c.num_blocks - 1} blocks of {c.block_size} tokens = {c.capacity_tokens} tokens; "
+            f"KV cache ({self.runner.kv_format.name}): {c.num_blocks - 1} blocks of {c.block_size} tokens = "
+            f"{c.capacity_tokens} tokens; "
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes; "
             f"{self.runner.describe_backends()}"

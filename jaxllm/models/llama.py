@@ -25,6 +25,7 @@ from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
 from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
+from jaxllm.platform import activation_dtype
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
@@ -84,6 +85,7 @@ def attention_block(
     o = attention_fn(
         q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
         sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, common_prefix_blocks=md.common_prefix_blocks,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, cache_dtype=cache.dtype,
     )
     return x + all_reduce(linear(o.reshape(t, cfg.q_size), lp.wo), axis), cache
 
@@ -122,9 +124,9 @@ def forward_hidden(
     axis: str | None = None,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
-    They are of the caches' dtype (the runner's activation dtype: float32 on the CPU
-    platform for bfloat16 weights too; jaxllm.platform.activation_dtype)."""
-    x = embed_tokens(params.embed, input_ids, axis).astype(kv_caches[0].k.dtype)
+    They are of the activation dtype of the weights (float32 on the CPU platform for
+    bfloat16 weights too; jaxllm.platform.activation_dtype), whatever the caches hold."""
+    x = embed_tokens(params.embed, input_ids, axis).astype(activation_dtype(params.final_norm.dtype))
     cos, sin = rope.cos[positions], rope.sin[positions]
     new_caches = []
     for lp, cache in zip(params.layers, kv_caches, strict=True):

@@ -22,13 +22,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.attention.backends import AttentionFn
-from jaxllm.attention.kv_cache import KVCache
+from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, forward_hidden
 from jaxllm.models.params import ModelParams, kv_replicas, partition_specs, shard_major
 
 TP_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head
+KV_SCALE_SPEC = P(None, None, TP_AXIS)  # an int8 cache's scales [blocks, block_size, Hkv]
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None = None) -> None:
@@ -85,8 +86,17 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> ModelParams:
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, KV_CACHE_SPEC)
+def kv_cache_specs(scaled: bool, dtype: str = "") -> KVCache:
+    """One layer's KV cache PartitionSpecs (by KV head), scales too where the cache has
+    them; `dtype`: the caches' KVCache.dtype (the specs' tree is theirs)."""
+    scales = (KV_SCALE_SPEC, KV_SCALE_SPEC) if scaled else (None, None)
+    return KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC, *scales, dtype)
+
+
+def kv_cache_sharding(mesh: Mesh, fmt: KVCacheFormat) -> KVCache:
+    """The shardings over `mesh` of one layer's KV cache of format `fmt` (as
+    kv_cache.cache_shapes makes it; see kv_cache_specs)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs(fmt.scaled, fmt.bits_of()))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -119,7 +129,7 @@ class ShardedModel:
     def forward_hidden(self, params, rope, kv_caches, input_ids, positions, md):
         fn = functools.partial(forward_hidden, cfg=shard_config(self.cfg, self.size),
                                attention_fn=self.attention_fn, axis=TP_AXIS)
-        caches = tuple(KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC) for _ in kv_caches)
+        caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in kv_caches)
         return jax.shard_map(
             lambda p, r, c, i, pos, m: fn(p, r, c, i, pos, m), mesh=self.mesh,
             in_specs=(partition_specs(self.cfg), P(), caches, P(), P(), P()),

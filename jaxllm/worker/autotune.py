@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import PackedWeight, abstract_params
 
@@ -236,12 +237,14 @@ class StepTimer:
     """`measure(kind, backend, T, S)` for plan_backends: seconds one step of bucket
     (T, S) spends in the projections (linear) or attention of a model of `cfg`'s
     shapes, on random data (the times do not depend on the values). Weights are of
-    `dtype`, hidden states and caches of `activation_dtype` (default: `dtype`)."""
+    `dtype`, hidden states of `activation_dtype` (default: `dtype`), the KV cache in
+    `kv_format` (default: the activations' dtype)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int,
-                 activation_dtype=None) -> None:
+                 activation_dtype=None, kv_format: KVCacheFormat | None = None) -> None:
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
+        self.kv_format = kv_format or kv_cache_format("auto", self.activation_dtype)
         self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
         self.rng = np.random.default_rng(0)
         self._weights: dict[str, tuple] = {}  # linear backend -> (layers, head), in its layout
@@ -328,12 +331,14 @@ class StepTimer:
         starts = np.concatenate([[0], np.cumsum(blocks)])
         for i in range(n):
             tables[i, : blocks[i]] = ids[starts[i]:starts[i + 1]]
-        cache_shape = (int(blocks.sum()) + 1, bs, cfg.num_kv_heads, cfg.head_dim)
-        args = (self._filled((t, cfg.num_heads, cfg.head_dim)), self._filled(cache_shape), self._filled(cache_shape),
+        (cache,) = cache_shapes(self.kv_format, 1, int(blocks.sum()) + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+        cache = jax.tree.map(lambda a: self._filled(a.shape, a.dtype), cache)
+        args = (self._filled((t, cfg.num_heads, cfg.head_dim)), cache.k, cache.v,
                 jnp.asarray(kv_lens), jnp.asarray(tables),
                 jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)), jnp.asarray(np.int32(n)))
-        fn = jax.jit(functools.partial(get_attention_fn(backend), sm_scale=cfg.head_dim ** -0.5))
-        return _best_of(fn, *args) * cfg.num_layers
+        fn = jax.jit(functools.partial(get_attention_fn(backend), sm_scale=cfg.head_dim ** -0.5,
+                                       cache_dtype=cache.dtype))
+        return _best_of(lambda *a: fn(*a, k_scale=cache.k_scale, v_scale=cache.v_scale), *args) * cfg.num_layers
 
 
 def backend_plan(
@@ -347,6 +352,7 @@ def backend_plan(
     max_model_len: int,
     store_dir=None,
     activation_dtype=None,
+    kv_format: KVCacheFormat | None = None,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
@@ -358,7 +364,8 @@ def backend_plan(
     from jaxllm.worker.executable_cache import ExecutableStore
 
     activation_dtype = jnp.dtype(activation_dtype or dtype)
-    store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name,
+    kv_format = kv_format or kv_cache_format("auto", activation_dtype)
+    store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name, kv_format.name,
                             tuple(buckets), tuple(attention),
                             tuple(linear), block_size, max_model_len, library_path().name)
     stored = store.load_text("backends.json")
@@ -371,7 +378,7 @@ def backend_plan(
             logger.warning("ignoring an unreadable stored backend plan (%s)", e)
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
-                      activation_dtype=activation_dtype)
+                      activation_dtype=activation_dtype, kv_format=kv_format)
     plan = plan_backends(buckets, attention, linear, timer)
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s",
                 time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),

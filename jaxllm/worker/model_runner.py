@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import Bool, Int
 
 from jaxllm.attention.backends import attention_candidates, get_attention_fn
-from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, copy_blocks
+from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, copy_blocks, kv_cache_format
 from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
@@ -175,6 +175,7 @@ class ModelRunner:
         linear_backend: str = "auto",
         cache_dir: Path | None = None,
         tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -186,12 +187,14 @@ class ModelRunner:
         `cache_dir` (the engine's compilation cache; None: compile and measure every
         start). With `tensor_parallel_size` > 1 the step runs over a mesh of that many
         devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
-        replicated; the backends are measured on one shard's shapes."""
+        replicated; the backends are measured on one shard's shapes. The KV cache holds
+        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the activations' dtype)."""
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
-        dtype = activation_dtype(param_dtype)  # of the hidden states and the KV cache
+        dtype = activation_dtype(param_dtype)  # of the hidden states
+        self.kv_format = kv_cache_format(kv_cache_dtype, dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -203,8 +206,7 @@ class ModelRunner:
         self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
-        cache_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh else None
-        self._start_kv_caches(num_blocks, dtype, cache_sharding)
+        self._start_kv_caches(num_blocks)
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
         if self.mesh:
@@ -216,7 +218,7 @@ class ModelRunner:
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         # a step's block copies (at most one per admitted request), padded to a bucket
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,),
-                                    **({"out_shardings": cache_sharding} if self.mesh else {}))
+                                    **({"out_shardings": self._cache_shardings()} if self.mesh else {}))
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int], object] = {}
@@ -238,26 +240,34 @@ class ModelRunner:
         """The backends of each bucket: measured on one shard's shapes where `auto`
         leaves a choice, except over several processes (their timings would differ, and
         the plans must agree: the first candidate)."""
-        attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype)
+        attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype,
+                                         cache_dtype=self.kv_format.dtype)
         linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None,
                                    quantized=self.config.quantization is not None)
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype, self.buckets, attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
-                            store_dir=store_directory(cache_dir))
+                            store_dir=store_directory(cache_dir), kv_format=self.kv_format)
 
-    def _start_kv_caches(self, num_blocks: int, dtype, sharding) -> None:
+    def _start_kv_caches(self, num_blocks: int) -> None:
         """The KV caches (2 GiB by default: a second of page faults) are zero-filled on
         a background thread while warm_up loads or compiles the buckets, which only need
         their shapes (`_abstract_caches`); the first use of `kv_caches` waits for them."""
         cfg = self.config
         kv_heads = parallel.cache_kv_heads(cfg, self.tensor_parallel_size)
+        layer = self._cache_shardings()[0] if self.mesh else KVCache(None, None)
+        self._abstract_caches = cache_shapes(self.kv_format, cfg.num_layers, num_blocks, self.block_size, kv_heads,
+                                             cfg.head_dim, layer.k, layer.k_scale)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
-            allocate_kv_caches, cfg.num_layers, num_blocks, self.block_size, kv_heads, cfg.head_dim, dtype, sharding)
-        spec = jax.ShapeDtypeStruct((num_blocks, self.block_size, kv_heads, cfg.head_dim), dtype, sharding=sharding)
-        self._abstract_caches = tuple(KVCache(spec, spec) for _ in range(cfg.num_layers))
+            allocate_kv_caches, self._abstract_caches)
+
+    def _cache_shardings(self) -> tuple[KVCache, ...] | None:
+        """The KV caches' shardings over the mesh, per layer (None: one device)."""
+        if self.mesh is None:
+            return None
+        return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.config.num_layers
 
     def _step_functions(self) -> dict[StepBackends, object]:
         """The jitted step of each pair of backends the plan uses. Where the C++ kernels
@@ -278,7 +288,7 @@ class ModelRunner:
         sharded, the rest replicated (none on one device)."""
         if self.mesh is None:
             return {}
-        rep, caches = parallel.replicated(self.mesh), parallel.kv_cache_sharding(self.mesh)
+        rep, caches = parallel.replicated(self.mesh), self._cache_shardings()
         return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep),
                 "out_shardings": (caches, rep, rep)}
 
