@@ -18,6 +18,10 @@ The embedded SmolLM2 is a Q4_1 GGUF: `none` dequantizes it, `q4_1` keeps its blo
 as an F32 GGUF (build/smollm2-f32.gguf; asking another format of the Q4_1 file itself
 is refused, not re-quantized).
     .venv/bin/python scripts/bench_quant.py --isa avx2    # the kernels and XLA as on an AVX2-only CPU
+
+A format may name a KV cache dtype after a slash (`q4_1/int8`: the default weights with an
+int8 KV cache; `kv_cache_dtype`, default auto):
+    .venv/bin/python scripts/bench_quant.py --formats q4_1,q4_1/bfloat16,q4_1/int8,q4_1/fp8
 """
 
 from __future__ import annotations
@@ -62,8 +66,10 @@ def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
 
 
 def measure(model: str | None, fmt: str, items: list[dict]) -> dict:
-    model, quantization = source(model, fmt)
-    llm = LLM(model, quantization=quantization, max_model_len=1024, progress=False)
+    weights, _, kv_cache_dtype = fmt.partition("/")
+    model, quantization = source(model, weights)
+    llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto",
+              progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]
@@ -104,12 +110,12 @@ def main() -> None:
     print(describe(args.isa), flush=True)
     results = [measure(args.model, q, items) for q in args.formats.split(",")]
     base = results[0]
-    print(f"\n{'format':8s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
+    print(f"\n{'format':14s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
           f"{'capitals':>10s}{'mean |dlp|':>12s}{'max |dlp|':>11s}")
     for r in results:
         diffs = np.concatenate([np.abs(np.subtract(a, b)) for a, b in zip(r["prompt_logprobs"], base["prompt_logprobs"])])
         r["mean_abs_logprob_diff"], r["max_abs_logprob_diff"] = float(diffs.mean()), float(diffs.max())
-        print(f"{r['format']:8s}{r['weights']:>22s}{r['batch1_tok_s']:15.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:7.2f}"
+        print(f"{r['format']:14s}{r['weights']:>22s}{r['batch1_tok_s']:15.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:7.2f}"
               f"{r['batch32_tok_s']:14.1f}{r['batch32_tok_s'] / base['batch32_tok_s']:7.2f}"
               f"{r['correct']:>5d}/{len(items):<4d}{r['mean_abs_logprob_diff']:12.4f}{r['max_abs_logprob_diff']:11.3f}")
     for r in results:

@@ -53,10 +53,12 @@ def pallas_engine_workload():
                      for _ in prompts]
 
 
-def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization: str | None = None) -> None:
+def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> None:
     """Tensor-parallel logits equal one device's within 1e-5 of the logits' scale (the
     all-reduces sum in another order; the test models' logits reach ~20): one prefill,
-    chunked prefill, token by token, a mixed ragged step."""
+    chunked prefill, token by token, a mixed ragged step; with a `kv_cache_dtype` cache
+    (an int8 cache's scales sharded by KV head with their rows)."""
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
@@ -65,12 +67,17 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization
     from jaxllm.models.parallel import shard_config
     from tests.paged_driver import PagedDriver
 
-    model = load_model(folder, dtype="float32", quantization=quantization)
+    model = load_model(folder, dtype="float32", quantization=quantization or None)  # "": as stored
     tok = model.tokenizer
     ids = tok.encode(PROMPT)
     fn = get_attention_fn(attention)
-    one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn)
-    tp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, tensor_parallel_size=int(size))
+    one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, kv_cache_dtype=kv_cache_dtype)
+    tp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn, tensor_parallel_size=int(size),
+                     kv_cache_dtype=kv_cache_dtype)
+    assert tp.caches[0].format.name == one.caches[0].format.name == {"auto": "float32"}.get(kv_cache_dtype,
+                                                                                            kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        assert tp.caches[0].k_scale.sharding.spec == P(None, None, "model")
     wqkv = tp.params.layers[0].wqkv
     if quantization == "int8":  # the values as the weight, the scales with their columns
         assert wqkv.q.sharding.spec == P(None, "model") and wqkv.scale.sharding.spec == P("model")

@@ -23,11 +23,16 @@ from jaxllm.attention.kv_cache import (
     quantize_rows,
     write_kv_cache,
 )
+from jaxllm.config import KV_CACHE_DTYPES
 from pallas_kernels import ragged_paged_attention_reference
 from tests.test_cpu_attention import _shared_prefix_batch
 from tests.test_xla_attention import make_batch
 
 FORMATS = ["bfloat16", "float16", "fp8_e4m3", "int8"]
+# the default run reads bfloat16 and int8 through the backends; float16 and fp8 (the same
+# paths, other conversions) with -m slow (the 15-minute budget)
+READ_FORMATS = ["bfloat16", pytest.param("float16", marks=pytest.mark.slow),
+                pytest.param("fp8_e4m3", marks=pytest.mark.slow), "int8"]
 SEQS = [(1, 1), (1, 17), (1, 300), (70, 70), (1, 40), (45, 200), (2, 2), (64, 190)]
 
 
@@ -65,6 +70,10 @@ def test_format_names():
     assert kv_cache_format("int8", jnp.float32).row_bytes(64) == 68
     with pytest.raises(ValueError, match="kv_cache_dtype: unknown 'int4'"):
         kv_cache_format("int4", jnp.float32)
+    assert {kv_cache_format(n, jnp.float32).name for n in KV_CACHE_DTYPES} == set(KV_CACHE_FORMATS)  # the CLI's names
+    assert KV_CACHE_FORMATS["bfloat16"].storage_dtype("cpu") == jnp.uint16  # bits on the CPU (XLA:CPU's scatter)
+    assert KV_CACHE_FORMATS["bfloat16"].storage_dtype("gpu") == jnp.bfloat16
+    assert KV_CACHE_FORMATS["int8"].storage_dtype("cpu") == jnp.int8
 
 
 def stored(cache: KVCache, which: str) -> np.ndarray:
@@ -90,8 +99,10 @@ def test_write_and_copy_blocks_keep_scales(fmt_name):
     np.testing.assert_array_equal(stored(copied, "v")[2], stored(cache, "v")[1])
 
 
-@pytest.mark.parametrize("fmt_name", FORMATS)
-@pytest.mark.parametrize("heads", [(2, 3, 64), (1, 8, 128), (4, 1, 16)], ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("fmt_name", READ_FORMATS)
+@pytest.mark.parametrize("heads", [(2, 3, 64), pytest.param((1, 8, 128), marks=pytest.mark.slow),
+                                   pytest.param((4, 1, 16), marks=pytest.mark.slow)],
+                         ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
 def test_cpu_and_xla_read_each_format(fmt_name, heads):
     """Both backends attend over what the cache stores: the reference over the same
     cache dequantized (decodes take the kernel's decode path, long prefill chunks its
@@ -113,7 +124,7 @@ def test_cpu_and_xla_read_each_format(fmt_name, heads):
             np.testing.assert_allclose(np.asarray(got)[:valid], want, atol=3e-5, rtol=0, err_msg=fn.__name__)
 
 
-@pytest.mark.parametrize("fmt_name", ["bfloat16", "int8"])
+@pytest.mark.parametrize("fmt_name", [pytest.param("bfloat16", marks=pytest.mark.slow), "int8"])
 def test_cpu_common_prefix_pass_reads_each_format(fmt_name):
     prefix_blocks, block_size = 8, 16
     p = prefix_blocks * block_size

@@ -13,16 +13,19 @@ from jaxllm.models.parallel import cache_kv_heads, check_tensor_parallel, possib
 from tests import multidevice
 
 
-@pytest.mark.parametrize("name,size,attention", [
-    pytest.param("llama", 2, "xla", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
-    ("mistral", 2, "cpu"), ("qwen2", 2, "cpu"),
-    pytest.param("llama", 2, "pallas", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)
-    ("llama", 4, "cpu"), ("qwen3", 2, "cpu"),  # more shards than KV heads: KV heads replicated
+@pytest.mark.parametrize("name,size,attention,kv_cache_dtype", [
+    pytest.param("llama", 2, "xla", "auto", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
+    ("mistral", 2, "cpu", "auto"), ("qwen2", 2, "cpu", "int8"),
+    pytest.param("qwen2", 2, "cpu", "auto", marks=pytest.mark.slow),
+    pytest.param("mistral", 2, "cpu", "bfloat16", marks=pytest.mark.slow),
+    pytest.param("llama", 2, "pallas", "auto", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)
+    ("llama", 4, "cpu", "auto"), ("qwen3", 2, "cpu", "auto"),  # more shards than KV heads: KV heads replicated
 ])
-def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention):
+def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention, kv_cache_dtype):
     """Prefill, chunked prefill, token by token and a mixed step (the test models have 2
-    KV heads, qwen3's 1)."""
-    multidevice.run("tp_logits_match", str(test_models_dir / name), str(size), attention, devices=size)
+    KV heads, qwen3's 1); an int8 KV cache (its scales sharded with their heads)."""
+    multidevice.run("tp_logits_match", str(test_models_dir / name), str(size), attention, "", kv_cache_dtype,
+                    devices=size)
 
 
 @pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.slow), 4])

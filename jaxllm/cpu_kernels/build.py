@@ -96,17 +96,41 @@ def library_path() -> Path:
 
 
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:
+    """One object per source, compiled side by side (one process each, up to the CPUs:
+    the attention kernel's templates over head dims and KV cache element types take
+    most of the time), then linked."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".so")
     os.close(fd)
-    cmd = [compiler, *flags(), "-isystem", include_dir, *map(str, SOURCES), "-o", tmp]
-    logger.info("building the CPU kernels: %s", " ".join(cmd))
+    objects = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.stem}-objects-")
+    compile_flags = [f for f in flags() if f != "-shared"]
+    commands = [[compiler, *compile_flags, "-isystem", include_dir, "-c", str(src), "-o", f"{objects}/{src.stem}.o"]
+                for src in SOURCES]
+    link = [compiler, *flags(), *(cmd[-1] for cmd in commands), "-o", tmp]
+    logger.info("building the CPU kernels: %s", " && ".join(" ".join(cmd) for cmd in (*commands, link)))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        _run_all(commands, parallel=os.cpu_count() or 1)
+        _run_all([link], parallel=1)
         os.replace(tmp, path)  # atomic: a concurrent build by another process is equivalent
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {LIBRARY} failed: {e}") from e
     finally:
         Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(objects, ignore_errors=True)
     return path
+
+
+def _run_all(commands: list[list[str]], parallel: int) -> None:
+    """Run the commands, `parallel` at a time; KernelBuildError with the compiler's
+    message if one fails."""
+    pending = list(commands)
+    running: list[tuple[list[str], subprocess.Popen]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        _, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            for _, other in running:
+                other.kill()
+            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")

@@ -256,9 +256,10 @@ class ModelRunner:
         their shapes (`_abstract_caches`); the first use of `kv_caches` waits for them."""
         cfg = self.config
         kv_heads = parallel.cache_kv_heads(cfg, self.tensor_parallel_size)
-        layer = self._cache_shardings()[0] if self.mesh else KVCache(None, None)
+        shardings = self._cache_shardings()
+        rows, scales = (shardings[0].k, shardings[0].k_scale) if shardings else (None, None)
         self._abstract_caches = cache_shapes(self.kv_format, cfg.num_layers, num_blocks, self.block_size, kv_heads,
-                                             cfg.head_dim, layer.k, layer.k_scale)
+                                             cfg.head_dim, rows, scales)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
             allocate_kv_caches, self._abstract_caches)
