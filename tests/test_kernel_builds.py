@@ -19,6 +19,7 @@ TESTS = [
     "tests/test_cpu_attention.py::test_common_prefix_pass_matches_reference",
     "tests/test_kv_cache_dtypes.py::test_cpu_and_xla_read_each_format",
     "tests/test_kv_cache_dtypes.py::test_cpu_common_prefix_pass_reads_each_format",
+    "tests/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
     "tests/test_linear.py::test_dense_kernel_matches_numpy",
     "tests/test_linear.py::test_vector_lanes_match_the_build",
     "tests/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",

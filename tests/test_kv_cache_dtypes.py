@@ -156,3 +156,31 @@ def test_cpu_backend_refuses_missing_scales():
     stored, _, _ = quantized(args, "int8")
     with pytest.raises(ValueError, match="scales with an int8 cache"):
         cpu.ragged_paged_attention_cpu(*stored, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("fmt_name", ["bfloat16", "float16", "fp8_e4m3"])
+def test_cpu_kernel_widens_every_value_exactly(fmt_name):
+    """One key per sequence: the output is its value row, so every finite value of the
+    type the kernel widens shows up as it is: float16's and e4m3's subnormals (built
+    from integers, or by F16C, since XLA's threads flush denormal floats), signs, the
+    largest values; through the cache's bits."""
+    fmt = KV_CACHE_FORMATS[fmt_name]
+    bits = np.arange(2 ** (8 * fmt.dtype.itemsize), dtype=fmt.storage_dtype("cpu"))
+    values = bits.view(fmt.dtype).astype(np.float32)
+    bits = bits[np.isfinite(values)]  # no inf or nan rows: every finite value of the type
+    d = 64
+    rows = -(-len(bits) // d)
+    v = np.zeros(rows * d, bits.dtype)
+    v[: len(bits)] = bits
+    v = v.reshape(rows, 1, 1, d)  # one block of one token per sequence, one KV head
+    q = jnp.zeros((rows, 1, d), jnp.float32)
+    ones = np.ones(rows, np.int32)
+    args = (q, jnp.asarray(v), jnp.asarray(v), jnp.asarray(ones), jnp.arange(rows, dtype=jnp.int32)[:, None],
+            jnp.arange(rows + 1, dtype=jnp.int32), jnp.int32(rows))
+    got = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, sm_scale=1.0, cache_dtype=fmt.dtype.name))(
+        *args)).reshape(-1)[: len(bits)]
+    want = bits.view(fmt.dtype).astype(np.float32)
+    # bfloat16's subnormals are float32's: float32 arithmetic on XLA's threads flushes
+    # them (as XLA's own ops do); float16's and e4m3's are normal float32 numbers.
+    want = np.where(np.abs(want) < np.finfo(np.float32).tiny, 0.0, want) if fmt_name == "bfloat16" else want
+    np.testing.assert_array_equal(got, want)

@@ -147,11 +147,17 @@ inline V load_row<BF16>(const BF16* p) {
 }
 template <>
 inline V load_row<F16>(const F16* p) {
+#if JAXLLM_LANES == 16
+  return reinterpret_cast<V>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));  // F16C
+#elif JAXLLM_LANES == 8 && defined(__F16C__)
+  return reinterpret_cast<V>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
   const u32xN x = widen_u16(p);
   const u32xN em = x & 0x7fffu, e = em >> 10, sign = (x & 0x8000u) << 16;
   const u32xN normal = (em << 13) + (112u << 23), special = (em << 13) | 0x7f800000u;  // e == 31: inf, nan
   const u32xN sub = bit_cast_vec<u32xN>(__builtin_convertvector(x & 0x3ffu, V) * (1.f / 16777216.f));  // m * 2^-24
   return bit_cast_vec<V>((e == 0 ? sub : e == 31 ? special : normal) | sign);
+#endif
 }
 template <>
 inline V load_row<F8E4M3>(const F8E4M3* p) {
