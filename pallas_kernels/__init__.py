@@ -4,8 +4,9 @@ Public API (see docs/kernels.md):
 
 * ``ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables,
   query_start_loc, num_seqs, *, sm_scale, sliding_window=None, soft_cap=None,
-  interpret=False)`` -> ``[T, num_q_heads, head_dim]``: mixed prefill + decode
-  attention over the paged KV cache in one launch.
+  interpret=False, k_scale=None, v_scale=None)`` -> ``[T, num_q_heads, head_dim]``:
+  mixed prefill + decode attention over the paged KV cache in one launch (a cache of
+  float32, bfloat16, float16, float8_e4m3fn, or int8 with its scales).
 * ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, interpret=False)``
   -> ``(k_cache, v_cache)``: scatter the new tokens' K/V into the cache.
 * ``ragged_paged_attention_reference`` / ``write_kv_cache_reference``: the same

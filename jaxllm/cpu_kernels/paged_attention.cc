@@ -98,42 +98,33 @@ inline T bit_cast_vec(F x) {
   std::memcpy(&t, &x, sizeof t);
   return t;
 }
-// kLanes 8- or 16-bit integers widened to 32 bits. The x86 intrinsics: GCC lowers a
-// memcpy into a 16-byte int8 vector and its __builtin_convertvector through general
-// registers, lane by lane (an int8 cache read slower than float32's four times the bytes).
 template <class E>
 inline E load_elems(const void* p) {
   E e;
   std::memcpy(&e, p, sizeof e);
   return e;
 }
-inline u32xN widen_u16(const void* p) {
+
+// kLanes 8- or 16-bit integers widened to 32 bits (as `Out`). The x86 intrinsics (an
+// AVX-512 and an AVX2 conversion, each with the load of its kLanes source bytes): GCC
+// lowers a memcpy into a 16-byte int8 vector and its __builtin_convertvector through
+// general registers, lane by lane (an int8 cache read slower than float32's four times
+// the bytes). Elsewhere (SSE, NEON) the vector extension's conversion.
 #if JAXLLM_LANES == 16
-  return reinterpret_cast<u32xN>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))));
+inline __m256i load_256(const __m128i* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#define JAXLLM_WIDEN(name, Out, Elems, cvt512, load512, cvt256, load256) \
+  inline Out name(const void* p) { return reinterpret_cast<Out>(cvt512(load512(static_cast<const __m128i*>(p)))); }
 #elif JAXLLM_LANES == 8 && defined(__AVX2__)
-  return reinterpret_cast<u32xN>(_mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#define JAXLLM_WIDEN(name, Out, Elems, cvt512, load512, cvt256, load256) \
+  inline Out name(const void* p) { return reinterpret_cast<Out>(cvt256(load256(static_cast<const __m128i*>(p)))); }
 #else
-  return __builtin_convertvector(load_elems<u16xN>(p), u32xN);
+#define JAXLLM_WIDEN(name, Out, Elems, cvt512, load512, cvt256, load256) \
+  inline Out name(const void* p) { return __builtin_convertvector(load_elems<Elems>(p), Out); }
 #endif
-}
-inline u32xN widen_u8(const void* p) {
-#if JAXLLM_LANES == 16
-  return reinterpret_cast<u32xN>(_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
-#elif JAXLLM_LANES == 8 && defined(__AVX2__)
-  return reinterpret_cast<u32xN>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
-#else
-  return __builtin_convertvector(load_elems<u8xN>(p), u32xN);
-#endif
-}
-inline M widen_i8(const void* p) {
-#if JAXLLM_LANES == 16
-  return reinterpret_cast<M>(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
-#elif JAXLLM_LANES == 8 && defined(__AVX2__)
-  return reinterpret_cast<M>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
-#else
-  return __builtin_convertvector(load_elems<i8xN>(p), M);
-#endif
-}
+JAXLLM_WIDEN(widen_u16, u32xN, u16xN, _mm512_cvtepu16_epi32, load_256, _mm256_cvtepu16_epi32, _mm_loadu_si128)
+JAXLLM_WIDEN(widen_u8, u32xN, u8xN, _mm512_cvtepu8_epi32, _mm_loadu_si128, _mm256_cvtepu8_epi32, _mm_loadl_epi64)
+JAXLLM_WIDEN(widen_i8, M, i8xN, _mm512_cvtepi8_epi32, _mm_loadu_si128, _mm256_cvtepi8_epi32, _mm_loadl_epi64)
+#undef JAXLLM_WIDEN
 
 template <class R>
 inline V load_row(const R* p);
