@@ -32,13 +32,21 @@ QUANTIZATIONS = (None, "none", "int8", "q8_0", "q4_0", "q4_1")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
-# them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding window).
+# them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding windows,
+# Gemma's norms, activation, scales and soft-caps).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# The MLP's activation: SwiGLU (silu) or GeGLU with the tanh approximation (Gemma).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Per-layer attention kinds (HF's `layer_types`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -80,7 +88,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama's `attention_bias`
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys (every layer, or `layer_types`' sliding ones)
+    layer_types: tuple[str, ...] = ()  # per layer, a LAYER_TYPES name (Gemma); (): every layer as `sliding_window` says
+    rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' RoPE (None: `rope` for every layer)
+    hidden_act: str = "silu"  # the gated MLP's activation, of SUPPORTED_ACTIVATIONS
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight)
+    sandwich_norms: bool = False  # Gemma 2/3: each sublayer's output normed too, before the residual add
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to the checkpoint dtype)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (None: head_dim ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(score / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
     checkpoint_dtype: str = "float32"
     quantization: str | None = None  # the projections as the engine holds them: None (as loaded), or a QUANTIZATIONS name
     embed_quantization: str | None = None  # the embedding (and a tied output projection): a GGUF's kept blocks, or None
@@ -95,6 +112,31 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden activation {self.hidden_act!r} is not supported; "
+                                        f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                                        f"{self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"layer type(s) {', '.join(unknown)} not supported; supported: "
+                                        f"{', '.join(LAYER_TYPES)}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window `layer` attends through (None: every earlier key)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention scores' scale."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def model_type(self) -> str:
@@ -129,13 +171,6 @@ class ModelConfig:
             num_heads = int(hf["num_attention_heads"])
             hidden_size = int(hf["hidden_size"])
             head_dim = hf.get("head_dim") or hidden_size // num_heads
-            sliding_window = None
-            if model_type == "mistral":
-                sliding_window = hf.get("sliding_window")
-            elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-                raise UnsupportedModelError(
-                    f"{source}: use_sliding_window=true ({model_type}) is not supported"
-                )
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
@@ -149,16 +184,13 @@ class ModelConfig:
                 head_dim=int(head_dim),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope=_hf_rope(hf, source),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
-                sliding_window=int(sliding_window) if sliding_window else None,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
                 checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 quantization=hf.get("jaxllm_quantization"),
                 embed_quantization=hf.get("jaxllm_embed_quantization"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **_hf_family_fields(hf, model_type, source),
             )
         except KeyError as e:
             raise UnsupportedModelError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -178,7 +210,8 @@ class ModelConfig:
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF") -> "ModelConfig":
         """Build from GGUF key/value metadata (already decoded to Python values)."""
         arch = meta.get("general.architecture")
-        gguf_archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        gguf_archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
         if arch not in gguf_archs:
             raise UnsupportedModelError(
                 f"{source}: unsupported GGUF architecture {arch!r}; supported: {sorted(gguf_archs)}"
@@ -218,25 +251,17 @@ class ModelConfig:
             rope=rope,
             tie_word_embeddings=False,  # set by the loader from whether output.weight exists
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             checkpoint_dtype="float32",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **(_gguf_gemma_fields(arch, get, num_heads, hidden_size, head_dim) if arch.startswith("gemma") else {}),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """The transformers-5 form config.json of this model (converted checkpoints, and
         exporting a GGUF to an HF folder). GGUF `rope_freqs` factors are kept under the
         non-HF key `rope_freq_factors`."""
-        rope: dict[str, Any] = {"rope_type": self.rope.type, "rope_theta": self.rope.theta}
-        if self.rope.type != "default":
-            rope["factor"] = self.rope.factor
-        if self.rope.type == "llama3":
-            rope.update(
-                low_freq_factor=self.rope.low_freq_factor,
-                high_freq_factor=self.rope.high_freq_factor,
-                original_max_position_embeddings=self.rope.original_max_position_embeddings,
-            )
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -249,9 +274,9 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": rope,
+            "rope_parameters": _rope_parameters(self.rope),
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "dtype": self.checkpoint_dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
@@ -266,7 +291,58 @@ class ModelConfig:
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3") and self.sliding_window is not None:
+            out.update(use_sliding_window=True, sliding_window=self.sliding_window, layer_types=list(self.layer_types),
+                       max_window_layers=self.layer_types.index("sliding_attention"))
+        if self.model_type in GEMMA_TYPES:
+            out.update(self._gemma_hf_fields())
         return out
+
+    def _gemma_hf_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hidden_activation": self.hidden_act,
+            "query_pre_attn_scalar": int(qpas) if (qpas := self.query_pre_attn_scalar).is_integer() else qpas,
+            "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
+            "attn_logit_softcapping": self.attn_logit_softcap, "final_logit_softcapping": self.final_logit_softcap,
+        }
+        if self.rope_local is not None:  # Gemma 3: a RoPE per layer type
+            out["rope_parameters"] = {"full_attention": _rope_parameters(self.rope),
+                                      "sliding_attention": _rope_parameters(self.rope_local)}
+        return out
+
+
+def _rope_parameters(rope: RopeConfig) -> dict[str, Any]:
+    """`rope` in transformers 5's `rope_parameters` form."""
+    out: dict[str, Any] = {"rope_type": rope.type, "rope_theta": rope.theta}
+    if rope.type != "default":
+        out["factor"] = rope.factor
+    if rope.type == "llama3":
+        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    return out
+
+
+def _gguf_gemma_fields(arch: str, get, num_heads: int, hidden_size: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2 / 3 fields from GGUF metadata, with what llama.cpp hard-codes rather than
+    stores: the layer pattern (Gemma 2: every other layer sliding; Gemma 3: five of
+    six), Gemma 3's local RoPE base (10,000), and the query scale (1 / sqrt(hidden /
+    heads) for the 27B models, 1 / sqrt(head_dim) otherwise). The norms' (1 + w) is in
+    the file's weights (llama.cpp's converter adds the 1; the loader takes it off)."""
+    layers = int(get("block_count"))
+    pattern = get("attention.sliding_window_pattern", 6 if arch == "gemma3" else 2)  # a period, or per layer
+    sliding = list(pattern) if isinstance(pattern, (list, tuple)) else [(i + 1) % int(pattern) != 0
+                                                                        for i in range(layers)]
+    big = layers == (62 if arch == "gemma3" else 46)  # the 27B models
+    cap = lambda key: _optional_float(get(key, None))  # noqa: E731
+    return dict(
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        rope_local=RopeConfig(theta=float(get("rope.freq_base_swa", 10000.0))) if arch == "gemma3" else None,
+        hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=float(get("attention.scale", 0.0) ** -2 if get("attention.scale", None)
+                                    else hidden_size // num_heads if big else head_dim),
+        attn_logit_softcap=cap("attn_logit_softcapping"), final_logit_softcap=cap("final_logit_softcapping"),
+    )
 
 
 def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
@@ -282,6 +358,63 @@ def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
         f"{source}: unsupported architecture {', '.join(map(str, named))}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The ModelConfig fields in which the families differ, from an HF config."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    fields: dict[str, Any] = dict(rope=_hf_rope(hf, source), hidden_act=act,
+                                  qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                                  qk_norm=model_type in ("qwen3", "gemma3_text"))
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        # HF's rule: the layers from `max_window_layers` on slide, the ones below attend to all
+        first = int(hf.get("max_window_layers", 28))
+        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                                for i in range(int(hf["num_hidden_layers"]))]
+        fields.update(sliding_window=int(hf["sliding_window"]), layer_types=tuple(layer_types))
+    if model_type == "mistral" and hf.get("sliding_window"):
+        fields["sliding_window"] = int(hf["sliding_window"])
+    if model_type not in GEMMA_TYPES:
+        return fields
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention=true (an embedding model) is not supported")
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types") or _gemma_layer_types(hf, model_type, layers)
+    fields.update(
+        sliding_window=int(hf.get("sliding_window") or 4096), layer_types=tuple(layer_types),
+        norm_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+        attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
+        final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
+    )
+    if model_type == "gemma3_text":
+        fields.update(_gemma3_ropes(hf, source))
+    return fields
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gemma_layer_types(hf: Mapping[str, Any], model_type: str, layers: int) -> list[str]:
+    """Gemma's pattern where the config lists no `layer_types`: Gemma 2 alternates
+    sliding and full layers; Gemma 3 has one full layer every `sliding_window_pattern`
+    (6)."""
+    pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern")
+                                                   or hf.get("_sliding_window_pattern") or 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _gemma3_ropes(hf: Mapping[str, Any], source: str) -> dict[str, RopeConfig]:
+    """Gemma 3's two RoPEs: `rope` of the full layers, `rope_local` of the sliding ones
+    (transformers 5: `rope_parameters` per layer type; 4: `rope_theta` and
+    `rope_scaling` for the full layers, `rope_local_base_freq` for the sliding ones)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        return dict(rope=_hf_rope({"rope_parameters": params["full_attention"]}, source),
+                    rope_local=_hf_rope({"rope_parameters": params["sliding_attention"]}, source))
+    return dict(rope=_hf_rope(hf, source),
+                rope_local=RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0))))
 
 
 def _hf_rope(hf: Mapping[str, Any], source: str) -> RopeConfig:

@@ -64,7 +64,28 @@ ARCHITECTURES = {
         form=5, arch="Qwen3ForCausalLM", model_type="qwen3", hidden=96, heads=4, kv_heads=1, head_dim=32,
         extra={"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "use_sliding_window": False},
     ),
+    # Gemma 3: sliding and full layers alternating (the real pattern is 5:1; 2 layers here
+    # hold one of each), a RoPE per layer type (linear scaling on the full ones), q/k
+    # norms, a query scale that is not head_dim's, tied embeddings; transformers 5 form.
+    "gemma3": dict(
+        form=5, arch="Gemma3ForCausalLM", model_type="gemma3_text", hidden=128, heads=4, kv_heads=1, head_dim=32,
+        pattern=2, extra={"tie_word_embeddings": True, "sliding_window": 12, "query_pre_attn_scalar": 24,
+                          "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+                          "attn_logit_softcapping": None,
+                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                 "rope_theta": 1000000.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    # Gemma 2: soft-capped attention scores and logits (caps small enough to bite on
+    # random weights), sliding and full layers alternating; transformers 4 form.
+    "gemma2": dict(
+        form=4, arch="Gemma2ForCausalLM", model_type="gemma2", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        pattern=2, extra={"tie_word_embeddings": True, "sliding_window": 16, "query_pre_attn_scalar": 32,
+                          "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 2.0,
+                          "final_logit_softcapping": 8.0, "rope_theta": 10000.0},
+    ),
 }
+GEMMA = ("gemma2", "gemma3_text")
 
 # Real shapes (the published configs' sizes; random weights, the tiny tokenizer: feed
 # them token ids). Keys beyond ARCHITECTURES': the sizes the tiny models take from
@@ -113,14 +134,19 @@ def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: 
     def mat(out_dim: int, in_dim: int) -> np.ndarray:
         return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(real)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(real)
+    gemma = spec["model_type"] in GEMMA
+    offset = 1.0 if gemma else 0.0  # Gemma's norms scale by 1 + w: the same scales, stored less one
+
+    def norm(n: int, scale: float = 1.0) -> np.ndarray:
+        return ((1.0 + 0.1 * rng.standard_normal(n)) * scale - offset).astype(real)
 
     # Small embeddings keep the layers' contribution dominant (no "repeat the input token"
-    # attractor); a tied head is scaled up in the final norm so logits stay well separated.
+    # attractor; Gemma scales its up by sqrt(hidden), so they are drawn that much smaller);
+    # a tied head is scaled up in the final norm (as much more) so logits stay well separated.
     tied = bool(spec["extra"].get("tie_word_embeddings"))
-    w = {"model.embed_tokens.weight": (0.1 * rng.standard_normal((vocab, d))).astype(real),
-         "model.norm.weight": norm(d) * (5.0 if tied else 1.0)}
+    shrink = np.sqrt(d) if gemma else 1.0
+    w = {"model.embed_tokens.weight": (0.1 / shrink * rng.standard_normal((vocab, d))).astype(real),
+         "model.norm.weight": norm(d, 5.0 * shrink if tied else 1.0)}
     if not tied:
         w["lm_head.weight"] = (0.5 * rng.standard_normal((vocab, d))).astype(real)
     for i in range(layers):
@@ -137,9 +163,12 @@ def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: 
         if spec["model_type"] == "qwen2":
             for n, size in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(real)
-        if spec["model_type"] == "qwen3":
+        if spec["model_type"] in ("qwen3", "gemma3_text"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
+        if gemma:  # post_attention_layernorm is the attention's output norm; the MLP's input norm its own
+            w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            w[p + "post_feedforward_layernorm.weight"] = norm(d)
     return w
 
 
@@ -189,6 +218,9 @@ def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, 
         "tie_word_embeddings": False,
         ("torch_dtype" if spec["form"] == 4 else "dtype"): dtype,
     } | spec["extra"]
+    if "pattern" in spec:  # Gemma: one full layer every `pattern`, the others sliding
+        config["layer_types"] = ["sliding_attention" if (i + 1) % spec["pattern"] else "full_attention"
+                                 for i in range(layers)]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
     save_weights(folder, random_weights(spec, vocab, intermediate, layers, rng, dtype), spec.get("shards", 1))
@@ -239,7 +271,8 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
     from jaxllm.loaders.gguf_loader import gguf_tensor_name
 
     cfg = json.loads((hf_folder / "config.json").read_text())
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg["model_type"]]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3_text": "gemma3"}[cfg["model_type"]]
     qtype = gguf.GGMLQuantizationType[tensor_type]
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -254,6 +287,8 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     rope = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1e4))
+    if arch.startswith("gemma"):
+        rope = _add_gemma_metadata(w, cfg, rope)
     w.add_rope_freq_base(rope["rope_theta"])
 
     tok = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -281,19 +316,42 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
         base = inverse_frequencies(dataclasses.replace(mc.rope, type="default"), mc.head_dim)
         w.add_tensor("rope_freqs.weight", (base / inverse_frequencies(mc.rope, mc.head_dim)).astype(np.float32))
     for name, array in tensors.items():
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # llama.cpp's converter: Gemma's norms stored as 1 + w
         if arch == "llama" and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, cfg["num_key_value_heads"])
         if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_tensor_name(name, cfg["model_type"]), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_tensor_name(name), array)
+            w.add_tensor(gguf_tensor_name(name, cfg["model_type"]), array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _add_gemma_metadata(w, cfg: dict, rope: dict) -> dict:
+    """Gemma's GGUF keys (the window, its layer pattern, the local RoPE base, the
+    soft-caps); returns the full layers' RoPE parameters."""
+    w.add_sliding_window(cfg["sliding_window"])
+    if cfg["query_pre_attn_scalar"] != cfg["head_dim"]:  # llama.cpp assumes head_dim; jaxllm reads this key
+        w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    for key, add in (("attn_logit_softcapping", w.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", w.add_final_logit_softcapping)):
+        if cfg.get(key) is not None:
+            add(cfg[key])
+    if "full_attention" not in rope:
+        return rope
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    full = rope["full_attention"]
+    if full.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    return full
 
 
 def main() -> None:

@@ -30,6 +30,15 @@ bench_structured = _load_script("bench_structured")  # its varied JSON schemas
 ARCHITECTURES = list(make_test_model.ARCHITECTURES)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """A test module's SLOW_CASES (substrings of test ids: parameter combinations) are
+    marked slow."""
+    for item in items:
+        if any(case in item.name for case in getattr(item.module, "SLOW_CASES", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def test_models_dir(tmp_path_factory) -> Path:
     """Tiny random-weight HF folders, one per architecture, built once per session."""

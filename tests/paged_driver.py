@@ -17,7 +17,7 @@ from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
 from jaxllm.models.parallel import model_functions
-from jaxllm.models.rope import rope_table
+from jaxllm.models.rope import model_rope_table
 
 
 def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
@@ -25,7 +25,7 @@ def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     its one executable, with sampling): fn(params, kv_caches, input_ids, positions, md,
     logits_indices) -> (float32 logits of those rows, caches); the caches donated. With
     a `mesh`, tensor-parallel over it (jaxllm.models.parallel)."""
-    rope = rope_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    rope = model_rope_table(cfg, cfg.max_position_embeddings)
     forward, logits = model_functions(cfg, attention_fn, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))

@@ -40,7 +40,8 @@ def test_architecture_flags():
 
 
 def test_unsupported_architecture_names_it_and_lists_supported():
-    with pytest.raises(UnsupportedModelError, match=r"GPTNeoXForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"GPTNeoXForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM, "
+                                                     r"Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
         ModelConfig.from_hf_config(BASE | {"architectures": ["GPTNeoXForCausalLM"]})
 
 
@@ -76,8 +77,77 @@ def test_gguf_metadata():
     }
     cfg = ModelConfig.from_gguf_metadata(meta)
     assert (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.rope.theta, cfg.eos_token_ids) == (30, 64, 3, 1e5, (2,))
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gemma2'"):
-        ModelConfig.from_gguf_metadata(meta | {"general.architecture": "gemma2"})
+    with pytest.raises(UnsupportedModelError, match=r"unsupported GGUF architecture 'phi3'; supported: \['gemma2'"):
+        ModelConfig.from_gguf_metadata(meta | {"general.architecture": "phi3"})
+
+
+GEMMA3 = BASE | {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 8, "head_dim": 32,
+                 "sliding_window": 512, "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def test_gemma3_transformers4_and_5_forms():
+    """Two RoPEs (the full layers' with its scaling, the sliding layers' plain), the
+    layer pattern (one full layer in six unless `layer_types` says), Gemma's norms,
+    activation, scales; and back through to_hf_config."""
+    v4 = GEMMA3 | {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6,
+                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    v5 = GEMMA3 | {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2}
+    a, b = ModelConfig.from_hf_config(v4), ModelConfig.from_hf_config(v5)
+    assert a == b
+    assert a.rope == RopeConfig(theta=1e6, type="linear", factor=8.0) and a.rope_local == RopeConfig(theta=1e4)
+    assert [a.layer_window(i) for i in range(8)] == [512] * 5 + [None] + [512] * 2
+    assert (a.norm_offset, a.sandwich_norms, a.scale_embeddings, a.qk_norm, a.tie_word_embeddings) == (1.0, True, True,
+                                                                                                      True, True)
+    assert a.hidden_act == "gelu_pytorch_tanh" and a.sm_scale == 24**-0.5 and a.final_logit_softcap is None
+    assert ModelConfig.from_hf_config(a.to_hf_config()) == a
+
+
+def test_gemma2_and_qwen2_sliding_layers():
+    g2 = ModelConfig.from_hf_config(GEMMA3 | {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+                                              "final_logit_softcapping": 30.0, "num_hidden_layers": 4})
+    assert [g2.is_sliding(i) for i in range(4)] == [True, False, True, False] and g2.rope_local is None
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.qk_norm) == (50.0, 30.0, False)
+    assert ModelConfig.from_hf_config(g2.to_hf_config()) == g2
+    # Qwen2's use_sliding_window: the layers from max_window_layers on slide (HF's rule)
+    q = ModelConfig.from_hf_config(BASE | {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+                                           "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2})
+    assert [q.layer_window(i) for i in range(4)] == [None, None, 64, 64]
+    assert ModelConfig.from_hf_config(q.to_hf_config()) == q
+    off = ModelConfig.from_hf_config(BASE | {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
+                                             "sliding_window": 64})
+    assert off.layer_window(0) is None
+
+
+def test_unsupported_activation_layer_type_and_bidirectional():
+    with pytest.raises(UnsupportedModelError, match="hidden activation 'relu' is not supported; supported: silu, "
+                                                    "gelu_pytorch_tanh"):
+        ModelConfig.from_hf_config(BASE | {"hidden_act": "relu"})
+    with pytest.raises(UnsupportedModelError, match="layer type.* chunked_attention not supported"):
+        ModelConfig.from_hf_config(GEMMA3 | {"layer_types": ["chunked_attention"] * 8})
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config(GEMMA3 | {"use_bidirectional_attention": True})
+
+
+def test_gemma3_gguf_metadata_takes_llama_cpp_defaults():
+    """What llama.cpp hard-codes for Gemma 3 and does not store: five sliding layers in
+    six, the local RoPE base 10,000, the query scale 1 / sqrt(head_dim) (27B: hidden /
+    heads)."""
+    meta = {
+        "general.architecture": "gemma3", "gemma3.block_count": 18, "gemma3.context_length": 32768,
+        "gemma3.embedding_length": 640, "gemma3.feed_forward_length": 2048, "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256, "gemma3.rope.freq_base": 1e6,
+        "gemma3.attention.sliding_window": 512, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+    cfg = ModelConfig.from_gguf_metadata(meta)
+    assert [cfg.is_sliding(i) for i in range(12)] == ([True] * 5 + [False]) * 2
+    assert (cfg.rope.theta, cfg.rope_local.theta, cfg.query_pre_attn_scalar, cfg.head_dim) == (1e6, 1e4, 256, 256)
+    assert cfg.qk_norm and cfg.norm_offset == 1.0 and cfg.hidden_act == "gelu_pytorch_tanh"
+    big = ModelConfig.from_gguf_metadata(meta | {"gemma3.block_count": 62, "gemma3.embedding_length": 5376,
+                                                 "gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128})
+    assert big.query_pre_attn_scalar == 168
 
 
 def test_from_folder_errors(tmp_path):

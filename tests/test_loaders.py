@@ -111,10 +111,11 @@ def test_truncated_safetensors(test_models_dir, tmp_path):
 
 # ------------------------------------------------------------------------- GGUF
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
 def test_gguf_f32_matches_hf_folder(test_models_dir, tmp_path, name):
-    """llama.cpp's conversion (permuted q/k rows, rope_freqs for Llama-3 scaling, the
-    tokenizer as metadata) undone exactly."""
+    """llama.cpp's conversion (permuted q/k rows, rope_freqs for Llama-3 scaling, Gemma's
+    norms stored as 1 + w and its layer pattern, the tokenizer as metadata) undone
+    exactly."""
     hf = load_model(test_models_dir / name)
     path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", "F32")
     ours = load_model(path)
@@ -152,20 +153,24 @@ def _write_single_tensor_gguf(path, name, data, raw_dtype):
     return path
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q2_K", "IQ4_NL"])
 def test_gguf_k_quants_dequantize(tmp_path, qtype):
-    """K-quant blocks (no Python quantizer exists: random blocks with sane scales)."""
+    """Types without a Python quantizer (random blocks with sane scales), read as gguf
+    dequantizes them: K-quants, Q5_0 (Gemma 3 270M's q/k/gate/up), an i-quant."""
     q = gguf.GGMLQuantizationType[qtype]
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[q]
     rng = np.random.default_rng(0)
     rows, blocks = 4, 2
     data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if qtype == "Q4_K":  # d, dmin are the first two f16
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin are the first two f16
         data[..., 0:2] = scale
         data[..., 2:4] = scale
-    else:  # Q6_K: d is the last f16
+    elif qtype in ("Q5_0", "IQ4_NL"):  # d first
+        data[..., 0:2] = scale
+    else:  # Q6_K, Q2_K: d (and dmin) last
         data[..., -2:] = scale
+        data[..., -4:-2] = scale
     data = data.reshape(rows, blocks * block_bytes)
     path = _write_single_tensor_gguf(tmp_path / "k.gguf", "blk.0.ffn_down.weight", data, q)
     got = GGUFFile(path).tensor("blk.0.ffn_down.weight")
@@ -174,10 +179,16 @@ def test_gguf_k_quants_dequantize(tmp_path, qtype):
 
 
 def test_gguf_unsupported_tensor_type(tmp_path):
-    q = gguf.GGMLQuantizationType.Q5_K
+    """Every type gguf dequantizes is read; one it does not (Q8_1, llama.cpp's
+    activation format) is named with the supported ones."""
+    from jaxllm.loaders.gguf_loader import SUPPORTED_TENSOR_TYPES
+
+    assert {"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "BF16"} <= set(SUPPORTED_TENSOR_TYPES)
+    q = gguf.GGMLQuantizationType.Q8_1
     data = np.zeros((2, gguf.GGML_QUANT_SIZES[q][1]), np.uint8)
-    path = _write_single_tensor_gguf(tmp_path / "q5k.gguf", "token_embd.weight", data, q)
-    with pytest.raises(CheckpointError, match=f"{path}: tensor 'token_embd.weight' has type Q5_K, which jaxllm cannot dequantize"):
+    path = _write_single_tensor_gguf(tmp_path / "q8_1.gguf", "token_embd.weight", data, q)
+    with pytest.raises(CheckpointError, match=f"{path}: tensor 'token_embd.weight' has type Q8_1, which jaxllm "
+                                              "cannot dequantize; supported: F32, F16, BF16"):
         load_model(path)
 
 

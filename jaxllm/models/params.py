@@ -117,9 +117,11 @@ class LayerParams:
     q_norm: Float[Array, "hd"] | None  # Qwen3
     k_norm: Float[Array, "hd"] | None  # Qwen3
     wo: Weight  # [H*hd, D]
+    attn_post_norm: Float[Array, "D"] | None  # Gemma: the attention's output normed before the residual add
     mlp_norm: Float[Array, "D"]
     w_gate_up: Weight  # [D, 2F] columns: gate (F) | up (F)
     w_down: Weight  # [F, D]
+    mlp_post_norm: Float[Array, "D"] | None  # Gemma: the MLP's output normed before the residual add
 
 
 @struct.dataclass
@@ -176,8 +178,10 @@ def declare(cfg: ModelConfig) -> ModelParams:
         attn, mlp = p + "self_attn.", p + "mlp."
         q_k_v = ((attn + "q_proj.{}", cfg.q_size), (attn + "k_proj.{}", cfg.kv_size), (attn + "v_proj.{}", cfg.kv_size))
         named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
+        norm = lambda name: ParamDecl((d,), ("embed",), ((p + name, d),))  # noqa: E731
+        sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is the attention's output norm
         return LayerParams(
-            attn_norm=ParamDecl((d,), ("embed",), ((p + "input_layernorm.weight", d),)),
+            attn_norm=norm("input_layernorm.weight"),
             wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2),
                           quant=cfg.quantization),
             bqkv=ParamDecl((qkv,), ("qkv",), named(q_k_v, "bias"), kv_parts=(1, 2)) if cfg.qkv_bias else None,
@@ -185,11 +189,13 @@ def declare(cfg: ModelConfig) -> ModelParams:
             k_norm=ParamDecl((hd,), ("head_dim",), ((attn + "k_norm.weight", hd),)) if cfg.qk_norm else None,
             wo=ParamDecl((cfg.q_size, d), ("heads", "embed"), ((attn + "o_proj.weight", d),), transposed=True,
                         quant=cfg.quantization),
-            mlp_norm=ParamDecl((d,), ("embed",), ((p + "post_attention_layernorm.weight", d),)),
+            attn_post_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+            mlp_norm=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
             w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
                                 transposed=True, quant=cfg.quantization),
             w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
                              quant=cfg.quantization),
+            mlp_post_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
         )
 
     return ModelParams(

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Float
 
-from jaxllm.config import RopeConfig
+from jaxllm.config import ModelConfig, RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -53,6 +53,9 @@ class RopeTable:
 
     cos: Float[Array, "P half"]
     sin: Float[Array, "P half"]
+    # Gemma 3: the sliding layers' own table (ModelConfig.rope_local); None: one table
+    local_cos: Float[Array, "P half"] | None = None
+    local_sin: Float[Array, "P half"] | None = None
 
 
 def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> RopeTable:
@@ -60,6 +63,16 @@ def rope_table(rope: RopeConfig, head_dim: int, max_positions: int) -> RopeTable
     product position x inv_freq rounded to float32 before cos and sin)."""
     freqs = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(rope, head_dim)[None, :]
     return RopeTable(jnp.asarray(np.cos(freqs)), jnp.asarray(np.sin(freqs)))
+
+
+def model_rope_table(cfg: ModelConfig, max_positions: int) -> RopeTable:
+    """The table(s) of `cfg`'s RoPE: with a local RoPE for sliding layers (Gemma 3),
+    both."""
+    table = rope_table(cfg.rope, cfg.head_dim, max_positions)
+    if cfg.rope_local is None:
+        return table
+    local = rope_table(cfg.rope_local, cfg.head_dim, max_positions)
+    return table.replace(local_cos=local.cos, local_sin=local.sin)
 
 
 def apply_rope(

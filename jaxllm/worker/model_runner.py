@@ -33,7 +33,7 @@ from jaxllm.models import parallel
 from jaxllm.models.linear import linear_candidates, pack_params
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
-from jaxllm.models.rope import rope_table
+from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
@@ -211,7 +211,7 @@ class ModelRunner:
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
         if self.mesh:
             self.history = jax.device_put(self.history, parallel.replicated(self.mesh))
-        self.rope = rope_table(config.rope, config.head_dim, max_model_len)
+        self.rope = model_rope_table(config, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
 
         self._steps = self._step_functions()
