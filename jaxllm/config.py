@@ -18,7 +18,7 @@ from typing import Any, Mapping
 # the resolvers in jaxllm.platform, jaxllm.attention and jaxllm.models map them).
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
-LINEAR_BACKENDS = ("auto", "xla", "cpu")
+LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # Weight quantization (jaxllm.models.quant): None keeps a checkpoint as stored (a GGUF
 # whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks; other GGUF
 # types are dequantized), "none" dequantizes everything to the dtype, "int8" is

@@ -9,12 +9,17 @@ Public API (see docs/kernels.md):
   float32, bfloat16, float16, float8_e4m3fn, or int8 with its scales).
 * ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, interpret=False)``
   -> ``(k_cache, v_cache)``: scatter the new tokens' K/V into the cache.
+* ``quantized_matmul(x, q, scale, mins=None, *, group=0, interpret=False)`` ->
+  ``[M, N]``: x times a weight held as int8 values and float32 scales (per column, or
+  per 32 inputs with optional mins: GGUF's Q8_0 / Q4_0 / Q4_1), dequantized in the
+  kernel; ``quantized_matmul_reference`` is its oracle.
 * ``ragged_paged_attention_reference`` / ``write_kv_cache_reference``: the same
   signatures in plain jnp (the oracles; also usable as the XLA backend for small
   shapes).
 """
 
 from pallas_kernels.kv_cache_write import write_kv_cache
+from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import (
     ragged_paged_attention_reference,
@@ -22,6 +27,8 @@ from pallas_kernels.reference import (
 )
 
 __all__ = [
+    "quantized_matmul",
+    "quantized_matmul_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "write_kv_cache",

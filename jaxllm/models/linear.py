@@ -12,6 +12,11 @@ Backends, chosen by name (EngineConfig.linear_backend):
   step on SmolLM2's shapes it measured 1.0-1.6x XLA:CPU's dot built for AVX-512, and
   0.75-1.2x built for AVX2 (AMD EPYC Zen 4, 2 vCPUs, before the k-loop unroll;
   docs/benchmarks.md).
+- `pallas`: quantized projections (QuantizedWeight) through the Pallas weight-only
+  matmul (pallas_kernels.quantized_matmul: int8 tiles dequantized in the kernel, so
+  the weights cross memory at a byte each; interpret mode off GPU, for tests), float
+  ones through XLA's dot. Opt-in: it passes interpret mode and lowers for CUDA but has
+  not run on a GPU yet (scripts/gpu_check.py).
 - `auto`: on the CPU platform for float32, where the kernels build, the faster of
   `cpu` and `xla` per step shape, measured at start-up (jaxllm.worker.autotune); else
   `xla` (the reason logged).
@@ -108,6 +113,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     the output columns (jaxllm.models.quant); grouped ones (GGUF blocks) are dequantized
     first."""
     if isinstance(w, QuantizedWeight):
+        if w.kernel == "pallas":
+            return _pallas_linear(x, w, preferred_element_type)
         if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
             return jnp.matmul(x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=preferred_element_type or x.dtype)
@@ -127,6 +134,32 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
         target = (TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0) if w.group else TARGET_INT8
         return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
     return jax.ffi.ffi_call(TARGET, out)(x2, w.panels).reshape(*lead, w.out_features)
+
+
+def _pallas_linear(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
+                   ) -> Float[Array, "... N"]:
+    """x @ w through the Pallas weight-only matmul (interpret mode off GPU)."""
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    lead = x.shape[:-1]
+    y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
+                         out_dtype=preferred_element_type, interpret=jax.default_backend() != "gpu")
+    return y.reshape(*lead, w.shape[1])
+
+
+def pallas_params(params: ModelParams) -> ModelParams:
+    """The `pallas` backend's layout: every quantized projection marked for the Pallas
+    kernel (the arrays as they are); abstract params too."""
+    return jax.tree.map(lambda w: w.replace(kernel="pallas") if isinstance(w, QuantizedWeight) else w, params,
+                        is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:
+    """`params` in the layout of a linear backend: packed (`cpu`), marked (`pallas`),
+    or as they are (`xla`)."""
+    if backend == "cpu":
+        return pack_params(params, pack_head=pack_head)
+    return pallas_params(params) if backend == "pallas" else params
 
 
 def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
@@ -167,6 +200,8 @@ def linear_candidates(name: str, dtype, tensor_parallel: bool = False, quantized
     preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
 
     def unavailable(backend: str) -> str | None:
+        if backend == "pallas":
+            return "it is not yet run under tensor parallelism" if tensor_parallel else None
         if backend != "cpu":
             return None
         if tensor_parallel:

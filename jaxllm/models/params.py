@@ -84,6 +84,7 @@ class QuantizedWeight:
     mins: Float[Array, "G N"] | None = None
     bits: int = struct.field(pytree_node=False, default=8)
     group_axis: int = struct.field(pytree_node=False, default=0)  # 1: groups along the last axis (the embedding)
+    kernel: str = struct.field(pytree_node=False, default="")  # "pallas": the `pallas` linear backend's layout
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import linear_candidates, pack_params
+from jaxllm.models.linear import layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import model_rope_table
@@ -342,8 +342,7 @@ class ModelRunner:
         """The weights in the layout of each linear backend some bucket uses."""
         if self.mesh is not None:  # plain weights only (linear_candidates)
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
-        return {b: pack_params(params, pack_head=self.plan.head == "cpu") if b == "cpu" else params
-                for b in self.plan.backends("linear")}
+        return {b: layout_params(b, params, pack_head=self.plan.head == "cpu") for b in self.plan.backends("linear")}
 
     def describe_weights(self) -> str:
         """The parameters' bytes per device as held (every layout the plan keeps), and
