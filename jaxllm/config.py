@@ -94,7 +94,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation, of SUPPORTED_ACTIVATIONS
     norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight)
     sandwich_norms: bool = False  # Gemma 2/3: each sublayer's output normed too, before the residual add
-    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to the checkpoint dtype)
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to the embedding's dtype, as HF)
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (None: head_dim ** -0.5)
     attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits

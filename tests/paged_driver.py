@@ -20,11 +20,14 @@ from jaxllm.models.parallel import model_functions
 from jaxllm.models.rope import model_rope_table
 
 
+@functools.lru_cache(maxsize=64)
 def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     """The model's forward jitted for the tests (the engine's step does the same inside
     its one executable, with sampling): fn(params, kv_caches, input_ids, positions, md,
     logits_indices) -> (float32 logits of those rows, caches); the caches donated. With
-    a `mesh`, tensor-parallel over it (jaxllm.models.parallel)."""
+    a `mesh`, tensor-parallel over it (jaxllm.models.parallel). One per configuration,
+    so the drivers of a test module share its compilations (their steps are padded to
+    a few shapes: `_bucket`)."""
     rope = model_rope_table(cfg, cfg.max_position_embeddings)
     forward, logits = model_functions(cfg, attention_fn, mesh)
 
@@ -34,6 +37,12 @@ def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
         return logits(params, hidden[logits_indices], cfg), kv_caches
 
     return fn
+
+
+def _bucket(n: int, least: int) -> int:
+    """The size a step's `n` rows are padded to: a power of two (at least `least`) up to
+    64, then a multiple of 64."""
+    return max(least, 1 << (n - 1).bit_length()) if n <= 64 else -(-n // 64) * 64
 
 
 @dataclasses.dataclass
@@ -95,10 +104,15 @@ class PagedDriver:
             seq_lens.append(start + n)
             tables.append(seq.block_ids + [0] * (self.max_blocks_per_seq - len(seq.block_ids)))
             seq.num_computed += n
-        # padding: tokens write into the null block, sequences have no tokens
+        # padding (at least pad_tokens / pad_seqs, up to a power of two, as the engine's
+        # buckets do): tokens write into the null block, sequences have no tokens
+        pad_tokens = _bucket(len(ids) + pad_tokens, 8) - len(ids)
+        pad_seqs = _bucket(len(work) + pad_seqs, 4) - len(work)
         ids += [0] * pad_tokens
         pos += [0] * pad_tokens
         slots += [i % self.block_size for i in range(pad_tokens)]
+        num_logits = len(logit_rows)
+        logit_rows += [0] * (_bucket(num_logits, 8) - num_logits)
         for _ in range(pad_seqs):
             qsl.append(qsl[-1])
             seq_lens.append(0)
@@ -117,7 +131,7 @@ class PagedDriver:
             self.params, self.caches, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), md,
             jnp.asarray(logit_rows, jnp.int32),
         )
-        logits = np.asarray(logits)
+        logits = np.asarray(logits)[:num_logits]
         out, row = [], 0
         for _, n in work:
             k = n if all_logits else 1

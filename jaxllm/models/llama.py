@@ -154,13 +154,13 @@ def forward_hidden(
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
     x = x.astype(activation_dtype(params.final_norm.dtype))
-    cos, sin = rope.cos[positions], rope.sin[positions]
-    if rope.local_cos is not None:  # Gemma 3: the sliding layers' RoPE
-        local = rope.local_cos[positions], rope.local_sin[positions]
+    full = rope.cos[positions], rope.sin[positions]
+    # Gemma 3: the sliding layers have a RoPE of their own
+    local = full if rope.local_cos is None else (rope.local_cos[positions], rope.local_sin[positions])
     new_caches = []
     for i, (lp, cache) in enumerate(zip(params.layers, kv_caches, strict=True)):
-        cs = local if rope.local_cos is not None and cfg.is_sliding(i) else (cos, sin)
-        x, cache = attention_block(lp, x, *cs, cache, md, cfg, attention_fn, axis, cfg.layer_window(i))
+        cos, sin = local if cfg.is_sliding(i) else full
+        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn, axis, cfg.layer_window(i))
         x = mlp_block(lp, x, cfg, axis)
         new_caches.append(cache)
     return x, tuple(new_caches)
