@@ -336,6 +336,8 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
 def _add_gemma_metadata(w, cfg: dict, rope: dict) -> dict:
     """Gemma's GGUF keys (the window, its layer pattern, the local RoPE base, the
     soft-caps); returns the full layers' RoPE parameters."""
+    import gguf
+
     w.add_sliding_window(cfg["sliding_window"])
     if cfg["query_pre_attn_scalar"] != cfg["head_dim"]:  # llama.cpp assumes head_dim; jaxllm reads this key
         w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
@@ -349,7 +351,7 @@ def _add_gemma_metadata(w, cfg: dict, rope: dict) -> dict:
     w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     full = rope["full_attention"]
     if full.get("rope_type", "default") == "linear":
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
     return full
 

