@@ -363,9 +363,11 @@ def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
 def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The ModelConfig fields in which the families differ, from an HF config."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    fields: dict[str, Any] = dict(rope=_hf_rope(hf, source), hidden_act=act,
+    fields: dict[str, Any] = dict(hidden_act=act,
                                   qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
                                   qk_norm=model_type in ("qwen3", "gemma3_text"))
+    # Gemma 3 has a RoPE per layer type (_gemma3_ropes); the others one
+    fields.update(_gemma3_ropes(hf, source) if model_type == "gemma3_text" else dict(rope=_hf_rope(hf, source)))
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
         # HF's rule: the layers from `max_window_layers` on slide, the ones below attend to all
         first = int(hf.get("max_window_layers", 28))
@@ -387,8 +389,6 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
         attn_logit_softcap=_optional_float(hf.get("attn_logit_softcapping")),
         final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
     )
-    if model_type == "gemma3_text":
-        fields.update(_gemma3_ropes(hf, source))
     return fields
 
 

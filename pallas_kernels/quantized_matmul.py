@@ -34,14 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int8
 
+from pallas_kernels.ragged_paged_attention import MIN_MMA, Q_DTYPES, _is_pow2
+
 __all__ = ["quantized_matmul", "quantized_matmul_reference", "default_blocks", "build_quantized_matmul_call"]
-
-MIN_MMA = 16  # Triton tl.dot needs every dimension >= 16.
-X_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-
-def _is_pow2(x: int) -> bool:
-    return x >= 1 and (x & (x - 1)) == 0
 
 
 def quantized_matmul_reference(
@@ -76,9 +71,9 @@ def default_blocks(m: int, n: int, k: int, group: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
-def _check(m: int, n: int, k: int, group: int, block_m: int, block_n: int, block_k: int, dtype) -> None:
-    if jnp.dtype(dtype) not in X_DTYPES:
-        raise ValueError(f"quantized_matmul: x must be one of {[d.name for d in X_DTYPES]}, got {jnp.dtype(dtype)}")
+def _check(k: int, group: int, block_m: int, block_n: int, block_k: int, dtype) -> None:
+    if jnp.dtype(dtype) not in Q_DTYPES:
+        raise ValueError(f"quantized_matmul: x must be one of {[d.name for d in Q_DTYPES]}, got {jnp.dtype(dtype)}")
     for name, val in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if not _is_pow2(val) or val < MIN_MMA:
             raise ValueError(f"quantized_matmul: {name}={val} must be a power of two >= {MIN_MMA} "
@@ -87,7 +82,6 @@ def _check(m: int, n: int, k: int, group: int, block_m: int, block_n: int, block
         raise ValueError(f"quantized_matmul: grouped scales need block_k == group ({group}), got {block_k}")
     if k % block_k:
         raise ValueError(f"quantized_matmul: K={k} is not a multiple of block_k={block_k}")
-    del m, n
 
 
 def _qmm_kernel(x_ref, q_ref, s_ref, *rest, m: int, n: int, k: int, group: int, has_mins: bool,
@@ -165,7 +159,7 @@ def quantized_matmul(
         raise ValueError("quantized_matmul: mins need grouped scales")
     bm, bn, bk = default_blocks(m, n, k, group)
     block_m, block_n, block_k = block_m or bm, block_n or bn, block_k or bk
-    _check(m, n, k, group, block_m, block_n, block_k, x.dtype)
+    _check(k, group, block_m, block_n, block_k, x.dtype)
     call = build_quantized_matmul_call(m=m, n=n, k=k, group=group, has_mins=mins is not None, dtype=x.dtype,
                                        out_dtype=out_dtype,
                                        block_m=block_m, block_n=block_n, block_k=block_k,

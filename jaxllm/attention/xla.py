@@ -73,7 +73,9 @@ def _mask(k_pos, q_pos, sliding_window: int | None):
     return visible
 
 
-def _softcap(scores, soft_cap: float | None):
+def apply_soft_cap(scores, soft_cap: float | None):
+    """`soft_cap * tanh(scores / soft_cap)` (Gemma 2's attention and logit capping);
+    None: `scores` as they are."""
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
@@ -180,7 +182,7 @@ def _decode_attention(q, k_cache, v_cache, k_scale, v_scale, plan, *, sm_scale, 
         k = _gather_blocks(k_cache, ids, k_scale, cache_dtype)  # [g, C, Hkv*hd]
         v = _gather_blocks(v_cache, ids, v_scale, cache_dtype)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)  # noqa: E731
-        s = _softcap(_scores(sl(q_s), k, hkv, hd, bd), soft_cap)  # [g, M, C]
+        s = apply_soft_cap(_scores(sl(q_s), k, hkv, hd, bd), soft_cap)  # [g, M, C]
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = _mask(k_pos[None, :], sl(plan["q_pos"])[:, None], sliding_window)  # [g, C]
         s = jnp.where(visible[:, None, :], s, MASK_VALUE)
@@ -220,7 +222,7 @@ def _tile_attention(q_tile, q_pos0, num_rows, k_cache, v_cache, k_scale, v_scale
         k = _gather_blocks(k_cache, ids, k_scale, cache_dtype).reshape(chunk, hkv, hd)
         v = _gather_blocks(v_cache, ids, v_scale, cache_dtype).reshape(chunk, hkv, hd)
         s = jnp.einsum("kmd,ckd->kmc", q, k, preferred_element_type=jnp.float32)
-        s = _softcap(s.reshape(hkv, group, tile, chunk), soft_cap)
+        s = apply_soft_cap(s.reshape(hkv, group, tile, chunk), soft_cap)
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = _mask(k_pos[None, :], q_pos[:, None], sliding_window)  # [tile, C]
         s = jnp.where(visible, s, MASK_VALUE)

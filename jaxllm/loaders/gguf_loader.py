@@ -24,16 +24,11 @@ from jaxllm.models.quant import block_parts, quantized_config
 
 
 def _dequantizable_types() -> tuple[str, ...]:
-    """Every GGUF tensor type the installed gguf library dequantizes (its quantizer
-    table is private: an older or newer library without it gives the types jaxllm's
-    tests cover)."""
+    """Every GGUF tensor type the installed gguf library dequantizes: F32, F16 and the
+    types of its quantizer table, the one `gguf.quants.dequantize` dispatches on."""
     import gguf.quants
 
-    traits = getattr(gguf.quants, "_type_traits", None)
-    if not traits:
-        return ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "IQ4_NL")
-    return ("F32", "F16", *sorted(t.name for t in traits))
+    return ("F32", "F16", *sorted(t.name for t in gguf.quants._type_traits))
 
 
 SUPPORTED_TENSOR_TYPES = _dequantizable_types()

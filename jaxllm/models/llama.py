@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
+from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
 from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
@@ -38,11 +39,6 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, of
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
     return (scale * normed).astype(x.dtype)
-
-
-def soft_cap(x: Float[Array, "..."], cap: float | None) -> Float[Array, "..."]:
-    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping); None: `x`."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
@@ -131,7 +127,7 @@ def compute_logits(
         logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:
         logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)
-    logits = soft_cap(logits, cfg.final_logit_softcap)
+    logits = apply_soft_cap(logits, cfg.final_logit_softcap)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
 
 
