@@ -27,14 +27,25 @@ from tests.test_engine import assert_no_leaks, make_llm
     [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
      (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
 )
-@pytest.mark.parametrize("weights", ["float32", "int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "q8_0", "q4_0", "q4_1"])
 def test_dense_kernel_matches_numpy(m, k, n, weights):
-    """float32 panels, and quantized ones (jaxllm.models.quant: int8 with scales per
-    column; GGUF's Q8_0, Q4_0 and Q4_1 blocks of 32 inputs) against their dequantized
-    matrix; the block formats give the very sums of that matrix packed as floats."""
+    """float32 panels, bfloat16 ones (x rounded to bfloat16, float32 sums: vdpbf16ps
+    where the build has AVX512_BF16, float32 lanes elsewhere), and quantized ones
+    (jaxllm.models.quant: int8 with scales per column; GGUF's Q8_0, Q4_0 and Q4_1 blocks
+    of 32 inputs) against their dequantized matrix; the block formats give the very
+    sums of that matrix packed as floats."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
+    if weights == "bfloat16":
+        w = np.asarray(jnp.asarray(w, jnp.bfloat16))
+        packed = pack_weight(jnp.asarray(w))
+        assert packed.panels.shape == (-(-n // 32), -(-k // 2), 32, 2) and packed.in_features == k + k % 2
+        np.testing.assert_array_equal(np.asarray(unpack_weight(packed))[:k], w)
+        got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed))
+        ref = np.asarray(jnp.asarray(x, jnp.bfloat16)).astype(np.float64) @ w.astype(np.float64)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+        return
     fmt = QUANT_FORMATS.get(weights)
     if fmt is not None and fmt.group and k % 32:  # blocks are 32 inputs: such a matrix is refused, naming why
         with pytest.raises(ValueError, match=f"has {k} inputs, not a multiple of 32"):
@@ -85,6 +96,23 @@ def test_pack_and_unpack():
     assert abstract.panels.shape == (3, 5, 32) and abstract.out_features == 70
 
 
+def test_pack_and_unpack_bfloat16_pairs():
+    """bfloat16 packs inputs in pairs, [N/32, K/2, 32, 2]: an odd K gets a zero row."""
+    w = jnp.arange(5 * 70, dtype=jnp.float32).reshape(5, 70).astype(jnp.bfloat16)
+    packed = pack_weight(w)
+    assert packed.panels.shape == (3, 3, 32, 2) and packed.panels.dtype == jnp.bfloat16
+    assert packed.in_features == 6 and packed.out_features == 70
+    np.testing.assert_array_equal(packed.panels[1, 1, :, 0], w[2, 32:64])  # inputs 2 and 3 of columns 32..63
+    np.testing.assert_array_equal(packed.panels[1, 1, :, 1], w[3, 32:64])
+    np.testing.assert_array_equal(packed.panels[:, 2, :, 1], 0)  # the odd K's padding row
+    np.testing.assert_array_equal(packed.panels[2, :, 6:], 0)  # the last panel's padding
+    unpacked = unpack_weight(packed)
+    np.testing.assert_array_equal(unpacked[:5], w)
+    np.testing.assert_array_equal(unpacked[5], 0)
+    abstract = pack_weight(jax.ShapeDtypeStruct((5, 70), jnp.bfloat16))
+    assert abstract.panels.shape == (3, 3, 32, 2) and abstract.panels.dtype == jnp.bfloat16
+
+
 def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
     model = load_model(test_models_dir / "llama", dtype="float32")
     assert model.params.lm_head is None  # the test model ties its output projection to embed
@@ -101,26 +129,30 @@ def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
     assert spec(pack_params(abstract_params(model.config, jnp.float32))) == spec(packed)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_forward_with_packed_weights_matches_plain(test_models_dir, arch):
-    model = load_model(test_models_dir / arch, dtype="float32")
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+def test_forward_with_packed_weights_matches_plain(test_models_dir, arch, dtype):
+    """The forward with packed weights against XLA's dot on the same weights (bfloat16:
+    both round each projection's input to bfloat16 and sum in float32)."""
+    model = load_model(test_models_dir / arch, dtype=dtype)
     ids = list(range(3, 40))
     plain = PagedDriver(model.config, model.params, block_size=8).prompt_logits(ids, [9, len(ids) - 9])
     packed = PagedDriver(model.config, pack_params(model.params), block_size=8).prompt_logits(ids, [9, len(ids) - 9])
-    np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
+    np.testing.assert_allclose(packed, plain, rtol=0, atol=(1e-5 if dtype == "float32" else 2e-3) * np.abs(plain).max())
 
 
 def test_linear_candidates(caplog):
-    """auto on a CPU for float32: the kernel and XLA's dot, measured by the runner per
-    step shape (whatever width the kernel was built for); an explicit name: itself."""
+    """auto on a CPU for float32 and bfloat16 weights: the kernel and XLA's dot,
+    measured by the runner per step shape (whatever width the kernel was built for);
+    an explicit name: itself."""
     assert linear_candidates("auto", jnp.float32) == ["cpu", "xla"]
+    assert linear_candidates("auto", jnp.bfloat16) == ["cpu", "xla"]
     assert linear_candidates("cpu", jnp.float32) == ["cpu"]
     assert linear_candidates("xla", jnp.float32) == ["xla"]
     with caplog.at_level(logging.WARNING, logger="jaxllm.models.linear"):
-        assert linear_candidates("auto", jnp.bfloat16) == ["xla"]
-    assert "needs float32" in caplog.text
-    with pytest.raises(ValueError, match="linear_backend 'cpu': it needs float32"):
-        linear_candidates("cpu", jnp.bfloat16)
+        assert linear_candidates("auto", jnp.float16) == ["xla"]
+    assert "needs float32 or bfloat16 weights" in caplog.text
+    with pytest.raises(ValueError, match="linear_backend 'cpu': it needs float32 or bfloat16 weights"):
+        linear_candidates("cpu", jnp.float16)
     with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'"):
         linear_candidates("onednn", jnp.float32)
 

@@ -90,24 +90,99 @@ inline f32xN nibble_lanes(const uint8_t* p, int high) {
 }
 #endif
 
-struct F32Weights {
-  using T = float;
-  static constexpr int kRow = kPanel;  // elements of T per input
-  static f32xN load(const T* row, int c) { return loadN(row + c); }
+// x as the tiles read it (`pack`: tile t of x into xt, `depth(K)` entries of 12 per
+// tile): float32 rows [K][12] for every panel format but bfloat16 multiplied by
+// vdpbf16ps (BF16Weights below).
+struct FloatX {
+  using X = float;
+  static constexpr bool kConvertPanel = true;  // several tiles: the panel converted to float32 once
+  static int64_t depth(int64_t K) { return K; }
+  static void pack(const float* x, int64_t M, int64_t K, int64_t t, float* xt);
 };
-struct I8Weights {
+
+struct F32Weights : FloatX {
+  using T = float;
+  static constexpr bool kConvertPanel = false;
+  static constexpr int kRow = kPanel;  // elements of T per input
+  static int64_t panel_size(int64_t K) { return K * kRow; }
+  static f32xN load(const T* panel, int64_t k, int c) { return loadN(panel + k * kRow + c); }
+};
+struct I8Weights : FloatX {
   using T = int8_t;
   static constexpr int kRow = kPanel;
-  static f32xN load(const T* row, int c) { return int8_lanes(row + c); }
+  static int64_t panel_size(int64_t K) { return K * kRow; }
+  static f32xN load(const T* panel, int64_t k, int c) { return int8_lanes(panel + k * kRow + c); }
 };
 template <int kZero>  // Q4_0: nibble - 8 (exact in float32); Q4_1: the nibble
-struct Q4Weights {
+struct Q4Weights : FloatX {
   using T = uint8_t;
   static constexpr int kRow = kPanel / 2;
-  static f32xN load(const T* row, int c) {
-    const f32xN q = nibble_lanes(row + c % kRow, c / kRow);
+  static int64_t panel_size(int64_t K) { return K * kRow; }
+  static f32xN load(const T* panel, int64_t k, int c) {
+    const f32xN q = nibble_lanes(panel + k * kRow + c % kRow, c / kRow);
     return kZero ? q - splatN(static_cast<float>(kZero)) : q;
   }
+};
+
+// x rounded to bfloat16 (to nearest even; a NaN stays a NaN), as XLA converts it.
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// bfloat16 panels: [K/2 rounded up][32][2], the two inputs of a pair side by side for
+// each column (what vdpbf16ps multiplies; an odd K's last pair padded with a zero), so
+// kLanes columns at input k are the low (k even) or high halves of kLanes 32-bit lanes,
+// made float32 by a shift or a mask. x is rounded to bfloat16 as it is packed: the
+// products are exact in float32 and summed there, as XLA's dot of bfloat16 inputs with
+// float32 results. With AVX512_BF16 each tile multiplies pairs with vdpbf16ps (two
+// multiply-adds per lane), reading x as pairs of bfloat16 [K/2][12]; elsewhere the
+// weights become float32 lanes for the float tiles.
+#if defined(__AVX512BF16__)
+constexpr bool kDotBF16 = true;
+#else
+constexpr bool kDotBF16 = false;
+#endif
+
+#if JAXLLM_LANES == 16
+inline f32xN bf16_lanes(const uint16_t* p, int high) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return (f32xN)_mm512_castsi512_ps(high ? _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
+                                         : _mm512_slli_epi32(v, 16));
+}
+#elif JAXLLM_LANES == 8 && defined(__AVX2__)
+inline f32xN bf16_lanes(const uint16_t* p, int high) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (f32xN)_mm256_castsi256_ps(high ? _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)))
+                                         : _mm256_slli_epi32(v, 16));
+}
+#else
+inline f32xN bf16_lanes(const uint16_t* p, int high) {
+  f32xN v;
+  for (int i = 0; i < jaxllm::kLanes; ++i) v[i] = bf16_value(p[2 * i + high]);
+  return v;
+}
+#endif
+
+struct BF16Weights {
+  using T = uint16_t;
+  using X = std::conditional_t<kDotBF16, uint32_t, float>;  // a pair of bfloat16, or one rounded float
+  static constexpr bool kConvertPanel = !kDotBF16;
+  static constexpr int kRow = kPanel;  // elements of T per input (a pair: 2 x 32)
+  static int64_t depth(int64_t K) { return kDotBF16 ? (K + 1) / 2 : K; }
+  static int64_t panel_size(int64_t K) { return (K + 1) / 2 * 2 * kPanel; }
+  static f32xN load(const T* panel, int64_t k, int c) {
+    return bf16_lanes(panel + (k >> 1) * 2 * kPanel + 2 * c, static_cast<int>(k & 1));
+  }
+  static void pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt);
 };
 
 // What scales a panel carries. kColumnScales: one per column, applied to the finished
@@ -134,7 +209,7 @@ inline void rounded(f32xN& v) {
 // The kLanes weights of columns c.. at input k, as float32.
 template <class Wt, int S>
 inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int64_t k, int c) {
-  f32xN w = Wt::load(panel + k * Wt::kRow, c);
+  f32xN w = Wt::load(panel, k, c);
   if constexpr (S == kGroupScales || S == kGroupScalesMins) w *= loadN(gscale + (k / kGroup) * kPanel + c);
   if constexpr (S == kGroupScalesMins) {
     rounded(w);
@@ -233,10 +308,46 @@ void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float
   }
 }
 
-// The tile this build runs (the other is never instantiated).
+#if defined(__AVX512BF16__)
+// The wide tile over pairs of inputs: per pair, two loads of the panel (16 columns x 2
+// inputs each), 12 broadcasts of x's pairs, 24 vdpbf16ps. K2: the pairs.
+template <int R>
+void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<BF16Weights>& p, int64_t K2, float* y,
+                                 int64_t ldy, int cols) {
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel + kPanel);
+    if (p.prefetch) {
+      __builtin_prefetch(p.prefetch + k * 2 * kPanel);
+      __builtin_prefetch(p.prefetch + k * 2 * kPanel + kPanel);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[k * kTileRows + i]));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], w0, xv);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], w1, xv);
+    }
+  }
+  float row[kPanel];
+  for (int i = 0; i < R; ++i) {
+    float* out = cols == kPanel ? y + i * ldy : row;
+    _mm512_storeu_ps(out, acc0[i]);
+    _mm512_storeu_ps(out + 16, acc1[i]);
+    if (cols != kPanel) std::memcpy(y + i * ldy, row, cols * sizeof(float));
+  }
+}
+#endif
+
+// The tile this build runs (the others are never instantiated).
 template <int R, class Wt, int S>
-void tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
-  if constexpr (kWideTile) {
+void tile_times_panel(const typename Wt::X* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
+  if constexpr (std::is_same_v<Wt, BF16Weights> && kDotBF16) {
+#if defined(__AVX512BF16__)
+    bf16_pairs_tile_times_panel<R>(xt, p, K, y, ldy, cols);
+#endif
+  } else if constexpr (kWideTile) {
     wide_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
   } else {
     narrow_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
@@ -244,7 +355,7 @@ void tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, 
 }
 
 template <class Wt, int S>
-using TileFn = void (*)(const float*, const Panel<Wt>&, int64_t, float*, int64_t, int);
+using TileFn = void (*)(const typename Wt::X*, const Panel<Wt>&, int64_t, float*, int64_t, int);
 template <class Wt, int S>
 constexpr TileFn<Wt, S> kTileFns[kTileRows + 1] = {
     nullptr,                       tile_times_panel<1, Wt, S>,  tile_times_panel<2, Wt, S>,  tile_times_panel<3, Wt, S>,
@@ -253,11 +364,29 @@ constexpr TileFn<Wt, S> kTileFns[kTileRows + 1] = {
     tile_times_panel<12, Wt, S>};
 
 // Tile t of x (rows t*12 .. t*12+11, zeros past M) into xt[K][12].
-void pack_tile(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
+void FloatX::pack(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
   const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t i = 0; i < rows; ++i) xt[k * kTileRows + i] = x[(r0 + i) * K + k];
     for (int64_t i = rows; i < kTileRows; ++i) xt[k * kTileRows + i] = 0.f;
+  }
+}
+
+// Tile t of x rounded to bfloat16: as floats [K][12], or as pairs [K/2 rounded up][12]
+// (input 2j in the low half, 2j + 1, or a zero past K, in the high one).
+void BF16Weights::pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt) {
+  const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
+  for (int64_t k = 0; k < depth(K); ++k) {
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const float* row = x + (r0 + i) * K;
+      if constexpr (kDotBF16) {
+        const uint32_t lo = i < rows ? bf16_bits(row[2 * k]) : 0;
+        const uint32_t hi = i < rows && 2 * k + 1 < K ? bf16_bits(row[2 * k + 1]) : 0;
+        xt[k * kTileRows + i] = lo | hi << 16;
+      } else {
+        xt[k * kTileRows + i] = i < rows ? bf16_value(bf16_bits(row[k])) : 0.f;
+      }
+    }
   }
 }
 
@@ -284,10 +413,14 @@ template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
                  const float* mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != Wt::kRow)
-    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)], y [M, N]");
+  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+  if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
+      (kPairs && pd[3] != 2))
+    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)] "
+                                       "(bfloat16: [N/32, K/2 rounded up, 32, 2]), y [M, N]");
   const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1];
-  if (pd[1] != K || yd[0] != M || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
+  if (pd[1] != (kPairs ? (K + 1) / 2 : K) || yd[0] != M || N > num_panels * kPanel ||
+      N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* X = x.typed_data();
@@ -303,16 +436,17 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
-  thread_local std::vector<float> packed;
-  packed.resize(tiles * kTileRows * K);
-  float* XT = packed.data();
+  const int64_t depth = Wt::depth(K), panel_size = Wt::panel_size(K);
+  thread_local std::vector<typename Wt::X> packed;
+  packed.resize(tiles * kTileRows * depth);
+  typename Wt::X* XT = packed.data();
   std::unique_ptr<std::atomic<int64_t>[]> tiles_packed(new std::atomic<int64_t>[blocks]);
   for (int64_t b = 0; b < blocks; ++b) tiles_packed[b].store(0, std::memory_order_relaxed);
 
   // Items: first one per tile (pack it), then one per (row block, panel), block-major.
   jaxllm::parallel_for(pool, tiles + blocks * num_panels, [&](int64_t item) {
     if (item < tiles) {
-      pack_tile(X, M, K, item, XT + item * kTileRows * K);
+      Wt::pack(X, M, K, item, XT + item * kTileRows * depth);
       tiles_packed[item / tiles_per_block].fetch_add(1, std::memory_order_release);
       return;
     }
@@ -321,20 +455,20 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
     const int64_t group_offset = p * (K / kGroup) * kPanel;
-    Panel<Wt> panel{P + p * K * Wt::kRow, kGrouped ? scales + group_offset : nullptr,
+    Panel<Wt> panel{P + p * panel_size, kGrouped ? scales + group_offset : nullptr,
                     S == kGroupScalesMins ? mins + group_offset : nullptr,
-                    p + 2 < num_panels ? P + (p + 2) * K * Wt::kRow : nullptr};
+                    p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
       for (int64_t t = t0; t < t1; ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
         float* yt = Y + t * kTileRows * N + p * kPanel;
-        tile_fns[rows](XT + t * kTileRows * K, pan, K, yt, N, cols);
+        tile_fns[rows](XT + t * kTileRows * depth, pan, depth, yt, N, cols);
         pan.prefetch = nullptr;  // the first tile of an item prefetches
         if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
       }
     };
-    if constexpr (!std::is_same_v<Wt, F32Weights>) {
+    if constexpr (Wt::kConvertPanel) {
       if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
         thread_local std::vector<float> converted;
         converted.resize(K * kPanel);
@@ -359,6 +493,11 @@ bool grouped_shape_ok(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& sc
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                     ffi::ResultBuffer<ffi::F32> y) {
   return Dense<F32Weights, kNoScales>(pool, x, panels, nullptr, nullptr, y);
+}
+
+ffi::Error DenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return Dense<BF16Weights, kNoScales>(pool, x, panels, nullptr, nullptr, y);
 }
 
 ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -423,6 +562,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up * 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseBF16, DenseBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // panels [N/32 rounded up, K/2 rounded up, 32, 2]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,

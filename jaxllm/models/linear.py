@@ -40,6 +40,7 @@ from jaxllm.platform import backend_candidates
 logger = logging.getLogger(__name__)
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
+TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -55,11 +56,16 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     if isinstance(w, QuantizedWeight):
         return _pack_quantized(w)
     k, n = w.shape
+    pairs = jnp.dtype(w.dtype) == jnp.bfloat16
     if isinstance(w, jax.ShapeDtypeStruct):
-        return PackedWeight(jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), w.dtype), n)
+        shape = (-(-n // PANEL), -(-k // 2), PANEL, 2) if pairs else (-(-n // PANEL), k, PANEL)
+        return PackedWeight(jax.ShapeDtypeStruct(shape, w.dtype), n)
     a = np.asarray(w)
-    if n % PANEL:
-        a = np.pad(a, ((0, 0), (0, -n % PANEL)))
+    if n % PANEL or (pairs and k % 2):
+        a = np.pad(a, ((0, k % 2 if pairs else 0), (0, -n % PANEL)))
+    if pairs:  # [K, N] -> [N/32, K/2, 32, 2]: the two inputs of a pair side by side (vdpbf16ps)
+        return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
+                                                             .transpose(2, 0, 3, 1))), n)
     return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
 
 
@@ -91,6 +97,8 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
     """The [in, out] matrix back, dequantized (tests and debugging)."""
     panels = w.panels
+    if panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
+        panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
     if panels.dtype == jnp.uint8:  # 4-bit: the nibbles back as values (minus 8 without mins)
         panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=-1).astype(jnp.int8)
         panels = panels if w.mins is not None else panels - 8
@@ -133,7 +141,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     if w.scale is not None:
         target = (TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0) if w.group else TARGET_INT8
         return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
-    return jax.ffi.ffi_call(TARGET, out)(x2, w.panels).reshape(*lead, w.out_features)
+    target = TARGET_BF16 if w.panels.dtype == jnp.bfloat16 else TARGET
+    return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
 def _pallas_linear(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
@@ -216,8 +225,8 @@ def _cpu_backend_unavailable(dtype) -> str | None:
     platform = jax.default_backend()
     if platform != "cpu":
         return f"it runs on the CPU platform only (this is {platform})"
-    if jnp.dtype(dtype) != jnp.float32:
-        return f"it needs float32 (got {jnp.dtype(dtype).name})"
+    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        return f"it needs float32 or bfloat16 weights (got {jnp.dtype(dtype).name})"
     try:
         cpu_kernels.load_kernels()
     except cpu_kernels.KernelBuildError as e:

@@ -56,9 +56,11 @@ class PackedWeight:
     (QuantizedWeight) packs its values so, with its scales (and mins) padded to the
     panels' columns; 4-bit values two to a byte, [out/PANEL, in, PANEL / 2] uint8, byte
     j holding column j in its low nibble and column j + 16 in its high one (an offset of
-    8 added where the values are signed: Q4_0)."""
+    8 added where the values are signed: Q4_0). bfloat16 weights pack their inputs in
+    pairs, [out/PANEL, in/2, PANEL, 2] (an odd `in` padded with a zero row): the two
+    inputs vdpbf16ps multiplies side by side for each column."""
 
-    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"]
+    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"] | Float[Array, "P K2 32 2"]
     out_features: int = struct.field(pytree_node=False)
     scale: Float[Array, "P32"] | Float[Array, "P G 32"] | None = None  # [P * 32] per column, [P, G, 32] per group
     group: int = struct.field(pytree_node=False, default=0)
@@ -66,7 +68,8 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.panels.shape[1]
+        """Rows of the packed matrix (rounded up to even for bfloat16 pairs)."""
+        return self.panels.shape[1] * (2 if len(self.panels.shape) == 4 else 1)
 
 
 @struct.dataclass
