@@ -261,11 +261,14 @@ def _hf_tensors(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Path:
+def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overrides: dict[str, str] | None = None
+               ) -> Path:
     """Convert one of the test HF folders to GGUF the way llama.cpp's converter does:
     llama.cpp names, q/k rows permuted for llama, Llama-3 scaling as `rope_freqs`,
     the tokenizer and chat template as metadata. 2-D weights are stored as
-    `tensor_type` (any type gguf.quants can quantize); norms and biases stay F32."""
+    `tensor_type` (any type gguf.quants can quantize), or as `overrides` names the
+    type for tensors whose GGUF name ends so (e.g. {"attn_v.weight": "Q8_0"}: mixed
+    types, as llama.cpp's Q4_K_M files have them); norms and biases stay F32."""
     import gguf
 
     from jaxllm.loaders.gguf_loader import gguf_tensor_name
@@ -322,10 +325,13 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32") -> Pat
             array = _llama_cpp_permute(array, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, cfg["num_key_value_heads"])
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gguf_tensor_name(name, cfg["model_type"]), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        gguf_name = gguf_tensor_name(name, cfg["model_type"])
+        kind = next((gguf.GGMLQuantizationType[t] for end, t in (overrides or {}).items() if gguf_name.endswith(end)),
+                    qtype)
+        if array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
-            w.add_tensor(gguf_tensor_name(name, cfg["model_type"]), array)
+            w.add_tensor(gguf_name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

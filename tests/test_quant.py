@@ -14,8 +14,8 @@ from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear, pack_weight
 from jaxllm.config import QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import (dequantize, param_bytes, quantize_blocks, quantize_int8, quantize_params,
-                                 quantized_config)
+from jaxllm.models.quant import (GGUF_INT8_TYPES, dequantize, gguf_int8_parts, param_bytes, quantize_blocks,
+                                 quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES
 
@@ -196,6 +196,78 @@ def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir
 
     for backend in ("cpu", "xla"):
         np.testing.assert_array_equal(numbers(None, backend), numbers("none", backend), err_msg=backend)
+
+
+def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a GGUF type (no Python quantizer for the K-quants), with sane
+    float16 headers (small scales of either sign, small mins)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    halves = lambda k: rng.uniform(-0.05, 0.05, (len(blocks), k)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if type_name == "Q6_K":  # d last
+        blocks[:, -2:] = halves(1)
+    else:  # d (and a min or d_min) first
+        header = 2 if type_name in ("Q8_0", "Q4_0", "Q5_0") else 4
+        blocks[:, :header] = halves(header // 2)
+    return blocks
+
+
+@pytest.mark.parametrize("type_name", GGUF_INT8_TYPES)
+def test_the_gguf_int8_container_holds_every_weight_exactly(type_name):
+    """Each type a GGUF of mixed types keeps in the gguf_int8 container (int8 values, a
+    scale and min per 16 inputs) dequantizes to gguf's own floats, bit for bit, and the
+    kernel's sums over it are those over the same floats packed as float32 (one tile:
+    converted in registers; several: the panel converted once)."""
+    import gguf
+
+    rows, cols = 70, 512  # [out, in] as the file holds it
+    blocks = _random_blocks(type_name, rows, cols)
+    theirs = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType[type_name]).reshape(rows, cols)
+    qw = gguf_int8_parts(blocks, type_name, rows, cols)
+    assert qw.q.dtype == np.int8 and qw.group == 16 and qw.scale.shape == qw.mins.shape == (rows, cols // 16)
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
+    w = qw.transposed()  # [in, out], grouped along the inputs, as a projection is held
+    packed, floats = pack_weight(w), pack_weight(jnp.asarray(theirs.T))
+    rng = np.random.default_rng(1)
+    for m in (1, 30):
+        x = jnp.asarray(rng.standard_normal((m, cols)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, packed)), np.asarray(jax.jit(linear)(x, floats)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
+def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backend):
+    """Projections of several block types (Q5_0, Q8_0 v, Q5_1 down, Q4_1 o: the mix of
+    a Q4_K_M file) are kept in the gguf_int8 container and give the very logprobs of
+    the file dequantized at load, in well under half the bytes."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "mixed.gguf", "Q5_0",
+                                      {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q5_1", "attn_output.weight": "Q4_1"})
+    kept, dequantized = load_model(path, "float32"), load_model(path, "float32", quantization="none")
+    assert kept.config.quantization == "gguf_int8" and dequantized.config.quantization is None
+    assert isinstance(kept.params.layers[0].wqkv, QuantizedWeight) and kept.params.layers[0].wqkv.group == 16
+    assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+    def numbers(quantization):
+        llm = LLM(str(path), quantization=quantization, linear_backend=backend, **SMALL)
+        values = []
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
+            values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
+        return np.array(values)
+
+    np.testing.assert_array_equal(numbers(None), numbers("none"))
+
+
+def test_gguf_int8_of_float_weights_is_refused(test_models_dir):
+    with pytest.raises(ValueError, match="'gguf_int8' is how a GGUF of mixed block types keeps its blocks"):
+        load_model(test_models_dir / "llama", "float32", quantization="gguf_int8")
 
 
 def test_int8_of_a_q8_0_gguf_is_refused(test_models_dir, tmp_path):

@@ -24,6 +24,7 @@ TARGETS = {
     "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",
     "jaxllm_dense_q4_0": "JaxllmDenseQ4_0",
     "jaxllm_dense_q4_1": "JaxllmDenseQ4_1",
+    "jaxllm_dense_q8_mins": "JaxllmDenseQ8Mins",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
 }

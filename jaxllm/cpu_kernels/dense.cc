@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -48,7 +49,7 @@ using jaxllm::storeN;
 namespace {
 
 constexpr int kPanel = 32;          // columns per packed panel: two vectors
-constexpr int kGroup = 32;          // inputs per scale of a grouped panel (GGUF's block)
+constexpr int kMinGroup = 16;       // inputs per scale of a grouped panel: a power of two, 16 (Q6_K) or more
 constexpr int kTileRows = 12;       // rows of a packed tile of x
 constexpr int64_t kRowBlock = 96;   // rows per item at most (8 tiles): x's share stays in L2
 
@@ -186,8 +187,9 @@ struct BF16Weights {
 };
 
 // What scales a panel carries. kColumnScales: one per column, applied to the finished
-// outputs (Dense below). kGroupScales: [K / 32][32] per panel, each weight multiplied by
-// its own before use (GGUF's d * q). kGroupScalesMins: also mins, d * q + m, with the
+// outputs (Dense below). kGroupScales: [K / G][32] per panel (G inputs per scale: 32 for
+// GGUF's blocks, 16 for the container a GGUF of mixed types is kept in), each weight
+// multiplied by its own before use (GGUF's d * q). kGroupScalesMins: also mins, d * q + m, with the
 // product rounded before the sum as gguf's dequantization does (no fused multiply-add:
 // the empty asm hides the product from contraction). Either way each weight is the
 // float32 gguf dequantizes it to, so the sums are those of the dequantized matrix.
@@ -208,12 +210,13 @@ inline void rounded(f32xN& v) {
 
 // The kLanes weights of columns c.. at input k, as float32.
 template <class Wt, int S>
-inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int64_t k, int c) {
+inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int shift, int64_t k,
+                        int c) {
   f32xN w = Wt::load(panel, k, c);
-  if constexpr (S == kGroupScales || S == kGroupScalesMins) w *= loadN(gscale + (k / kGroup) * kPanel + c);
+  if constexpr (S == kGroupScales || S == kGroupScalesMins) w *= loadN(gscale + (k >> shift) * kPanel + c);
   if constexpr (S == kGroupScalesMins) {
     rounded(w);
-    w += loadN(gmin + (k / kGroup) * kPanel + c);
+    w += loadN(gmin + (k >> shift) * kPanel + c);
   }
   return w;
 }
@@ -240,9 +243,10 @@ constexpr int kNarrowRows = 6;
 template <class Wt>
 struct Panel {
   const typename Wt::T* w;
-  const float* scale;      // [K / 32][32] (grouped scales), else null
-  const float* min;        // [K / 32][32] (Q4_1), else null
+  const float* scale;      // [K / G][32] (grouped scales), else null
+  const float* min;        // [K / G][32] (Q4_1, the mixed-GGUF container), else null
   const typename Wt::T* prefetch;  // the panel two ahead, or null
+  int group_shift = 0;     // log2(G)
 };
 
 // out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
@@ -256,7 +260,7 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
-    for (int v = 0; v < V; ++v) w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, k, 16 * h + v * jaxllm::kLanes);
+    for (int v = 0; v < V; ++v) w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16 * h + v * jaxllm::kLanes);
     if (prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < G; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + g + i]);
@@ -285,7 +289,8 @@ void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
-    const f32xN w0 = weights_at<Wt, S>(p.w, p.scale, p.min, k, 0), w1 = weights_at<Wt, S>(p.w, p.scale, p.min, k, 16);
+    const f32xN w0 = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 0);
+    const f32xN w1 = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16);
     if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < R; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + i]);
@@ -398,7 +403,7 @@ void dequantize_panel(const Panel<Wt>& p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) {
     if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int c = 0; c < kPanel; c += jaxllm::kLanes)
-      storeN(out + k * kPanel + c, weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, k, c));
+      storeN(out + k * kPanel + c, weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, p.group_shift, k, c));
   }
 }
 
@@ -408,10 +413,11 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
-// panels (kColumnScales), or [num_panels][K / 32][32] with `mins` alike (grouped).
+// panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
+// 2^group_shift inputs per scale).
 template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
-                 const float* mins, ffi::ResultBuffer<ffi::F32> y) {
+                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
   if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
@@ -454,10 +460,10 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
     const int64_t b = item / num_panels, p = item % num_panels;
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
-    const int64_t group_offset = p * (K / kGroup) * kPanel;
+    const int64_t group_offset = p * (K >> group_shift) * kPanel;
     Panel<Wt> panel{P + p * panel_size, kGrouped ? scales + group_offset : nullptr,
                     S == kGroupScalesMins ? mins + group_offset : nullptr,
-                    p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr};
+                    p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr, group_shift};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
       for (int64_t t = t0; t < t1; ++t) {
@@ -482,12 +488,15 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
   return ffi::Error::Success();
 }
 
-// Grouped scales (and mins) must be [panels, K / 32, 32].
+// Grouped scales (and mins) are [panels, K / G, 32] for G a power of two, at least 16,
+// dividing K; log2(G), or -1 where the shapes say otherwise.
 template <typename PanelBuffer>
-bool grouped_shape_ok(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales) {
+int group_shift_of(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales) {
   const auto pd = panels.dimensions(), sd = scales.dimensions();
-  return pd.size() == 3 && pd[1] % kGroup == 0 && sd.size() == 3 && sd[0] == pd[0] && sd[1] == pd[1] / kGroup &&
-         sd[2] == kPanel;
+  if (pd.size() != 3 || sd.size() != 3 || sd[0] != pd[0] || sd[2] != kPanel || sd[1] <= 0 || pd[1] % sd[1]) return -1;
+  const int64_t group = pd[1] / sd[1];
+  if (group < kMinGroup || (group & (group - 1))) return -1;
+  return __builtin_ctzll(static_cast<unsigned long long>(group));
 }
 
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
@@ -508,26 +517,35 @@ ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return Dense<I8Weights, kColumnScales>(pool, x, panels, scales.typed_data(), nullptr, y);
 }
 
-// GGUF blocks with a scale per 32 inputs: Q8_0 (int8 panels [P, K, 32]), Q4_0 (4-bit
-// panels [P, K, 16]).
+constexpr const char* kGroupedShapes =
+    ": panels must be [P, K, 32] int8 or [P, K, 16] 4-bit, scales (and mins) [P, K/G, 32] with G a power of "
+    "two >= 16 dividing K";
+
+// Blocks with a scale per G inputs: Q8_0 (int8 panels [P, K, 32]), Q4_0 (4-bit panels
+// [P, K, 16]).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  if (!grouped_shape_ok(panels, scales))
-    return ffi::Error::InvalidArgument("dense_q8_0 / dense_q4_0: panels must be [P, K, 32] int8 or [P, K, 16] "
-                                       "4-bit with K a multiple of 32, scales [P, K/32, 32]");
-  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y);
+  const int shift = group_shift_of(panels, scales);
+  if (shift < 0) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kGroupedShapes);
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y, shift);
 }
 constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
 constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 
-ffi::Error DenseQ4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
-  if (!grouped_shape_ok(panels, scales) || !grouped_shape_ok(panels, mins))
-    return ffi::Error::InvalidArgument("dense_q4_1: panels must be [P, K, 16] with K a multiple of 32, "
-                                       "scales and mins [P, K/32, 32]");
-  return Dense<Q4Weights<0>, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y);
+// Blocks with a scale and a min per G inputs: Q4_1 (4-bit panels), and int8 ones (the
+// container a GGUF of mixed block types is kept in: Q5_0, Q4_K, Q6_K... as int8 values
+// with a scale and min per 16 inputs).
+template <class Wt, ffi::DataType kPanelType>
+ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  const int shift = group_shift_of(panels, scales);
+  if (shift < 0 || group_shift_of(panels, mins) != shift || mins.dimensions()[1] != scales.dimensions()[1])
+    return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kGroupedShapes);
+  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y, shift);
 }
+constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
+constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
 
 }  // namespace
 
@@ -536,7 +554,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
@@ -545,7 +572,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
@@ -553,7 +580,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/32, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,

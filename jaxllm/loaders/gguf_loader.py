@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp's format), read with the `gguf` library.
 
-Quantized tensors are dequantized to the compute dtype, except a file whose projections
-are all Q8_0, all Q4_0 or all Q4_1: those blocks are kept (their values, scales and
-mins, jaxllm.models.quant). llama.cpp's interleaved row order of attn_q / attn_k (its
+Quantized tensors are dequantized to the compute dtype, except the projections: a file
+whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks (their values,
+scales and mins, jaxllm.models.quant); one whose projections mix the affine block types
+(GGUF_INT8_TYPES: a Q4_K_M file's Q4_K, Q6_K, Q5_0, Q8_0...) keeps every weight exactly
+in the `gguf_int8` container (int8 values, a scale and min per 16 inputs). llama.cpp's interleaved row order of attn_q / attn_k (its
 converter permutes them for its RoPE kernel) is undone so the standard rotate-half RoPE
 applies. The tokenizer (BPE vocab, merges, special tokens) and chat template come from
 the file's metadata.
@@ -20,7 +22,7 @@ import numpy as np
 from jaxllm.config import GEMMA_TYPES, ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
 from jaxllm.models.params import QUANT_FORMATS, ModelParams, QuantizedWeight, declarations
-from jaxllm.models.quant import block_parts, quantized_config
+from jaxllm.models.quant import GGUF_INT8_TYPES, block_parts, gguf_int8_parts, quantized_config
 
 
 def _dequantizable_types() -> tuple[str, ...]:
@@ -34,7 +36,7 @@ def _dequantizable_types() -> tuple[str, ...]:
 SUPPORTED_TENSOR_TYPES = _dequantizable_types()
 # GGUF types whose blocks jaxllm keeps as they are (the projections' quantization) when
 # every projection of a file is of one of them; the other types are dequantized.
-KEPT_TENSOR_TYPES = {name.upper(): name for name, fmt in QUANT_FORMATS.items() if fmt.group}  # Q8_0, Q4_0, Q4_1
+KEPT_TENSOR_TYPES = {name.upper(): name for name in ("q8_0", "q4_0", "q4_1")}
 
 _LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N."
     "input_layernorm.weight": "attn_norm.weight",
@@ -130,21 +132,26 @@ class GGUFFile:
         t = self._tensors.get(name)
         return None if t is None else t.tensor_type.name
 
-    def quantized_tensor(self, name: str) -> QuantizedWeight:
-        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, in HF orientation ([out,
-        in]): values [out, in] and float32 scales (and mins) [out, in / 32]
-        (QuantizedWeight's fields, not yet laid out)."""
+    def quantized_tensor(self, name: str, held: str | None = None) -> QuantizedWeight:
+        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, or (`held` "gguf_int8") any of
+        GGUF_INT8_TYPES in that container, in HF orientation ([out, in]): values [out,
+        in] and float32 scales (and mins) [out, in / group] (QuantizedWeight's fields,
+        not yet laid out)."""
         t = self._tensors[name]
         rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
+        if held == "gguf_int8":
+            return gguf_int8_parts(t.data, t.tensor_type.name, rows, cols)
         return block_parts(t.data, QUANT_FORMATS[KEPT_TENSOR_TYPES[t.tensor_type.name]], rows, cols)
 
     def own_quantization(self, cfg: ModelConfig) -> str | None:
-        """The format jaxllm keeps the projections of `cfg` in, when every one is stored
-        in the same type of KEPT_TENSOR_TYPES ("q8_0", "q4_0", "q4_1"); else None (the
-        file is dequantized)."""
+        """The format jaxllm keeps the projections of `cfg` in: when every one is stored
+        in the same type of KEPT_TENSOR_TYPES, that ("q8_0", "q4_0", "q4_1"); when they
+        are all of GGUF_INT8_TYPES, "gguf_int8"; else None (the file is dequantized)."""
         names = [name for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant for name, _ in decl.hf]
         types = {self.tensor_type(gguf_tensor_name(n, cfg.model_type)) for n in names}
-        return KEPT_TENSOR_TYPES.get(types.pop()) if len(types) == 1 else None
+        if len(types) == 1 and next(iter(types)) in KEPT_TENSOR_TYPES:
+            return KEPT_TENSOR_TYPES[types.pop()]
+        return "gguf_int8" if types <= set(GGUF_INT8_TYPES) else None
 
     def own_embed_quantization(self) -> str | None:
         """The format jaxllm keeps the token embedding in (a tied output projection too)
@@ -204,7 +211,7 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
         name = gguf_tensor_name(hf_name, cfg.model_type)
-        w = gguf_file.quantized_tensor(name) if hf_name in kept else gguf_file.tensor(name)
+        w = gguf_file.quantized_tensor(name, cfg.quantization) if hf_name in kept else gguf_file.tensor(name)
         if w is not None and shift and hf_name.endswith("norm.weight"):
             return w - np.float32(shift)
         if w is None or not permute_rope:

@@ -48,6 +48,7 @@ TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
 TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
+TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (or 2^n) inputs: mixed GGUF
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
@@ -141,7 +142,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
     if w.mins is not None:
-        return jax.ffi.ffi_call(TARGET_Q4_1, out)(x2, w.panels, w.scale, w.mins).reshape(*lead, w.out_features)
+        target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins).reshape(*lead, w.out_features)
     if w.scale is not None:
         target = (TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0) if w.group else TARGET_INT8
         return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)

@@ -46,6 +46,8 @@ QUANT_FORMATS = {
     "q8_0": QuantFormat("q8_0", GGUF_BLOCK, 8),
     "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4),
     "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True),
+    # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_int8_parts)
+    "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }
 
 

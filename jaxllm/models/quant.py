@@ -16,6 +16,10 @@ of one of these keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is wh
 gguf dequantizes it to, `q * scale` rounded once (then `+ min`, rounded again: never a
 fused multiply-add), so the kernel's sums are those of the dequantized matrix.
 
+`gguf_int8`: a GGUF whose projections mix block types (Q4_K_M files: Q4_K, Q6_K, Q5_0,
+Q8_0...) keeps each weight exactly as gguf dequantizes it, as int8 values with a float32
+scale and min per 16 inputs (12 bits a weight against float32's 32); only a GGUF's own.
+
 The embedding (a lookup) and the norms stay as loaded, as in vLLM's weight-only
 schemes; so does a tied output projection, which is the embedding.
 """
@@ -112,6 +116,84 @@ def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> Q
                            halves(blocks[:, 2:4]) if fmt.mins else None, fmt.bits, group_axis=1)
 
 
+# The GGUF block types a file of mixed types keeps in the `gguf_int8` container (int8
+# values, a float32 scale and min per 16 inputs), each weight as gguf dequantizes it:
+# fl(fl(scale * q) + min), the scale being gguf's own product (d * sub-block scale) and
+# the min its negated d_min * sub-block min (0 for types without one).
+GGUF_INT8_GROUP = 16
+
+
+def _halves(a: np.ndarray) -> np.ndarray:
+    """float16 fields of blocks (two bytes each) as float32 [blocks, fields]."""
+    return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
+
+def _fives(ql_qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 values: 16 bytes of nibbles (value j low, j + 16 high) and a 32-bit
+    word of fifth bits, as uint8 [blocks, 32]."""
+    low = np.concatenate([ql_qs & 0x0F, ql_qs >> 4], axis=1)
+    high = (np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    return low | (high.astype(np.uint8) << 4)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: per sub-block of 32, gguf's scale d * sc and min -(d_min * m)."""
+    import gguf.quants
+
+    d, dmin = _halves(blocks[:, 0:2]), _halves(blocks[:, 2:4])
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _decode_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values int8 [n, block], scale [n, block / g], min [n, block / g]) of n blocks of
+    one GGUF type, g = 32 or 16 inputs per scale as the type has them."""
+    n = blocks.shape[0]
+    zero = np.zeros_like
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        parts = block_parts(blocks, QUANT_FORMATS[type_name.lower()], n, 32)
+        return parts.q, parts.scale, parts.mins if parts.mins is not None else zero(parts.scale)
+    if type_name == "Q5_0":
+        d = _halves(blocks[:, 0:2])
+        return (_fives(blocks[:, 6:22], blocks[:, 2:6]).astype(np.int8) - 16), d, zero(d)
+    if type_name == "Q5_1":
+        return _fives(blocks[:, 8:24], blocks[:, 4:8]).astype(np.int8), _halves(blocks[:, 0:2]), _halves(blocks[:, 2:4])
+    if type_name in ("Q4_K", "Q5_K"):
+        scale, mins = _k_scales(blocks)
+        qs = blocks[:, -128:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(n, 8, 32)
+        if type_name == "Q5_K":
+            qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        return q.reshape(n, 256).astype(np.int8), scale, mins
+    if type_name == "Q6_K":
+        ql = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & 0x0F).reshape(n, 2, 4, 32) | ((qh & 0x03) << 4)).astype(np.int8) - 32
+        scale = _halves(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return q.reshape(n, 256), scale, zero(scale)
+    raise ValueError(f"GGUF type {type_name} is not kept in the gguf_int8 container; "
+                     f"kept: {', '.join(GGUF_INT8_TYPES)}")
+
+
+GGUF_INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_int8_parts(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
+    """A GGUF tensor of one of GGUF_INT8_TYPES as the `gguf_int8` container, grouped
+    along its last axis in the file's (HF) orientation: int8 values [rows, cols], float32
+    scales and mins [rows, cols / 16] (a type with 32 inputs per scale repeats each)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    q, scale, mins = _decode_blocks(np.asarray(blocks, np.uint8).reshape(-1, size), type_name)
+    per = block // scale.shape[1] // GGUF_INT8_GROUP  # 2 where a scale covers 32 inputs
+    spread = lambda a: np.repeat(a, per, axis=1).reshape(rows, cols // GGUF_INT8_GROUP)  # noqa: E731
+    return QuantizedWeight(np.ascontiguousarray(q.reshape(rows, cols)), spread(scale), GGUF_INT8_GROUP,
+                           spread(mins), 8, group_axis=1)
+
+
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
     """`cfg` with the weight quantization the engine will hold (a QUANT_FORMATS name);
     None and "none" both leave the projections as loaded (the config says None)."""
@@ -126,6 +208,9 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
     def convert(decl: ParamDecl, array):
         if decl.quant is None or isinstance(array, QuantizedWeight):
             return array
+        if decl.quant == "gguf_int8":
+            raise ValueError("quantization 'gguf_int8' is how a GGUF of mixed block types keeps its blocks; "
+                             "float weights cannot be quantized to it: use int8, q8_0, q4_0 or q4_1")
         w = array if isinstance(array, np.ndarray) else jnp.asarray(array)
         return quantize_int8(w) if decl.quant == "int8" else quantize_blocks(w, QUANT_FORMATS[decl.quant],
                                                                              decl.hf[0][0])
