@@ -240,16 +240,28 @@ def test_the_gguf_int8_container_holds_every_weight_exactly(type_name):
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backend):
     """Projections of several block types (Q5_0, Q8_0 v, Q5_1 down, Q4_1 o: the mix of
-    a Q4_K_M file) are kept in the gguf_int8 container and give the very logprobs of
-    the file dequantized at load, in well under half the bytes."""
+    a Q4_K_M file) are kept in the gguf_int8 container, the Q8_0 embedding as its own
+    blocks, in the abstract params' shapes (a conversion restores them), and give the
+    very logprobs of the file dequantized at load, in well under half the bytes."""
     from tests.conftest import make_test_model
 
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "mixed.gguf", "Q5_0",
-                                      {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q5_1", "attn_output.weight": "Q4_1"})
+                                      {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q5_1", "attn_output.weight": "Q4_1",
+                                       "token_embd.weight": "Q8_0"})
     kept, dequantized = load_model(path, "float32"), load_model(path, "float32", quantization="none")
-    assert kept.config.quantization == "gguf_int8" and dequantized.config.quantization is None
+    cfg = kept.config
+    assert (cfg.quantization, cfg.embed_quantization) == ("gguf_int8", "q8_0")
+    assert dequantized.config.quantization is None
     assert isinstance(kept.params.layers[0].wqkv, QuantizedWeight) and kept.params.layers[0].wqkv.group == 16
+    assert kept.params.embed.group == 32
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
+    assert shapes(kept.params) == shapes(abstract_params(cfg, jnp.float32))
     assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
+    cache = tmp_path / "converted"
+    load_model(path, "float32", conversion_cache_dir=cache)
+    again = load_model(path, "float32", conversion_cache_dir=cache)  # restored from the conversion
+    for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(again.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)

@@ -206,12 +206,12 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
     (`own_quantization`) the projections' blocks as they are (QuantizedWeight),
     everything else dequantized to `dtype`."""
     permute_rope = cfg.model_type in ("llama", "mistral")
-    kept = {name for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}
+    kept = {name: decl.quant for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}  # -> its format
     shift = gguf_norm_shift(cfg.model_type)
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
         name = gguf_tensor_name(hf_name, cfg.model_type)
-        w = gguf_file.quantized_tensor(name, cfg.quantization) if hf_name in kept else gguf_file.tensor(name)
+        w = gguf_file.quantized_tensor(name, kept[hf_name]) if hf_name in kept else gguf_file.tensor(name)
         if w is not None and shift and hf_name.endswith("norm.weight"):
             return w - np.float32(shift)
         if w is None or not permute_rope:
