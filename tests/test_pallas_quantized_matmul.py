@@ -15,11 +15,11 @@ import pytest
 
 from jaxllm.models.linear import linear
 from jaxllm.models.params import QUANT_FORMATS
-from jaxllm.models.quant import quantize_blocks, quantize_int8
+from jaxllm.models.quant import quantize_blocks, quantize_int4, quantize_int8
 from pallas_kernels.cuda_lowering import has_triton_call
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 
-FORMATS = ["int8", "q8_0", "q4_0", "q4_1"]
+FORMATS = ["int8", "int4_g32", "q8_0", "q4_0", "q4_1"]
 # Interpret mode (CPU), unless JAXLLM_PALLAS_INTERPRET=0: scripts/gpu_check.py runs these
 # natively on a GPU.
 INTERPRET = os.environ.get("JAXLLM_PALLAS_INTERPRET", "1") != "0"
@@ -28,7 +28,9 @@ K, N = 96, 80  # N not a multiple of the column tile: masked columns
 
 def quantized(fmt: str, k: int = K, n: int = N, seed: int = 0):
     w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) / np.sqrt(k)
-    return quantize_int8(w) if fmt == "int8" else quantize_blocks(w, QUANT_FORMATS[fmt])
+    if fmt == "int8":
+        return quantize_int8(w)
+    return (quantize_int4 if fmt.startswith("int4") else quantize_blocks)(w, QUANT_FORMATS[fmt])
 
 
 def kernel(x, qw, **kw):
@@ -104,6 +106,20 @@ def test_lowers_for_cuda(fmt, dtype):
         lowered = jax.jit(lambda *a: quantized_matmul(*a, group=spec.group)).trace(*args).lower(
             lowering_platforms=("cuda",))
         assert has_triton_call(lowered.as_text()), (fmt, dtype, m, k, n)
+
+
+def test_int4_with_128_input_groups_runs_and_lowers_for_cuda():
+    """int4's groups of 128 inputs: one group per K step, against the reference, and
+    the CUDA lowering."""
+    qw = quantized("int4", k=256, n=96)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((20, 256)), jnp.float32)
+    want = quantized_matmul_reference(x, jnp.asarray(qw.q), jnp.asarray(qw.scale), jnp.asarray(qw.mins), group=128)
+    np.testing.assert_allclose(kernel(x, qw, interpret=INTERPRET), want, rtol=1e-5, atol=1e-5)
+    m, k, n = 16, 2048, 8192
+    args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.int8),
+            jax.ShapeDtypeStruct((k // 128, n), jnp.float32), jax.ShapeDtypeStruct((k // 128, n), jnp.float32)]
+    lowered = jax.jit(lambda *a: quantized_matmul(*a, group=128)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert has_triton_call(lowered.as_text())
 
 
 def test_linear_dispatches_marked_weights_to_the_kernel():

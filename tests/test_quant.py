@@ -15,7 +15,7 @@ from jaxllm.models.linear import linear, pack_weight
 from jaxllm.config import QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
 from jaxllm.models.quant import (GGUF_INT8_TYPES, dequantize, gguf_int8_parts, param_bytes, quantize_blocks,
-                                 quantize_int8, quantize_params, quantized_config)
+                                 quantize_int4, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES
 
@@ -37,6 +37,36 @@ def test_int8_rounds_each_column_to_its_own_scale():
     on_device = quantize_int8(jnp.asarray(w))  # the same numbers from jnp (weights on a device)
     np.testing.assert_array_equal(np.asarray(on_device.q), qw.q)
     np.testing.assert_array_equal(np.asarray(on_device.scale), qw.scale)
+
+
+@pytest.mark.parametrize("name", ["int4", "int4_g32"])
+def test_int4_rounds_each_group_to_its_own_scale_and_min(name):
+    """Asymmetric 4-bit per group of inputs: each group's min is exact (its q is 0),
+    every weight within half its group's step, a constant group exact; numpy and jnp
+    give the same numbers (XLA may divide by 15 as a multiplication: the scales to an
+    ulp)."""
+    fmt = QUANT_FORMATS[name]
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((256, 24)).astype(np.float32) * rng.uniform(0.01, 3, 24).astype(np.float32)
+    w[: fmt.group, 5] = 0.25  # a constant group
+    qw = quantize_int4(w, fmt)
+    assert qw.q.dtype == np.int8 and qw.bits == 4 and qw.group == fmt.group and qw.group_axis == 0
+    assert qw.scale.shape == qw.mins.shape == (256 // fmt.group, 24) and 0 <= qw.q.min() and qw.q.max() == 15
+    deq = np.asarray(dequantize(qw))
+    steps = np.repeat(qw.scale, fmt.group, axis=0)
+    assert (np.abs(deq - w) <= steps / 2 * (1 + 1e-5)).all()
+    np.testing.assert_array_equal(deq.reshape(-1, fmt.group, 24).min(axis=1), w.reshape(-1, fmt.group, 24).min(axis=1))
+    np.testing.assert_array_equal(deq[: fmt.group, 5], 0.25)
+    on_device = quantize_int4(jnp.asarray(w), fmt)
+    np.testing.assert_array_equal(np.asarray(on_device.q), qw.q)
+    np.testing.assert_array_equal(np.asarray(on_device.mins), qw.mins)
+    np.testing.assert_allclose(np.asarray(on_device.scale), qw.scale, rtol=1e-6, atol=0)
+
+
+def test_int4_of_a_model_whose_inputs_the_group_does_not_divide_is_refused(test_models_dir):
+    with pytest.raises(ValueError, match="quantization 'int4': model.layers.0.self_attn.q_proj.weight has 96 "
+                                         "inputs, not a multiple of 128 \\(its group\\) \\('int4_g32' groups 32\\)"):
+        load_model(test_models_dir / "qwen3", "float32", quantization="int4")
 
 
 def test_quantized_linear_is_the_matmul_of_the_dequantized_weight():
@@ -67,32 +97,34 @@ def test_the_declaration_says_what_is_quantized(test_models_dir, name):
     assert param_bytes(model.params) < 0.6 * param_bytes(full.params)
 
 
-def _fake_quantized_folder(src, dst):
-    """An HF folder whose projections are their int8 round trip (float32 values that
-    int8 holds exactly, up to the scale's rounding)."""
+def _fake_quantized_folder(src, dst, quantization="int8"):
+    """An HF folder whose projections are their `quantization` round trip (float32
+    values that format holds exactly, up to the scale's rounding)."""
     model = load_model(src, "float32")
-    cfg = quantized_config(model.config, "int8")
+    cfg = quantized_config(model.config, quantization)
     dequantized = jax.tree.map(lambda w: np.asarray(dequantize(w)) if isinstance(w, QuantizedWeight) else w,
                                quantize_params(cfg, model.params), is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return save_hf_folder(dst, model.config, dequantized, model.tokenizer)
 
 
-def test_the_int8_engine_equals_the_float_engine_on_fake_quantized_weights(test_models_dir, tmp_path):
-    """The oracle: the float engine on weights already rounded to int8 x scale. Greedy
-    tokens identical, logprobs within 1e-4; and int8 from the original checkpoint is
-    the same model (quantizing is idempotent)."""
-    folder = _fake_quantized_folder(test_models_dir / "llama", tmp_path / "fq")
+@pytest.mark.parametrize("quant", ["int8", "int4", pytest.param("int4_g32", marks=pytest.mark.slow)])
+def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(test_models_dir, tmp_path, quant):
+    """The oracle: the float engine on weights already rounded to the format (int8 x
+    scale; int4's scale x q + min). Greedy tokens identical, logprobs within 1e-4; and
+    the format from the original checkpoint is the same model (quantizing is
+    idempotent)."""
+    folder = _fake_quantized_folder(test_models_dir / "llama", tmp_path / "fq", quant)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 23, 40)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     runs = {}
-    for key, path, quantization in (("float", folder, None), ("int8", folder, "int8"),
-                                    ("int8-original", test_models_dir / "llama", "int8")):
+    for key, path, quantization in (("float", folder, None), (quant, folder, quant),
+                                    (f"{quant}-original", test_models_dir / "llama", quant)):
         llm = LLM(str(path), quantization=quantization, **SMALL)
         runs[key] = llm.generate(prompts, params, use_tqdm=False)
         if quantization:
-            assert "weights" in llm.llm_engine.core.describe() and "(int8)" in llm.llm_engine.core.describe()
-    for other in ("int8", "int8-original"):
+            assert "weights" in llm.llm_engine.core.describe() and f"({quant})" in llm.llm_engine.core.describe()
+    for other in (quant, f"{quant}-original"):
         for a, b in zip(runs["float"], runs[other]):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, other
             for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -44,10 +44,11 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     and later loads restore that instead of parsing and dequantizing the GGUF again.
     `on_host`: the weights stay in host memory (numpy arrays), for an engine that places
     each device's shard of them (tensor parallelism): no device holds them whole.
-    `quantization` (jaxllm.config.QUANTIZATIONS): "int8", "q8_0", "q4_0", "q4_1" quantize a float
-    checkpoint's projections after loading (the conversion cache keeps the float
-    weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps those blocks
-    (and its conversion holds them so) unless it is "none" (`_gguf_quantization`); the
+    `quantization` (jaxllm.config.QUANTIZATIONS): "int8", "int4", "int4_g32", "q8_0", "q4_0",
+    "q4_1" quantize a float checkpoint's projections after loading (the conversion cache
+    keeps the float weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps
+    those blocks, one of mixed block types keeps them as "gguf_int8" (and its conversion
+    holds them so) unless it is "none" (`_gguf_quantization`); the
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     check_quantization(quantization)

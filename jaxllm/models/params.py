@@ -46,6 +46,10 @@ QUANT_FORMATS = {
     "q8_0": QuantFormat("q8_0", GGUF_BLOCK, 8),
     "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4),
     "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True),
+    # int4 weight-only from float weights: 4-bit values, a float32 scale and min per 128
+    # (or 32) inputs of each column (jaxllm.models.quant.quantize_int4)
+    "int4": QuantFormat("int4", 128, 4, mins=True),
+    "int4_g32": QuantFormat("int4_g32", 32, 4, mins=True),
     # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_int8_parts)
     "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }

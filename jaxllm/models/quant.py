@@ -16,6 +16,11 @@ of one of these keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is wh
 gguf dequantizes it to, `q * scale` rounded once (then `+ min`, rounded again: never a
 fused multiply-add), so the kernel's sums are those of the dequantized matrix.
 
+`int4` / `int4_g32`: 4-bit values with a float32 scale and min per 128 (32) inputs of
+each column, quantized at load from float weights (asymmetric, as AWQ/GPTQ's group-wise
+int4 with the zero point kept as a float min): 4.5 (6) bits a weight; the kernel's
+4-bit panels run them as Q4_1's.
+
 `gguf_int8`: a GGUF whose projections mix block types (Q4_K_M files: Q4_K, Q6_K, Q5_0,
 Q8_0...) keeps each weight exactly as gguf dequantizes it, as int8 values with a float32
 scale and min per 16 inputs (12 bits a weight against float32's 32); only a GGUF's own.
@@ -57,6 +62,25 @@ def quantize_int8(w: Float[Array, "K N"] | np.ndarray) -> QuantizedWeight:
     scale = xp.where(amax > 0, amax / INT8_MAX, 1.0).astype(np.float32)
     q = xp.clip(xp.round(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
     return QuantizedWeight(q, scale)
+
+
+def quantize_int4(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
+    """`w` as 4-bit values with a float32 scale and min per `fmt.group` inputs of each
+    column (asymmetric: the group's min and max map to 0 and 15, `q = round((w - min) /
+    scale)`, `w ~ scale * q + min` within half a step; a constant group gets scale 1
+    and q = 0, exactly its value); numpy in, numpy out, else jax arrays. A matrix whose
+    inputs the group does not divide is refused, naming it."""
+    k, n = w.shape
+    if k % fmt.group:
+        other = " ('int4_g32' groups 32)" if fmt.name == "int4" else ""
+        raise ValueError(f"quantization {fmt.name!r}: {name} has {k} inputs, not a multiple of {fmt.group} "
+                         f"(its group){other}")
+    xp = np if isinstance(w, np.ndarray) else jnp
+    g = w.astype(np.float32).reshape(k // fmt.group, fmt.group, n)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    scale = xp.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
+    q = xp.clip(xp.round((g - lo[:, None]) / scale[:, None]), 0, 15).astype(np.int8).reshape(k, n)
+    return QuantizedWeight(q, scale, fmt.group, lo, bits=4)
 
 
 def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
@@ -212,8 +236,10 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
             raise ValueError("quantization 'gguf_int8' is how a GGUF of mixed block types keeps its blocks; "
                              "float weights cannot be quantized to it: use int8, q8_0, q4_0 or q4_1")
         w = array if isinstance(array, np.ndarray) else jnp.asarray(array)
-        return quantize_int8(w) if decl.quant == "int8" else quantize_blocks(w, QUANT_FORMATS[decl.quant],
-                                                                             decl.hf[0][0])
+        if decl.quant == "int8":
+            return quantize_int8(w)
+        fmt = QUANT_FORMATS[decl.quant]
+        return (quantize_int4 if fmt.name.startswith("int4") else quantize_blocks)(w, fmt, decl.hf[0][0])
 
     return map_declared(convert, declare(cfg), params)
 
