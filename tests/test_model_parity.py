@@ -133,7 +133,8 @@ def test_bfloat16_weights_float32_activations_match_rounded_hf(test_models_dir):
 
 
 def test_engine_bfloat16_on_cpu_scores_like_rounded_hf(test_models_dir):
-    """LLM(dtype="bfloat16") on the CPU platform: bfloat16 weights, a float32 KV cache,
+    """LLM(dtype="bfloat16") on the CPU platform: bfloat16 weights (plain or packed in
+    pairs for the dense kernel, as the start-up measurement picks), a float32 KV cache,
     the prompt's logprobs as the rounded HF oracle computes them."""
     from jaxllm import SamplingParams
     from tests.test_engine import make_llm
@@ -142,7 +143,8 @@ def test_engine_bfloat16_on_cpu_scores_like_rounded_hf(test_models_dir):
     llm = make_llm(test_models_dir, dtype="bfloat16")
     runner = llm.llm_engine.core.runner
     assert runner.kv_caches[0].k.dtype == np.float32
-    assert all(w.layers[0].wqkv.dtype == np.dtype("bfloat16") for w in runner.weights.values())
+    held = [getattr(w.layers[0].wqkv, "panels", w.layers[0].wqkv) for w in runner.weights.values()]  # packed or plain
+    assert all(a.dtype == np.dtype("bfloat16") for a in held)
     ids = llm.get_tokenizer().encode(PROMPT)
     (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     got = np.array([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
