@@ -41,8 +41,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Mixture of Experts: the MLP of (some) layers is a router over experts (models/moe.py).
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The MLP's activation: SwiGLU (silu) or GeGLU with the tanh approximation (Gemma).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Per-layer attention kinds (HF's `layer_types`).
@@ -98,6 +103,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (None: head_dim ** -0.5)
     attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    num_experts: int = 0  # MoE: experts per MoE layer (0: a dense MLP everywhere)
+    num_experts_per_tok: int = 0  # MoE: experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # MoE: each expert's MLP width
+    norm_topk_prob: bool = False  # MoE: the top-k probabilities renormalized to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert's width (0: none), sigmoid-gated
+    dense_layers: tuple[int, ...] = ()  # MoE: layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
     checkpoint_dtype: str = "float32"
     quantization: str | None = None  # the projections as the engine holds them: None (as loaded), or a QUANTIZATIONS name
     embed_quantization: str | None = None  # the embedding (and a tied output projection): a GGUF's kept blocks, or None
@@ -118,10 +129,17 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise UnsupportedModelError(f"layer_types names {len(self.layer_types)} layers, the model has "
                                         f"{self.num_layers}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                                        f"{self.num_experts}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise UnsupportedModelError(f"layer type(s) {', '.join(unknown)} not supported; supported: "
                                         f"{', '.join(LAYER_TYPES)}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
@@ -289,13 +307,27 @@ class ModelConfig:
             out["jaxllm_embed_quantization"] = self.embed_quantization
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        if self.model_type in MOE_TYPES:
+            out.update(self._moe_hf_fields())
         if self.model_type in ("qwen2", "qwen3") and self.sliding_window is not None:
             out.update(use_sliding_window=True, sliding_window=self.sliding_window, layer_types=list(self.layer_types),
                        max_window_layers=self.layer_types.index("sliding_attention"))
         if self.model_type in GEMMA_TYPES:
             out.update(self._gemma_hf_fields())
+        return out
+
+    def _moe_hf_fields(self) -> dict[str, Any]:
+        if self.model_type == "mixtral":
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "intermediate_size": self.moe_intermediate_size}
+        out: dict[str, Any] = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                               "moe_intermediate_size": self.moe_intermediate_size,
+                               "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": 1,
+                               "mlp_only_layers": list(self.dense_layers)}
+        if self.model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
 
     def _gemma_hf_fields(self) -> dict[str, Any]:
@@ -364,8 +396,8 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
     """The ModelConfig fields in which the families differ, from an HF config."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     fields: dict[str, Any] = dict(hidden_act=act,
-                                  qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                                  qk_norm=model_type in ("qwen3", "gemma3_text"))
+                                  qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+                                  qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"))
     # Gemma 3 has a RoPE per layer type (_gemma3_ropes); the others one
     fields.update(_gemma3_ropes(hf, source) if model_type == "gemma3_text" else dict(rope=_hf_rope(hf, source)))
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
@@ -374,8 +406,10 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                                 for i in range(int(hf["num_hidden_layers"]))]
         fields.update(sliding_window=int(hf["sliding_window"]), layer_types=tuple(layer_types))
-    if model_type == "mistral" and hf.get("sliding_window"):
+    if model_type in ("mistral", "mixtral") and hf.get("sliding_window"):
         fields["sliding_window"] = int(hf["sliding_window"])
+    if model_type in MOE_TYPES:
+        fields.update(_hf_moe_fields(hf, model_type))
     if model_type not in GEMMA_TYPES:
         return fields
     if hf.get("use_bidirectional_attention"):
@@ -390,6 +424,24 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
         final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
     )
     return fields
+
+
+def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """Mixtral: every layer routes to top-k of `num_local_experts` experts of
+    `intermediate_size`, the top-k renormalized; Qwen2/3-MoE: `num_experts` of
+    `moe_intermediate_size`, renormalized where `norm_topk_prob`, dense layers where
+    `mlp_only_layers` or `decoder_sparse_step` say, Qwen2-MoE with a shared expert."""
+    layers = int(hf["num_hidden_layers"])
+    if model_type == "mixtral":
+        return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    step, only = int(hf.get("decoder_sparse_step", 1) or 1), set(hf.get("mlp_only_layers") or ())
+    return dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0,
+                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
 
 
 def _optional_float(value: Any) -> float | None:

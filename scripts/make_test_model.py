@@ -59,6 +59,27 @@ ARCHITECTURES = {
         form=4, arch="Qwen2ForCausalLM", model_type="qwen2", hidden=128, heads=4, kv_heads=2, head_dim=32,
         extra={"rope_theta": 1000000.0, "use_sliding_window": False}, shards=2,
     ),
+    # Mixtral: top-2 of 4 experts in every layer, renormalized; transformers 4 form
+    # (per-expert tensors, block_sparse_moe names, as the hub stores them).
+    "mixtral": dict(
+        form=4, arch="MixtralForCausalLM", model_type="mixtral", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        intermediate=64, extra={"num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1000000.0},
+    ),
+    # Qwen2-MoE: q/k/v biases, top-2 of 4 experts not renormalized, a sigmoid-gated
+    # shared expert, the second layer dense (mlp_only_layers); transformers 4 form.
+    "qwen2_moe": dict(
+        form=4, arch="Qwen2MoeForCausalLM", model_type="qwen2_moe", hidden=128, heads=4, kv_heads=2, head_dim=32,
+        extra={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1],
+               "decoder_sparse_step": 1, "rope_theta": 1000000.0, "use_sliding_window": False},
+    ),
+    # Qwen3-MoE: q/k norms, top-3 of 8 experts renormalized; transformers 5 form.
+    "qwen3_moe": dict(
+        form=5, arch="Qwen3MoeForCausalLM", model_type="qwen3_moe", hidden=96, heads=4, kv_heads=1, head_dim=32,
+        extra={"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
+               "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
     # Qwen3: q/k RMSNorm, head_dim independent of hidden size, GQA 4; transformers 5 form.
     "qwen3": dict(
         form=5, arch="Qwen3ForCausalLM", model_type="qwen3", hidden=96, heads=4, kv_heads=1, head_dim=32,
@@ -157,18 +178,51 @@ def random_weights(spec: dict, vocab: int, intermediate: int, layers: int, rng: 
         w[p + "self_attn.k_proj.weight"] = mat(kv, d)
         w[p + "self_attn.v_proj.weight"] = mat(kv, d)
         w[p + "self_attn.o_proj.weight"] = mat(d, q)
-        w[p + "mlp.gate_proj.weight"] = mat(intermediate, d)
-        w[p + "mlp.up_proj.weight"] = mat(intermediate, d)
-        w[p + "mlp.down_proj.weight"] = mat(d, intermediate)
-        if spec["model_type"] == "qwen2":
+        if i in moe_layers(spec, layers):
+            w.update(_moe_weights(spec, p, d, intermediate, mat))
+        else:
+            w[p + "mlp.gate_proj.weight"] = mat(intermediate, d)
+            w[p + "mlp.up_proj.weight"] = mat(intermediate, d)
+            w[p + "mlp.down_proj.weight"] = mat(d, intermediate)
+        if spec["model_type"] in ("qwen2", "qwen2_moe"):
             for n, size in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(real)
-        if spec["model_type"] in ("qwen3", "gemma3_text"):
+        if spec["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         if gemma:  # post_attention_layernorm is the attention's output norm; the MLP's input norm its own
             w[p + "pre_feedforward_layernorm.weight"] = norm(d)
             w[p + "post_feedforward_layernorm.weight"] = norm(d)
+    return w
+
+
+def moe_layers(spec: dict, layers: int) -> list[int]:
+    """The layers of a MoE spec whose MLP is a mixture of experts."""
+    extra = spec["extra"]
+    if "num_local_experts" not in extra and "num_experts" not in extra:
+        return []
+    return [i for i in range(layers) if i not in extra.get("mlp_only_layers", [])]
+
+
+def _moe_weights(spec: dict, p: str, d: int, intermediate: int, mat) -> dict:
+    """A MoE layer's router, per-expert MLPs (the hub's names) and shared expert. The
+    router's logits are drawn large so the top-k choices are well separated."""
+    extra, w = spec["extra"], {}
+    if spec["model_type"] == "mixtral":
+        e, f, moe = extra["num_local_experts"], intermediate, p + "block_sparse_moe."
+        names = ("w1", "w3", "w2")
+    else:
+        e, f, moe = extra["num_experts"], extra["moe_intermediate_size"], p + "mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    w[moe + "gate.weight"] = 4.0 * mat(e, d)
+    for x in range(e):
+        gate, up, down = (f"{moe}experts.{x}.{n}.weight" for n in names)
+        w[gate], w[up], w[down] = mat(f, d), mat(f, d), mat(d, f)
+    fs = extra.get("shared_expert_intermediate_size", 0)
+    if fs:
+        for n, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs))):
+            w[f"{moe}shared_expert.{n}.weight"] = mat(*shape)
+        w[moe + "shared_expert_gate.weight"] = mat(1, d)
     return w
 
 

@@ -9,7 +9,7 @@ from jaxtyping import install_import_hook
 # The array functions' jaxtyping shapes are checked at run time in the test run (at
 # trace time under jit), so an annotation that drifts from the code fails a test.
 # Installed before anything imports jaxllm.
-install_import_hook(["jaxllm.models.llama", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
+install_import_hook(["jaxllm.models.llama", "jaxllm.models.moe", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
                      "jaxllm.sample.sampler", "jaxllm.worker.step", "jaxllm.worker.model_runner", "pallas_kernels"],
                     "beartype.beartype")
 
@@ -28,6 +28,7 @@ def _load_script(name: str):
 make_test_model = _load_script("make_test_model")
 bench_structured = _load_script("bench_structured")  # its varied JSON schemas
 ARCHITECTURES = list(make_test_model.ARCHITECTURES)
+MOE = [name for name, spec in make_test_model.ARCHITECTURES.items() if make_test_model.moe_layers(spec, 1)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

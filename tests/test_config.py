@@ -179,3 +179,29 @@ def test_the_serve_cli_is_generated_from_engine_config():
         parse_args(["--linear-backend", "onednn"])
     with pytest.raises(ValueError, match="linear_backend: unknown 'onednn'; choose one of auto, xla, cpu"):
         EngineConfig(linear_backend="onednn")
+
+
+def test_mixture_of_experts_configs():
+    """Mixtral: every layer top-k of `num_local_experts` of `intermediate_size`,
+    renormalized; Qwen2-MoE: `moe_intermediate_size`, a shared expert, dense layers
+    from `mlp_only_layers` and `decoder_sparse_step`, q/k/v biases; Qwen3-MoE: q/k
+    norms, `norm_topk_prob`; each round-trips through to_hf_config."""
+    mixtral = ModelConfig.from_hf_config(BASE | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                                 "num_experts_per_tok": 2, "sliding_window": None})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 128)
+    assert mixtral.norm_topk_prob and mixtral.is_moe(0) and mixtral.sliding_window is None
+    qwen2 = ModelConfig.from_hf_config(BASE | {"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 4,
+                                               "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+                                               "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2,
+                                               "mlp_only_layers": [3]})
+    assert qwen2.qkv_bias and not qwen2.norm_topk_prob and qwen2.shared_expert_intermediate_size == 96
+    assert [qwen2.is_moe(i) for i in range(4)] == [False, True, False, False]  # sparse step 2; layer 3 listed
+    qwen3 = ModelConfig.from_hf_config(BASE | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                                               "num_experts_per_tok": 8, "moe_intermediate_size": 16,
+                                               "norm_topk_prob": True})
+    assert qwen3.qk_norm and qwen3.norm_topk_prob and qwen3.shared_expert_intermediate_size == 0
+    for cfg in (mixtral, qwen2, qwen3):
+        assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9 must be in 1..num_experts=8"):
+        ModelConfig.from_hf_config(BASE | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                           "num_experts_per_tok": 9})

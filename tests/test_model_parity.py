@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from jaxllm.loaders import load_model
 from jaxllm.models.linear import pack_params
-from tests.conftest import ARCHITECTURES
+from tests.conftest import ARCHITECTURES, MOE
 from tests.paged_driver import PagedDriver
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris; one two"
@@ -28,10 +28,12 @@ def pair(request, test_models_dir):
 
 # Weights as XLA's dot reads them ("plain", the GPU path) and packed into panels (the
 # `cpu` linear backend, the CPU default). Every family runs the CPU's layout by default;
-# XLA's runs by default for Llama (tied embeddings) and Qwen2 (biases), for the others
+# XLA's runs by default for Llama (tied embeddings), Qwen2 (biases) and Qwen2-MoE (experts,
+# a shared expert and a dense layer), for the others
 # in the slow run (tests/conftest.py reads SLOW_CASES): the layouts differ only in the
 # projections, which those two cover, and the default run has a 15-minute budget.
-SLOW_CASES = ("[mistral-plain]", "[qwen3-plain]", "[gemma3-plain]", "[gemma2-plain]")
+SLOW_CASES = ("[mistral-plain]", "[qwen3-plain]", "[gemma3-plain]", "[gemma2-plain]", "[qwen3_moe-plain]",
+              "[mixtral-plain]", "test_moe_engine_greedy_matches_hf[qwen3_moe]")
 LAYOUTS = pytest.mark.parametrize("layout", ["plain", "packed"])
 
 
@@ -157,3 +159,37 @@ def test_engine_bfloat16_on_cpu_scores_like_rounded_hf(test_models_dir):
     plain = scores(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     assert np.abs(got - ref).mean() < np.abs(plain - ref).mean() / 5
     assert np.abs(got - ref).max() < 0.05
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_engine_greedy_matches_hf(test_models_dir, name):
+    """A Mixture-of-Experts model through LLM (the engine's bucketed, padded steps: the
+    padding rows are routed too and must not disturb the real ones): 32 greedy tokens
+    as HF generates them."""
+    from jaxllm import LLM, SamplingParams
+
+    path = test_models_dir / name
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False)
+    ids = llm.get_tokenizer().encode(PROMPT)
+    config = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = hf.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:7]}],
+                        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == expected
+
+
+def test_moe_experts_lower_for_cuda_as_a_ragged_matmul():
+    """On a GPU the experts' matmuls are grouped (XLA's ragged dot: the work follows the
+    tokens routed); the MoE MLP lowers for CUDA without a device."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.models.moe import experts_mlp
+
+    t, k, e, d, f = 64, 2, 8, 128, 64
+    args = [jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.float32),
+            jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((e, d, 2 * f), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16)]
+    lowered = jax.jit(lambda *a: experts_mlp(*a, "silu")).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("\"chlo.ragged_dot\"(") == 2

@@ -34,7 +34,7 @@ def hf_tensor_names(cfg: ModelConfig) -> list[str]:
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each HF tensor's name and shape, as the declaration (jaxllm.models.params.declare)
     implies them."""
-    return {name: decl.hf_shape(n) for decl in declarations(cfg) for name, n in decl.hf}
+    return {name: one.hf_shape(n) for decl in declarations(cfg) for one in decl.per_expert() for name, n in one.hf}
 
 
 def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_host: bool = False) -> ModelParams:
@@ -57,6 +57,9 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
         return array if isinstance(array, QuantizedWeight) else np.asarray(array, dtype=np.float32)
 
     def load(decl: ParamDecl):
+        if decl.experts:  # stacked: each expert's slice read as a parameter of its own
+            experts = [load(one) for one in decl.per_expert()]
+            return np.stack(experts) if on_host else jnp.stack(experts)
         parts = [get(name, decl.hf_shape(n)) for name, n in decl.hf]
         if decl.quant:
             return _load_quantized(decl, parts, on_host, where)
@@ -88,6 +91,10 @@ def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, np.
     out: dict[str, np.ndarray] = {}
 
     def export(decl: ParamDecl, array) -> None:
+        if decl.experts:
+            for e, one in enumerate(decl.per_expert()):
+                export(one, np.asarray(array)[e])
+            return
         if isinstance(array, QuantizedWeight):
             array = dequantize(array)
         parts = unfuse(np.asarray(array, np.float32), [n for _, n in decl.hf])

@@ -5,7 +5,8 @@ chunks and decodes.
 Pure functions over ModelParams; the differences between the architectures are flags
 on ModelConfig (qkv bias, q/k RMSNorm, sliding windows per layer and a RoPE for the
 sliding ones, Gemma's (1 + w) norms around each sublayer, GeGLU, scaled embeddings, query
-scale and soft-caps), read at trace time.
+scale and soft-caps, experts in place of the MLP: Mixtral, Qwen2/3-MoE), read at trace
+time.
 
 Under tensor parallelism (jaxllm.models.parallel) the same functions run on one shard
 of the parameters inside `shard_map`, with `cfg` the shard's (its heads, its share of
@@ -26,6 +27,7 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import linear
+from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
 from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
@@ -104,14 +106,16 @@ def attention_block(
     return x + out, cache
 
 
-def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None
-              ) -> Float[Array, "T D"]:
-    """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU (pre-norm,
-    residual added; Gemma's output norm before the add)."""
+def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None,
+              moe: bool = False) -> Float[Array, "T D"]:
+    """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU, or (`moe`) a
+    mixture of such experts (jaxllm.models.moe); pre-norm, residual added; Gemma's
+    output norm before the add."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
-    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    out = all_reduce(linear(act * up, lp.w_down), axis)
+    if moe:
+        out = moe_mlp(lp, h, cfg)
+    else:
+        out = all_reduce(linear(gated(linear(h, lp.w_gate_up), cfg.hidden_act), lp.w_down), axis)
     if lp.mlp_post_norm is not None:
         out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
@@ -157,6 +161,6 @@ def forward_hidden(
     for i, (lp, cache) in enumerate(zip(params.layers, kv_caches, strict=True)):
         cos, sin = local if cfg.is_sliding(i) else full
         x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn, axis, cfg.layer_window(i))
-        x = mlp_block(lp, x, cfg, axis)
+        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i))
         new_caches.append(cache)
     return x, tuple(new_caches)

@@ -39,6 +39,9 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None =
     available = len(jax.devices()) if num_devices is None else num_devices
     if size > available:
         raise ValueError(f"tensor_parallel_size={size}: only {available} devices are visible")
+    if size > 1 and cfg.num_experts:
+        raise ValueError(f"tensor_parallel_size={size}: a Mixture-of-Experts model ({cfg.architecture}) is not "
+                         "sharded yet; run it on one device")
     reason = _unfit(cfg, size)
     if reason:
         raise ValueError(f"tensor_parallel_size={size} {reason}; possible sizes: "

@@ -129,9 +129,13 @@ class LayerParams:
     wo: Weight  # [H*hd, D]
     attn_post_norm: Float[Array, "D"] | None  # Gemma: the attention's output normed before the residual add
     mlp_norm: Float[Array, "D"]
-    w_gate_up: Weight  # [D, 2F] columns: gate (F) | up (F)
-    w_down: Weight  # [F, D]
+    w_gate_up: Weight | Float[Array, "E D F2"]  # [D, 2F] columns: gate (F) | up (F); MoE: [E, D, 2F] per expert
+    w_down: Weight | Float[Array, "E F D"]  # [F, D]; MoE: [E, F, D]
     mlp_post_norm: Float[Array, "D"] | None  # Gemma: the MLP's output normed before the residual add
+    router: Weight | None = None  # MoE: [D, E], the router's logits
+    shared_gate_up: Weight | None = None  # Qwen2-MoE: the shared expert's [D, 2Fs]
+    shared_down: Weight | None = None  # Qwen2-MoE: [Fs, D]
+    shared_gate: Weight | None = None  # Qwen2-MoE: [D, 1], the sigmoid gate of the shared expert's output
 
 
 @struct.dataclass
@@ -160,22 +164,32 @@ class ParamDecl:
     transposed: bool = False
     kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
     quant: str | None = None  # a projection held quantized (a QUANT_FORMATS name: QuantizedWeight); None: as loaded
+    experts: int = 0  # > 0: stacked along a leading axis from `experts` tensors each, `hf` names holding "{e}"
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape) or sum(n for _, n in self.hf) != self.shape[-1]:
             raise ValueError(f"inconsistent parameter declaration {self}")
 
     def hf_shape(self, size: int) -> tuple[int, ...]:
-        """The shape of one of its HF tensors, of `size` along the fused axis."""
-        shape = (*self.shape[:-1], size)
+        """The shape of one of its HF tensors (one expert's), of `size` along the fused axis."""
+        shape = (*self.shape[1 if self.experts else 0:-1], size)
         return shape[::-1] if self.transposed else shape
+
+    def expert(self, e: int) -> ParamDecl:
+        """The declaration of expert `e`'s slice of a stacked parameter (its own HF names)."""
+        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], experts=0,
+                                   hf=tuple((name.format(e=e), n) for name, n in self.hf))
+
+    def per_expert(self) -> list[ParamDecl]:
+        """The declarations a parameter is read from: each expert's, or itself."""
+        return [self.expert(e) for e in range(self.experts)] if self.experts else [self]
 
 
 # Logical axes of the parameters. Tensor parallelism shards "vocab", "qkv", "heads" and
 # "mlp"; the fused ones ("qkv": q | k | v columns, "mlp" of w_gate_up: gate | up) are
 # laid out shard-major when loaded for several shards (jaxllm.loaders.weights), so that
 # every shard holds whole heads and matching gate and up columns.
-AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim")
+AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim", "expert")
 
 
 def declare(cfg: ModelConfig) -> ModelParams:
@@ -190,6 +204,11 @@ def declare(cfg: ModelConfig) -> ModelParams:
         named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
         norm = lambda name: ParamDecl((d,), ("embed",), ((p + name, d),))  # noqa: E731
         sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is the attention's output norm
+        mlp_decls = _moe_decls(cfg, i) if cfg.is_moe(i) else dict(
+            w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
+                                transposed=True, quant=cfg.quantization),
+            w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
+                             quant=cfg.quantization))
         return LayerParams(
             attn_norm=norm("input_layernorm.weight"),
             wqkv=ParamDecl((d, qkv), ("embed", "qkv"), named(q_k_v, "weight"), transposed=True, kv_parts=(1, 2),
@@ -201,11 +220,8 @@ def declare(cfg: ModelConfig) -> ModelParams:
                         quant=cfg.quantization),
             attn_post_norm=norm("post_attention_layernorm.weight") if sandwich else None,
             mlp_norm=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
-            w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
-                                transposed=True, quant=cfg.quantization),
-            w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
-                             quant=cfg.quantization),
             mlp_post_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
+            **mlp_decls,
         )
 
     return ModelParams(
@@ -217,6 +233,33 @@ def declare(cfg: ModelConfig) -> ModelParams:
             (d, cfg.vocab_size), ("embed", "vocab"), (("lm_head.weight", cfg.vocab_size),), transposed=True,
             quant=cfg.quantization),
     )
+
+
+def _moe_decls(cfg: ModelConfig, i: int) -> dict[str, ParamDecl | None]:
+    """A MoE layer's MLP: the router, the experts' weights stacked [E, ...] from the
+    checkpoint's per-expert tensors (Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2,
+    Qwen's mlp.experts.N.gate_proj / up_proj / down_proj), Qwen2-MoE's shared expert."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    if cfg.model_type == "mixtral":
+        moe = f"model.layers.{i}.block_sparse_moe."
+        gate, up, down = (moe + "experts.{e}." + w for w in ("w1.weight", "w3.weight", "w2.weight"))
+    else:
+        moe = f"model.layers.{i}.mlp."
+        gate, up, down = (moe + "experts.{e}." + w for w in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    decls = dict(
+        router=ParamDecl((d, e), ("embed", None), ((moe + "gate.weight", e),), transposed=True),
+        w_gate_up=ParamDecl((e, d, 2 * f), ("expert", "embed", "mlp"), ((gate, f), (up, f)), transposed=True,
+                            experts=e),
+        w_down=ParamDecl((e, f, d), ("expert", "mlp", "embed"), ((down, d),), transposed=True, experts=e))
+    fs = cfg.shared_expert_intermediate_size
+    if fs:
+        shared = moe + "shared_expert."
+        decls.update(
+            shared_gate_up=ParamDecl((d, 2 * fs), ("embed", "mlp"), ((shared + "gate_proj.weight", fs),
+                                                                     (shared + "up_proj.weight", fs)), transposed=True),
+            shared_down=ParamDecl((fs, d), ("mlp", "embed"), ((shared + "down_proj.weight", d),), transposed=True),
+            shared_gate=ParamDecl((d, 1), ("embed", None), ((moe + "shared_expert_gate.weight", 1),), transposed=True))
+    return decls
 
 
 def declarations(cfg: ModelConfig) -> list[ParamDecl]:

@@ -222,6 +222,9 @@ def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
     """`cfg` with the weight quantization the engine will hold (a QUANT_FORMATS name);
     None and "none" both leave the projections as loaded (the config says None)."""
     check_quantization(quantization)
+    if cfg.num_experts and quantization not in (None, "none"):
+        raise ValueError(f"quantization {quantization!r}: a Mixture-of-Experts model ({cfg.architecture}) is not "
+                         "quantized yet (its experts); load it with quantization unset")
     return dataclasses.replace(cfg, quantization=None if quantization == "none" else quantization)
 
 

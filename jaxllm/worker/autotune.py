@@ -270,7 +270,10 @@ class StepTimer:
 
         p = abstract_params(self.cfg, self.dtype)
         layer = p.layers[0]
-        shapes = [layer.wqkv.shape, layer.wo.shape, layer.w_gate_up.shape, layer.w_down.shape]
+        # a MoE layer's experts run as ragged matmuls whatever the backend: its attention
+        # projections are what the backends differ in
+        mlp = [] if self.cfg.is_moe(0) else [layer.w_gate_up.shape, layer.w_down.shape]
+        shapes = [layer.wqkv.shape, layer.wo.shape, *mlp]
         per_layer = sum(a * b for a, b in shapes) * self.dtype.itemsize
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
         layout = pack_weight if backend == "cpu" else (lambda w: w)
@@ -289,10 +292,12 @@ class StepTimer:
         f = self.cfg.intermediate_size
 
         def layers_fn(x, layers):
-            for wqkv, wo, w_gate_up, w_down in layers:
+            for wqkv, wo, *mlp in layers:
                 qkv = linear(x, wqkv)
                 x = x + linear(qkv[:, :q], wo)
-                x = x + linear(linear(x, w_gate_up)[:, :f], w_down)
+                if mlp:
+                    w_gate_up, w_down = mlp
+                    x = x + linear(linear(x, w_gate_up)[:, :f], w_down)
             return x
 
         def head_fn(x, head):
