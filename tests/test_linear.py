@@ -236,3 +236,25 @@ def test_vector_lanes_match_the_build():
     else:
         pytest.skip("native width of a non-x86 CPU")
     assert jaxllm.cpu_kernels.vector_lanes() == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_kernel_matches_ragged_dot(dtype):
+    """A mixture of experts' projection with packed experts (the dense kernel over each
+    expert's rows) against jax.lax.ragged_dot on the plain weights: empty groups, one
+    group taking most rows, and rows past the groups' sum (zeros, as ragged_dot)."""
+    from jaxllm.models.linear import grouped_linear
+
+    rng = np.random.default_rng(4)
+    e, k, n = 5, 72, 70
+    w = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), dtype)
+    packed = pack_weight(w)
+    assert packed.experts == e and packed.panels.shape[:2] == (e, 3) and packed.out_features == n
+    np.testing.assert_array_equal(np.asarray(unpack_weight(packed))[:, :k], np.asarray(w))
+    x = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
+    for sizes in ([8, 0, 25, 7, 0], [0, 0, 0, 0, 40], [3, 4, 0, 5, 6]):  # the last sums to 18 of 40 rows
+        sizes = jnp.asarray(sizes, jnp.int32)
+        got = np.asarray(jax.jit(grouped_linear)(x, packed, sizes))
+        want = np.asarray(jax.lax.ragged_dot(x.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+        np.testing.assert_array_equal(got[int(sizes.sum()):], 0)

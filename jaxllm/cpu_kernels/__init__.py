@@ -20,6 +20,8 @@ TARGETS = {
     "jaxllm_ragged_paged_attention": "JaxllmRaggedPagedAttention",
     "jaxllm_dense_f32": "JaxllmDenseF32",
     "jaxllm_dense_bf16": "JaxllmDenseBF16",
+    "jaxllm_grouped_dense_f32": "JaxllmGroupedDenseF32",
+    "jaxllm_grouped_dense_bf16": "JaxllmGroupedDenseBF16",
     "jaxllm_dense_i8": "JaxllmDenseI8",
     "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",
     "jaxllm_dense_q4_0": "JaxllmDenseQ4_0",

@@ -412,29 +412,14 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
     for (int c = 0; c < cols; ++c) y[i * ldy + c] *= scales[c];
 }
 
-// y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
-// panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
-// 2^group_shift inputs per scale).
-template <class Wt, int S, typename PanelBuffer>
-ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
-                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0) {
-  const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
-  if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
-      (kPairs && pd[3] != 2))
-    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)] "
-                                       "(bfloat16: [N/32, K/2 rounded up, 32, 2]), y [M, N]");
-  const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1];
-  if (pd[1] != (kPairs ? (K + 1) / 2 : K) || yd[0] != M || N > num_panels * kPanel ||
-      N <= (num_panels - 1) * kPanel)
-    return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  const float* X = x.typed_data();
-  const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
-  float* Y = y->typed_data();
+// y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
+// caller; one parallel pass over the pack and multiply items.
+template <class Wt, int S>
+void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
+                int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
   if (K == 0) {
     std::memset(Y, 0, M * N * sizeof(float));
-    return ffi::Error::Success();
+    return;
   }
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
 
@@ -485,6 +470,27 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
     }
     tiles_times(kTileFns<Wt, S>, panel);
   });
+}
+
+// y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
+// panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
+// 2^group_shift inputs per scale).
+template <class Wt, int S, typename PanelBuffer>
+ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
+                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0) {
+  const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
+  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+  if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
+      (kPairs && pd[3] != 2))
+    return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)] "
+                                       "(bfloat16: [N/32, K/2 rounded up, 32, 2]), y [M, N]");
+  const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1];
+  if (pd[1] != (kPairs ? (K + 1) / 2 : K) || yd[0] != M || N > num_panels * kPanel ||
+      N <= (num_panels - 1) * kPanel)
+    return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  dense_rows<Wt, S>(pool, x.typed_data(), M, K, reinterpret_cast<const typename Wt::T*>(panels.untyped_data()),
+                    num_panels, N, y->typed_data(), scales, mins, group_shift);
   return ffi::Error::Success();
 }
 
@@ -547,7 +553,58 @@ ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
 
+// A mixture of experts' projection: x's rows sorted by expert, group_sizes[e] of them
+// for expert e (in order; rows past their sum get zeros, as jax.lax.ragged_dot), each
+// group times its own expert's panels ([E, N/32, K, 32]; bfloat16 [E, N/32, K/2, 32,
+// 2]). The work follows the rows routed: one dense pass per expert over its rows.
+template <class Wt, typename PanelBuffer>
+ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
+                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+  const auto xd = x.dimensions(), pd = panels.dimensions(), gd = group_sizes.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || gd.size() != 1 || pd.size() != (kPairs ? 5u : 4u) || pd[0] != gd[0] ||
+      pd[3] != kPanel || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument("grouped dense: x must be [M, K], panels [E, N/32, K, 32] (bfloat16: "
+                                       "[E, N/32, K/2, 32, 2]), group_sizes [E], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], experts = pd[0], num_panels = pd[1], N = yd[1];
+  if (pd[2] != (kPairs ? (K + 1) / 2 : K) || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
+    return ffi::Error::InvalidArgument("grouped dense: the shapes of x, panels and y do not agree");
+  const int32_t* sizes = group_sizes.typed_data();
+  const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
+  const int64_t expert_size = num_panels * Wt::panel_size(K);
+  float* Y = y->typed_data();
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (sizes[e] < 0 || row + sizes[e] > M)
+      return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
+    if (sizes[e] > 0 && N > 0)
+      dense_rows<Wt, kNoScales>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
+                                Y + row * N, nullptr, nullptr, 0);
+    row += sizes[e];
+  }
+  std::memset(Y + row * N, 0, (M - row) * N * sizeof(float));
+  return ffi::Error::Success();
+}
+constexpr auto GroupedDenseF32 = GroupedDense<F32Weights, ffi::Buffer<ffi::F32>>;
+constexpr auto GroupedDenseBF16 = GroupedDense<BF16Weights, ffi::Buffer<ffi::BF16>>;
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseF32, GroupedDenseF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [E, N/32 rounded up, K, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16, GroupedDenseBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // panels [E, N/32 rounded up, K/2 rounded up, 32, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

@@ -32,7 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
+TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32", jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -59,6 +60,12 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     against 2.7-4.5 s for the same jnp ops run eagerly."""
     if isinstance(w, QuantizedWeight):
         return _pack_quantized(w)
+    if len(w.shape) == 3:  # a mixture of experts' [E, K, N]: each expert's panels, stacked
+        if isinstance(w, jax.ShapeDtypeStruct):
+            one = pack_weight(jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
+            return one.replace(panels=jax.ShapeDtypeStruct((w.shape[0], *one.panels.shape), w.dtype), experts=w.shape[0])
+        packed = [pack_weight(w[e]) for e in range(w.shape[0])]
+        return packed[0].replace(panels=jnp.stack([p.panels for p in packed]), experts=w.shape[0])
     k, n = w.shape
     pairs = jnp.dtype(w.dtype) == jnp.bfloat16
     if isinstance(w, jax.ShapeDtypeStruct):
@@ -98,8 +105,11 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
     return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins))
 
 
-def unpack_weight(w: PackedWeight) -> Float[Array, "K N"]:
-    """The [in, out] matrix back, dequantized (tests and debugging)."""
+def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:
+    """The [in, out] matrix back, dequantized (tests and debugging); a mixture of
+    experts' [E, in, out]."""
+    if w.experts:
+        return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], experts=0)) for e in range(w.experts)])
     panels = w.panels
     if panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
         panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
@@ -151,6 +161,21 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
+def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight, group_sizes: Int[Array, "E"]
+                   ) -> Float[Array, "M N"]:
+    """A mixture of experts' projection: `x`'s rows sorted by expert, `group_sizes[e]`
+    of them for expert e, each group times its expert's [K, N] (float32 results): the
+    dense kernel over each group's rows for packed weights (the work follows the rows),
+    `jax.lax.ragged_dot` for plain ones (a grouped matmul on a GPU; XLA:CPU computes
+    every expert for every row)."""
+    if isinstance(w, PackedWeight):
+        cpu_kernels.load_kernels()
+        out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
+        return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(
+            x.astype(jnp.float32), w.panels, group_sizes.astype(jnp.int32))
+    return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
+
+
 def _pallas_linear(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
                    ) -> Float[Array, "... N"]:
     """x @ w through the Pallas weight-only matmul (interpret mode off GPU)."""
@@ -184,7 +209,7 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     params too."""
 
     def pack_layer(lp: LayerParams) -> LayerParams:  # a layer's matrices are its projections
-        return jax.tree.map(lambda w: pack_weight(w) if isinstance(w, QuantizedWeight) or len(w.shape) == 2 else w,
+        return jax.tree.map(lambda w: pack_weight(w) if isinstance(w, QuantizedWeight) or len(w.shape) >= 2 else w,
                             lp, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
     layers = tuple(pack_layer(lp) for lp in params.layers)

@@ -1,7 +1,8 @@
 """Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
 top-k experts; the tokens are grouped by expert and every group multiplies only its
-expert's weights (`jax.lax.ragged_dot`), so the work follows the tokens routed, k per
-token, not tokens x experts.
+expert's weights (`grouped_linear`: the dense kernel per group on a CPU with packed
+weights, `jax.lax.ragged_dot` otherwise), so the work follows the tokens routed, k per
+token, not tokens x experts (except under ragged_dot on XLA:CPU, which computes them all).
 
 Routing as HF computes it: softmax over the router's float32 logits, top-k, the k
 probabilities renormalized to sum to 1 where the config says (Mixtral always; Qwen's
@@ -17,8 +18,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import linear
-from jaxllm.models.params import LayerParams
+from jaxllm.models.linear import grouped_linear, linear
+from jaxllm.models.params import LayerParams, PackedWeight
 
 
 def route(logits: Float[Array, "T E"], k: int, normalize: bool
@@ -38,19 +39,19 @@ def gated(x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:
 
 
 def experts_mlp(h: Float[Array, "T D"], weights: Float[Array, "T k"], experts: Int[Array, "T k"],
-                w_gate_up: Float[Array, "E D F2"], w_down: Float[Array, "E F D"], act: str) -> Float[Array, "T D"]:
+                w_gate_up: Float[Array, "E D F2"] | PackedWeight, w_down: Float[Array, "E F D"] | PackedWeight,
+                act: str) -> Float[Array, "T D"]:
     """sum over each token's k experts of weight * expert(h): the (token, expert) pairs
-    sorted by expert, one ragged matmul per projection over the groups."""
+    sorted by expert, one grouped matmul per projection over the groups
+    (jaxllm.models.linear.grouped_linear)."""
     t, k = experts.shape
-    num_experts = w_gate_up.shape[0]
+    num_experts = w_gate_up.experts if isinstance(w_gate_up, PackedWeight) else w_gate_up.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows = order // k  # the token of each sorted pair
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    dtype = w_gate_up.dtype
-    xs = h[rows].astype(dtype)
-    up = jax.lax.ragged_dot(xs, w_gate_up, sizes, preferred_element_type=jnp.float32)
-    out = jax.lax.ragged_dot(gated(up, act).astype(dtype), w_down, sizes, preferred_element_type=jnp.float32)
+    up = grouped_linear(h[rows], w_gate_up, sizes)
+    out = grouped_linear(gated(up, act), w_down, sizes)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, out.shape[-1]), jnp.float32).at[rows].add(out).astype(h.dtype)
 

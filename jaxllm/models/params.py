@@ -64,18 +64,22 @@ class PackedWeight:
     j holding column j in its low nibble and column j + 16 in its high one (an offset of
     8 added where the values are signed: Q4_0). bfloat16 weights pack their inputs in
     pairs, [out/PANEL, in/2, PANEL, 2] (an odd `in` padded with a zero row): the two
-    inputs vdpbf16ps multiplies side by side for each column."""
+    inputs vdpbf16ps multiplies side by side for each column. A mixture of experts'
+    [E, in, out] weight stacks each expert's panels (`experts` = E)."""
 
-    panels: Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"] | Float[Array, "P K2 32 2"]
+    panels: (Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"] | Float[Array, "P K2 32 2"]
+             | Float[Array, "E P K 32"] | Float[Array, "E P K2 32 2"])
     out_features: int = struct.field(pytree_node=False)
     scale: Float[Array, "P32"] | Float[Array, "P G 32"] | None = None  # [P * 32] per column, [P, G, 32] per group
     group: int = struct.field(pytree_node=False, default=0)
     mins: Float[Array, "P G 32"] | None = None  # Q4_1
+    experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
 
     @property
     def in_features(self) -> int:
         """Rows of the packed matrix (rounded up to even for bfloat16 pairs)."""
-        return self.panels.shape[1] * (2 if len(self.panels.shape) == 4 else 1)
+        dims = self.panels.shape[1:] if self.experts else self.panels.shape
+        return dims[1] * (2 if len(dims) == 4 else 1)
 
 
 @struct.dataclass

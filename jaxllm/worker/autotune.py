@@ -270,11 +270,9 @@ class StepTimer:
 
         p = abstract_params(self.cfg, self.dtype)
         layer = p.layers[0]
-        # a MoE layer's experts run as ragged matmuls whatever the backend: its attention
-        # projections are what the backends differ in
-        mlp = [] if self.cfg.is_moe(0) else [layer.w_gate_up.shape, layer.w_down.shape]
-        shapes = [layer.wqkv.shape, layer.wo.shape, *mlp]
-        per_layer = sum(a * b for a, b in shapes) * self.dtype.itemsize
+        # a MoE layer's experts: [E, in, out] each, grouped matmuls (uniform routing)
+        shapes = [layer.wqkv.shape, layer.wo.shape, layer.w_gate_up.shape, layer.w_down.shape]
+        per_layer = sum(int(np.prod(s)) for s in shapes) * self.dtype.itemsize
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
         layout = pack_weight if backend == "cpu" else (lambda w: w)
         layers = [[layout(self._filled(shape, self.dtype)) for shape in shapes] for _ in range(copies)]
@@ -286,19 +284,23 @@ class StepTimer:
         return layers, head
 
     def _linear_fns(self):
-        from jaxllm.models.linear import linear
+        from jaxllm.models.linear import grouped_linear, linear
 
-        q = self.cfg.q_size
-        f = self.cfg.intermediate_size
+        q, moe = self.cfg.q_size, self.cfg.is_moe(0)
+        f, fe = self.cfg.intermediate_size, self.cfg.moe_intermediate_size
 
         def layers_fn(x, layers):
-            for wqkv, wo, *mlp in layers:
+            for wqkv, wo, w_gate_up, w_down in layers:
                 qkv = linear(x, wqkv)
                 x = x + linear(qkv[:, :q], wo)
-                if mlp:
-                    w_gate_up, w_down = mlp
-                    x = x + linear(linear(x, w_gate_up)[:, :f], w_down)
+                x = x + (experts(x, w_gate_up, w_down) if moe else linear(linear(x, w_gate_up)[:, :f], w_down))
             return x
+
+        def experts(x, w_gate_up, w_down):  # each token's k rows, spread evenly over the experts
+            t, e, k = x.shape[0], self.cfg.num_experts, self.cfg.num_experts_per_tok
+            sizes = jnp.asarray(np.bincount(np.arange(t * k) % e, minlength=e), jnp.int32)
+            up = grouped_linear(jnp.repeat(x, k, axis=0), w_gate_up, sizes)
+            return grouped_linear(up[:, :fe], w_down, sizes).reshape(t, k, -1).sum(axis=1)
 
         def head_fn(x, head):
             if not isinstance(head, PackedWeight) and head.shape[0] != x.shape[1]:  # tied: [V, D]
