@@ -33,7 +33,8 @@ def pair(request, test_models_dir):
 # in the slow run (tests/conftest.py reads SLOW_CASES): the layouts differ only in the
 # projections, which those two cover, and the default run has a 15-minute budget.
 SLOW_CASES = ("[mistral-plain]", "[qwen3-plain]", "[gemma3-plain]", "[gemma2-plain]", "[qwen3_moe-plain]",
-              "[mixtral-plain]", "test_moe_engine_greedy_matches_hf[qwen3_moe]")
+              "[mixtral-plain]", "test_moe_engine_greedy_matches_hf[qwen3_moe]",
+              "test_moe_engine_greedy_matches_hf[qwen2_moe]")
 LAYOUTS = pytest.mark.parametrize("layout", ["plain", "packed"])
 
 

@@ -111,7 +111,9 @@ def _fake_quantized_folder(src, dst, quantization="int8"):
     return save_hf_folder(dst, model.config, dequantized, model.tokenizer)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4", pytest.param("int4_g32", marks=pytest.mark.slow)])
+# int8's engine also runs in the default tensor-parallel logits test; the int4 ones here
+@pytest.mark.parametrize("quant", [pytest.param("int8", marks=pytest.mark.slow), "int4",
+                                   pytest.param("int4_g32", marks=pytest.mark.slow)])
 def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(test_models_dir, tmp_path, quant):
     """The oracle: the float engine on weights already rounded to the format (int8 x
     scale; int4's scale x q + min). Greedy tokens identical, logprobs within 1e-4; and
@@ -197,7 +199,8 @@ def test_the_block_formats_are_gguf_s_own_quantizer(name):
         quantize_blocks(w[:40], fmt, "model.layers.0.mlp.down_proj.weight")
 
 
-@pytest.mark.parametrize("name,tensor_type", [("llama", "Q8_0"), ("llama", "Q4_1"),
+# Q8_0's blocks also run in the default mixed-types test (its v projection and embedding)
+@pytest.mark.parametrize("name,tensor_type", [pytest.param("llama", "Q8_0", marks=pytest.mark.slow), ("llama", "Q4_1"),
                                               pytest.param("llama", "Q4_0", marks=pytest.mark.slow),
                                               pytest.param("qwen2", "Q8_0", marks=pytest.mark.slow)])
 # llama: tied embeddings and RoPE row order; qwen2: an untied head, biases
