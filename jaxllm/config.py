@@ -395,8 +395,8 @@ def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
 def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The ModelConfig fields in which the families differ, from an HF config."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    fields: dict[str, Any] = dict(hidden_act=act,
-                                  qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+    bias = model_type in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False))
+    fields: dict[str, Any] = dict(hidden_act=act, qkv_bias=bias,
                                   qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"))
     # Gemma 3 has a RoPE per layer type (_gemma3_ropes); the others one
     fields.update(_gemma3_ropes(hf, source) if model_type == "gemma3_text" else dict(rope=_hf_rope(hf, source)))

@@ -1,10 +1,13 @@
 // Dense projections for XLA:CPU, as XLA FFI custom calls: y[M, N] = x[M, K] @ W[K, N],
 // float32, with W packed ahead of time into panels of 32 columns (jaxllm.models.linear
 // packs it once at load: panels[N/32, K, 32], the last panel zero-padded). Quantized
-// panels (int8 values with a scale per column; GGUF's Q8_0, Q4_0 and Q4_1 blocks, a
-// scale (and min) per 32 inputs, the 4-bit values two to a byte) are converted to
-// float32 weights in registers when one tile of rows passes over a panel, or once into
-// a float panel when several do; each weight is the float gguf dequantizes it to.
+// panels (int8 values with a scale per column; blocks with a scale (and min) per G
+// inputs: GGUF's Q8_0, Q4_0, Q4_1 (G = 32), int4 (128), a mixed GGUF's int8 container
+// (16); 4-bit values two to a byte) are converted to float32 weights in registers when
+// one tile of rows passes over a panel, or once into a float panel when several do; each
+// weight is the float gguf dequantizes it to. bfloat16 panels hold inputs in pairs for
+// vdpbf16ps (AVX512_BF16; float32 lanes elsewhere). A mixture of experts' projection
+// runs the same pass once per expert over its rows (GroupedDense).
 //
 // Why on CPU: a step multiplies a few dozen to a few hundred rows by every weight matrix
 // of the model. XLA:CPU's dot reached ~100-160 GFLOP/s at 32-128 rows on SmolLM2's
@@ -260,7 +263,8 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
-    for (int v = 0; v < V; ++v) w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16 * h + v * jaxllm::kLanes);
+    for (int v = 0; v < V; ++v)
+      w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16 * h + v * jaxllm::kLanes);
     if (prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < G; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + g + i]);
@@ -403,7 +407,8 @@ void dequantize_panel(const Panel<Wt>& p, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) {
     if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int c = 0; c < kPanel; c += jaxllm::kLanes)
-      storeN(out + k * kPanel + c, weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, p.group_shift, k, c));
+      storeN(out + k * kPanel + c,
+             weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, p.group_shift, k, c));
   }
 }
 

@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
-TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32", jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
+TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32",  # experts' panels stacked, rows by expert
+                  jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -63,7 +64,8 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     if len(w.shape) == 3:  # a mixture of experts' [E, K, N]: each expert's panels, stacked
         if isinstance(w, jax.ShapeDtypeStruct):
             one = pack_weight(jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
-            return one.replace(panels=jax.ShapeDtypeStruct((w.shape[0], *one.panels.shape), w.dtype), experts=w.shape[0])
+            stacked = jax.ShapeDtypeStruct((w.shape[0], *one.panels.shape), w.dtype)
+            return one.replace(panels=stacked, experts=w.shape[0])
         packed = [pack_weight(w[e]) for e in range(w.shape[0])]
         return packed[0].replace(panels=jnp.stack([p.panels for p in packed]), experts=w.shape[0])
     k, n = w.shape

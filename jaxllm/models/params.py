@@ -208,9 +208,9 @@ def declare(cfg: ModelConfig) -> ModelParams:
         named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
         norm = lambda name: ParamDecl((d,), ("embed",), ((p + name, d),))  # noqa: E731
         sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is the attention's output norm
+        gate_up = ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f))
         mlp_decls = _moe_decls(cfg, i) if cfg.is_moe(i) else dict(
-            w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f)),
-                                transposed=True, quant=cfg.quantization),
+            w_gate_up=ParamDecl((d, 2 * f), ("embed", "mlp"), gate_up, transposed=True, quant=cfg.quantization),
             w_down=ParamDecl((f, d), ("mlp", "embed"), ((mlp + "down_proj.weight", d),), transposed=True,
                              quant=cfg.quantization))
         return LayerParams(
