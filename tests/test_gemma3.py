@@ -26,6 +26,7 @@ def test_config(gemma):
     assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     assert (cfg.rope.theta, cfg.rope_local.theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
     assert cfg.tie_word_embeddings and gemma.params.lm_head is None and cfg.embed_quantization == "q8_0"
+    assert cfg.quantization == "gguf_int8"  # its Q5_0 / Q8_0 / Q4_K / Q6_K projections kept, exactly
     # the norms as HF holds them (the GGUF stores 1 + w): q_norm's scale ~1.9 is w ~0.9
     assert 0.5 < float(np.mean(np.asarray(gemma.params.layers[0].q_norm))) < 1.5
 

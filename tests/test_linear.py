@@ -17,7 +17,7 @@ from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, pack_params, pack_weight, linear_candidates, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
-from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int8
+from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4, quantize_int8
 from tests.paged_driver import PagedDriver
 from tests.test_engine import assert_no_leaks, make_llm
 
@@ -27,7 +27,7 @@ from tests.test_engine import assert_no_leaks, make_llm
     [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
      (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
 )
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4", "q8_0", "q4_0", "q4_1"])
 def test_dense_kernel_matches_numpy(m, k, n, weights):
     """float32 panels, bfloat16 ones (x rounded to bfloat16, float32 sums: vdpbf16ps
     where the build has AVX512_BF16, float32 lanes elsewhere), and quantized ones
@@ -47,18 +47,19 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
         return
     fmt = QUANT_FORMATS.get(weights)
-    if fmt is not None and fmt.group and k % 32:  # blocks are 32 inputs: such a matrix is refused, naming why
-        with pytest.raises(ValueError, match=f"has {k} inputs, not a multiple of 32"):
-            quantize_blocks(w, fmt)
+    quantize = {"int8": lambda w, fmt: quantize_int8(w), "int4": quantize_int4}.get(weights, quantize_blocks)
+    if fmt is not None and fmt.group and k % fmt.group:  # such a matrix is refused, naming why
+        with pytest.raises(ValueError, match=f"has {k} inputs, not a multiple of {fmt.group}"):
+            quantize(w, fmt)
         return
     if fmt is not None:
-        quantized = quantize_int8(w) if weights == "int8" else quantize_blocks(w, fmt)
+        quantized = quantize(w, fmt)
         w = np.asarray(dequantize(quantized))
         packed = pack_weight(quantized)
         assert packed.panels.dtype == (jnp.uint8 if fmt.bits == 4 else jnp.int8)
         assert packed.panels.shape == (-(-n // 32), k, 32 * fmt.bits // 8)
         assert packed.scale.shape == ((packed.panels.shape[0] * 32,) if weights == "int8" else
-                                      (packed.panels.shape[0], k // 32, 32))
+                                      (packed.panels.shape[0], k // fmt.group, 32))
         assert (packed.mins is not None) == fmt.mins
         np.testing.assert_array_equal(np.asarray(unpack_weight(packed)), w)
     else:

@@ -111,9 +111,9 @@ def _fake_quantized_folder(src, dst, quantization="int8"):
     return save_hf_folder(dst, model.config, dequantized, model.tokenizer)
 
 
-# int8's engine also runs in the default tensor-parallel logits test; the int4 ones here
-@pytest.mark.parametrize("quant", [pytest.param("int8", marks=pytest.mark.slow), "int4",
-                                   pytest.param("int4_g32", marks=pytest.mark.slow)])
+# int8's engine also runs in the default tensor-parallel logits test; int4's kernel path
+# in tests/test_linear.py (the 4-bit panels with 128-input groups) and its rounding above
+@pytest.mark.parametrize("quant", [pytest.param(q, marks=pytest.mark.slow) for q in ("int8", "int4", "int4_g32")])
 def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(test_models_dir, tmp_path, quant):
     """The oracle: the float engine on weights already rounded to the format (int8 x
     scale; int4's scale x q + min). Greedy tokens identical, logprobs within 1e-4; and

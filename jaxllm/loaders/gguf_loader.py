@@ -4,9 +4,9 @@ Quantized tensors are dequantized to the compute dtype, except the projections: 
 whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks (their values,
 scales and mins, jaxllm.models.quant); one whose projections mix the affine block
 types (GGUF_INT8_TYPES: a Q4_K_M file's Q4_K, Q6_K, Q5_0, Q8_0...) keeps every weight
-exactly in the `gguf_int8` container (int8 values, a scale and min per 16 inputs). llama.cpp's interleaved row order of attn_q / attn_k (its
-converter permutes them for its RoPE kernel) is undone so the standard rotate-half RoPE
-applies. The tokenizer (BPE vocab, merges, special tokens) and chat template come from
+exactly in the `gguf_int8` container (int8 values, a scale and min per 16 inputs).
+llama.cpp's interleaved row order of attn_q / attn_k (its converter permutes them for
+its RoPE kernel) is undone so the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special tokens) and chat template come from
 the file's metadata.
 """
 
