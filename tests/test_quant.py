@@ -221,20 +221,23 @@ def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir
     assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
     packed, floats = pack_weight(w_down), pack_weight(dequantized.params.layers[0].w_down)
     assert packed.panels.nbytes == floats.panels.nbytes * fmt.bits // 32
+    for backend in ("cpu", "xla"):
+        np.testing.assert_array_equal(_engine_numbers(path, None, backend), _engine_numbers(path, "none", backend),
+                                      err_msg=backend)
+
+
+def _engine_numbers(path, quantization, linear_backend) -> np.ndarray:
+    """Greedy tokens, sample and prompt logprobs (top 3 / 2) of two fixed prompts through
+    LLM: what a kept-blocks engine must reproduce bit for bit."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-
-    def numbers(quantization, linear_backend):
-        llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, **SMALL)
-        values = []
-        for o in llm.generate(prompts, params, use_tqdm=False):
-            steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
-            values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
-        return np.array(values)
-
-    for backend in ("cpu", "xla"):
-        np.testing.assert_array_equal(numbers(None, backend), numbers("none", backend), err_msg=backend)
+    llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, **SMALL)
+    values = []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
+        values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
+    return np.array(values)
 
 
 def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -301,19 +304,7 @@ def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backen
     again = load_model(path, "float32", conversion_cache_dir=cache)  # restored from the conversion
     for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(again.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-
-    def numbers(quantization):
-        llm = LLM(str(path), quantization=quantization, linear_backend=backend, **SMALL)
-        values = []
-        for o in llm.generate(prompts, params, use_tqdm=False):
-            steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
-            values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
-        return np.array(values)
-
-    np.testing.assert_array_equal(numbers(None), numbers("none"))
+    np.testing.assert_array_equal(_engine_numbers(path, None, backend), _engine_numbers(path, "none", backend))
 
 
 def test_gguf_int8_of_float_weights_is_refused(test_models_dir):
