@@ -5,6 +5,9 @@ SmolLM2's projection shapes, in one process: GFLOP/s of each and their ratio.
     .venv/bin/python scripts/bench_linear.py               # this CPU's native build
     .venv/bin/python scripts/bench_linear.py --isa avx2    # AVX2 + FMA only: kernels built
                                                            # with -march=x86-64-v3, XLA capped
+    .venv/bin/python scripts/bench_linear.py --weights q4_1  # kept blocks: the kernel multiplying
+                                                           # in float32 vs in bfloat16 (a bfloat16
+                                                           # model), and bfloat16 panels
 
 `--isa avx2` on an AVX-512 machine gives the register file of an AVX2-only one (it
 re-runs this script with JAXLLM_CPU_MARCH=x86-64-v3 and XLA_FLAGS=--xla_cpu_max_isa=AVX2
@@ -55,16 +58,54 @@ def run(rows: list[int], iters: int) -> None:
             print(f"{m:>5} {k:>5} {n:>6} {flops / tk / 1e9:>15.1f} {flops / tx / 1e9:>12.1f} {tx / tk:>10.2f}")
 
 
+def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
+    """Kept blocks of `fmt_name` through the kernel as a float32 model multiplies them
+    and as a bfloat16 model does (`float_dtype`), and the same matrix as bfloat16 panels."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.models.linear import linear, pack_weight
+    from jaxllm.models.params import QUANT_FORMATS
+    from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4
+
+    fmt = QUANT_FORMATS[fmt_name]
+    quantize = quantize_int4 if fmt_name.startswith("int4") else quantize_blocks
+    rng = np.random.default_rng(0)
+    print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "
+          "and bfloat16 panels of the same matrix")
+    print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bfloat16':>9} {'bf16 panels':>12} {'bf16/f32':>9}")
+    kernel = jax.jit(lambda x, p: linear(x, p))
+    for k, n in SHAPES:
+        q = quantize(rng.standard_normal((k, n), np.float32), fmt)
+        q16 = q.replace(float_dtype="bfloat16")
+        f32, bf16 = pack_weight(q), pack_weight(q16)
+        panels = pack_weight(dequantize(q16))
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+            np.testing.assert_array_equal(np.asarray(kernel(x, bf16)), np.asarray(kernel(x, panels)))
+            t = [timed(kernel, x, w, iters=iters) for w in (f32, bf16, panels)]
+            g = [2 * m * k * n / s / 1e9 for s in t]
+            print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>12.1f} {t[0] / t[1]:>9.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--isa", choices=sorted(ISAS), default="native")
     p.add_argument("--rows", default="8,32,64,128,512", help="M values (tokens in a step)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--weights", default="float32",
+                   help="float32 (the kernel against XLA's dot), or a grouped quantization (q4_1, q4_0, "
+                        "q8_0, int4...: kept blocks in a float32 and in a bfloat16 model)")
     args = p.parse_args()
     if not reexec(args.isa):
         return
     print(describe(args.isa))
-    run([int(r) for r in args.rows.split(",")], args.iters)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.weights == "float32":
+        run(rows, args.iters)
+    else:
+        run_blocks(args.weights, rows, args.iters)
 
 
 if __name__ == "__main__":

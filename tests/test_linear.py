@@ -33,7 +33,8 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
     where the build has AVX512_BF16, float32 lanes elsewhere), and quantized ones
     (jaxllm.models.quant: int8 with scales per column; GGUF's Q8_0, Q4_0 and Q4_1 blocks
     of 32 inputs) against their dequantized matrix; the block formats give the very
-    sums of that matrix packed as floats."""
+    sums of that matrix packed as floats, and in a bfloat16 model (`float_dtype`) those
+    of that matrix rounded to bfloat16 and packed as bfloat16 pairs."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -70,6 +71,12 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
     np.testing.assert_allclose(got, ref, rtol=0, atol=(2e-6 if weights == "float32" else 4e-6) * np.abs(ref).max())
     if fmt is not None and fmt.group:  # each weight as dequantized at load: the float panels' very sums
         np.testing.assert_array_equal(got, np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(jnp.asarray(w)))))
+        # in a bfloat16 model: the sums of those weights rounded to bfloat16, packed as bfloat16 pairs
+        in_bf16 = pack_weight(quantized.replace(float_dtype="bfloat16"))
+        w16 = jnp.asarray(w, jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(unpack_weight(in_bf16)), np.asarray(w16))
+        np.testing.assert_array_equal(np.asarray(jax.jit(linear)(jnp.asarray(x), in_bf16)),
+                                      np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(w16))))
 
 
 def test_dense_kernel_keeps_leading_dims_and_a_second_call_with_fewer_rows():

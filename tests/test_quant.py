@@ -226,13 +226,28 @@ def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir
                                       err_msg=backend)
 
 
-def _engine_numbers(path, quantization, linear_backend) -> np.ndarray:
+def test_a_kept_gguf_in_bfloat16_is_the_file_dequantized_to_bfloat16(test_models_dir, tmp_path):
+    """`dtype="bfloat16"` over kept Q4_1 blocks (the default SmolLM2's format) computes
+    what the same file dequantized to bfloat16 at load computes, bit for bit through the
+    kernel (x and the weights rounded to bfloat16, float32 sums: vdpbf16ps where the CPU
+    has it), and not what float32 computes; XLA's dot (its converts may keep excess
+    precision) comes within bfloat16's rounding of it."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+    kept = _engine_numbers(path, None, "cpu", dtype="bfloat16")
+    np.testing.assert_array_equal(kept, _engine_numbers(path, "none", "cpu", dtype="bfloat16"))
+    assert not np.array_equal(kept, _engine_numbers(path, None, "cpu"))
+    np.testing.assert_allclose(_engine_numbers(path, None, "xla", dtype="bfloat16"), kept, rtol=0, atol=0.05)
+
+
+def _engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:
     """Greedy tokens, sample and prompt logprobs (top 3 / 2) of two fixed prompts through
     LLM: what a kept-blocks engine must reproduce bit for bit."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, **SMALL)
+    llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, dtype=dtype, **SMALL)
     values = []
     for o in llm.generate(prompts, params, use_tqdm=False):
         steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]

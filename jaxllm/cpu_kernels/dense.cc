@@ -141,6 +141,14 @@ inline float bf16_value(uint16_t b) {
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+// kLanes float32 lanes rounded so, in the high half of each 32-bit lane (finite values:
+// the weights of a panel, so no NaN case).
+typedef uint32_t u32xN __attribute__((vector_size(jaxllm::kLanes * sizeof(uint32_t))));
+inline u32xN bf16_rounded(f32xN v) {
+  u32xN u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
 
 // bfloat16 panels: [K/2 rounded up][32][2], the two inputs of a pair side by side for
 // each column (what vdpbf16ps multiplies; an odd K's last pair padded with a zero), so
@@ -197,6 +205,10 @@ struct BF16Weights {
 // the empty asm hides the product from contraction). Either way each weight is the
 // float32 gguf dequantizes it to, so the sums are those of the dequantized matrix.
 enum Scaling { kNoScales, kColumnScales, kGroupScales, kGroupScalesMins };
+// Or-ed into a grouped scaling: each weight then rounded to bfloat16 (a bfloat16 model's
+// weights kept quantized: the values that model would hold dequantized), x as BF16Weights
+// packs it.
+constexpr int kRoundBF16 = 8;
 
 inline void rounded(f32xN& v) {
 #if defined(__AVX512F__)
@@ -215,11 +227,17 @@ inline void rounded(f32xN& v) {
 template <class Wt, int S>
 inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int shift, int64_t k,
                         int c) {
+  constexpr int kScaling = S & ~kRoundBF16;
   f32xN w = Wt::load(panel, k, c);
-  if constexpr (S == kGroupScales || S == kGroupScalesMins) w *= loadN(gscale + (k >> shift) * kPanel + c);
-  if constexpr (S == kGroupScalesMins) {
+  if constexpr (kScaling == kGroupScales || kScaling == kGroupScalesMins)
+    w *= loadN(gscale + (k >> shift) * kPanel + c);
+  if constexpr (kScaling == kGroupScalesMins) {
     rounded(w);
     w += loadN(gmin + (k >> shift) * kPanel + c);
+  }
+  if constexpr ((S & kRoundBF16) != 0) {
+    const u32xN r = bf16_rounded(w);
+    std::memcpy(&w, &r, sizeof w);
   }
   return w;
 }
@@ -317,21 +335,67 @@ void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float
   }
 }
 
+// Columns c.. of a grouped panel at inputs 2 k2 and 2 k2 + 1 (K is even: whole groups),
+// as BF16Weights holds a pair: each weight rounded to bfloat16, the even input low.
+// With AVX512_BF16: vcvtne2ps2bf16 rounds both inputs' lanes at once (to nearest even, as
+// bf16_rounded; a subnormal weight would become 0, as in XLA's own bfloat16 ops), a
+// vpermw puts each column's two side by side.
+template <class Wt, int S>
+inline u32xN bf16_pair_lanes(const Panel<Wt>& p, int64_t k2, int c) {
+  static_assert(S == kGroupScales || S == kGroupScalesMins, "each weight dequantized before the dot");
+  const f32xN lo = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, 2 * k2, c);
+  const f32xN hi = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, 2 * k2 + 1, c);
+#if defined(__AVX512BF16__) && JAXLLM_LANES == 16
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (u32xN)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+#else
+  return bf16_rounded(lo) >> 16 | bf16_rounded(hi);
+#endif
+}
+
+// A grouped panel as bfloat16 pairs [K/2][32][2] (BF16Weights' panel): what a bfloat16
+// model's dot multiplies when its weights are kept quantized (the `bf16` attribute).
+template <class Wt, int S>
+void bf16_pairs_panel(const Panel<Wt>& p, int64_t K, uint16_t* out) {
+  for (int64_t k2 = 0; 2 * k2 < K; ++k2) {
+    if (p.prefetch) {
+      prefetch_row<Wt>(p.prefetch, 2 * k2);
+      prefetch_row<Wt>(p.prefetch, 2 * k2 + 1);
+    }
+    for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
+      const u32xN pair = bf16_pair_lanes<Wt, S>(p, k2, c);
+      std::memcpy(out + 2 * (k2 * kPanel + c), &pair, sizeof pair);
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 // The wide tile over pairs of inputs: per pair, two loads of the panel (16 columns x 2
-// inputs each), 12 broadcasts of x's pairs, 24 vdpbf16ps. K2: the pairs.
-template <int R>
-void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<BF16Weights>& p, int64_t K2, float* y,
-                                 int64_t ldy, int cols) {
+// inputs each; a grouped panel's converted in registers), 12 broadcasts of x's pairs,
+// 24 vdpbf16ps. K2: the pairs.
+template <int R, class Wt, int S>
+void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<Wt>& p, int64_t K2, float* y, int64_t ldy,
+                                 int cols) {
   __m512 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K2; ++k) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel + kPanel);
-    if (p.prefetch) {
-      __builtin_prefetch(p.prefetch + k * 2 * kPanel);
-      __builtin_prefetch(p.prefetch + k * 2 * kPanel + kPanel);
+    __m512bh w0, w1;
+    if constexpr (std::is_same_v<Wt, BF16Weights>) {
+      w0 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel);
+      w1 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel + kPanel);
+      if (p.prefetch) {
+        __builtin_prefetch(p.prefetch + k * 2 * kPanel);
+        __builtin_prefetch(p.prefetch + k * 2 * kPanel + kPanel);
+      }
+    } else {
+      w0 = (__m512bh)bf16_pair_lanes<Wt, S>(p, k, 0);
+      w1 = (__m512bh)bf16_pair_lanes<Wt, S>(p, k, 16);
+      if (p.prefetch) {
+        prefetch_row<Wt>(p.prefetch, 2 * k);
+        prefetch_row<Wt>(p.prefetch, 2 * k + 1);
+      }
     }
     for (int i = 0; i < R; ++i) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[k * kTileRows + i]));
@@ -349,12 +413,16 @@ void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<BF16Weights>& p
 }
 #endif
 
+// x as a tile of Wt's panels under scaling S reads it.
+template <class Wt, int S>
+using TileX = std::conditional_t<(S & kRoundBF16) != 0, BF16Weights::X, typename Wt::X>;
+
 // The tile this build runs (the others are never instantiated).
 template <int R, class Wt, int S>
-void tile_times_panel(const typename Wt::X* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
-  if constexpr (std::is_same_v<Wt, BF16Weights> && kDotBF16) {
+void tile_times_panel(const TileX<Wt, S>* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
+  if constexpr (kDotBF16 && (std::is_same_v<Wt, BF16Weights> || (S & kRoundBF16) != 0)) {
 #if defined(__AVX512BF16__)
-    bf16_pairs_tile_times_panel<R>(xt, p, K, y, ldy, cols);
+    bf16_pairs_tile_times_panel<R, Wt, (S & ~kRoundBF16)>(xt, p, K, y, ldy, cols);
 #endif
   } else if constexpr (kWideTile) {
     wide_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
@@ -364,7 +432,7 @@ void tile_times_panel(const typename Wt::X* xt, const Panel<Wt>& p, int64_t K, f
 }
 
 template <class Wt, int S>
-using TileFn = void (*)(const typename Wt::X*, const Panel<Wt>&, int64_t, float*, int64_t, int);
+using TileFn = void (*)(const TileX<Wt, S>*, const Panel<Wt>&, int64_t, float*, int64_t, int);
 template <class Wt, int S>
 constexpr TileFn<Wt, S> kTileFns[kTileRows + 1] = {
     nullptr,                       tile_times_panel<1, Wt, S>,  tile_times_panel<2, Wt, S>,  tile_times_panel<3, Wt, S>,
@@ -418,8 +486,11 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
 }
 
 // y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
-// caller; one parallel pass over the pack and multiply items.
-template <class Wt, int S>
+// caller; one parallel pass over the pack and multiply items. kBF16 (grouped panels):
+// x and the dequantized weights rounded to bfloat16, float32 sums, as a bfloat16 model's
+// plain weights multiply (BF16Weights' tiles, vdpbf16ps where the CPU has it; the same
+// sums in the same order whichever way a panel is converted).
+template <class Wt, int S, bool kBF16 = false>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
                 int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
   if (K == 0) {
@@ -432,17 +503,18 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
-  const int64_t depth = Wt::depth(K), panel_size = Wt::panel_size(K);
-  thread_local std::vector<typename Wt::X> packed;
+  using Tiles = std::conditional_t<kBF16, BF16Weights, Wt>;  // how x is packed, which tiles multiply
+  const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
+  thread_local std::vector<typename Tiles::X> packed;
   packed.resize(tiles * kTileRows * depth);
-  typename Wt::X* XT = packed.data();
+  typename Tiles::X* XT = packed.data();
   std::unique_ptr<std::atomic<int64_t>[]> tiles_packed(new std::atomic<int64_t>[blocks]);
   for (int64_t b = 0; b < blocks; ++b) tiles_packed[b].store(0, std::memory_order_relaxed);
 
   // Items: first one per tile (pack it), then one per (row block, panel), block-major.
   jaxllm::parallel_for(pool, tiles + blocks * num_panels, [&](int64_t item) {
     if (item < tiles) {
-      Wt::pack(X, M, K, item, XT + item * kTileRows * depth);
+      Tiles::pack(X, M, K, item, XT + item * kTileRows * depth);
       tiles_packed[item / tiles_per_block].fetch_add(1, std::memory_order_release);
       return;
     }
@@ -464,7 +536,22 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
       }
     };
-    if constexpr (Wt::kConvertPanel) {
+    if constexpr (kBF16) {
+      if (t1 - t0 == 1) {  // one tile: converted in registers
+        tiles_times(kTileFns<Wt, S | kRoundBF16>, panel);
+      } else if constexpr (kDotBF16) {  // several: the panel converted to bfloat16 pairs once
+        thread_local std::vector<uint16_t> pairs;
+        pairs.resize(BF16Weights::panel_size(K));
+        bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
+        tiles_times(kTileFns<BF16Weights, kNoScales>, Panel<BF16Weights>{pairs.data(), nullptr, nullptr, nullptr});
+      } else {  // or to float32 weights rounded to bfloat16, for float tiles
+        thread_local std::vector<float> converted;
+        converted.resize(K * kPanel);
+        dequantize_panel<Wt, S | kRoundBF16>(panel, K, converted.data());
+        tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
+      }
+      return;
+    } else if constexpr (Wt::kConvertPanel) {
       if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
         thread_local std::vector<float> converted;
         converted.resize(K * kPanel);
@@ -473,16 +560,16 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         return;
       }
     }
-    tiles_times(kTileFns<Wt, S>, panel);
+    if constexpr (!kBF16) tiles_times(kTileFns<Wt, S>, panel);
   });
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
 // panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
-// 2^group_shift inputs per scale).
+// 2^group_shift inputs per scale); `bf16`: quantized panels multiplied in bfloat16.
 template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
-                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0) {
+                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
   if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
@@ -494,8 +581,15 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
       N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  dense_rows<Wt, S>(pool, x.typed_data(), M, K, reinterpret_cast<const typename Wt::T*>(panels.untyped_data()),
-                    num_panels, N, y->typed_data(), scales, mins, group_shift);
+  const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
+  if constexpr (S == kGroupScales || S == kGroupScalesMins) {
+    if (bf16) {
+      dense_rows<Wt, S, true>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(), scales, mins,
+                              group_shift);
+      return ffi::Error::Success();
+    }
+  }
+  dense_rows<Wt, S>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(), scales, mins, group_shift);
   return ffi::Error::Success();
 }
 
@@ -536,10 +630,10 @@ constexpr const char* kGroupedShapes =
 // [P, K, 16]).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kGroupedShapes);
-  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y, shift);
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y, shift, bf16);
 }
 constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
 constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -549,11 +643,12 @@ constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 // with a scale and min per 16 inputs).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y,
+                           bool bf16) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0 || group_shift_of(panels, mins) != shift || mins.dimensions()[1] != scales.dimensions()[1])
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kGroupedShapes);
-  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y, shift);
+  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y, shift, bf16);
 }
 constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
@@ -618,7 +713,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                               ffi::Ffi::Bind()
@@ -627,7 +723,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                               ffi::Ffi::Bind()
@@ -635,7 +732,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                               ffi::Ffi::Bind()
@@ -643,7 +741,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
                               ffi::Ffi::Bind()

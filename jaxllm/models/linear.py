@@ -104,7 +104,8 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
             scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
         return jnp.asarray(scale)
 
-    return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins))
+    return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins),
+                          float_dtype=w.float_dtype)
 
 
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:
@@ -122,7 +123,7 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
     if w.scale is not None and w.group:
         by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)  # noqa: E731  [P, G, 32] -> [G, P * 32]
         mins = None if w.mins is None else by_group(w.mins)
-        matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins))
+        matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins, float_dtype=w.float_dtype))
     elif w.scale is not None:
         matrix = matrix.astype(jnp.float32) * w.scale
     return matrix[:, : w.out_features]
@@ -136,10 +137,13 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`).
     A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
     the output columns (jaxllm.models.quant); grouped ones (GGUF blocks) are dequantized
-    first."""
+    first, and one of a bfloat16 model (`float_dtype`) multiplies as the model's plain
+    bfloat16 weights would (the kernel: its `bf16` attribute)."""
     if isinstance(w, QuantizedWeight):
         if w.kernel == "pallas":
             return _pallas_linear(x, w, preferred_element_type)
+        if w.group and w.float_dtype != "float32":  # the plain weight it stands for
+            return linear(x, dequantize(w), preferred_element_type)
         if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
             return jnp.matmul(x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
         y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=preferred_element_type or x.dtype)
@@ -153,12 +157,15 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
+    bf16 = w.float_dtype == "bfloat16"  # grouped panels: x and the dequantized weights rounded to bfloat16
     if w.mins is not None:
         target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins).reshape(*lead, w.out_features)
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins, bf16=bf16).reshape(*lead, w.out_features)
+    if w.scale is not None and w.group:
+        target = TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, bf16=bf16).reshape(*lead, w.out_features)
     if w.scale is not None:
-        target = (TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0) if w.group else TARGET_INT8
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
+        return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
     target = TARGET_BF16 if w.panels.dtype == jnp.bfloat16 else TARGET
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
@@ -194,6 +201,20 @@ def pallas_params(params: ModelParams) -> ModelParams:
     kernel (the arrays as they are); abstract params too."""
     return jax.tree.map(lambda w: w.replace(kernel="pallas") if isinstance(w, QuantizedWeight) else w, params,
                         is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def in_dtype(params: ModelParams, dtype) -> ModelParams:
+    """A model of `dtype`'s quantized weights marked as standing for that dtype's
+    matrix (`QuantizedWeight.float_dtype`): under bfloat16 each grouped weight (GGUF
+    blocks, int4) is its dequantized value rounded to bfloat16 and multiplies as the
+    model's plain bfloat16 weights (x rounded, float32 sums), so that such a model
+    computes what the same file dequantized to bfloat16 at load computes. int8's
+    per-column scales apply to the sums: it multiplies in x's dtype whatever the model's.
+    Abstract params too."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return params
+    return jax.tree.map(lambda w: w.replace(float_dtype="bfloat16") if isinstance(w, QuantizedWeight) and w.group
+                        else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:

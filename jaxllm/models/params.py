@@ -74,6 +74,7 @@ class PackedWeight:
     group: int = struct.field(pytree_node=False, default=0)
     mins: Float[Array, "P G 32"] | None = None  # Q4_1
     experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
+    float_dtype: str = struct.field(pytree_node=False, default="float32")  # a quantized one's: QuantizedWeight's
 
     @property
     def in_features(self) -> int:
@@ -98,6 +99,10 @@ class QuantizedWeight:
     bits: int = struct.field(pytree_node=False, default=8)
     group_axis: int = struct.field(pytree_node=False, default=0)  # 1: groups along the last axis (the embedding)
     kernel: str = struct.field(pytree_node=False, default="")  # "pallas": the `pallas` linear backend's layout
+    # The float matrix it stands for: float32 as gguf dequantizes it, or in a bfloat16
+    # model (grouped formats) each of those values rounded to bfloat16, as the model would
+    # hold it dequantized; multiplied as that model's plain weights (jaxllm.models.linear).
+    float_dtype: str = struct.field(pytree_node=False, default="float32")
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -101,12 +101,17 @@ def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name:
 
 
 def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
-    """The float32 matrix `w` stands for (the oracle of the quantized matmul): each
+    """The float matrix `w` stands for (the oracle of the quantized matmul): each
     value times its scale, rounded once, plus its min where it has one, rounded again,
     as gguf's dequantization computes them (XLA:CPU does not contract the two into one
-    multiply-add: tests/test_quant.py compares the jitted result with gguf's)."""
+    multiply-add: tests/test_quant.py compares the jitted result with gguf's); then
+    rounded to `w.float_dtype` (bfloat16 in a bfloat16 model)."""
     if not w.group:
         return w.q.astype(jnp.float32) * w.scale
+    return _grouped_values(w).astype(w.float_dtype)
+
+
+def _grouped_values(w: QuantizedWeight) -> Float[Array, "K N"]:
     # Each scale (min) gathered by its group's index along the grouped axis (the last
     # one for an embedding), not broadcast over a reshape: XLA:CPU saw through a
     # [K / 32, 32, N] reshape into a sum over the result (an RMS norm of embedding rows)

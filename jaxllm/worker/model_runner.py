@@ -30,7 +30,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import layout_params, linear_candidates
+from jaxllm.models.linear import in_dtype, layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import model_rope_table
@@ -192,7 +192,7 @@ class ModelRunner:
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
+        param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
         self.kv_format = kv_cache_format(kv_cache_dtype, dtype)
         self.block_size = block_size
@@ -339,7 +339,9 @@ class ModelRunner:
         return self._layout(params)
 
     def _layout(self, params: ModelParams) -> dict[str, ModelParams]:
-        """The weights in the layout of each linear backend some bucket uses."""
+        """The weights in the layout of each linear backend some bucket uses (quantized
+        ones multiplied as the model's dtype: `in_dtype`)."""
+        params = in_dtype(params, self.param_dtype)
         if self.mesh is not None:  # plain weights only (linear_candidates)
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
         return {b: layout_params(b, params, pack_head=self.plan.head == "cpu") for b in self.plan.backends("linear")}
