@@ -27,7 +27,7 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # quantized at load.
 QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "q8_0", "q4_0", "q4_1", "gguf_int8")
 # The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the
-# activations' dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is
+# model's dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is
 # "fp8_e4m3" (vLLM's names), saturated at +-448, no scale.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 

@@ -137,13 +137,14 @@ def test_bfloat16_weights_float32_activations_match_rounded_hf(test_models_dir):
 
 def test_engine_bfloat16_on_cpu_scores_like_rounded_hf(test_models_dir):
     """LLM(dtype="bfloat16") on the CPU platform: bfloat16 weights (plain or packed in
-    pairs for the dense kernel, as the start-up measurement picks), a float32 KV cache,
-    the prompt's logprobs as the rounded HF oracle computes them."""
+    pairs for the dense kernel, as the start-up measurement picks), a float32 KV cache
+    (asked: `auto` would be bfloat16, which the oracle does not round to), the prompt's
+    logprobs as the rounded HF oracle computes them."""
     from jaxllm import SamplingParams
     from tests.test_engine import make_llm
 
     path = test_models_dir / "llama"
-    llm = make_llm(test_models_dir, dtype="bfloat16")
+    llm = make_llm(test_models_dir, dtype="bfloat16", kv_cache_dtype="float32")
     runner = llm.llm_engine.core.runner
     assert runner.kv_caches[0].k.dtype == np.float32
     held = [getattr(w.layers[0].wqkv, "panels", w.layers[0].wqkv) for w in runner.weights.values()]  # packed or plain

@@ -67,11 +67,12 @@ KV_CACHE_FORMATS = {
 }
 
 
-def kv_cache_format(name: str, activation_dtype) -> KVCacheFormat:
-    """The format of a `kv_cache_dtype` name (KV_CACHE_DTYPES): "auto" is the
-    activations' dtype, "fp8" is "fp8_e4m3"."""
+def kv_cache_format(name: str, model_dtype) -> KVCacheFormat:
+    """The format of a `kv_cache_dtype` name (KV_CACHE_DTYPES): "auto" is the model's
+    dtype (as vLLM's auto: bfloat16 for a bfloat16 model, also on the CPU where its
+    activations stay float32), "fp8" is "fp8_e4m3"."""
     if name == "auto":
-        name = jnp.dtype(activation_dtype).name
+        name = jnp.dtype(model_dtype).name
     name = {"fp8": "fp8_e4m3"}.get(name, name)
     if name not in KV_CACHE_FORMATS:
         raise ValueError(f"kv_cache_dtype: unknown {name!r}; choose one of auto, {', '.join(KV_CACHE_FORMATS)}")

@@ -56,7 +56,7 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
         None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
-    kv_cache_dtype: str = _option("auto", "KV cache elements: auto (the activations' dtype), float32, bfloat16, "
+    kv_cache_dtype: str = _option("auto", "KV cache elements: auto (the model's dtype), float32, bfloat16, "
                                           "float16, int8 (a float32 scale per token and KV head), fp8 / fp8_e4m3 "
                                           "(saturated at +-448); the narrower, the more tokens the same memory holds",
                                   KV_CACHE_DTYPES)

@@ -28,7 +28,7 @@ from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
-from jaxllm.platform import activation_dtype, compilation_cache_path, resolve_dtype
+from jaxllm.platform import compilation_cache_path, resolve_dtype
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -134,7 +134,7 @@ class EngineCore:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
-        kv_format = kv_cache_format(config.kv_cache_dtype, activation_dtype(params.final_norm.dtype))
+        kv_format = kv_cache_format(config.kv_cache_dtype, params.final_norm.dtype)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
         self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size))
         self.max_model_len = self.cache.max_model_len

@@ -238,13 +238,13 @@ class StepTimer:
     (T, S) spends in the projections (linear) or attention of a model of `cfg`'s
     shapes, on random data (the times do not depend on the values). Weights are of
     `dtype`, hidden states of `activation_dtype` (default: `dtype`), the KV cache in
-    `kv_format` (default: the activations' dtype)."""
+    `kv_format` (default: `dtype`'s, as `auto`)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int,
                  activation_dtype=None, kv_format: KVCacheFormat | None = None) -> None:
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
-        self.kv_format = kv_format or kv_cache_format("auto", self.activation_dtype)
+        self.kv_format = kv_format or kv_cache_format("auto", self.dtype)
         self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
         self.rng = np.random.default_rng(0)
         self._weights: dict[str, tuple] = {}  # linear backend -> (layers, head), in its layout
@@ -371,7 +371,7 @@ def backend_plan(
     from jaxllm.worker.executable_cache import ExecutableStore
 
     activation_dtype = jnp.dtype(activation_dtype or dtype)
-    kv_format = kv_format or kv_cache_format("auto", activation_dtype)
+    kv_format = kv_format or kv_cache_format("auto", dtype)
     store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name, kv_format.name,
                             tuple(buckets), tuple(attention),
                             tuple(linear), block_size, max_model_len, library_path().name)

@@ -188,13 +188,13 @@ class ModelRunner:
         start). With `tensor_parallel_size` > 1 the step runs over a mesh of that many
         devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
         replicated; the backends are measured on one shard's shapes. The KV cache holds
-        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the activations' dtype)."""
+        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype)."""
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
-        self.kv_format = kv_cache_format(kv_cache_dtype, dtype)
+        self.kv_format = kv_cache_format(kv_cache_dtype, param_dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
