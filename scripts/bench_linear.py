@@ -5,6 +5,9 @@ SmolLM2's projection shapes, in one process: GFLOP/s of each and their ratio.
     .venv/bin/python scripts/bench_linear.py               # this CPU's native build
     .venv/bin/python scripts/bench_linear.py --isa avx2    # AVX2 + FMA only: kernels built
                                                            # with -march=x86-64-v3, XLA capped
+    .venv/bin/python scripts/bench_linear.py --experts 8 --weights q4_1  # a MoE projection:
+                                                           # grouped kernel, float32 and quantized
+                                                           # experts, against ragged_dot
     .venv/bin/python scripts/bench_linear.py --weights q4_1  # kept blocks: the kernel multiplying
                                                            # in float32 vs in bfloat16 (a bfloat16
                                                            # model), and bfloat16 panels
@@ -89,11 +92,45 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
             print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>12.1f} {t[0] / t[1]:>9.2f}")
 
 
+def run_experts(experts: int, fmt_name: str, rows: list[int], iters: int) -> None:
+    """A mixture of experts' [E, 576, 1536] projection, the rows spread evenly over the
+    experts: the grouped kernel over float32 experts and over `fmt_name`-quantized ones
+    (float32 sums, and bfloat16 for a grouped format), against ragged_dot (XLA:CPU
+    computes every expert for every row) on the float32 experts. Milliseconds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.models.linear import grouped_linear, pack_weight
+    from jaxllm.models.params import QUANT_FORMATS, stack_experts
+    from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4, quantize_int8
+
+    fmt = QUANT_FORMATS[fmt_name]
+    quantize = {"int8": lambda w, fmt: quantize_int8(w), "int4": quantize_int4}.get(fmt_name, quantize_blocks)
+    rng = np.random.default_rng(0)
+    k, n = 576, 1536
+    q = stack_experts([quantize(rng.standard_normal((k, n), np.float32), fmt) for _ in range(experts)])
+    floats = dequantize(q)
+    layouts = {"float32 kernel": pack_weight(floats), f"{fmt_name} kernel": pack_weight(q)}
+    if fmt.group:
+        layouts[f"{fmt_name} bf16"] = pack_weight(q.replace(float_dtype="bfloat16"))
+    layouts["ragged_dot"] = floats
+    fn = jax.jit(grouped_linear)
+    print(f"{experts} experts of [{k}, {n}], {fmt_name}: ms per call, rows spread evenly")
+    print(f"{'M':>5} " + " ".join(f"{name:>16}" for name in layouts))
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+        sizes = jnp.asarray(np.bincount(np.arange(m) % experts, minlength=experts), jnp.int32)
+        t = [timed(fn, x, w, sizes, iters=iters) * 1e3 for w in layouts.values()]
+        print(f"{m:>5} " + " ".join(f"{v:>16.2f}" for v in t))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--isa", choices=sorted(ISAS), default="native")
     p.add_argument("--rows", default="8,32,64,128,512", help="M values (tokens in a step)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--experts", type=int, default=0, help="> 0: a MoE projection of this many experts")
     p.add_argument("--weights", default="float32",
                    help="float32 (the kernel against XLA's dot), or a grouped quantization (q4_1, q4_0, "
                         "q8_0, int4...: kept blocks in a float32 and in a bfloat16 model)")
@@ -102,7 +139,9 @@ def main() -> None:
         return
     print(describe(args.isa))
     rows = [int(r) for r in args.rows.split(",")]
-    if args.weights == "float32":
+    if args.experts:
+        run_experts(args.experts, "int8" if args.weights == "float32" else args.weights, rows, args.iters)
+    elif args.weights == "float32":
         run(rows, args.iters)
     else:
         run_blocks(args.weights, rows, args.iters)

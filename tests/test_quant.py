@@ -17,7 +17,7 @@ from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params
 from jaxllm.models.quant import (GGUF_INT8_TYPES, dequantize, gguf_int8_parts, param_bytes, quantize_blocks,
                                  quantize_int4, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
-from tests.conftest import ARCHITECTURES, MOE
+from tests.conftest import ARCHITECTURES
 
 
 # engines with few step shapes and no attention measurement: the tests are of the weights
@@ -80,19 +80,16 @@ def test_quantized_linear_is_the_matmul_of_the_dequantized_weight():
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_the_declaration_says_what_is_quantized(test_models_dir, name):
-    """The projections (an untied output projection too), never the embedding or the
-    norms; loading gives exactly the abstract params' shapes and dtypes."""
-    if name in MOE:
-        with pytest.raises(ValueError, match="Mixture-of-Experts model .* is not quantized yet"):
-            load_model(test_models_dir / name, "float32", quantization="int8")
-        return
+    """The projections (an untied output projection too; a mixture's experts, not its
+    router), never the embedding or the norms; loading gives exactly the abstract
+    params' shapes and dtypes."""
     model = load_model(test_models_dir / name, "float32", quantization="int8")
     cfg = model.config
     assert cfg.quantization == "int8"
     quantized = map_declared(lambda decl: decl.quant == "int8", declare(cfg))
     layer = quantized.layers[0]
     assert layer.wqkv and layer.wo and layer.w_gate_up and layer.w_down
-    assert not (quantized.embed or layer.attn_norm or layer.mlp_norm or quantized.final_norm)
+    assert not (quantized.embed or layer.attn_norm or layer.mlp_norm or quantized.final_norm or layer.router)
     assert quantized.lm_head is None if cfg.tie_word_embeddings else quantized.lm_head
     shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
     assert shapes(model.params) == shapes(abstract_params(cfg, jnp.float32))
@@ -239,6 +236,25 @@ def test_a_kept_gguf_in_bfloat16_is_the_file_dequantized_to_bfloat16(test_models
     np.testing.assert_array_equal(kept, _engine_numbers(path, "none", "cpu", dtype="bfloat16"))
     assert not np.array_equal(kept, _engine_numbers(path, None, "cpu"))
     np.testing.assert_allclose(_engine_numbers(path, None, "xla", dtype="bfloat16"), kept, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("name,quantization", [("qwen3_moe", "q4_1"), ("qwen2_moe", "int8"),
+                                               pytest.param("mixtral", "q8_0", marks=pytest.mark.slow)])
+def test_a_mixture_of_experts_is_quantized_at_load(test_models_dir, name, quantization):
+    """`quantization` on a Mixture-of-Experts checkpoint quantizes every expert (each its
+    own projection, stacked) and Qwen2-MoE's shared expert at load, the router kept as
+    it is; the grouped kernel over the quantized experts and XLA's path (the experts
+    dequantized, ragged_dot) give the same tokens and logprobs within float rounding."""
+    path = test_models_dir / name
+    model, floats = load_model(path, "float32", quantization=quantization), load_model(path, "float32")
+    lp = model.params.layers[0]
+    assert isinstance(lp.w_gate_up, QuantizedWeight) and lp.w_gate_up.shape[0] == model.config.num_experts
+    assert isinstance(lp.w_down, QuantizedWeight) and not isinstance(lp.router, QuantizedWeight)
+    if lp.shared_down is not None:
+        assert isinstance(lp.shared_down, QuantizedWeight)
+    assert param_bytes(model.params) < 0.6 * param_bytes(floats.params)
+    np.testing.assert_allclose(_engine_numbers(path, quantization, "cpu"), _engine_numbers(path, quantization, "xla"),
+                               rtol=0, atol=2e-4)
 
 
 def _engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:

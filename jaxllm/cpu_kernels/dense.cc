@@ -656,19 +656,36 @@ constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
 // A mixture of experts' projection: x's rows sorted by expert, group_sizes[e] of them
 // for expert e (in order; rows past their sum get zeros, as jax.lax.ragged_dot), each
 // group times its own expert's panels ([E, N/32, K, 32]; bfloat16 [E, N/32, K/2, 32,
-// 2]). The work follows the rows routed: one dense pass per expert over its rows.
-template <class Wt, typename PanelBuffer>
-ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
-                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+// 2]; quantized ones as a dense call's, stacked, with their scales (and mins) [E, ...]
+// likewise). The work follows the rows routed: one dense pass per expert over its rows.
+template <class Wt, int S, typename PanelBuffer>
+ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
+                              const ffi::Buffer<ffi::F32>* scales, const ffi::Buffer<ffi::F32>* mins,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false) {
   constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+  constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   const auto xd = x.dimensions(), pd = panels.dimensions(), gd = group_sizes.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || gd.size() != 1 || pd.size() != (kPairs ? 5u : 4u) || pd[0] != gd[0] ||
-      pd[3] != kPanel || yd[0] != xd[0])
+      pd[3] != Wt::kRow || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("grouped dense: x must be [M, K], panels [E, N/32, K, 32] (bfloat16: "
-                                       "[E, N/32, K/2, 32, 2]), group_sizes [E], y [M, N]");
+                                       "[E, N/32, K/2, 32, 2]; 4-bit: [E, N/32, K, 16]), group_sizes [E], y [M, N]");
   const int64_t M = xd[0], K = xd[1], experts = pd[0], num_panels = pd[1], N = yd[1];
   if (pd[2] != (kPairs ? (K + 1) / 2 : K) || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("grouped dense: the shapes of x, panels and y do not agree");
+  int shift = 0;
+  int64_t scale_size = 0;  // per expert
+  if constexpr (S != kNoScales) {
+    const auto sd = scales->dimensions();
+    if (kGrouped ? (sd.size() != 4 || sd[0] != experts || sd[1] != num_panels || sd[3] != kPanel || sd[2] <= 0 ||
+                    K % sd[2] || (K / sd[2]) < kMinGroup || ((K / sd[2]) & (K / sd[2] - 1)))
+                 : (sd.size() != 2 || sd[0] != experts || sd[1] != num_panels * kPanel))
+      return ffi::Error::InvalidArgument("grouped dense: scales must be [E, N/32, K/G, 32] (G a power of two >= 16) "
+                                         "or [E, N/32 * 32] per column");
+    if (mins != nullptr && mins->element_count() != scales->element_count())
+      return ffi::Error::InvalidArgument("grouped dense: mins must be shaped as the scales");
+    scale_size = scales->element_count() / experts;
+    if constexpr (kGrouped) shift = __builtin_ctzll(static_cast<unsigned long long>(K / sd[2]));
+  }
   const int32_t* sizes = group_sizes.typed_data();
   const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
   const int64_t expert_size = num_panels * Wt::panel_size(K);
@@ -677,16 +694,55 @@ ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuff
   for (int64_t e = 0; e < experts; ++e) {
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
-    if (sizes[e] > 0 && N > 0)
-      dense_rows<Wt, kNoScales>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
-                                Y + row * N, nullptr, nullptr, 0);
+    if (sizes[e] > 0 && N > 0) {
+      const float* sc = scales ? scales->typed_data() + e * scale_size : nullptr;
+      const float* mn = mins ? mins->typed_data() + e * scale_size : nullptr;
+      auto run = [&](auto bf16_tag) {
+        dense_rows<Wt, S, decltype(bf16_tag)::value>(pool, x.typed_data() + row * K, sizes[e], K,
+                                                     P + e * expert_size, num_panels, N, Y + row * N, sc, mn, shift);
+      };
+      if constexpr (kGrouped) {
+        if (bf16) run(std::true_type{});
+        else run(std::false_type{});
+      } else {
+        run(std::false_type{});
+      }
+    }
     row += sizes[e];
   }
   std::memset(Y + row * N, 0, (M - row) * N * sizeof(float));
   return ffi::Error::Success();
 }
+template <class Wt, typename PanelBuffer>
+ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
+                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  return GroupedDenseScaled<Wt, kNoScales>(pool, x, panels, nullptr, nullptr, group_sizes, y);
+}
 constexpr auto GroupedDenseF32 = GroupedDense<F32Weights, ffi::Buffer<ffi::F32>>;
 constexpr auto GroupedDenseBF16 = GroupedDense<BF16Weights, ffi::Buffer<ffi::BF16>>;
+
+// Quantized experts: int8 with scales per column, Q8_0 / Q4_0 blocks (int4 of a float
+// checkpoint is Q4_1's layout: a scale and min per group).
+ffi::Error GroupedDenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  return GroupedDenseScaled<I8Weights, kColumnScales>(pool, x, panels, &scales, nullptr, group_sizes, y);
+}
+template <class Wt, ffi::DataType kPanelType>
+ffi::Error GroupedDenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+  return GroupedDenseScaled<Wt, kGroupScales>(pool, x, panels, &scales, nullptr, group_sizes, y, bf16);
+}
+template <class Wt, ffi::DataType kPanelType>
+ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
+                                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+  return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16);
+}
+constexpr auto GroupedDenseQ8_0 = GroupedDenseBlocks<I8Weights, ffi::S8>;
+constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
+constexpr auto GroupedDenseQ4_1 = GroupedDenseBlocksMins<Q4Weights<0>, ffi::U8>;
 
 }  // namespace
 
@@ -705,6 +761,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16, GroupedDenseBF16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // panels [E, N/32 rounded up, K/2 rounded up, 32, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [E, N/32 rounded up, K, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N/32 rounded up * 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+#define JAXLLM_GROUPED_BLOCKS(NAME, FN, PANELS)                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                        \
+                                ffi::Ffi::Bind()                                                 \
+                                    .Ctx<ffi::ThreadPool>()                                      \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K] */                \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K, .] */  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */         \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                \
+                                    .Attr<bool>("bf16"));
+JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ8_0, GroupedDenseQ8_0, ffi::S8)
+JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
+#undef JAXLLM_GROUPED_BLOCKS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32 rounded up, K, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

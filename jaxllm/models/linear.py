@@ -46,6 +46,11 @@ TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
 TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32",  # experts' panels stacked, rows by expert
                   jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
+# quantized experts, by (panel dtype, grouped, mins): int8 per column, Q8_0, Q4_0, Q4_1 (and int4)
+TARGET_GROUPED_QUANTIZED = {("int8", False, False): "jaxllm_grouped_dense_i8",
+                            ("int8", True, False): "jaxllm_grouped_dense_q8_0",
+                            ("uint8", True, False): "jaxllm_grouped_dense_q4_0",
+                            ("uint8", True, True): "jaxllm_grouped_dense_q4_1"}
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -60,7 +65,7 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
     the CPU platform, where that is a view of the array): SmolLM2's weights in ~1.4 s,
     against 2.7-4.5 s for the same jnp ops run eagerly."""
     if isinstance(w, QuantizedWeight):
-        return _pack_quantized(w)
+        return _pack_quantized_experts(w) if len(w.shape) == 3 else _pack_quantized(w)
     if len(w.shape) == 3:  # a mixture of experts' [E, K, N]: each expert's panels, stacked
         if isinstance(w, jax.ShapeDtypeStruct):
             one = pack_weight(jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
@@ -80,6 +85,18 @@ def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight)
         return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
                                                              .transpose(2, 0, 3, 1))), n)
     return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
+
+
+def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:
+    """A mixture of experts' quantized [E, K, N]: each expert packed, stacked."""
+    e = w.shape[0]
+    if isinstance(w.q, jax.ShapeDtypeStruct):
+        one = _pack_quantized(w.map_arrays(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
+        stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)  # noqa: E731
+        return one.replace(panels=stacked(one.panels), scale=stacked(one.scale), mins=stacked(one.mins), experts=e)
+    packed = [_pack_quantized(w.expert(i)) for i in range(e)]
+    stack = lambda name: None if getattr(packed[0], name) is None else jnp.stack([getattr(p, name) for p in packed])  # noqa: E731
+    return packed[0].replace(panels=stack("panels"), scale=stack("scale"), mins=stack("mins"), experts=e)
 
 
 def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
@@ -112,7 +129,9 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
     """The [in, out] matrix back, dequantized (tests and debugging); a mixture of
     experts' [E, in, out]."""
     if w.experts:
-        return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], experts=0)) for e in range(w.experts)])
+        expert = lambda a, e: None if a is None else a[e]  # noqa: E731
+        return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
+                                                  mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
     panels = w.panels
     if panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
         panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
@@ -170,8 +189,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
-def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight, group_sizes: Int[Array, "E"]
-                   ) -> Float[Array, "M N"]:
+def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight | QuantizedWeight,
+                   group_sizes: Int[Array, "E"]) -> Float[Array, "M N"]:
     """A mixture of experts' projection: `x`'s rows sorted by expert, `group_sizes[e]`
     of them for expert e, each group times its expert's [K, N] (float32 results): the
     dense kernel over each group's rows for packed weights (the work follows the rows),
@@ -180,8 +199,15 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
     if isinstance(w, PackedWeight):
         cpu_kernels.load_kernels()
         out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
-        return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(
-            x.astype(jnp.float32), w.panels, group_sizes.astype(jnp.int32))
+        x, sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+        if w.scale is None:
+            return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes)
+        target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]
+        scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
+        attrs = dict(bf16=w.float_dtype == "bfloat16") if w.group else {}
+        return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
+    if isinstance(w, QuantizedWeight):  # experts dequantized (the kernel converts them panel by panel)
+        w = dequantize(w)
     return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
 
 

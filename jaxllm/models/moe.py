@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import grouped_linear, linear
-from jaxllm.models.params import LayerParams, PackedWeight
+from jaxllm.models.params import LayerParams, PackedWeight, QuantizedWeight
 
 
 def route(logits: Float[Array, "T E"], k: int, normalize: bool
@@ -39,8 +39,8 @@ def gated(x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:
 
 
 def experts_mlp(h: Float[Array, "T D"], weights: Float[Array, "T k"], experts: Int[Array, "T k"],
-                w_gate_up: Float[Array, "E D F2"] | PackedWeight, w_down: Float[Array, "E F D"] | PackedWeight,
-                act: str) -> Float[Array, "T D"]:
+                w_gate_up: Float[Array, "E D F2"] | PackedWeight | QuantizedWeight,
+                w_down: Float[Array, "E F D"] | PackedWeight | QuantizedWeight, act: str) -> Float[Array, "T D"]:
     """sum over each token's k experts of weight * expert(h): the (token, expert) pairs
     sorted by expert, one grouped matmul per projection over the groups
     (jaxllm.models.linear.grouped_linear)."""

@@ -67,12 +67,13 @@ class PackedWeight:
     inputs vdpbf16ps multiplies side by side for each column. A mixture of experts'
     [E, in, out] weight stacks each expert's panels (`experts` = E)."""
 
-    panels: (Float[Array, "P K 32"] | Int8[Array, "P K 32"] | UInt8[Array, "P K 16"] | Float[Array, "P K2 32 2"]
-             | Float[Array, "E P K 32"] | Float[Array, "E P K2 32 2"])
+    panels: (Float[Array, "*E P K 32"] | Int8[Array, "*E P K 32"] | UInt8[Array, "*E P K 16"]
+             | Float[Array, "*E P K2 32 2"])
     out_features: int = struct.field(pytree_node=False)
-    scale: Float[Array, "P32"] | Float[Array, "P G 32"] | None = None  # [P * 32] per column, [P, G, 32] per group
+    # [P * 32] per column, [P, G, 32] per group; a mixture of experts' with a leading [E]
+    scale: Float[Array, "*E P32"] | Float[Array, "*E P G 32"] | None = None
     group: int = struct.field(pytree_node=False, default=0)
-    mins: Float[Array, "P G 32"] | None = None  # Q4_1
+    mins: Float[Array, "*E P G 32"] | None = None  # Q4_1
     experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
     float_dtype: str = struct.field(pytree_node=False, default="float32")  # a quantized one's: QuantizedWeight's
 
@@ -92,10 +93,10 @@ class QuantizedWeight:
     values are int8 whatever `bits` says (4: GGUF's Q4_0 as q - 8, Q4_1 as q); the
     `cpu` backend packs 4-bit ones two to a byte (PackedWeight)."""
 
-    q: Int8[Array, "K N"]
-    scale: Float[Array, "N"] | Float[Array, "G N"]
+    q: Int8[Array, "*E K N"]  # E: a mixture of experts' stacked experts
+    scale: Float[Array, "*E N"] | Float[Array, "*E G N"]
     group: int = struct.field(pytree_node=False, default=0)
-    mins: Float[Array, "G N"] | None = None
+    mins: Float[Array, "*E G N"] | None = None
     bits: int = struct.field(pytree_node=False, default=8)
     group_axis: int = struct.field(pytree_node=False, default=0)  # 1: groups along the last axis (the embedding)
     kernel: str = struct.field(pytree_node=False, default="")  # "pallas": the `pallas` linear backend's layout
@@ -123,6 +124,20 @@ class QuantizedWeight:
     def take_rows(self, rows: Int[Array, "T"]) -> QuantizedWeight:
         """Rows of an embedding grouped along its last axis (a lookup)."""
         return self.map_arrays(lambda a: a[rows])
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert `e`'s [K, N] of a mixture of experts' stacked [E, K, N] (values, scales
+        and mins stacked alike; `group_axis` counts within one expert's matrix)."""
+        return self.map_arrays(lambda a: a[e])
+
+
+def stack_experts(experts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """Each expert's QuantizedWeight stacked along a new leading axis: [E, K, N] values,
+    [E, ...] scales and mins."""
+    first = experts[0]
+    stack = np.stack if isinstance(first.q, np.ndarray) else jnp.stack
+    mins = None if first.mins is None else stack([w.mins for w in experts])
+    return first.replace(q=stack([w.q for w in experts]), scale=stack([w.scale for w in experts]), mins=mins)
 
 
 Weight = Float[Array, "K N"] | PackedWeight | QuantizedWeight
@@ -258,15 +273,18 @@ def _moe_decls(cfg: ModelConfig, i: int) -> dict[str, ParamDecl | None]:
     decls = dict(
         router=ParamDecl((d, e), ("embed", None), ((moe + "gate.weight", e),), transposed=True),
         w_gate_up=ParamDecl((e, d, 2 * f), ("expert", "embed", "mlp"), ((gate, f), (up, f)), transposed=True,
-                            experts=e),
-        w_down=ParamDecl((e, f, d), ("expert", "mlp", "embed"), ((down, d),), transposed=True, experts=e))
+                            experts=e, quant=cfg.quantization),
+        w_down=ParamDecl((e, f, d), ("expert", "mlp", "embed"), ((down, d),), transposed=True, experts=e,
+                         quant=cfg.quantization))
     fs = cfg.shared_expert_intermediate_size
     if fs:
         shared = moe + "shared_expert."
         decls.update(
             shared_gate_up=ParamDecl((d, 2 * fs), ("embed", "mlp"), ((shared + "gate_proj.weight", fs),
-                                                                     (shared + "up_proj.weight", fs)), transposed=True),
-            shared_down=ParamDecl((fs, d), ("mlp", "embed"), ((shared + "down_proj.weight", d),), transposed=True),
+                                                                     (shared + "up_proj.weight", fs)), transposed=True,
+                                     quant=cfg.quantization),
+            shared_down=ParamDecl((fs, d), ("mlp", "embed"), ((shared + "down_proj.weight", d),), transposed=True,
+                                  quant=cfg.quantization),
             shared_gate=ParamDecl((d, 1), ("embed", None), ((moe + "shared_expert_gate.weight", 1),), transposed=True))
     return decls
 
@@ -297,12 +315,12 @@ def quantized_layout(decl: ParamDecl) -> dict:
 def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
     """The abstract QuantizedWeight of a parameter declared quantized."""
     fmt, layout = QUANT_FORMATS[decl.quant], quantized_layout(decl)
-    a, b = decl.shape
+    *experts, a, b = decl.shape  # a mixture of experts' [E, K, N]: each expert's scales stacked
     if not fmt.group:
         scale_shape = (b,)
     else:
         scale_shape = (a // fmt.group, b) if layout["group_axis"] == 0 else (a, b // fmt.group)
-    scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+    scale = jax.ShapeDtypeStruct((*experts, *scale_shape), jnp.float32)
     return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8), scale, mins=scale if fmt.mins else None,
                            **layout)
 

@@ -39,8 +39,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import (QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
-                                  declare, map_declared)
+from jaxllm.models.params import (QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight, declare,
+                                  map_declared, stack_experts)
 
 INT8_MAX = 127
 
@@ -107,7 +107,7 @@ def dequantize(w: QuantizedWeight) -> Float[Array, "K N"]:
     multiply-add: tests/test_quant.py compares the jitted result with gguf's); then
     rounded to `w.float_dtype` (bfloat16 in a bfloat16 model)."""
     if not w.group:
-        return w.q.astype(jnp.float32) * w.scale
+        return w.q.astype(jnp.float32) * w.scale[..., None, :]  # [.., N] per column of [.., K, N]
     return _grouped_values(w).astype(w.float_dtype)
 
 
@@ -117,7 +117,7 @@ def _grouped_values(w: QuantizedWeight) -> Float[Array, "K N"]:
     # [K / 32, 32, N] reshape into a sum over the result (an RMS norm of embedding rows)
     # and split that sum by the groups, another order than the same sum over a
     # dequantized table.
-    axis = w.group_axis
+    axis = w.group_axis + w.q.ndim - 2  # a mixture of experts' [E, K, N]: within each expert
     group_of = np.arange(w.q.shape[axis]) // w.group
     values = w.q.astype(jnp.float32) * jnp.take(w.scale, group_of, axis=axis)
     if w.mins is not None:
@@ -227,9 +227,6 @@ def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
     """`cfg` with the weight quantization the engine will hold (a QUANT_FORMATS name);
     None and "none" both leave the projections as loaded (the config says None)."""
     check_quantization(quantization)
-    if cfg.num_experts and quantization not in (None, "none"):
-        raise ValueError(f"quantization {quantization!r}: a Mixture-of-Experts model ({cfg.architecture}) is not "
-                         "quantized yet (its experts); load it with quantization unset")
     return dataclasses.replace(cfg, quantization=None if quantization == "none" else quantization)
 
 
@@ -244,6 +241,8 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
             raise ValueError("quantization 'gguf_int8' is how a GGUF of mixed block types keeps its blocks; "
                              "float weights cannot be quantized to it: use int8, q8_0, q4_0 or q4_1")
         w = array if isinstance(array, np.ndarray) else jnp.asarray(array)
+        if decl.experts:  # each expert's [K, N] quantized as a projection of its own, then stacked
+            return stack_experts([convert(one, w[e]) for e, one in enumerate(decl.per_expert())])
         if decl.quant == "int8":
             return quantize_int8(w)
         fmt = QUANT_FORMATS[decl.quant]
