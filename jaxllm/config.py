@@ -229,7 +229,8 @@ class ModelConfig:
         """Build from GGUF key/value metadata (already decoded to Python values)."""
         arch = meta.get("general.architecture")
         gguf_archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
         if arch not in gguf_archs:
             raise UnsupportedModelError(
                 f"{source}: unsupported GGUF architecture {arch!r}; supported: {sorted(gguf_archs)}"
@@ -255,8 +256,9 @@ class ModelConfig:
         vocab = meta.get("tokenizer.ggml.tokens")
         vocab_size = int(get("vocab_size", len(vocab) if vocab is not None else 0))
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        moe = _gguf_moe_fields(arch, get)
         return cls(
-            architecture=gguf_archs[arch],
+            architecture="MixtralForCausalLM" if arch == "llama" and moe else gguf_archs[arch],
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=int(get("feed_forward_length")),
@@ -268,12 +270,13 @@ class ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope=rope,
             tie_word_embeddings=False,  # set by the loader from whether output.weight exists
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qkv_bias=arch in ("qwen2", "qwen2moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             checkpoint_dtype="float32",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **(_gguf_gemma_fields(arch, get, num_heads, hidden_size, head_dim) if arch.startswith("gemma") else {}),
+            **moe,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -424,6 +427,22 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
         final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
     )
     return fields
+
+
+def _gguf_moe_fields(arch: str, get) -> dict[str, Any]:
+    """A GGUF's experts as llama.cpp's converter records them: `expert_count`,
+    `expert_used_count`, each expert's width (`expert_feed_forward_length`; Mixtral's,
+    stored as arch llama, is `feed_forward_length`), Qwen2-MoE's shared expert; the
+    top-k renormalized as llama.cpp computes each (`expert_weights_norm` where the file
+    says: Mixtral and Qwen3-MoE yes, Qwen2-MoE no). Which layers are dense the tensors
+    say (the loader). {} for a dense model."""
+    experts = int(get("expert_count", 0))
+    if not experts:
+        return {}
+    width = int(get("expert_feed_forward_length")) if arch != "llama" else int(get("feed_forward_length"))
+    return dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count")), moe_intermediate_size=width,
+                norm_topk_prob=bool(get("expert_weights_norm", arch != "qwen2moe")),
+                shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
 
 
 def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:

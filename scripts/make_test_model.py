@@ -329,7 +329,8 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overri
 
     cfg = json.loads((hf_folder / "config.json").read_text())
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-            "gemma3_text": "gemma3"}[cfg["model_type"]]
+            "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[
+        cfg["model_type"]]
     qtype = gguf.GGMLQuantizationType[tensor_type]
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -347,6 +348,7 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overri
     if arch.startswith("gemma"):
         rope = _add_gemma_metadata(w, cfg, rope)
     w.add_rope_freq_base(rope["rope_theta"])
+    _add_moe_metadata(w, cfg)
 
     tok = json.loads((hf_folder / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -364,7 +366,7 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overri
     template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template", CHAT_TEMPLATE)
     w.add_chat_template(template)
 
-    tensors = _hf_tensors(hf_folder)
+    tensors = _stacked_experts(_hf_tensors(hf_folder))
     if rope.get("rope_type") == "llama3":
         from jaxllm.config import ModelConfig
         from jaxllm.models.rope import inverse_frequencies
@@ -382,7 +384,7 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overri
         gguf_name = gguf_tensor_name(name, cfg["model_type"])
         kind = next((gguf.GGMLQuantizationType[t] for end, t in (overrides or {}).items() if gguf_name.endswith(end)),
                     qtype)
-        if array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+        if array.ndim in (2, 3) and kind != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in gguf_name:
             w.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name, array)
@@ -391,6 +393,36 @@ def write_gguf(hf_folder: Path, out_path: Path, tensor_type: str = "F32", overri
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _add_moe_metadata(w, cfg: dict) -> None:
+    """A mixture of experts' GGUF keys, as llama.cpp's converter writes them."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert HF tensors as llama.cpp stacks them ([E, out, in], under
+    expert 0's name, which gguf_tensor_name maps to the stacked tensor)."""
+    import re
+
+    out, stacks = {}, {}
+    for name, array in tensors.items():
+        m = re.fullmatch(r"(.*\.experts\.)(\d+)(\..*)", name)
+        if m is None:
+            out[name] = array
+        else:
+            stacks.setdefault(m.group(1) + "0" + m.group(3), {})[int(m.group(2))] = array
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def _add_gemma_metadata(w, cfg: dict, rope: dict) -> dict:

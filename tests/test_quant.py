@@ -17,7 +17,7 @@ from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params
 from jaxllm.models.quant import (GGUF_INT8_TYPES, dequantize, gguf_int8_parts, param_bytes, quantize_blocks,
                                  quantize_int4, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
-from tests.conftest import ARCHITECTURES
+from tests.conftest import ARCHITECTURES, MOE
 
 
 # engines with few step shapes and no attention measurement: the tests are of the weights
@@ -390,3 +390,40 @@ def test_a_conversion_of_another_format_is_not_restored(test_models_dir, tmp_pat
     assert load_model(path, conversion_cache_dir=cache).config.quantization is None  # as that version restored it
     monkeypatch.undo()
     assert load_model(path, conversion_cache_dir=cache).config.quantization == "q4_1"
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_a_mixture_of_experts_gguf_is_its_hf_checkpoint(test_models_dir, tmp_path, name):
+    """A MoE GGUF as llama.cpp's converter writes it (each layer's experts stacked in
+    ffn_{gate,up,down}_exps, the router ffn_gate_inp, Qwen2-MoE's shared expert *_shexp
+    and its dense layer without experts; Mixtral as arch llama, q/k rows permuted)
+    gives the very parameters of the HF folder it was written from."""
+    from tests.conftest import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", "F32")
+    got, want = load_model(path, "float32"), load_model(test_models_dir / name, "float32")
+    fields = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "shared_expert_intermediate_size", "dense_layers", "qkv_bias", "qk_norm")
+    assert [getattr(got.config, f) for f in fields] == [getattr(want.config, f) for f in fields]
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name,tensor_type,kept_as", [
+    ("qwen3_moe", "Q4_1", "q4_1"), ("qwen3_moe", "Q4_1+Q8_0", "gguf_int8"),
+    pytest.param("mixtral", "Q8_0", "q8_0", marks=pytest.mark.slow)])
+def test_a_mixture_of_experts_gguf_keeps_its_blocks(test_models_dir, tmp_path, name, tensor_type, kept_as):
+    """A MoE GGUF whose projections and experts are all of one kept type holds the
+    experts' blocks stacked (QuantizedWeight [E, K, N]), one of mixed types (Q4_1 with
+    Q8_0 down experts) in the gguf_int8 container, and either gives the logprobs of the
+    same file dequantized at load, bit for bit, through the grouped kernel."""
+    from tests.conftest import make_test_model
+
+    main, _, other = tensor_type.partition("+")
+    path = make_test_model.write_gguf(test_models_dir / name, tmp_path / f"{name}.gguf", main,
+                                      overrides={"ffn_down_exps.weight": other} if other else None)
+    kept = load_model(path, "float32")
+    experts = kept.params.layers[0].w_gate_up
+    assert kept.config.quantization == kept_as
+    assert isinstance(experts, QuantizedWeight) and experts.shape[0] == kept.config.num_experts
+    np.testing.assert_array_equal(_engine_numbers(path, None, "cpu"), _engine_numbers(path, "none", "cpu"))

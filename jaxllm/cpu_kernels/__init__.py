@@ -26,6 +26,7 @@ TARGETS = {
     "jaxllm_grouped_dense_q8_0": "JaxllmGroupedDenseQ8_0",
     "jaxllm_grouped_dense_q4_0": "JaxllmGroupedDenseQ4_0",
     "jaxllm_grouped_dense_q4_1": "JaxllmGroupedDenseQ4_1",
+    "jaxllm_grouped_dense_q8_mins": "JaxllmGroupedDenseQ8Mins",
     "jaxllm_dense_i8": "JaxllmDenseI8",
     "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",
     "jaxllm_dense_q4_0": "JaxllmDenseQ4_0",

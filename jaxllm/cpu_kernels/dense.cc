@@ -743,6 +743,7 @@ ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 constexpr auto GroupedDenseQ8_0 = GroupedDenseBlocks<I8Weights, ffi::S8>;
 constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
 constexpr auto GroupedDenseQ4_1 = GroupedDenseBlocksMins<Q4Weights<0>, ffi::U8>;
+constexpr auto GroupedDenseQ8Mins = GroupedDenseBlocksMins<I8Weights, ffi::S8>;  // a mixed GGUF's experts
 
 }  // namespace
 
@@ -785,16 +786,20 @@ JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ8_0, GroupedDenseQ8_0, ffi::S8)
 JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
 #undef JAXLLM_GROUPED_BLOCKS
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32 rounded up, K, 16]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N/32 rounded up, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
+#define JAXLLM_GROUPED_BLOCKS_MINS(NAME, FN, PANELS)                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                             \
+                                ffi::Ffi::Bind()                                                      \
+                                    .Ctx<ffi::ThreadPool>()                                           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K] */                     \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K, 16 or 32] */ \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */    \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* mins, as the scales */          \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */              \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                     \
+                                    .Attr<bool>("bf16"));
+JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1, ffi::U8)
+JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ8Mins, GroupedDenseQ8Mins, ffi::S8)
+#undef JAXLLM_GROUPED_BLOCKS_MINS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

@@ -53,7 +53,19 @@ _LAYER_NAMES = {  # HF suffix -> GGUF suffix, inside "model.layers.N." / "blk.N.
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# Each expert's HF tensor is one slice of llama.cpp's stacked [E, out, in] tensor.
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                 "down_proj": "ffn_down_exps.weight", "w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight",
+                 "w2": "ffn_down_exps.weight"}
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 # Gemma 2 / 3: a norm after each sublayer; the MLP's input norm is its own tensor.
 _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -68,8 +80,20 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def gguf_expert_slice(hf_name: str) -> tuple[str, int] | None:
+    """An expert's HF tensor as (llama.cpp's stacked tensor, the expert's index in it);
+    None for any other tensor."""
+    m = _EXPERT_RE.fullmatch(hf_name)
+    if m is None or m.group(3) not in _EXPERT_NAMES:
+        return None
+    return f"blk.{m.group(1)}.{_EXPERT_NAMES[m.group(3)]}", int(m.group(2))
+
+
 def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
-    """llama.cpp's name of an HF tensor of a `model_type` model."""
+    """llama.cpp's name of an HF tensor of a `model_type` model (an expert's: the
+    stacked tensor it is a slice of, `gguf_expert_slice`)."""
+    if (expert := gguf_expert_slice(hf_name)) is not None:
+        return expert[0]
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     names = _GEMMA_LAYER_NAMES if model_type in GEMMA_TYPES else _LAYER_NAMES
@@ -119,35 +143,39 @@ class GGUFFile:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
-    def tensor(self, name: str) -> np.ndarray | None:
-        """float32 array in PyTorch/HF orientation ([out, in] for matrices)."""
+    def tensor(self, name: str, expert: int | None = None) -> np.ndarray | None:
+        """float32 array in PyTorch/HF orientation ([out, in] for matrices); of a
+        stacked [E, out, in] tensor, expert `expert`'s slice alone."""
         import gguf
 
         t = self._tensors.get(name)
         if t is None:
             return None
-        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        data = t.data if expert is None else t.data[expert]
+        return gguf.quants.dequantize(data, t.tensor_type).astype(np.float32, copy=False)
 
     def tensor_type(self, name: str) -> str | None:
         t = self._tensors.get(name)
         return None if t is None else t.tensor_type.name
 
-    def quantized_tensor(self, name: str, held: str | None = None) -> QuantizedWeight:
+    def quantized_tensor(self, name: str, held: str | None = None, expert: int | None = None) -> QuantizedWeight:
         """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, or (`held` "gguf_int8") any of
         GGUF_INT8_TYPES in that container, in HF orientation ([out, in]): values [out,
         in] and float32 scales (and mins) [out, in / group] (QuantizedWeight's fields,
         not yet laid out)."""
         t = self._tensors[name]
         rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
+        data = t.data if expert is None else t.data[expert]  # a stacked [E, out, in]: one expert's rows
         if held == "gguf_int8":
-            return gguf_int8_parts(t.data, t.tensor_type.name, rows, cols)
-        return block_parts(t.data, QUANT_FORMATS[KEPT_TENSOR_TYPES[t.tensor_type.name]], rows, cols)
+            return gguf_int8_parts(data, t.tensor_type.name, rows, cols)
+        return block_parts(data, QUANT_FORMATS[KEPT_TENSOR_TYPES[t.tensor_type.name]], rows, cols)
 
     def own_quantization(self, cfg: ModelConfig) -> str | None:
         """The format jaxllm keeps the projections of `cfg` in: when every one is stored
         in the same type of KEPT_TENSOR_TYPES, that ("q8_0", "q4_0", "q4_1"); when they
         are all of GGUF_INT8_TYPES, "gguf_int8"; else None (the file is dequantized)."""
-        names = [name for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant for name, _ in decl.hf]
+        names = [name.format(e=0) for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant
+                 for name, _ in decl.hf]
         types = {self.tensor_type(gguf_tensor_name(n, cfg.model_type)) for n in names}
         if len(types) == 1 and next(iter(types)) in KEPT_TENSOR_TYPES:
             return KEPT_TENSOR_TYPES[types.pop()]
@@ -161,6 +189,9 @@ class GGUFFile:
     def model_config(self) -> ModelConfig:
         cfg = ModelConfig.from_gguf_metadata(self.metadata, source=str(self.path))
         cfg = dataclasses.replace(cfg, tie_word_embeddings=not self.has_tensor("output.weight"))
+        if cfg.num_experts:  # a layer without stacked experts has a dense MLP (Qwen2-MoE's mlp_only_layers)
+            dense = tuple(i for i in range(cfg.num_layers) if not self.has_tensor(f"blk.{i}.ffn_gate_exps.weight"))
+            cfg = dataclasses.replace(cfg, dense_layers=dense)
         rope_freqs = self.tensor("rope_freqs.weight")  # Llama 3.1+ frequency scaling
         if rope_freqs is not None:
             factors = tuple(float(f) for f in rope_freqs.reshape(-1))
@@ -205,13 +236,16 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
     """The file's weights for `cfg`: with `cfg.quantization` the file's own
     (`own_quantization`) the projections' blocks as they are (QuantizedWeight),
     everything else dequantized to `dtype`."""
-    permute_rope = cfg.model_type in ("llama", "mistral")
+    permute_rope = cfg.model_type in ("llama", "mistral", "mixtral")  # llama.cpp's arch llama
     kept = {name: decl.quant for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}  # -> its format
     shift = gguf_norm_shift(cfg.model_type)
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
-        name = gguf_tensor_name(hf_name, cfg.model_type)
-        w = gguf_file.quantized_tensor(name, kept[hf_name]) if hf_name in kept else gguf_file.tensor(name)
+        name, expert = gguf_expert_slice(hf_name) or (gguf_tensor_name(hf_name, cfg.model_type), None)
+        held = kept.get(hf_name) or kept.get(re.sub(r"\.experts\.\d+\.", ".experts.{e}.", hf_name))
+        w = gguf_file.quantized_tensor(name, held, expert) if held else gguf_file.tensor(name, expert)
+        if hf_name.endswith("shared_expert_gate.weight") and w is not None and w.ndim == 1:
+            return w[None]  # llama.cpp stores Qwen2-MoE's [1, D] shared-expert gate as [D]
         if w is not None and shift and hf_name.endswith("norm.weight"):
             return w - np.float32(shift)
         if w is None or not permute_rope:

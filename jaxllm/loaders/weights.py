@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import (ModelParams, ParamDecl, QuantizedWeight, declarations, declare, fuse,
-                                  map_declared, unfuse)
+                                  map_declared, stack_experts, unfuse)
 from jaxllm.models.quant import dequantize
 
 TensorSource = Callable[[str], "np.ndarray | None"]
@@ -59,6 +59,8 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
     def load(decl: ParamDecl):
         if decl.experts:  # stacked: each expert's slice read as a parameter of its own
             experts = [load(one) for one in decl.per_expert()]
+            if isinstance(experts[0], QuantizedWeight):  # a GGUF's kept blocks, expert by expert
+                return stack_experts(experts)
             return np.stack(experts) if on_host else jnp.stack(experts)
         parts = [get(name, decl.hf_shape(n)) for name, n in decl.hf]
         if decl.quant:

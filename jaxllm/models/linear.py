@@ -46,11 +46,13 @@ TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
 TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32",  # experts' panels stacked, rows by expert
                   jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
-# quantized experts, by (panel dtype, grouped, mins): int8 per column, Q8_0, Q4_0, Q4_1 (and int4)
+# quantized experts, by (panel dtype, grouped, mins): int8 per column, Q8_0, Q4_0, Q4_1 (and int4),
+# gguf_int8
 TARGET_GROUPED_QUANTIZED = {("int8", False, False): "jaxllm_grouped_dense_i8",
                             ("int8", True, False): "jaxllm_grouped_dense_q8_0",
                             ("uint8", True, False): "jaxllm_grouped_dense_q4_0",
-                            ("uint8", True, True): "jaxllm_grouped_dense_q4_1"}
+                            ("uint8", True, True): "jaxllm_grouped_dense_q4_1",
+                            ("int8", True, True): "jaxllm_grouped_dense_q8_mins"}  # a mixed GGUF's experts
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -95,7 +97,10 @@ def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:
         stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)  # noqa: E731
         return one.replace(panels=stacked(one.panels), scale=stacked(one.scale), mins=stacked(one.mins), experts=e)
     packed = [_pack_quantized(w.expert(i)) for i in range(e)]
-    stack = lambda name: None if getattr(packed[0], name) is None else jnp.stack([getattr(p, name) for p in packed])  # noqa: E731
+
+    def stack(name: str):
+        return None if getattr(packed[0], name) is None else jnp.stack([getattr(p, name) for p in packed])
+
     return packed[0].replace(panels=stack("panels"), scale=stack("scale"), mins=stack("mins"), experts=e)
 
 

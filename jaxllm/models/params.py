@@ -106,7 +106,8 @@ class QuantizedWeight:
     float_dtype: str = struct.field(pytree_node=False, default="float32")
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
+        """[K, N]; a mixture of experts' [E, K, N]."""
         return self.q.shape
 
     def map_arrays(self, fn) -> QuantizedWeight:
