@@ -135,13 +135,14 @@ def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(
                     assert abs(x[t].logprob - y[t].logprob) < 1e-4, (other, t)
 
 
-@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.slow),
-                                          pytest.param("q8_0", marks=pytest.mark.slow), "q4_1"])
-def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, quantization):
+@pytest.mark.parametrize("name,quantization", [pytest.param("qwen2", "int8", marks=pytest.mark.slow),
+                                               pytest.param("qwen2", "q8_0", marks=pytest.mark.slow), ("qwen2", "q4_1"),
+                                               ("qwen3_moe", "int8")])
+def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, name, quantization):
     """Values split like the float weight, scales (and Q4_1's mins) with their output
-    columns (and the block formats' with their input groups too): TP=2 logits equal
-    one device's."""
-    multidevice.run("tp_logits_match", str(test_models_dir / "qwen2"), "2", "cpu", quantization, devices=2)
+    columns (and the block formats' with their input groups too; a mixture's experts
+    each so): TP=2 logits equal one device's."""
+    multidevice.run("tp_logits_match", str(test_models_dir / name), "2", "cpu", quantization, devices=2)
 
 
 @pytest.mark.slow  # 12 s; the q4_1 case above shards the same formats quantized at load

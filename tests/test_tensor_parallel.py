@@ -22,6 +22,8 @@ from tests import multidevice
     ("llama", 4, "cpu", "auto"), ("qwen3", 2, "cpu", "auto"),  # more shards than KV heads: KV heads replicated
     # Gemma: its output norms after the all-reduce, sliding and full layers, one KV head replicated
     pytest.param("gemma3", 2, "cpu", "auto", marks=pytest.mark.slow), ("gemma2", 2, "cpu", "auto"),
+    # Mixtures of experts: each shard a slice of every expert; Qwen2-MoE's shared expert and dense layer
+    ("qwen2_moe", 2, "cpu", "auto"), pytest.param("qwen3_moe", 2, "cpu", "auto", marks=pytest.mark.slow),
 ])
 def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, attention, kv_cache_dtype):
     """Prefill, chunked prefill, token by token and a mixed step (the test models have 2
@@ -53,6 +55,22 @@ def test_sizes_that_do_not_divide_the_model_are_refused(test_models_dir):
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (
         2, 1, cfg.intermediate_size // 2, cfg.vocab_size // 2)
     assert shard_config(cfg, 4).num_kv_heads == 1 and cache_kv_heads(cfg, 4) == 4 and cache_kv_heads(cfg, 2) == 2
+
+
+def test_a_mixture_of_experts_shards_each_expert(test_models_dir):
+    """Each shard holds a slice of every expert (and of the shared expert); a size that
+    would split a quantized block of inputs between shards is refused, naming it."""
+    from jaxllm.models.quant import quantized_config
+
+    cfg = load_model(test_models_dir / "qwen2_moe", dtype="float32").config
+    local = shard_config(cfg, 2)
+    assert (local.num_experts, local.moe_intermediate_size, local.shared_expert_intermediate_size) == (
+        cfg.num_experts, cfg.moe_intermediate_size // 2, cfg.shared_expert_intermediate_size // 2)
+    check_tensor_parallel(quantized_config(cfg, "int8"), 2, num_devices=2)
+    moe = load_model(test_models_dir / "qwen3_moe", dtype="float32").config  # experts of 32
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would split model\.layers\.0\.mlp\.experts\.\*\."
+                                         r"down_proj\.weight's blocks of 32 inputs \(32 inputs, 16 a shard; q4_1\)"):
+        check_tensor_parallel(quantized_config(moe, "q4_1"), 2, num_devices=2)
 
 
 def test_an_engine_refuses_more_devices_than_it_has(test_models_dir):

@@ -194,6 +194,12 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
+def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
+    """The sum over the shards of `axis` of a row-parallel projection's partial results
+    (None: not sharded, `x` itself)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight | QuantizedWeight,
                    group_sizes: Int[Array, "E"]) -> Float[Array, "M N"]:
     """A mixture of experts' projection: `x`'s rows sorted by expert, `group_sizes[e]`

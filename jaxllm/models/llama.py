@@ -26,7 +26,7 @@ from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import linear
+from jaxllm.models.linear import all_reduce, linear
 from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
 from jaxllm.models.quant import dequantize
@@ -41,11 +41,6 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, of
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
     return (scale * normed).astype(x.dtype)
-
-
-def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
-    """The sum over the shards of `axis` (None: not sharded, `x` itself)."""
-    return x if axis is None else jax.lax.psum(x, axis)
 
 
 def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight, input_ids: Int[Array, "T"],
@@ -113,7 +108,7 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: s
     output norm before the add."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
     if moe:
-        out = moe_mlp(lp, h, cfg)
+        out = moe_mlp(lp, h, cfg, axis)
     else:
         out = all_reduce(linear(gated(linear(h, lp.w_gate_up), cfg.hidden_act), lp.w_down), axis)
     if lp.mlp_post_norm is not None:

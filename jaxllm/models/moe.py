@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import grouped_linear, linear
+from jaxllm.models.linear import all_reduce, grouped_linear, linear
 from jaxllm.models.params import LayerParams, PackedWeight, QuantizedWeight
 
 
@@ -56,12 +56,16 @@ def experts_mlp(h: Float[Array, "T D"], weights: Float[Array, "T k"], experts: I
     return jnp.zeros((t, out.shape[-1]), jnp.float32).at[rows].add(out).astype(h.dtype)
 
 
-def moe_mlp(lp: LayerParams, h: Float[Array, "T D"], cfg: ModelConfig) -> Float[Array, "T D"]:
-    """The MoE layer's MLP of the normed hidden states `h` (no residual)."""
+def moe_mlp(lp: LayerParams, h: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None
+            ) -> Float[Array, "T D"]:
+    """The MoE layer's MLP of the normed hidden states `h` (no residual). Under tensor
+    parallelism over `axis` every shard routes alike (the router is replicated) and
+    holds a slice of each expert's MLP (as of a dense one): the shards' partial sums,
+    shared expert included, are summed once."""
     logits = linear(h, lp.router, preferred_element_type=jnp.float32)
     weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     out = experts_mlp(h, weights, experts, lp.w_gate_up, lp.w_down, cfg.hidden_act)
     if lp.shared_gate_up is not None:  # Qwen2-MoE: a shared expert, sigmoid-gated
         shared = linear(gated(linear(h, lp.shared_gate_up), cfg.hidden_act), lp.shared_down)
         out = out + jax.nn.sigmoid(linear(h, lp.shared_gate)) * shared
-    return out
+    return all_reduce(out, axis)

@@ -25,7 +25,8 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, forward_hidden
-from jaxllm.models.params import ModelParams, kv_replicas, partition_specs, shard_major
+from jaxllm.models.params import (QUANT_FORMATS, TENSOR_PARALLEL_RULES, ModelParams, declarations, kv_replicas,
+                                  partition_specs, shard_major)
 
 TP_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head
@@ -39,9 +40,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None =
     available = len(jax.devices()) if num_devices is None else num_devices
     if size > available:
         raise ValueError(f"tensor_parallel_size={size}: only {available} devices are visible")
-    if size > 1 and cfg.num_experts:
-        raise ValueError(f"tensor_parallel_size={size}: a Mixture-of-Experts model ({cfg.architecture}) is not "
-                         "sharded yet; run it on one device")
     reason = _unfit(cfg, size)
     if reason:
         raise ValueError(f"tensor_parallel_size={size} {reason}; possible sizes: "
@@ -51,12 +49,25 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None =
 def _unfit(cfg: ModelConfig, size: int) -> str | None:
     """Why the model's shapes do not split into `size` shards, or None."""
     for what, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
-                    ("vocab_size", cfg.vocab_size)):
+                    ("vocab_size", cfg.vocab_size), ("moe_intermediate_size", cfg.moe_intermediate_size),
+                    ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if n % size:
             return f"must divide the model's {what} ({n})"
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         return (f"must divide the model's num_key_value_heads ({cfg.num_kv_heads}) or be a multiple of it "
                 "(KV heads are then replicated)")
+    return _unfit_groups(cfg, size)
+
+
+def _unfit_groups(cfg: ModelConfig, size: int) -> str | None:
+    """Why a row-parallel projection held in blocks (a scale per `group` inputs) would
+    split a block between shards, or None."""
+    for decl in declarations(cfg):
+        group = QUANT_FORMATS[decl.quant].group if decl.quant and decl.transposed else 0
+        if group and TENSOR_PARALLEL_RULES.get(decl.axes[-2]) and (decl.shape[-2] // size) % group:
+            name = decl.hf[0][0].replace("{e}", "*")
+            return (f"would split {name}'s blocks of {group} inputs ({decl.shape[-2]} inputs, "
+                    f"{decl.shape[-2] // size} a shard; {decl.quant})")
     return None
 
 
@@ -67,9 +78,12 @@ def possible_sizes(cfg: ModelConfig) -> list[int]:
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The config one shard's forward sees: its heads (one KV head where the shards
-    outnumber them) and its share of the MLP and the vocabulary."""
+    outnumber them) and its share of the MLP (every expert's too: experts are sharded
+    as the dense MLP is, each shard holding a slice of every expert) and the vocabulary."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
-                               intermediate_size=cfg.intermediate_size // size, vocab_size=cfg.vocab_size // size)
+                               intermediate_size=cfg.intermediate_size // size, vocab_size=cfg.vocab_size // size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size)
 
 
 def cache_kv_heads(cfg: ModelConfig, size: int) -> int:

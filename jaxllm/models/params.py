@@ -344,7 +344,8 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
         fmt = QUANT_FORMATS[decl.quant]
         if fmt.group:  # [K / group, N] ([V, D / group]): the groups split with their axis, as the values do
             return QuantizedWeight(whole, whole, mins=whole if fmt.mins else None, **quantized_layout(decl))
-        return QuantizedWeight(whole, PartitionSpec(rules.get(decl.axes[-1])), **quantized_layout(decl))
+        per_column = (*decl.axes[:-2], decl.axes[-1])  # [.., N]: a mixture's experts, then the columns
+        return QuantizedWeight(whole, PartitionSpec(*(rules.get(a) for a in per_column)), **quantized_layout(decl))
 
     return map_declared(spec, declare(cfg))
 
