@@ -43,6 +43,9 @@ bench: setup-dev
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_linear.py
 	$(PY) scripts/bench_linear.py --isa avx2
+	$(PY) scripts/bench_linear.py --weights q4_1
+	$(PY) scripts/bench_linear.py --isa avx2 --weights q4_1
+	$(PY) scripts/bench_linear.py --experts 8 --weights q4_1 --rows 16,64,512
 	$(PY) scripts/bench_attention.py
 	$(PY) scripts/bench_attention.py --isa avx2
 	$(PY) scripts/bench_throughput.py --compare-xla --out bench_results/throughput.json
@@ -55,6 +58,8 @@ bench: setup-dev
 	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard_avx2
+	$(PY) scripts/bench_serving.py --launch "--dtype bfloat16" --dataset standard --max-concurrency 32 \
+	  --out bench_results/serving_standard_bf16
 	$(PY) scripts/bench_serving.py --launch "--quantization none" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf build/smollm2-f32.gguf \
 	  --out bench_results/serving_standard_f32
