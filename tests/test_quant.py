@@ -137,7 +137,7 @@ def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(
 
 @pytest.mark.parametrize("name,quantization", [pytest.param("qwen2", "int8", marks=pytest.mark.slow),
                                                pytest.param("qwen2", "q8_0", marks=pytest.mark.slow), ("qwen2", "q4_1"),
-                                               ("qwen3_moe", "int8")])
+                                               pytest.param("qwen3_moe", "int8", marks=pytest.mark.slow)])
 def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, name, quantization):
     """Values split like the float weight, scales (and Q4_1's mins) with their output
     columns (and the block formats' with their input groups too; a mixture's experts
@@ -411,7 +411,7 @@ def test_a_mixture_of_experts_gguf_is_its_hf_checkpoint(test_models_dir, tmp_pat
 
 
 @pytest.mark.parametrize("name,tensor_type,kept_as", [
-    ("qwen3_moe", "Q4_1", "q4_1"), ("qwen3_moe", "Q4_1+Q8_0", "gguf_int8"),
+    pytest.param("qwen3_moe", "Q4_1", "q4_1", marks=pytest.mark.slow), ("qwen3_moe", "Q4_1+Q8_0", "gguf_int8"),
     pytest.param("mixtral", "Q8_0", "q8_0", marks=pytest.mark.slow)])
 def test_a_mixture_of_experts_gguf_keeps_its_blocks(test_models_dir, tmp_path, name, tensor_type, kept_as):
     """A MoE GGUF whose projections and experts are all of one kept type holds the

@@ -15,7 +15,7 @@ from tests import multidevice
 
 @pytest.mark.parametrize("name,size,attention,kv_cache_dtype", [
     pytest.param("llama", 2, "xla", "auto", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
-    ("mistral", 2, "cpu", "auto"), ("qwen2", 2, "cpu", "int8"),
+    pytest.param("mistral", 2, "cpu", "auto", marks=pytest.mark.slow), ("qwen2", 2, "cpu", "int8"),
     pytest.param("qwen2", 2, "cpu", "auto", marks=pytest.mark.slow),
     pytest.param("mistral", 2, "cpu", "bfloat16", marks=pytest.mark.slow),
     pytest.param("llama", 2, "pallas", "auto", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)

@@ -237,12 +237,13 @@ def load_gguf_params(gguf_file: GGUFFile, cfg: ModelConfig, dtype, on_host: bool
     (`own_quantization`) the projections' blocks as they are (QuantizedWeight),
     everything else dequantized to `dtype`."""
     permute_rope = cfg.model_type in ("llama", "mistral", "mixtral")  # llama.cpp's arch llama
-    kept = {name: decl.quant for decl in declarations(cfg) if decl.quant for name, _ in decl.hf}  # -> its format
+    kept = {name: decl.quant for decl in declarations(cfg) if decl.quant  # HF name (each expert's) -> its format
+            for one in decl.per_expert() for name, _ in one.hf}
     shift = gguf_norm_shift(cfg.model_type)
 
     def source(hf_name: str) -> np.ndarray | QuantizedWeight | None:
         name, expert = gguf_expert_slice(hf_name) or (gguf_tensor_name(hf_name, cfg.model_type), None)
-        held = kept.get(hf_name) or kept.get(re.sub(r"\.experts\.\d+\.", ".experts.{e}.", hf_name))
+        held = kept.get(hf_name)
         w = gguf_file.quantized_tensor(name, held, expert) if held else gguf_file.tensor(name, expert)
         if hf_name.endswith("shared_expert_gate.weight") and w is not None and w.ndim == 1:
             return w[None]  # llama.cpp stores Qwen2-MoE's [1, D] shared-expert gate as [D]
