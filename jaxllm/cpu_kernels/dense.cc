@@ -550,18 +550,30 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         dequantize_panel<Wt, S | kRoundBF16>(panel, K, converted.data());
         tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
       }
-      return;
-    } else if constexpr (Wt::kConvertPanel) {
-      if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
-        thread_local std::vector<float> converted;
-        converted.resize(K * kPanel);
-        dequantize_panel<Wt, S>(panel, K, converted.data());
-        tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
-        return;
+    } else {
+      if constexpr (Wt::kConvertPanel) {
+        if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
+          thread_local std::vector<float> converted;
+          converted.resize(K * kPanel);
+          dequantize_panel<Wt, S>(panel, K, converted.data());
+          tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
+          return;
+        }
       }
+      tiles_times(kTileFns<Wt, S>, panel);
     }
-    if constexpr (!kBF16) tiles_times(kTileFns<Wt, S>, panel);
   });
+}
+
+// dense_rows with `bf16` (grouped scalings only: each weight dequantized before the dot)
+// chosen at run time.
+template <class Wt, int S>
+void dense_rows_as(bool bf16, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
+                   int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
+  if constexpr (S == kGroupScales || S == kGroupScalesMins) {
+    if (bf16) return dense_rows<Wt, S, true>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+  }
+  dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
@@ -581,25 +593,23 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
       N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
-  if constexpr (S == kGroupScales || S == kGroupScalesMins) {
-    if (bf16) {
-      dense_rows<Wt, S, true>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(), scales, mins,
-                              group_shift);
-      return ffi::Error::Success();
-    }
-  }
-  dense_rows<Wt, S>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(), scales, mins, group_shift);
+  dense_rows_as<Wt, S>(bf16, pool, x.typed_data(), M, K, reinterpret_cast<const typename Wt::T*>(panels.untyped_data()),
+                       num_panels, N, y->typed_data(), scales, mins, group_shift);
   return ffi::Error::Success();
 }
 
 // Grouped scales (and mins) are [panels, K / G, 32] for G a power of two, at least 16,
 // dividing K; log2(G), or -1 where the shapes say otherwise.
+// `lead` leading axes (a mixture's experts: 1) come before both and must agree.
 template <typename PanelBuffer>
-int group_shift_of(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales) {
+int group_shift_of(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales, size_t lead = 0) {
   const auto pd = panels.dimensions(), sd = scales.dimensions();
-  if (pd.size() != 3 || sd.size() != 3 || sd[0] != pd[0] || sd[2] != kPanel || sd[1] <= 0 || pd[1] % sd[1]) return -1;
-  const int64_t group = pd[1] / sd[1];
+  if (pd.size() != 3 + lead || sd.size() != 3 + lead) return -1;
+  for (size_t i = 0; i <= lead; ++i)  // the leading axes and the panels
+    if (sd[i] != pd[i]) return -1;
+  const int64_t k = pd[lead + 1], groups = sd[lead + 1];
+  if (sd[lead + 2] != kPanel || groups <= 0 || k % groups) return -1;
+  const int64_t group = k / groups;
   if (group < kMinGroup || (group & (group - 1))) return -1;
   return __builtin_ctzll(static_cast<unsigned long long>(group));
 }
@@ -676,15 +686,13 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
   int64_t scale_size = 0;  // per expert
   if constexpr (S != kNoScales) {
     const auto sd = scales->dimensions();
-    if (kGrouped ? (sd.size() != 4 || sd[0] != experts || sd[1] != num_panels || sd[3] != kPanel || sd[2] <= 0 ||
-                    K % sd[2] || (K / sd[2]) < kMinGroup || ((K / sd[2]) & (K / sd[2] - 1)))
-                 : (sd.size() != 2 || sd[0] != experts || sd[1] != num_panels * kPanel))
+    if constexpr (kGrouped) shift = group_shift_of(panels, *scales, 1);
+    if (kGrouped ? shift < 0 : (sd.size() != 2 || sd[0] != experts || sd[1] != num_panels * kPanel))
       return ffi::Error::InvalidArgument("grouped dense: scales must be [E, N/32, K/G, 32] (G a power of two >= 16) "
                                          "or [E, N/32 * 32] per column");
-    if (mins != nullptr && mins->element_count() != scales->element_count())
+    if (mins != nullptr && group_shift_of(panels, *mins, 1) != shift)
       return ffi::Error::InvalidArgument("grouped dense: mins must be shaped as the scales");
     scale_size = scales->element_count() / experts;
-    if constexpr (kGrouped) shift = __builtin_ctzll(static_cast<unsigned long long>(K / sd[2]));
   }
   const int32_t* sizes = group_sizes.typed_data();
   const auto* P = reinterpret_cast<const typename Wt::T*>(panels.untyped_data());
@@ -697,16 +705,8 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
     if (sizes[e] > 0 && N > 0) {
       const float* sc = scales ? scales->typed_data() + e * scale_size : nullptr;
       const float* mn = mins ? mins->typed_data() + e * scale_size : nullptr;
-      auto run = [&](auto bf16_tag) {
-        dense_rows<Wt, S, decltype(bf16_tag)::value>(pool, x.typed_data() + row * K, sizes[e], K,
-                                                     P + e * expert_size, num_panels, N, Y + row * N, sc, mn, shift);
-      };
-      if constexpr (kGrouped) {
-        if (bf16) run(std::true_type{});
-        else run(std::false_type{});
-      } else {
-        run(std::false_type{});
-      }
+      dense_rows_as<Wt, S>(bf16, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
+                           Y + row * N, sc, mn, shift);
     }
     row += sizes[e];
   }
