@@ -63,33 +63,38 @@ def run(rows: list[int], iters: int) -> None:
 
 def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
     """Kept blocks of `fmt_name` through the kernel as a float32 model multiplies them
-    and as a bfloat16 model does (`float_dtype`), and the same matrix as bfloat16 panels."""
+    and as a bfloat16 model does (`float_dtype`), the same matrix as bfloat16 panels, and
+    (4-bit formats) with int8 activations (`activations`: integer dot products)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxllm.models.linear import linear, pack_weight
     from jaxllm.models.params import QUANT_FORMATS
-    from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4
+    from jaxllm.models.quant import dequantize, int8_activation_ready, quantize_blocks, quantize_int4
 
     fmt = QUANT_FORMATS[fmt_name]
     quantize = quantize_int4 if fmt_name.startswith("int4") else quantize_blocks
     rng = np.random.default_rng(0)
     print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "
-          "and bfloat16 panels of the same matrix")
-    print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bfloat16':>9} {'bf16 panels':>12} {'bf16/f32':>9}")
+          "bfloat16 panels of the same matrix, and the blocks with int8 activations (4-bit formats)")
+    print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bfloat16':>9} {'bf16 panels':>12} {'int8 x':>8} "
+          f"{'bf16/f32':>9} {'int8x/f32':>10}")
     kernel = jax.jit(lambda x, p: linear(x, p))
     for k, n in SHAPES:
         q = quantize(rng.standard_normal((k, n), np.float32), fmt)
         q16 = q.replace(float_dtype="bfloat16")
         f32, bf16 = pack_weight(q), pack_weight(q16)
         panels = pack_weight(dequantize(q16))
+        x8 = pack_weight(q.replace(activations="int8")) if int8_activation_ready(q) else None
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
             np.testing.assert_array_equal(np.asarray(kernel(x, bf16)), np.asarray(kernel(x, panels)))
             t = [timed(kernel, x, w, iters=iters) for w in (f32, bf16, panels)]
+            t.append(timed(kernel, x, x8, iters=iters) if x8 is not None else float("nan"))
             g = [2 * m * k * n / s / 1e9 for s in t]
-            print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>12.1f} {t[0] / t[1]:>9.2f}")
+            print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>12.1f} {g[3]:>8.1f} "
+                  f"{t[0] / t[1]:>9.2f} {t[0] / t[3]:>10.2f}")
 
 
 def run_experts(experts: int, fmt_name: str, rows: list[int], iters: int) -> None:

@@ -32,6 +32,9 @@ TARGETS = {
     "jaxllm_dense_q4_0": "JaxllmDenseQ4_0",
     "jaxllm_dense_q4_1": "JaxllmDenseQ4_1",
     "jaxllm_dense_q8_mins": "JaxllmDenseQ8Mins",
+    "jaxllm_dense_q4_0_x8": "JaxllmDenseQ4_0X8",
+    "jaxllm_dense_q4_1_x8": "JaxllmDenseQ4_1X8",
+    "jaxllm_dense_q8_0_x8": "JaxllmDenseQ8_0X8",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
 }

@@ -26,6 +26,7 @@
 // two AVX2 or four NEON registers); built by jaxllm/cpu_kernels/build.py.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -485,6 +486,32 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
     for (int c = 0; c < cols; ++c) y[i * ldy + c] *= scales[c];
 }
 
+// The parallel pass every dense call makes over x's M rows: one item per tile of 12 rows
+// (pack(t): the tile as the multiply reads it), then one per (row block, panel),
+// block-major: multiply(p, t0, t1), tiles t0..t1-1 times panel p, once the block's tiles
+// are packed (pack items are taken first, so the wait always ends). Row blocks are of
+// equal size: whole tiles, at most kRowBlock rows.
+template <class Pack, class Multiply>
+void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pack&& pack, Multiply&& multiply) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
+  std::unique_ptr<std::atomic<int64_t>[]> tiles_packed(new std::atomic<int64_t>[blocks]);
+  for (int64_t b = 0; b < blocks; ++b) tiles_packed[b].store(0, std::memory_order_relaxed);
+  jaxllm::parallel_for(pool, tiles + blocks * num_panels, [&](int64_t item) {
+    if (item < tiles) {
+      pack(item);
+      tiles_packed[item / tiles_per_block].fetch_add(1, std::memory_order_release);
+      return;
+    }
+    item -= tiles;
+    const int64_t b = item / num_panels, p = item % num_panels;
+    const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
+    while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
+    multiply(p, t0, t1);
+  });
+}
+
 // y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
 // caller; one parallel pass over the pack and multiply items. kBF16 (grouped panels):
 // x and the dequantized weights rounded to bfloat16, float32 sums, as a bfloat16 model's
@@ -498,30 +525,14 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     return;
   }
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
-
-  // Row blocks of equal size (whole tiles, at most kRowBlock rows).
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
   using Tiles = std::conditional_t<kBF16, BF16Weights, Wt>;  // how x is packed, which tiles multiply
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
   thread_local std::vector<typename Tiles::X> packed;
   packed.resize(tiles * kTileRows * depth);
   typename Tiles::X* XT = packed.data();
-  std::unique_ptr<std::atomic<int64_t>[]> tiles_packed(new std::atomic<int64_t>[blocks]);
-  for (int64_t b = 0; b < blocks; ++b) tiles_packed[b].store(0, std::memory_order_relaxed);
-
-  // Items: first one per tile (pack it), then one per (row block, panel), block-major.
-  jaxllm::parallel_for(pool, tiles + blocks * num_panels, [&](int64_t item) {
-    if (item < tiles) {
-      Tiles::pack(X, M, K, item, XT + item * kTileRows * depth);
-      tiles_packed[item / tiles_per_block].fetch_add(1, std::memory_order_release);
-      return;
-    }
-    item -= tiles;
-    const int64_t b = item / num_panels, p = item % num_panels;
-    const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
-    while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
+  const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
+  pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
     const int64_t group_offset = p * (K >> group_shift) * kPanel;
     Panel<Wt> panel{P + p * panel_size, kGrouped ? scales + group_offset : nullptr,
                     S == kGroupScalesMins ? mins + group_offset : nullptr,
@@ -745,6 +756,349 @@ constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
 constexpr auto GroupedDenseQ4_1 = GroupedDenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto GroupedDenseQ8Mins = GroupedDenseBlocksMins<I8Weights, ffi::S8>;  // a mixed GGUF's experts
 
+
+// ---------------------------------------------------------------------------------------
+// int8 activations (the *_x8 handlers, EngineConfig.activation_quantization="int8"): x
+// quantized per row and 32 inputs to int8 with a float32 scale (d = max|x| * (1/127), q = x / d
+// rounded to nearest even; llama.cpp's Q8_0 / Q8_1 activations, those of vLLM's GGUF
+// kernels too), times 4-bit blocks with integer dot products: vpdpbusd (AVX512_VNNI),
+// vpmaddubsw + vpmaddwd (AVX2: a block's 32 products per column summed in 16 bits, at
+// most 16 x 15 x 127 in a lane, then widened once), plain C++ elsewhere. Each block's
+// exact integer sum is then scaled: y = sum over blocks of (d_w d_x) isum (+ m_w s_x for
+// Q4_1, s_x = d_x sum(q_x)); Q4_0's stored nibble is q + 8, taken off exactly as 8 sum(q_x).
+// jaxllm.models.quant.int8_activation_matmul is the same arithmetic in jnp.
+//
+// The panels ("dot layout"), 128 bytes (32 columns x 4) per row: 4-bit values as [K/8][32][4]
+// bytes, byte j of column c at inputs 8i..8i+7 holding input 8i + j in its low nibble and
+// 8i + 4 + j in its high one; int8 values (Q8_0) as [K/4][32][4], byte j of column c at
+// inputs 4i.. being input 4i + j: the 4 inputs a 32-bit lane sums. An int8 value w is
+// read as the unsigned w + 128 (a flipped sign bit; the unsigned operand of vpdpbusd /
+// vpmaddubsw), with AVX2 as two nibbles (16 hi + lo: each product then fits the 16-bit
+// sums), and 128 sum(q_x) taken off, as Q4_0's 8. Scales (and mins) [K/G][32] per panel
+// as the grouped panels', G a power of two >= 32.
+constexpr int kXBlock = 32;          // inputs per activation scale
+constexpr int kDotRow = kPanel * 4;  // bytes of a dot-layout panel row
+
+template <int kBits>
+constexpr int kDotSteps = kBits == 4 ? 4 : 8;  // dot-layout rows per block of 32 inputs
+
+// Tile t of x quantized: q [12][K] int8, d [K/32][12] float32, sum(q) [K/32][12] int32
+// (rows past M zero).
+struct X8Tile {
+  static int64_t bytes(int64_t K) { return kTileRows * K + (K / kXBlock) * kTileRows * 8; }
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+  X8Tile(const uint8_t* base, int64_t K)
+      : q(reinterpret_cast<const int8_t*>(base)),
+        d(reinterpret_cast<const float*>(base + kTileRows * K)),
+        sum(reinterpret_cast<const int32_t*>(base + kTileRows * K + (K / kXBlock) * kTileRows * 4)) {}
+};
+
+void quantize_tile(const float* x, int64_t M, int64_t K, int64_t t, uint8_t* out) {
+  int8_t* q = reinterpret_cast<int8_t*>(out);
+  float* d = reinterpret_cast<float*>(out + kTileRows * K);
+  int32_t* sum = reinterpret_cast<int32_t*>(out + kTileRows * K + (K / kXBlock) * kTileRows * 4);
+  const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    for (int64_t b = 0; b < K / kXBlock; ++b) {
+      int8_t* qb = q + i * K + b * kXBlock;
+      float scale = 0.f;
+      int32_t s = 0;
+      if (i < rows) {
+        const float* xb = x + (r0 + i) * K + b * kXBlock;
+        float amax = 0.f;
+        for (int k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        scale = amax * (1.f / 127.f);  // as XLA computes amax / 127 (times the reciprocal)
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int k = 0; k < kXBlock; ++k) {
+          const int v = static_cast<int>(std::nearbyint(xb[k] * inv));
+          qb[k] = static_cast<int8_t>(v);
+          s += v;
+        }
+      } else {
+        std::memset(qb, 0, kXBlock);
+      }
+      d[b * kTileRows + i] = scale;
+      sum[b * kTileRows + i] = s;
+    }
+  }
+}
+
+struct X8Panel {
+  const uint8_t* w;        // the dot layout
+  const float* scale;      // [K/G][32]
+  const float* min;        // [K/G][32] (Q4_1, int4), else null
+  const uint8_t* prefetch; // the panel two ahead, or null
+  int group_shift;         // log2(G)
+};
+
+inline int32_t x8_quad(const int8_t* p) {  // 4 inputs' int8 values, as a 32-bit lane holds them
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int kBits>
+inline void prefetch_dot_rows(const X8Panel& p, int64_t b) {
+  for (int j = 0; j < kDotSteps<kBits>; ++j) {
+    __builtin_prefetch(p.prefetch + (b * kDotSteps<kBits> + j) * kDotRow);
+    __builtin_prefetch(p.prefetch + (b * kDotSteps<kBits> + j) * kDotRow + 64);
+  }
+}
+
+// out[g..g+R-1][32] = rows g.. of the quantized tile times the panel. kOffset: the value
+// each stored weight carries above its own (Q4_0: 8; int8 read unsigned: 128), taken off
+// the integer sums as kOffset sum(q_x).
+#if defined(__AVX512VNNI__) && JAXLLM_LANES == 16
+constexpr int kX8Rows = 6;  // 12 int32 and 12 float32 accumulators, 4 weight registers
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / kXBlock; ++b) {
+    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    __m512i s[R][2];
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
+    for (int j = 0; j < kDotSteps<kBits>; ++j) {
+      const uint8_t* w = p.w + (b * kDotSteps<kBits> + j) * kDotRow;
+      const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
+      if constexpr (kBits == 4) {
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xr = xt.q + (g + i) * K + b * kXBlock + j * 8;
+          const __m512i xa = _mm512_set1_epi32(x8_quad(xr)), xb = _mm512_set1_epi32(x8_quad(xr + 4));
+          s[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][0], lo0, xa), hi0, xb);
+          s[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][1], lo1, xa), hi1, xb);
+        }
+      } else {
+        const __m512i u0 = _mm512_xor_si512(v0, flip), u1 = _mm512_xor_si512(v1, flip);
+        for (int i = 0; i < R; ++i) {
+          const __m512i xa = _mm512_set1_epi32(x8_quad(xt.q + (g + i) * K + b * kXBlock + j * 4));
+          s[i][0] = _mm512_dpbusd_epi32(s[i][0], u0, xa);
+          s[i][1] = _mm512_dpbusd_epi32(s[i][1], u1, xa);
+        }
+      }
+    }
+    const int64_t grp = (b * kXBlock) >> p.group_shift;
+    const __m512 d0 = _mm512_loadu_ps(p.scale + grp * kPanel), d1 = _mm512_loadu_ps(p.scale + grp * kPanel + 16);
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = b * kTileRows + g + i;
+      if constexpr (kOffset != 0) {
+        const __m512i off = _mm512_set1_epi32(kOffset * xt.sum[at]);
+        s[i][0] = _mm512_sub_epi32(s[i][0], off);
+        s[i][1] = _mm512_sub_epi32(s[i][1], off);
+      }
+      const __m512 dx = _mm512_set1_ps(xt.d[at]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
+      if constexpr (kMins) {
+        const __m512 sx = _mm512_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at]));
+        acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(p.min + grp * kPanel), sx, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(p.min + grp * kPanel + 16), sx, acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out + (g + i) * kPanel, acc[i][0]);
+    _mm512_storeu_ps(out + (g + i) * kPanel + 16, acc[i][1]);
+  }
+}
+#elif defined(__AVX2__)
+constexpr int kX8Rows = 4;  // 8 16-bit accumulators, 4 weight registers
+
+// A block's 16-bit sums (each of a column's lanes: 16 products of at most 15 x 127)
+// widened, offset, scaled and added to 8 outputs o[0..7] of one row.
+template <bool kMins, int kOffset>
+inline void x8_block_out(__m256i si, const X8Tile& xt, int64_t at, const float* scale, const float* min, float* o) {
+  if constexpr (kOffset != 0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(kOffset * xt.sum[at]));
+  __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_set1_ps(xt.d[at])),
+                             _mm256_loadu_ps(o));
+  if constexpr (kMins)
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(min), _mm256_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at])), a);
+  _mm256_storeu_ps(o, a);
+}
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  for (int i = 0; i < R; ++i) std::memset(out + (g + i) * kPanel, 0, kPanel * sizeof(float));
+  for (int64_t b = 0; b < K / kXBlock; ++b) {
+    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    const int64_t grp = (b * kXBlock) >> p.group_shift;
+    // 4-bit: columns 16h..16h+15, two vectors of 8; int8: columns 8h..8h+7, low and high nibbles
+    for (int h = 0; h < (kBits == 4 ? 2 : 4); ++h) {
+      __m256i s[R][2];
+      for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
+      for (int j = 0; j < kDotSteps<kBits>; ++j) {
+        const uint8_t* w = p.w + (b * kDotSteps<kBits> + j) * kDotRow + h * (kBits == 4 ? 64 : 32);
+        if constexpr (kBits == 4) {
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+          const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+          const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+          for (int i = 0; i < R; ++i) {
+            const int8_t* xr = xt.q + (g + i) * K + b * kXBlock + j * 8;
+            const __m256i xa = _mm256_set1_epi32(x8_quad(xr)), xb = _mm256_set1_epi32(x8_quad(xr + 4));
+            s[i][0] = _mm256_add_epi16(s[i][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa),
+                                                                  _mm256_maddubs_epi16(hi0, xb)));
+            s[i][1] = _mm256_add_epi16(s[i][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa),
+                                                                  _mm256_maddubs_epi16(hi1, xb)));
+          }
+        } else {
+          const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int i = 0; i < R; ++i) {
+            const __m256i xa = _mm256_set1_epi32(x8_quad(xt.q + (g + i) * K + b * kXBlock + j * 4));
+            s[i][0] = _mm256_add_epi16(s[i][0], _mm256_maddubs_epi16(lo, xa));
+            s[i][1] = _mm256_add_epi16(s[i][1], _mm256_maddubs_epi16(hi, xa));
+          }
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = b * kTileRows + g + i;
+        float* o = out + (g + i) * kPanel;
+        const float* sc = p.scale + grp * kPanel;
+        const float* mn = kMins ? p.min + grp * kPanel : nullptr;
+        if constexpr (kBits == 4) {
+          for (int v = 0; v < 2; ++v)
+            x8_block_out<kMins, kOffset>(_mm256_madd_epi16(s[i][v], ones), xt, at, sc + 16 * h + 8 * v,
+                                         kMins ? mn + 16 * h + 8 * v : nullptr, o + 16 * h + 8 * v);
+        } else {
+          const __m256i si = _mm256_add_epi32(_mm256_madd_epi16(s[i][0], ones), _mm256_madd_epi16(s[i][1], sixteens));
+          x8_block_out<kMins, kOffset>(si, xt, at, sc + 8 * h, kMins ? mn + 8 * h : nullptr, o + 8 * h);
+        }
+      }
+    }
+  }
+}
+#else  // a lane at a time (SSE2, NEON): the same sums in the same order
+constexpr int kX8Rows = kTileRows;
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool) {
+  for (int i = 0; i < R; ++i) {
+    float* o = out + (g + i) * kPanel;
+    for (int c = 0; c < kPanel; ++c) o[c] = 0.f;
+    for (int64_t b = 0; b < K / kXBlock; ++b) {
+      const int64_t at = b * kTileRows + g + i, grp = (b * kXBlock) >> p.group_shift;
+      const int8_t* xr = xt.q + (g + i) * K + b * kXBlock;
+      for (int c = 0; c < kPanel; ++c) {
+        int32_t s = 0;
+        for (int j = 0; j < kDotSteps<kBits>; ++j)
+          for (int l = 0; l < 4; ++l) {
+            const uint8_t byte = p.w[(b * kDotSteps<kBits> + j) * kDotRow + c * 4 + l];
+            if constexpr (kBits == 4)
+              s += (byte & 0x0F) * xr[j * 8 + l] + (byte >> 4) * xr[j * 8 + 4 + l];
+            else
+              s += (byte ^ 0x80) * xr[j * 4 + l];
+          }
+        s -= kOffset * xt.sum[at];
+        o[c] = std::fma(static_cast<float>(s), p.scale[grp * kPanel + c] * xt.d[at], o[c]);
+        if constexpr (kMins)
+          o[c] = std::fma(p.min[grp * kPanel + c], xt.d[at] * static_cast<float>(xt.sum[at]), o[c]);
+      }
+    }
+  }
+}
+#endif
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_chunks(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  constexpr int C = R < kX8Rows ? R : kX8Rows;
+  x8_rows<C, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
+  if constexpr (R > C) x8_chunks<R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out, false);
+}
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_tile_times_panel(const X8Tile& xt, const X8Panel& p, int64_t K, float* y, int64_t ldy, int cols) {
+  float out[kTileRows * kPanel];
+  x8_chunks<R, kBits, kMins, kOffset>(xt, 0, p, K, out, p.prefetch != nullptr);
+  for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
+}
+
+using X8TileFn = void (*)(const X8Tile&, const X8Panel&, int64_t, float*, int64_t, int);
+template <int kBits, bool kMins, int kOffset>
+constexpr X8TileFn kX8TileFns[kTileRows + 1] = {
+    nullptr,
+    x8_tile_times_panel<1, kBits, kMins, kOffset>,  x8_tile_times_panel<2, kBits, kMins, kOffset>,
+    x8_tile_times_panel<3, kBits, kMins, kOffset>,  x8_tile_times_panel<4, kBits, kMins, kOffset>,
+    x8_tile_times_panel<5, kBits, kMins, kOffset>,  x8_tile_times_panel<6, kBits, kMins, kOffset>,
+    x8_tile_times_panel<7, kBits, kMins, kOffset>,  x8_tile_times_panel<8, kBits, kMins, kOffset>,
+    x8_tile_times_panel<9, kBits, kMins, kOffset>,  x8_tile_times_panel<10, kBits, kMins, kOffset>,
+    x8_tile_times_panel<11, kBits, kMins, kOffset>, x8_tile_times_panel<12, kBits, kMins, kOffset>};
+
+// y[M, N] = x[M, K] (quantized as it is packed) @ the dot-layout panels; shapes checked
+// by the caller (K a multiple of 32).
+template <int kBits, bool kMins, int kOffset>
+void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P,
+                   int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
+  if (K == 0) {
+    std::memset(Y, 0, M * N * sizeof(float));
+    return;
+  }
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = X8Tile::bytes(K);
+  const int64_t panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow, panel_groups = (K >> group_shift) * kPanel;
+  thread_local std::vector<uint8_t> packed;
+  packed.resize(tiles * tile_bytes);
+  uint8_t* XT = packed.data();
+  const auto pack = [&](int64_t t) { quantize_tile(X, M, K, t, XT + t * tile_bytes); };
+  pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    X8Panel panel{P + p * panel_bytes, scales + p * panel_groups, kMins ? mins + p * panel_groups : nullptr,
+                  p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr, group_shift};
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
+      kX8TileFns<kBits, kMins, kOffset>[rows](X8Tile(XT + t * tile_bytes, K), panel, K,
+                                              Y + t * kTileRows * N + p * kPanel, N, cols);
+      panel.prefetch = nullptr;  // the first tile of an item prefetches
+    }
+  });
+}
+
+// Blocks in the dot layout times int8 activations: panels [P, K/8, 32, 4] uint8 (4-bit)
+// or [P, K/4, 32, 4] int8, scales (and mins) [P, K/G, 32], G a power of two >= 32
+// dividing K.
+template <int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
+ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
+                   ffi::Buffer<ffi::F32> scales, const ffi::Buffer<ffi::F32>* mins, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), pd = panels.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[3] != 4)
+    return ffi::Error::InvalidArgument("dense x8: x must be [M, K], panels [N/32, K/8 (4-bit) or K/4 (int8), 32, 4], "
+                                       "scales (and mins) [N/32, K/G, 32], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1], groups = sd[1];
+  if (K % kXBlock || pd[1] * (kBits == 4 ? 8 : 4) != K || yd[0] != M || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
+    return ffi::Error::InvalidArgument("dense x8: the shapes of x, panels and y do not agree (K a multiple of 32)");
+  const int64_t group = groups > 0 && K % groups == 0 ? K / groups : 0;
+  if (sd[0] != num_panels || sd[2] != kPanel || group < kXBlock || (group & (group - 1)))
+    return ffi::Error::InvalidArgument("dense x8: scales must be [N/32, K/G, 32], G a power of two >= 32");
+  if (mins != nullptr) {
+    const auto md = mins->dimensions();
+    if (md.size() != 3 || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])
+      return ffi::Error::InvalidArgument("dense x8: mins must be shaped as the scales");
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data(), M, K,
+                                       reinterpret_cast<const uint8_t*>(panels.untyped_data()), num_panels, N,
+                                       y->typed_data(), scales.typed_data(), mins ? mins->typed_data() : nullptr,
+                                       __builtin_ctzll(static_cast<unsigned long long>(group)));
+  return ffi::Error::Success();
+}
+ffi::Error DenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, y);
+}
+ffi::Error DenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, y);
+}
+ffi::Error DenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseF32, GroupedDenseF32,
@@ -800,6 +1154,31 @@ JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1, ffi::U8)
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ8Mins, GroupedDenseQ8Mins, ffi::S8)
 #undef JAXLLM_GROUPED_BLOCKS_MINS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4] (dot layout)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0X8, DenseQ8_0X8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K/4, 32, 4] (dot layout)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0X8, DenseQ4_0X8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4], nibble + 8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

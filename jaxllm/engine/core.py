@@ -160,6 +160,7 @@ class EngineCore:
             cache_dir=cache_dir,
             tensor_parallel_size=config.tensor_parallel_size,
             kv_cache_dtype=config.kv_cache_dtype,
+            activation_quantization=config.activation_quantization,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too

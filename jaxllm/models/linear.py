@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
-from jaxllm.models.quant import dequantize
+from jaxllm.models.quant import dequantize, int8_activation_matmul, int8_activation_ready
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
 TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
 TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (or 2^n) inputs: mixed GGUF
+# int8 activations, panels in the dot layout, by (panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
+TARGET_X8 = {("uint8", False): "jaxllm_dense_q4_0_x8", ("uint8", True): "jaxllm_dense_q4_1_x8",
+             ("int8", False): "jaxllm_dense_q8_0_x8"}
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
@@ -108,14 +111,16 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
     values = pack_weight(w.q)
     p = values.panels.shape[0]
     groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
-    if w.bits == 4:  # [P, K, 32] -> [P, K, 16] uint8: column j low, column j + 16 high
-        half = PANEL // 2
+    if w.bits == 4:
+        values = values.replace(panels=_nibble_panels(values.panels, offset=0 if w.mins is not None else 8,
+                                                      dot=w.activations == "int8"))
+    elif w.activations == "int8":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
+        p_, k, _ = values.panels.shape
         if isinstance(values.panels, jax.ShapeDtypeStruct):
-            panels = jax.ShapeDtypeStruct((*values.panels.shape[:2], half), jnp.uint8)
+            values = values.replace(panels=jax.ShapeDtypeStruct((p_, k // 4, PANEL, 4), jnp.int8))
         else:
-            nibbles = np.asarray(values.panels).astype(np.uint8) + np.uint8(0 if w.mins is not None else 8)
-            panels = jnp.asarray((nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4))
-        values = values.replace(panels=panels)
+            v = np.asarray(values.panels).reshape(p_, k // 4, 4, PANEL)
+            values = values.replace(panels=jnp.asarray(np.ascontiguousarray(v.transpose(0, 1, 3, 2))))
 
     def padded(scale):
         if isinstance(scale, jax.ShapeDtypeStruct):
@@ -127,7 +132,24 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
         return jnp.asarray(scale)
 
     return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins),
-                          float_dtype=w.float_dtype)
+                          float_dtype=w.float_dtype, activations=w.activations)
+
+
+def _nibble_panels(panels, offset: int, dot: bool):
+    """4-bit values' panels [P, K, 32] (int8, plus `offset`: Q4_0's 8) two to a byte:
+    [P, K, 16], byte j holding column j low and column j + 16 high; or with `dot` (int8
+    activations) [P, K/8, 32, 4], byte j of column c at inputs 8i.. holding input 8i + j
+    low and 8i + 4 + j high (the 4 inputs an integer dot product sums per 32-bit lane).
+    Abstract panels too."""
+    p, k, _ = panels.shape
+    if isinstance(panels, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((p, k // 8, PANEL, 4) if dot else (p, k, PANEL // 2), jnp.uint8)
+    nibbles = np.asarray(panels).astype(np.uint8) + np.uint8(offset)
+    if dot:  # [P, K/8, 2 (low, high), 4, 32] -> [P, K/8, 32, 4]
+        v = nibbles.reshape(p, k // 8, 2, 4, PANEL)
+        return jnp.asarray(np.ascontiguousarray((v[:, :, 0] | (v[:, :, 1] << 4)).transpose(0, 1, 3, 2)))
+    half = PANEL // 2
+    return jnp.asarray((nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4))
 
 
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:
@@ -138,7 +160,13 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
         return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
                                                   mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
     panels = w.panels
-    if panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
+    if w.activations == "int8" and panels.dtype == jnp.int8:  # the dot layout [P, K/4, 32, 4] -> [P, K, 32]
+        panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
+    elif w.activations == "int8":  # the dot layout [P, K/8, 32, 4] -> [P, K, 16]
+        lo_hi = jnp.stack([panels & 0x0F, panels >> 4], axis=2).transpose(0, 1, 2, 4, 3)  # [P, K/8, 2, 4, 32]
+        v = lo_hi.reshape(panels.shape[0], -1, PANEL)
+        panels = (v[..., : PANEL // 2] | (v[..., PANEL // 2:] << 4)).astype(jnp.uint8)
+    elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
         panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
     if panels.dtype == jnp.uint8:  # 4-bit: the nibbles back as values (minus 8 without mins)
         panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=-1).astype(jnp.int8)
@@ -166,6 +194,9 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     if isinstance(w, QuantizedWeight):
         if w.kernel == "pallas":
             return _pallas_linear(x, w, preferred_element_type)
+        if w.activations == "int8":
+            y = int8_activation_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+            return y.astype(preferred_element_type or jnp.float32)
         if w.group and w.float_dtype != "float32":  # the plain weight it stands for
             return linear(x, dequantize(w), preferred_element_type)
         if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
@@ -181,6 +212,10 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
+    if w.activations == "int8":
+        args = (x2.astype(jnp.float32), w.panels, w.scale) + (() if w.mins is None else (w.mins,))
+        target = TARGET_X8[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
+        return jax.ffi.ffi_call(target, out)(*args).reshape(*lead, w.out_features)
     bf16 = w.float_dtype == "bfloat16"  # grouped panels: x and the dequantized weights rounded to bfloat16
     if w.mins is not None:
         target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
@@ -252,6 +287,29 @@ def in_dtype(params: ModelParams, dtype) -> ModelParams:
         return params
     return jax.tree.map(lambda w: w.replace(float_dtype="bfloat16") if isinstance(w, QuantizedWeight) and w.group
                         else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def int8_activations(params: ModelParams) -> tuple[ModelParams, int]:
+    """Every projection kept in blocks of a multiple of 32 inputs (Q4_0, Q4_1, Q8_0,
+    int4: `int8_activation_ready`) marked to multiply int8 activations, and how many
+    were marked; a quantized embedding too where the output projection is tied to it
+    (its lookups are unchanged). Abstract params too."""
+    marked = 0
+
+    def mark(w):
+        nonlocal marked
+        if isinstance(w, QuantizedWeight) and int8_activation_ready(w.transposed() if w.group_axis else w):
+            marked += 1
+            return w.replace(activations="int8")
+        return w
+
+    is_leaf = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    layers = jax.tree.map(mark, params.layers, is_leaf=is_leaf)
+    head = params.lm_head if params.lm_head is not None else params.embed  # the embedding: a tied head
+    head = jax.tree.map(mark, head, is_leaf=is_leaf)
+    if params.lm_head is not None:
+        return params.replace(layers=layers, lm_head=head), marked
+    return params.replace(layers=layers, embed=head), marked
 
 
 def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:

@@ -121,7 +121,9 @@ def compute_logits(
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    if params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
+    if isinstance(params.embed, QuantizedWeight) and params.embed.activations == "int8" and params.lm_head is None:
+        logits = linear(h, params.embed.transposed(), preferred_element_type=jnp.float32)  # int8 inputs, as packed
+    elif params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
         embed = dequantize(params.embed) if isinstance(params.embed, QuantizedWeight) else params.embed
         logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:

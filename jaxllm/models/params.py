@@ -68,7 +68,7 @@ class PackedWeight:
     [E, in, out] weight stacks each expert's panels (`experts` = E)."""
 
     panels: (Float[Array, "*E P K 32"] | Int8[Array, "*E P K 32"] | UInt8[Array, "*E P K 16"]
-             | Float[Array, "*E P K2 32 2"])
+             | Float[Array, "*E P K2 32 2"] | UInt8[Array, "*E P K8 32 4"] | Int8[Array, "*E P K4 32 4"])
     out_features: int = struct.field(pytree_node=False)
     # [P * 32] per column, [P, G, 32] per group; a mixture of experts' with a leading [E]
     scale: Float[Array, "*E P32"] | Float[Array, "*E P G 32"] | None = None
@@ -76,11 +76,16 @@ class PackedWeight:
     mins: Float[Array, "*E P G 32"] | None = None  # Q4_1
     experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
     float_dtype: str = struct.field(pytree_node=False, default="float32")  # a quantized one's: QuantizedWeight's
+    # "int8" (QuantizedWeight's `activations`): the dot layout, 4-bit values [out/PANEL, in/8, PANEL, 4]
+    # uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
+    activations: str = struct.field(pytree_node=False, default="float")
 
     @property
     def in_features(self) -> int:
         """Rows of the packed matrix (rounded up to even for bfloat16 pairs)."""
         dims = self.panels.shape[1:] if self.experts else self.panels.shape
+        if self.activations == "int8":  # the dot layout: 8 4-bit inputs or 4 int8 ones per row
+            return dims[1] * (8 if self.panels.dtype == jnp.uint8 else 4)
         return dims[1] * (2 if len(dims) == 4 else 1)
 
 
@@ -104,6 +109,10 @@ class QuantizedWeight:
     # model (grouped formats) each of those values rounded to bfloat16, as the model would
     # hold it dequantized; multiplied as that model's plain weights (jaxllm.models.linear).
     float_dtype: str = struct.field(pytree_node=False, default="float32")
+    # "int8": multiplied with its inputs quantized to int8 per 32 (int8_activation_matmul in
+    # jaxllm.models.quant; EngineConfig.activation_quantization), in integer dot products;
+    # "float": as the float matrix it stands for.
+    activations: str = struct.field(pytree_node=False, default="float")
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -27,6 +27,15 @@ scale and min per 16 inputs (12 bits a weight against float32's 32); only a GGUF
 
 The embedding (a lookup) and the norms stay as loaded, as in vLLM's weight-only
 schemes; so does a tied output projection, which is the embedding.
+
+int8 activations (EngineConfig.activation_quantization="int8", opt-in): the inputs of
+each projection kept in blocks of 32 inputs or a multiple (Q4_0, Q4_1, Q8_0, int4,
+int4_g32) quantized per row and 32 inputs to int8 with a float32 scale, as llama.cpp
+multiplies its blocks (Q8_0 / Q8_1 activations) and vLLM's GGUF kernels too; each
+block's integer dot product is exact, then scaled (`int8_activation_matmul`). The `cpu`
+kernel runs it with integer dot-product instructions (jaxllm/cpu_kernels/dense.cc),
+trading an error of up to half a step of each block's scale (max |x| / 254) per input
+for it.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int8, Int32
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
 from jaxllm.models.params import (QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight, declare,
@@ -123,6 +132,47 @@ def _grouped_values(w: QuantizedWeight) -> Float[Array, "*E K N"]:
     if w.mins is not None:
         values = values + jnp.take(w.mins, group_of, axis=axis)
     return values
+
+
+X_BLOCK = 32  # inputs per activation scale under int8 activations
+
+
+def int8_activation_ready(w: QuantizedWeight) -> bool:
+    """Whether `w` multiplies under int8 activations: a [K, N] matrix grouped along its
+    inputs by a multiple of 32: Q4_0, Q4_1, int4, Q8_0 (not the gguf_int8 container: 16)."""
+    return (len(w.shape) == 2 and w.group_axis == 0 and w.group > 0 and w.group % X_BLOCK == 0
+            and (w.bits == 4 or w.mins is None))
+
+
+def quantize_activations(x: Float[Array, "M K"]) -> tuple[Int8[Array, "M B 32"], Float[Array, "M B"],
+                                                           Int32[Array, "M B"]]:
+    """x's rows as int8 per block of 32 inputs: the values, the block's float32 scale
+    (max |x| times float32(1/127), which is what XLA makes of a division by 127 and the
+    kernel computes too; 0 for a block of zeros) and the sum of its values. Rounded to
+    nearest, half to even (the kernel's nearbyint)."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, X_BLOCK)
+    scale = jnp.max(jnp.abs(blocks), axis=-1) * np.float32(1 / INT8_MAX)
+    inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), 0)
+    q = jnp.round(blocks * inv[..., None]).astype(jnp.int8)
+    return q, scale, jnp.sum(q, axis=-1, dtype=jnp.int32)
+
+
+def int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[Array, "M N"]:
+    """x @ w with x quantized to int8 per 32 inputs (quantize_activations): per block b
+    of 32 inputs, the exact integer sum of x's values times w's (Q4_0's as signed), times
+    w's scale and x's, plus (Q4_1, int4) w's min times the block's sum d_x * sum(q_x);
+    float32 out. The `cpu` kernel's arithmetic (jaxllm/cpu_kernels/dense.cc, *_x8)."""
+    if not int8_activation_ready(w):
+        raise ValueError(f"int8 activations: a 4-bit weight grouped along its inputs by a multiple of {X_BLOCK}, "
+                         f"not bits={w.bits} group={w.group} shape={w.shape}")
+    q, d, s = quantize_activations(x)
+    k, n = w.shape
+    isum = jnp.einsum("mbi,bin->mbn", q, w.q.reshape(k // X_BLOCK, X_BLOCK, n), preferred_element_type=jnp.int32)
+    group_of = np.arange(k // X_BLOCK) * X_BLOCK // w.group
+    y = isum.astype(jnp.float32) * (jnp.take(w.scale, group_of, axis=0) * d[..., None])
+    if w.mins is not None:
+        y = y + jnp.take(w.mins, group_of, axis=0) * (d * s.astype(jnp.float32))[..., None]
+    return jnp.sum(y, axis=-2)
 
 
 def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> QuantizedWeight:

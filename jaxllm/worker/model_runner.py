@@ -30,7 +30,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import in_dtype, layout_params, linear_candidates
+from jaxllm.models.linear import in_dtype, int8_activations, layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import model_rope_table
@@ -176,6 +176,7 @@ class ModelRunner:
         cache_dir: Path | None = None,
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
+        activation_quantization: str | None = None,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -188,7 +189,9 @@ class ModelRunner:
         start). With `tensor_parallel_size` > 1 the step runs over a mesh of that many
         devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
         replicated; the backends are measured on one shard's shapes. The KV cache holds
-        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype)."""
+        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype).
+        `activation_quantization` "int8": the projections kept in blocks multiply int8
+        inputs (jaxllm.models.linear.int8_activations); a model with none is refused."""
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
@@ -204,6 +207,10 @@ class ModelRunner:
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
+        self.activation_quantization = activation_quantization
+        if activation_quantization and "pallas" in self.plan.backends("linear"):
+            raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
+                             "float inputs); use cpu or xla")
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
         self._start_kv_caches(num_blocks)
@@ -342,6 +349,12 @@ class ModelRunner:
         """The weights in the layout of each linear backend some bucket uses (quantized
         ones multiplied as the model's dtype: `in_dtype`)."""
         params = in_dtype(params, self.param_dtype)
+        if self.activation_quantization == "int8":
+            params, self.int8_projections = int8_activations(params)
+            if not self.int8_projections:
+                raise ValueError("activation_quantization 'int8': the model has no projection kept in blocks of 32 "
+                                 "inputs (Q4_0, Q4_1, Q8_0, int4); quantize it (quantization q4_1, q8_0, int4...) "
+                                 "or leave activations in float")
         if self.mesh is not None:  # plain weights only (linear_candidates)
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
         return {b: layout_params(b, params, pack_head=self.plan.head == "cpu") for b in self.plan.backends("linear")}
@@ -352,7 +365,9 @@ class ModelRunner:
         held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
         cfg = self.config
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
-        return f"{held / 2**20:.0f} MiB ({cfg.quantization or 'not quantized'}{embed})"
+        acts = (f", int8 activations into {self.int8_projections} projections"
+                if self.activation_quantization == "int8" else "")
+        return f"{held / 2**20:.0f} MiB ({cfg.quantization or 'not quantized'}{embed}{acts})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
