@@ -58,6 +58,12 @@ bench: setup-dev
 	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard_avx2
+	$(PY) scripts/bench_serving.py --launch "--activation-quantization int8" --dataset standard --max-concurrency 32 \
+	  --out bench_results/serving_standard_int8_activations
+	$(PY) scripts/bench_serving.py --isa avx2 --launch "--activation-quantization int8" --dataset standard \
+	  --max-concurrency 32 --out bench_results/serving_standard_int8_activations_avx2
+	$(PY) scripts/bench_serving.py --launch "--activation-quantization int8" --dataset random --num-prompts 6 \
+	  --max-concurrency 1 --out bench_results/serving_batch1_int8_activations
 	$(PY) scripts/bench_serving.py --launch "--dtype bfloat16" --dataset standard --max-concurrency 32 \
 	  --out bench_results/serving_standard_bf16
 	$(PY) scripts/bench_serving.py --launch "--quantization none" --dataset standard --max-concurrency 32 \
@@ -72,6 +78,7 @@ bench: setup-dev
 	  --concurrency-sweep 4,16,32,64 --out bench_results/sweep
 	$(PY) scripts/bench_structured.py --out bench_results/structured.json
 	$(PY) scripts/bench_quant.py --out bench_results/quant.json
+	$(PY) scripts/bench_quant.py --formats q4_1,q4_1+a8 --out bench_results/quant_int8_activations.json
 	$(PY) scripts/bench_quant.py --isa avx2 --out bench_results/quant_avx2.json
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json

@@ -22,6 +22,10 @@ is refused, not re-quantized).
 A format may name a KV cache dtype after a slash (`q4_1/int8`: the default weights with an
 int8 KV cache; `kv_cache_dtype`, default auto):
     .venv/bin/python scripts/bench_quant.py --formats q4_1,q4_1/bfloat16,q4_1/int8,q4_1/fp8
+
+`+a8` after the weights multiplies them with int8 activations (`activation_quantization`;
+formats kept in blocks of 32 inputs):
+    .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8
 """
 
 from __future__ import annotations
@@ -67,9 +71,12 @@ def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
 
 def measure(model: str | None, fmt: str, items: list[dict]) -> dict:
     weights, _, kv_cache_dtype = fmt.partition("/")
+    weights, _, activations = weights.partition("+")
+    if activations not in ("", "a8"):
+        raise SystemExit(f"{fmt}: after '+' only a8 (int8 activations)")
     model, quantization = source(model, weights)
     llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto",
-              progress=False)
+              activation_quantization="int8" if activations else None, progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]

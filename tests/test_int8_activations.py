@@ -12,8 +12,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.config import EngineConfig
-from jaxllm.models.linear import int8_activations, linear, pack_weight, unpack_weight
-from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight
+from jaxllm.models.linear import grouped_linear, int8_activations, linear, pack_weight, unpack_weight
+from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
 from jaxllm.models.quant import (dequantize, int8_activation_matmul, int8_activation_ready, quantize_activations,
                                  quantize_blocks, quantize_int4, quantize_int8)
 
@@ -82,17 +82,37 @@ def test_kernel_matches_the_reference(m, k, n, fmt):
     np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w)), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0"])
+def test_grouped_kernel_matches_the_reference(fmt):
+    """A mixture of experts' projection with int8 activations: each expert's rows (x
+    sorted by expert, an expert with none, rows past the groups zero) through the
+    grouped kernel give the reference's, which is each expert's int8_activation_matmul
+    of its own rows."""
+    experts = stack_experts([_quantized(fmt, 128, 40, seed=e) for e in range(4)])
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((26, 128)).astype(np.float32))
+    sizes = jnp.asarray([3, 0, 13, 7], jnp.int32)
+    ref = np.asarray(jax.jit(grouped_linear)(x, experts, sizes))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for e in range(4):
+        rows = slice(int(starts[e]), int(starts[e + 1]))
+        np.testing.assert_allclose(ref[rows], np.asarray(int8_activation_matmul(x[rows], experts.expert(e))),
+                                   rtol=0, atol=1e-6 * np.abs(ref).max())
+    assert not ref[23:].any()
+    got = np.asarray(jax.jit(grouped_linear)(x, pack_weight(experts), sizes))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
 def test_which_weights_take_int8_activations():
-    """Blocks of 32 inputs or a multiple (Q8_0, Q4_0, Q4_1, int4); not int8 with scales
-    per column, nor the gguf_int8 container (16 inputs), nor experts."""
+    """Blocks of 32 inputs or a multiple (Q8_0, Q4_0, Q4_1, int4), experts too; not int8
+    with scales per column, nor the gguf_int8 container (16 inputs)."""
     w = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32)
     assert all(int8_activation_ready(_quantized(f, 128, 64)) for f in FORMATS)
     assert not int8_activation_ready(quantize_int8(w))
     container = quantize_int4(w, QUANT_FORMATS["int4_g32"]).replace(group=16, bits=8)
     assert not int8_activation_ready(container)
     experts = _quantized("q4_1", 128, 64).map_arrays(lambda a: jnp.stack([a, a]))
-    assert not int8_activation_ready(experts)
-    with pytest.raises(ValueError, match="int8 activations: a 4-bit weight"):
+    assert int8_activation_ready(experts)
+    with pytest.raises(ValueError, match="int8 activations: a .K, N. weight kept in blocks"):
         int8_activation_matmul(jnp.ones((1, 128)), quantize_int8(w))
 
 
@@ -128,8 +148,8 @@ def _engine(path, **options):
 def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
     """A Q4_1 GGUF (the default SmolLM2's format; its embedding Q8_0, the tied head) with
     int8 activations: the kernel gives the tokens of the jnp reference (the `xla`
-    backend) and its logprobs to float rounding, and not those of float activations; the
-    start-up line says how many projections take int8. (The two backends' float sums
+    backend) and its logprobs to float rounding; the start-up line says how many
+    projections take int8 (that they differ from float activations: the kernel tests). (The two backends' float sums
     differ in their last bits, and now and then that moves an input across a rounding
     boundary of its int8 step: a position's logprobs then differ by ~1e-2, so all but a
     few must agree to 2e-4.)"""
@@ -138,13 +158,26 @@ def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path, activation_quantization="int8", linear_backend="cpu")
     _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int8", linear_backend="xla")
-    _, float_tokens, float_logprobs = _engine(path, linear_backend="cpu")
     assert tokens == ref_tokens
     close = np.abs(logprobs - ref_logprobs) <= 2e-4
     assert close.mean() > 0.95, np.abs(logprobs - ref_logprobs).max()
     np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=0.05)
-    assert not np.allclose(logprobs, float_logprobs, rtol=0, atol=1e-4)
     assert "int8 activations into" in llm.llm_engine.core.runner.describe_weights()
+
+
+@pytest.mark.slow  # the grouped kernel's own test runs by default
+def test_a_mixture_of_experts_with_int8_activations(test_models_dir):
+    """Qwen3-MoE quantized to q4_1 at load with int8 activations: the experts through the
+    grouped kernel give the tokens of the reference (every expert for every row, the
+    `xla` backend) and, but for the odd rounding-boundary position, its logprobs."""
+    path = test_models_dir / "qwen3_moe"
+    llm, tokens, logprobs = _engine(path, quantization="q4_1", activation_quantization="int8", linear_backend="cpu")
+    _, ref_tokens, ref_logprobs = _engine(path, quantization="q4_1", activation_quantization="int8",
+                                          linear_backend="xla")
+    assert tokens == ref_tokens
+    assert (np.abs(logprobs - ref_logprobs) <= 2e-4).mean() > 0.95
+    layer = llm.llm_engine.core.runner.weights["cpu"].layers[0]
+    assert layer.w_gate_up.activations == "int8" and layer.w_gate_up.experts > 0
 
 
 def test_int8_activations_are_refused_where_they_cannot_apply(test_models_dir):

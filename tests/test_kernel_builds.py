@@ -22,6 +22,7 @@ TESTS = [
     "tests/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
     "tests/test_linear.py::test_dense_kernel_matches_numpy",
     "tests/test_int8_activations.py::test_kernel_matches_the_reference",
+    "tests/test_int8_activations.py::test_grouped_kernel_matches_the_reference",
     "tests/test_linear.py::test_grouped_kernel_matches_ragged_dot",
     "tests/test_linear.py::test_grouped_kernel_over_quantized_experts",
     "tests/test_quant.py::test_the_gguf_int8_container_holds_every_weight_exactly",

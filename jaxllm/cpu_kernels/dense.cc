@@ -1060,43 +1060,80 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
 
 // Blocks in the dot layout times int8 activations: panels [P, K/8, 32, 4] uint8 (4-bit)
 // or [P, K/4, 32, 4] int8, scales (and mins) [P, K/G, 32], G a power of two >= 32
-// dividing K.
+// dividing K. With `group_sizes` (a mixture of experts, as GroupedDenseScaled): each
+// expert's [E, ...] panels and scales times its rows, x's rows sorted by expert.
 template <int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
 ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                   ffi::Buffer<ffi::F32> scales, const ffi::Buffer<ffi::F32>* mins, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::Buffer<ffi::F32> scales, const ffi::Buffer<ffi::F32>* mins,
+                   const ffi::Buffer<ffi::S32>* group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  const size_t lead = group_sizes ? 1 : 0;  // the experts axis
   const auto xd = x.dimensions(), pd = panels.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[3] != 4)
-    return ffi::Error::InvalidArgument("dense x8: x must be [M, K], panels [N/32, K/8 (4-bit) or K/4 (int8), 32, 4], "
-                                       "scales (and mins) [N/32, K/G, 32], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], num_panels = pd[0], N = yd[1], groups = sd[1];
-  if (K % kXBlock || pd[1] * (kBits == 4 ? 8 : 4) != K || yd[0] != M || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
+  if (xd.size() != 2 || pd.size() != 4 + lead || sd.size() != 3 + lead || yd.size() != 2 || pd[lead + 2] != kPanel ||
+      pd[lead + 3] != 4 || (lead && (group_sizes->dimensions().size() != 1 || group_sizes->dimensions()[0] != pd[0])))
+    return ffi::Error::InvalidArgument("dense x8: x must be [M, K], panels [(E,) N/32, K/8 (4-bit) or K/4 (int8), 32, "
+                                       "4], scales (and mins) [(E,) N/32, K/G, 32], (group_sizes [E],) y [M, N]");
+  const int64_t M = xd[0], K = xd[1], num_panels = pd[lead], N = yd[1], groups = sd[lead + 1];
+  if (K % kXBlock || pd[lead + 1] * (kBits == 4 ? 8 : 4) != K || yd[0] != M || N > num_panels * kPanel ||
+      N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense x8: the shapes of x, panels and y do not agree (K a multiple of 32)");
   const int64_t group = groups > 0 && K % groups == 0 ? K / groups : 0;
-  if (sd[0] != num_panels || sd[2] != kPanel || group < kXBlock || (group & (group - 1)))
-    return ffi::Error::InvalidArgument("dense x8: scales must be [N/32, K/G, 32], G a power of two >= 32");
-  if (mins != nullptr) {
-    const auto md = mins->dimensions();
-    if (md.size() != 3 || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])
-      return ffi::Error::InvalidArgument("dense x8: mins must be shaped as the scales");
+  if ((lead && sd[0] != pd[0]) || sd[lead] != num_panels || sd[lead + 2] != kPanel || group < kXBlock ||
+      (group & (group - 1)))
+    return ffi::Error::InvalidArgument("dense x8: scales must be [(E,) N/32, K/G, 32], G a power of two >= 32");
+  if (mins != nullptr && !std::equal(sd.begin(), sd.end(), mins->dimensions().begin(), mins->dimensions().end()))
+    return ffi::Error::InvalidArgument("dense x8: mins must be shaped as the scales");
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(group));
+  const auto* P = reinterpret_cast<const uint8_t*>(panels.untyped_data());
+  const float* mn = mins ? mins->typed_data() : nullptr;
+  if (!lead) {
+    if (M > 0 && N > 0)
+      dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(),
+                                           scales.typed_data(), mn, shift);
+    return ffi::Error::Success();
   }
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data(), M, K,
-                                       reinterpret_cast<const uint8_t*>(panels.untyped_data()), num_panels, N,
-                                       y->typed_data(), scales.typed_data(), mins ? mins->typed_data() : nullptr,
-                                       __builtin_ctzll(static_cast<unsigned long long>(group)));
+  const int64_t experts = pd[0], expert_bytes = num_panels * (K / kXBlock) * kDotSteps<kBits> * kDotRow;
+  const int64_t scale_size = scales.element_count() / std::max<int64_t>(experts, 1);
+  const int32_t* sizes = group_sizes->typed_data();
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (sizes[e] < 0 || row + sizes[e] > M)
+      return ffi::Error::InvalidArgument("dense x8: group_sizes must be >= 0 and sum to at most M");
+    if (sizes[e] > 0 && N > 0)
+      dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
+                                           num_panels, N, y->typed_data() + row * N,
+                                           scales.typed_data() + e * scale_size, mn ? mn + e * scale_size : nullptr,
+                                           shift);
+    row += sizes[e];
+  }
+  std::memset(y->typed_data() + row * N, 0, (M - row) * N * sizeof(float));
   return ffi::Error::Success();
 }
 ffi::Error DenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, y);
+  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, nullptr, y);
 }
 ffi::Error DenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, y);
+  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, nullptr, y);
 }
 ffi::Error DenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, y);
+  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, nullptr, y);
+}
+ffi::Error GroupedDenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, &group_sizes, y);
+}
+ffi::Error GroupedDenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, &group_sizes, y);
+}
+ffi::Error GroupedDenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, &group_sizes, y);
 }
 
 }  // namespace
@@ -1162,6 +1199,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4] (dot layout)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+#define JAXLLM_GROUPED_X8(NAME, FN, PANELS)                                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], rows sorted by expert */ \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K/8|K/4, 32, 4] */ \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
+JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ4_0X8, GroupedDenseQ4_0X8, ffi::U8)
+JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ8_0X8, GroupedDenseQ8_0X8, ffi::S8)
+#undef JAXLLM_GROUPED_X8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4] (dot layout)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N/32, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0X8, DenseQ8_0X8,

@@ -37,7 +37,8 @@ from jaxtyping import Array, Float, Int
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
-from jaxllm.models.quant import dequantize, int8_activation_matmul, int8_activation_ready
+from jaxllm.models.quant import (dequantize, grouped_int8_activation_matmul, int8_activation_matmul,
+                                 int8_activation_ready)
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (
 # int8 activations, panels in the dot layout, by (panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
 TARGET_X8 = {("uint8", False): "jaxllm_dense_q4_0_x8", ("uint8", True): "jaxllm_dense_q4_1_x8",
              ("int8", False): "jaxllm_dense_q8_0_x8"}
+TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
 def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
@@ -246,12 +248,17 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
         cpu_kernels.load_kernels()
         out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
         x, sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+        if w.activations == "int8":
+            target = TARGET_GROUPED_X8[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
+            return jax.ffi.ffi_call(target, out)(x, w.panels, w.scale, *(() if w.mins is None else (w.mins,)), sizes)
         if w.scale is None:
             return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes)
         target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]
         scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
         attrs = dict(bf16=w.float_dtype == "bfloat16") if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
+    if isinstance(w, QuantizedWeight) and w.activations == "int8":
+        return grouped_int8_activation_matmul(x, w, group_sizes.astype(jnp.int32))
     if isinstance(w, QuantizedWeight):  # experts dequantized (the kernel converts them panel by panel)
         w = dequantize(w)
     return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)

@@ -138,9 +138,10 @@ X_BLOCK = 32  # inputs per activation scale under int8 activations
 
 
 def int8_activation_ready(w: QuantizedWeight) -> bool:
-    """Whether `w` multiplies under int8 activations: a [K, N] matrix grouped along its
-    inputs by a multiple of 32: Q4_0, Q4_1, int4, Q8_0 (not the gguf_int8 container: 16)."""
-    return (len(w.shape) == 2 and w.group_axis == 0 and w.group > 0 and w.group % X_BLOCK == 0
+    """Whether `w` multiplies under int8 activations: a [K, N] matrix (a mixture's [E, K, N]
+    experts) grouped along its inputs by a multiple of 32: Q4_0, Q4_1, int4, Q8_0 (not
+    the gguf_int8 container: 16)."""
+    return (len(w.shape) in (2, 3) and w.group_axis == 0 and w.group > 0 and w.group % X_BLOCK == 0
             and (w.bits == 4 or w.mins is None))
 
 
@@ -150,7 +151,7 @@ def quantize_activations(x: Float[Array, "M K"]) -> tuple[Int8[Array, "M B 32"],
     (max |x| times float32(1/127), which is what XLA makes of a division by 127 and the
     kernel computes too; 0 for a block of zeros) and the sum of its values. Rounded to
     nearest, half to even (the kernel's nearbyint)."""
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, X_BLOCK)
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // X_BLOCK, X_BLOCK)
     scale = jnp.max(jnp.abs(blocks), axis=-1) * np.float32(1 / INT8_MAX)
     inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), 0)
     q = jnp.round(blocks * inv[..., None]).astype(jnp.int8)
@@ -162,8 +163,8 @@ def int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[
     of 32 inputs, the exact integer sum of x's values times w's (Q4_0's as signed), times
     w's scale and x's, plus (Q4_1, int4) w's min times the block's sum d_x * sum(q_x);
     float32 out. The `cpu` kernel's arithmetic (jaxllm/cpu_kernels/dense.cc, *_x8)."""
-    if not int8_activation_ready(w):
-        raise ValueError(f"int8 activations: a 4-bit weight grouped along its inputs by a multiple of {X_BLOCK}, "
+    if not int8_activation_ready(w) or len(w.shape) != 2:
+        raise ValueError(f"int8 activations: a [K, N] weight kept in blocks of a multiple of {X_BLOCK} inputs, "
                          f"not bits={w.bits} group={w.group} shape={w.shape}")
     q, d, s = quantize_activations(x)
     k, n = w.shape
@@ -173,6 +174,19 @@ def int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[
     if w.mins is not None:
         y = y + jnp.take(w.mins, group_of, axis=0) * (d * s.astype(jnp.float32))[..., None]
     return jnp.sum(y, axis=-2)
+
+
+def grouped_int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight,
+                                    group_sizes: Int32[Array, "E"]) -> Float[Array, "M N"]:
+    """A mixture of experts' int8_activation_matmul: x's rows sorted by expert,
+    `group_sizes[e]` of them times expert e's [K, N] (rows past the sum get zeros, as
+    jax.lax.ragged_dot). Computes every expert for every row (the oracle, and the `xla`
+    backend's path, as ragged_dot on a CPU)."""
+    experts = w.shape[0]
+    every = jnp.stack([int8_activation_matmul(x, w.expert(e)) for e in range(experts)])  # [E, M, N]
+    expert_of = jnp.sum(jnp.arange(x.shape[0])[:, None] >= jnp.cumsum(group_sizes)[None, :], axis=1)
+    picked = jnp.take_along_axis(every, jnp.minimum(expert_of, experts - 1)[None, :, None], axis=0)[0]
+    return jnp.where((expert_of < experts)[:, None], picked, 0.0)
 
 
 def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> QuantizedWeight:
