@@ -14,7 +14,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
-from jaxllm.models.linear import linear, pack_params, pack_weight, linear_candidates, unpack_weight
+from jaxllm.models.linear import linear, linear_candidates, pack_params, pack_weight, packed_rows, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
 from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4, quantize_int8
@@ -122,11 +122,16 @@ def test_pack_and_unpack_bfloat16_pairs():
 
 
 def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
+    """A tied output projection is packed in the embedding's place (one copy of the
+    table), and the lookups read it."""
     model = load_model(test_models_dir / "llama", dtype="float32")
     assert model.params.lm_head is None  # the test model ties its output projection to embed
     packed = pack_params(model.params)
-    assert isinstance(packed.lm_head, PackedWeight) and isinstance(packed.layers[0].w_down, PackedWeight)
-    np.testing.assert_array_equal(unpack_weight(packed.lm_head), model.params.embed.T)
+    assert packed.lm_head is None and isinstance(packed.embed, PackedWeight)
+    assert isinstance(packed.layers[0].w_down, PackedWeight)
+    np.testing.assert_array_equal(unpack_weight(packed.embed), model.params.embed.T)
+    ids = jnp.asarray([0, 5, 31, 32, 33, model.config.vocab_size - 1])
+    np.testing.assert_array_equal(packed_rows(packed.embed, ids), model.params.embed[ids])
     for a, b in zip(model.params.layers, packed.layers):
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             np.testing.assert_array_equal(unpack_weight(getattr(b, name)), getattr(a, name))
@@ -135,6 +140,32 @@ def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
                                rtol=0, atol=1e-5)
     spec = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)  # noqa: E731
     assert spec(pack_params(abstract_params(model.config, jnp.float32))) == spec(packed)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "q8_0", "q4_0", "q4_1", "int4_g32", "q8_0+a8", "q4_1+a8",
+                                 "q4_0+a8"])
+def test_a_table_looked_up_from_its_packed_transpose(fmt):
+    """packed_rows: rows of a [V, D] embedding from the panels of its packed [D, V]
+    transpose, in every layout a tied head is packed in (float32 panels, bfloat16 pairs,
+    int8 / 4-bit block panels, the int8-activation dot layouts), are the very values the
+    table's own lookup gives (a quantized table's rows dequantized; both jitted, as in the
+    step: XLA may fuse int4's float32 d * q + m into one multiply-add either way)."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((200, 96)).astype(np.float32)
+    ids = jnp.asarray([0, 1, 15, 16, 17, 31, 32, 100, 199])
+    weights, _, acts = fmt.partition("+")
+    if weights in ("float32", "bfloat16"):
+        embed = jnp.asarray(table, weights)
+        head, want = pack_weight(embed.T), embed[ids]
+    else:
+        quantize = quantize_int4 if weights.startswith("int4") else quantize_blocks
+        embed = quantize(table.T, QUANT_FORMATS[weights]).transposed().map_arrays(jnp.asarray)  # grouped along D
+        embed = embed.replace(activations="int8" if acts else "float")
+        head, want = pack_weight(embed.transposed()), jax.jit(lambda e, i: dequantize(e.take_rows(i)))(embed, ids)
+    assert head.activations == ("int8" if acts else "float")
+    got = jax.jit(packed_rows)(head, ids)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])

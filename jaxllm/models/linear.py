@@ -231,6 +231,38 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
+def packed_rows(w: PackedWeight, rows: Int[Array, "T"]) -> Float[Array, "T K"]:
+    """Rows `rows` of the [out, in] matrix a packed output projection transposes: the
+    embedding rows of a tied model, looked up from its packed head (the runner then holds
+    one copy of the table). Each row is the value the unpacked table's lookup gives
+    (a quantized one's dequantized as `dequantize(take_rows)` does), gathered column by
+    column from whichever layout the head is packed in."""
+    panel, col = rows // PANEL, rows % PANEL
+    panels = w.panels
+    if w.activations == "int8" and panels.dtype == jnp.int8:  # [P, K/4, 32, 4]
+        q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
+    elif w.activations == "int8":  # [P, K/8, 32, 4]: byte j holds inputs 8i + j (low) and 8i + 4 + j (high)
+        b = panels[panel, :, col, :]
+        q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(rows.shape[0], -1)
+    elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2]
+        q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
+    elif panels.dtype == jnp.uint8:  # [P, K, 16]: column c in byte c % 16, low half for c < 16
+        b = panels[panel, :, col % (PANEL // 2)]
+        q = jnp.where((col < PANEL // 2)[:, None], b & 0x0F, b >> 4)
+    else:
+        q = panels[panel, :, col]
+    if w.scale is None:
+        return q
+    if panels.dtype == jnp.uint8:
+        q = q.astype(jnp.int8) - (0 if w.mins is not None else 8)  # Q4_0's stored nibble is the value + 8
+    if not w.group:  # per column of the head: per row of the table
+        return q.astype(jnp.float32) * w.scale[rows][:, None]
+    mins = None if w.mins is None else w.mins[panel, :, col]
+    table = QuantizedWeight(q.astype(jnp.int8), w.scale[panel, :, col], w.group, mins, group_axis=1,
+                            float_dtype=w.float_dtype)
+    return dequantize(table)
+
+
 def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
     """The sum over the shards of `axis` of a row-parallel projection's partial results
     (None: not sharded, `x` itself)."""
@@ -329,9 +361,9 @@ def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> 
 
 def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     """The projection weights packed for the `cpu` backend, and the output projection
-    too unless `pack_head` is False (a tied one as a packed copy of embed's transpose;
-    embed itself stays for the lookup; unpacked, XLA's dot runs it). Works on abstract
-    params too."""
+    too unless `pack_head` is False (unpacked, XLA's dot runs it). A tied one is packed
+    in the embedding's place: `embed` becomes the packed transpose and its lookups read
+    the panels (`packed_rows`), so the table is held once. Works on abstract params too."""
 
     def pack_layer(lp: LayerParams) -> LayerParams:  # a layer's matrices are its projections
         return jax.tree.map(lambda w: pack_weight(w) if isinstance(w, QuantizedWeight) or len(w.shape) >= 2 else w,
@@ -349,6 +381,8 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
         lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
     else:
         lm_head = np.asarray(params.embed).T  # a view; pack_weight copies it once
+    if params.lm_head is None:  # tied: the packed head is the table the lookups read
+        return params.replace(layers=layers, embed=pack_weight(lm_head))
     return params.replace(layers=layers, lm_head=pack_weight(lm_head))
 
 

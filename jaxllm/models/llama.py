@@ -26,9 +26,9 @@ from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import all_reduce, linear
+from jaxllm.models.linear import all_reduce, linear, packed_rows
 from jaxllm.models.moe import gated, moe_mlp
-from jaxllm.models.params import LayerParams, ModelParams, QuantizedWeight
+from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight
 from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
 from jaxllm.platform import activation_dtype
@@ -43,12 +43,15 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, of
     return (scale * normed).astype(x.dtype)
 
 
-def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight, input_ids: Int[Array, "T"],
+def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, input_ids: Int[Array, "T"],
                  axis: str | None) -> Float[Array, "T D"]:
     """Embedding rows of `input_ids` (a quantized embedding's rows dequantized: the
-    values a dequantized table holds); sharded by vocabulary over `axis`, each shard
-    contributes the rows it holds (zeros elsewhere) and the shards' rows are summed."""
+    values a dequantized table holds; a tied table packed as the output projection read
+    from its panels); sharded by vocabulary over `axis`, each shard contributes the rows
+    it holds (zeros elsewhere) and the shards' rows are summed."""
     def rows(ids):
+        if isinstance(embed, PackedWeight):
+            return packed_rows(embed, ids)
         return dequantize(embed.take_rows(ids)) if isinstance(embed, QuantizedWeight) else embed[ids]
 
     if axis is None:
@@ -121,7 +124,9 @@ def compute_logits(
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    if isinstance(params.embed, QuantizedWeight) and params.embed.activations == "int8" and params.lm_head is None:
+    if params.lm_head is None and isinstance(params.embed, PackedWeight):  # tied, packed in the table's place
+        logits = linear(h, params.embed, preferred_element_type=jnp.float32)
+    elif isinstance(params.embed, QuantizedWeight) and params.embed.activations == "int8" and params.lm_head is None:
         logits = linear(h, params.embed.transposed(), preferred_element_type=jnp.float32)  # int8 inputs, as packed
     elif params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
         embed = dequantize(params.embed) if isinstance(params.embed, QuantizedWeight) else params.embed

@@ -174,7 +174,7 @@ class LayerParams:
 
 @struct.dataclass
 class ModelParams:
-    embed: Float[Array, "V D"]
+    embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight  # packed: a tied table in its head's layout
     layers: tuple[LayerParams, ...]
     final_norm: Float[Array, "D"]
     lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed unless left to XLA's dot)
