@@ -32,7 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
@@ -65,7 +65,8 @@ TARGET_X8 = {("uint8", False): "jaxllm_dense_q4_0_x8", ("uint8", True): "jaxllm_
 TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
-def pack_weight(w: Float[Array, "K N"] | jax.ShapeDtypeStruct | QuantizedWeight) -> PackedWeight:
+def pack_weight(w: Shaped[Array, "*E K N"] | Shaped[np.ndarray, "*E K N"] | jax.ShapeDtypeStruct | QuantizedWeight
+                ) -> PackedWeight:
     """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels, a
     QuantizedWeight integer panels (4-bit values two to a byte) and its scales and mins
     zero-padded to their columns. Packed with numpy on the host (the backend runs on
@@ -117,11 +118,11 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
         values = values.replace(panels=_nibble_panels(values.panels, offset=0 if w.mins is not None else 8,
                                                       dot=w.activations == "int8"))
     elif w.activations == "int8":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
-        p_, k, _ = values.panels.shape
+        k = values.panels.shape[1]
         if isinstance(values.panels, jax.ShapeDtypeStruct):
-            values = values.replace(panels=jax.ShapeDtypeStruct((p_, k // 4, PANEL, 4), jnp.int8))
+            values = values.replace(panels=jax.ShapeDtypeStruct((p, k // 4, PANEL, 4), jnp.int8))
         else:
-            v = np.asarray(values.panels).reshape(p_, k // 4, 4, PANEL)
+            v = np.asarray(values.panels).reshape(p, k // 4, 4, PANEL)
             values = values.replace(panels=jnp.asarray(np.ascontiguousarray(v.transpose(0, 1, 3, 2))))
 
     def padded(scale):
@@ -215,9 +216,7 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
     if w.activations == "int8":
-        args = (x2.astype(jnp.float32), w.panels, w.scale) + (() if w.mins is None else (w.mins,))
-        target = TARGET_X8[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
-        return jax.ffi.ffi_call(target, out)(*args).reshape(*lead, w.out_features)
+        return _x8_call(TARGET_X8, x2, w, out).reshape(*lead, w.out_features)
     bf16 = w.float_dtype == "bfloat16"  # grouped panels: x and the dequantized weights rounded to bfloat16
     if w.mins is not None:
         target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
@@ -229,6 +228,14 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
         return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
     target = TARGET_BF16 if w.panels.dtype == jnp.bfloat16 else TARGET
     return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
+
+
+def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):
+    """x (float32) times dot-layout panels through the int8-activation handler of
+    `targets` their format picks (a mixture's: `extra` = the group sizes)."""
+    mins = () if w.mins is None else (w.mins,)
+    target = targets[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
+    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
 
 
 def packed_rows(w: PackedWeight, rows: Int[Array, "T"]) -> Float[Array, "T K"]:
@@ -281,8 +288,7 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
         out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
         x, sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
         if w.activations == "int8":
-            target = TARGET_GROUPED_X8[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
-            return jax.ffi.ffi_call(target, out)(x, w.panels, w.scale, *(() if w.mins is None else (w.mins,)), sizes)
+            return _x8_call(TARGET_GROUPED_X8, x, w, out, sizes)
         if w.scale is None:
             return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes)
         target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]

@@ -124,12 +124,13 @@ def compute_logits(
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    if params.lm_head is None and isinstance(params.embed, PackedWeight):  # tied, packed in the table's place
-        logits = linear(h, params.embed, preferred_element_type=jnp.float32)
-    elif isinstance(params.embed, QuantizedWeight) and params.embed.activations == "int8" and params.lm_head is None:
-        logits = linear(h, params.embed.transposed(), preferred_element_type=jnp.float32)  # int8 inputs, as packed
+    embed = params.embed
+    if params.lm_head is None and isinstance(embed, PackedWeight):  # tied, packed in the table's place
+        logits = linear(h, embed, preferred_element_type=jnp.float32)
+    elif params.lm_head is None and isinstance(embed, QuantizedWeight) and embed.activations == "int8":
+        logits = linear(h, embed.transposed(), preferred_element_type=jnp.float32)  # int8 inputs, as packed
     elif params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
-        embed = dequantize(params.embed) if isinstance(params.embed, QuantizedWeight) else params.embed
+        embed = dequantize(embed) if isinstance(embed, QuantizedWeight) else embed
         logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:
         logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)

@@ -177,7 +177,7 @@ class ModelParams:
     embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight  # packed: a tied table in its head's layout
     layers: tuple[LayerParams, ...]
     final_norm: Float[Array, "D"]
-    lm_head: Weight | None  # [D, V]; None when tied to `embed` (packed unless left to XLA's dot)
+    lm_head: Weight | None  # [D, V]; None when tied to `embed` (then `embed` is packed where the head is)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,7 +109,7 @@ def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name:
     return qw if on_host else qw.map_arrays(jnp.asarray)
 
 
-def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"]:
+def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
     """The float matrix `w` stands for (the oracle of the quantized matmul): each
     value times its scale, rounded once, plus its min where it has one, rounded again,
     as gguf's dequantization computes them (XLA:CPU does not contract the two into one
@@ -120,7 +120,7 @@ def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"]:
     return _grouped_values(w).astype(w.float_dtype)
 
 
-def _grouped_values(w: QuantizedWeight) -> Float[Array, "*E K N"]:
+def _grouped_values(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
     # Each scale (min) gathered by its group's index along the grouped axis (the last
     # one for an embedding), not broadcast over a reshape: XLA:CPU saw through a
     # [K / 32, 32, N] reshape into a sum over the result (an RMS norm of embedding rows)
