@@ -32,7 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
@@ -313,9 +313,10 @@ def _pallas_linear(x: Float[Array, "... K"], w: QuantizedWeight, preferred_eleme
     return y.reshape(*lead, w.shape[1])
 
 
-def pallas_params(params: ModelParams) -> ModelParams:
+def pallas_params(params: PyTree) -> PyTree:
     """The `pallas` backend's layout: every quantized projection marked for the Pallas
-    kernel (the arrays as they are); abstract params too."""
+    kernel (the arrays as they are), in ModelParams or any pytree of weights; abstract
+    params too."""
     return jax.tree.map(lambda w: w.replace(kernel="pallas") if isinstance(w, QuantizedWeight) else w, params,
                         is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
