@@ -784,21 +784,27 @@ constexpr int kDotSteps = kBits == 4 ? 4 : 8;  // dot-layout rows per block of 3
 
 // Tile t of x quantized: q [12][K] int8, d [K/32][12] float32, sum(q) [K/32][12] int32
 // (rows past M zero).
-struct X8Tile {
+template <bool kConst>
+struct X8TileOf {
+  template <class T>
+  using P = std::conditional_t<kConst, const T*, T*>;
+  using Byte = std::conditional_t<kConst, const uint8_t, uint8_t>;
   static int64_t bytes(int64_t K) { return kTileRows * K + (K / kXBlock) * kTileRows * 8; }
-  const int8_t* q;
-  const float* d;
-  const int32_t* sum;
-  X8Tile(const uint8_t* base, int64_t K)
-      : q(reinterpret_cast<const int8_t*>(base)),
-        d(reinterpret_cast<const float*>(base + kTileRows * K)),
-        sum(reinterpret_cast<const int32_t*>(base + kTileRows * K + (K / kXBlock) * kTileRows * 4)) {}
+  P<int8_t> q;
+  P<float> d;
+  P<int32_t> sum;
+  X8TileOf(Byte* base, int64_t K)
+      : q(reinterpret_cast<P<int8_t>>(base)),
+        d(reinterpret_cast<P<float>>(base + kTileRows * K)),
+        sum(reinterpret_cast<P<int32_t>>(base + kTileRows * K + (K / kXBlock) * kTileRows * 4)) {}
 };
+using X8Tile = X8TileOf<true>;
 
 void quantize_tile(const float* x, int64_t M, int64_t K, int64_t t, uint8_t* out) {
-  int8_t* q = reinterpret_cast<int8_t*>(out);
-  float* d = reinterpret_cast<float*>(out + kTileRows * K);
-  int32_t* sum = reinterpret_cast<int32_t*>(out + kTileRows * K + (K / kXBlock) * kTileRows * 4);
+  const X8TileOf<false> tile(out, K);
+  int8_t* q = tile.q;
+  float* d = tile.d;
+  int32_t* sum = tile.sum;
   const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
   for (int64_t i = 0; i < kTileRows; ++i) {
     for (int64_t b = 0; b < K / kXBlock; ++b) {
@@ -1031,14 +1037,10 @@ constexpr X8TileFn kX8TileFns[kTileRows + 1] = {
     x8_tile_times_panel<11, kBits, kMins, kOffset>, x8_tile_times_panel<12, kBits, kMins, kOffset>};
 
 // y[M, N] = x[M, K] (quantized as it is packed) @ the dot-layout panels; shapes checked
-// by the caller (K a multiple of 32).
+// by the caller (K a positive multiple of 32).
 template <int kBits, bool kMins, int kOffset>
 void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P,
                    int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
-  if (K == 0) {
-    std::memset(Y, 0, M * N * sizeof(float));
-    return;
-  }
   const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = X8Tile::bytes(K);
   const int64_t panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow, panel_groups = (K >> group_shift) * kPanel;
   thread_local std::vector<uint8_t> packed;
@@ -1224,21 +1226,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0X8, DenseQ8_0X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K/4, 32, 4] (dot layout)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0X8, DenseQ4_0X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4], nibble + 8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+// Q8_0 (int8 panels [N/32, K/4, 32, 4]) and Q4_0 (nibble + 8, [N/32, K/8, 32, 4]) in the dot layout
+#define JAXLLM_DENSE_X8(NAME, FN, PANELS)                                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], int8 per 32 inputs */    \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [N/32, K/4|K/8, 32, 4] */   \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [N/32, K/G, 32] */          \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
+JAXLLM_DENSE_X8(JaxllmDenseQ8_0X8, DenseQ8_0X8, ffi::S8)
+JAXLLM_DENSE_X8(JaxllmDenseQ4_0X8, DenseQ4_0X8, ffi::U8)
+#undef JAXLLM_DENSE_X8
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

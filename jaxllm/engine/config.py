@@ -55,8 +55,8 @@ class EngineConfig:
                                        QUANTIZATIONS)
     activation_quantization: str | None = _option(
         None, "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "
-              "int8 per 32, multiplied in integer dot products (as llama.cpp does; ~2.5x the float32 kernel with "
-              "AVX512_VNNI, ~1.7x with AVX2); default: multiplied in float", ACTIVATION_QUANTIZATIONS)
+              "int8 per 32, multiplied in integer dot products (as llama.cpp does; on an AMD EPYC Zen 4 ~2.5x the "
+              "float32 kernel with AVX512_VNNI, ~1.7x built for AVX2); default: multiplied in float", ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
