@@ -80,6 +80,7 @@ bench: setup-dev
 	$(PY) scripts/bench_quant.py --out bench_results/quant.json
 	$(PY) scripts/bench_quant.py --formats q4_1,q4_1+a8 --out bench_results/quant_int8_activations.json
 	$(PY) scripts/bench_quant.py --isa avx2 --out bench_results/quant_avx2.json
+	$(PY) scripts/bench_hybrid_kv.py --out bench_results/hybrid_kv.json
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json
 

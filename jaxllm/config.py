@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from jaxllm.kv_cache_groups import KVCacheGroups, kv_cache_groups
+
 # The names of the engine's choices (EngineConfig validates them, the CLI offers them,
 # the resolvers in jaxllm.platform, jaxllm.attention and jaxllm.models map them).
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -153,6 +155,11 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window `layer` attends through (None: every earlier key)."""
         return self.sliding_window if self.is_sliding(layer) else None
+
+    def kv_cache_groups(self, hybrid: bool = True) -> KVCacheGroups:
+        """The layers' KV cache groups (jaxllm.kv_cache_groups): one group per attention
+        type when `hybrid` and the layers mix them, else one of all layers."""
+        return kv_cache_groups([self.layer_window(i) for i in range(self.num_layers)], hybrid)
 
     @property
     def sm_scale(self) -> float:

@@ -217,7 +217,7 @@ def test_validation_happens_before_anything_is_queued(pressured):
 
 
 def test_engine_options_are_checked_at_start_up(test_models_dir):
-    with pytest.raises(ValueError, match=r"max_model_len: 256 tokens do not fit in the KV cache \(224 tokens"):
+    with pytest.raises(ValueError, match=r"max_model_len: 256 tokens do not fit in the KV cache \(14 blocks of 16 tokens = 224 tokens"):
         make_llm(test_models_dir, kv_cache_memory=15 * KV_BYTES_PER_BLOCK)
     with pytest.raises(ValueError, match="max_model_len: 4096 exceeds the model's context length 1024"):
         make_llm(test_models_dir, max_model_len=4096)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from jaxllm.loaders import load_model
+from jaxllm.loaders.default_model import model_path
 from jaxllm.loaders.gguf_loader import GGUFFile
 from jaxllm.loaders.hf import save_hf_folder
 from tests.paged_driver import PagedDriver
@@ -19,12 +20,19 @@ def gemma():
     return load_model("gemma-3-270m")
 
 
-def test_config(gemma):
-    cfg = gemma.config
+def test_config_from_the_gguf_metadata():
+    cfg = GGUFFile(model_path("gemma-3-270m")).model_config()
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.vocab_size) == ("Gemma3ForCausalLM", 18, 640, 4, 1, 256, 262144)
     assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     assert (cfg.rope.theta, cfg.rope_local.theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    groups = cfg.kv_cache_groups()  # the hybrid KV cache: six groups of three layers
+    assert groups.layers[0] == (5, 11, 17) and groups.windows == (None,) + (512,) * 5
+
+
+@pytest.mark.slow  # 21 s: loads the 262k-vocabulary model
+def test_config(gemma):
+    cfg = gemma.config
     assert cfg.tie_word_embeddings and gemma.params.lm_head is None and cfg.embed_quantization == "q8_0"
     assert cfg.quantization == "gguf_int8"  # its Q5_0 / Q8_0 / Q4_K / Q6_K projections kept, exactly
     # the norms as HF holds them (the GGUF stores 1 + w): q_norm's scale ~1.9 is w ~0.9
@@ -71,3 +79,25 @@ def test_logits_match_hf_on_exported_weights(gemma, tmp_path):
         np.testing.assert_allclose(got[:300], ref[torch.float32][:300], atol=1e-4, rtol=0)  # measured 6e-5
         assert np.abs(got - exact).max() <= 1.5 * hf32_error + 1e-4
         assert (got.argmax(-1) == exact.argmax(-1)).all()
+
+
+@pytest.mark.slow  # ~1 min: two engines over the 262k vocabulary
+def test_hybrid_kv_cache_engine_equals_keeping_every_block():
+    """Through LLM, a 606-token prompt (past the 512-token window) and 24 greedy tokens,
+    with prompt logprobs: the hybrid KV cache (its sliding groups freeing what the window
+    left) gives the tokens and logprobs of the engine that keeps every block."""
+    from jaxllm import LLM, SamplingParams
+
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box weighs {i * 7 % 31} grams." for i in range(45))
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1, prompt_logprobs=0)
+    runs = []
+    for disable in (False, True):
+        llm = LLM("gemma-3-270m", max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=256,
+                  disable_hybrid_kv_cache_manager=disable, progress=False)
+        out = llm.generate([text], params, use_tqdm=False)[0]
+        runs.append((out.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
+                     [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]))
+        del llm
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    np.testing.assert_array_equal(runs[0][2], runs[1][2])

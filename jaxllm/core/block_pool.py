@@ -124,7 +124,7 @@ class BlockPool:
         newly_cached = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:  # a prefix-cache hit, already cached
+            if block.block_hash is not None or block.is_null:  # a prefix-cache hit, already cached; freed
                 continue
             block_hash = block_hashes[i]
             if block_hash not in cached:

@@ -15,6 +15,13 @@ The scheduler drives it in this order (the same as vLLM v1):
 4. After the step computed the KV, :meth:`~KVCacheManager.cache_blocks` enters the
    newly filled blocks into the prefix cache.
 5. A finished, aborted or preempted request gets :meth:`~KVCacheManager.free`.
+
+One manager serves one KV cache group (jaxllm.kv_cache_groups): all layers of a model
+that attends one way, or with ``sliding_window`` the sliding layers of a group whose
+blocks wholly outside the window of the step's first query go back to the pool (the
+request's block table keeps the null block there, as vLLM's sliding-window manager
+does). :class:`jaxllm.core.hybrid_kv_cache_manager.HybridKVCacheManager` runs one per
+group over a shared pool.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from jaxllm.core.block_contents import BlockContent, common_prefix
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.kv_cache_utils import BlockHash, KVCacheBlock, encode_extra_keys, hash_block_tokens
 from jaxllm.core.request import Request
+from jaxllm.kv_cache_groups import peak_blocks
 
 
 @dataclass
@@ -62,6 +70,8 @@ class ComputedPrefix:
         records: what the lookup found for the request's blocks in order (the hit
             blocks', then the best tail's; None where a block has no record), taken
             before allocation may hand any of them out again.
+        group_blocks: with several KV cache groups, each group's hits (`blocks` is
+            the first group's); () with one.
     """
 
     blocks: list[KVCacheBlock]
@@ -69,6 +79,13 @@ class ComputedPrefix:
     tail: KVCacheBlock | None = None
     num_tail_tokens: int = 0
     records: list[BlockContent | None] = field(default_factory=list)
+    group_blocks: tuple[list[KVCacheBlock], ...] = ()
+
+    @property
+    def hits(self) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
+        """What allocate_slots takes as `new_computed_blocks`: the hit blocks, one list
+        per group with several groups."""
+        return self.group_blocks or self.blocks
 
     @property
     def num_tokens(self) -> int:
@@ -91,18 +108,33 @@ class KVCacheManager:
         prefix_cache_stats: lookup counters, in tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
+                 sliding_window: int | None = None, block_pool: BlockPool | None = None, group_id: int = 0,
+                 chunk: int | None = None) -> None:
         """
         Args:
             num_blocks: blocks in the device KV cache, including the null block 0.
             block_size: tokens per block.
             enable_caching: turn prefix caching on.
+            sliding_window: the group's layers attend to this many latest keys: blocks
+                wholly before it are freed (None: every block is kept).
+            block_pool: a pool shared with other groups' managers (None: its own).
+            group_id: the group's index; its prefix-cache entries are tagged with it so
+                groups sharing a pool never hit each other's blocks.
+            chunk: the most tokens a request computes in one step (with a window,
+                :meth:`check_fits` counts the blocks a window and a chunk span; None:
+                every block of the request).
         """
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.sliding_window = sliding_window
+        self.chunk = chunk
+        self.group_tag = b"" if group_id == 0 else b"group" + group_id.to_bytes(4, "little")
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -162,7 +194,8 @@ class KVCacheManager:
         """
         if num_tokens is None:
             num_tokens = request.num_tokens
-        needed = self.num_blocks_for(num_tokens)
+        needed = peak_blocks(num_tokens, self.block_size, self.sliding_window if self.chunk else None,
+                             self.chunk or 0)
         usable = self.num_usable_blocks
         if needed > usable:
             raise ValueError(
@@ -214,6 +247,10 @@ class KVCacheManager:
         prefix = ComputedPrefix(hits, self.block_size)
         if not self.enable_caching:
             return prefix
+        if self.sliding_window is not None:  # whole blocks, all the window needs (no tail copies)
+            chosen = prefix if choose is None else choose(prefix)
+            return prefix if len(chosen.blocks) == len(hits) else \
+                ComputedPrefix(self._full_block_hits(request, len(chosen.blocks)), self.block_size)
         tail, common = self._best_tail(request, len(hits))
         prefix.records = [self.block_pool.contents.get(b.block_id) for b in hits]
         if tail is not None:
@@ -221,7 +258,11 @@ class KVCacheManager:
             prefix.records.append(tail)
         return prefix if choose is None else choose(prefix)
 
-    def _full_block_hits(self, request: Request) -> list[KVCacheBlock]:
+    def _full_block_hits(self, request: Request, limit: int | None = None) -> list[KVCacheBlock]:
+        """The request's longest prefix of at most `limit` blocks (default: all but its
+        last token's) whose K/V this group holds: every block of it, or with a sliding
+        window the blocks of the window before its end (the null block in place of the
+        earlier ones)."""
         if not self.enable_caching:
             return []
         if request.request_id in self.req_to_blocks:
@@ -230,15 +271,35 @@ class KVCacheManager:
                 "look up the prefix cache only before its first allocation"
             )
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if limit is not None:
+            max_hit_blocks = min(max_hit_blocks, limit)
         block_hashes = self._update_block_hashes(request, max_hit_blocks)
-        cached = self.block_pool.cached_block_hash_to_block
+        cached, tag = self.block_pool.cached_block_hash_to_block, self.group_tag
+        if self.sliding_window is not None:
+            return self._window_hits([cached.get(block_hashes[i] + tag) for i in range(max_hit_blocks)])
         hits: list[KVCacheBlock] = []
         for i in range(max_hit_blocks):
-            block = cached.get(block_hashes[i])
+            block = cached.get(block_hashes[i] + tag)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def _window_hits(self, found: list[KVCacheBlock | None]) -> list[KVCacheBlock]:
+        """Of the cached blocks `found` (None: a miss), the longest prefix whose last
+        blocks the sliding window of its next token needs are all there: scanned from
+        the end for a run of them (as vLLM's sliding-window manager does)."""
+        needed = -(-(self.sliding_window - 1) // self.block_size)
+        run = 0
+        for i in range(len(found) - 1, -1, -1):
+            if found[i] is None:
+                run = 0
+                continue
+            run += 1
+            if run >= needed or i == 0:
+                end = i + run
+                return [self.block_pool.null_block] * i + found[i:end]
+        return []
 
     def _best_tail(self, request: Request, block_index: int) -> tuple[BlockContent | None, int]:
         """The written block following the request's first ``block_index`` blocks that
@@ -283,7 +344,7 @@ class KVCacheManager:
                 when it scores its prompt.
             k: alternatives per row.
         """
-        if not self.enable_caching or num_new_tokens <= 0:
+        if not self.enable_caching or num_new_tokens <= 0 or self.sliding_window is not None:
             return
         bs = self.block_size
         end = request.num_computed_tokens
@@ -328,47 +389,84 @@ class KVCacheManager:
         Returns:
             The newly allocated blocks (empty if the held blocks already have room),
             in order; they follow any hit blocks in the request's block table. None
-            if the pool cannot provide them; then nothing changed. On the first
+            if the pool cannot provide them; then nothing changed but the freeing of
+            blocks a sliding window no longer sees. On the first
             successful allocation ``request.num_cached_tokens`` is set to
             ``num_new_computed_tokens``.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        request_id = request.request_id
-        blocks = self.req_to_blocks.get(request_id)
-        num_held = len(blocks) if blocks is not None else 0
-        pool = self.block_pool
-        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-num_total_tokens // self.block_size)
+        self.free_outside_window(request)
+        new_computed_blocks = self.check_computed_blocks(request, num_new_computed_tokens, new_computed_blocks,
+                                                         num_tail_tokens)
+        needed = self.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)
+        if needed > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        self.save_computed_blocks(request, num_new_computed_tokens, new_computed_blocks)
+        return self.allocate_new_blocks(request, num_new_computed_tokens + num_new_tokens)
 
+    # The phases of allocate_slots, which HybridKVCacheManager runs group by group (every
+    # group's hits taken before any group's new blocks, which could evict them).
+
+    def check_computed_blocks(self, request: Request, num_new_computed_tokens: int,
+                              new_computed_blocks: list[KVCacheBlock] | None, num_tail_tokens: int
+                              ) -> list[KVCacheBlock]:
+        """allocate_slots' arguments checked (ValueError); the hits, [] for none."""
         if new_computed_blocks or num_tail_tokens:
-            new_computed_blocks = new_computed_blocks or []
-            self._check_computed_blocks(request, num_held, num_new_computed_tokens, new_computed_blocks,
+            held = len(self.req_to_blocks.get(request.request_id, ()))
+            self._check_computed_blocks(request, held, num_new_computed_tokens, new_computed_blocks or [],
                                         num_tail_tokens)
-            num_new_blocks = num_required - len(new_computed_blocks)
-            # Hits on free blocks take those blocks out of the free queue too.
-            num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-            if num_new_blocks + num_free_hits > pool.free_block_queue.num_free_blocks:
-                return None
-            pool.touch(new_computed_blocks)
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            self.req_to_blocks[request_id] = new_computed_blocks + new_blocks
-            self.num_cached_blocks[request_id] = len(new_computed_blocks)
-        else:
-            if num_new_computed_tokens:
-                raise ValueError("num_new_computed_tokens given without new_computed_blocks")
-            num_new_blocks = num_required - num_held
-            if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                return None
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-            if blocks is None:
-                self.req_to_blocks[request_id] = list(new_blocks)  # the caller owns new_blocks
-            else:
-                blocks.extend(new_blocks)
+        elif num_new_computed_tokens:
+            raise ValueError("num_new_computed_tokens given without new_computed_blocks")
+        return new_computed_blocks or []
 
+    def save_computed_blocks(self, request: Request, num_new_computed_tokens: int,
+                             new_computed_blocks: list[KVCacheBlock]) -> None:
+        """Take the checked hits as the request's first blocks (no-op without hits); on
+        its first allocation, set ``request.num_cached_tokens``."""
+        if new_computed_blocks:
+            self.block_pool.touch(b for b in new_computed_blocks if not b.is_null)
+            self.req_to_blocks[request.request_id] = list(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_new_computed_tokens
+
+    def allocate_new_blocks(self, request: Request, num_tokens: int) -> list[KVCacheBlock]:
+        """Blocks for the request's next `num_tokens` tokens (after its computed ones)
+        that it does not hold yet; the pool must have them."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_new = -(-(request.num_computed_tokens + num_tokens) // self.block_size) - len(blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new) if num_new > 0 else []
+        blocks.extend(new_blocks)  # the caller owns new_blocks
         return new_blocks
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                          new_computed_blocks: list[KVCacheBlock] | None = None) -> int:
+        """Free blocks :meth:`allocate_slots` with these arguments takes from the pool
+        (new blocks, and hits on free cached blocks, which leave the free queue)."""
+        num_total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total_tokens // self.block_size)
+        if new_computed_blocks:
+            return num_required - len(new_computed_blocks) + sum(
+                1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null)
+        return max(num_required - len(self.req_to_blocks.get(request.request_id, ())), 0)
+
+    def free_outside_window(self, request: Request) -> None:
+        """With a sliding window: free the request's blocks wholly before the window of
+        its next token (position ``request.num_computed_tokens``), latest first (they
+        are evicted first; the earlier ones are likelier shared), the null block
+        taking their place in its block table. No-op without a window."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first = max(request.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        freed = []
+        for j in range(min(first, len(blocks)) - 1, -1, -1):
+            if blocks[j].is_null:
+                break
+            freed.append(blocks[j])
+            blocks[j] = self.block_pool.null_block
+        self.block_pool.free_blocks(freed)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Enter the request's blocks that are full within its first
@@ -394,7 +492,12 @@ class KVCacheManager:
                 f"request {request_id!r}: cannot cache {num_full_blocks} full blocks, it holds {len(blocks)}"
             )
         block_hashes = self._update_block_hashes(request, num_full_blocks)
-        newly_cached = self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
+        if self.group_tag:
+            keys = [h + self.group_tag for h in block_hashes[num_cached_blocks:num_full_blocks]]
+            newly_cached = self.block_pool.cache_full_blocks(blocks[num_cached_blocks:num_full_blocks], keys, 0,
+                                                             num_full_blocks - num_cached_blocks)
+        else:
+            newly_cached = self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks)
         self.num_cached_blocks[request_id] = num_full_blocks
         return newly_cached
 
@@ -412,7 +515,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The hashes of the request's first ``num_blocks`` full blocks (at least;
@@ -428,6 +531,15 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: its block ids in token order."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int]]:
+        """The request's block tables, one per KV cache group (this one)."""
+        return (self.get_block_ids(request_id),)
+
+    @staticmethod
+    def new_block_ids(new_blocks: list[KVCacheBlock]) -> tuple[list[int]]:
+        """The ids of what allocate_slots returned, one list per KV cache group."""
+        return ([block.block_id for block in new_blocks],)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached content; only possible when no request holds blocks.
@@ -457,7 +569,9 @@ class KVCacheManager:
             )
         block_hashes = request.block_hashes
         for i, block in enumerate(new_computed_blocks):
-            if block.block_hash is None or i >= len(block_hashes) or block.block_hash != block_hashes[i]:
+            if block.is_null and self.sliding_window is not None:
+                continue
+            if block.block_hash is None or i >= len(block_hashes) or block.block_hash != block_hashes[i] + self.group_tag:
                 raise ValueError(
                     f"request {request_id!r}: prefix-cache hit block {block.block_id} was evicted or reused "
                     "since get_computed_blocks; call allocate_slots right after it"

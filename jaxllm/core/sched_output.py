@@ -21,7 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # its block table, one per KV cache group
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
     num_prompt_scored: int = 0  # prompt logprobs: positions scored already (score from here on)
 
@@ -29,7 +29,7 @@ class NewRequestData:
 @dataclasses.dataclass
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # blocks allocated this step, one list per KV cache group
     num_computed_tokens: int  # before this step
 
 

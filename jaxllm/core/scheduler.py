@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from jaxllm.core.block_contents import common_prefix
+from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.structured_output import Grammar
@@ -38,7 +39,7 @@ _WAIT = object()  # _admit: the request waits for this step's writes
 class Scheduler:
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -111,7 +112,8 @@ class Scheduler:
             if new_blocks is None:  # the request itself was preempted (it was the tail)
                 break
             cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+                CachedRequestData(request.request_id, self.kv_cache_manager.new_block_ids(new_blocks),
+                                  request.num_computed_tokens)
             )
             self._advance(request, num_new, num_scheduled)
             budget -= num_new
@@ -179,7 +181,7 @@ class Scheduler:
             return _WAIT
         num_hit_tokens = prefix.num_tokens
         num_new = min(request.num_tokens - num_hit_tokens, budget)
-        new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, prefix.blocks, prefix.num_tail_tokens)
+        new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, prefix.hits, prefix.num_tail_tokens)
         if new_blocks is None:
             return None
         kv.count_lookup(request, num_hit_tokens)
@@ -198,7 +200,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             seed=request.seed,
             eos_token_id=request.eos_token_id,
-            block_ids=kv.get_block_ids(request.request_id),
+            block_ids=kv.group_block_ids(request.request_id),
             num_computed_tokens=num_hit_tokens,
             num_prompt_scored=0 if scores is None else len(scores.rows),
         )

@@ -68,6 +68,9 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")
+    disable_hybrid_kv_cache_manager: bool = _option(
+        False, "a model mixing sliding-window and full layers (Gemma 2/3) keeps every block of every layer, "
+               "instead of a block table per layer group with sliding groups freeing what their window no longer sees")
     seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
     attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
     linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)

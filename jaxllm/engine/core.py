@@ -18,6 +18,8 @@ import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, kv_cache_format
 from jaxllm.config import ModelConfig
+from jaxllm.kv_cache_groups import KVCacheGroups
+from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
@@ -69,10 +71,31 @@ class CacheLayout:
     num_blocks: int  # including the null block
     block_size: int
     max_model_len: int
+    groups: KVCacheGroups  # a block holds `groups.group_size` layers' K/V
+    chunk: int  # the most tokens a request computes in one step (max_num_batched_tokens)
 
     @property
     def capacity_tokens(self) -> int:
+        """Tokens the pool holds (in every group; with several, per layer of a group)."""
         return (self.num_blocks - 1) * self.block_size
+
+    def max_concurrency(self, num_tokens: int | None = None) -> float:
+        """Requests of `num_tokens` tokens (default max_model_len) the pool holds at once,
+        each at its peak (vLLM's "maximum concurrency")."""
+        n = num_tokens or self.max_model_len
+        return (self.num_blocks - 1) / self.groups.peak_blocks(n, self.block_size, self.chunk)
+
+    def describe(self) -> str:
+        text = f"{self.num_blocks - 1} blocks of {self.block_size} tokens"
+        groups = self.groups
+        if groups.num_groups == 1:
+            text += f" = {self.capacity_tokens} tokens"
+        else:
+            full = sum(w is None for w in groups.windows)
+            windows = ", ".join(map(str, sorted({w for w in groups.windows if w is not None})))
+            text += (f" x {groups.group_size} layer{'s' * (groups.group_size > 1)}, shared by {groups.num_groups} layer groups ({full} full, "
+                     f"{groups.num_groups - full} sliding over {windows})")
+        return f"{text}, {self.max_concurrency():.1f}x max_model_len at once"
 
 
 def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, shard: ModelConfig | None = None
@@ -86,16 +109,27 @@ def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, sha
             f"{model.max_position_embeddings}"
         )
     heads = shard or model
-    block_bytes = config.block_size * fmt.token_bytes(heads.num_layers, heads.num_kv_heads, heads.head_dim)
+    groups = model.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
+    block_bytes = config.block_size * fmt.token_bytes(groups.group_size, heads.num_kv_heads, heads.head_dim)
     num_blocks = kv_cache_bytes(config.kv_cache_memory) // block_bytes
-    layout = CacheLayout(num_blocks, config.block_size, max_model_len)
-    if layout.capacity_tokens < max_model_len:
+    layout = CacheLayout(num_blocks, config.block_size, max_model_len, groups, config.max_num_batched_tokens)
+    if groups.peak_blocks(max_model_len, config.block_size, config.max_num_batched_tokens) > num_blocks - 1:
         raise ValueError(
             f"max_model_len: {max_model_len} tokens do not fit in the KV cache "
-            f"({layout.capacity_tokens} tokens in {num_blocks - 1} blocks of {config.block_size}); "
-            "raise kv_cache_memory or lower max_model_len"
+            f"({layout.describe()}); raise kv_cache_memory or lower max_model_len"
         )
     return layout
+
+
+def make_kv_cache_manager(config: EngineConfig, cache: CacheLayout) -> KVCacheManager | HybridKVCacheManager:
+    """One manager for one KV cache group (with the group's sliding window: every layer
+    of a Mistral slides), a hybrid one for several."""
+    groups = cache.groups
+    if groups.num_groups == 1:
+        return KVCacheManager(cache.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                              sliding_window=groups.windows[0], chunk=config.max_num_batched_tokens)
+    return HybridKVCacheManager(cache.num_blocks, config.block_size, groups, chunk=config.max_num_batched_tokens,
+                                enable_caching=config.enable_prefix_caching)
 
 
 def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
@@ -138,9 +172,7 @@ class EngineCore:
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
         self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size))
         self.max_model_len = self.cache.max_model_len
-        self.kv_cache_manager = KVCacheManager(
-            self.cache.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
-        )
+        self.kv_cache_manager = make_kv_cache_manager(config, self.cache)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -161,6 +193,7 @@ class EngineCore:
             tensor_parallel_size=config.tensor_parallel_size,
             kv_cache_dtype=config.kv_cache_dtype,
             activation_quantization=config.activation_quantization,
+            hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too
@@ -251,8 +284,7 @@ class EngineCore:
     def describe(self) -> str:
         c = self.cache
         return (
-            f"KV cache ({self.runner.kv_format.name}): {c.num_blocks - 1} blocks of {c.block_size} tokens = "
-            f"{c.capacity_tokens} tokens; "
+            f"KV cache ({self.runner.kv_format.name}): {c.describe()}; "
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes; "
             f"{self.runner.describe_backends()}"

@@ -144,7 +144,7 @@ def forward_hidden(
     kv_caches: tuple[KVCache, ...],
     input_ids: Int[Array, "T"],
     positions: Int[Array, "T"],
-    md: AttentionMetadata,
+    md: AttentionMetadata | tuple[AttentionMetadata, ...],
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
@@ -152,7 +152,11 @@ def forward_hidden(
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
     They are of the activation dtype of the weights (float32 on the CPU platform for
-    bfloat16 weights too; jaxllm.platform.activation_dtype), whatever the caches hold."""
+    bfloat16 weights too; jaxllm.platform.activation_dtype), whatever the caches hold.
+
+    One `md` and a cache per layer, or (a hybrid KV cache, jaxllm.kv_cache_groups) one
+    `md` per KV cache group and a cache per slot: layer i reads its group's block
+    tables and writes its slot's cache."""
     x = embed_tokens(params.embed, input_ids, axis)
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
@@ -160,10 +164,16 @@ def forward_hidden(
     full = rope.cos[positions], rope.sin[positions]
     # Gemma 3: the sliding layers have a RoPE of their own
     local = full if rope.local_cos is None else (rope.local_cos[positions], rope.local_sin[positions])
-    new_caches = []
-    for i, (lp, cache) in enumerate(zip(params.layers, kv_caches, strict=True)):
+    groups = cfg.kv_cache_groups(hybrid=isinstance(md, tuple))
+    mds = md if isinstance(md, tuple) else (md,)
+    if len(mds) != groups.num_groups or len(kv_caches) != groups.group_size:
+        raise ValueError(f"{len(mds)} attention metadata and {len(kv_caches)} caches for {groups}")
+    caches = list(kv_caches)
+    for i, lp in enumerate(params.layers):
+        g = groups.group_of(i)
+        slot = groups.layers[g].index(i)
         cos, sin = local if cfg.is_sliding(i) else full
-        x, cache = attention_block(lp, x, cos, sin, cache, md, cfg, attention_fn, axis, cfg.layer_window(i))
+        x, caches[slot] = attention_block(lp, x, cos, sin, caches[slot], mds[g], cfg, attention_fn, axis,
+                                          cfg.layer_window(i))
         x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i))
-        new_caches.append(cache)
-    return x, tuple(new_caches)
+    return x, tuple(caches)

@@ -18,7 +18,7 @@ BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 1
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, num_kv_groups: int = 1) -> None:
         r = max_num_seqs
         self.max_num_seqs = max_num_seqs
         self.row_of: dict[str, int] = {}
@@ -27,8 +27,8 @@ class InputBatch:
         self.num_tokens = np.zeros(r, np.int32)  # known tokens: prompt + sampled so far
         self.num_prompt_tokens = np.zeros(r, np.int32)
         self.num_computed_tokens = np.zeros(r, np.int32)  # KV in the cache, before the step
-        self.block_table = np.zeros((r, max_blocks_per_seq), np.int32)
-        self.num_blocks = np.zeros(r, np.int32)
+        self.block_table = np.zeros((num_kv_groups, r, max_blocks_per_seq), np.int32)  # per KV cache group
+        self.num_blocks = np.zeros((num_kv_groups, r), np.int32)
         # sampling parameters
         self.temperature = np.zeros(r, np.float32)
         self.top_k = np.zeros(r, np.int32)
@@ -57,7 +57,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, req.block_ids)
 
         p = req.sampling_params
@@ -99,10 +99,12 @@ class InputBatch:
         if row is not None:
             self.free_rows.append(row)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Append blocks to the row's tables, one list per KV cache group."""
+        for g, ids in enumerate(block_ids):
+            start = self.num_blocks[g, row]
+            self.block_table[g, row, start:start + len(ids)] = ids
+            self.num_blocks[g, row] = start + len(ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Record sampled tokens (one per row) and lift min_tokens suppression once met."""

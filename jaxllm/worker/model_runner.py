@@ -128,7 +128,7 @@ class StepRows:
     input_ids: Int[np.ndarray, "T"]
     positions: Int[np.ndarray, "T"]
     tok_rows: Int[np.ndarray, "T"]  # the row each token belongs to
-    slots: Int[np.ndarray, "T"]  # KV cache slot each token's K/V goes to
+    slots: Int[np.ndarray, "G T"]  # KV cache slot each token's K/V goes to, per KV cache group
     qsl: Int[np.ndarray, "S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
     seq_lens: Int[np.ndarray, "S"]  # tokens of each row whose K/V exists after the step
     targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
@@ -139,10 +139,11 @@ class StepRows:
     token_bitmask: Int[np.ndarray, "S W"] | None = None
 
     @classmethod
-    def empty(cls) -> "StepRows":
+    def empty(cls, num_kv_groups: int = 1) -> "StepRows":
         """No rows: pads to a whole bucket of padding (for compiling)."""
         i = np.zeros(0, np.int32)
-        return cls(i, i, i, i, i, np.zeros(1, np.int32), i, i, i, np.zeros(0, bool))
+        return cls(i, i, i, i, np.zeros((num_kv_groups, 0), np.int32), np.zeros(1, np.int32), i, i, i,
+                   np.zeros(0, bool))
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +178,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         kv_cache_dtype: str = "auto",
         activation_quantization: str | None = None,
+        hybrid_kv_cache: bool = True,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -191,8 +193,12 @@ class ModelRunner:
         replicated; the backends are measured on one shard's shapes. The KV cache holds
         `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype).
         `activation_quantization` "int8": the projections kept in blocks multiply int8
-        inputs (jaxllm.models.linear.int8_activations); a model with none is refused."""
+        inputs (jaxllm.models.linear.int8_activations); a model with none is refused.
+        `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per
+        KV cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager
+        allocates them."""
         self.config = config
+        self.kv_groups = config.kv_cache_groups(hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
@@ -219,7 +225,7 @@ class ModelRunner:
         if self.mesh:
             self.history = jax.device_put(self.history, parallel.replicated(self.mesh))
         self.rope = model_rope_table(config, max_model_len)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq, self.kv_groups.num_groups)
 
         self._steps = self._step_functions()
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
@@ -265,17 +271,17 @@ class ModelRunner:
         kv_heads = parallel.cache_kv_heads(cfg, self.tensor_parallel_size)
         shardings = self._cache_shardings()
         rows, scales = (shardings[0].k, shardings[0].k_scale) if shardings else (None, None)
-        self._abstract_caches = cache_shapes(self.kv_format, cfg.num_layers, num_blocks, self.block_size, kv_heads,
-                                             cfg.head_dim, rows, scales)
+        self._abstract_caches = cache_shapes(self.kv_format, self.kv_groups.group_size, num_blocks, self.block_size,
+                                             kv_heads, cfg.head_dim, rows, scales)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
             allocate_kv_caches, self._abstract_caches)
 
     def _cache_shardings(self) -> tuple[KVCache, ...] | None:
-        """The KV caches' shardings over the mesh, per layer (None: one device)."""
+        """The KV caches' shardings over the mesh, per cache array (None: one device)."""
         if self.mesh is None:
             return None
-        return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.config.num_layers
+        return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.kv_groups.group_size
 
     def _step_functions(self) -> dict[StepBackends, object]:
         """The jitted step of each pair of backends the plan uses. Where the C++ kernels
@@ -304,7 +310,7 @@ class ModelRunner:
         """Where the executables of one pair of backends are kept (keyed by what the
         step is compiled from)."""
         args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
-        return ExecutableStore(directory, "model_step", self.config, choice.attention, choice.linear,
+        return ExecutableStore(directory, "model_step", self.config, self.kv_groups, choice.attention, choice.linear,
                                _shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
                                devices=self._devices())
 
@@ -396,7 +402,7 @@ class ModelRunner:
     def _compile(self, t: int, s: int):
         """The executable of bucket (t, s), and whether it came from the executable
         store (else it was compiled, and stored)."""
-        inputs = self._pad_inputs(t, s, StepRows.empty())
+        inputs = self._pad_inputs(t, s, StepRows.empty(self.kv_groups.num_groups))
         name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
         choice = self.plan.for_bucket(t)
         compiled, loaded = self._load_or_compile(
@@ -484,20 +490,29 @@ class ModelRunner:
             any_prompt_logprobs=np.bool_((targets >= 0).any()),
         )
 
-    def _attention_metadata(self, t: int, s: int, host: StepRows) -> AttentionMetadata:
+    def _attention_metadata(self, t: int, s: int, host: StepRows
+                            ) -> AttentionMetadata | tuple[AttentionMetadata, ...]:
+        """The step's attention metadata; with several KV cache groups, one per group
+        (their block tables and slots; a sliding group's table keeps ids of blocks
+        freed behind its window, which its layers never read, and gets no shared-prefix
+        hint)."""
         rows, qsl, seq_lens = host.rows, host.qsl, host.seq_lens
         n_seq = len(rows)
-        tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        tables[:n_seq] = self.input_batch.block_table[rows]
-        return AttentionMetadata(
-            slot_mapping=_pad(host.slots, t - host.num_tokens, 0),  # padding tokens write into the null block
-            block_tables=tables,
-            seq_lens=_pad(seq_lens, s - n_seq),
-            query_start_loc=_pad(qsl, s - n_seq, qsl[-1]),
-            num_seqs=np.int32(n_seq),
-            common_prefix_blocks=np.int32(
-                common_prefix_blocks(tables[:n_seq], seq_lens - np.diff(qsl), self.block_size) if n_seq else 0),
-        )
+        mds = []
+        for g, window in enumerate(self.kv_groups.windows):
+            tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+            tables[:n_seq] = self.input_batch.block_table[g, rows]
+            shared = 0 if window is not None or not n_seq else common_prefix_blocks(
+                tables[:n_seq], seq_lens - np.diff(qsl), self.block_size)
+            mds.append(AttentionMetadata(
+                slot_mapping=_pad(host.slots[g], t - host.num_tokens, 0),  # padding tokens write into the null block
+                block_tables=tables,
+                seq_lens=_pad(seq_lens, s - n_seq),
+                query_start_loc=_pad(qsl, s - n_seq, qsl[-1]),
+                num_seqs=np.int32(n_seq),
+                common_prefix_blocks=np.int32(shared),
+            ))
+        return mds[0] if len(mds) == 1 else tuple(mds)
 
     def _sampling_metadata(self, s: int, host: StepRows) -> SamplingMetadata:
         b, rows = self.input_batch, host.rows
@@ -590,7 +605,7 @@ class ModelRunner:
         tok_rows = np.repeat(rows, n)
         positions = (np.repeat(start - qsl[:-1], n) + np.arange(num_tokens)).astype(np.int32)
         input_ids = b.token_ids[tok_rows, positions]
-        slots = b.block_table[tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        slots = b.block_table[:, tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         seq_lens = (start + n).astype(np.int32)
         samples = seq_lens == b.num_tokens[rows]
         output_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows]).astype(np.int32)
@@ -625,7 +640,8 @@ class ModelRunner:
         st.num_padded_tokens += step.t
         st.num_seqs += len(step.host.rows)
         st.num_padded_seqs += step.s
-        st.num_common_prefix_steps += int(step.inputs.attn.common_prefix_blocks > 0)
+        attn = step.inputs.attn if isinstance(step.inputs.attn, tuple) else (step.inputs.attn,)
+        st.num_common_prefix_steps += int(any(md.common_prefix_blocks > 0 for md in attn))
         key = (step.t, step.s)
         st.steps_per_bucket[key] = st.steps_per_bucket.get(key, 0) + 1
         st.seconds_per_bucket[key] = st.seconds_per_bucket.get(key, 0.0) + (t2 - t0)

@@ -32,7 +32,7 @@ class StepInputs:
     input_ids: Int[Array, "T"]
     positions: Int[Array, "T"]
     history_rows: Int[Array, "T"]  # token history row of each token (padding: an unused row)
-    attn: AttentionMetadata
+    attn: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV cache group where there are several
     logits_indices: Int[Array, "S"]  # the row of each sequence's last token
     sampling: SamplingMetadata
     prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
