@@ -168,7 +168,8 @@ def test_a_table_looked_up_from_its_packed_transpose(fmt):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+@pytest.mark.parametrize("arch,dtype", [pytest.param("llama", "float32", marks=pytest.mark.slow), ("qwen2", "float32"),
+                                        ("llama", "bfloat16")])
 def test_forward_with_packed_weights_matches_plain(test_models_dir, arch, dtype):
     """The forward with packed weights against XLA's dot on the same weights (bfloat16:
     both round each projection's input to bfloat16 and sum in float32)."""

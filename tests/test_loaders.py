@@ -112,7 +112,7 @@ def test_truncated_safetensors(test_models_dir, tmp_path):
 
 # ------------------------------------------------------------------------- GGUF
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_gguf_f32_matches_hf_folder(test_models_dir, tmp_path, name):
     """llama.cpp's conversion (permuted q/k rows, rope_freqs for Llama-3 scaling, Gemma's
     norms stored as 1 + w and its layer pattern, the tokenizer as metadata) undone

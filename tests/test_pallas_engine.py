@@ -2,11 +2,14 @@
 on CPU): greedy outputs token-identical to the xla backend on a workload that mixes
 chunked prefills (budget 32 tokens, prompts up to 60) with decodes."""
 
+import pytest
+
 from jaxllm import LLM
 from tests.multidevice import pallas_engine_workload
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks
 
 
+@pytest.mark.slow  # 24 s in interpret mode; by default the kernel's step compositions (test_pallas_ragged_paged_attention)
 def test_pallas_backend_matches_xla_through_the_engine(test_models_dir):
     prompts, params = pallas_engine_workload()
     results = {}

@@ -136,7 +136,8 @@ def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(
 
 
 @pytest.mark.parametrize("name,quantization", [pytest.param("qwen2", "int8", marks=pytest.mark.slow),
-                                               pytest.param("qwen2", "q8_0", marks=pytest.mark.slow), ("qwen2", "q4_1"),
+                                               pytest.param("qwen2", "q8_0", marks=pytest.mark.slow),
+                                               pytest.param("qwen2", "q4_1", marks=pytest.mark.slow),  # 16 s
                                                pytest.param("qwen3_moe", "int8", marks=pytest.mark.slow)])
 def test_quantized_weights_shard_for_tensor_parallelism(test_models_dir, name, quantization):
     """Values split like the float weight, scales (and Q4_1's mins) with their output
@@ -224,6 +225,7 @@ def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir
                                       err_msg=backend)
 
 
+@pytest.mark.slow  # 27 s: the bfloat16 engine twice; float32 kept GGUFs are checked bit-identical by default
 def test_a_kept_gguf_in_bfloat16_is_the_file_dequantized_to_bfloat16(test_models_dir, tmp_path):
     """`dtype="bfloat16"` over kept Q4_1 blocks (the default SmolLM2's format) computes
     what the same file dequantized to bfloat16 at load computes, bit for bit through the

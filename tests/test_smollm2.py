@@ -27,6 +27,7 @@ def test_default_model_is_the_embedded_gguf(smollm2):
     assert smollm2.tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.slow  # 29 s (HF on the 49k vocabulary); by default the test models' parity and the greedy test
 def test_logits_match_hf_on_exported_weights(smollm2, tmp_path):
     folder = save_hf_folder(tmp_path / "smollm2-hf", smollm2.config, smollm2.params, smollm2.tokenizer)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
