@@ -90,7 +90,8 @@ ARCHITECTURES = {
     # norms, a query scale that is not head_dim's, tied embeddings; transformers 5 form.
     "gemma3": dict(
         form=5, arch="Gemma3ForCausalLM", model_type="gemma3_text", hidden=128, heads=4, kv_heads=1, head_dim=32,
-        pattern=2, extra={"tie_word_embeddings": True, "sliding_window": 12, "query_pre_attn_scalar": 24,
+        pattern=2, max_position_embeddings=4096,  # the hybrid KV cache's 4k-token test
+        extra={"tie_word_embeddings": True, "sliding_window": 12, "query_pre_attn_scalar": 24,
                           "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
                           "attn_logit_softcapping": None,
                           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,

@@ -324,9 +324,10 @@ def _generate(path, total: int, memory: str, disable: bool, attention: str):
 
 
 @pytest.mark.parametrize("total,attention", [
-    (512, "cpu"),
+    (256, "cpu"),
     pytest.param(4096, "cpu", marks=pytest.mark.slow),
     pytest.param(512, "xla", marks=pytest.mark.slow),
+    pytest.param(128, "pallas", marks=pytest.mark.slow),  # interpret mode
 ])
 def test_engine_frees_what_the_window_no_longer_sees(test_models_dir, total, attention):
     """The Gemma-3-shaped test model (a sliding layer of window 12 and a full layer;

@@ -199,6 +199,13 @@ class ExecutableStore:
         self._prune()
 
     def _prune(self) -> None:
-        entries = sorted(self.directory.glob("*.bin"), key=lambda p: p.stat().st_mtime)
-        for old in entries[:-MAX_ENTRIES]:
+        """Keep the MAX_ENTRIES most recently used; another thread or process (warm-up
+        compiles on threads; test workers share the cache) may prune the same files."""
+        entries = []
+        for p in self.directory.glob("*.bin"):
+            try:
+                entries.append((p.stat().st_mtime, p))
+            except FileNotFoundError:  # pruned by someone else meanwhile
+                continue
+        for _, old in sorted(entries)[:-MAX_ENTRIES]:
             old.unlink(missing_ok=True)
