@@ -113,7 +113,7 @@ class HybridKVCacheManager:
         serve: shortened until they agree (a full group serves any shorter prefix of
         its hits, a sliding group finds its longest within the bound)."""
         while True:
-            hits = tuple(m._full_block_hits(request, limit) for m in self.managers)
+            hits = tuple(m.longest_cache_hit(request, limit) for m in self.managers)
             shortest = min(len(h) for h in hits)
             if all(len(h) == shortest for h in hits):
                 return hits

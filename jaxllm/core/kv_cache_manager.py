@@ -194,8 +194,8 @@ class KVCacheManager:
         """
         if num_tokens is None:
             num_tokens = request.num_tokens
-        needed = peak_blocks(num_tokens, self.block_size, self.sliding_window if self.chunk else None,
-                             self.chunk or 0)
+        window = self.sliding_window if self.chunk is not None else None  # without a chunk: every block
+        needed = peak_blocks(num_tokens, self.block_size, window, self.chunk or 0)
         usable = self.num_usable_blocks
         if needed > usable:
             raise ValueError(
@@ -220,7 +220,7 @@ class KVCacheManager:
             The hit blocks (block ``i`` of the request for ``i`` in order) and the
             number of tokens they hold. ``([], 0)`` with prefix caching off.
         """
-        hits = self._full_block_hits(request)
+        hits = self.longest_cache_hit(request)
         self.count_lookup(request, len(hits) * self.block_size)
         return hits, len(hits) * self.block_size
 
@@ -243,14 +243,14 @@ class KVCacheManager:
             :meth:`allocate_slots` right away, and count the lookup with
             :meth:`count_lookup` once the request is admitted.
         """
-        hits = self._full_block_hits(request)
+        hits = self.longest_cache_hit(request)
         prefix = ComputedPrefix(hits, self.block_size)
         if not self.enable_caching:
             return prefix
         if self.sliding_window is not None:  # whole blocks, all the window needs (no tail copies)
             chosen = prefix if choose is None else choose(prefix)
             return prefix if len(chosen.blocks) == len(hits) else \
-                ComputedPrefix(self._full_block_hits(request, len(chosen.blocks)), self.block_size)
+                ComputedPrefix(self.longest_cache_hit(request, len(chosen.blocks)), self.block_size)
         tail, common = self._best_tail(request, len(hits))
         prefix.records = [self.block_pool.contents.get(b.block_id) for b in hits]
         if tail is not None:
@@ -258,7 +258,7 @@ class KVCacheManager:
             prefix.records.append(tail)
         return prefix if choose is None else choose(prefix)
 
-    def _full_block_hits(self, request: Request, limit: int | None = None) -> list[KVCacheBlock]:
+    def longest_cache_hit(self, request: Request, limit: int | None = None) -> list[KVCacheBlock]:  # vLLM's find_longest_cache_hit
         """The request's longest prefix of at most `limit` blocks (default: all but its
         last token's) whose K/V this group holds: every block of it, or with a sliding
         window the blocks of the window before its end (the null block in place of the

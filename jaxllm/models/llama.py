@@ -170,10 +170,8 @@ def forward_hidden(
         raise ValueError(f"{len(mds)} attention metadata and {len(kv_caches)} caches for {groups}")
     caches = list(kv_caches)
     for i, lp in enumerate(params.layers):
-        g = groups.group_of(i)
-        slot = groups.layers[g].index(i)
-        cos, sin = local if cfg.is_sliding(i) else full
-        x, caches[slot] = attention_block(lp, x, cos, sin, caches[slot], mds[g], cfg, attention_fn, axis,
-                                          cfg.layer_window(i))
+        slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
+        x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], mds[groups.group_of(i)], cfg, attention_fn,
+                                          axis, cfg.layer_window(i))
         x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i))
     return x, tuple(caches)
