@@ -1,0 +1,35 @@
+"""The n-gram proposer (prompt lookup decoding): the request's last n tokens, looked up
+earlier in its own prompt and output, propose the tokens that followed them. Host side,
+numpy; O(length x n) per request and n-gram length."""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxtyping import Int
+
+
+class NgramProposer:
+    """Attributes:
+        min_n, max_n: the n-gram lengths matched, longest first.
+        k: the most tokens proposed.
+    """
+
+    def __init__(self, min_n: int, max_n: int, k: int) -> None:
+        if not 1 <= min_n <= max_n or k < 1:
+            raise ValueError(f"n-gram proposer: need 1 <= min_n <= max_n and k >= 1, got {min_n}, {max_n}, {k}")
+        self.min_n, self.max_n, self.k = min_n, max_n, k
+
+    def propose(self, tokens: Int[np.ndarray, "L"]) -> Int[np.ndarray, "P"]:
+        """Up to k draft tokens following the latest earlier occurrence of the longest
+        suffix of `tokens` (from max_n down to min_n tokens) that occurred before; fewer
+        where that occurrence is near the end, none without one."""
+        tokens = np.asarray(tokens)
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. length - n - 1: each followed by a token, the suffix itself excluded
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+            starts = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            if starts.size:
+                start = starts[-1] + n
+                return tokens[start:start + self.k].copy()
+        return tokens[:0].copy()
