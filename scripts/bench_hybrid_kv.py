@@ -8,7 +8,10 @@ step's sampled token made up, so no model runs and the counts are exact.
 
 Prints, per manager: how many requests of that length the pool holds at their peak
 (vLLM's "maximum concurrency": blocks / the blocks one request holds at most), then the
-simulated run: the most requests running at once, steps to finish all, preemptions. The config is read from the real Gemma 3 270M GGUF
+simulated run: the most requests running at once, steps to finish all, preemptions.
+With `--run-model` the same requests also run through LLM both ways (greedy), timed:
+
+    python scripts/bench_hybrid_kv.py --run-model --memory 256MiB --tokens 4096 --requests 8 --output-tokens 64 The config is read from the real Gemma 3 270M GGUF
 (`gemma-3-270m`, the PyPI package) or from any model path given.
 """
 
@@ -18,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +37,13 @@ from jaxllm.messages import ModelRunnerOutput  # noqa: E402
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 
 
+def prompts(cfg, args) -> list[list[int]]:
+    """Distinct prompts (no prefix sharing) of `tokens - output_tokens + 1` ids."""
+    prompt_len = args.tokens - args.output_tokens + 1
+    vocab = min(cfg.vocab_size, 50000)
+    return [[(i * 7919 + j) % (vocab - 1) + 1 for j in range(prompt_len)] for i in range(args.requests)]
+
+
 def run(cfg, args, disable: bool) -> dict:
     config = EngineConfig(model="unused", kv_cache_memory=args.memory, max_model_len=args.tokens,
                           max_num_seqs=args.requests, max_num_batched_tokens=args.chunk, block_size=args.block_size,
@@ -41,9 +52,7 @@ def run(cfg, args, disable: bool) -> dict:
     scheduler = Scheduler(make_kv_cache_manager(config, cache), max_num_seqs=args.requests,
                           max_num_batched_tokens=args.chunk, max_model_len=args.tokens)
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
-    prompt_len = args.tokens - args.output_tokens + 1
-    for i in range(args.requests):  # distinct prompts: no prefix sharing
-        prompt = [(i * 7919 + j) % 50000 + 1 for j in range(prompt_len)]
+    for i, prompt in enumerate(prompts(cfg, args)):
         scheduler.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling_params=params,
                                       max_tokens=args.output_tokens))
     most = steps = 0
@@ -58,6 +67,24 @@ def run(cfg, args, disable: bool) -> dict:
             "steps": steps, "preemptions": scheduler.num_preemptions}
 
 
+def run_model(cfg, args, disable: bool) -> dict:
+    """The same requests through LLM, greedy: wall time, preemptions, the tokens."""
+    from jaxllm import LLM
+
+    llm = LLM(args.model, kv_cache_memory=args.memory, max_model_len=args.tokens, max_num_seqs=args.requests,
+              max_num_batched_tokens=args.chunk, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+              disable_hybrid_kv_cache_manager=disable, progress=False)
+    llm.generate([{"prompt_token_ids": [2, 3, 4]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True, temperature=0)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(cfg, args)], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    total = sum(len(p) for p in prompts(cfg, args)) + args.requests * args.output_tokens
+    return {"seconds": seconds, "output tok/s": args.requests * args.output_tokens / seconds,
+            "total tok/s": total / seconds, "preemptions": llm.llm_engine.core.scheduler.num_preemptions,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", help="a GGUF path or name (its config only is read)")
@@ -68,6 +95,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--run-model", action="store_true",
+                        help="also run the requests through the model, both ways, and time them (greedy)")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     cfg = GGUFFile(model_path(args.model)).model_config()
@@ -83,6 +112,15 @@ def main() -> None:
     print(f"hybrid / every block: {hybrid['concurrency'] / every['concurrency']:.2f}x the requests held, "
           f"{hybrid['most running'] / every['most running']:.2f}x run at once, "
           f"{every['steps'] / hybrid['steps']:.2f}x fewer steps")
+    if args.run_model:
+        timed = {name: run_model(cfg, args, disable) for name, disable in (("every block", True), ("hybrid", False))}
+        for name, r in timed.items():
+            print(f"{name:>12}: {r['seconds']:.1f} s, {r['output tok/s']:.1f} output tok/s "
+                  f"({r['total tok/s']:.0f} total), {r['preemptions']} preemptions")
+        print(f"hybrid / every block: {timed['every block']['seconds'] / timed['hybrid']['seconds']:.2f}x faster; "
+              f"tokens identical: {timed['hybrid']['tokens'] == timed['every block']['tokens']}")
+        for name, r in timed.items():
+            results[name]["run"] = {k: v for k, v in r.items() if k != "tokens"}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
