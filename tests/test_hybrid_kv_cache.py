@@ -5,6 +5,7 @@ against a simulated cache of every group over one shared pool."""
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -365,3 +366,26 @@ def test_engine_prefix_hits_in_every_group(test_models_dir):
             stats = llm.llm_engine.core.kv_cache_manager.prefix_cache_stats
             assert stats.hits == 48 + 36  # 12 blocks of the shared 50 (the last token's own is computed); 9
     assert outs[False] == outs[True]
+
+
+def test_engine_prompt_scoring_reuses_whole_blocks(test_models_dir):
+    """Requests scoring their prompts (lm-eval's loglikelihood) sharing a prefix: the
+    hybrid cache reuses whole blocks whose prompt rows the full group recorded, and the
+    prompt logprobs agree with a run that caches nothing (within float32's
+    reassociation across step shapes)."""
+    from jaxllm import LLM, SamplingParams
+
+    shared = [(7 * i) % 400 + 3 for i in range(50)]
+    prompts = [shared + [5, 6], shared + [9], shared[:37] + [11, 12, 13]]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    scores = {}
+    for caching in (True, False):
+        llm = LLM(str(test_models_dir / "gemma3"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                  block_size=4, enable_prefix_caching=caching, progress=False)
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        scores[caching] = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+        if caching:  # whole blocks whose rows are recorded: at least the second prompt's 12
+            hits = llm.llm_engine.core.kv_cache_manager.prefix_cache_stats.hits
+            assert hits >= 48 and hits % 4 == 0
+    for got, want in zip(scores[True], scores[False], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

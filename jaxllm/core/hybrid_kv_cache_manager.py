@@ -8,7 +8,8 @@ prefix-cache hit is the longest prefix every group can serve (a full group needs
 its blocks, a sliding group those of the window before the prefix's end). An
 allocation is all groups' or none. It offers the scheduler the single manager's
 interface, block ids as one list per group; a hybrid prefix is whole blocks (no
-copied tail) and records no block contents.
+copied tail); the first group records its blocks' contents (prompt rows reused by
+requests scoring their prompts).
 """
 
 from __future__ import annotations
@@ -102,11 +103,14 @@ class HybridKVCacheManager:
         """The longest prefix, in whole blocks, that every group serves (`choose` as
         KVCacheManager's); its `group_blocks` are each group's hits."""
         hits = self._common_hits(request, None)
+        # the first group's block records (a full group's: the prompt rows a request
+        # scoring its prompt takes instead of computing them)
+        records = [self.block_pool.contents.get(b.block_id) for b in hits[0]] if self.enable_caching else []
         if choose is not None:
-            chosen = choose(ComputedPrefix(hits[0], self.block_size))
-            if len(chosen.blocks) < len(hits[0]):
+            chosen = choose(ComputedPrefix(hits[0], self.block_size, records=records))
+            if len(chosen.blocks) < len(hits[0]):  # whole blocks: a tail it chose is not taken
                 hits = self._common_hits(request, len(chosen.blocks))
-        return ComputedPrefix(hits[0], self.block_size, group_blocks=hits)
+        return ComputedPrefix(hits[0], self.block_size, records=records, group_blocks=hits)
 
     def _common_hits(self, request: Request, limit: int | None) -> GroupBlocks:
         """Each group's hits for the longest prefix of at most `limit` blocks all groups
@@ -159,7 +163,9 @@ class HybridKVCacheManager:
             m.free(request)
 
     def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1) -> None:
-        """Nothing: a hybrid prefix is whole blocks, found by their hashes."""
+        """The first group's (KVCacheManager.record_contents; a sliding group's manager
+        records nothing): the prompt rows of its blocks, for requests scoring their prompt."""
+        self.managers[0].record_contents(request, num_new_tokens, rows, k)
 
     def parent_key(self, request: Request, block_index: int) -> bytes:
         return self.managers[0].parent_key(request, block_index)
