@@ -134,6 +134,7 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
         runs.append((outs, core.scheduler.num_preemptions))
         if tp > 1:
             w = core.runner.weights["xla"].layers[0].wqkv
+            w = getattr(w, "q", w)  # a kept GGUF's (the default SmolLM2's Q4_1) values, sharded as a float matrix is
             assert len(w.sharding.device_set) == tp and w.addressable_shards[0].data.shape[1] == w.shape[1] // tp
             _check_bytes_per_device(cfg, core.runner.weights["xla"], tp)
     (one, preempted), (many, _) = runs
@@ -187,14 +188,15 @@ def _check_bytes_per_device(cfg, weights, tp: int) -> None:
     import jax
 
     per_device: dict = {}
-    for leaf in jax.tree.leaves(weights):
+    want = total = norms = 0
+    for leaf in jax.tree.leaves(weights):  # float weights, or a kept GGUF's values, scales and mins
         for shard in leaf.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    itemsize = jax.tree.leaves(weights)[0].dtype.itemsize
-    norms = sum(a.size for a in jax.tree.leaves(weights) if a.ndim == 1 and a.shape[0] in
-                (cfg.hidden_size, cfg.head_dim)) * itemsize
-    total = sum(a.size for a in jax.tree.leaves(weights)) * itemsize
-    want = (total - norms) // tp + norms
+        total += leaf.nbytes
+        if leaf.sharding.is_fully_replicated:
+            assert leaf.ndim == 1 and leaf.shape[0] in (cfg.hidden_size, cfg.head_dim), leaf.shape  # a norm
+            norms += leaf.nbytes
+        want += leaf.nbytes if leaf.sharding.is_fully_replicated else leaf.nbytes // tp
     assert len(per_device) == tp and all(b == want for b in per_device.values()), (per_device, want)
     print(f"bytes per device at TP={tp}: {want} of {total} ({norms} replicated)")
 
