@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from jaxllm.core.block_pool import BlockPool
-from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager, PrefixCacheStats
+from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager, PoolUsage, PrefixCacheStats
 from jaxllm.core.kv_cache_utils import BlockHash, KVCacheBlock
 from jaxllm.core.request import Request
 from jaxllm.kv_cache_groups import KVCacheGroups
@@ -25,7 +25,7 @@ from jaxllm.kv_cache_groups import KVCacheGroups
 GroupBlocks = tuple[list[KVCacheBlock], ...]
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolUsage):
     """Attributes:
         groups: the layout.
         managers: one per group, sharing `block_pool`.
@@ -45,31 +45,11 @@ class HybridKVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
 
-    # ---- usage (the shared pool's) --------------------------------------------------
+    # ---- usage (the shared pool's; the rest is PoolUsage's) ---------------------------
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.managers[0].prefix_cache_stats
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.block_pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.block_pool.num_usable_blocks - self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
 
     def num_tokens_held(self, requests: Iterable[Request]) -> int:
         """Distinct tokens whose K/V the first group holds (a full group's, where there

@@ -92,7 +92,39 @@ class ComputedPrefix:
         return len(self.blocks) * self.block_size + self.num_tail_tokens
 
 
-class KVCacheManager:
+class PoolUsage:
+    """Usage of the `block_pool` a KV cache manager allocates from (the single manager's
+    own, or the pool the hybrid manager's groups share)."""
+
+    block_pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, including the null block."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold request tokens (all but the null block)."""
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (free cached blocks included)."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one request."""
+        return self.block_pool.num_usable_blocks - self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage: fraction of usable blocks held by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+
+class KVCacheManager(PoolUsage):
     """Maps requests to KV cache blocks, with optional prefix caching.
 
     Attributes:
@@ -139,32 +171,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
-    # ---- usage ------------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, including the null block."""
-        return self.block_pool.num_blocks
-
-    @property
-    def num_usable_blocks(self) -> int:
-        """Blocks that can hold request tokens (all but the null block)."""
-        return self.block_pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks not held by any request (free cached blocks included)."""
-        return self.block_pool.get_num_free_blocks()
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks held by at least one request."""
-        return self.block_pool.num_usable_blocks - self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        """KV cache usage: fraction of usable blocks held by requests, in [0, 1]."""
-        return self.block_pool.get_usage()
+    # ---- usage: PoolUsage's ---------------------------------------------------------
 
     def num_tokens_held(self, requests: Iterable[Request]) -> int:
         """Distinct tokens whose K/V the blocks in use hold, given the requests holding
@@ -176,10 +183,6 @@ class KVCacheManager:
             for r in requests
         )
         return self.num_used_blocks * self.block_size - unfilled
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.block_size)
 
     def check_fits(self, request: Request, num_tokens: int | None = None) -> None:
         """Admission check: raise ValueError if the request can never be scheduled
