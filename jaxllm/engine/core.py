@@ -18,13 +18,13 @@ import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, kv_cache_format
 from jaxllm.config import ModelConfig
-from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
@@ -93,7 +93,8 @@ class CacheLayout:
         else:
             full = sum(w is None for w in groups.windows)
             windows = ", ".join(map(str, sorted({w for w in groups.windows if w is not None})))
-            text += (f" x {groups.group_size} layer{'s' * (groups.group_size > 1)}, shared by {groups.num_groups} layer groups ({full} full, "
+            layers = f"{groups.group_size} layer{'s' * (groups.group_size > 1)}"
+            text += (f" x {layers}, shared by {groups.num_groups} layer groups ({full} full, "
                      f"{groups.num_groups - full} sliding over {windows})")
         return f"{text}, {self.max_concurrency():.1f}x max_model_len at once"
 
