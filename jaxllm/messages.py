@@ -61,6 +61,12 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
+    def first(self, n: int) -> "LogprobsLists":
+        """The rows of the first `n` positions (itself if it has no more)."""
+        if len(self.ranks) <= n:
+            return self
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
 
 @dataclasses.dataclass
 class EngineCoreOutput:
@@ -78,6 +84,45 @@ class EngineCoreOutput:
 
 
 @dataclasses.dataclass
+class SpecDecodingStats:
+    """Speculative decoding's running totals (vLLM's names): draft tokens proposed and
+    accepted, over `num_drafts` verifications (request-steps with at least one draft);
+    `accepted_per_pos[i]`: drafts accepted at position i of their step. Summed by `+`
+    (data-parallel replicas)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def __add__(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+        a, b = self.accepted_per_pos, other.accepted_per_pos
+        width = max(len(a), len(b))
+        a, b = a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
+        return SpecDecodingStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                                 self.num_accepted_tokens + other.num_accepted_tokens,
+                                 tuple(x + y for x, y in zip(a, b)))
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> "SpecDecodingStats":
+        """These totals after one verification of `num_draft_tokens` drafts, the first
+        `num_accepted` of them accepted."""
+        per_pos = list(self.accepted_per_pos) + [0] * max(0, num_draft_tokens - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        return SpecDecodingStats(self.num_drafts + 1, self.num_draft_tokens + num_draft_tokens,
+                                 self.num_accepted_tokens + num_accepted, tuple(per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: the accepted drafts plus the token the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclasses.dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -87,6 +132,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
 
 
 @dataclasses.dataclass
@@ -98,11 +144,14 @@ class EngineCoreOutputs:
 
 @dataclasses.dataclass
 class ModelRunnerOutput:
-    """Per scheduled request (in the step's row order): the sampled token, or None for
-    a prefill chunk that does not finish its prompt; logprobs where requested (one row
-    for the sampled token; one row per prompt position scored this step)."""
+    """Per scheduled request (in the step's row order): the tokens it gained, none for
+    a prefill chunk that does not finish its prompt, one for a decode, and with draft
+    tokens verified the accepted drafts and the target's next token; logprobs where
+    requested (one row per token gained; one row per prompt position scored this step);
+    the draft tokens proposed for each request's next step (speculative decoding)."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int | None]
+    sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)

@@ -1,11 +1,22 @@
 """Speculative decoding's pieces so far (issue 22): the configuration, validated in one
 place, and the n-gram proposer against a brute-force oracle."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
+import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxllm import LLM
+from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.kv_cache_groups import kv_cache_groups
+from jaxllm.messages import ModelRunnerOutput
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 
@@ -44,16 +55,18 @@ def oracle(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+                follow = tokens[i + n:]
+                return [follow[j % len(follow)] for j in range(k)]
     return []
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     p = NgramProposer(2, 4, 3)
     assert p.propose(np.array([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 7, 8, 2, 3, 4])).tolist() == [7, 8, 2]
-    assert p.propose(np.array([5, 6, 5, 6])).tolist() == [5, 6]  # the occurrence near the end: fewer than k
+    assert p.propose(np.array([5, 6, 5, 6])).tolist() == [5, 6, 5]  # near the end: the period repeats
     assert p.propose(np.array([1, 2, 3])).tolist() == []  # no earlier bigram
     assert NgramProposer(1, 1, 2).propose(np.array([7, 1, 7])).tolist() == [1, 7]
+    assert NgramProposer(2, 3, 4).propose(np.array([4, 9, 9, 9])).tolist() == [9, 9, 9, 9]  # a run
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,3 +75,246 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 def test_ngram_matches_the_brute_force_definition(tokens, min_n, extra, k):
     got = NgramProposer(min_n, min_n + extra, k).propose(np.array(tokens, np.int32))
     assert got.tolist() == oracle(tokens, min_n, min_n + extra, k)
+
+
+# ---- the scheduler's bookkeeping across rejections --------------------------------------
+
+
+class FakeRunner:
+    """Plays the model runner for the scheduler: keeps each request's block tables as
+    the scheduler outputs give them, "writes" each computed position's K/V as (group,
+    the tokens up to it: real ones, then the step's drafts) and, before each step,
+    checks that every position the step's queries read (every earlier one in a full
+    group, the window's in a sliding one) holds the request's real tokens. Each
+    sampling row accepts a random number of its drafts, gains a token that differs
+    from the next draft, and proposes random drafts."""
+
+    def __init__(self, scheduler: Scheduler, windows, block_size: int, k: int, rng) -> None:
+        self.scheduler, self.windows, self.bs, self.k, self.rng = scheduler, windows, block_size, k, rng
+        self.tables: dict[str, list[list[int]]] = {}
+        self.kv: dict[int, list] = {}
+        self.num_accepted = self.num_rejected = 0
+
+    def execute(self, sched) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.tables.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        for cached in sched.scheduled_cached_reqs:
+            for table, ids in zip(self.tables[cached.req_id], cached.new_block_ids):
+                table += ids
+        for src, dst in sched.block_copies:
+            self.kv[dst] = list(self.kv.get(src, [None] * self.bs))
+        result = ModelRunnerOutput([], [])
+        for req_id, n in sched.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id, [])
+            start = request.num_computed_tokens - n
+            self._check_reads(req_id, request.all_token_ids, start)
+            self._write(req_id, request.all_token_ids + drafts, start, n)
+            result.req_ids.append(req_id)
+            result.sampled_token_ids.append(self._verify(request, drafts) if request.samples_this_step else [])
+            proposal = self.rng.integers(0, 4, int(self.rng.integers(0, self.k + 1))).tolist()
+            if result.sampled_token_ids[-1] and proposal:
+                result.spec_token_ids[req_id] = proposal
+        return result
+
+    def _verify(self, request: Request, drafts: list[int]) -> list[int]:
+        accepted = int(self.rng.integers(0, len(drafts) + 1))
+        token = int(self.rng.integers(0, 4))
+        if accepted < len(drafts) and token == drafts[accepted]:
+            token = (token + 1) % 4  # a rejection: the target's token differs from the draft
+        self.num_accepted += accepted
+        self.num_rejected += len(drafts) - accepted
+        return drafts[:accepted] + [token]
+
+    def _check_reads(self, req_id: str, tokens: list[int], start: int) -> None:
+        for g, window in enumerate(self.windows):
+            for pos in range(0 if window is None else max(start - window + 1, 0), start):
+                block = self.tables[req_id][g][pos // self.bs]
+                assert block != 0, (req_id, g, pos)
+                assert self.kv[block][pos % self.bs] == (g, tuple(tokens[:pos + 1])), (req_id, g, pos)
+
+    def _write(self, req_id: str, tokens: list[int], start: int, n: int) -> None:
+        for g in range(len(self.windows)):
+            for pos in range(start, start + n):
+                block = self.tables[req_id][g][pos // self.bs]
+                self.kv.setdefault(block, [None] * self.bs)[pos % self.bs] = (g, tuple(tokens[:pos + 1]))
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 5, 5)], ids=["full", "hybrid"])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_rejected_drafts_leave_no_stale_kv_and_no_leak(windows, seed):
+    """Random acceptance lengths through the real scheduler and KV cache managers, with
+    chunked prefill (a budget of 7 tokens cuts drafts short), preemption (a 24-block
+    pool; 40 shared by three groups) and prefix caching (prompts repeating earlier requests' prompts and outputs):
+    no step reads a position that does not hold the request's real token, counts stay
+    consistent, and every block comes back."""
+    rng = np.random.default_rng(seed)
+    bs, k = 2, 3
+    if len(windows) == 1:
+        kv = KVCacheManager(24, bs, enable_caching=True, chunk=7)
+    else:
+        kv = HybridKVCacheManager(40, bs, kv_cache_groups(list(windows)), chunk=7, enable_caching=True)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=7, max_model_len=40)
+    runner = FakeRunner(scheduler, windows, bs, k, rng)
+    finished: list[list[int]] = [[1, 2, 3, 1, 2]]
+    for step in range(150):
+        if step < 100 and rng.random() < 0.3:
+            base = finished[int(rng.integers(len(finished)))]
+            prompt = base[:int(rng.integers(1, len(base) + 1))] + rng.integers(0, 4, int(rng.integers(0, 4))).tolist()
+            max_tokens = int(rng.integers(1, 12))
+            scheduler.add_request(Request(f"r{step}", prompt[:24], max_tokens=max_tokens,
+                                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        sched = scheduler.schedule()
+        outputs = scheduler.update_from_output(sched, runner.execute(sched)).outputs
+        gained = {out.request_id for out in outputs if out.new_token_ids}
+        for request in scheduler.running:
+            assert request.num_computed_tokens <= request.num_tokens
+            assert len(request.spec_token_ids) <= min(k, request.max_kv_tokens - request.num_tokens)
+            if request.request_id in gained:  # all but the token just gained is computed
+                assert request.num_computed_tokens == request.num_tokens - 1
+        finished += [r.all_token_ids for r in scheduler.requests.values() if r.num_output_tokens > 2][:1]
+    while scheduler.has_unfinished_requests():
+        sched = scheduler.schedule()
+        scheduler.update_from_output(sched, runner.execute(sched))
+    assert kv.num_used_blocks == 0
+    stats = scheduler.make_stats().spec_decoding
+    assert stats.num_accepted_tokens == runner.num_accepted
+    assert stats.num_draft_tokens == runner.num_accepted + runner.num_rejected
+
+
+# ---- through LLM: exactly the outputs of decoding without speculation ---------------------
+
+KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # the llama test model: block_size x (K,V) x layers x kv_size x float32
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def make_llm(test_models_dir, **options):
+    """Budget of 32 tokens (chunked prefill, drafts cut short) and a 24-block pool (preemption)."""
+    config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
+                  kv_cache_memory=25 * KV_BYTES_PER_BLOCK, progress=False)
+    return LLM(str(test_models_dir / "llama"), **(config | options))
+
+
+@pytest.fixture(scope="module")
+def engines(test_models_dir):
+    return make_llm(test_models_dir), make_llm(test_models_dir, speculative_config=NGRAM)
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts repeating a short random pattern (so lookup finds matches), some with a
+    shared start (prefix cache hits)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 500, 40).tolist()
+    prompts = []
+    for i in range(n):
+        pattern = rng.integers(3, 500, int(rng.integers(3, 9))).tolist()
+        prompts.append((shared if i % 3 == 0 else []) + (pattern * 12)[:int(rng.integers(10, 80))])
+    return prompts
+
+
+def run(llm: LLM, prompts, params):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    core = llm.llm_engine.core
+    assert not core.has_unfinished_requests() and core.kv_cache_manager.num_used_blocks == 0
+    assert core.runner.num_compilations_after_warmup == 0
+    return outputs
+
+
+def test_greedy_outputs_identical_with_chunking_preemption_and_prefix_hits(engines):
+    base, spec = engines
+    prompts = repetitive_prompts(16, 0)
+    lengths = np.random.default_rng(1).integers(4, 60, len(prompts)).tolist()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lengths]
+    expected = run(base, prompts, params)
+    core = spec.llm_engine.core
+    before = core.scheduler.num_preemptions
+    got = run(spec, prompts, params)
+    for e, g, n in zip(expected, got, lengths):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids and len(g.outputs[0].token_ids) == n
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)],
+                                   [lp[t].logprob for lp, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)],
+                                   atol=1e-5)
+    stats = core.scheduler.spec_stats
+    assert core.scheduler.num_preemptions > before  # the pool was too small for every request at once
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts were accepted and rejected
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens and len(stats.accepted_per_pos) == 3
+    assert sum(o.num_cached_tokens for o in got) > 0
+
+
+def test_seeded_sampling_and_stop_conditions_identical(engines):
+    """Temperature, top-k/top-p, penalties, min_tokens, stop ids and stop strings: each
+    position drawn with its own uniform as without drafts, so seeded outputs agree."""
+    base, spec = engines
+    prompts = repetitive_prompts(12, 2)
+    tok = base.get_tokenizer()
+    reference = run(base, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    text = reference[0].outputs[0].text
+    params = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=40, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0.5, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                       max_tokens=40, seed=8, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=12, stop_token_ids=[reference[0].outputs[0].token_ids[3]]),
+        SamplingParams(temperature=0, max_tokens=40, stop=[text[9:12]] if len(text) > 12 else None, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[tok.eos_token_id, 300]),
+        SamplingParams(temperature=1.0, min_p=0.05, max_tokens=25, seed=9, ignore_eos=True),
+    ] * 2
+    expected, got = run(base, prompts, params), run(spec, prompts, params)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].text == e.outputs[0].text
+        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (e.outputs[0].finish_reason,
+                                                                           e.outputs[0].stop_reason)
+        assert (g.outputs[0].logprobs is None) == (e.outputs[0].logprobs is None)
+        if g.outputs[0].logprobs is not None:
+            assert len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
+
+
+def test_sampled_distribution_matches_the_target(engines):
+    """Different draws (seeds 0.. without speculation, 10000.. with): the second and
+    third tokens (the third sampled at the first draft's position when the lookup
+    proposed drafts after the first token and the second accepted one) have the same
+    joint distribution with and without speculation (chi-square, bins of too few
+    draws pooled). The seeded test above is the sharp one: the same seed gives the
+    same tokens."""
+    base, spec = engines
+    prompt = [17, 230, 45] * 4
+    # more of the mass on the prompt's tokens (lookup finds each, the target agrees more often)
+    params = dict(temperature=1.0, max_tokens=4, ignore_eos=True, logit_bias=dict.fromkeys(prompt, 2.0))
+    stats = spec.llm_engine.core.scheduler.spec_stats
+    drafts_before, accepted_before = stats.num_drafts, (stats.accepted_per_pos or (0,))[0]
+    n = 400
+    counts = []
+    for llm, first_seed in ((base, 0), (spec, 10000)):
+        outs = run(llm, [prompt] * n, [SamplingParams(seed=first_seed + i, **params) for i in range(n)])
+        counts.append(Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs))
+    stats = spec.llm_engine.core.scheduler.spec_stats
+    assert stats.num_drafts - drafts_before > n / 2 and stats.accepted_per_pos[0] - accepted_before > n / 10
+    assert counts[0] != counts[1]  # different draws
+    tokens = sorted(set(counts[0]) | set(counts[1]))
+    table = np.array([[c[t] for t in tokens] for c in counts])
+    common = table.sum(axis=0) >= 10
+    table = np.concatenate([table[:, common], table[:, ~common].sum(axis=1, keepdims=True)], axis=1)
+    assert table.shape[1] >= 8, table  # a spread distribution
+    assert scipy.stats.chi2_contingency(table).pvalue > 1e-3, (table, stats)
+
+
+@pytest.mark.parametrize("attention", ["cpu", pytest.param("xla", marks=pytest.mark.slow),
+                                       pytest.param("pallas", marks=pytest.mark.slow)])
+def test_greedy_identical_under_the_hybrid_cache(test_models_dir, attention):
+    """The Gemma-3-shaped test model (a sliding layer of window 12, blocks of 4): drafted
+    rows are queries of several tokens in both groups' tables, and a sliding group
+    frees blocks while rejected drafts roll back; the tokens equal decoding without
+    speculation. Attention `pallas` runs in interpret mode."""
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], list(range(40, 60)) * 2]
+    params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
+    outputs = []
+    for spec in (None, NGRAM):
+        llm = LLM(str(test_models_dir / "gemma3"), max_model_len=160, max_num_seqs=2, max_num_batched_tokens=32,
+                  block_size=4, kv_cache_memory="96KiB", attention_backend=attention, linear_backend="xla",
+                  speculative_config=spec, progress=False)
+        outputs.append([o.outputs[0].token_ids for o in run(llm, prompts, params)])
+    assert outputs[0] == outputs[1]
+    assert llm.llm_engine.core.scheduler.spec_stats.num_accepted_tokens > 0

@@ -43,6 +43,8 @@ class Request:
             are append-only an entry, once computed, stays valid. Nobody else writes it.
         structured: the grammar state of a request whose output is constrained
             (JSON schema, regex, choice, grammar); it waits until the grammar is ready.
+        spec_token_ids: draft tokens proposed for its next step (speculative decoding);
+            the scheduler schedules them after its last known token and drops them.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Request:
     stop_reason: int | str | None = None
     prompt_scores: PromptScores | None = None
     structured: StructuredOutputRequest | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
@@ -88,9 +91,9 @@ class Request:
 
     @property
     def samples_this_step(self) -> bool:
-        """After scheduling: this step computes the request's last known token, so it
-        samples the next one."""
-        return self.num_computed_tokens == self.num_tokens
+        """After scheduling: this step computes the request's last known token (and any
+        draft tokens after it), so it samples the next one."""
+        return self.num_computed_tokens >= self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:

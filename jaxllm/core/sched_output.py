@@ -44,6 +44,9 @@ class SchedulerOutput:
     # (source, destination) blocks whose K/V to copy before the step: a new request's
     # first block takes the tokens it shares with an earlier one's (copy-on-write)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # speculative decoding: the draft tokens each request computes after its last known
+    # token this step (counted in num_scheduled_tokens), to be verified by the target
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -29,6 +29,7 @@ from jaxllm.messages import (
     LogprobsLists,
     ModelRunnerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Scheduler:
         self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
         self._block_copies: list[tuple[int, int]] = []  # (source, destination) of this step's tails
         self._grammar_failures: list[EngineCoreOutput] = []  # aborted for their grammar, reported next update
+        self.spec_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------------- requests
 
@@ -103,14 +105,19 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:  # the request itself was preempted (it was the tail)
                 break
+            num_drafts = request.num_computed_tokens + num_new - request.num_tokens  # what the budget left of them
+            if num_drafts > 0:
+                spec_tokens[request.request_id] = drafts[:num_drafts]
             cached_reqs.append(
                 CachedRequestData(request.request_id, self.kv_cache_manager.new_block_ids(new_blocks),
                                   request.num_computed_tokens)
@@ -149,6 +156,7 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             block_copies=self._block_copies,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     def _fail_grammar(self, request: Request) -> None:
@@ -239,8 +247,8 @@ class Scheduler:
     def _note_in_flight(self, request: Request, num_new: int) -> None:
         """Remember the tokens of the blocks this step writes for `request`."""
         kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
-        end = request.num_computed_tokens
-        for j in range((end - num_new) // bs, -(-end // bs)):
+        start, end = request.num_computed_tokens - num_new, min(request.num_computed_tokens, request.num_tokens)
+        for j in range(start // bs, -(-end // bs)):
             tokens = request.get_token_ids(j * bs, min((j + 1) * bs, end))
             self._in_flight.setdefault(kv.parent_key(request, j), []).append(tokens)
 
@@ -264,7 +272,9 @@ class Scheduler:
         every token's K/V before any attention reads the cache."""
         num_scheduled[request.request_id] = num_new
         request.num_computed_tokens += num_new
-        self._cached_this_step += self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        # draft tokens (past num_tokens) are not known to be the request's: no block holding one is cached
+        self._cached_this_step += self.kv_cache_manager.cache_blocks(
+            request, min(request.num_computed_tokens, request.num_tokens))
         if self._in_flight is not None:
             self._note_in_flight(request, num_new)
 
@@ -272,6 +282,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.warning(
@@ -290,33 +301,75 @@ class Scheduler:
     # ------------------------------------------------------------------- update
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
-        """Append sampled tokens, check stop conditions, free finished requests."""
+        """Append the tokens each request gained (checking stop conditions after each),
+        take back the K/V of rejected draft tokens, free finished requests, and keep the
+        drafts proposed for the next step."""
         outputs, self._grammar_failures = self._grammar_failures, []
-        for req_id, token in zip(result.req_ids, result.sampled_token_ids):
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
+            num_computed = sched.num_scheduled_tokens[req_id] - self._reject_drafts(
+                request, sched.scheduled_spec_decode_tokens.get(req_id), tokens)
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
-            scores = request.prompt_scores
-            self.kv_cache_manager.record_contents(request, sched.num_scheduled_tokens[req_id],
-                                                  None if scores is None else scores.rows,
-                                                  -1 if scores is None else scores.k)
-            if token is None:
-                if prompt_logprobs is not None:
+            if not tokens or request.max_tokens == 0:
+                self._record_contents(request, num_computed)
+                if request.max_tokens == 0 and tokens:  # scoring the prompt only: the sample is dropped
+                    self.running.remove(request)
+                    self._finish(request, FinishReason.LENGTH)
+                    outputs.append(self._output(request, [], None, prompt_logprobs))
+                elif prompt_logprobs is not None:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
                 continue
-            if request.max_tokens == 0:  # scoring the prompt only: the sample is dropped
-                self.running.remove(request)
-                self._finish(request, FinishReason.LENGTH)
-                outputs.append(self._output(request, [], None, prompt_logprobs))
-                continue
-            request.append_output_token_ids(token)
-            finish, stop_reason = self._check_stop(request, token)
+            new_tokens, finish, stop_reason = self._append_tokens(request, tokens)
+            self._record_contents(request, num_computed)
             if finish is not None:
                 self.running.remove(request)
                 self._finish(request, finish, stop_reason)
-            outputs.append(self._output(request, [token], result.logprobs.get(req_id), prompt_logprobs))
+            else:
+                request.spec_token_ids = self._usable_drafts(request, result.spec_token_ids.get(req_id))
+            logprobs = result.logprobs.get(req_id)
+            logprobs = None if logprobs is None else logprobs.first(len(new_tokens))
+            outputs.append(self._output(request, new_tokens, logprobs, prompt_logprobs))
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats())
+
+    def _reject_drafts(self, request: Request, drafts: list[int] | None, tokens: list[int]) -> int:
+        """The draft tokens the step computed for `request` past those it accepted (the
+        target's tokens agree with the first len(tokens) - 1): no longer counted as
+        computed (their K/V is overwritten later). Returns how many."""
+        if not drafts or not tokens:
+            return 0
+        num_accepted = len(tokens) - 1
+        self.spec_stats = self.spec_stats.observe(len(drafts), num_accepted)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        return len(drafts) - num_accepted
+
+    def _append_tokens(self, request: Request, tokens: list[int]
+                       ) -> tuple[list[int], FinishReason | None, int | str | None]:
+        """Append `tokens` one by one until one finishes the request (the rest are
+        dropped). Returns those appended, and the finish reason and stop reason."""
+        for i, token in enumerate(tokens):
+            request.append_output_token_ids(token)
+            finish, stop_reason = self._check_stop(request, token)
+            if finish is not None:
+                return tokens[:i + 1], finish, stop_reason
+        return tokens, None, None
+
+    def _record_contents(self, request: Request, num_computed: int) -> None:
+        scores = request.prompt_scores
+        self.kv_cache_manager.record_contents(request, num_computed, None if scores is None else scores.rows,
+                                              -1 if scores is None else scores.k)
+
+    def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
+        """The proposed drafts the request may compute next step: none under a grammar
+        (its mask is of the next position only) or while min_tokens holds back stop
+        tokens, and never more than would pass max_tokens (so the K/V of a step stays
+        within what `check_fits` admitted)."""
+        if not drafts or request.structured is not None:
+            return []
+        if request.num_output_tokens < request.sampling_params.min_tokens:
+            return []
+        return drafts[:max(0, request.max_kv_tokens - request.num_tokens)]
 
     def _update_prompt_scores(self, request: Request, new_rows: LogprobsLists | None) -> LogprobsLists | None:
         """Take this step's prompt logprob rows; the rows due in the request's output
@@ -375,4 +428,6 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_stats,
         )
+

@@ -12,6 +12,7 @@ import typing
 
 from jaxllm.config import (ACTIVATION_QUANTIZATIONS, ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPES, LINEAR_BACKENDS,
                            QUANTIZATIONS)
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
@@ -71,6 +72,10 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = _option(
         False, "a model mixing sliding-window and full layers (Gemma 2/3) keeps every block of every layer, "
                "instead of a block table per layer group with sliding groups freeing what their window no longer sees")
+    speculative_config: SpeculativeConfig | str | dict | None = _option(
+        None, "speculative decoding, as JSON in vLLM's form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 5}' (drafts looked up in the request's own tokens; greedy and seeded outputs "
+              "are those of decoding without it); disable_by_batch_size: speculate only while fewer requests run")
     seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
     attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
     linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)
@@ -102,6 +107,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
         if not 0 <= self.process_id < self.num_processes:

@@ -195,6 +195,7 @@ class EngineCore:
             kv_cache_dtype=config.kv_cache_dtype,
             activation_quantization=config.activation_quantization,
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
+            speculative_config=config.speculative_config,
         )
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too

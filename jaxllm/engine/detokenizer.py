@@ -53,7 +53,10 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append new token ids and their text; return the stop string that ends the
-        completion, if one now appears (the text is then already truncated).
+        completion, if one now appears (the text is then already truncated). Several
+        tokens (accepted draft tokens) are checked one by one: the tokens after the one
+        whose text completes a stop string are dropped, as decoding them one per step
+        would never have made them.
 
         stop_terminated: the core finished the request on the last of these tokens
         (EOS or a stop token id); that token's text is left out of the output unless
@@ -65,25 +68,29 @@ class IncrementalDetokenizer:
         to_decode = new_token_ids
         if stop_terminated and not self._include_stop_str:
             to_decode = new_token_ids[:-1]
-        # Only matches that end in text of token number >= min_tokens count.
-        check_from = len(self.output_text)
         for token_id in to_decode:
+            check_from = len(self.output_text)  # only matches ending in text of token number >= min_tokens count
             self.token_ids.append(token_id)
             self.output_text += self._decode_next(token_id)
-            if len(self.token_ids) < self._min_tokens:
-                check_from = len(self.output_text)
+            if self._stop and len(self.token_ids) >= self._min_tokens:
+                stop = self._check_stop(check_from)
+                if stop is not None:
+                    return stop
         self.token_ids.extend(new_token_ids[len(to_decode) :])
-        if not self._stop:
-            return None
-        match = _find_stop(self.output_text, check_from, self._stop)
-        if match is not None:
-            stop, start = match
-            self.output_text = self.output_text[: start + len(stop) if self._include_stop_str else start]
-            self._held = 0
-            return stop
-        if not self._include_stop_str:
+        if self._stop and not self._include_stop_str:
             self._held = _partial_stop_len(self.output_text, self._stop)
         return None
+
+    def _check_stop(self, check_from: int) -> str | None:
+        """The stop string ending after `check_from` in the text, if any: the text is
+        truncated at it."""
+        match = _find_stop(self.output_text, check_from, self._stop)
+        if match is None:
+            return None
+        stop, start = match
+        self.output_text = self.output_text[: start + len(stop) if self._include_stop_str else start]
+        self._held = 0
+        return stop
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show the user now: all released text (delta=False) or only what

@@ -288,7 +288,11 @@ class OutputProcessor:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
             state.num_cached_tokens = output.num_cached_tokens
+            num_before = len(state.detokenizer.token_ids)
             stop_string = state.detokenizer.update(output.new_token_ids, output.finish_reason is FinishReason.STOP)
+            kept = len(state.detokenizer.token_ids) - num_before  # fewer where a stop string ended them
+            if kept < len(output.new_token_ids) and output.new_logprobs is not None:
+                output = dataclasses.replace(output, new_logprobs=output.new_logprobs.first(kept))
             state.logprobs.update(output)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if stop_string is not None:

@@ -20,9 +20,11 @@ class NgramProposer:
         self.min_n, self.max_n, self.k = min_n, max_n, k
 
     def propose(self, tokens: Int[np.ndarray, "L"]) -> Int[np.ndarray, "P"]:
-        """Up to k draft tokens following the latest earlier occurrence of the longest
-        suffix of `tokens` (from max_n down to min_n tokens) that occurred before; fewer
-        where that occurrence is near the end, none without one."""
+        """k draft tokens following the latest earlier occurrence of the longest suffix
+        of `tokens` (from max_n down to min_n tokens) that occurred before; none without
+        one. Where the tokens after that occurrence run out before k, they continue as
+        they began: text repeating from `start` has period len(tokens) - start (a run
+        of one token proposes k more, not one)."""
         tokens = np.asarray(tokens)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -31,5 +33,5 @@ class NgramProposer:
             starts = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if starts.size:
                 start = starts[-1] + n
-                return tokens[start:start + self.k].copy()
+                return tokens[start + np.arange(self.k) % (length - start)]
         return tokens[:0].copy()

@@ -106,11 +106,16 @@ class InputBatch:
             self.block_table[g, row, start:start + len(ids)] = ids
             self.num_blocks[g, row] = start + len(ids)
 
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Record sampled tokens (one per row) and lift min_tokens suppression once met."""
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray, num_before: np.ndarray | None = None) -> None:
+        """Record sampled tokens (one per row) and lift min_tokens suppression once met
+        (`num_before`: each row's outputs before the step, where it gained accepted
+        draft tokens too)."""
+        if num_before is None:
+            num_before = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
-        for row in rows[num_outputs == self.min_tokens[rows]]:
+        met = (num_outputs >= self.min_tokens[rows]) & (num_before < self.min_tokens[rows])
+        for row in rows[met]:
             k = self.num_user_bias[row]
             self.bias_values[row, k:] = 0.0

@@ -37,6 +37,8 @@ from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
@@ -95,6 +97,27 @@ def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
     return min(max_num_seqs, num_tokens)
 
 
+def sample_bucket(max_num_seqs: int, num_tokens: int, spec: SpeculativeConfig | None) -> int:
+    """The rows a token bucket samples: one per sequence, and with speculative decoding
+    room for every draft of every sequence that may speculate (those of a batch below
+    `disable_by_batch_size`), a draft row being a token row too."""
+    s = seq_bucket(max_num_seqs, num_tokens)
+    if spec is None:
+        return s
+    limit = spec.disable_by_batch_size
+    speculating = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+    return max(s, min(num_tokens, speculating * (spec.num_speculative_tokens + 1)))
+
+
+def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+    """The proposer of draft tokens `spec` asks for (None: no speculation)."""
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(f"speculative_config: method {spec.method!r} is not available yet; use 'ngram'")
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+
+
 def _shapes_and_dtypes(tree):
     """(shape, dtype name) per leaf: what a compiled step depends on, for concrete and
     abstract (jax.ShapeDtypeStruct) arrays alike."""
@@ -132,8 +155,12 @@ class StepRows:
     qsl: Int[np.ndarray, "S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
     seq_lens: Int[np.ndarray, "S"]  # tokens of each row whose K/V exists after the step
     targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
-    output_index: Int[np.ndarray, "S"]  # tokens each row has generated so far
     samples: Bool[np.ndarray, "S"]  # which rows sample a token this step
+    num_drafts: Int[np.ndarray, "S"]  # draft tokens each row verifies (its last ones)
+    # sample rows: one per row, and one per draft (each position of a drafted row samples)
+    logit_rows: Int[np.ndarray, "R"]  # the token whose logits each sample row takes
+    sample_seq: Int[np.ndarray, "R"]  # the row (0..S-1) each sample row belongs to
+    output_index: Int[np.ndarray, "R"]  # which output token each sample row draws (its uniform)
     # structured outputs: each row's allowed tokens as bits (all ones where unconstrained);
     # None when no row is constrained
     token_bitmask: Int[np.ndarray, "S W"] | None = None
@@ -142,8 +169,8 @@ class StepRows:
     def empty(cls, num_kv_groups: int = 1) -> "StepRows":
         """No rows: pads to a whole bucket of padding (for compiling)."""
         i = np.zeros(0, np.int32)
-        return cls(i, i, i, i, np.zeros((num_kv_groups, 0), np.int32), np.zeros(1, np.int32), i, i, i,
-                   np.zeros(0, bool))
+        return cls(i, i, i, i, np.zeros((num_kv_groups, 0), np.int32), np.zeros(1, np.int32), i, i,
+                   np.zeros(0, bool), i, i, i, i)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +185,7 @@ class PreparedStep:
     host: StepRows
     t: int  # token bucket
     s: int  # sequence bucket
+    r: int  # sample rows
     inputs: StepInputs
 
 
@@ -179,6 +207,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         activation_quantization: str | None = None,
         hybrid_kv_cache: bool = True,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -196,7 +225,11 @@ class ModelRunner:
         inputs (jaxllm.models.linear.int8_activations); a model with none is refused.
         `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per
         KV cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager
-        allocates them."""
+        allocates them. `speculative_config`: after each step the runner proposes draft
+        tokens for the requests that gained one (`ModelRunnerOutput.spec_token_ids`),
+        and a step verifies the drafts the scheduler gives back: every position of a
+        drafted row samples as a decode at that position would (same uniform, same
+        history), and the drafts are accepted while they agree (`_verify`)."""
         self.config = config
         self.kv_groups = config.kv_cache_groups(hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
@@ -209,7 +242,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = token_buckets(max_num_batched_tokens)
-        self.buckets = [(t, seq_bucket(max_num_seqs, t)) for t in self.token_buckets]
+        self.speculative_config = speculative_config
+        self.proposer = make_proposer(speculative_config)
+        # (tokens, sequences, sample rows) of each step shape
+        self.buckets = [(t, seq_bucket(max_num_seqs, t), sample_bucket(max_num_seqs, t, speculative_config))
+                        for t in self.token_buckets]
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
@@ -234,9 +271,9 @@ class ModelRunner:
                                     **({"out_shardings": self._cache_shardings()} if self.mesh else {}))
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int, int], object] = {}
         self.bitmask_width = bitmask_width(config.vocab_size)
-        # an all-allowed bitmask per sequence bucket, kept on the device: steps with no
+        # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
         # constrained row pass it without a transfer
         self._free_bitmasks: dict[int, jax.Array] = {}
         directory = store_directory(cache_dir)
@@ -259,7 +296,8 @@ class ModelRunner:
                                    quantized=self.config.quantization is not None)
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
-        return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype, self.buckets, attention, linear,
+        return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype,
+                            [(t, s) for t, s, _ in self.buckets], attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format)
 
@@ -387,7 +425,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(self._compile, t, s) for t, s in self.buckets]
+            futures = [pool.submit(self._compile, *bucket) for bucket in self.buckets]
             bar = tqdm(total=len(futures), desc="compiling buckets", disable=not progress, unit="shape")
             with bar:
                 for future in concurrent.futures.as_completed(futures):
@@ -399,17 +437,17 @@ class ModelRunner:
         self.warmed_up = True
         return time.perf_counter() - start
 
-    def _compile(self, t: int, s: int):
-        """The executable of bucket (t, s), and whether it came from the executable
+    def _compile(self, t: int, s: int, r: int):
+        """The executable of bucket (t, s, r), and whether it came from the executable
         store (else it was compiled, and stored)."""
-        inputs = self._pad_inputs(t, s, StepRows.empty(self.kv_groups.num_groups))
+        inputs = self._pad_inputs(t, s, r, StepRows.empty(self.kv_groups.num_groups))
         name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
         choice = self.plan.for_bucket(t)
         compiled, loaded = self._load_or_compile(
             self._stores[choice], name,
             lambda: self._steps[choice].lower(self.weights[choice.linear], self.rope, self._abstract_caches,
                                               self.history, inputs))
-        self._compiled[(t, s)] = compiled
+        self._compiled[(t, s, r)] = compiled
         return compiled, loaded
 
     @staticmethod
@@ -425,13 +463,13 @@ class ModelRunner:
             store.save(name, compiled)
         return compiled, False
 
-    def _executable(self, t: int, s: int):
-        compiled = self._compiled.get((t, s))
+    def _executable(self, t: int, s: int, r: int):
+        compiled = self._compiled.get((t, s, r))
         if compiled is None:
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
-                logger.error("compiling bucket (tokens=%d, seqs=%d) after warm-up: a bug", t, s)
-            compiled, _ = self._compile(t, s)
+                logger.error("compiling bucket (tokens=%d, seqs=%d, sample rows=%d) after warm-up: a bug", t, s, r)
+            compiled, _ = self._compile(t, s, r)
         return compiled
 
     def _copy_executable(self, c: int):
@@ -452,12 +490,13 @@ class ModelRunner:
         pairs[:, :len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2).T
         self.kv_caches = self._copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        t = _smallest_at_least(self.token_buckets, num_tokens)
-        s = seq_bucket(self.max_num_seqs, t)
-        if num_seqs > s:
-            raise ValueError(f"{num_seqs} sequences exceed bucket ({t} tokens, {s} sequences)")
-        return t, s
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_sample_rows: int | None = None) -> tuple[int, int, int]:
+        """The smallest step shape (tokens, sequences, sample rows) holding a step."""
+        t, s, r = self.buckets[self.token_buckets.index(_smallest_at_least(self.token_buckets, num_tokens))]
+        if num_seqs > s or (num_sample_rows or num_seqs) > r:
+            raise ValueError(f"{num_seqs} sequences ({num_sample_rows} sample rows) exceed bucket ({t} tokens, "
+                             f"{s} sequences, {r} sample rows)")
+        return t, s, r
 
     # ---------------------------------------------------------------- state
 
@@ -474,18 +513,18 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
 
-    def _pad_inputs(self, t: int, s: int, host: StepRows) -> StepInputs:
+    def _pad_inputs(self, t: int, s: int, r: int, host: StepRows) -> StepInputs:
         """Bucket-shaped StepInputs from the real rows; padding writes to the null block,
         reads nothing, and samples greedily (discarded)."""
-        pad_t, pad_s = t - host.num_tokens, s - len(host.rows)
+        pad_t = t - host.num_tokens
         targets = _pad(host.targets, pad_t, -1)
         return StepInputs(
             input_ids=_pad(host.input_ids, pad_t),
             positions=_pad(host.positions, pad_t),
             history_rows=_pad(host.tok_rows, pad_t, self.max_num_seqs),
             attn=self._attention_metadata(t, s, host),
-            logits_indices=_pad(np.maximum(host.qsl[1:] - 1, 0).astype(np.int32), pad_s),
-            sampling=self._sampling_metadata(s, host),
+            logits_indices=_pad(host.logit_rows, r - len(host.logit_rows)),
+            sampling=self._sampling_metadata(r, host),
             prompt_logprob_targets=targets,
             any_prompt_logprobs=np.bool_((targets >= 0).any()),
         )
@@ -514,16 +553,18 @@ class ModelRunner:
             ))
         return mds[0] if len(mds) == 1 else tuple(mds)
 
-    def _sampling_metadata(self, s: int, host: StepRows) -> SamplingMetadata:
-        b, rows = self.input_batch, host.rows
-        n_seq = len(rows)
-        pad_s = s - n_seq
+    def _sampling_metadata(self, r: int, host: StepRows) -> SamplingMetadata:
+        """Per sample row (padded to `r`): its sequence's parameters, and the output
+        index and known tokens of the position it samples."""
+        b, rows = self.input_batch, host.rows[host.sample_seq]
+        num_rows, s = len(rows), r
+        pad_s = s - num_rows
 
         def gather(column, fill):
             return _pad(column[rows], pad_s, fill)
 
         real = np.zeros(s, bool)
-        real[:n_seq] = host.samples
+        real[:num_rows] = host.samples[host.sample_seq]
         temperature = gather(b.temperature, 0.0)
         sampling_rows = real & (temperature > 0)
         top_k, top_p, min_p = gather(b.top_k, 0), gather(b.top_p, 1.0), gather(b.min_p, 0.0)
@@ -531,11 +572,12 @@ class ModelRunner:
         repetition = gather(b.repetition_penalty, 1.0)
         bias_ids = np.zeros((s, BIAS_WIDTH), np.int32)
         bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
-        bias_ids[:n_seq], bias_values[:n_seq] = b.bias_token_ids[rows], b.bias_values[rows]
+        bias_ids[:num_rows], bias_values[:num_rows] = b.bias_token_ids[rows], b.bias_values[rows]
         seeds = np.zeros((s, 2), np.uint32)
-        seeds[:n_seq] = b.seeds[rows]
+        seeds[:num_rows] = b.seeds[rows]
+        mask = None if host.token_bitmask is None else host.token_bitmask[host.sample_seq]
         return SamplingMetadata(
-            token_bitmask=self._bitmask(s, host.token_bitmask),
+            token_bitmask=self._bitmask(s, mask),
             any_token_bitmask=np.bool_(host.token_bitmask is not None),
             temperature=temperature,
             top_k=top_k,
@@ -550,7 +592,7 @@ class ModelRunner:
             bias_values=bias_values,
             history_rows=_pad(rows, pad_s, self.max_num_seqs),
             num_prompt_tokens=gather(b.num_prompt_tokens, 0),
-            num_known_tokens=_pad(host.seq_lens, pad_s),
+            num_known_tokens=_pad(host.positions[host.logit_rows] + 1, pad_s),
             all_greedy=np.bool_(not sampling_rows.any()),
             any_top_k_top_p=np.bool_((sampling_rows & ((top_k > 0) | (top_p < 1))).any()),
             any_min_p=np.bool_((sampling_rows & (min_p > 0)).any()),
@@ -582,22 +624,25 @@ class ModelRunner:
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
         step = self.prepare_step(sched, bitmask)
-        executable = self._executable(step.t, step.s)
+        executable = self._executable(step.t, step.s, step.r)
         weights = self.weights[self.plan.for_bucket(step.t).linear]
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs)
         t1 = time.perf_counter()
-        sampled = np.asarray(out.sampled.token_ids)[: len(step.host.rows)]
+        sampled = np.asarray(out.sampled.token_ids)[: len(step.host.logit_rows)]
         t2 = time.perf_counter()
         result = self._record(step, out, sampled)
         self._account(step, t0, t1, t2)
         return result
 
     def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "S W"] | None = None) -> "PreparedStep":
-        """The bucket-shaped inputs of a step, from the rows' host state (numpy only)."""
+        """The bucket-shaped inputs of a step, from the rows' host state (numpy only).
+        A row with k draft tokens (written after its known tokens) samples at its last
+        k + 1 positions."""
         b = self.input_batch
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.row_of[r] for r in req_ids), np.int32, len(req_ids))
         n = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        num_drafts = self._write_drafts(req_ids, rows, sched.scheduled_spec_decode_tokens)
         start = b.num_computed_tokens[rows]
         qsl = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(n, out=qsl[1:])
@@ -607,31 +652,93 @@ class ModelRunner:
         input_ids = b.token_ids[tok_rows, positions]
         slots = b.block_table[:, tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         seq_lens = (start + n).astype(np.int32)
-        samples = seq_lens == b.num_tokens[rows]
-        output_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows]).astype(np.int32)
+        samples = seq_lens >= b.num_tokens[rows]
         next_pos = np.minimum(positions + 1, self.max_model_len - 1)
         scored = ((b.prompt_logprobs[tok_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[tok_rows])
                   & (positions >= b.prompt_scored[tok_rows]))
         targets = np.where(scored, b.token_ids[tok_rows, next_pos], -1).astype(np.int32)
+        per_row = num_drafts + 1
+        sample_seq = np.repeat(np.arange(len(rows), dtype=np.int32), per_row)
+        offset = (np.arange(len(sample_seq)) - np.repeat(np.cumsum(per_row) - per_row, per_row)).astype(np.int32)
+        logit_rows = np.maximum(np.repeat(qsl[1:] - per_row, per_row) + offset, 0).astype(np.int32)
+        output_index = ((b.num_tokens[rows] - b.num_prompt_tokens[rows])[sample_seq] + offset).astype(np.int32)
 
         host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
                         slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
-                        output_index=output_index, samples=samples,
-                        token_bitmask=bitmask)
-        t, s = self.bucket_for(num_tokens, len(rows))
-        return PreparedStep(req_ids, host, t, s, self._pad_inputs(t, s, host))
+                        samples=samples, num_drafts=num_drafts, logit_rows=logit_rows, sample_seq=sample_seq,
+                        output_index=output_index, token_bitmask=bitmask)
+        t, s, r = self.bucket_for(num_tokens, len(rows), len(logit_rows))
+        return PreparedStep(req_ids, host, t, s, r, self._pad_inputs(t, s, r, host))
+
+    def _write_drafts(self, req_ids: list[str], rows: Int[np.ndarray, "S"], drafts: dict[str, list[int]]
+                      ) -> Int[np.ndarray, "S"]:
+        """Write each row's draft tokens after its known tokens (where its inputs are
+        read from); how many each row has."""
+        num_drafts = np.zeros(len(rows), np.int32)
+        if drafts:
+            b = self.input_batch
+            for i, req_id in enumerate(req_ids):
+                tokens = drafts.get(req_id)
+                if tokens:
+                    row = rows[i]
+                    b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + len(tokens)] = tokens
+                    num_drafts[i] = len(tokens)
+        return num_drafts
+
+    def _verify(self, host: StepRows, sampled: Int[np.ndarray, "R"]) -> list[Int[np.ndarray, "N"]]:
+        """Per row, the sample rows whose tokens it gains: none if it does not sample;
+        else its drafts while the target's token at each position equals the draft
+        there, then the target's token at the first that differs (or after the last).
+        Each position sampled as a decode would have, so the tokens gained are those
+        decoding would give, whatever the drafts (and a seeded request's the same)."""
+        first = np.cumsum(host.num_drafts + 1) - host.num_drafts - 1
+        if not host.num_drafts.any():
+            return [first[i:i + 1] if ok else first[:0] for i, ok in enumerate(host.samples)]
+        b, kept = self.input_batch, []
+        for i, (row, k, ok) in enumerate(zip(host.rows, host.num_drafts, host.samples)):
+            if not ok:
+                kept.append(first[:0])
+                continue
+            start = b.num_tokens[row]
+            differ = np.flatnonzero(sampled[first[i]:first[i] + k] != b.token_ids[row, start:start + k])
+            accepted = differ[0] if differ.size else k
+            kept.append(np.arange(first[i], first[i] + accepted + 1))
+        return kept
 
     def _record(self, step: "PreparedStep", out: StepOutput, sampled: np.ndarray) -> ModelRunnerOutput:
         """Advance the rows' host state by the step's results; the runner's output."""
-        b, rows, samples = self.input_batch, step.host.rows, step.host.samples
-        b.num_computed_tokens[rows] = step.host.seq_lens
-        b.append_sampled(rows[samples], sampled[samples])
-        result = ModelRunnerOutput(step.req_ids, [int(x) if ok else None for x, ok in zip(sampled, samples)])
+        b, host = self.input_batch, step.host
+        kept = self._verify(host, sampled)
+        num_kept = np.fromiter(map(len, kept), np.int32, len(kept))
+        rejected = np.where(host.samples, host.num_drafts + 1 - num_kept, 0)
+        b.num_computed_tokens[host.rows] = host.seq_lens - rejected
+        rows = host.rows[host.samples]
+        num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        b.num_tokens[rows] += num_kept[host.samples] - 1  # accepted drafts: already in token_ids
+        b.append_sampled(rows, sampled[[k[-1] for k, ok in zip(kept, host.samples) if ok]].astype(np.int32),
+                         num_before)
+        result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
         if step.inputs.sampling.any_logprobs:
-            self._collect_logprobs(result, out, rows, samples)
+            self._collect_logprobs(result, out, host.rows, kept)
         if step.inputs.any_prompt_logprobs:
-            self._collect_prompt_logprobs(result, out, rows, step.host.qsl, step.host.targets)
+            self._collect_prompt_logprobs(result, out, host.rows, host.qsl, host.targets)
+        self._propose(result)
         return result
+
+    def _propose(self, result: ModelRunnerOutput) -> None:
+        """Draft tokens for the next step of each request that gained tokens, while
+        fewer requests run than `disable_by_batch_size`."""
+        limit = None if self.proposer is None else self.speculative_config.disable_by_batch_size
+        if self.proposer is None or (limit is not None and len(self.input_batch) >= limit):
+            return
+        b = self.input_batch
+        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
+            row = b.row_of[req_id]
+            room = self.max_model_len - 1 - b.num_tokens[row]
+            if tokens and room > 0:
+                drafts = self.proposer.propose(b.token_ids[row, :b.num_tokens[row]])[:room]
+                if len(drafts):
+                    result.spec_token_ids[req_id] = drafts.tolist()
 
     def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
         st = self.stats
@@ -649,16 +756,17 @@ class ModelRunner:
         st.device_seconds += t2 - t1
         st.post_seconds += time.perf_counter() - t2
 
-    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, samples) -> None:
+    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, kept) -> None:
+        """One logprob row per token a request gained (its sample rows `kept`)."""
         o = jax.device_get(out.sampled)
-        for i, (req_id, row) in enumerate(zip(result.req_ids, rows)):
+        for req_id, row, idx in zip(result.req_ids, rows, kept):
             k = self.input_batch.logprobs[row]
-            if k < 0 or not samples[i]:
+            if k < 0 or not len(idx):
                 continue
             result.logprobs[req_id] = LogprobsLists(
-                token_ids=[[int(o.token_ids[i])] + o.top_token_ids[i, :k].tolist()],
-                logprobs=[[float(o.sampled_logprob[i])] + o.top_logprobs[i, :k].tolist()],
-                ranks=[int(o.sampled_rank[i])],
+                token_ids=[[int(o.token_ids[j])] + o.top_token_ids[j, :k].tolist() for j in idx],
+                logprobs=[[float(o.sampled_logprob[j])] + o.top_logprobs[j, :k].tolist() for j in idx],
+                ranks=[int(o.sampled_rank[j]) for j in idx],
             )
 
     def _collect_prompt_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, qsl, targets) -> None:
