@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jaxllm.messages import SchedulerStats
+from jaxllm.messages import SchedulerStats, SpecDecodingStats
 from jaxllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -38,6 +38,13 @@ class EngineMetrics:
         self.prefix_queries = counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted (to be recomputed).")
+        self.spec_drafts = counter("jaxllm:spec_decode_num_drafts", "Speculative decoding: verifications of drafts.")
+        self.spec_draft_tokens = counter("jaxllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens.")
+        self.spec_accepted = counter("jaxllm:spec_decode_num_accepted_tokens",
+                                     "Speculative decoding: draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "jaxllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: drafts accepted at each position.",
+            ["model_name", "position"], registry=self.registry)
         self.prompt_tokens = counter("jaxllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("jaxllm:generation_tokens", "Generated tokens of finished requests.")
         self.requests_finished = counter("jaxllm:request_success", "Finished requests.")
@@ -71,7 +78,16 @@ class EngineMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - self._last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - self._last.num_preemptions))
+        self._observe_spec_decoding(stats.spec_decoding, self._last.spec_decoding)
         self._last = stats
+
+    def _observe_spec_decoding(self, now: SpecDecodingStats, last: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(max(0, now.num_drafts - last.num_drafts))
+        self.spec_draft_tokens.inc(max(0, now.num_draft_tokens - last.num_draft_tokens))
+        self.spec_accepted.inc(max(0, now.num_accepted_tokens - last.num_accepted_tokens))
+        for i, n in enumerate(now.accepted_per_pos):
+            before = last.accepted_per_pos[i] if i < len(last.accepted_per_pos) else 0
+            self._spec_accepted_per_pos.labels(self._model_name, str(i)).inc(max(0, n - before))
 
     def observe_finished(self, output: RequestOutput, num_generated: int) -> None:
         """A finished request that generated `num_generated` tokens over all its samples."""

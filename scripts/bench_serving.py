@@ -282,13 +282,13 @@ class LaunchedServer:
 
 class LaunchedLlamaServer(LaunchedServer):
     """llama.cpp's llama-server as the baseline: `slots` parallel slots sharing the
-    context, as many threads as cores."""
+    context, as many threads as cores; `extra`: more of its flags."""
 
     def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int = 1024,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, extra: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__("", log_path)
         self.cmd = [binary, "-m", gguf, "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                    "-t", str(os.cpu_count()), "--cont-batching"]
+                    "-t", str(os.cpu_count()), "--cont-batching", *extra]
 
     def __enter__(self) -> "LaunchedServer":
         print("launching:", " ".join(self.cmd), flush=True)

@@ -1,6 +1,8 @@
 """Speculative decoding's pieces so far (issue 22): the configuration, validated in one
 place, and the n-gram proposer against a brute-force oracle."""
 
+import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -318,3 +320,65 @@ def test_greedy_identical_under_the_hybrid_cache(test_models_dir, attention):
         outputs.append([o.outputs[0].token_ids for o in run(llm, prompts, params)])
     assert outputs[0] == outputs[1]
     assert llm.llm_engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_cli_flag_and_metrics():
+    """`--speculative-config '{...}'` parses into the engine's config (errors name the
+    field); the Prometheus counters follow the core's running totals."""
+    import argparse
+
+    from jaxllm.engine.config import add_cli_args, from_cli_args
+    from jaxllm.messages import SchedulerStats, SpecDecodingStats
+    from jaxllm.metrics import EngineMetrics
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = from_cli_args(parser.parse_args(["--speculative-config", json.dumps(NGRAM)]))
+    assert config.speculative_config == SpeculativeConfig(**NGRAM)
+    assert from_cli_args(parser.parse_args([])).speculative_config is None
+    with pytest.raises(ValueError, match="speculative_config: num_speculative_tokens must be a positive"):
+        from_cli_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}']))
+
+    metrics = EngineMetrics("m", 16)
+    totals = SpecDecodingStats().observe(3, 2).observe(2, 0)
+    metrics.observe_stats(SchedulerStats(spec_decoding=totals))
+    metrics.observe_stats(SchedulerStats(spec_decoding=totals.observe(3, 3)))
+    text = metrics.render().decode()
+    for name, value in [("num_drafts_total", 3), ("num_draft_tokens_total", 8), ("num_accepted_tokens_total", 5)]:
+        assert f'jaxllm:spec_decode_{name}{{model_name="m"}} {value}.0' in text
+    for position, value in enumerate([2, 2, 1]):
+        assert (f'jaxllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
+                f'{value}.0') in text
+    assert totals.observe(3, 3).mean_acceptance_length == 1 + 5 / 3
+
+
+@pytest.mark.slow
+def test_server_speculates_as_configured(test_models_dir, tmp_path):
+    """`python -m jaxllm.serve --speculative-config '{...}'` (vLLM's form): completions,
+    streamed and not, are token for token those of an engine without speculation, and
+    /metrics counts the drafts."""
+    import httpx
+
+    from tests.test_server import API_KEY, Server
+
+    prompts = repetitive_prompts(3, 5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False)
+    expected = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
+    server = Server(test_models_dir / "llama", tmp_path, "--speculative-config", json.dumps(NGRAM))
+    try:
+        client = server.client()
+        for prompt, want in zip(prompts, expected):
+            r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=40,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want and r.usage.completion_tokens == 40
+        stream = client.completions.create(model=r.model, prompt=prompts[0], max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[0]
+        text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        values = {name: float(value) for name, value in
+                  re.findall(r"^(jaxllm:spec_decode_\w+?)(?:_total)?\{[^}]*\} (\S+)$", text, re.M)}
+        assert values["jaxllm:spec_decode_num_draft_tokens"] >= values["jaxllm:spec_decode_num_accepted_tokens"] > 0
+        assert values["jaxllm:spec_decode_num_drafts"] > 0
+    finally:
+        server.stop()

@@ -97,16 +97,19 @@ def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
     return min(max_num_seqs, num_tokens)
 
 
-def sample_bucket(max_num_seqs: int, num_tokens: int, spec: SpeculativeConfig | None) -> int:
-    """The rows a token bucket samples: one per sequence, and with speculative decoding
-    room for every draft of every sequence that may speculate (those of a batch below
-    `disable_by_batch_size`), a draft row being a token row too."""
-    s = seq_bucket(max_num_seqs, num_tokens)
-    if spec is None:
-        return s
-    limit = spec.disable_by_batch_size
-    speculating = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
-    return max(s, min(num_tokens, speculating * (spec.num_speculative_tokens + 1)))
+def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) -> list[tuple[int, int, int]]:
+    """The step shapes (tokens, sequences, sample rows): one per token count, sampling
+    one row per sequence; with speculative decoding also, where a token count exceeds
+    the sequence rows, one sampling every token row (a drafted row samples at each of
+    its positions), run only by steps whose drafts need it. Below that every token row
+    is a sequence row already, so decodes at small batch need no shape of their own."""
+    buckets = []
+    for t in token_counts:
+        s = seq_bucket(max_num_seqs, t)
+        buckets.append((t, s, s))
+        if speculative and t > s:
+            buckets.append((t, s, t))
+    return buckets
 
 
 def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
@@ -244,9 +247,7 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.speculative_config = speculative_config
         self.proposer = make_proposer(speculative_config)
-        # (tokens, sequences, sample rows) of each step shape
-        self.buckets = [(t, seq_bucket(max_num_seqs, t), sample_bucket(max_num_seqs, t, speculative_config))
-                        for t in self.token_buckets]
+        self.buckets = step_buckets(self.token_buckets, max_num_seqs, speculative_config is not None)
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
@@ -297,7 +298,7 @@ class ModelRunner:
         if jax.process_count() > 1:
             attention, linear = attention[:1], linear[:1]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype,
-                            [(t, s) for t, s, _ in self.buckets], attention, linear,
+                            [(t, seq_bucket(self.max_num_seqs, t)) for t in self.token_buckets], attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format)
 
@@ -492,11 +493,12 @@ class ModelRunner:
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_sample_rows: int | None = None) -> tuple[int, int, int]:
         """The smallest step shape (tokens, sequences, sample rows) holding a step."""
-        t, s, r = self.buckets[self.token_buckets.index(_smallest_at_least(self.token_buckets, num_tokens))]
-        if num_seqs > s or (num_sample_rows or num_seqs) > r:
-            raise ValueError(f"{num_seqs} sequences ({num_sample_rows} sample rows) exceed bucket ({t} tokens, "
-                             f"{s} sequences, {r} sample rows)")
-        return t, s, r
+        t = _smallest_at_least(self.token_buckets, num_tokens)
+        rows = num_sample_rows or num_seqs
+        for bucket in self.buckets:
+            if bucket[0] == t and num_seqs <= bucket[1] and rows <= bucket[2]:
+                return bucket
+        raise ValueError(f"{num_seqs} sequences ({rows} sample rows) exceed every bucket of {t} tokens")
 
     # ---------------------------------------------------------------- state
 
@@ -710,13 +712,13 @@ class ModelRunner:
         b, host = self.input_batch, step.host
         kept = self._verify(host, sampled)
         num_kept = np.fromiter(map(len, kept), np.int32, len(kept))
-        rejected = np.where(host.samples, host.num_drafts + 1 - num_kept, 0)
-        b.num_computed_tokens[host.rows] = host.seq_lens - rejected
         rows = host.rows[host.samples]
         num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
         b.num_tokens[rows] += num_kept[host.samples] - 1  # accepted drafts: already in token_ids
         b.append_sampled(rows, sampled[[k[-1] for k, ok in zip(kept, host.samples) if ok]].astype(np.int32),
                          num_before)
+        # a sampling row's K/V is computed up to its latest token (rejected drafts' is to be overwritten)
+        b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
         result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
         if step.inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, host.rows, kept)

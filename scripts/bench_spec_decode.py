@@ -1,0 +1,163 @@
+"""Speculative decoding at batch 1 (issue 22): output tokens per second with and
+without n-gram drafts, on input-grounded prompts (edit or rewrite a given code block
+or paragraph, so the answer copies spans of the prompt), one request at a time, the
+two engines alternating prompt by prompt in one process; greedy, so both must give
+the same tokens (checked). Prints the acceptance: rate, mean acceptance length
+(tokens per verification), and per draft position.
+
+    python scripts/bench_spec_decode.py                       # the embedded SmolLM2
+    python scripts/bench_spec_decode.py --num-speculative-tokens 4 --prompt-lookup-min 2 --prompt-lookup-max 5
+    python scripts/bench_spec_decode.py --llama-server "$(scripts/build_llama_server.sh)"
+
+With --llama-server, llama.cpp's server runs the same chat prompts (its chat template,
+greedy, the same max_tokens) one at a time, without speculation and with its n-gram
+lookup (`--spec-type ngram-simple`), in the same run. Throughput at 32 clients with
+speculation on is `scripts/bench_serving.py --compare-launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from jaxllm import LLM, SamplingParams  # noqa: E402
+
+CODE = '''def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config has no name")
+    data["retries"] = int(data.get("retries", 3))
+    data["timeout"] = float(data.get("timeout", 10.0))
+    return data
+
+
+def save_config(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+'''
+
+PARAGRAPH = ("The museum opens at nine in the morning and closes at six in the evening. Visitors can buy "
+             "tickets at the front desk or online. Children under twelve enter for free, and students pay "
+             "half price. The east wing holds paintings from the eighteenth century, while the west wing "
+             "shows modern sculpture. Guided tours start every hour from the main hall.")
+
+TASKS = [
+    f"Add a docstring to each function in this code. Return the whole code.\n\n```python\n{CODE}```",
+    f"Rename the function load_config to read_config in this code and return the full code.\n\n```python\n{CODE}```",
+    f"Add type hints to this code and return all of it.\n\n```python\n{CODE}```",
+    f"Rewrite this paragraph, replacing 'museum' with 'gallery'. Keep everything else the same.\n\n{PARAGRAPH}",
+    f"Correct any mistakes in this paragraph and return it in full.\n\n{PARAGRAPH}",
+    f"Repeat this paragraph, then add one sentence about parking at the end.\n\n{PARAGRAPH}",
+]
+
+
+def chat(task: str) -> list[dict]:
+    return [{"role": "user", "content": task}]
+
+
+def run_jaxllm(args) -> dict:
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False)
+    engines = {"off": LLM(args.model, **options), "ngram": LLM(args.model, speculative_config=spec, **options)}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for llm in engines.values():  # warm: the first request of an engine pays its first-use costs
+        llm.chat([chat(TASKS[0])], params, use_tqdm=False)
+    before = engines["ngram"].llm_engine.core.scheduler.spec_stats
+    seconds, tokens, texts = {k: 0.0 for k in engines}, {k: 0 for k in engines}, {k: [] for k in engines}
+    for _ in range(args.rounds):
+        for task in TASKS:
+            for name, llm in engines.items():
+                start = time.perf_counter()
+                out = llm.chat([chat(task)], params, use_tqdm=False)[0].outputs[0]
+                seconds[name] += time.perf_counter() - start
+                tokens[name] += len(out.token_ids)
+                texts[name].append(out.token_ids)
+    stats = engines["ngram"].llm_engine.core.scheduler.spec_stats
+    delta = {"num_drafts": stats.num_drafts - before.num_drafts,
+             "num_draft_tokens": stats.num_draft_tokens - before.num_draft_tokens,
+             "num_accepted_tokens": stats.num_accepted_tokens - before.num_accepted_tokens,
+             "accepted_per_pos": [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+                                  for i, a in enumerate(stats.accepted_per_pos)]}
+    return {"tok_s": {k: tokens[k] / seconds[k] for k in engines}, "tokens": tokens,
+            "identical": texts["off"] == texts["ngram"], "spec": delta, "config": spec}
+
+
+def run_llama_server(args) -> dict:
+    """Tokens per second of llama-server on the same chats, one at a time: without
+    speculation and with its n-gram lookup."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_serving import LaunchedLlamaServer  # noqa: E402
+
+    from jaxllm.loaders.default_model import model_path
+
+    gguf = args.llama_gguf or str(model_path())
+    results = {}
+    variants = {"off": [], "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
+                                     str(args.prompt_lookup_min), "--spec-ngram-simple-size-m",
+                                     str(args.num_speculative_tokens), "--spec-draft-n-max",
+                                     str(args.num_speculative_tokens)]}
+    for name, extra in variants.items():
+        with LaunchedLlamaServer(args.llama_server, gguf, 1, ctx_per_slot=args.max_model_len, extra=extra) as server:
+            with httpx.Client(base_url=server.url, timeout=600) as client:
+                body = lambda task: {"messages": chat(task), "max_tokens": args.max_tokens, "temperature": 0}  # noqa: E731
+                client.post("/v1/chat/completions", json=body(TASKS[0]))
+                seconds = tokens = 0.0
+                for _ in range(args.rounds):
+                    for task in TASKS:
+                        start = time.perf_counter()
+                        r = client.post("/v1/chat/completions", json=body(task)).json()
+                        seconds += time.perf_counter() - start
+                        tokens += r["usage"]["completion_tokens"]
+        results[name] = tokens / seconds
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: the same chats, same run")
+    parser.add_argument("--llama-gguf", help="its model (default: the embedded SmolLM2 GGUF)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    result = run_jaxllm(args)
+    tok_s, spec = result["tok_s"], result["spec"]
+    print(f"jaxllm batch 1, {len(TASKS)} input-grounded chats x {args.rounds}, greedy, max_tokens {args.max_tokens}")
+    print(f"  without speculation: {tok_s['off']:.1f} output tok/s")
+    print(f"  n-gram {result['config']}: {tok_s['ngram']:.1f} output tok/s = {tok_s['ngram'] / tok_s['off']:.2f}x"
+          f" (tokens identical: {result['identical']})")
+    if spec["num_draft_tokens"]:
+        rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+        mean_len = 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+        per_pos = ", ".join(f"{a / spec['num_drafts']:.2f}" for a in spec["accepted_per_pos"])
+        print(f"  acceptance {rate:.1%} of {spec['num_draft_tokens']} drafts; mean acceptance length {mean_len:.2f}; "
+              f"accepted per position (of verifications): {per_pos}")
+    if args.llama_server:
+        result["llama_server"] = run_llama_server(args)
+        ls = result["llama_server"]
+        print(f"  llama-server: {ls['off']:.1f} tok/s without, {ls['ngram']:.1f} with ngram-simple "
+              f"({ls['ngram'] / ls['off']:.2f}x); jaxllm/llama-server: {tok_s['off'] / ls['off']:.2f}x without, "
+              f"{tok_s['ngram'] / ls['ngram']:.2f}x with")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
