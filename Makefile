@@ -36,7 +36,7 @@ test: setup-dev
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 105 min on 2 cores): the
+# Everything in docs/benchmarks.md, into bench_results/ (about 115 min on 2 cores): the
 # native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
@@ -83,6 +83,11 @@ bench: setup-dev
 	$(PY) scripts/bench_quant.py --formats q4_1,q4_1+a8 --out bench_results/quant_int8_activations.json
 	$(PY) scripts/bench_quant.py --isa avx2 --out bench_results/quant_avx2.json
 	$(PY) scripts/bench_hybrid_kv.py --out bench_results/hybrid_kv.json
+	$(PY) scripts/bench_spec_decode.py --llama-server $$(scripts/build_llama_server.sh) \
+	  --out bench_results/spec_decode_batch1.json
+	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 --compare-speculative \
+	  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}' \
+	  --out bench_results/spec_serving_standard
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json
 

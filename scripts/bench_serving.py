@@ -367,6 +367,41 @@ def make_dataset(args, seed: int) -> list[BenchRequest]:
     return shared_prefix_dataset(args.num_prompts or 64, seed=seed, vocab=args.vocab_size)
 
 
+def spec_decode_metrics(url: str) -> dict[str, float]:
+    """The server's speculative decoding counters (jaxllm:spec_decode_*), by name."""
+    text = httpx.get(f"{url}/metrics", headers=_auth_headers()).text
+    found: dict[str, float] = {}
+    for name, labels, value in re.findall(r"^jaxllm:spec_decode_(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", text, re.M):
+        if name.endswith("_created"):  # prometheus-client's timestamp series
+            continue
+        position = re.search(r'position="(\d+)"', labels)
+        found[name + (f"[{position.group(1)}]" if position else "")] = float(value)
+    return found
+
+
+def compare_speculative(args, results: dict, out_prefix: Path) -> None:
+    """The same requests without and with speculative decoding, one launched server
+    after the other: output throughput ratio, and the drafts' acceptance."""
+    requests = make_dataset(args, args.seed)
+    base_flags = args.launch or ""
+    for label, flags in (("speculation off", base_flags),
+                         ("speculation on", f"{base_flags} --speculative-config {shlex.quote(args.compare_speculative)}")):
+        log = out_prefix.with_name(out_prefix.name + f"_{label.split()[-1]}_server.log")
+        with LaunchedServer(flags, log) as server:
+            run = asyncio.run(benchmark(server.url, server.model(), requests,
+                                        max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+            if label == "speculation on":
+                results["spec_decode"] = spec_decode_metrics(server.url)
+        results["runs"][label] = run
+        print_summary(label, run)
+    on, off = results["runs"]["speculation on"], results["runs"]["speculation off"]
+    results["output_throughput_ratio"] = on["output_token_throughput"] / off["output_token_throughput"]
+    spec = results["spec_decode"]
+    drafts = spec.get("num_draft_tokens", 0)
+    print(f"\nspeculation on / off, output tokens/s: {results['output_throughput_ratio']:.3f}x; "
+          f"{int(drafts)} draft tokens, {spec.get('num_accepted_tokens', 0) / max(drafts, 1):.1%} accepted")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server (default: launch one with --launch)")
@@ -382,6 +417,9 @@ def main() -> None:
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: launched servers as on an AVX2-only CPU")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="shared-prefix dataset on two launched servers: caching on and off")
+    p.add_argument("--compare-speculative", default=None, metavar="JSON",
+                   help="the dataset on two launched servers (--launch's flags): without speculative decoding, "
+                        "then with --speculative-config JSON; prints the throughput ratio and the acceptance")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary: run the same workload on it first, as the baseline")
     p.add_argument("--llama-gguf", default=None, help="the GGUF llama-server loads (e.g. an F32 export)")
@@ -397,7 +435,9 @@ def main() -> None:
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": vars(args), "build": describe(args.isa), "runs": {}}
 
-    if args.compare_prefix_caching:
+    if args.compare_speculative:
+        compare_speculative(args, results, out_prefix)
+    elif args.compare_prefix_caching:
         requests = shared_prefix_dataset(args.num_prompts or 64, seed=args.seed, vocab=args.vocab_size)
         base_flags = args.launch or ""
         for label, flag in (("prefix caching on", "--enable-prefix-caching"), ("prefix caching off", "--no-enable-prefix-caching")):

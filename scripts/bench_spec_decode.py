@@ -99,7 +99,7 @@ def run_llama_server(args) -> dict:
 
     from jaxllm.loaders.default_model import model_path
 
-    gguf = args.llama_gguf or str(model_path())
+    gguf = args.llama_gguf or str(model_path(None))
     results = {}
     variants = {"off": [], "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
                                      str(args.prompt_lookup_min), "--spec-ngram-simple-size-m",
@@ -124,7 +124,7 @@ def run_llama_server(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=256)
