@@ -382,3 +382,58 @@ def test_server_speculates_as_configured(test_models_dir, tmp_path):
         assert values["jaxllm:spec_decode_num_drafts"] > 0
     finally:
         server.stop()
+
+
+# ---- the draft-model proposer ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A one-layer random llama with the test models' tokenizer: another model, the same vocabulary."""
+    from tests.conftest import make_test_model
+
+    out = tmp_path_factory.mktemp("draft")
+    make_test_model.write_model(out, "llama", seed=1, layers=1)
+    return out / "llama"
+
+
+def draft_config(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("draft", [pytest.param("other", marks=pytest.mark.slow), "target"])
+def test_draft_model_outputs_identical(engines, test_models_dir, draft_dir, draft):
+    """Greedy and seeded outputs with a draft model equal those without, through
+    chunked prefill (a 32-token budget), preemption (the draft's K/V takes its share
+    of the pool's memory: 26 blocks of both) and prefix hits. A random other model is rarely right;
+    the target as its own draft is right every time (greedy)."""
+    base, _ = engines
+    path = draft_dir if draft == "other" else test_models_dir / "llama"
+    spec = make_llm(test_models_dir, kv_cache_memory=40 * KV_BYTES_PER_BLOCK, speculative_config=draft_config(path))
+    prompts = repetitive_prompts(12, 3)
+    lengths = np.random.default_rng(4).integers(4, 50, len(prompts)).tolist()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate(lengths)]
+    expected, got = run(base, prompts, params), run(spec, prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    core = spec.llm_engine.core
+    stats, drafter = core.scheduler.spec_stats, core.runner.proposer
+    assert core.scheduler.num_preemptions > 0 and sum(o.num_cached_tokens for o in got) > 0
+    assert drafter.runner.num_compilations_after_warmup == 0
+    core.step()  # delivers the finished ids: the drafter lets go of every request
+    assert drafter.manager.num_used_blocks == 0 and not drafter.requests
+    if draft == "target":
+        greedy = stats.num_drafts > 50
+        assert greedy and stats.num_accepted_tokens > 0.6 * stats.num_draft_tokens  # sampled rows reject some
+    else:
+        assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_draft_model_refusals(test_models_dir):
+    from jaxllm.loaders import default_model_path
+
+    with pytest.raises(ValueError, match=r"the draft model's vocabulary \(49152 tokens\) differs from the target's"):
+        make_llm(test_models_dir, speculative_config=draft_config(default_model_path()))
+    with pytest.raises(ValueError, match="needs `model`"):
+        make_llm(test_models_dir, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})

@@ -74,8 +74,10 @@ class EngineConfig:
                "instead of a block table per layer group with sliding groups freeing what their window no longer sees")
     speculative_config: SpeculativeConfig | str | dict | None = _option(
         None, "speculative decoding, as JSON in vLLM's form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-              "\"prompt_lookup_max\": 5}' (drafts looked up in the request's own tokens; greedy and seeded outputs "
-              "are those of decoding without it); disable_by_batch_size: speculate only while fewer requests run")
+              "\"prompt_lookup_max\": 5}' (drafts looked up in the request's own tokens), or '{\"method\": "
+              "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 3}' (a smaller model with the same "
+              "vocabulary drafts); greedy and seeded outputs are those of decoding without it; "
+              "disable_by_batch_size: speculate only while fewer requests run")
     seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
     attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
     linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)

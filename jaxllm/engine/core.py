@@ -31,6 +31,7 @@ from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path, resolve_dtype
+from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import ModelRunner
 
@@ -99,10 +100,11 @@ class CacheLayout:
         return f"{text}, {self.max_concurrency():.1f}x max_model_len at once"
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, shard: ModelConfig | None = None
-               ) -> CacheLayout:
+def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, shard: ModelConfig | None = None,
+               extra_block_bytes: int = 0) -> CacheLayout:
     """The KV cache's blocks: as many as `kv_cache_memory` holds on one device in format
-    `fmt`, whose share of the KV heads is `shard`'s (default: the whole model's)."""
+    `fmt`, whose share of the KV heads is `shard`'s (default: the whole model's), each
+    with `extra_block_bytes` beside it (a draft model's block of the same tokens)."""
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
@@ -112,7 +114,7 @@ def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, sha
     heads = shard or model
     groups = model.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
     block_bytes = config.block_size * fmt.token_bytes(groups.group_size, heads.num_kv_heads, heads.head_dim)
-    num_blocks = kv_cache_bytes(config.kv_cache_memory) // block_bytes
+    num_blocks = kv_cache_bytes(config.kv_cache_memory) // (block_bytes + extra_block_bytes)
     layout = CacheLayout(num_blocks, config.block_size, max_model_len, groups, config.max_num_batched_tokens)
     if groups.peak_blocks(max_model_len, config.block_size, config.max_num_batched_tokens) > num_blocks - 1:
         raise ValueError(
@@ -131,6 +133,13 @@ def make_kv_cache_manager(config: EngineConfig, cache: CacheLayout) -> KVCacheMa
                               sliding_window=groups.windows[0], chunk=config.max_num_batched_tokens)
     return HybridKVCacheManager(cache.num_blocks, config.block_size, groups, chunk=config.max_num_batched_tokens,
                                 enable_caching=config.enable_prefix_caching)
+
+
+def draft_block_bytes(config: EngineConfig, draft: LoadedModel) -> int:
+    """Bytes of a draft model's K/V for one block of tokens (every layer)."""
+    cfg = draft.config
+    fmt = kv_cache_format(config.kv_cache_dtype, draft.params.final_norm.dtype)
+    return config.block_size * fmt.token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
@@ -170,8 +179,10 @@ class EngineCore:
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
         kv_format = kv_cache_format(config.kv_cache_dtype, params.final_norm.dtype)
+        draft = self._load_draft(config, cfg, cache_dir)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
-        self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size))
+        self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size),
+                                0 if draft is None else draft_block_bytes(config, draft))
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = make_kv_cache_manager(config, self.cache)
         self.scheduler = Scheduler(
@@ -197,6 +208,8 @@ class EngineCore:
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
             speculative_config=config.speculative_config,
         )
+        if draft is not None:
+            self.runner.set_proposer(self._draft_proposer(config, draft, cache_dir))
         self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too
             layout_pool = concurrent.futures.ThreadPoolExecutor(1, "model-layout")
@@ -217,6 +230,36 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             self.model.tokenizer, vocab_size=self.model.config.vocab_size,
             eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
+
+    @staticmethod
+    def _load_draft(config: EngineConfig, target: ModelConfig, cache_dir: Path) -> LoadedModel | None:
+        """The draft model `speculative_config` names (method draft_model), checked
+        against the target: the same vocabulary, one device."""
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if config.tensor_parallel_size > 1 or config.num_processes > 1:
+            raise ValueError("speculative_config: a draft model runs on one device (tensor_parallel_size 1, "
+                             "num_processes 1) for now")
+        draft = load_model(spec.model, config.dtype, conversion_cache_dir=cache_dir / "converted-models")
+        if draft.config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.config.vocab_size} tokens) "
+                             f"differs from the target's ({target.vocab_size})")
+        return draft
+
+    def _draft_proposer(self, config: EngineConfig, draft: LoadedModel, cache_dir: Path) -> DraftModelProposer:
+        """The draft model's runner, over a pool of the target's blocks and room for
+        every sequence's drafts, and its proposer."""
+        k, bs = config.speculative_config.num_speculative_tokens, config.block_size
+        num_blocks = self.cache.num_blocks + config.max_num_seqs * -(-k // bs)
+        runner = ModelRunner(draft.config, draft.params, num_blocks=num_blocks, block_size=bs,
+                             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                             max_num_batched_tokens=config.max_num_batched_tokens,
+                             attention_backend=config.attention_backend, linear_backend=config.linear_backend,
+                             cache_dir=cache_dir, kv_cache_dtype=config.kv_cache_dtype, hybrid_kv_cache=False)
+        runner.warm_up(progress=False)
+        manager = KVCacheManager(num_blocks, bs, enable_caching=False)
+        return DraftModelProposer(runner, manager, k, config.max_num_batched_tokens)
 
     # --------------------------------------------------------------- requests
 

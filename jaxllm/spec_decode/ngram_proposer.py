@@ -35,3 +35,19 @@ class NgramProposer:
                 start = starts[-1] + n
                 return tokens[start + np.arange(self.k) % (length - start)]
         return tokens[:0].copy()
+
+    def propose_batch(self, batch, req_ids: list[str], max_model_len: int) -> dict[str, list[int]]:
+        """Drafts for each of `req_ids` from its tokens in `batch` (the model runner's
+        InputBatch), never past `max_model_len`; requests without a match get none."""
+        drafts = {}
+        for req_id in req_ids:
+            row = batch.row_of[req_id]
+            room = max_model_len - 1 - int(batch.num_tokens[row])
+            if room > 0:
+                found = self.propose(batch.token_ids[row, :batch.num_tokens[row]])[:room]
+                if len(found):
+                    drafts[req_id] = found.tolist()
+        return drafts
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Nothing to let go: the lookup keeps no state between steps."""

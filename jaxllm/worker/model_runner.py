@@ -114,11 +114,10 @@ def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) 
 
 
 def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
-    """The proposer of draft tokens `spec` asks for (None: no speculation)."""
-    if spec is None:
+    """The n-gram proposer where `spec` asks for one (a draft model's proposer needs its
+    own runner: the engine builds it and hands it over, `ModelRunner.set_proposer`)."""
+    if spec is None or spec.method != "ngram":
         return None
-    if spec.method != "ngram":
-        raise ValueError(f"speculative_config: method {spec.method!r} is not available yet; use 'ngram'")
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
 
 
@@ -507,6 +506,8 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             batch.remove_request(req_id)
+        if self.proposer is not None:
+            self.proposer.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
         for req in sched.scheduled_new_reqs:
             row = batch.add_request(req)
             if req.sampling_params.uses_penalties:  # prefix hits never pass through the step
@@ -734,14 +735,26 @@ class ModelRunner:
         limit = None if self.proposer is None else self.speculative_config.disable_by_batch_size
         if self.proposer is None or (limit is not None and len(self.input_batch) >= limit):
             return
+        gained = [r for r, tokens in zip(result.req_ids, result.sampled_token_ids) if tokens]
+        result.spec_token_ids.update(self.proposer.propose_batch(self.input_batch, gained, self.max_model_len))
+
+    def set_proposer(self, proposer) -> None:
+        """The proposer of draft tokens (`propose_batch(input_batch, req_ids,
+        max_model_len)`, `remove_requests(req_ids)`), for speculative decoding with a
+        draft model."""
+        if self.speculative_config is None:
+            raise ValueError("set_proposer: the runner was built without a speculative_config")
+        self.proposer = proposer
+
+    def rewind(self, req_id: str, num_computed: int, tokens: Int[np.ndarray, "N"]) -> None:
+        """A draft model's runner: the request's K/V counts as computed up to
+        `num_computed` (the draft tokens it sampled after that are forgotten) and
+        `tokens` follow there, as known."""
         b = self.input_batch
-        for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
-            row = b.row_of[req_id]
-            room = self.max_model_len - 1 - b.num_tokens[row]
-            if tokens and room > 0:
-                drafts = self.proposer.propose(b.token_ids[row, :b.num_tokens[row]])[:room]
-                if len(drafts):
-                    result.spec_token_ids[req_id] = drafts.tolist()
+        row = b.row_of[req_id]
+        b.num_computed_tokens[row] = num_computed
+        b.token_ids[row, num_computed:num_computed + len(tokens)] = tokens
+        b.num_tokens[row] = num_computed + len(tokens)
 
     def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
         st = self.stats
