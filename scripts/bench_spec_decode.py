@@ -8,6 +8,8 @@ the same tokens (checked). Prints the acceptance: rate, mean acceptance length
     python scripts/bench_spec_decode.py                       # the embedded SmolLM2
     python scripts/bench_spec_decode.py --num-speculative-tokens 4 --prompt-lookup-min 2 --prompt-lookup-max 5
     python scripts/bench_spec_decode.py --llama-server "$(scripts/build_llama_server.sh)"
+    # a draft model: the target dequantized to float32, its Q4_1 file as the draft
+    python scripts/bench_spec_decode.py --quantization none --draft-model PATH/TO/SmolLM2.Q4_1.gguf
 
 With --llama-server, llama.cpp's server runs the same chat prompts (its chat template,
 greedy, the same max_tokens) one at a time, without speculation and with its n-gram
@@ -66,7 +68,10 @@ def chat(task: str) -> list[dict]:
 def run_jaxllm(args) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-    options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False)
+    if args.draft_model:
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False,
+                   quantization=args.quantization)
     engines = {"off": LLM(args.model, **options), "ngram": LLM(args.model, speculative_config=spec, **options)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in engines.values():  # warm: the first request of an engine pays its first-use costs
@@ -127,6 +132,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--draft-model", help="draft with this model (method draft_model) instead of n-gram lookup")
+    parser.add_argument("--quantization", help="the target's quantization option (e.g. none: dequantized)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="256MiB")
@@ -140,7 +147,7 @@ def main() -> None:
     tok_s, spec = result["tok_s"], result["spec"]
     print(f"jaxllm batch 1, {len(TASKS)} input-grounded chats x {args.rounds}, greedy, max_tokens {args.max_tokens}")
     print(f"  without speculation: {tok_s['off']:.1f} output tok/s")
-    print(f"  n-gram {result['config']}: {tok_s['ngram']:.1f} output tok/s = {tok_s['ngram'] / tok_s['off']:.2f}x"
+    print(f"  {result['config']}: {tok_s['ngram']:.1f} output tok/s = {tok_s['ngram'] / tok_s['off']:.2f}x"
           f" (tokens identical: {result['identical']})")
     if spec["num_draft_tokens"]:
         rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
