@@ -260,10 +260,10 @@ def test_import_prints_nothing():
 def test_token_buckets():
     from jaxllm.worker.model_runner import seq_bucket, token_buckets
 
-    assert token_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
-    assert token_buckets(2048) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
-    assert token_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]  # the budget itself is always a bucket
-    assert token_buckets(3) == [1, 2, 3]
+    assert token_buckets(512) == [1, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(2048) == [1, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(100) == [1, 4, 8, 16, 32, 64, 100]  # the budget itself is always a bucket
+    assert token_buckets(3) == [1, 3]
     assert seq_bucket(64, 16) == 16 and seq_bucket(64, 512) == 64
 
 
@@ -447,8 +447,8 @@ print(json.dumps({{"buckets": len(runner.buckets), "loaded": runner.num_loaded_e
         assert done.returncode == 0, done.stderr
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["loaded"] == 0 and first["buckets"] == 6
-    assert second["loaded"] == second["buckets"] == 6  # compiled: buckets - loaded = 0
+    assert first["loaded"] == 0 and first["buckets"] == 5
+    assert second["loaded"] == second["buckets"] == 5  # compiled: buckets - loaded = 0
     assert first["after_warmup"] == second["after_warmup"] == 0
     assert second["tokens"] == first["tokens"]
 

@@ -274,6 +274,23 @@ def test_seeded_sampling_and_stop_conditions_identical(engines):
             assert len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
 
 
+def test_disable_by_batch_size(engines, test_models_dir):
+    """Drafts only while fewer requests run than `disable_by_batch_size`: four requests
+    start together (none drafted), the long one speculates once the short ones are done."""
+    base, _ = engines
+    spec = make_llm(test_models_dir, speculative_config=NGRAM | {"disable_by_batch_size": 3})
+    runner = spec.llm_engine.core.runner
+    held_when_proposing = []
+    propose = runner.proposer.propose_batch
+    runner.proposer.propose_batch = lambda batch, *a: held_when_proposing.append(len(batch)) or propose(batch, *a)
+    prompts = repetitive_prompts(4, 6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 6, 6, 6)]
+    got = run(spec, prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in run(base, prompts, params)]
+    assert held_when_proposing and max(held_when_proposing) < 3
+    assert spec.llm_engine.core.scheduler.spec_stats.num_drafts > 0
+
+
 def test_sampled_distribution_matches_the_target(engines):
     """Different draws (seeds 0.. without speculation, 10000.. with): the second and
     third tokens (the third sampled at the first draft's position when the lookup

@@ -70,20 +70,21 @@ class RunnerStats:
     seconds_per_bucket: dict = dataclasses.field(default_factory=dict)  # host + device wait
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
-    """Token counts a step is padded to: powers of two from `smallest` up to the spacing
-    of the large buckets, then multiples of that spacing (64, or an eighth of the
-    budget if larger) up to the budget, and the budget itself. For 512: 1, 2, 4, 8, 16,
-    32, 64, 128, 192, 256, 320, 384, 448, 512. Big steps are matmul-bound (cost follows
-    the padded count), so they get a fine spacing: a step of 32 decodes plus one new
-    prompt of ~270 tokens (the common step of serving 32 clients) pads to 320, not 384;
-    the standard offline workload's padded rows fell from 8.7% to 6.2%. Small ones
-    still pay for padding: on SmolLM2 a decode of 1-4 sequences took 69-74 ms per step
-    padded to 16 tokens and 46-49 ms padded to 4; one sequence took 14.0-14.4 ms padded
-    to 1 against 16.4-19.3 ms padded to 4 (AMD EPYC Zen 4, 2 vCPUs)."""
+def token_buckets(max_num_batched_tokens: int, smallest: int = 4) -> list[int]:
+    """Token counts a step is padded to: 1 (a lone decode), powers of two from
+    `smallest` up to the spacing of the large buckets, then multiples of that spacing
+    (64, or an eighth of the budget if larger) up to the budget, and the budget itself.
+    For 512: 1, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512. Big steps are
+    matmul-bound (cost follows the padded count), so they get a fine spacing: a step of
+    32 decodes plus one new prompt of ~270 tokens (the common step of serving 32
+    clients) pads to 320, not 384; the standard offline workload's padded rows fell
+    from 8.7% to 6.2%. Small ones still pay for padding: on SmolLM2 a decode of 1-4
+    sequences took 69-74 ms per step padded to 16 tokens and 46-49 ms padded to 4; one
+    sequence 14.0-14.4 ms padded to 1 against 16.4-19.3 ms padded to 4 (AMD EPYC Zen 4,
+    2 vCPUs). Each bucket is one more compilation at start-up, so 2 and 3 pad to 4."""
     budget = max_num_batched_tokens
     step = max(64, budget // 8)
-    buckets, b = set(), min(smallest, budget)
+    buckets, b = {1}, min(smallest, budget)
     while b < min(step, budget):
         buckets.add(b)
         b *= 2
