@@ -346,6 +346,7 @@ def test_engine_frees_what_the_window_no_longer_sees(test_models_dir, total, att
     assert got == want
 
 
+@pytest.mark.slow  # 38 s alone, 115 s beside three workers; hits per group: the state machine and the test below
 def test_engine_prefix_hits_in_every_group(test_models_dir):
     """Prompts sharing a long prefix (past the window) through the hybrid cache: the
     later ones hit blocks in both groups, and every output equals the run that keeps

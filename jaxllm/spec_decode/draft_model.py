@@ -95,7 +95,7 @@ class DraftModelProposer:
             k = min(self.k, max_model_len - known) if start + n == known and req_id in gained else 0
             if n <= 0:
                 continue
-            request, blocks = self._allocate(req_id, batch, row, n + max(k - 1, 0))
+            request, blocks = self._allocate(req_id, n + max(k - 1, 0))
             if blocks is None:
                 continue
             tokens = batch.token_ids[row, :known]
@@ -113,7 +113,7 @@ class DraftModelProposer:
         total = sum(scheduled.values())
         return SchedulerOutput(new, cached, scheduled, total, set(), set()), drafting
 
-    def _allocate(self, req_id: str, batch: Tokens, row: int, num_tokens: int):
+    def _allocate(self, req_id: str, num_tokens: int):
         """The request's record, and the blocks newly allocated for its next
         `num_tokens` positions (None where the pool is short: it is then not drafted,
         and a request the draft holds nothing of is forgotten)."""
