@@ -441,8 +441,8 @@ def test_draft_model_outputs_identical(engines, test_models_dir, draft_dir, draf
     core.step()  # delivers the finished ids: the drafter lets go of every request
     assert drafter.manager.num_used_blocks == 0 and not drafter.requests
     if draft == "target":
-        greedy = stats.num_drafts > 50
-        assert greedy and stats.num_accepted_tokens > 0.6 * stats.num_draft_tokens  # sampled rows reject some
+        assert stats.num_drafts > 50
+        assert stats.num_accepted_tokens > 0.6 * stats.num_draft_tokens  # the sampled rows reject some
     else:
         assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens < stats.num_draft_tokens
 

@@ -92,9 +92,9 @@ class DraftModelProposer:
             request = self.requests.get(req_id)
             start = 0 if request is None else request.num_computed_tokens
             n = min(known - start, budget)
-            k = min(self.k, max_model_len - known) if start + n == known and req_id in gained else 0
             if n <= 0:
                 continue
+            k = min(self.k, max_model_len - known) if start + n == known and req_id in gained else 0
             request, blocks = self._allocate(req_id, n + max(k - 1, 0))
             if blocks is None:
                 continue
