@@ -15,7 +15,7 @@ import logging as _logging
 _logging.getLogger("jax._src.xla_bridge").setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "LoRARequest"]
 
 _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "EngineConfig": "jaxllm.engine.config",
+    "LoRARequest": "jaxllm.lora.request",
 }
 
 

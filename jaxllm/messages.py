@@ -1,14 +1,16 @@
 """Plain data shared by the engine frontend (`engine/`), the engine core (`core/`) and
 the model runner (`worker/`): requests as the core receives them, what it sends back,
 finish reasons, logprob rows, scheduler statistics, and a step's results. The bottom of
-the package: it imports nothing of jaxllm but `sampling_params`, and everything cheap
-to serialize, so the core can live in its own process."""
+the package: it imports nothing of jaxllm but `sampling_params` and `lora.request`
+(plain data both), and everything cheap to serialize, so the core can live in its own
+process."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -43,12 +45,15 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """ValueError (naming the field) if the model cannot serve the request."""
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(self.sampling_params).__name__}")
         check_prompt(self.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected LoRARequest, got {type(self.lora_request).__name__}")
         self.sampling_params.validate_for_model(vocab_size)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ import time
 from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
 from jaxllm.entrypoints.openai.tools import PARSERS
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
+from jaxllm.lora.request import LoRARequest
 from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 
 
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Qwen2.5/3, Hermes) or llama3_json; required and named tool choices need none")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines; --tool-call-parser alone enables tool_choice auto")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to load at start-up, as name=path or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}'; a request picks one by `model` (needs --enable-lora)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help="jaxllm's log level (default: JAXLLM_LOG_LEVEL, else info); debug also shows the libraries'")
     return p.parse_args(argv)
@@ -47,6 +52,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return from_cli_args(args)
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[LoRARequest, ...]:
+    """--lora-modules as LoRARequests (ids 1, 2, ...); ValueError for a malformed one."""
+    modules = []
+    for i, item in enumerate(args.lora_modules, start=1):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {item!r} is not {{\"name\": ..., \"path\": ...}}") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        if any(m.lora_name == name for m in modules):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        modules.append(LoRARequest(name, i, path))
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules: needs --enable-lora")
+    return tuple(modules)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -67,9 +94,16 @@ async def serve(args: argparse.Namespace) -> None:
     config = engine_config(args)
     name = served_model_name(args)
     engine = await AsyncLLM.start(config, name, hang_timeout=args.engine_hang_timeout)
+    adapters = lora_modules(args)
+    try:
+        for lora in adapters:
+            await engine.add_lora(lora)
+    except ValueError as e:
+        await engine.shutdown()
+        raise SystemExit(f"error: --lora-modules {lora.lora_name}: {e}") from None
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                               max_num_seqs=args.max_num_seqs, max_request_bytes=args.max_request_bytes,
-                              tool_call_parser=args.tool_call_parser)
+                              tool_call_parser=args.tool_call_parser, lora_modules=adapters)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
 
@@ -106,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         engine_config(args)  # option errors before anything starts
+        lora_modules(args)
         level = log_level(args.log_level)
     except ValueError as e:
         sys.exit(f"error: {e}")

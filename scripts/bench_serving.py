@@ -150,8 +150,10 @@ async def sample_kv(client: httpx.AsyncClient, stop: asyncio.Event, samples: lis
         await asyncio.sleep(0.1)
 
 
-async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, max_concurrency: int | None,
-                    request_rate: float, seed: int = 0) -> dict:
+async def benchmark(base_url: str, model: str | list[str], requests: list[BenchRequest], *,
+                    max_concurrency: int | None, request_rate: float, seed: int = 0) -> dict:
+    """`model` a list: request i asks for model i mod its length (LoRA adapters, spread)."""
+    models = [model] if isinstance(model, str) else model
     limits = httpx.Limits(max_connections=(max_concurrency or len(requests)) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600.0), limits=limits,
                                  headers=_auth_headers()) as client:
@@ -160,14 +162,14 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
         stop, kv_samples = asyncio.Event(), []
         sampler = asyncio.create_task(sample_kv(client, stop, kv_samples))
 
-        async def limited(req: BenchRequest) -> RequestResult:
+        async def limited(req: BenchRequest, model: str) -> RequestResult:
             async with semaphore:
                 return await run_one(client, model, req)
 
         start = time.perf_counter()
         tasks = []
-        for req in requests:
-            tasks.append(asyncio.create_task(limited(req)))
+        for i, req in enumerate(requests):
+            tasks.append(asyncio.create_task(limited(req, models[i % len(models)])))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
@@ -402,6 +404,51 @@ def compare_speculative(args, results: dict, out_prefix: Path) -> None:
           f"{int(drafts)} draft tokens, {spec.get('num_accepted_tokens', 0) / max(drafts, 1):.1%} accepted")
 
 
+def lora_adapters(args, out_dir: Path) -> list[str]:
+    """`--compare-lora` random rank-`--lora-rank` adapters of the launched model's
+    shapes (every projection of every layer), written as PEFT folders; name=path each."""
+    import importlib.util
+
+    from jaxllm.loaders import load_model
+
+    model = shlex.split(args.launch or "")
+    path = model[model.index("--model") + 1] if "--model" in model else None
+    cfg = load_model(path, "float32").config
+    shapes = dict(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                  num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers)
+    spec = importlib.util.spec_from_file_location("make_test_model", Path(__file__).with_name("make_test_model.py"))
+    make_test_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_test_model)
+    return [f"lora{i}=" + str(make_test_model.write_lora_adapter(shapes, out_dir / f"lora{i}", rank=args.lora_rank,
+                                                                 seed=i, scale=0.02))
+            for i in range(args.compare_lora)]
+
+
+def compare_lora(args, results: dict, out_prefix: Path) -> None:
+    """The same requests on the base model alone, then spread round-robin over
+    `--compare-lora` adapters of rank `--lora-rank` (one launched server each):
+    the output throughput ratio (issue 23's target: >= 0.8x)."""
+    requests = make_dataset(args, args.seed)
+    modules = lora_adapters(args, out_prefix.parent / "lora_adapters")
+    base_flags = args.launch or ""
+    lora_flags = (f"{base_flags} --enable-lora --max-loras {args.compare_lora} --max-lora-rank {args.lora_rank} "
+                  f"--lora-modules {' '.join(shlex.quote(m) for m in modules)}")
+    for label, flags in (("base model", base_flags), (f"{args.compare_lora} adapters", lora_flags)):
+        log = out_prefix.with_name(out_prefix.name + f"_{label.split()[-1]}_server.log")
+        with LaunchedServer(flags, log) as server:
+            models = [m.split("=")[0] for m in modules] if label.endswith("adapters") else server.model()
+            run = asyncio.run(benchmark(server.url, models, requests, max_concurrency=args.max_concurrency,
+                                        request_rate=args.request_rate))
+        results["runs"][label] = run
+        print_summary(label, run)
+    runs = list(results["runs"].values())
+    results["output_throughput_ratio"] = runs[1]["output_token_throughput"] / runs[0]["output_token_throughput"]
+    print(f"
+{args.compare_lora} rank-{args.lora_rank} adapters / base model alone, output tokens/s: "
+          f"{results['output_throughput_ratio']:.3f}x (target >= 0.8x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server (default: launch one with --launch)")
@@ -420,6 +467,10 @@ def main() -> None:
     p.add_argument("--compare-speculative", default=None, metavar="JSON",
                    help="the dataset on two launched servers (--launch's flags): without speculative decoding, "
                         "then with --speculative-config JSON; prints the throughput ratio and the acceptance")
+    p.add_argument("--compare-lora", type=int, default=0, metavar="N",
+                   help="the dataset on the base model alone, then spread over N random LoRA adapters (two launched "
+                        "servers, --launch's flags); prints the throughput ratio")
+    p.add_argument("--lora-rank", type=int, default=16, help="the rank of --compare-lora's adapters")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary: run the same workload on it first, as the baseline")
     p.add_argument("--llama-gguf", default=None, help="the GGUF llama-server loads (e.g. an F32 export)")
@@ -437,6 +488,8 @@ def main() -> None:
 
     if args.compare_speculative:
         compare_speculative(args, results, out_prefix)
+    elif args.compare_lora:
+        compare_lora(args, results, out_prefix)
     elif args.compare_prefix_caching:
         requests = shared_prefix_dataset(args.num_prompts or 64, seed=args.seed, vocab=args.vocab_size)
         base_flags = args.launch or ""

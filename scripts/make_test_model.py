@@ -449,6 +449,43 @@ def _add_gemma_metadata(w, cfg: dict, rope: dict) -> dict:
     return full
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(base: Path | dict, out: Path, *, rank: int = 8, alpha: float = 16.0, seed: int = 0,
+                       targets: tuple[str, ...] = LORA_MODULES, use_rslora: bool = False, scale: float = 0.05,
+                       layers: list[int] | None = None, extra_config: dict | None = None) -> Path:
+    """A random LoRA adapter for the HF folder `base` (or a model of the HF config
+    dict `base`), in PEFT's format (adapter_config.json, adapter_model.safetensors
+    with PEFT's tensor names), both A and B random (a fresh PEFT adapter's B is zeros:
+    it would change nothing)."""
+    cfg = base if isinstance(base, dict) else json.loads((base / "config.json").read_text())
+    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or d // heads
+    kv = cfg.get("num_key_value_heads", heads) * hd
+    f = cfg["intermediate_size"]
+    shapes = {"q_proj": (d, heads * hd), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (heads * hd, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in layers if layers is not None else range(cfg["num_hidden_layers"]):
+        for module in targets:
+            n_in, n_out = shapes[module]
+            kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{i}.{kind}.{module}"
+            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) * scale).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = (rng.standard_normal((n_out, rank)) * scale).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM",
+                  base_model_name_or_path=None if isinstance(base, dict) else str(base), r=rank,
+                  lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none",
+                  use_rslora=use_rslora, use_dora=False, fan_in_fan_out=False, inference_mode=True,
+                  layers_to_transform=layers, init_lora_weights=True, modules_to_save=None) | (extra_config or {})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)

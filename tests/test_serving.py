@@ -14,7 +14,7 @@ class Engine:
     def __init__(self) -> None:
         self.request_ids: list[str] = []
 
-    async def generate(self, request_id, prompt_ids, params, output_kind):
+    async def generate(self, request_id, prompt_ids, params, output_kind, lora_request=None):
         self.request_ids.append(request_id)
         yield RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0, "x", [7], finish_reason="length")],
                             finished=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.core.structured_output import StructuredOutputRequest
+from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class Request:
         cache_salt: isolates the request's prefix-cache entries from requests with a
             different (or no) salt.
         lora_id: LoRA adapter id; blocks computed under different adapters never match.
+        lora_request: the adapter it runs under (its id is `lora_id`), for the runner.
         prompt_scores: the prompt logprob rows emitted so far, when the request asked
             for them (kept across preemption, so none is emitted twice).
         block_hashes: chained hashes of the request's leading full blocks (see
@@ -54,6 +56,7 @@ class Request:
     num_cached_tokens: int = -1
     cache_salt: str | None = None
     lora_id: int | None = None
+    lora_request: LoRARequest | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     # --- scheduling (the KV cache manager does not read these) ---
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
@@ -73,6 +76,8 @@ class Request:
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
             cache_salt=req.cache_salt,
+            lora_id=None if req.lora_request is None else req.lora_request.lora_int_id,
+            lora_request=req.lora_request,
             sampling_params=req.sampling_params,
             eos_token_id=req.eos_token_id,
             max_tokens=max_tokens,

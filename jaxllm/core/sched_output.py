@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # its block table, one per KV cache group
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
     num_prompt_scored: int = 0  # prompt logprobs: positions scored already (score from here on)
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclasses.dataclass

@@ -45,8 +45,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
+        in the running batch (the model runner's device slots); a request whose
+        adapter finds no room waits, and those behind it go ahead."""
         self.kv_cache_manager = kv_cache_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -136,6 +141,9 @@ class Scheduler:
             if request.structured is not None and request.structured.error is not None:
                 self._fail_grammar(self.waiting.popleft())
                 continue
+            if not self._lora_fits(request):
+                deferred.append(self.waiting.popleft())  # its adapter waits for a slot: the others go on
+                continue
             admitted = self._admit(request, budget, num_scheduled)
             if admitted is _WAIT:
                 deferred.append(self.waiting.popleft())
@@ -158,6 +166,13 @@ class Scheduler:
             block_copies=self._block_copies,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether admitting `request` keeps the running batch within max_loras adapters."""
+        if request.lora_id is None:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id is not None}
+        return request.lora_id in running or len(running) < self.max_loras
 
     def _fail_grammar(self, request: Request) -> None:
         logger.error("request %s: its structured output could not be compiled: %s", request.request_id,
@@ -211,6 +226,7 @@ class Scheduler:
             block_ids=kv.group_block_ids(request.request_id),
             num_computed_tokens=num_hit_tokens,
             num_prompt_scored=0 if scores is None else len(scores.rows),
+            lora_request=request.lora_request,
         )
         self._advance(request, num_new, num_scheduled)
         return new

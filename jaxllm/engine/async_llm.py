@@ -23,7 +23,8 @@ from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
-from jaxllm.engine.protocol import EngineCoreReady
+from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate
+from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.metrics import EngineMetrics
 from jaxllm.outputs import RequestOutput
@@ -59,6 +60,8 @@ class AsyncLLM:
         self.core_died = asyncio.Event()  # set when the core process fails or exits on its own
         self._streams: dict[str, asyncio.Queue] = {}
         self._num_generated: dict[str, int] = {}  # tokens delivered so far, per request
+        self._lora_ops: dict[int, tuple[asyncio.Future, list[str | None]]] = {}  # op id -> (done, replies so far)
+        self._next_lora_op = 0
         self._loop = asyncio.get_running_loop()
         self._last_heard = time.monotonic()
         client.start(lambda kind, payload: self._loop.call_soon_threadsafe(self._on_core_message, kind, payload))
@@ -101,12 +104,14 @@ class AsyncLLM:
         *,
         add_special_tokens: bool = True,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; ValueError before anything is queued if the
-        request is invalid, EngineDeadError if the core dies meanwhile."""
+        """Stream the request's outputs (under `lora_request`'s adapter); ValueError
+        before anything is queued if the request is invalid, EngineDeadError if the
+        core dies meanwhile."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        request, text = self.input_processor.make_request(request_id, prompt, params,
+        request, text = self.input_processor.make_request(request_id, prompt, params, lora_request=lora_request,
                                                           add_special_tokens=add_special_tokens)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -137,6 +142,40 @@ class AsyncLLM:
         if self.dead_reason is None:
             self.client.send(wire.ABORT, core_ids)
 
+    # ------------------------------------------------------------ adapters
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Have every engine core read and check an adapter; ValueError with the
+        reason if one cannot serve it."""
+        await self._update_lora(add=lora)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self._update_lora(remove=lora_int_id)
+
+    async def _update_lora(self, **change) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        op_id, self._next_lora_op = self._next_lora_op, self._next_lora_op + 1
+        done = self._loop.create_future()
+        self._lora_ops[op_id] = (done, [])
+        self.client.send(wire.LORA, LoRAUpdate(op_id, **change))
+        try:
+            error = await done
+        finally:
+            self._lora_ops.pop(op_id, None)
+        if error is not None:
+            raise ValueError(error)
+
+    def _on_lora_result(self, op_id: int, error: str | None) -> None:
+        """One engine core's answer; the update is done when every replica answered."""
+        op = self._lora_ops.get(op_id)
+        if op is None:
+            return
+        done, replies = op
+        replies.append(error)
+        if len(replies) == self.client.num_replicas and not done.done():
+            done.set_result(next((e for e in replies if e is not None), None))
+
     # ------------------------------------------------------- core messages
 
     def _on_core_message(self, kind: str, payload: Any) -> None:
@@ -148,10 +187,15 @@ class AsyncLLM:
             request_id = state.parent.request_id if state and state.parent else payload.request_id
             self.output_processor.abort_requests([request_id])
             self._deliver(request_id, RequestRejected(payload.message))
+        elif kind == wire.LORA_RESULT:
+            self._on_lora_result(payload.op_id, payload.error)
         elif kind in (wire.FATAL, DEAD) and self.dead_reason is None:
             self.dead_reason = f"engine core died: {payload}" if payload else "engine core process exited"
             for stream in self._streams.values():
                 stream.put_nowait(EngineDeadError(self.dead_reason))
+            for done, _ in self._lora_ops.values():
+                if not done.done():
+                    done.set_exception(EngineDeadError(self.dead_reason))
             self.core_died.set()
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:

@@ -12,6 +12,7 @@ import typing
 
 from jaxllm.config import (ACTIVATION_QUANTIZATIONS, ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPES, LINEAR_BACKENDS,
                            QUANTIZATIONS)
+from jaxllm.lora.request import LoRAConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -78,6 +79,11 @@ class EngineConfig:
               "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 3}' (a smaller model with the same "
               "vocabulary drafts); greedy and seeded outputs are those of decoding without it; "
               "disable_by_batch_size: speculate only while fewer requests run")
+    enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
+                                       "its own, many in one batch")
+    max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
+    max_lora_rank: int = _option(16, "the largest LoRA rank served (every slot is this wide)")
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept read on the host (default: max_loras)")
     seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
     attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
     linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)
@@ -109,11 +115,22 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+        self.lora_config  # checks max_loras, max_lora_rank, max_cpu_loras
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.num_processes > 1):
+            raise ValueError("enable_lora: not yet with tensor_parallel_size > 1 or num_processes > 1 (LoRA runs on "
+                             "one device per engine; data_parallel_size replicas each hold their own slots)")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
+
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter limits where enable_lora is set."""
+        limits = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return limits if self.enable_lora else None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,8 @@ from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMO
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
+from jaxllm.lora.request import LoRARequest
+from jaxllm.models.lora import lora_targets
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
@@ -178,6 +180,8 @@ class EngineCore:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
+        if config.enable_lora:
+            lora_targets(cfg)  # refuses a model adapters cannot target, before anything is built
         kv_format = kv_cache_format(config.kv_cache_dtype, params.final_norm.dtype)
         draft = self._load_draft(config, cfg, cache_dir)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
@@ -190,6 +194,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.runner = ModelRunner(
             cfg,
@@ -207,6 +212,7 @@ class EngineCore:
             activation_quantization=config.activation_quantization,
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
             speculative_config=config.speculative_config,
+            lora_config=config.lora_config,
         )
         if draft is not None:
             self.runner.set_proposer(self._draft_proposer(config, draft, cache_dir))
@@ -285,9 +291,26 @@ class EngineCore:
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         request = Request.from_engine_core_request(req, max_tokens, seed % 2**64)
         self.kv_cache_manager.check_fits(request, request.max_kv_tokens)
         return request
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter (kept on the host for the requests naming it);
+        ValueError saying what is wrong with it, or that LoRA is off."""
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request: {lora.lora_name!r} asked of an engine without LoRA; start it with "
+                             "enable_lora=True (--enable-lora)")
+        self.runner.lora.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; whether it was known."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.runner.lora is None else self.runner.lora.list_loras()
 
     def abort_requests(self, request_ids) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())

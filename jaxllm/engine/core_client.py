@@ -64,6 +64,11 @@ class CoreClient:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def num_replicas(self) -> int:
+        """Engine cores that answer a broadcast message (LoRA updates)."""
+        return 1
+
     def is_alive(self) -> bool:
         return self.process.is_alive()
 

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore, eos_token_id
-from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection
+from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection, LoRAUpdate, LoRAUpdateResult
 from jaxllm.logs import configure_logging, log_level
 from jaxllm.messages import EngineCoreOutputs
 
@@ -90,9 +90,21 @@ class EngineCoreLoop:
                     self.conn.send_bytes(wire.encode(wire.REJECTED, EngineCoreRejection(request.request_id, str(e))))
         elif kind == wire.ABORT:
             self.core.abort_requests(payload)
+        elif kind == wire.LORA:
+            self.conn.send_bytes(wire.encode(wire.LORA_RESULT, self._update_lora(payload)))
         elif kind == wire.SHUTDOWN:
             return False
         return True
+
+    def _update_lora(self, update: LoRAUpdate) -> LoRAUpdateResult:
+        try:
+            if update.add is not None:
+                self.core.add_lora(update.add)
+            if update.remove is not None and not self.core.remove_lora(update.remove):
+                return LoRAUpdateResult(update.op_id, f"no LoRA adapter with id {update.remove} is loaded")
+        except ValueError as e:
+            return LoRAUpdateResult(update.op_id, str(e))
+        return LoRAUpdateResult(update.op_id)
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.conn.send_bytes(wire.encode(wire.OUTPUTS, outputs))

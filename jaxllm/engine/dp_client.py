@@ -73,6 +73,10 @@ class DataParallelClient:
     def pid(self) -> int | None:
         return self.clients[0].pid
 
+    @property
+    def num_replicas(self) -> int:
+        return len(self.clients)
+
     def is_alive(self) -> bool:
         return all(c.is_alive() for c in self.clients)
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
 
@@ -51,7 +52,8 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
-                     arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                     ) -> tuple[EngineCoreRequest, str | None]:
         text, ids = self.tokenize(prompt, add_special_tokens)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -60,6 +62,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         request.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         return request, text

@@ -11,6 +11,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore, eos_token_id
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
+from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -37,14 +38,17 @@ class LLMEngine:
         items: list[tuple[str, Prompt, SamplingParams]],
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         add_special_tokens: bool = True,
+        lora_requests: list[LoRARequest | None] | None = None,
     ) -> None:
-        """Queue (request_id, prompt, params) items; all are validated first, so a
-        ValueError leaves nothing queued."""
+        """Queue (request_id, prompt, params) items, each under its `lora_requests`
+        adapter (None: the base model); all are validated first, so a ValueError
+        leaves nothing queued."""
         prepared = []
-        for index, (rid, prompt, params) in enumerate(items):
+        loras = lora_requests or [None] * len(items)
+        for index, ((rid, prompt, params), lora) in enumerate(zip(items, loras, strict=True)):
             try:
-                prepared.append(
-                    self.input_processor.make_request(rid, prompt, params, add_special_tokens=add_special_tokens))
+                prepared.append(self.input_processor.make_request(
+                    rid, prompt, params, add_special_tokens=add_special_tokens, lora_request=lora))
             except ValueError as e:  # the field stays first; say which request it was
                 raise ValueError(f"{e} (request {index} of {len(items)})") from None
         children: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]] = []

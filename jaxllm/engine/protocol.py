@@ -1,9 +1,12 @@
 """Messages only the engine frontend and the engine core process exchange (besides
-the shared types of :mod:`jaxllm.messages`): the core's ready report and its refusals."""
+the shared types of :mod:`jaxllm.messages`): the core's ready report, its refusals,
+and adapters loaded and unloaded at run time."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from jaxllm.lora.request import LoRARequest
 
 
 @dataclasses.dataclass
@@ -18,6 +21,23 @@ class EngineCoreReady:
     block_size: int
     load_seconds: float
     warmup_seconds: float
+
+
+@dataclasses.dataclass
+class LoRAUpdate:
+    """Frontend -> core: read and check adapter `add`, or forget adapter id `remove`."""
+
+    op_id: int
+    add: LoRARequest | None = None
+    remove: int | None = None
+
+
+@dataclasses.dataclass
+class LoRAUpdateResult:
+    """Core -> frontend: how LoRAUpdate `op_id` went (`error`: why it failed)."""
+
+    op_id: int
+    error: str | None = None
 
 
 @dataclasses.dataclass

@@ -8,18 +8,20 @@ from typing import Any
 
 import msgspec
 
-from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection
+from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection, LoRAUpdate, LoRAUpdateResult
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 # frontend -> core
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+ADD, ABORT, SHUTDOWN, LORA = "add", "abort", "shutdown", "lora"
 # core -> frontend
-READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
+READY, OUTPUTS, REJECTED, FATAL, LORA_RESULT = "ready", "outputs", "rejected", "fatal", "lora_result"
 
 PAYLOAD_TYPES: dict[str, Any] = {
     ADD: list[EngineCoreRequest],
     ABORT: list[str],
     SHUTDOWN: None,
+    LORA: LoRAUpdate,
+    LORA_RESULT: LoRAUpdateResult,
     READY: EngineCoreReady,
     OUTPUTS: EngineCoreOutputs,
     REJECTED: EngineCoreRejection,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.input_processor import Message, Prompt
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -18,8 +19,9 @@ class LLM:
     Options are EngineConfig's fields (dtype, quantization, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
-    tensor_parallel_size, and coordinator_address / num_processes / process_id for an
-    engine over several processes; data_parallel_size is the server's).
+    tensor_parallel_size, enable_lora / max_loras / max_lora_rank / max_cpu_loras,
+    and coordinator_address / num_processes / process_id for an engine over several
+    processes; data_parallel_size is the server's).
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options) -> None:
@@ -34,12 +36,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for a prompt (string or token ids) or a list of them; outputs come
-        back in the order of the prompts."""
+        back in the order of the prompts. `lora_request`: the adapter every prompt runs
+        under, or one (or None: the base model) per prompt (enable_lora)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, add_special_tokens=True)
+        return self._run(list(prompts), sampling_params, use_tqdm, add_special_tokens=True, lora_request=lora_request)
 
     def chat(
         self,
@@ -48,6 +52,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
         model's chat template."""
@@ -55,9 +60,20 @@ class LLM:
         render = self.llm_engine.input_processor.render_chat
         prompts = [render(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
                    for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
-    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, add_special_tokens: bool) -> list[RequestOutput]:
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
+        self.llm_engine.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.llm_engine.core.list_loras()
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, add_special_tokens: bool,
+             lora_request=None) -> list[RequestOutput]:
         from tqdm import tqdm
 
         if sampling_params is None:
@@ -68,9 +84,14 @@ class LLM:
             raise ValueError(
                 f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts"
             )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompts)} prompts")
         ids = [str(next(self._ids)) for _ in prompts]
         engine = self.llm_engine
-        engine.add_requests(list(zip(ids, prompts, sampling_params)), add_special_tokens=add_special_tokens)
+        engine.add_requests(list(zip(ids, prompts, sampling_params)), add_special_tokens=add_special_tokens,
+                            lora_requests=list(lora_request))
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm, unit="req") as bar:
             while engine.has_unfinished_requests():

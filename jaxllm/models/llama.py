@@ -27,6 +27,7 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import all_reduce, linear, packed_rows
+from jaxllm.models.lora import LayerLoRA, LoRAInputs
 from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight
 from jaxllm.models.quant import dequantize
@@ -73,14 +74,16 @@ def attention_block(
     attention_fn: AttentionFn,
     axis: str | None = None,
     window: int | None = None,
+    lora: LayerLoRA | None = None,
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Self-attention sublayer (pre-norm, residual added; Gemma's output norm before
     the add): writes this step's K/V into the cache, then attends through the block
-    tables, to the last `window` keys where the layer slides."""
+    tables, to the last `window` keys where the layer slides. `lora`: each token's
+    adapter added to the projections (jaxllm.models.lora)."""
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    qkv = linear(h, lp.wqkv)
+    qkv = _project(h, lp.wqkv, lora, "wqkv")
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -98,14 +101,20 @@ def attention_block(
         common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
         cache_dtype=cache.dtype,
     )
-    out = all_reduce(linear(o.reshape(t, cfg.q_size), lp.wo), axis)
+    out = all_reduce(_project(o.reshape(t, cfg.q_size), lp.wo, lora, "wo"), axis)
     if lp.attn_post_norm is not None:
         out = rms_norm(out, lp.attn_post_norm, eps, offset)
     return x + out, cache
 
 
+def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str) -> Float[Array, "T N"]:
+    """x's projection by `w`, plus the tokens' adapters' products where there are adapters."""
+    y = linear(x, w)
+    return y if lora is None else lora.add(field, x, y)
+
+
 def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None,
-              moe: bool = False) -> Float[Array, "T D"]:
+              moe: bool = False, lora: LayerLoRA | None = None) -> Float[Array, "T D"]:
     """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU, or (`moe`) a
     mixture of such experts (jaxllm.models.moe); pre-norm, residual added; Gemma's
     output norm before the add."""
@@ -113,7 +122,8 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: s
     if moe:
         out = moe_mlp(lp, h, cfg, axis)
     else:
-        out = all_reduce(linear(gated(linear(h, lp.w_gate_up), cfg.hidden_act), lp.w_down), axis)
+        gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up")
+        out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down"), axis)
     if lp.mlp_post_norm is not None:
         out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
@@ -149,6 +159,7 @@ def forward_hidden(
     cfg: ModelConfig,
     attention_fn: AttentionFn,
     axis: str | None = None,
+    lora: LoRAInputs | None = None,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
     They are of the activation dtype of the weights (float32 on the CPU platform for
@@ -156,7 +167,8 @@ def forward_hidden(
 
     One `md` and a cache per layer, or (a hybrid KV cache, jaxllm.kv_cache_groups) one
     `md` per KV cache group and a cache per slot: layer i reads its group's block
-    tables and writes its slot's cache."""
+    tables and writes its slot's cache. `lora`: the adapters' slots and each token's
+    slot (jaxllm.models.lora)."""
     x = embed_tokens(params.embed, input_ids, axis)
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
@@ -171,7 +183,8 @@ def forward_hidden(
     caches = list(kv_caches)
     for i, lp in enumerate(params.layers):
         slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
+        layer_lora = None if lora is None else lora.layer(i)
         x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], mds[groups.group_of(i)], cfg, attention_fn,
-                                          axis, cfg.layer_window(i))
-        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i))
+                                          axis, cfg.layer_window(i), layer_lora)
+        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora)
     return x, tuple(caches)

@@ -45,6 +45,7 @@ class InputBatch:
         self.logprobs = np.full(r, -1, np.int32)  # -1: not requested
         self.prompt_logprobs = np.full(r, -1, np.int32)
         self.prompt_scored = np.zeros(r, np.int32)  # prompt positions scored already (by the scheduler's count)
+        self.lora_slot = np.zeros(r, np.int32)  # the adapter's device slot (0: none; jaxllm.worker.lora_manager)
 
     def __len__(self) -> int:
         return len(self.row_of)

@@ -28,6 +28,7 @@ from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes,
 from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
 from jaxllm.models.linear import in_dtype, int8_activations, layout_params, linear_candidates
@@ -43,6 +44,7 @@ from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
+from jaxllm.worker.lora_manager import LoRAManager
 from jaxllm.worker.step import StepInputs, StepOutput, model_step
 
 logger = logging.getLogger(__name__)
@@ -168,6 +170,7 @@ class StepRows:
     # structured outputs: each row's allowed tokens as bits (all ones where unconstrained);
     # None when no row is constrained
     token_bitmask: Int[np.ndarray, "S W"] | None = None
+    lora_slots: Int[np.ndarray, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
 
     @classmethod
     def empty(cls, num_kv_groups: int = 1) -> "StepRows":
@@ -212,6 +215,7 @@ class ModelRunner:
         activation_quantization: str | None = None,
         hybrid_kv_cache: bool = True,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
@@ -233,7 +237,9 @@ class ModelRunner:
         tokens for the requests that gained one (`ModelRunnerOutput.spec_token_ids`),
         and a step verifies the drafts the scheduler gives back: every position of a
         drafted row samples as a decode at that position would (same uniform, same
-        history), and the drafts are accepted while they agree (`_verify`)."""
+        history), and the drafts are accepted while they agree (`_verify`). `lora_config`:
+        LoRA adapters in device slots, each request's applied to its tokens
+        (jaxllm.worker.lora_manager)."""
         self.config = config
         self.kv_groups = config.kv_cache_groups(hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
@@ -256,6 +262,14 @@ class ModelRunner:
         if activation_quantization and "pallas" in self.plan.backends("linear"):
             raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
                              "float inputs); use cpu or xla")
+        if lora_config is not None and self.mesh is not None:
+            raise ValueError("enable_lora: not yet with tensor_parallel_size > 1")
+        rank = 0 if lora_config is None else lora_config.max_lora_rank
+        if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
+            raise ValueError(f"max_lora_rank: the pallas linear backend's LoRA kernels need a power of two >= 16, "
+                             f"got {rank}")
+        # the adapters in the activations' dtype: their products take the hidden states as they are
+        self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype)
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
         self._start_kv_caches(num_blocks)
@@ -332,7 +346,8 @@ class ModelRunner:
                                               attention_fn=get_attention_fn(choice.attention),
                                               argmax_fn=argmax_cpu if kernels else argmax,
                                               scores_fn=token_scores_cpu if kernels else compute_logprobs,
-                                              mesh=self.mesh),
+                                              mesh=self.mesh,
+                                              lora_kernel="pallas" if choice.linear == "pallas" else "xla"),
                             donate_argnums=(2, 3), **self._step_shardings())
             for choice in dict.fromkeys(self.plan.choices)
         }
@@ -350,6 +365,8 @@ class ModelRunner:
         """Where the executables of one pair of backends are kept (keyed by what the
         step is compiled from)."""
         args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
+        if self.lora is not None:
+            args += (self.lora.abstract,)
         return ExecutableStore(directory, "model_step", self.config, self.kv_groups, choice.attention, choice.linear,
                                _shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
                                devices=self._devices())
@@ -448,7 +465,7 @@ class ModelRunner:
         compiled, loaded = self._load_or_compile(
             self._stores[choice], name,
             lambda: self._steps[choice].lower(self.weights[choice.linear], self.rope, self._abstract_caches,
-                                              self.history, inputs))
+                                              self.history, inputs, *self._lora_args(abstract=True)))
         self._compiled[(t, s, r)] = compiled
         return compiled, loaded
 
@@ -464,6 +481,12 @@ class ModelRunner:
         if not hits():  # JAX's cache returns executables that cannot be serialized again
             store.save(name, compiled)
         return compiled, False
+
+    def _lora_args(self, abstract: bool = False) -> tuple:
+        """The step's adapter slots argument: none without LoRA."""
+        if self.lora is None:
+            return ()
+        return (self.lora.abstract if abstract else self.lora.weights,)
 
     def _executable(self, t: int, s: int, r: int):
         compiled = self._compiled.get((t, s, r))
@@ -507,10 +530,14 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             batch.remove_request(req_id)
+            if self.lora is not None:
+                self.lora.release(req_id)
         if self.proposer is not None:
             self.proposer.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
         for req in sched.scheduled_new_reqs:
             row = batch.add_request(req)
+            if self.lora is not None:
+                batch.lora_slot[row] = self.lora.acquire(req.req_id, req.lora_request)
             if req.sampling_params.uses_penalties:  # prefix hits never pass through the step
                 self.history = self._set_history_row(self.history, row, batch.token_ids[row])
         for req in sched.scheduled_cached_reqs:
@@ -532,6 +559,8 @@ class ModelRunner:
             sampling=self._sampling_metadata(r, host),
             prompt_logprob_targets=targets,
             any_prompt_logprobs=np.bool_((targets >= 0).any()),
+            lora_slots=None if self.lora is None else _pad(
+                np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
         )
 
     def _attention_metadata(self, t: int, s: int, host: StepRows
@@ -631,7 +660,8 @@ class ModelRunner:
         step = self.prepare_step(sched, bitmask)
         executable = self._executable(step.t, step.s, step.r)
         weights = self.weights[self.plan.for_bucket(step.t).linear]
-        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs)
+        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs,
+                                                       *self._lora_args())
         t1 = time.perf_counter()
         sampled = np.asarray(out.sampled.token_ids)[: len(step.host.logit_rows)]
         t2 = time.perf_counter()
@@ -671,7 +701,8 @@ class ModelRunner:
         host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
                         slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
                         samples=samples, num_drafts=num_drafts, logit_rows=logit_rows, sample_seq=sample_seq,
-                        output_index=output_index, token_bitmask=bitmask)
+                        output_index=output_index, token_bitmask=bitmask,
+                        lora_slots=None if self.lora is None else b.lora_slot[tok_rows])
         t, s, r = self.bucket_for(num_tokens, len(rows), len(logit_rows))
         return PreparedStep(req_ids, host, t, s, r, self._pad_inputs(t, s, r, host))
 

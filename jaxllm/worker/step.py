@@ -19,6 +19,7 @@ from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits
+from jaxllm.models.lora import LoRAInputs, LoRAWeights
 from jaxllm.models.parallel import model_functions
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
@@ -37,6 +38,7 @@ class StepInputs:
     sampling: SamplingMetadata
     prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
     any_prompt_logprobs: Bool[Array, ""]
+    lora_slots: Int[Array, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
 
 
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
@@ -77,17 +79,23 @@ def model_step(
     kv_caches: tuple[KVCache, ...],
     history: Int[Array, "R L"],
     inputs: StepInputs,
+    lora: LoRAWeights | None = None,
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
     argmax_fn: ArgmaxFn = argmax,
     scores_fn: ScoresFn = compute_logprobs,
     mesh: Mesh | None = None,
+    lora_kernel: str = "xla",
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     """One engine step; with a `mesh`, the model tensor-parallel over it
-    (jaxllm.models.parallel) and the sampling on the gathered logits."""
+    (jaxllm.models.parallel) and the sampling on the gathered logits. `lora`: the
+    adapters' device slots, each token applying the one `inputs.lora_slots` names."""
     forward, logits_fn = model_functions(cfg, attention_fn, mesh)
-    hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn)
+    extra = {}
+    if lora is not None:
+        extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
+    hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, **extra)
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
     logits = logits_fn(params, hidden[inputs.logits_indices], cfg)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)

@@ -1,7 +1,9 @@
 """The Starlette app of the OpenAI-compatible server.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
-GET /v1/models, /tokenizer_info, /health, /version, /metrics. With an API key, every
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+/v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/models, /tokenizer_info,
+/health, /version, /metrics. A request's `model` names the base model or a LoRA
+adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter). With an API key, every
 /v1 route and /tokenize, /detokenize, /tokenizer_info need `Authorization: Bearer <key>`; /health, /version and
 /metrics stay open. Every error has the OpenAI shape; after any of them the server
 keeps serving.
@@ -35,8 +37,11 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
+from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import check_prompt
 from jaxllm.sampling_params import SamplingParams
 
@@ -53,6 +58,7 @@ class ServerSettings:
     max_request_bytes: int = 16 * 2**20
     protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
+    lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
 
 
 class BodySizeLimit:
@@ -155,6 +161,9 @@ class Handlers:
     def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.started = int(time.time())
+        self.loras: dict[str, LoRARequest] = {lora.lora_name: lora for lora in settings.lora_modules}
+        self._next_lora_id = max((lora.lora_int_id for lora in settings.lora_modules), default=0) + 1
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time
 
     # ------------------------------------------------------------ checks
 
@@ -170,9 +179,17 @@ class Handlers:
             body = model.model_validate(data)
         except ValidationError as e:
             raise APIError.from_validation_error(e) from None
-        if getattr(body, "model", None) not in (None, self.settings.model_name):
+        if getattr(body, "model", None) not in (None, self.settings.model_name, *self.loras):
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         return body
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(model) if model not in (None, self.settings.model_name) else None
+
+    def model_name(self, model: str | None) -> str:
+        """The `model` of a response: the adapter's name, or the base model's."""
+        return model if self.lora_for(model) is not None else self.settings.model_name
 
     def admit(self, num_sequences: int) -> None:
         """Room for a request's sequences (prompts x n: what the engine will hold)."""
@@ -217,12 +234,12 @@ class Handlers:
         jobs = []
         for i, prompt in enumerate(prompts):
             ids, text = self.prepare(prompt, True, params.max_tokens)
-            jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n))
+            jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model)))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
             shape = serving.CompletionShape(self.engine, body.echo, body.logprobs, body.prompt_logprobs)
-            return serving.completions(self.engine, rid, jobs, params, model=self.settings.model_name, shape=shape,
+            return serving.completions(self.engine, rid, jobs, params, model=self.model_name(body.model), shape=shape,
                                        stream=body.stream, include_usage=include_usage)
 
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
@@ -235,11 +252,11 @@ class Handlers:
         prompt = self.engine.input_processor.render_chat(body.message_dicts(), tools=body.tool_dicts(),
                                                          add_generation_prompt=body.add_generation_prompt)
         ids, _ = self.prepare(prompt, False, params.max_tokens)
-        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0)
+        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
-            return serving.chat(self.engine, job, params, model=self.settings.model_name, stream=body.stream,
+            return serving.chat(self.engine, job, params, model=self.model_name(body.model), stream=body.stream,
                                 include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
                                 num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode)
 
@@ -258,9 +275,47 @@ class Handlers:
         return tools.ToolMode(choice, tools.PARSERS[parser]() if choice == "auto" else None)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self.started, "owned_by": "jaxllm",
-            "max_model_len": self.engine.ready.max_model_len}]})
+        """The base model, then each adapter (vLLM's form: `root` its path, `parent` the base)."""
+        base = self.settings.model_name
+        card = {"object": "model", "created": self.started, "owned_by": "jaxllm",
+                "max_model_len": self.engine.ready.max_model_len}
+        adapters = [card | {"id": lora.lora_name, "root": lora.lora_path, "parent": base}
+                    for lora in self.loras.values()]
+        return JSONResponse({"object": "list", "data": [card | {"id": base, "root": base, "parent": None}, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Read an adapter into the engine (every replica) under a new name; 400 with
+        the reason if it cannot be served."""
+        body: LoadLoRAAdapterRequest = await self.parse(request, LoadLoRAAdapterRequest)
+        if not self.engine.config.enable_lora:
+            raise APIError(400, "LoRA is not enabled: start the server with --enable-lora", param="lora_name")
+        async with self._lora_lock:
+            old = self.loras.get(body.lora_name)
+            if body.lora_name == self.settings.model_name or (old is not None and not body.load_inplace):
+                raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
+                               param="lora_name")
+            lora = LoRARequest(body.lora_name, self._next_lora_id, body.lora_path)
+            try:
+                await self.engine.add_lora(lora)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path") from None
+            self._next_lora_id += 1
+            self.loras[body.lora_name] = lora
+            if old is not None:  # reloaded in place: the old id's requests finish under it
+                await self.engine.remove_lora(old.lora_int_id)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Forget an adapter; requests running under it finish under it. 404 if unknown."""
+        body: UnloadLoRAAdapterRequest = await self.parse(request, UnloadLoRAAdapterRequest)
+        async with self._lora_lock:
+            lora = self.loras.get(body.lora_name)
+            if lora is None:
+                raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                               code="model_not_found")
+            del self.loras[body.lora_name]
+            await self.engine.remove_lora(lora.lora_int_id)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     async def health(self, request: Request) -> Response:
         if self.engine.is_healthy():
@@ -303,6 +358,8 @@ class Handlers:
             Route("/v1/completions", guarded(h.completions), methods=["POST"]),
             Route("/v1/chat/completions", guarded(h.chat_completions), methods=["POST"]),
             Route("/v1/models", guarded(h.models), methods=["GET"]),
+            Route("/v1/load_lora_adapter", guarded(h.load_lora_adapter), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", guarded(h.unload_lora_adapter), methods=["POST"]),
             Route("/tokenize", guarded(h.tokenize), methods=["POST"]),
             Route("/detokenize", guarded(h.detokenize), methods=["POST"]),
             Route("/tokenizer_info", guarded(h.tokenizer_info), methods=["GET"]),

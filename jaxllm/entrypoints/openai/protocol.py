@@ -309,3 +309,20 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: reload an adapter already loaded under this name
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

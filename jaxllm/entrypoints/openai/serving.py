@@ -26,6 +26,7 @@ class Job:
     prompt_ids: list[int]
     prompt_text: str | None
     choice_offset: int  # index of this job's first choice among the response's choices
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` named
 
 
 @dataclass
@@ -68,7 +69,8 @@ async def merged(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
 
     async def pump(job: Job) -> None:
         try:
-            async for output in engine.generate(job.request_id, job.prompt_ids, params, output_kind=kind):
+            async for output in engine.generate(job.request_id, job.prompt_ids, params, output_kind=kind,
+                                                lora_request=job.lora_request):
                 queue.put_nowait((job, output))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((job, e))
