@@ -138,6 +138,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     spec_decoding: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters of running requests (names)
+    waiting_lora_adapters: tuple[str, ...] = ()  # and of waiting ones
 
 
 @dataclasses.dataclass

@@ -16,7 +16,8 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, block_size: int) -> None:
+    def __init__(self, model_name: str, block_size: int, max_loras: int = 0) -> None:
+        """`max_loras` > 0: LoRA is on (vLLM's lora_requests_info gauge)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -61,6 +62,11 @@ class EngineMetrics:
                               ("prefix_cache_queries", "Prompt tokens looked up, per data-parallel replica."))
         }
         self._model_name = model_name
+        self._max_loras = max_loras
+        self._lora_info = Gauge(
+            "jaxllm:lora_requests_info", "LoRA adapters of running and waiting requests (the value: when observed).",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry) if max_loras else None
 
     def observe_stats(self, stats: SchedulerStats, replicas: list[SchedulerStats] | None = None) -> None:
         """The engine's stats (all replicas together), and each replica's if several."""
@@ -79,6 +85,11 @@ class EngineMetrics:
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - self._last.num_preemptions))
         self._observe_spec_decoding(stats.spec_decoding, self._last.spec_decoding)
+        if self._lora_info is not None:  # one series: the current adapters
+            self._lora_info.clear()
+            self._lora_info.labels(self._model_name, str(self._max_loras),
+                                   ",".join(sorted(set(stats.running_lora_adapters))),
+                                   ",".join(sorted(set(stats.waiting_lora_adapters)))).set_to_current_time()
         self._last = stats
 
     def _observe_spec_decoding(self, now: SpecDecodingStats, last: SpecDecodingStats) -> None:

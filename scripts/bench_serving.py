@@ -444,8 +444,7 @@ def compare_lora(args, results: dict, out_prefix: Path) -> None:
         print_summary(label, run)
     runs = list(results["runs"].values())
     results["output_throughput_ratio"] = runs[1]["output_token_throughput"] / runs[0]["output_token_throughput"]
-    print(f"
-{args.compare_lora} rank-{args.lora_rank} adapters / base model alone, output tokens/s: "
+    print(f"\n{args.compare_lora} rank-{args.lora_rank} adapters / base model alone, output tokens/s: "
           f"{results['output_throughput_ratio']:.3f}x (target >= 0.8x)")
 
 

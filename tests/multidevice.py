@@ -147,6 +147,45 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     print("ok", folder, size, attention, runs[0][1], runs[1][1])
 
 
+def tp_lora_matches(folder: str, size: str, adapters_dir: str) -> None:
+    """LLM(tensor_parallel_size=size, enable_lora=True): two adapters and the base model
+    in one batch give one device's tokens and logprobs; each slot's A and B split as
+    their projections (o / down: A by its inputs; q | k | v, gate | up: B by its
+    columns)."""
+    import importlib.util
+
+    from jaxllm import LLM, LoRARequest
+
+    spec = importlib.util.spec_from_file_location("make_test_model", ROOT / "scripts" / "make_test_model.py")
+    make_test_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_test_model)
+    out = Path(adapters_dir)
+    loras = [LoRARequest(f"a{i}", i, str(make_test_model.write_lora_adapter(Path(folder), out / f"a{i}", rank=8,
+                                                                            seed=i, scale=0.1)))
+             for i in (1, 2)]
+    prompts, params = shared_prefix_batch()
+    requests = [loras[0], None, loras[1], loras[0], loras[1]]
+    runs = []
+    for tp in (1, int(size)):
+        llm = LLM(folder, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False)
+        runs.append(llm.generate(prompts, params, use_tqdm=False, lora_request=requests))
+        runner = llm.llm_engine.core.runner
+        assert runner.num_compilations_after_warmup == 0
+        if tp > 1:
+            layer = runner.lora.weights.layers[0]
+            assert layer["wo"].a.addressable_shards[0].data.shape[0] == layer["wo"].a.shape[0] // tp
+            q = layer["wqkv"].b[0]
+            assert q.addressable_shards[0].data.shape[-1] == q.shape[-1] // tp
+    one, many = runs
+    for a, b in zip(one, many):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    print("ok", folder, size)
+
+
 MULTIHOST_PROMPTS = [[int(t) for t in range(5 + 11 * i, 30 + 11 * i)] for i in range(5)]
 
 

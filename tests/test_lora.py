@@ -3,12 +3,16 @@ transformers + peft on the same base folder), many adapters in one batch each re
 getting the tokens it gets alone, the adapter slots reused when they are fewer than the
 adapters, and every refusal naming its reason."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from jaxllm import LLM, LoRARequest, SamplingParams
+from jaxllm.loaders import load_model
 from jaxllm.lora.peft import load_adapter
+from jaxllm.models.lora import lora_partition_specs
 from jaxllm.lora.request import LoRAConfig
 from tests.conftest import make_test_model
 
@@ -151,8 +155,19 @@ def test_unsupported_engines_refused(test_models_dir):
     with pytest.raises(ValueError, match="mixture-of-experts model is not supported"):
         LLM(str(test_models_dir / "mixtral"), enable_lora=True, max_model_len=64, kv_cache_memory="1MiB",
             progress=False)
-    with pytest.raises(ValueError, match="enable_lora: not yet with tensor_parallel_size > 1"):
-        LLM(str(test_models_dir / "llama"), enable_lora=True, tensor_parallel_size=2)
+    cfg = load_model(test_models_dir / "llama", dtype="float32").config  # 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds the model's 2 KV heads"):
+        lora_partition_specs(cfg, 4)
+    with pytest.raises(ValueError, match="not yet with num_processes > 1"):
+        LLM(str(test_models_dir / "llama"), enable_lora=True, num_processes=2, coordinator_address="x:1")
+
+
+def test_tensor_parallel_equals_one_device(test_models_dir, tmp_path):
+    """Two shards (the adapters' A and B split as their projections) give one device's
+    tokens and logprobs, two adapters and the base model in one batch."""
+    from tests import multidevice
+
+    multidevice.run("tp_lora_matches", str(test_models_dir / "llama"), "2", str(tmp_path), devices=2)
     with pytest.raises(ValueError, match="LoRA kernels need a power of two >= 16, got 8"):
         make_llm(test_models_dir, linear_backend="pallas")
 
@@ -245,6 +260,8 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
             complete("a2")
         assert post("load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"].lora_path}).status_code == 200
         assert complete("a2") == want["a2"] and complete("tiny") == want[None]
+        info = re.search(r'^jaxllm:lora_requests_info\{(.*)\} ', httpx.get(f"{server.url}/metrics").text, re.M)
+        assert info and 'max_lora="1"' in info.group(1) and 'waiting_lora_adapters=""' in info.group(1)
         assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
     finally:
         server.stop()

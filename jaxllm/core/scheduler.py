@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _WAIT = object()  # _admit: the request waits for this step's writes
 
 
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The LoRA adapters `requests` run under, by name, each once, sorted."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -445,5 +450,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats,
+            running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting),
         )
 

@@ -54,7 +54,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.tokenizer, eos_token_id=ready.eos_token_id,
                                               vocab_size=ready.vocab_size, max_model_len=ready.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(model_name, ready.block_size)
+        self.metrics = EngineMetrics(model_name, ready.block_size, config.max_loras if config.enable_lora else 0)
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self.core_died = asyncio.Event()  # set when the core process fails or exits on its own

@@ -116,9 +116,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
         self.lora_config  # checks max_loras, max_lora_rank, max_cpu_loras
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.num_processes > 1):
-            raise ValueError("enable_lora: not yet with tensor_parallel_size > 1 or num_processes > 1 (LoRA runs on "
-                             "one device per engine; data_parallel_size replicas each hold their own slots)")
+        if self.enable_lora and self.num_processes > 1:
+            raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")

@@ -28,7 +28,7 @@ from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.lora.request import LoRARequest
-from jaxllm.models.lora import lora_targets
+from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
@@ -180,8 +180,8 @@ class EngineCore:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
         check_tensor_parallel(cfg, config.tensor_parallel_size)
-        if config.enable_lora:
-            lora_targets(cfg)  # refuses a model adapters cannot target, before anything is built
+        if config.enable_lora:  # refuses a model (or split) adapters cannot serve, before anything is built
+            lora_partition_specs(cfg, config.tensor_parallel_size)
         kv_format = kv_cache_format(config.kv_cache_dtype, params.final_norm.dtype)
         draft = self._load_draft(config, cfg, cache_dir)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads

@@ -27,7 +27,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import ParamDecl, declare
+from jaxllm.models.params import TENSOR_PARALLEL_RULES, ParamDecl, declare, kv_replicas
 
 # the projections an adapter may target, by LayerParams field
 TARGET_FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -35,13 +35,15 @@ TARGET_FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 @dataclasses.dataclass(frozen=True)
 class LoRATarget:
-    """One projection of one layer as adapters see it: its inputs, and the modules
-    (HF names: q_proj, ...) fused in it with their widths."""
+    """One projection of one layer as adapters see it: its inputs, the modules (HF
+    names: q_proj, ...) fused in it with their widths, and the logical axes of its
+    inputs and outputs (for sharding)."""
 
     layer: int
     field: str
     in_features: int
     parts: tuple[tuple[str, int], ...]
+    axes: tuple[str | None, str | None]
 
 
 def lora_targets(cfg: ModelConfig) -> list[LoRATarget]:
@@ -54,7 +56,7 @@ def lora_targets(cfg: ModelConfig) -> list[LoRATarget]:
         for name in TARGET_FIELDS:
             decl: ParamDecl = getattr(layer, name)
             parts = tuple((hf.split(".")[-2], n) for hf, n in decl.hf)
-            targets.append(LoRATarget(i, name, decl.shape[0], parts))
+            targets.append(LoRATarget(i, name, decl.shape[0], parts, (decl.axes[0], decl.axes[-1])))
     return targets
 
 
@@ -83,6 +85,27 @@ def abstract_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype) -> LoR
     for t in lora_targets(cfg):
         a = jax.ShapeDtypeStruct((t.in_features, max_loras, len(t.parts), max_rank), dtype)
         b = tuple(jax.ShapeDtypeStruct((max_loras, max_rank, n), dtype) for _, n in t.parts)
+        per_layer[t.layer][t.field] = LoRAProjection(a, b)
+    return LoRAWeights(tuple(per_layer))
+
+
+def lora_partition_specs(cfg: ModelConfig, shards: int, rules: dict[str, str] = TENSOR_PARALLEL_RULES
+                         ) -> LoRAWeights:
+    """The slots' PartitionSpecs under tensor parallelism, from the base weights' axes:
+    A split like its projection's inputs (row-parallel o / down: each shard's partial
+    product, summed by the projection's all-reduce), each B like its outputs
+    (column-parallel q | k | v, gate | up: each shard its columns of every part, the
+    shard-major layout of the fused weight). ValueError where the shards outnumber the
+    KV heads (the base replicates K/V heads there; adapters do not yet)."""
+    from jax.sharding import PartitionSpec as P
+
+    if shards > 1 and kv_replicas(cfg, shards) > 1:
+        raise ValueError(f"enable_lora: tensor_parallel_size={shards} exceeds the model's {cfg.num_kv_heads} KV heads "
+                         "(replicated K/V heads are not supported with LoRA)")
+    per_layer: list[dict[str, LoRAProjection]] = [{} for _ in range(cfg.num_layers)]
+    for t in lora_targets(cfg):
+        a = P(rules.get(t.axes[0]), None, None, None)
+        b = tuple(P(None, None, rules.get(t.axes[1])) for _ in t.parts)
         per_layer[t.layer][t.field] = LoRAProjection(a, b)
     return LoRAWeights(tuple(per_layer))
 

@@ -25,6 +25,7 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.lora import LoRAInputs, lora_partition_specs
 from jaxllm.models.params import (QUANT_FORMATS, TENSOR_PARALLEL_RULES, ModelParams, declarations, kv_replicas,
                                   partition_specs, shard_major)
 
@@ -143,15 +144,21 @@ class ShardedModel:
     def size(self) -> int:
         return self.mesh.shape[TP_AXIS]
 
-    def forward_hidden(self, params, rope, kv_caches, input_ids, positions, md):
+    def forward_hidden(self, params, rope, kv_caches, input_ids, positions, md, lora: LoRAInputs | None = None):
+        """`lora`: the adapters' slots, A and B split as their projections (jaxllm.models.
+        lora.lora_partition_specs), the tokens' slots replicated."""
         fn = functools.partial(forward_hidden, cfg=shard_config(self.cfg, self.size),
                                attention_fn=self.attention_fn, axis=TP_AXIS)
         caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in kv_caches)
+        args, specs = (params, rope, kv_caches, input_ids, positions, md), (partition_specs(self.cfg), P(), caches,
+                                                                            P(), P(), P())
+        if lora is not None:
+            args += (lora,)
+            specs += (LoRAInputs(lora_partition_specs(self.cfg, self.size), P(), P(), P(), lora.kernel),)
         return jax.shard_map(
-            lambda p, r, c, i, pos, m: fn(p, r, c, i, pos, m), mesh=self.mesh,
-            in_specs=(partition_specs(self.cfg), P(), caches, P(), P(), P()),
-            out_specs=(P(), caches), check_vma=False,
-        )(params, rope, kv_caches, input_ids, positions, md)
+            lambda p, r, c, i, pos, m, *lo: fn(p, r, c, i, pos, m, lora=lo[0] if lo else None), mesh=self.mesh,
+            in_specs=specs, out_specs=(P(), caches), check_vma=False,
+        )(*args)
 
     def compute_logits(self, params, hidden, cfg=None):
         """`cfg` is ignored (the model's own is used): llama.compute_logits' signature."""

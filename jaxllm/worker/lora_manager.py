@@ -16,22 +16,35 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.config import ModelConfig
 from jaxllm.lora.peft import load_adapter
 from jaxllm.lora.request import LoRAConfig, LoRARequest
-from jaxllm.models.lora import LoRAWeights, abstract_lora, set_slot, zeros_like_abstract
+from jaxllm.models.lora import LoRAWeights, abstract_lora, lora_partition_specs, set_slot, zeros_like_abstract
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, cfg: ModelConfig, config: LoRAConfig, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, config: LoRAConfig, dtype, mesh: Mesh | None = None) -> None:
+        """`mesh`: the slots sharded over it as their projections are (tensor parallelism)."""
         self.cfg = cfg
         self.config = config
-        self.abstract = abstract_lora(cfg, config.max_loras, config.max_lora_rank, dtype)
-        self.weights: LoRAWeights = zeros_like_abstract(self.abstract)
-        self._set_slot = jax.jit(set_slot, donate_argnums=(0,))
+        abstract = abstract_lora(cfg, config.max_loras, config.max_lora_rank, dtype)
+        self.weights: LoRAWeights = zeros_like_abstract(abstract)
+        if mesh is None:
+            self.shardings = None
+            self._set_slot = jax.jit(set_slot, donate_argnums=(0,))
+        else:
+            specs = lora_partition_specs(cfg, mesh.size)
+            self.shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                    self.shardings)
+            self.weights = jax.device_put(self.weights, self.shardings)
+            self._set_slot = jax.jit(set_slot, donate_argnums=(0,), out_shardings=self.shardings)
+        self.abstract = abstract
         self._host: collections.OrderedDict[int, LoRAWeights] = collections.OrderedDict()  # LRU, by lora_int_id
         self._paths: dict[int, LoRARequest] = {}  # the request each host copy was read for
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # LRU: lora_int_id -> slot

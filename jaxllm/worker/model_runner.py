@@ -262,14 +262,12 @@ class ModelRunner:
         if activation_quantization and "pallas" in self.plan.backends("linear"):
             raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
                              "float inputs); use cpu or xla")
-        if lora_config is not None and self.mesh is not None:
-            raise ValueError("enable_lora: not yet with tensor_parallel_size > 1")
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
             raise ValueError(f"max_lora_rank: the pallas linear backend's LoRA kernels need a power of two >= 16, "
                              f"got {rank}")
         # the adapters in the activations' dtype: their products take the hidden states as they are
-        self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype)
+        self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype, self.mesh)
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
         self._start_kv_caches(num_blocks)
@@ -358,7 +356,8 @@ class ModelRunner:
         if self.mesh is None:
             return {}
         rep, caches = parallel.replicated(self.mesh), self._cache_shardings()
-        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep),
+        lora = () if self.lora is None else (self.lora.shardings,)
+        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep, *lora),
                 "out_shardings": (caches, rep, rep)}
 
     def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
