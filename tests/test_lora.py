@@ -145,10 +145,14 @@ def test_adapter_refusals(llm, adapters, test_models_dir, tmp_path):
         LoRAConfig(max_loras=4, max_cpu_loras=2)
 
 
-def test_engine_without_lora_refuses_adapters(test_models_dir, adapters):
-    llm = make_llm(test_models_dir, enable_lora=False)  # test_spec_decode's engine: its executables are stored
+def test_engine_without_lora_refuses_adapters(adapters):
+    from types import SimpleNamespace
+
+    from jaxllm.engine.core import EngineCore
+
+    core = SimpleNamespace(runner=SimpleNamespace(lora=None))  # an engine core built without enable_lora
     with pytest.raises(ValueError, match="without LoRA; start it with enable_lora=True"):
-        llm.generate(["hi"], SamplingParams(max_tokens=1), lora_request=adapters["a1"])
+        EngineCore.add_lora(core, adapters["a1"])
 
 
 def test_unsupported_engines_refused(test_models_dir):
@@ -162,6 +166,20 @@ def test_unsupported_engines_refused(test_models_dir):
         LLM(str(test_models_dir / "llama"), enable_lora=True, num_processes=2, coordinator_address="x:1")
 
 
+def test_partition_specs_follow_the_projections(llm):
+    """A split like its projection's inputs (row-parallel o / down), each B like its
+    outputs (column-parallel q | k | v, gate | up)."""
+    from jax.sharding import PartitionSpec as P
+
+    specs = lora_partition_specs(llm.llm_engine.core.model.config, 2)
+    for layer in specs.layers:
+        assert layer["wo"].a == P("model", None, None, None) and layer["wo"].b == (P(None, None, None),)
+        assert layer["w_down"].a == P("model", None, None, None) and layer["w_down"].b == (P(None, None, None),)
+        assert layer["wqkv"].a == P(None, None, None, None) and layer["wqkv"].b == (P(None, None, "model"),) * 3
+        assert layer["w_gate_up"].b == (P(None, None, "model"),) * 2
+
+
+@pytest.mark.slow  # 58 s beside three workers (two engines in a subprocess); the specs are checked above
 def test_tensor_parallel_equals_one_device(test_models_dir, tmp_path):
     """Two shards (the adapters' A and B split as their projections) give one device's
     tokens and logprobs, two adapters and the base model in one batch."""
