@@ -162,13 +162,13 @@ def bench_engine(specs: list[dict]) -> dict:
 
     grammars = [GuidanceGrammar(manager.matcher_for(
         StructuredOutputsParams(json=s).grammar_text()), None) for s in (specs * 2)[:64]]
-    rows = list(enumerate(grammars))
+    rows = [(i, g, []) for i, g in enumerate(grammars)]
     fills = []
     for _ in range(20):
         t = time.perf_counter()
         bits = manager.bitmask(rows, len(rows))
         fills.append(time.perf_counter() - t)
-        for i, (_, g) in enumerate(rows):
+        for i, (_, g, _) in enumerate(rows):
             if not g.matcher.is_stopped():
                 g.accept_token(first_allowed(bits[i]))
     return {"ttft_unconstrained_s": plain, "ttft_new_schema_s_median": statistics.median(new),

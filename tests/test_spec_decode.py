@@ -274,6 +274,42 @@ def test_seeded_sampling_and_stop_conditions_identical(engines):
             assert len(g.outputs[0].logprobs) == len(g.outputs[0].token_ids)
 
 
+def test_structured_outputs_speculate_and_stay_identical(engines):
+    """Requests under a regex or a JSON schema get drafts too (the drafts the grammar
+    accepts; each drafted position sampled under the grammar's mask after the drafts
+    before it): greedy and seeded outputs are those without speculation, each matches
+    its constraint, and drafts of constrained requests are accepted."""
+    import json
+    import re
+
+    import jsonschema
+
+    from jaxllm.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                        "minItems": 4, "maxItems": 12}},
+              "required": ["tags"], "additionalProperties": False}
+    regex = "(abc |de ){4,16}x"
+    prompts = repetitive_prompts(8, 4)
+    params = [SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 0.8, seed=i,
+                             structured_outputs=StructuredOutputsParams(regex=regex) if i % 4 < 2 else
+                             StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+              for i in range(len(prompts))]
+    base, spec = engines
+    before = spec.llm_engine.core.scheduler.spec_stats
+    want, got = run(base, prompts, params), run(spec, prompts, params)
+    for p, a, b in zip(params, want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason == "stop"
+        text = b.outputs[0].text
+        if p.structured_outputs.regex:
+            assert re.fullmatch(regex, text), text
+        else:
+            jsonschema.validate(json.loads(text), schema)
+    stats = spec.llm_engine.core.scheduler.spec_stats
+    assert stats.num_accepted_tokens - before.num_accepted_tokens > 20
+
+
 def test_disable_by_batch_size(engines, test_models_dir):
     """Drafts only while fewer requests run than `disable_by_batch_size`: four requests
     start together (none drafted), the long one speculates once the short ones are done."""

@@ -55,5 +55,11 @@ class SchedulerOutput:
         return len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs)
 
     @property
+    def num_sample_rows(self) -> int:
+        """Rows the step samples at: one per scheduled request, and one per draft token
+        (the model runner's sample rows; a structured-output bitmask has as many)."""
+        return len(self.num_scheduled_tokens) + sum(len(d) for d in self.scheduled_spec_decode_tokens.values())
+
+    @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

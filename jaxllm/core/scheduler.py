@@ -185,16 +185,18 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         self._grammar_failures.append(self._output(request, [], None))
 
-    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[int, Grammar]]:
-        """(row, grammar) of the scheduled requests that sample under a grammar this
-        step, the row being the request's place in the step (`num_scheduled_tokens`'
-        order, the model runner's): those rows need a token bitmask."""
-        rows = []
-        for row, req_id in enumerate(sched.num_scheduled_tokens):
+    def constrained_rows(self, sched: SchedulerOutput) -> list[tuple[int, Grammar, list[int]]]:
+        """(first sample row, grammar, draft tokens) of the scheduled requests that sample
+        under a grammar this step: those rows need a token bitmask, one per position a
+        drafted request samples at (the model runner's order: `num_scheduled_tokens`'
+        requests, each 1 + its drafts sample rows; `SchedulerOutput.num_sample_rows`)."""
+        rows, row = [], 0
+        for req_id in sched.num_scheduled_tokens:
             request = self.requests[req_id]
-            s = request.structured
+            s, drafts = request.structured, sched.scheduled_spec_decode_tokens.get(req_id, [])
             if s is not None and s.grammar is not None and request.samples_this_step and not s.grammar.is_terminated:
-                rows.append((row, s.grammar))
+                rows.append((row, s.grammar, drafts))
+            row += 1 + len(drafts)
         return rows
 
     def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]):
@@ -382,15 +384,17 @@ class Scheduler:
                                               -1 if scores is None else scores.k)
 
     def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
-        """The proposed drafts the request may compute next step: none under a grammar
-        (its mask is of the next position only) or while min_tokens holds back stop
-        tokens, and never more than would pass max_tokens (so the K/V of a step stays
-        within what `check_fits` admitted)."""
-        if not drafts or request.structured is not None:
+        """The proposed drafts the request may compute next step: under a grammar, those
+        it would accept in turn (each position is then sampled under the grammar's mask
+        after the drafts before it: `constrained_rows`); none while min_tokens holds
+        back stop tokens; never more than would pass max_tokens (so the K/V of a step
+        stays within what `check_fits` admitted)."""
+        if not drafts or request.num_output_tokens < request.sampling_params.min_tokens:
             return []
-        if request.num_output_tokens < request.sampling_params.min_tokens:
-            return []
-        return drafts[:max(0, request.max_kv_tokens - request.num_tokens)]
+        drafts = drafts[:max(0, request.max_kv_tokens - request.num_tokens)]
+        if request.structured is not None and drafts:
+            drafts = drafts[:request.structured.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _update_prompt_scores(self, request: Request, new_rows: LogprobsLists | None) -> LogprobsLists | None:
         """Take this step's prompt logprob rows; the rows due in the request's output

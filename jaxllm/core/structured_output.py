@@ -24,6 +24,10 @@ class Grammar(Protocol):
     def is_terminated(self) -> bool:
         """The grammar has ended (EOS accepted): no further mask is needed."""
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the start, the grammar would accept in turn (its
+        state unchanged): the draft tokens worth verifying."""
+
 
 @dataclasses.dataclass(eq=False)
 class StructuredOutputRequest:

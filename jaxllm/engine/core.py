@@ -328,8 +328,7 @@ class EngineCore:
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
             self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
-            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched),
-                                                      len(sched.num_scheduled_tokens))
+            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
             if self._step_sender is not None:
                 self._step_sender.send((sched, bitmask))
             result = self.runner.execute_model(sched, bitmask)

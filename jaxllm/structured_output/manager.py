@@ -46,6 +46,11 @@ class GuidanceGrammar:
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        if self._terminated or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(tokens)
+
 
 def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
@@ -110,14 +115,22 @@ class StructuredOutputManager:
                     self._compiled.popitem(last=False)
         return template.deep_copy()
 
-    def bitmask(self, rows: list[tuple[int, GuidanceGrammar]], num_rows: int) -> Int[np.ndarray, "N W"] | None:
-        """One step's token bitmask over its `num_rows` rows: bit t % 32 of word t // 32
-        allows token t; the rows given (row, grammar) get their grammar's, the others
+    def bitmask(self, rows: list[tuple[int, GuidanceGrammar, list[int]]], num_rows: int
+                ) -> Int[np.ndarray, "N W"] | None:
+        """One step's token bitmask over its `num_rows` sample rows: bit t % 32 of word
+        t // 32 allows token t; each (row, grammar, drafts) given fills rows row ..
+        row + len(drafts): its grammar's mask now, then after each draft token in turn
+        (speculative decoding; the grammar's state is left as it was); the other rows
         allow everything. None when no row is constrained."""
         if not rows:
             return None
         words = np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(g.matcher, row) for row, g in rows], words)
+        plain = [(g.matcher, row) for row, g, drafts in rows if not drafts]
+        drafted = [(g.matcher, row, list(drafts)) for row, g, drafts in rows if drafts]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, words)
+        if drafted:  # (llguidance refuses an empty draft list)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, words)
         return words

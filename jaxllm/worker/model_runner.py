@@ -167,9 +167,9 @@ class StepRows:
     logit_rows: Int[np.ndarray, "R"]  # the token whose logits each sample row takes
     sample_seq: Int[np.ndarray, "R"]  # the row (0..S-1) each sample row belongs to
     output_index: Int[np.ndarray, "R"]  # which output token each sample row draws (its uniform)
-    # structured outputs: each row's allowed tokens as bits (all ones where unconstrained);
-    # None when no row is constrained
-    token_bitmask: Int[np.ndarray, "S W"] | None = None
+    # structured outputs: each sample row's allowed tokens as bits (all ones where
+    # unconstrained); None when no row is constrained
+    token_bitmask: Int[np.ndarray, "R W"] | None = None
     lora_slots: Int[np.ndarray, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
 
     @classmethod
@@ -608,9 +608,8 @@ class ModelRunner:
         bias_ids[:num_rows], bias_values[:num_rows] = b.bias_token_ids[rows], b.bias_values[rows]
         seeds = np.zeros((s, 2), np.uint32)
         seeds[:num_rows] = b.seeds[rows]
-        mask = None if host.token_bitmask is None else host.token_bitmask[host.sample_seq]
         return SamplingMetadata(
-            token_bitmask=self._bitmask(s, mask),
+            token_bitmask=self._bitmask(s, host.token_bitmask),
             any_token_bitmask=np.bool_(host.token_bitmask is not None),
             temperature=temperature,
             top_k=top_k,
@@ -646,10 +645,11 @@ class ModelRunner:
 
     # --------------------------------------------------------------- execute
 
-    def execute_model(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "S W"] | None = None,
+    def execute_model(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None,
                       ) -> ModelRunnerOutput:
-        """Run one step; `bitmask`: the structured-output token bitmask of the step's rows
-        (`num_scheduled_tokens`' order; None: no row is constrained)."""
+        """Run one step; `bitmask`: the structured-output token bitmask of the step's
+        sample rows (`num_scheduled_tokens`' order, a drafted request's 1 + drafts rows
+        in turn; None: no row is constrained)."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
@@ -668,7 +668,7 @@ class ModelRunner:
         self._account(step, t0, t1, t2)
         return result
 
-    def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "S W"] | None = None) -> "PreparedStep":
+    def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> "PreparedStep":
         """The bucket-shaped inputs of a step, from the rows' host state (numpy only).
         A row with k draft tokens (written after its known tokens) samples at its last
         k + 1 positions."""
