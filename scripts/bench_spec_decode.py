@@ -10,6 +10,8 @@ the same tokens (checked). Prints the acceptance: rate, mean acceptance length
     python scripts/bench_spec_decode.py --llama-server "$(scripts/build_llama_server.sh)"
     # a draft model: the target dequantized to float32, its Q4_1 file as the draft
     python scripts/bench_spec_decode.py --quantization none --draft-model PATH/TO/SmolLM2.Q4_1.gguf
+    # structured outputs: JSON extracted from the same texts under a JSON schema
+    python scripts/bench_spec_decode.py --structured
 
 With --llama-server, llama.cpp's server runs the same chat prompts (its chat template,
 greedy, the same max_tokens) one at a time, without speculation and with its n-gram
@@ -61,6 +63,25 @@ TASKS = [
 ]
 
 
+_STRING_LIST = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+STRUCTURED_TASKS = [  # (task, JSON schema): answers that copy spans of the input under a grammar
+    (f"List every sentence of this paragraph as JSON.\n\n{PARAGRAPH}",
+     {"type": "object", "properties": {"sentences": _STRING_LIST}, "required": ["sentences"],
+      "additionalProperties": False}),
+    (f"Describe each function of this code as JSON: its name, its arguments and its lines.\n\n```python\n{CODE}```",
+     {"type": "object", "properties": {"functions": {"type": "array", "items": {
+         "type": "object", "properties": {"name": {"type": "string"}, "arguments": _STRING_LIST,
+                                          "lines": _STRING_LIST},
+         "required": ["name", "arguments", "lines"], "additionalProperties": False}}},
+      "required": ["functions"], "additionalProperties": False}),
+    (f"Give the opening hours, the prices and what each wing shows, as JSON.\n\n{PARAGRAPH}",
+     {"type": "object", "properties": {k: {"type": "string"} for k in ("opens", "closes", "tickets", "children",
+                                                                          "students", "east_wing", "west_wing")},
+      "required": ["opens", "closes", "tickets", "children", "students", "east_wing", "west_wing"],
+      "additionalProperties": False}),
+]
+
+
 def chat(task: str) -> list[dict]:
     return [{"role": "user", "content": task}]
 
@@ -73,13 +94,21 @@ def run_jaxllm(args) -> dict:
     options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False,
                    quantization=args.quantization)
     engines = {"off": LLM(args.model, **options), "ngram": LLM(args.model, speculative_config=spec, **options)}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    if args.structured:
+        from jaxllm.sampling_params import StructuredOutputsParams
+
+        tasks = [(task, SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                       structured_outputs=StructuredOutputsParams(json=schema)))
+                 for task, schema in STRUCTURED_TASKS]
+    else:
+        tasks = [(task, SamplingParams(temperature=0, max_tokens=args.max_tokens)) for task in TASKS]
     for llm in engines.values():  # warm: the first request of an engine pays its first-use costs
-        llm.chat([chat(TASKS[0])], params, use_tqdm=False)
+        for task, params in tasks:  # (and each schema its grammar's compilation)
+            llm.chat([chat(task)], params, use_tqdm=False)
     before = engines["ngram"].llm_engine.core.scheduler.spec_stats
     seconds, tokens, texts = {k: 0.0 for k in engines}, {k: 0 for k in engines}, {k: [] for k in engines}
     for _ in range(args.rounds):
-        for task in TASKS:
+        for task, params in tasks:
             for name, llm in engines.items():
                 start = time.perf_counter()
                 out = llm.chat([chat(task)], params, use_tqdm=False)[0].outputs[0]
@@ -140,12 +169,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: the same chats, same run")
     parser.add_argument("--llama-gguf", help="its model (default: the embedded SmolLM2 GGUF)")
+    parser.add_argument("--structured", action="store_true",
+                        help="JSON extracted from the texts under a JSON schema (structured outputs), jaxllm only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     result = run_jaxllm(args)
     tok_s, spec = result["tok_s"], result["spec"]
-    print(f"jaxllm batch 1, {len(TASKS)} input-grounded chats x {args.rounds}, greedy, max_tokens {args.max_tokens}")
+    kind = f"{len(STRUCTURED_TASKS)} JSON extractions under a schema" if args.structured else \
+        f"{len(TASKS)} input-grounded chats"
+    print(f"jaxllm batch 1, {kind} x {args.rounds}, greedy, max_tokens {args.max_tokens}")
     print(f"  without speculation: {tok_s['off']:.1f} output tok/s")
     print(f"  {result['config']}: {tok_s['ngram']:.1f} output tok/s = {tok_s['ngram'] / tok_s['off']:.2f}x"
           f" (tokens identical: {result['identical']})")
@@ -155,7 +188,7 @@ def main() -> None:
         per_pos = ", ".join(f"{a / spec['num_drafts']:.2f}" for a in spec["accepted_per_pos"])
         print(f"  acceptance {rate:.1%} of {spec['num_draft_tokens']} drafts; mean acceptance length {mean_len:.2f}; "
               f"accepted per position (of verifications): {per_pos}")
-    if args.llama_server:
+    if args.llama_server and not args.structured:
         result["llama_server"] = run_llama_server(args)
         ls = result["llama_server"]
         print(f"  llama-server: {ls['off']:.1f} tok/s without, {ls['ngram']:.1f} with ngram-simple "
