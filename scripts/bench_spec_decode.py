@@ -16,7 +16,7 @@ the same tokens (checked). Prints the acceptance: rate, mean acceptance length
 With --llama-server, llama.cpp's server runs the same chat prompts (its chat template,
 greedy, the same max_tokens) one at a time, without speculation and with its n-gram
 lookup (`--spec-type ngram-simple`), in the same run. Throughput at 32 clients with
-speculation on is `scripts/bench_serving.py --compare-launch`.
+speculation on is `scripts/bench_serving.py --compare-speculative JSON`.
 """
 
 from __future__ import annotations

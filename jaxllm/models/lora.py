@@ -6,9 +6,11 @@ For each projection of each layer (the fused ones too: q | k | v, gate | up), th
 slots' A matrices sit side by side, [D, L, P, R] (inputs, slot, part of the fusion,
 rank), and each part's B matrices, [L, R, N_p] (scaled by alpha / r at load). A token
 of slot l (1..L; 0: the base model alone) adds x A_l,p B_l,p to part p's columns:
-x times every slot's A at once ([T, L*P*R], a few percent of the projection's cost at
-rank 16), zeroed outside the token's slot, times every slot's B stacked along the
-contraction. Shapes depend on L and R only: loading an adapter into a slot changes
+x times every slot's A at once ([T, L*P*R]), zeroed outside the token's slot, times
+every slot's B stacked along the contraction: L times the multiply-adds one adapter
+needs (4 slots of rank 16 on SmolLM2: about a fifth more than the base projections; a
+sort by slot and `lax.ragged_dot` measured 1.5-2.3x slower than these dense dots on
+XLA:CPU, docs/benchmarks.md). Shapes depend on L and R only: loading an adapter into a slot changes
 values, never a shape, so nothing recompiles. Which projections there are, and their
 parts' widths, come from the parameter declaration (jaxllm.models.params.declare).
 With `kernel="pallas"` (the `pallas` linear backend) the products run through the

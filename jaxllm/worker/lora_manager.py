@@ -60,6 +60,9 @@ class LoRAManager:
         if known is not None and known.lora_path != lora.lora_path:
             raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is already {known.lora_name!r} at "
                              f"{known.lora_path}, not {lora.lora_path}")
+        if known is None and self._users[lora.lora_int_id]:  # removed, but its slot still serves running requests
+            raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} was removed while requests still run "
+                             "under it; give the adapter a new id")
         host = self._host.get(lora.lora_int_id)
         if host is None:
             host, rank = load_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank)

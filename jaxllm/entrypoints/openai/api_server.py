@@ -3,9 +3,9 @@
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
 /v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/models, /tokenizer_info,
 /health, /version, /metrics. A request's `model` names the base model or a LoRA
-adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter). With an API key, every
-/v1 route and /tokenize, /detokenize, /tokenizer_info need `Authorization: Bearer <key>`; /health, /version and
-/metrics stay open. Every error has the OpenAI shape; after any of them the server
+adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter).
+With an API key, every /v1 route and /tokenize, /detokenize, /tokenizer_info need
+`Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error has the OpenAI shape; after any of them the server
 keeps serving.
 """
 
@@ -291,7 +291,9 @@ class Handlers:
             raise APIError(400, "LoRA is not enabled: start the server with --enable-lora", param="lora_name")
         async with self._lora_lock:
             old = self.loras.get(body.lora_name)
-            if body.lora_name == self.settings.model_name or (old is not None and not body.load_inplace):
+            if body.lora_name == self.settings.model_name:
+                raise APIError(400, f"'{body.lora_name}' is the base model's name", param="lora_name")
+            if old is not None and not body.load_inplace:
                 raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.",
                                param="lora_name")
             lora = LoRARequest(body.lora_name, self._next_lora_id, body.lora_path)
