@@ -91,6 +91,8 @@ bench: setup-dev
 	  --out bench_results/spec_serving_standard
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 --compare-lora 4 \
 	  --lora-rank 16 --out bench_results/lora_serving_standard
+	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 --compare-lora 4 \
+	  --lora-rank 16 --out bench_results/lora_serving_standard_avx2
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json
 
