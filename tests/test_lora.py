@@ -297,3 +297,33 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
         assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
     finally:
         server.stop()
+
+
+def test_an_update_waits_for_every_data_parallel_replica():
+    """/v1/load_lora_adapter through data-parallel replicas: the update is done when each
+    replica answered, and fails with the first refusal any of them sent."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxllm.engine import serialization as wire
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.engine.protocol import LoRAUpdateResult
+
+    async def scenario(replies: list[str | None]):
+        engine = AsyncLLM.__new__(AsyncLLM)  # the LoRA update path only: no core processes
+        sent = []
+        engine.client = SimpleNamespace(num_replicas=len(replies), send=lambda kind, payload: sent.append(payload))
+        engine.dead_reason, engine._lora_ops, engine._next_lora_op = None, {}, 0
+        engine._loop = asyncio.get_running_loop()
+        update = asyncio.create_task(engine.add_lora(LoRARequest("x", 5, "/p")))
+        await asyncio.sleep(0)
+        assert sent[0].add.lora_int_id == 5
+        for error in replies:
+            assert not update.done()
+            engine._on_core_message(wire.LORA_RESULT, LoRAUpdateResult(sent[0].op_id, error))
+            await asyncio.sleep(0)
+        return await update
+
+    assert asyncio.run(scenario([None, None])) is None
+    with pytest.raises(ValueError, match="rank 32 exceeds"):
+        asyncio.run(scenario([None, "lora_path: rank 32 exceeds max_lora_rank 16"]))
