@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.quantized_matmul import default_blocks
 from pallas_kernels.ragged_paged_attention import MIN_MMA, Q_DTYPES, _is_pow2
 
 __all__ = ["lora_shrink", "lora_expand", "lora_reference"]
@@ -49,17 +50,18 @@ def lora_reference(x: Float[Array, "M K"], a: Float[Array, "K L P R"], bs: tuple
     return jnp.concatenate(outs, axis=-1).astype(x.dtype)
 
 
-def _check(rank: int, block_m: int, block_k: int, k: int, dtype, name: str) -> None:
+def _check(name: str, rank: int, dtype, tiles: dict[str, int], k: int | None = None) -> None:
+    """x's dtype, the slots' rank and the tiles as ``tl.dot`` takes them; K whole steps."""
     if jnp.dtype(dtype) not in Q_DTYPES:
         raise ValueError(f"{name}: x must be one of {[d.name for d in Q_DTYPES]}, got {jnp.dtype(dtype)}")
     if not _is_pow2(rank) or rank < MIN_MMA:
         raise ValueError(f"{name}: the rank of the slots ({rank}) must be a power of two >= {MIN_MMA} (tl.dot); "
                          "zero-pad the adapters to it")
-    for label, val in (("block_m", block_m), ("block_k", block_k)):
+    for label, val in tiles.items():
         if not _is_pow2(val) or val < MIN_MMA:
             raise ValueError(f"{name}: {label}={val} must be a power of two >= {MIN_MMA}")
-    if k % block_k:
-        raise ValueError(f"{name}: K={k} is not a multiple of block_k={block_k}")
+    if k is not None and k % tiles["block_k"]:
+        raise ValueError(f"{name}: K={k} is not a multiple of block_k={tiles['block_k']}")
 
 
 def _rows(m: int, block_m: int):
@@ -125,17 +127,6 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-def _block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
-
-
-def _block_k(k: int) -> int:
-    block_k = 64
-    while block_k > MIN_MMA and k % block_k:
-        block_k //= 2
-    return block_k
-
-
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "interpret"))
 def lora_shrink(x: Float[Array, "M K"], a: Float[Array, "K L P R"], slots: Int[Array, "M"], *,
                 block_m: int | None = None, block_k: int | None = None, interpret: bool = False
@@ -145,8 +136,9 @@ def lora_shrink(x: Float[Array, "M K"], a: Float[Array, "K L P R"], slots: Int[A
     (m, k), (ka, num_slots, parts, rank) = x.shape, a.shape
     if ka != k:
         raise ValueError(f"lora_shrink: a must be [K={k}, L, P, R], got {a.shape}")
-    block_m, block_k = block_m or _block_m(m), block_k or _block_k(k)
-    _check(rank, block_m, block_k, k, x.dtype, "lora_shrink")
+    bm, _, bk = default_blocks(m, 1, k, 0)  # the quantized matmul's tiles: rows by M, the K step dividing K
+    block_m, block_k = block_m or bm, block_k or bk
+    _check("lora_shrink", rank, x.dtype, {"block_m": block_m, "block_k": block_k}, k)
     kernel = functools.partial(_shrink_kernel, m=m, k=k, num_slots=num_slots, rank=rank, block_m=block_m,
                                block_k=block_k, precision=_precision(x.dtype))
     return pl.pallas_call(
@@ -165,8 +157,9 @@ def lora_expand(s: Float[Array, "M R"], b: Float[Array, "L R N"], slots: Int[Arr
     (m, rank), (num_slots, rank_b, n) = s.shape, b.shape
     if rank_b != rank:
         raise ValueError(f"lora_expand: b must be [L, R={rank}, N], got {b.shape}")
-    block_m, block_n = block_m or _block_m(m), block_n or (128 if n >= 4096 else 64)
-    _check(rank, block_m, block_n, block_n, b.dtype, "lora_expand")
+    bm, bn, _ = default_blocks(m, n, rank, 0)
+    block_m, block_n = block_m or bm, block_n or bn
+    _check("lora_expand", rank, b.dtype, {"block_m": block_m, "block_n": block_n})
     kernel = functools.partial(_expand_kernel, m=m, n=n, num_slots=num_slots, rank=rank, block_m=block_m,
                                block_n=block_n, precision=_precision(b.dtype))
     return pl.pallas_call(

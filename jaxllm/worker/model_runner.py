@@ -83,7 +83,8 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 4) -> list[int]:
     from 8.7% to 6.2%. Small ones still pay for padding: on SmolLM2 a decode of 1-4
     sequences took 69-74 ms per step padded to 16 tokens and 46-49 ms padded to 4; one
     sequence 14.0-14.4 ms padded to 1 against 16.4-19.3 ms padded to 4 (AMD EPYC Zen 4,
-    AVX-512, 2 vCPUs, native build; the AVX2 build not timed). Each bucket is one more compilation at start-up, so 2 and 3 pad to 4."""
+    AVX-512, 2 vCPUs, native build; the AVX2 build not timed). Each bucket is one more
+    compilation at start-up, so 2 and 3 pad to 4."""
     budget = max_num_batched_tokens
     step = max(64, budget // 8)
     buckets, b = {1}, min(smallest, budget)
