@@ -5,8 +5,10 @@ two engines alternating prompt by prompt in one process; greedy, so both must gi
 the same tokens (checked). Prints the acceptance: rate, mean acceptance length
 (tokens per verification), and per draft position.
 
-    python scripts/bench_spec_decode.py                       # the embedded SmolLM2
-    python scripts/bench_spec_decode.py --num-speculative-tokens 4 --prompt-lookup-min 2 --prompt-lookup-max 5
+    python scripts/bench_spec_decode.py                       # the embedded SmolLM2: k=7, lookup 1..3,
+                                                              # 1 token for a match shorter than 3
+    python scripts/bench_spec_decode.py --num-speculative-tokens 3 --prompt-lookup-min 2 \
+        --short-match-tokens 0                                # vLLM's own form: k tokens on any match
     python scripts/bench_spec_decode.py --llama-server "$(scripts/build_llama_server.sh)"
     # a draft model: the target dequantized to float32, its Q4_1 file as the draft
     python scripts/bench_spec_decode.py --quantization none --draft-model PATH/TO/SmolLM2.Q4_1.gguf
@@ -15,7 +17,8 @@ the same tokens (checked). Prints the acceptance: rate, mean acceptance length
 
 With --llama-server, llama.cpp's server runs the same chat prompts (its chat template,
 greedy, the same max_tokens) one at a time, without speculation and with its n-gram
-lookup (`--spec-type ngram-simple`), in the same run. Throughput at 32 clients with
+lookup (`--spec-type ngram-simple`, its n-gram length the lookup's shortest and longest: the
+better counts), in the same run. Throughput at 32 clients with
 speculation on is `scripts/bench_serving.py --compare-speculative JSON`.
 """
 
@@ -88,7 +91,8 @@ def chat(task: str) -> list[dict]:
 
 def run_jaxllm(args) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+            "short_match_tokens": args.short_match_tokens or None}
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
     options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False,
@@ -135,10 +139,11 @@ def run_llama_server(args) -> dict:
 
     gguf = args.llama_gguf or str(model_path(None))
     results = {}
-    variants = {"off": [], "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
-                                     str(args.prompt_lookup_min), "--spec-ngram-simple-size-m",
-                                     str(args.num_speculative_tokens), "--spec-draft-n-max",
-                                     str(args.num_speculative_tokens)]}
+    variants = {"off": []}
+    for n in sorted({args.prompt_lookup_min, args.prompt_lookup_max}):  # its lookup matches one length
+        variants[f"ngram n={n}"] = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n),
+                                    "--spec-ngram-simple-size-m", str(args.num_speculative_tokens),
+                                    "--spec-draft-n-max", str(args.num_speculative_tokens)]
     for name, extra in variants.items():
         with LaunchedLlamaServer(args.llama_server, gguf, 1, ctx_per_slot=args.max_model_len, extra=extra) as server:
             with httpx.Client(base_url=server.url, timeout=600) as client:
@@ -152,15 +157,19 @@ def run_llama_server(args) -> dict:
                         seconds += time.perf_counter() - start
                         tokens += r["usage"]["completion_tokens"]
         results[name] = tokens / seconds
+    results["ngram"] = max(v for k, v in results.items() if k.startswith("ngram "))  # its best
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--prompt-lookup-min", type=int, default=2)
-    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", type=int, default=7)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--short-match-tokens", type=int, default=1,
+                        help="a match shorter than --prompt-lookup-max proposes at most this many (0: vLLM's "
+                             "behaviour, every match proposes --num-speculative-tokens)")
     parser.add_argument("--draft-model", help="draft with this model (method draft_model) instead of n-gram lookup")
     parser.add_argument("--quantization", help="the target's quantization option (e.g. none: dequantized)")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -191,7 +200,8 @@ def main() -> None:
     if args.llama_server and not args.structured:
         result["llama_server"] = run_llama_server(args)
         ls = result["llama_server"]
-        print(f"  llama-server: {ls['off']:.1f} tok/s without, {ls['ngram']:.1f} with ngram-simple "
+        tried = ", ".join(f"{k} {v:.1f}" for k, v in ls.items() if k.startswith("ngram "))
+        print(f"  llama-server: {ls['off']:.1f} tok/s without, {ls['ngram']:.1f} with ngram-simple ({tried}; the best) "
               f"({ls['ngram'] / ls['off']:.2f}x); jaxllm/llama-server: {tok_s['off'] / ls['off']:.2f}x without, "
               f"{tok_s['ngram'] / ls['ngram']:.2f}x with")
     if args.out:

@@ -264,6 +264,7 @@ def test_token_buckets():
     assert token_buckets(2048) == [1, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert token_buckets(100) == [1, 4, 8, 16, 32, 64, 100]  # the budget itself is always a bucket
     assert token_buckets(3) == [1, 3]
+    assert token_buckets(512, speculative=True)[:4] == [1, 2, 4, 8]  # a lone decode with one draft
     assert seq_bucket(64, 16) == 16 and seq_bucket(64, 512) == 64
 
 

@@ -41,6 +41,9 @@ def test_config_defaults_follow_vllm():
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs `model`"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown field.*lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "short_match_tokens": 3}, r"short_match_tokens \(3\) exceeds"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "short_match_tokens": 0}, "short_match_tokens must be a"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "short_match_tokens": 1}, "'ngram' only"),
     ("{not json", "not JSON"),
     ([1, 2], "expected an object"),
 ])
@@ -49,8 +52,9 @@ def test_config_refusals_name_the_field(value, message):
         SpeculativeConfig.parse(value)
 
 
-def oracle(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The definition, by brute force: longest n first, latest earlier occurrence."""
+def oracle(tokens: list[int], min_n: int, max_n: int, k: int, short_k: int | None = None) -> list[int]:
+    """The definition, by brute force: longest n first, latest earlier occurrence; a
+    match shorter than max_n proposes short_k tokens."""
     for n in range(max_n, min_n - 1, -1):
         if n > len(tokens) - 1:
             continue
@@ -58,7 +62,8 @@ def oracle(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i:i + n] == suffix:
                 follow = tokens[i + n:]
-                return [follow[j % len(follow)] for j in range(k)]
+                count = k if n == max_n or short_k is None else short_k
+                return [follow[j % len(follow)] for j in range(count)]
     return []
 
 
@@ -69,14 +74,20 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert p.propose(np.array([1, 2, 3])).tolist() == []  # no earlier bigram
     assert NgramProposer(1, 1, 2).propose(np.array([7, 1, 7])).tolist() == [1, 7]
     assert NgramProposer(2, 3, 4).propose(np.array([4, 9, 9, 9])).tolist() == [9, 9, 9, 9]  # a run
+    # short_match_tokens: a match shorter than max_n proposes fewer
+    short = NgramProposer(1, 3, 5, short_k=2)
+    assert short.propose(np.array([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])).tolist() == [4, 5, 6, 7, 1]  # 3 tokens matched
+    assert short.propose(np.array([8, 2, 3, 4, 5, 6, 7, 1, 2, 3])).tolist() == [4, 5]  # 2 tokens matched
+    assert short.propose(np.array([9, 9, 3, 4, 5, 6, 7, 1, 2, 3])).tolist() == [4, 5]  # 1 token
 
 
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), min_n=st.integers(1, 3),
-       extra=st.integers(0, 3), k=st.integers(1, 5))
-def test_ngram_matches_the_brute_force_definition(tokens, min_n, extra, k):
-    got = NgramProposer(min_n, min_n + extra, k).propose(np.array(tokens, np.int32))
-    assert got.tolist() == oracle(tokens, min_n, min_n + extra, k)
+       extra=st.integers(0, 3), k=st.integers(1, 5), short=st.one_of(st.none(), st.integers(1, 5)))
+def test_ngram_matches_the_brute_force_definition(tokens, min_n, extra, k, short):
+    short = None if short is None else min(short, k)
+    got = NgramProposer(min_n, min_n + extra, k, short).propose(np.array(tokens, np.int32))
+    assert got.tolist() == oracle(tokens, min_n, min_n + extra, k, short)
 
 
 # ---- the scheduler's bookkeeping across rejections --------------------------------------
@@ -190,7 +201,9 @@ def test_rejected_drafts_leave_no_stale_kv_and_no_leak(windows, seed):
 # ---- through LLM: exactly the outputs of decoding without speculation ---------------------
 
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # the llama test model: block_size x (K,V) x layers x kv_size x float32
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# short_match_tokens: drafts of 1 and 3 tokens (the accounting is the same either way)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "short_match_tokens": 1}
 
 
 def make_llm(test_models_dir, **options):

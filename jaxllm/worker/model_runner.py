@@ -72,7 +72,7 @@ class RunnerStats:
     seconds_per_bucket: dict = dataclasses.field(default_factory=dict)  # host + device wait
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 4) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, smallest: int = 4, speculative: bool = False) -> list[int]:
     """Token counts a step is padded to: 1 (a lone decode), powers of two from
     `smallest` up to the spacing of the large buckets, then multiples of that spacing
     (64, or an eighth of the budget if larger) up to the budget, and the budget itself.
@@ -84,10 +84,13 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 4) -> list[int]:
     sequences took 69-74 ms per step padded to 16 tokens and 46-49 ms padded to 4; one
     sequence 14.0-14.4 ms padded to 1 against 16.4-19.3 ms padded to 4 (AMD EPYC Zen 4,
     AVX-512, 2 vCPUs, native build; the AVX2 build not timed). Each bucket is one more
-    compilation at start-up, so 2 and 3 pad to 4."""
+    compilation at start-up, so 2 and 3 pad to 4 -- except with speculative decoding,
+    where 2 is a lone decode with one draft token (n-gram lookup's short matches,
+    `short_match_tokens` 1): on SmolLM2 a 2-token step costs ~1.1x a 1-token one and a
+    4-token step ~1.36x (Intel Xeon, AVX-512, 2 vCPUs)."""
     budget = max_num_batched_tokens
     step = max(64, budget // 8)
-    buckets, b = {1}, min(smallest, budget)
+    buckets, b = {1} | ({2} if speculative and budget >= 2 else set()), min(smallest, budget)
     while b < min(step, budget):
         buckets.add(b)
         b *= 2
@@ -122,7 +125,8 @@ def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
     own runner: the engine builds it and hands it over, `ModelRunner.set_proposer`)."""
     if spec is None or spec.method != "ngram":
         return None
-    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+                         spec.short_match_tokens)
 
 
 def _shapes_and_dtypes(tree):
@@ -252,7 +256,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.token_buckets = token_buckets(max_num_batched_tokens, speculative=speculative_config is not None)
         self.speculative_config = speculative_config
         self.proposer = make_proposer(speculative_config)
         self.buckets = step_buckets(self.token_buckets, max_num_seqs, speculative_config is not None)
