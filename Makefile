@@ -84,10 +84,11 @@ bench: setup-dev
 	$(PY) scripts/bench_quant.py --isa avx2 --out bench_results/quant_avx2.json
 	$(PY) scripts/bench_hybrid_kv.py --out bench_results/hybrid_kv.json
 	$(PY) scripts/bench_spec_decode.py --llama-server $$(scripts/build_llama_server.sh) \
+	  --also '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}' \
 	  --out bench_results/spec_decode_batch1.json
 	$(PY) scripts/bench_spec_decode.py --structured --out bench_results/spec_decode_batch1_structured.json
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 --compare-speculative \
-	  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}' \
+	  '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "short_match_tokens": 1}' \
 	  --out bench_results/spec_serving_standard
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 --compare-lora 4 \
 	  --lora-rank 16 --out bench_results/lora_serving_standard

@@ -9,6 +9,8 @@ the same tokens (checked). Prints the acceptance: rate, mean acceptance length
                                                               # 1 token for a match shorter than 3
     python scripts/bench_spec_decode.py --num-speculative-tokens 3 --prompt-lookup-min 2 \
         --short-match-tokens 0                                # vLLM's own form: k tokens on any match
+    python scripts/bench_spec_decode.py --also '{"method": "ngram", "num_speculative_tokens": 3}'
+                                                              # more configurations, same run
     python scripts/bench_spec_decode.py --llama-server "$(scripts/build_llama_server.sh)"
     # a draft model: the target dequantized to float32, its Q4_1 file as the draft
     python scripts/bench_spec_decode.py --quantization none --draft-model PATH/TO/SmolLM2.Q4_1.gguf
@@ -98,6 +100,8 @@ def run_jaxllm(args) -> dict:
     options = dict(max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, progress=False,
                    quantization=args.quantization)
     engines = {"off": LLM(args.model, **options), "ngram": LLM(args.model, speculative_config=spec, **options)}
+    for i, other in enumerate(args.also):  # more configurations, alternating with the rest
+        engines[f"also{i}"] = LLM(args.model, speculative_config=json.loads(other), **options)
     if args.structured:
         from jaxllm.sampling_params import StructuredOutputsParams
 
@@ -125,8 +129,22 @@ def run_jaxllm(args) -> dict:
              "num_accepted_tokens": stats.num_accepted_tokens - before.num_accepted_tokens,
              "accepted_per_pos": [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
                                   for i, a in enumerate(stats.accepted_per_pos)]}
-    return {"tok_s": {k: tokens[k] / seconds[k] for k in engines}, "tokens": tokens,
-            "identical": texts["off"] == texts["ngram"], "spec": delta, "config": spec}
+    also = [{"config": json.loads(other), "tok_s": tokens[f"also{i}"] / seconds[f"also{i}"],
+             "identical": texts[f"also{i}"] == texts["off"], "steps": _steps_by_tokens(engines[f"also{i}"])}
+            for i, other in enumerate(args.also)]
+    return {"tok_s": {k: tokens[k] / seconds[k] for k in ("off", "ngram")}, "tokens": tokens,
+            "identical": texts["off"] == texts["ngram"], "spec": delta, "config": spec, "also": also,
+            "steps": {k: _steps_by_tokens(engines[k]) for k in ("off", "ngram")}}
+
+
+def _steps_by_tokens(llm) -> dict[int, tuple[int, float]]:
+    """Steps run per token bucket and their mean milliseconds (warm-up included)."""
+    st = llm.llm_engine.core.runner.stats
+    out = {}
+    for (t, _s), n in sorted(st.steps_per_bucket.items()):
+        count, ms = out.get(t, (0, 0.0))
+        out[t] = (count + n, ms + 1e3 * st.seconds_per_bucket[(t, _s)])
+    return {t: (n, round(ms / n, 1)) for t, (n, ms) in out.items()}
 
 
 def run_llama_server(args) -> dict:
@@ -176,6 +194,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--also", action="append", default=[], metavar="JSON",
+                        help="another speculative_config run alongside (repeatable): its ratio to the same baseline")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: the same chats, same run")
     parser.add_argument("--llama-gguf", help="its model (default: the embedded SmolLM2 GGUF)")
     parser.add_argument("--structured", action="store_true",
@@ -191,6 +211,10 @@ def main() -> None:
     print(f"  without speculation: {tok_s['off']:.1f} output tok/s")
     print(f"  {result['config']}: {tok_s['ngram']:.1f} output tok/s = {tok_s['ngram'] / tok_s['off']:.2f}x"
           f" (tokens identical: {result['identical']})")
+    print(f"  steps by tokens (count, mean ms): without {result['steps']['off']}, with {result['steps']['ngram']}")
+    for other in result["also"]:
+        print(f"  also {other['config']}: {other['tok_s']:.1f} output tok/s = {other['tok_s'] / tok_s['off']:.2f}x "
+              f"(tokens identical: {other['identical']}); steps {other['steps']}")
     if spec["num_draft_tokens"]:
         rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
         mean_len = 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
