@@ -120,6 +120,7 @@ def test_more_adapters_than_slots_wait_for_one(test_models_dir, adapters):
         assert mixed[i].outputs[0].token_ids == alone.outputs[0].token_ids, (i, n)
 
 
+@pytest.mark.slow  # the 15-minute budget; speculation and adapters each run by default
 def test_speculative_decoding_under_adapters(test_models_dir, adapters, llm):
     """n-gram drafts verified under each request's adapter: greedy tokens identical to
     the same engine without speculation, base and two adapters in one batch."""
