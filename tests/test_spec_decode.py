@@ -369,7 +369,9 @@ def test_sampled_distribution_matches_the_target(engines):
     assert scipy.stats.chi2_contingency(table).pvalue > 1e-3, (table, stats)
 
 
-@pytest.mark.parametrize("attention", ["cpu", pytest.param("xla", marks=pytest.mark.slow),
+# all slow (the 15-minute budget): by default the fake runner's property test drives the hybrid manager
+@pytest.mark.parametrize("attention", [pytest.param("cpu", marks=pytest.mark.slow),
+                                       pytest.param("xla", marks=pytest.mark.slow),
                                        pytest.param("pallas", marks=pytest.mark.slow)])
 def test_greedy_identical_under_the_hybrid_cache(test_models_dir, attention):
     """The Gemma-3-shaped test model (a sliding layer of window 12, blocks of 4): drafted
