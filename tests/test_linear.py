@@ -211,7 +211,8 @@ def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplo
         linear_candidates("cpu", jnp.float32)
 
 
-@pytest.mark.slow  # the 15-minute budget: by default test_autotune's mixed plan (cpu kernels for small steps) equals all-xla
+# the 15-minute budget: by default test_autotune's mixed plan (cpu kernels for small steps) equals all-xla
+@pytest.mark.slow
 def test_engine_gives_the_same_tokens_with_either_linear_backend(test_models_dir):
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 500, k)] for k in (5, 40, 90)]

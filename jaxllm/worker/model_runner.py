@@ -87,7 +87,8 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 4, speculative: b
     compilation at start-up, so 2 and 3 pad to 4 -- except with speculative decoding,
     where 2 is a lone decode with one draft token (n-gram lookup's short matches,
     `short_match_tokens` 1): on SmolLM2 a 2-token step costs ~1.1x a 1-token one and a
-    4-token step ~1.36x (Intel Xeon, AVX-512, 2 vCPUs)."""
+    4-token step ~1.36x (Intel Xeon, AVX-512, 2 vCPUs, native build; the AVX2 build
+    not timed)."""
     budget = max_num_batched_tokens
     step = max(64, budget // 8)
     buckets, b = {1} | ({2} if speculative and budget >= 2 else set()), min(smallest, budget)

@@ -5,8 +5,8 @@ Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
 /health, /version, /metrics. A request's `model` names the base model or a LoRA
 adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter).
 With an API key, every /v1 route and /tokenize, /detokenize, /tokenizer_info need
-`Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error has the OpenAI shape; after any of them the server
-keeps serving.
+`Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error
+has the OpenAI shape; after any of them the server keeps serving.
 """
 
 from __future__ import annotations
