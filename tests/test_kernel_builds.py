@@ -60,3 +60,32 @@ def test_kernel_tests_pass_under_the_build(march, tests):
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
+    """pytest's workers (or a server's processes) that start together wait for one build
+    instead of each compiling the library (~45 CPU-seconds each): a lock around the
+    build, and the file looked for again under it. Threads stand in for processes (each
+    opens the lock file itself, so flock excludes them as it does processes)."""
+    import threading
+    import time
+
+    from jaxllm.cpu_kernels import build
+
+    builds = []
+
+    def fake_compile(compiler, include_dir, path):
+        builds.append(path)
+        time.sleep(0.3)
+        path.write_bytes(b"library")
+        return path
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(build.library_path.__wrapped__())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(found) == 3 and len(set(found)) == 1 and found[0].read_bytes() == b"library"

@@ -89,10 +89,23 @@ def library_path() -> Path:
             return path
         try:
             root.mkdir(parents=True, exist_ok=True)
+            lock = open(root / f".{name}.lock", "a")  # noqa: SIM115 (held until the build is in place)
         except OSError:
             continue  # a read-only cache directory: build in the temp directory instead
-        return _compile(compiler, include_dir, path)
+        with lock:
+            _lock(lock)  # processes starting together (a server's, pytest's workers) build it once
+            return path if path.is_file() else _compile(compiler, include_dir, path)
     raise KernelBuildError(f"no writable directory to build {name} in")
+
+
+def _lock(file) -> None:
+    """Wait for an exclusive lock on `file` (released when it is closed); none where the
+    platform has no fcntl (each process then builds its own copy, as before)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:
