@@ -260,6 +260,18 @@ constexpr bool kWideTile = true;
 constexpr bool kWideTile = false;
 #endif
 constexpr int kNarrowRows = 6;
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+// A pass over half the panel keeps 2 G accumulators busy: at G <= 2 fewer than the 8
+// products two FMA units of latency 4 need in flight (the 2 rows left of a 32-row step's
+// last tile; one-row decodes), so such rows take the whole panel in one pass (4 G
+// accumulators with AVX2) where its accumulators, vectors and a broadcast fit the
+// register file.
+template <int G>
+constexpr bool kWholePanel = (G + 1) * (kPanel / jaxllm::kLanes) + 1 <= kVectorRegisters;
 
 // A panel's weights and scales, as a tile function reads them.
 template <class Wt>
@@ -271,11 +283,12 @@ struct Panel {
   int group_shift = 0;     // log2(G)
 };
 
-// out[G][16] = rows g..g+G-1 of the packed tile times columns 16h..16h+15 of the panel,
-// in vectors of the native width (f32xN: 2 per 16 columns with AVX2, 4 with NEON).
-template <int G, class Wt, int S>
+// out[G][C] = rows g..g+G-1 of the packed tile times columns Ch..Ch+C-1 of the panel (C:
+// 16, or the whole panel's 32), in vectors of the native width (f32xN: 2 per 16 columns
+// with AVX2, 4 with NEON).
+template <int G, int C, class Wt, int S>
 void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, float* out, bool prefetch) {
-  constexpr int V = 16 / jaxllm::kLanes;
+  constexpr int V = C / jaxllm::kLanes;
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = f32xN{};
@@ -283,7 +296,7 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
   for (int64_t k = 0; k < K; ++k) {
     f32xN w[V];
     for (int v = 0; v < V; ++v)
-      w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16 * h + v * jaxllm::kLanes);
+      w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, C * h + v * jaxllm::kLanes);
     if (prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < G; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + g + i]);
@@ -291,17 +304,25 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
     }
   }
   for (int i = 0; i < G; ++i)
-    for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + 16 * h + v * jaxllm::kLanes, acc[i][v]);
+    for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + C * h + v * jaxllm::kLanes, acc[i][v]);
+}
+
+// Rows g..g+G-1 of the tile times the panel: in one pass, or one per half.
+template <int G, class Wt, int S>
+void narrow_rows(const float* xt, int g, const Panel<Wt>& p, int64_t K, float* out, bool prefetch) {
+  if constexpr (kWholePanel<G>) {
+    narrow_tile<G, kPanel, Wt, S>(xt, g, p, 0, K, out, prefetch);
+  } else {
+    for (int h = 0; h < 2; ++h) narrow_tile<G, 16, Wt, S>(xt, g, p, h, K, out, prefetch && h == 0);
+  }
 }
 
 template <int R, class Wt, int S>
 void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
   float out[kTileRows * kPanel];
-  for (int h = 0; h < 2; ++h) {
-    narrow_tile<G1, Wt, S>(xt, 0, p, h, K, out, h == 0 && p.prefetch);  // the next panel, once
-    if constexpr (G2 > 0) narrow_tile<G2, Wt, S>(xt, G1, p, h, K, out, false);
-  }
+  narrow_rows<G1, Wt, S>(xt, 0, p, K, out, p.prefetch);  // the next panel, once
+  if constexpr (G2 > 0) narrow_rows<G2, Wt, S>(xt, G1, p, K, out, false);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
