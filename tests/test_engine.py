@@ -17,7 +17,8 @@ KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_siz
 
 def make_llm(test_models_dir, **options):
     config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
-                  kv_cache_memory=64 * KV_BYTES_PER_BLOCK, progress=False)
+                  kv_cache_memory=64 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu",
+                  progress=False)  # nothing measured at start-up (tests/test_autotune.py covers `auto`)
     return LLM(str(test_models_dir / "llama"), **(config | options))
 
 

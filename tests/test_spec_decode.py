@@ -209,7 +209,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def make_llm(test_models_dir, **options):
     """Budget of 32 tokens (chunked prefill, drafts cut short) and a 24-block pool (preemption)."""
     config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
-                  kv_cache_memory=25 * KV_BYTES_PER_BLOCK, progress=False)
+                  kv_cache_memory=25 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu",
+                  progress=False)  # nothing measured at start-up
     return LLM(str(test_models_dir / "llama"), **(config | options))
 
 
