@@ -4,7 +4,8 @@ Built on first use with the machine's C++ compiler (`$CXX`, else c++ / g++ / cla
 against the FFI headers of the installed jaxlib, for the host CPU (-march=native; or the
 ISA level $JAXLLM_CPU_MARCH names, e.g. x86-64-v3 for AVX2 + FMA), and
 kept in `<cache>/jaxllm-kernels/` keyed by the source, the flags, the compiler, jaxlib
-and the CPU: a later start loads it at once. No compiler, or a failed build, raises
+and the CPU: a later start loads it at once, and processes starting together (pytest's
+workers, a server's) wait on a lock for one build. No compiler, or a failed build, raises
 KernelBuildError with the compiler's message; the `auto` attention and linear backends
 then fall back to XLA (jaxllm.attention.backends, jaxllm.models.linear).
 """
