@@ -12,6 +12,8 @@ from jaxllm.worker import autotune
 from jaxllm.worker.autotune import BackendPlan, StepBackends, measured_buckets, plan_backends
 from tests.test_engine import make_llm
 
+AUTO = dict(attention_backend="auto", linear_backend="auto")  # make_llm names its backends
+
 BUCKETS = [(4, 4), (8, 8), (16, 8), (32, 8)]
 
 
@@ -138,7 +140,7 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path))
+    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
     runner = mixed.llm_engine.core.runner
     assert measured and runner.plan.source == "measured"
     assert {c.linear for c in runner.plan.choices} == {"cpu", "xla"}
@@ -159,7 +161,7 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
             np.testing.assert_allclose([x.logprob for x in la.values()], [x.logprob for x in lb.values()], atol=1e-4)
 
     measured.clear()
-    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path))
+    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
     assert not measured and again.llm_engine.core.runner.plan.source == "stored"
     assert again.llm_engine.core.runner.plan.choices == runner.plan.choices
 
