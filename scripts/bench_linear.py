@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""The cpu dense kernel (jaxllm.models.linear, packed weights) against XLA's dot, on
-SmolLM2's projection shapes, in one process: GFLOP/s of each and their ratio.
+"""The cpu dense kernel (jaxllm.models.linear, packed weights) against XLA's dot and
+numpy's BLAS (the OpenBLAS its wheel ships), on SmolLM2's projection shapes, in one
+process: GFLOP/s of each and the kernel's ratio to each.
 
     .venv/bin/python scripts/bench_linear.py               # this CPU's native build
     .venv/bin/python scripts/bench_linear.py --isa avx2    # AVX2 + FMA only: kernels built
@@ -13,8 +14,9 @@ SmolLM2's projection shapes, in one process: GFLOP/s of each and their ratio.
                                                            # model), and bfloat16 panels
 
 `--isa avx2` on an AVX-512 machine gives the register file of an AVX2-only one (it
-re-runs this script with JAXLLM_CPU_MARCH=x86-64-v3 and XLA_FLAGS=--xla_cpu_max_isa=AVX2
-set before JAX starts). Say which machine and which build a number came from.
+re-runs this script with JAXLLM_CPU_MARCH=x86-64-v3, XLA_FLAGS=--xla_cpu_max_isa=AVX2
+and OPENBLAS_CORETYPE=Haswell set before JAX and numpy start). Say which machine and
+which build a number came from.
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def timed(fn, *args, iters: int) -> float:
     return best
 
 
+def timed_numpy(fn, iters: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def run(rows: list[int], iters: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -47,18 +60,23 @@ def run(rows: list[int], iters: int) -> None:
     from jaxllm.models.linear import linear, pack_weight
 
     rng = np.random.default_rng(0)
-    print(f"{'M':>5} {'K':>5} {'N':>6} {'kernel GFLOP/s':>15} {'xla GFLOP/s':>12} {'kernel/xla':>10}")
+    print(f"{'M':>5} {'K':>5} {'N':>6} {'kernel GFLOP/s':>15} {'xla GFLOP/s':>12} {'openblas':>9} "
+          f"{'kernel/xla':>10} {'kernel/blas':>11}")
     for k, n in SHAPES:
-        w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+        wn = rng.standard_normal((k, n), np.float32)
+        w = jnp.asarray(wn)
         packed = pack_weight(w)
         kernel = jax.jit(lambda x, p: linear(x, p))
         xla = jax.jit(lambda x, w: x @ w)
         for m in rows:
-            x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+            xn = rng.standard_normal((m, k), np.float32)
+            x = jnp.asarray(xn)
             np.testing.assert_allclose(np.asarray(kernel(x, packed)), np.asarray(xla(x, w)), rtol=2e-4, atol=2e-3)
             flops = 2 * m * k * n
             tk, tx = timed(kernel, x, packed, iters=iters), timed(xla, x, w, iters=iters)
-            print(f"{m:>5} {k:>5} {n:>6} {flops / tk / 1e9:>15.1f} {flops / tx / 1e9:>12.1f} {tx / tk:>10.2f}")
+            tb = timed_numpy(lambda: xn @ wn, iters=iters)  # noqa: B023 (called at once)
+            print(f"{m:>5} {k:>5} {n:>6} {flops / tk / 1e9:>15.1f} {flops / tx / 1e9:>12.1f} "
+                  f"{flops / tb / 1e9:>9.1f} {tx / tk:>10.2f} {tb / tk:>11.2f}")
 
 
 def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:

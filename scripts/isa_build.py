@@ -3,7 +3,7 @@
 `native`: the C++ kernels built with -march=native, XLA and torch free to use what the
 CPU has. `avx2`: AVX2 + FMA only, as on an AVX2-only CPU (most AMD EPYC before Zen 4,
 many cloud instances): the kernels built with -march=x86-64-v3, XLA's code generation
-capped at AVX2, and torch's (the HF baseline) too. On an AVX-512 machine that gives
+capped at AVX2, and torch's (the HF baseline) and numpy's OpenBLAS too. On an AVX-512 machine that gives
 the register file and vector width of the older one.
 
 The environment must be set before JAX (and torch) start, so `reexec` runs the script
@@ -24,6 +24,7 @@ ISAS: dict[str, dict[str, str]] = {
         "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "OPENBLAS_CORETYPE": "Haswell",  # numpy's OpenBLAS (DYNAMIC_ARCH): its AVX2 kernels
     },
 }
 
