@@ -141,9 +141,9 @@ def _steps_by_tokens(llm) -> dict[int, tuple[int, float]]:
     """Steps run per token bucket and their mean milliseconds (warm-up included)."""
     st = llm.llm_engine.core.runner.stats
     out = {}
-    for (t, _s), n in sorted(st.steps_per_bucket.items()):
+    for (t, s), n in sorted(st.steps_per_bucket.items()):
         count, ms = out.get(t, (0, 0.0))
-        out[t] = (count + n, ms + 1e3 * st.seconds_per_bucket[(t, _s)])
+        out[t] = (count + n, ms + 1e3 * st.seconds_per_bucket[(t, s)])
     return {t: (n, round(ms / n, 1)) for t, (n, ms) in out.items()}
 
 

@@ -81,7 +81,7 @@ class EngineConfig:
               "disable_by_batch_size: speculate only while fewer requests run; short_match_tokens (jaxllm's "
               "own, ngram): a match shorter than prompt_lookup_max proposes at most this many (1, with "
               "num_speculative_tokens 7 and prompt_lookup 1..3: 2x at batch 1 on edits of a given text, "
-              "2-core AVX-512 Xeon)")
+              "2-core AVX-512 Xeon, native build)")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
                                        "its own, many in one batch")
     max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
