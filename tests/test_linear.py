@@ -79,6 +79,50 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
                                       np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(w16))))
 
 
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "q4_1+a8", "q8_0 experts", "q4_1+a8 experts"])
+def test_float16_scales_give_the_sums_of_float32_ones(weights):
+    """GGUF's blocks hold the file's float16 scales (and mins: QuantFormat.scale_dtype),
+    half the bytes of float32 ones; the kernel widens them a panel at a time, exactly, so
+    the same scales passed as float32 give the very same sums: dense, with int8
+    activations, over experts. Scales of another dtype, or mins of another dtype than
+    the scales, are refused naming what is accepted."""
+    from jaxllm.models.linear import grouped_linear
+    from jaxllm.models.params import stack_experts
+
+    name, _, experts = weights.partition(" ")
+    name, _, a8 = name.partition("+")
+    fmt, rng = QUANT_FORMATS[name], np.random.default_rng(7)
+    k, n = 128, 70
+    one = lambda: quantize_blocks(rng.standard_normal((k, n)).astype(np.float32), fmt)  # noqa: E731
+    q = stack_experts([one() for _ in range(3)]) if experts else one()
+    assert q.scale.dtype == np.float16 and (q.mins is None or q.mins.dtype == np.float16)
+    q = q.map_arrays(jnp.asarray).replace(activations="int8" if a8 else "float")
+    widened = q.map_arrays(lambda a: a.astype(jnp.float32) if a.dtype == jnp.float16 else a)
+    half, full = pack_weight(q), pack_weight(widened)
+    assert half.scale.dtype == jnp.float16 and full.scale.dtype == jnp.float32
+    assert half.scale.nbytes * 2 == full.scale.nbytes
+    x = jnp.asarray(rng.standard_normal((13, k)), jnp.float32)
+    if experts:
+        sizes = jnp.asarray([5, 0, 6], jnp.int32)
+        call = lambda w: np.asarray(jax.jit(grouped_linear)(x, w, sizes))  # noqa: E731
+    else:
+        call = lambda w: np.asarray(jax.jit(linear)(x, w))  # noqa: E731
+    got = call(half)
+    np.testing.assert_array_equal(got, call(full))
+    if not a8:  # and the sums of the dequantized matrix packed as floats
+        floats = dequantize(q)
+        want = (np.asarray(grouped_linear(x, pack_weight(floats), sizes)) if experts
+                else np.asarray(linear(x, pack_weight(floats))))
+        np.testing.assert_array_equal(got, want)
+    if experts:
+        return
+    with pytest.raises(Exception, match="must be float32 or float16"):
+        call(half.replace(scale=half.scale.astype(jnp.bfloat16)))
+    if half.mins is not None:
+        with pytest.raises(Exception, match="mins of the scales' type"):
+            call(half.replace(mins=half.mins.astype(jnp.float32)))
+
+
 def test_dense_kernel_keeps_leading_dims_and_a_second_call_with_fewer_rows():
     """The packed copy of x is reused between calls: a smaller call after a larger one
     must not read the larger one's rows."""

@@ -36,8 +36,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include "parallel.h"
@@ -507,6 +510,55 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
     for (int c = 0; c < cols; ++c) y[i * ldy + c] *= scales[c];
 }
 
+// n float16 values as float32 (exact), 16 or 8 at a time where the CPU converts vectors
+// (F16C, AVX-512, NEON; a plain loop of _Float16 was left scalar by GCC 12).
+inline void widen_halves(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#elif defined(__aarch64__)
+  for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+  for (; i < n; ++i) {
+    _Float16 v;
+    std::memcpy(&v, h + i, sizeof v);
+    out[i] = static_cast<float>(v);
+  }
+}
+
+// A call's scales (or mins) as it passes them: float32, or float16 as GGUF's Q8_0, Q4_0
+// and Q4_1 blocks store theirs (held so, they take half the bytes), widened to float32
+// a panel at a time (exactly: every float16 is a float32) before the tiles read them.
+struct Scales {
+  const void* data = nullptr;
+  bool half = false;
+  Scales at(int64_t offset) const {  // from element `offset` on
+    return data ? Scales{static_cast<const char*>(data) + offset * (half ? 2 : 4), half} : *this;
+  }
+  // n values from element `offset` as float32: the data itself, or widened into `wide`.
+  const float* floats(int64_t offset, int64_t n, std::vector<float>& wide) const {
+    if (data == nullptr) return nullptr;
+    if (!half) return static_cast<const float*>(data) + offset;
+    wide.resize(n);
+    widen_halves(static_cast<const uint16_t*>(data) + offset, n, wide.data());
+    return wide.data();
+  }
+};
+inline Scales scales_of(const ffi::AnyBuffer* b) {
+  return b ? Scales{b->untyped_data(), b->element_type() == ffi::DataType::F16} : Scales{};
+}
+inline Scales scales_of(const ffi::Buffer<ffi::F32>* b) { return b ? Scales{b->untyped_data(), false} : Scales{}; }
+// Grouped scales are float32 or float16, mins of the scales' type.
+inline bool scale_types_ok(const ffi::AnyBuffer& scales, const ffi::AnyBuffer* mins = nullptr) {
+  const auto t = scales.element_type();
+  return (t == ffi::DataType::F32 || t == ffi::DataType::F16) && (mins == nullptr || mins->element_type() == t);
+}
+constexpr const char* kScaleTypes = ": scales (and mins) must be float32 or float16, mins of the scales' type";
+
 // The parallel pass every dense call makes over x's M rows: one item per tile of 12 rows
 // (pack(t): the tile as the multiply reads it), then one per (row block, panel),
 // block-major: multiply(p, t0, t1), tiles t0..t1-1 times panel p, once the block's tiles
@@ -540,7 +592,7 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 // sums in the same order whichever way a panel is converted).
 template <class Wt, int S, bool kBF16 = false>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-                int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
+                int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   if (K == 0) {
     std::memset(Y, 0, M * N * sizeof(float));
     return;
@@ -554,9 +606,10 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   typename Tiles::X* XT = packed.data();
   const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    const int64_t group_offset = p * (K >> group_shift) * kPanel;
-    Panel<Wt> panel{P + p * panel_size, kGrouped ? scales + group_offset : nullptr,
-                    S == kGroupScalesMins ? mins + group_offset : nullptr,
+    thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
+    const int64_t groups = (K >> group_shift) * kPanel;     // a panel's scales
+    Panel<Wt> panel{P + p * panel_size, kGrouped ? scales.floats(p * groups, groups, wide_scales) : nullptr,
+                    S == kGroupScalesMins ? mins.floats(p * groups, groups, wide_mins) : nullptr,
                     p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr, group_shift};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
@@ -565,7 +618,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         float* yt = Y + t * kTileRows * N + p * kPanel;
         tile_fns[rows](XT + t * kTileRows * depth, pan, depth, yt, N, cols);
         pan.prefetch = nullptr;  // the first tile of an item prefetches
-        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales + p * kPanel);
+        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales.floats(p * kPanel, kPanel, wide_scales));
       }
     };
     if constexpr (kBF16) {
@@ -601,7 +654,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
 // chosen at run time.
 template <class Wt, int S>
 void dense_rows_as(bool bf16, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-                   int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
+                   int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   if constexpr (S == kGroupScales || S == kGroupScalesMins) {
     if (bf16) return dense_rows<Wt, S, true>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
   }
@@ -612,8 +665,8 @@ void dense_rows_as(bool bf16, ffi::ThreadPool& pool, const float* X, int64_t M, 
 // panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
 // 2^group_shift inputs per scale); `bf16`: quantized panels multiplied in bfloat16.
 template <class Wt, int S, typename PanelBuffer>
-ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, const float* scales,
-                 const float* mins, ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false) {
+ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, Scales scales, Scales mins,
+                 ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
   if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
@@ -633,8 +686,8 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
 // Grouped scales (and mins) are [panels, K / G, 32] for G a power of two, at least 16,
 // dividing K; log2(G), or -1 where the shapes say otherwise.
 // `lead` leading axes (a mixture's experts: 1) come before both and must agree.
-template <typename PanelBuffer>
-int group_shift_of(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scales, size_t lead = 0) {
+template <typename PanelBuffer, typename ScaleBuffer>
+int group_shift_of(const PanelBuffer& panels, const ScaleBuffer& scales, size_t lead = 0) {
   const auto pd = panels.dimensions(), sd = scales.dimensions();
   if (pd.size() != 3 + lead || sd.size() != 3 + lead) return -1;
   for (size_t i = 0; i <= lead; ++i)  // the leading axes and the panels
@@ -648,12 +701,12 @@ int group_shift_of(const PanelBuffer& panels, const ffi::Buffer<ffi::F32>& scale
 
 ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                     ffi::ResultBuffer<ffi::F32> y) {
-  return Dense<F32Weights, kNoScales>(pool, x, panels, nullptr, nullptr, y);
+  return Dense<F32Weights, kNoScales>(pool, x, panels, {}, {}, y);
 }
 
 ffi::Error DenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
                      ffi::ResultBuffer<ffi::F32> y) {
-  return Dense<BF16Weights, kNoScales>(pool, x, panels, nullptr, nullptr, y);
+  return Dense<BF16Weights, kNoScales>(pool, x, panels, {}, {}, y);
 }
 
 ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -661,7 +714,7 @@ ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const auto pd = panels.dimensions(), sd = scales.dimensions();
   if (pd.size() != 3 || sd.size() != 1 || sd[0] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("dense_i8: scales must be [N/32 * 32], one per column of the panels");
-  return Dense<I8Weights, kColumnScales>(pool, x, panels, scales.typed_data(), nullptr, y);
+  return Dense<I8Weights, kColumnScales>(pool, x, panels, scales_of(&scales), {}, y);
 }
 
 constexpr const char* kGroupedShapes =
@@ -672,10 +725,11 @@ constexpr const char* kGroupedShapes =
 // [P, K, 16]).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kGroupedShapes);
-  return Dense<Wt, kGroupScales>(pool, x, panels, scales.typed_data(), nullptr, y, shift, bf16);
+  if (!scale_types_ok(scales)) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kScaleTypes);
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales_of(&scales), {}, y, shift, bf16);
 }
 constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
 constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -685,12 +739,13 @@ constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 // with a scale and min per 16 inputs).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y,
-                           bool bf16) {
+                           ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0 || group_shift_of(panels, mins) != shift || mins.dimensions()[1] != scales.dimensions()[1])
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kGroupedShapes);
-  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales.typed_data(), mins.typed_data(), y, shift, bf16);
+  if (!scale_types_ok(scales, &mins))
+    return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kScaleTypes);
+  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales_of(&scales), scales_of(&mins), y, shift, bf16);
 }
 constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
@@ -700,9 +755,9 @@ constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
 // group times its own expert's panels ([E, N/32, K, 32]; bfloat16 [E, N/32, K/2, 32,
 // 2]; quantized ones as a dense call's, stacked, with their scales (and mins) [E, ...]
 // likewise). The work follows the rows routed: one dense pass per expert over its rows.
-template <class Wt, int S, typename PanelBuffer>
+template <class Wt, int S, typename PanelBuffer, typename ScaleBuffer = ffi::AnyBuffer>
 ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
-                              const ffi::Buffer<ffi::F32>* scales, const ffi::Buffer<ffi::F32>* mins,
+                              const ScaleBuffer* scales, const ScaleBuffer* mins,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false) {
   constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
@@ -724,6 +779,9 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
                                          "or [E, N/32 * 32] per column");
     if (mins != nullptr && group_shift_of(panels, *mins, 1) != shift)
       return ffi::Error::InvalidArgument("grouped dense: mins must be shaped as the scales");
+    if constexpr (std::is_same_v<ScaleBuffer, ffi::AnyBuffer>) {
+      if (!scale_types_ok(*scales, mins)) return ffi::Error::InvalidArgument(std::string("grouped dense") + kScaleTypes);
+    }
     scale_size = scales->element_count() / experts;
   }
   const int32_t* sizes = group_sizes.typed_data();
@@ -735,10 +793,9 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0) {
-      const float* sc = scales ? scales->typed_data() + e * scale_size : nullptr;
-      const float* mn = mins ? mins->typed_data() + e * scale_size : nullptr;
       dense_rows_as<Wt, S>(bf16, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
-                           Y + row * N, sc, mn, shift);
+                           Y + row * N, scales_of(scales).at(e * scale_size), scales_of(mins).at(e * scale_size),
+                           shift);
     }
     row += sizes[e];
   }
@@ -748,7 +805,8 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
 template <class Wt, typename PanelBuffer>
 ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
-  return GroupedDenseScaled<Wt, kNoScales>(pool, x, panels, nullptr, nullptr, group_sizes, y);
+  return GroupedDenseScaled<Wt, kNoScales, PanelBuffer, ffi::Buffer<ffi::F32>>(pool, x, panels, nullptr, nullptr,
+                                                                               group_sizes, y);
 }
 constexpr auto GroupedDenseF32 = GroupedDense<F32Weights, ffi::Buffer<ffi::F32>>;
 constexpr auto GroupedDenseBF16 = GroupedDense<BF16Weights, ffi::Buffer<ffi::BF16>>;
@@ -758,17 +816,19 @@ constexpr auto GroupedDenseBF16 = GroupedDense<BF16Weights, ffi::Buffer<ffi::BF1
 ffi::Error GroupedDenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
                           ffi::ResultBuffer<ffi::F32> y) {
-  return GroupedDenseScaled<I8Weights, kColumnScales>(pool, x, panels, &scales, nullptr, group_sizes, y);
+  return GroupedDenseScaled<I8Weights, kColumnScales, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>>(
+      pool, x, panels, &scales, nullptr, group_sizes, y);
 }
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y, bool bf16) {
-  return GroupedDenseScaled<Wt, kGroupScales>(pool, x, panels, &scales, nullptr, group_sizes, y, bf16);
+  return GroupedDenseScaled<Wt, kGroupScales, ffi::Buffer<kPanelType>, ffi::AnyBuffer>(pool, x, panels, &scales, nullptr,
+                                                                                      group_sizes, y, bf16);
 }
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                                  ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
   return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16);
 }
@@ -1061,7 +1121,7 @@ constexpr X8TileFn kX8TileFns[kTileRows + 1] = {
 // by the caller (K a positive multiple of 32).
 template <int kBits, bool kMins, int kOffset>
 void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P,
-                   int64_t num_panels, int64_t N, float* Y, const float* scales, const float* mins, int group_shift) {
+                   int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = X8Tile::bytes(K);
   const int64_t panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow, panel_groups = (K >> group_shift) * kPanel;
   thread_local std::vector<uint8_t> packed;
@@ -1069,7 +1129,9 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
   uint8_t* XT = packed.data();
   const auto pack = [&](int64_t t) { quantize_tile(X, M, K, t, XT + t * tile_bytes); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    X8Panel panel{P + p * panel_bytes, scales + p * panel_groups, kMins ? mins + p * panel_groups : nullptr,
+    thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
+    X8Panel panel{P + p * panel_bytes, scales.floats(p * panel_groups, panel_groups, wide_scales),
+                  kMins ? mins.floats(p * panel_groups, panel_groups, wide_mins) : nullptr,
                   p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr, group_shift};
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
@@ -1087,8 +1149,8 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
 // expert's [E, ...] panels and scales times its rows, x's rows sorted by expert.
 template <int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
 ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                   ffi::Buffer<ffi::F32> scales, const ffi::Buffer<ffi::F32>* mins,
-                   const ffi::Buffer<ffi::S32>* group_sizes, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::AnyBuffer scales, const ffi::AnyBuffer* mins, const ffi::Buffer<ffi::S32>* group_sizes,
+                   ffi::ResultBuffer<ffi::F32> y) {
   const size_t lead = group_sizes ? 1 : 0;  // the experts axis
   const auto xd = x.dimensions(), pd = panels.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 4 + lead || sd.size() != 3 + lead || yd.size() != 2 || pd[lead + 2] != kPanel ||
@@ -1105,13 +1167,14 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
     return ffi::Error::InvalidArgument("dense x8: scales must be [(E,) N/32, K/G, 32], G a power of two >= 32");
   if (mins != nullptr && !std::equal(sd.begin(), sd.end(), mins->dimensions().begin(), mins->dimensions().end()))
     return ffi::Error::InvalidArgument("dense x8: mins must be shaped as the scales");
+  if (!scale_types_ok(scales, mins)) return ffi::Error::InvalidArgument(std::string("dense x8") + kScaleTypes);
   const int shift = __builtin_ctzll(static_cast<unsigned long long>(group));
   const auto* P = reinterpret_cast<const uint8_t*>(panels.untyped_data());
-  const float* mn = mins ? mins->typed_data() : nullptr;
+  const Scales sc = scales_of(&scales), mn = scales_of(mins);
   if (!lead) {
     if (M > 0 && N > 0)
       dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(),
-                                           scales.typed_data(), mn, shift);
+                                           sc, mn, shift);
     return ffi::Error::Success();
   }
   const int64_t experts = pd[0], expert_bytes = num_panels * (K / kXBlock) * kDotSteps<kBits> * kDotRow;
@@ -1124,37 +1187,36 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
     if (sizes[e] > 0 && N > 0)
       dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
                                            num_panels, N, y->typed_data() + row * N,
-                                           scales.typed_data() + e * scale_size, mn ? mn + e * scale_size : nullptr,
-                                           shift);
+                                           sc.at(e * scale_size), mn.at(e * scale_size), shift);
     row += sizes[e];
   }
   std::memset(y->typed_data() + row * N, 0, (M - row) * N * sizeof(float));
   return ffi::Error::Success();
 }
 ffi::Error DenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, nullptr, y);
 }
 ffi::Error DenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, nullptr, y);
 }
 ffi::Error DenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
-                       ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, nullptr, y);
 }
 ffi::Error GroupedDenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, &group_sizes, y);
 }
 ffi::Error GroupedDenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
-                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins,
+                              ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, &group_sizes, y);
 }
 ffi::Error GroupedDenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
-                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y) {
   return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, &group_sizes, y);
 }
@@ -1192,7 +1254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                                     .Ctx<ffi::ThreadPool>()                                      \
                                     .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K] */                \
                                     .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K, .] */  \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */ \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */ \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */         \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                \
                                     .Attr<bool>("bf16"));
@@ -1206,8 +1268,8 @@ JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
                                     .Ctx<ffi::ThreadPool>()                                           \
                                     .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K] */                     \
                                     .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K, 16 or 32] */ \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */    \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* mins, as the scales */          \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */    \
+                                    .Arg<ffi::AnyBuffer>()         /* mins, as the scales */          \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */              \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                     \
                                     .Attr<bool>("bf16"));
@@ -1220,8 +1282,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4] (dot layout)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 #define JAXLLM_GROUPED_X8(NAME, FN, PANELS)                                                              \
@@ -1230,7 +1292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
                                     .Ctx<ffi::ThreadPool>()                                              \
                                     .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], rows sorted by expert */ \
                                     .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K/8|K/4, 32, 4] */ \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [E, N/32, K/G, 32] */       \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */       \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */                 \
                                     .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
 JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ4_0X8, GroupedDenseQ4_0X8, ffi::U8)
@@ -1242,8 +1304,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4] (dot layout)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N/32, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
@@ -1254,7 +1316,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
                                     .Ctx<ffi::ThreadPool>()                                              \
                                     .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], int8 per 32 inputs */    \
                                     .Arg<ffi::Buffer<PANELS>>()    /* panels [N/32, K/4|K/8, 32, 4] */   \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* scales [N/32, K/G, 32] */          \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [N/32, K/G, 32] */          \
                                     .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
 JAXLLM_DENSE_X8(JaxllmDenseQ8_0X8, DenseQ8_0X8, ffi::S8)
 JAXLLM_DENSE_X8(JaxllmDenseQ4_0X8, DenseQ4_0X8, ffi::U8)
@@ -1265,8 +1327,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
@@ -1275,8 +1337,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins, as the scales
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
@@ -1285,7 +1347,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 
@@ -1294,7 +1356,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/32 rounded up, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
 

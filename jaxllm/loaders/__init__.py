@@ -148,9 +148,9 @@ def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = F
 # What a conversion of a GGUF holds, by version: a change to which tensors are kept as
 # blocks (2: Q4_0 / Q4_1 projections and the embedding's blocks), or to the parameters'
 # pytree (3: LayerParams' Gemma output norms, None elsewhere; 4: a GGUF of mixed block
-# types keeps them as gguf_int8; 5: LayerParams' MoE fields), must not restore an older conversion (floats where
-# blocks are now kept; a tree orbax cannot map).
-CONVERSION_FORMAT = 5
+# types keeps them as gguf_int8; 5: LayerParams' MoE fields; 6: Q8_0 / Q4_0 / Q4_1 scales and mins as the file's
+# float16), must not restore an older conversion (floats where blocks are now kept; a tree orbax cannot map).
+CONVERSION_FORMAT = 6
 
 
 def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:

@@ -161,8 +161,8 @@ class GGUFFile:
     def quantized_tensor(self, name: str, held: str | None = None, expert: int | None = None) -> QuantizedWeight:
         """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, or (`held` "gguf_int8") any of
         GGUF_INT8_TYPES in that container, in HF orientation ([out, in]): values [out,
-        in] and float32 scales (and mins) [out, in / group] (QuantizedWeight's fields,
-        not yet laid out)."""
+        in] and scales (and mins) [out, in / group]: float16 as the file's blocks have
+        them, float32 in the container (QuantizedWeight's fields, not yet laid out)."""
         t = self._tensors[name]
         rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
         data = t.data if expert is None else t.data[expert]  # a stacked [E, out, in]: one expert's rows

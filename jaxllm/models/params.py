@@ -32,20 +32,23 @@ PANEL = 32  # columns per panel of a PackedWeight: kPanel in jaxllm/cpu_kernels/
 class QuantFormat:
     """How a quantized projection is held (jaxllm.models.quant): `group` inputs per
     scale (0: one scale per output column), values of `bits` bits (int8 values in
-    [-2^(bits-1), 2^(bits-1)) without mins, [0, 2^bits) with them), and whether each
-    group also has a min added after the scaling (GGUF's Q4_1: w = d * q + m)."""
+    [-2^(bits-1), 2^(bits-1)) without mins, [0, 2^bits) with them), whether each
+    group also has a min added after the scaling (GGUF's Q4_1: w = d * q + m), and the
+    dtype its scales (and mins) are held in: GGUF's own blocks keep the file's float16
+    (every float16 is a float32: the weights are the same; they take half the bytes)."""
 
     name: str
     group: int
     bits: int
     mins: bool = False
+    scale_dtype: str = "float32"
 
 
 QUANT_FORMATS = {
     "int8": QuantFormat("int8", 0, 8),
-    "q8_0": QuantFormat("q8_0", GGUF_BLOCK, 8),
-    "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4),
-    "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True),
+    "q8_0": QuantFormat("q8_0", GGUF_BLOCK, 8, scale_dtype="float16"),
+    "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4, scale_dtype="float16"),
+    "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True, scale_dtype="float16"),
     # int4 weight-only from float weights: 4-bit values, a float32 scale and min per 128
     # (or 32) inputs of each column (jaxllm.models.quant.quantize_int4)
     "int4": QuantFormat("int4", 128, 4, mins=True),
@@ -91,12 +94,13 @@ class PackedWeight:
 
 @struct.dataclass
 class QuantizedWeight:
-    """An [in, out] weight as integer values and float32 scales (weight-only:
+    """An [in, out] weight as integer values and float scales (weight-only:
     jaxllm.models.quant): one scale per output column, w[k, n] ~ q[k, n] * scale[n], or
     with `group` > 0 one per column and `group` consecutive rows, w[k, n] = q[k, n] *
     scale[k // group, n] (+ mins[k // group, n] where there are mins: GGUF's Q4_1). The
     values are int8 whatever `bits` says (4: GGUF's Q4_0 as q - 8, Q4_1 as q); the
-    `cpu` backend packs 4-bit ones two to a byte (PackedWeight)."""
+    `cpu` backend packs 4-bit ones two to a byte (PackedWeight). Scales and mins are
+    float32, or float16 for GGUF's blocks (QuantFormat.scale_dtype)."""
 
     q: Int8[Array, "*E K N"]  # E: a mixture of experts' stacked experts
     scale: Float[Array, "*E N"] | Float[Array, "*E G N"]
@@ -330,7 +334,7 @@ def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
         scale_shape = (b,)
     else:
         scale_shape = (a // fmt.group, b) if layout["group_axis"] == 0 else (a, b // fmt.group)
-    scale = jax.ShapeDtypeStruct((*experts, *scale_shape), jnp.float32)
+    scale = jax.ShapeDtypeStruct((*experts, *scale_shape), jnp.dtype(fmt.scale_dtype))
     return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8), scale, mins=scale if fmt.mins else None,
                            **layout)
 

@@ -9,7 +9,7 @@ exact reassociation (the scale is per column), so the XLA path is `x @ dequantiz
 up to the dot's own rounding.
 
 `q8_0`, `q4_0`, `q4_1`: GGUF's block formats, a float16 scale per 32 inputs of each
-column (gguf's own quantizer), held as int8 values and float32 scales [K / 32, N]: Q8_0
+column (gguf's own quantizer), held as int8 values and float16 scales [K / 32, N]: Q8_0
 values in [-127, 127], Q4_0 in [-8, 7] (the stored nibble minus 8), Q4_1 in [0, 15]
 with a float16 min per block as well (w = d * q + m). A GGUF whose projections are all
 of one of these keeps its blocks (jaxllm.loaders.gguf_loader). Each weight is what
@@ -193,11 +193,11 @@ def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> Q
     """A GGUF tensor's raw blocks of `fmt` (along a row: a float16 scale, for Q4_1 a
     float16 min, then 32 values: Q8_0 as int8, Q4_0 / Q4_1 as 16 bytes of nibbles, byte
     j holding value j low and value j + 16 high) as a QuantizedWeight grouped along its
-    last axis: values [rows, cols], scales (mins) [rows, cols / 32], in the file's (HF)
-    orientation."""
+    last axis: values [rows, cols], float16 scales (mins) [rows, cols / 32] as the file
+    has them, in the file's (HF) orientation."""
     header = 4 if fmt.mins else 2  # float16 scale (and min) before the values
     blocks = np.asarray(blocks, np.uint8).reshape(-1, header + fmt.group * fmt.bits // 8)
-    halves = lambda a: a.copy().view(np.float16).astype(np.float32).reshape(rows, cols // fmt.group)  # noqa: E731
+    halves = lambda a: a.copy().view(np.float16).reshape(rows, cols // fmt.group)  # noqa: E731
     if fmt.bits == 8:
         q = blocks[:, header:].copy().view(np.int8)
     else:
@@ -244,7 +244,8 @@ def _decode_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
     n = blocks.shape[0]
     zero = np.zeros_like
     if type_name in ("Q8_0", "Q4_0", "Q4_1"):
-        parts = block_parts(blocks, QUANT_FORMATS[type_name.lower()], n, 32)
+        parts = block_parts(blocks, QUANT_FORMATS[type_name.lower()], n, 32).map_arrays(
+            lambda a: a if a.dtype == np.int8 else a.astype(np.float32))
         return parts.q, parts.scale, parts.mins if parts.mins is not None else zero(parts.scale)
     if type_name == "Q5_0":
         d = _halves(blocks[:, 0:2])
