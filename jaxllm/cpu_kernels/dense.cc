@@ -227,23 +227,33 @@ inline void rounded(f32xN& v) {
 #endif
 }
 
-// The kLanes weights of columns c.. at input k, as float32.
-template <class Wt, int S>
-inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int shift, int64_t k,
-                        int c) {
-  constexpr int kScaling = S & ~kRoundBF16;
-  f32xN w = Wt::load(panel, k, c);
-  if constexpr (kScaling == kGroupScales || kScaling == kGroupScalesMins)
-    w *= loadN(gscale + (k >> shift) * kPanel + c);
-  if constexpr (kScaling == kGroupScalesMins) {
+template <int S>
+constexpr bool kGroupScaled = (S & ~kRoundBF16) == kGroupScales || (S & ~kRoundBF16) == kGroupScalesMins;
+
+// Weights w (kLanes of them, as loaded) times their group's scales s, plus its mins m,
+// as S says.
+template <int S>
+inline f32xN scaled(f32xN w, f32xN s, f32xN m) {
+  if constexpr (kGroupScaled<S>) w *= s;
+  if constexpr ((S & ~kRoundBF16) == kGroupScalesMins) {
     rounded(w);
-    w += loadN(gmin + (k >> shift) * kPanel + c);
+    w += m;
   }
   if constexpr ((S & kRoundBF16) != 0) {
     const u32xN r = bf16_rounded(w);
     std::memcpy(&w, &r, sizeof w);
   }
   return w;
+}
+
+// The kLanes weights of columns c.. at input k, as float32.
+template <class Wt, int S>
+inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const float* gmin, int shift, int64_t k,
+                        int c) {
+  f32xN s{}, m{};
+  if constexpr (kGroupScaled<S>) s = loadN(gscale + (k >> shift) * kPanel + c);
+  if constexpr ((S & ~kRoundBF16) == kGroupScalesMins) m = loadN(gmin + (k >> shift) * kPanel + c);
+  return scaled<S>(Wt::load(panel, k, c), s, m);
 }
 
 template <class Wt>
@@ -284,6 +294,10 @@ struct Panel {
   const float* min;        // [K / G][32] (Q4_1, the mixed-GGUF container), else null
   const typename Wt::T* prefetch;  // the panel two ahead, or null
   int group_shift = 0;     // log2(G)
+  // float16 scales (and mins) [K / G][32] in place of `scale` and `min`: read by the
+  // wide tile group by group, widened in registers (wide_tile_times_panel)
+  const uint16_t* half_scale = nullptr;
+  const uint16_t* half_min = nullptr;
 };
 
 // out[G][C] = rows g..g+G-1 of the packed tile times columns Ch..Ch+C-1 of the panel (C:
@@ -329,21 +343,53 @@ void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, flo
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
+#if JAXLLM_LANES == 16
+// 16 scales (or mins) at `at`: float32 ones, or float16 ones widened (exact).
+inline f32xN group_lanes(const float* f, const uint16_t* h, int64_t at) {
+  if (h) return (f32xN)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + at)));
+  return loadN(f + at);
+}
+#endif
+
+// acc += rows 0..R-1 of the tile times inputs k0..k1-1 of the panel, weights scaled by
+// s0/s1 (columns 0-15 / 16-31) and shifted by m0/m1 as S says.
 template <int R, class Wt, int S>
-void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
-  static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
-  f32xN acc0[R], acc1[R];
-  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
+inline void wide_steps(const float* xt, const Panel<Wt>& p, int64_t k0, int64_t k1, f32xN s0, f32xN s1, f32xN m0,
+                       f32xN m1, f32xN* acc0, f32xN* acc1) {
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    const f32xN w0 = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 0);
-    const f32xN w1 = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    const f32xN w0 = scaled<S>(Wt::load(p.w, k, 0), s0, m0), w1 = scaled<S>(Wt::load(p.w, k, 16), s1, m1);
     if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < R; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + i]);
       acc0[i] += xv * w0;
       acc1[i] += xv * w1;
     }
+  }
+}
+
+// The AVX-512 tile: rows 0..R-1 times all 32 columns in registers. A grouped panel runs
+// group by group with its scales (and mins) held in registers: read once per G inputs,
+// float16 ones widened there (no pass over the panel's scales first).
+template <int R, class Wt, int S>
+void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
+  static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
+  f32xN acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
+  if constexpr (kGroupScaled<S>) {
+#if JAXLLM_LANES == 16
+    constexpr bool kMins = (S & ~kRoundBF16) == kGroupScalesMins;
+    const int64_t G = int64_t{1} << p.group_shift;
+    for (int64_t k0 = 0; k0 < K; k0 += G) {
+      const int64_t at = (k0 >> p.group_shift) * kPanel;
+      const f32xN s0 = group_lanes(p.scale, p.half_scale, at), s1 = group_lanes(p.scale, p.half_scale, at + 16);
+      const f32xN m0 = kMins ? group_lanes(p.min, p.half_min, at) : f32xN{};
+      const f32xN m1 = kMins ? group_lanes(p.min, p.half_min, at + 16) : f32xN{};
+      wide_steps<R, Wt, S>(xt, p, k0, k0 + G, s0, s1, m0, m1, acc0, acc1);
+    }
+#endif
+  } else {
+    wide_steps<R, Wt, S>(xt, p, 0, K, f32xN{}, f32xN{}, f32xN{}, f32xN{}, acc0, acc1);
   }
   if (cols == kPanel) {
     for (int i = 0; i < R; ++i) {
@@ -606,11 +652,19 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   typename Tiles::X* XT = packed.data();
   const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
-    const int64_t groups = (K >> group_shift) * kPanel;     // a panel's scales
-    Panel<Wt> panel{P + p * panel_size, kGrouped ? scales.floats(p * groups, groups, wide_scales) : nullptr,
-                    S == kGroupScalesMins ? mins.floats(p * groups, groups, wide_mins) : nullptr,
-                    p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr, group_shift};
+    const int64_t groups = (K >> group_shift) * kPanel;  // a panel's scales
+    Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
+                    group_shift};
+    // float16 scales: read as they are by a one-tile item on the wide tile (in
+    // registers), else widened for the item (the narrow tiles, a panel's conversion)
+    if (kGrouped && kWideTile && scales.half && t1 - t0 == 1 && !(kBF16 && kDotBF16)) {
+      panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
+      if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
+    } else if (kGrouped) {
+      thread_local std::vector<float> wide_scales, wide_mins;
+      panel.scale = scales.floats(p * groups, groups, wide_scales);
+      if (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+    }
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
       for (int64_t t = t0; t < t1; ++t) {
@@ -618,7 +672,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         float* yt = Y + t * kTileRows * N + p * kPanel;
         tile_fns[rows](XT + t * kTileRows * depth, pan, depth, yt, N, cols);
         pan.prefetch = nullptr;  // the first tile of an item prefetches
-        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, scales.floats(p * kPanel, kPanel, wide_scales));
+        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
       }
     };
     if constexpr (kBF16) {
