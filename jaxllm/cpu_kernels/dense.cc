@@ -283,8 +283,30 @@ constexpr int kVectorRegisters = 16;
 // last tile; one-row decodes), so such rows take the whole panel in one pass (4 G
 // accumulators with AVX2) where its accumulators, vectors and a broadcast fit the
 // register file.
+constexpr bool whole_panel(int g) { return (g + 1) * (kPanel / jaxllm::kLanes) + 1 <= kVectorRegisters; }
 template <int G>
-constexpr bool kWholePanel = (G + 1) * (kPanel / jaxllm::kLanes) + 1 <= kVectorRegisters;
+constexpr bool kWholePanel = whole_panel(G);
+
+// Whether a narrow pass of g rows keeps a group's scales (and mins: 2 vectors per weight
+// vector) in registers beside its accumulators, weights and broadcast (one spill
+// allowed: measured no loss at one row of Q4_1 under AVX2), so reading them once per
+// group; else it reads them from memory at every input as the weights' operands (6 rows
+// of Q4_1 lost 5% to spills in registers).
+constexpr bool narrow_scales_in_registers(int g, int scale_vectors) {
+  const int v = (whole_panel(g) ? kPanel : 16) / jaxllm::kLanes;
+  return g * v + (1 + scale_vectors) * v + 1 <= kVectorRegisters + 1;
+}
+template <int S>
+constexpr int kScaleVectors = (S & ~kRoundBF16) == kGroupScalesMins ? 2 : kGroupScaled<S> ? 1 : 0;
+
+// Whether a tile of `rows` rows reads a grouped panel's scales in registers (so float16
+// ones need no widening first): always on the wide tile.
+template <int S>
+bool scales_in_registers(int rows) {
+  if (kWideTile) return true;
+  const int g1 = std::min(rows, kNarrowRows), g2 = rows - g1;
+  return narrow_scales_in_registers(g1, kScaleVectors<S>) && (g2 == 0 || narrow_scales_in_registers(g2, kScaleVectors<S>));
+}
 
 // A panel's weights and scales, as a tile function reads them.
 template <class Wt>
@@ -300,6 +322,50 @@ struct Panel {
   const uint16_t* half_min = nullptr;
 };
 
+// n float16 values as float32 (exact), 16 or 8 at a time where the CPU converts vectors
+// (F16C, AVX-512, NEON; a plain loop of _Float16 was left scalar by GCC 12).
+inline void widen_halves(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#elif defined(__aarch64__)
+  for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+  for (; i < n; ++i) {
+    _Float16 v;
+    std::memcpy(&v, h + i, sizeof v);
+    out[i] = static_cast<float>(v);
+  }
+}
+
+// kLanes scales (or mins) at `at`: float32 ones, or float16 ones widened (exact).
+inline f32xN group_lanes(const float* f, const uint16_t* h, int64_t at) {
+  if (h == nullptr) return loadN(f + at);
+#if JAXLLM_LANES == 16
+  return (f32xN)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + at)));
+#elif JAXLLM_LANES == 8 && defined(__F16C__)
+  return (f32xN)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + at)));
+#elif JAXLLM_LANES == 4 && defined(__aarch64__)
+  return (f32xN)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + at)));
+#else
+  f32xN v;
+  widen_halves(h + at, jaxllm::kLanes, reinterpret_cast<float*>(&v));
+  return v;
+#endif
+}
+
+// Inputs per scale of a panel under S: its group, or all K (one pass) where there are
+// no grouped scales. The tiles run group by group, the group's scales (and mins) read
+// once, float16 ones widened then.
+template <class Wt, int S>
+inline int64_t scale_step(const Panel<Wt>& p, int64_t K) {
+  return kGroupScaled<S> ? int64_t{1} << p.group_shift : K;
+}
+
 // out[G][C] = rows g..g+G-1 of the packed tile times columns Ch..Ch+C-1 of the panel (C:
 // 16, or the whole panel's 32), in vectors of the native width (f32xN: 2 per 16 columns
 // with AVX2, 4 with NEON).
@@ -309,15 +375,34 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = f32xN{};
+  const auto steps = [&](int64_t k0, int64_t k1, auto weights) {  // inputs k0..k1-1, weights(k, v)
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    f32xN w[V];
-    for (int v = 0; v < V; ++v)
-      w[v] = weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, C * h + v * jaxllm::kLanes);
-    if (prefetch) prefetch_row<Wt>(p.prefetch, k);
-    for (int i = 0; i < G; ++i) {
-      const f32xN xv = splatN(xt[k * kTileRows + g + i]);
-      for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
+    for (int64_t k = k0; k < k1; ++k) {
+      f32xN w[V];
+      for (int v = 0; v < V; ++v) w[v] = weights(k, C * h + v * jaxllm::kLanes);
+      if (prefetch) prefetch_row<Wt>(p.prefetch, k);
+      for (int i = 0; i < G; ++i) {
+        const f32xN xv = splatN(xt[k * kTileRows + g + i]);
+        for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
+      }
+    }
+  };
+  if constexpr (kGroupScaled<S> && !narrow_scales_in_registers(G, kScaleVectors<S>)) {  // scales from memory
+    steps(0, K, [&](int64_t k, int c) { return weights_at<Wt, S>(p.w, p.scale, p.min, p.group_shift, k, c); });
+  } else {  // a group at a time, its scales (and mins) in registers
+    const int64_t step = scale_step<Wt, S>(p, K);
+    for (int64_t k0 = 0; k0 < K; k0 += step) {
+      f32xN sc[V] = {}, mn[V] = {};
+      if constexpr (kGroupScaled<S>) {
+        const int64_t at = (k0 >> p.group_shift) * kPanel + C * h;
+        for (int v = 0; v < V; ++v) sc[v] = group_lanes(p.scale, p.half_scale, at + v * jaxllm::kLanes);
+        if constexpr (kScaleVectors<S> == 2)
+          for (int v = 0; v < V; ++v) mn[v] = group_lanes(p.min, p.half_min, at + v * jaxllm::kLanes);
+      }
+      steps(k0, k0 + step, [&](int64_t k, int c) {
+        const int v = (c - C * h) / jaxllm::kLanes;
+        return scaled<S>(Wt::load(p.w, k, c), sc[v], mn[v]);
+      });
     }
   }
   for (int i = 0; i < G; ++i)
@@ -343,14 +428,6 @@ void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, flo
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
-#if JAXLLM_LANES == 16
-// 16 scales (or mins) at `at`: float32 ones, or float16 ones widened (exact).
-inline f32xN group_lanes(const float* f, const uint16_t* h, int64_t at) {
-  if (h) return (f32xN)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + at)));
-  return loadN(f + at);
-}
-#endif
-
 // acc += rows 0..R-1 of the tile times inputs k0..k1-1 of the panel, weights scaled by
 // s0/s1 (columns 0-15 / 16-31) and shifted by m0/m1 as S says.
 template <int R, class Wt, int S>
@@ -368,28 +445,23 @@ inline void wide_steps(const float* xt, const Panel<Wt>& p, int64_t k0, int64_t 
   }
 }
 
-// The AVX-512 tile: rows 0..R-1 times all 32 columns in registers. A grouped panel runs
-// group by group with its scales (and mins) held in registers: read once per G inputs,
-// float16 ones widened there (no pass over the panel's scales first).
+// The AVX-512 tile: rows 0..R-1 times all 32 columns in registers, a group of inputs at a
+// time with its scales (and mins) in registers too.
 template <int R, class Wt, int S>
 void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
-  if constexpr (kGroupScaled<S>) {
-#if JAXLLM_LANES == 16
-    constexpr bool kMins = (S & ~kRoundBF16) == kGroupScalesMins;
-    const int64_t G = int64_t{1} << p.group_shift;
-    for (int64_t k0 = 0; k0 < K; k0 += G) {
+  constexpr bool kMins = (S & ~kRoundBF16) == kGroupScalesMins;
+  const int64_t step = scale_step<Wt, S>(p, K);
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    f32xN s0{}, s1{}, m0{}, m1{};
+    if constexpr (kGroupScaled<S>) {
       const int64_t at = (k0 >> p.group_shift) * kPanel;
-      const f32xN s0 = group_lanes(p.scale, p.half_scale, at), s1 = group_lanes(p.scale, p.half_scale, at + 16);
-      const f32xN m0 = kMins ? group_lanes(p.min, p.half_min, at) : f32xN{};
-      const f32xN m1 = kMins ? group_lanes(p.min, p.half_min, at + 16) : f32xN{};
-      wide_steps<R, Wt, S>(xt, p, k0, k0 + G, s0, s1, m0, m1, acc0, acc1);
+      s0 = group_lanes(p.scale, p.half_scale, at), s1 = group_lanes(p.scale, p.half_scale, at + 16);
+      if constexpr (kMins) m0 = group_lanes(p.min, p.half_min, at), m1 = group_lanes(p.min, p.half_min, at + 16);
     }
-#endif
-  } else {
-    wide_steps<R, Wt, S>(xt, p, 0, K, f32xN{}, f32xN{}, f32xN{}, f32xN{}, acc0, acc1);
+    wide_steps<R, Wt, S>(xt, p, k0, k0 + step, s0, s1, m0, m1, acc0, acc1);
   }
   if (cols == kPanel) {
     for (int i = 0; i < R; ++i) {
@@ -556,26 +628,6 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
     for (int c = 0; c < cols; ++c) y[i * ldy + c] *= scales[c];
 }
 
-// n float16 values as float32 (exact), 16 or 8 at a time where the CPU converts vectors
-// (F16C, AVX-512, NEON; a plain loop of _Float16 was left scalar by GCC 12).
-inline void widen_halves(const uint16_t* h, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#elif defined(__aarch64__)
-  for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
-#endif
-  for (; i < n; ++i) {
-    _Float16 v;
-    std::memcpy(&v, h + i, sizeof v);
-    out[i] = static_cast<float>(v);
-  }
-}
-
 // A call's scales (or mins) as it passes them: float32, or float16 as GGUF's Q8_0, Q4_0
 // and Q4_1 blocks store theirs (held so, they take half the bytes), widened to float32
 // a panel at a time (exactly: every float16 is a float32) before the tiles read them.
@@ -655,9 +707,10 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     const int64_t groups = (K >> group_shift) * kPanel;  // a panel's scales
     Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                     group_shift};
-    // float16 scales: read as they are by a one-tile item on the wide tile (in
-    // registers), else widened for the item (the narrow tiles, a panel's conversion)
-    if (kGrouped && kWideTile && scales.half && t1 - t0 == 1 && !(kBF16 && kDotBF16)) {
+    // float16 scales: read as they are by a one-tile item's tile (a group's at a time),
+    // else widened for the item (a panel converted once for several tiles, bfloat16 pairs)
+    if (kGrouped && scales.half && t1 - t0 == 1 && !(kBF16 && kDotBF16) &&
+        scales_in_registers<S>(static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows)))) {
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
       if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
     } else if (kGrouped) {
