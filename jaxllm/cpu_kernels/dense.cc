@@ -366,6 +366,18 @@ inline int64_t scale_step(const Panel<Wt>& p, int64_t K) {
   return kGroupScaled<S> ? int64_t{1} << p.group_shift : K;
 }
 
+// The scales (and mins) of the group of input k0, V vectors of them from column c, into
+// sc (and mn) as S has them (nothing without grouped scales).
+template <int S, int V, class Wt>
+inline void group_scales(const Panel<Wt>& p, int64_t k0, int c, f32xN* sc, f32xN* mn) {
+  if constexpr (kGroupScaled<S>) {
+    const int64_t at = (k0 >> p.group_shift) * kPanel + c;
+    for (int v = 0; v < V; ++v) sc[v] = group_lanes(p.scale, p.half_scale, at + v * jaxllm::kLanes);
+    if constexpr (kScaleVectors<S> == 2)
+      for (int v = 0; v < V; ++v) mn[v] = group_lanes(p.min, p.half_min, at + v * jaxllm::kLanes);
+  }
+}
+
 // out[G][C] = rows g..g+G-1 of the packed tile times columns Ch..Ch+C-1 of the panel (C:
 // 16, or the whole panel's 32), in vectors of the native width (f32xN: 2 per 16 columns
 // with AVX2, 4 with NEON).
@@ -393,12 +405,7 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
     const int64_t step = scale_step<Wt, S>(p, K);
     for (int64_t k0 = 0; k0 < K; k0 += step) {
       f32xN sc[V] = {}, mn[V] = {};
-      if constexpr (kGroupScaled<S>) {
-        const int64_t at = (k0 >> p.group_shift) * kPanel + C * h;
-        for (int v = 0; v < V; ++v) sc[v] = group_lanes(p.scale, p.half_scale, at + v * jaxllm::kLanes);
-        if constexpr (kScaleVectors<S> == 2)
-          for (int v = 0; v < V; ++v) mn[v] = group_lanes(p.min, p.half_min, at + v * jaxllm::kLanes);
-      }
+      group_scales<S, V>(p, k0, C * h, sc, mn);
       steps(k0, k0 + step, [&](int64_t k, int c) {
         const int v = (c - C * h) / jaxllm::kLanes;
         return scaled<S>(Wt::load(p.w, k, c), sc[v], mn[v]);
@@ -452,16 +459,11 @@ void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float
   static_assert(R > 0 && jaxllm::kLanes == 16, "the wide tile is two AVX-512 registers per row");
   f32xN acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = splatN(0.f);
-  constexpr bool kMins = (S & ~kRoundBF16) == kGroupScalesMins;
   const int64_t step = scale_step<Wt, S>(p, K);
   for (int64_t k0 = 0; k0 < K; k0 += step) {
-    f32xN s0{}, s1{}, m0{}, m1{};
-    if constexpr (kGroupScaled<S>) {
-      const int64_t at = (k0 >> p.group_shift) * kPanel;
-      s0 = group_lanes(p.scale, p.half_scale, at), s1 = group_lanes(p.scale, p.half_scale, at + 16);
-      if constexpr (kMins) m0 = group_lanes(p.min, p.half_min, at), m1 = group_lanes(p.min, p.half_min, at + 16);
-    }
-    wide_steps<R, Wt, S>(xt, p, k0, k0 + step, s0, s1, m0, m1, acc0, acc1);
+    f32xN sc[2] = {}, mn[2] = {};
+    group_scales<S, 2>(p, k0, 0, sc, mn);
+    wide_steps<R, Wt, S>(xt, p, k0, k0 + step, sc[0], sc[1], mn[0], mn[1], acc0, acc1);
   }
   if (cols == kPanel) {
     for (int i = 0; i < R; ++i) {
@@ -615,11 +617,16 @@ void BF16Weights::pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt) {
 // block to share: converting a panel costs about as much as a 12-row tile's FMAs.
 template <class Wt, int S>
 void dequantize_panel(const Panel<Wt>& p, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; ++k) {
-    if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
-    for (int c = 0; c < kPanel; c += jaxllm::kLanes)
-      storeN(out + k * kPanel + c,
-             weights_at<Wt, S == kColumnScales ? kNoScales : S>(p.w, p.scale, p.min, p.group_shift, k, c));
+  constexpr int kS = S == kColumnScales ? kNoScales : S, V = kPanel / jaxllm::kLanes;
+  const int64_t step = scale_step<Wt, kS>(p, K);
+  for (int64_t k0 = 0; k0 < K; k0 += step) {  // a group at a time, its scales (and mins) in registers
+    f32xN sc[V] = {}, mn[V] = {};
+    group_scales<kS, V>(p, k0, 0, sc, mn);
+    for (int64_t k = k0; k < k0 + step; ++k) {
+      if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
+      for (int v = 0; v < V; ++v)
+        storeN(out + k * kPanel + v * jaxllm::kLanes, scaled<kS>(Wt::load(p.w, k, v * jaxllm::kLanes), sc[v], mn[v]));
+    }
   }
 }
 
@@ -707,10 +714,12 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     const int64_t groups = (K >> group_shift) * kPanel;  // a panel's scales
     Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                     group_shift};
-    // float16 scales: read as they are by a one-tile item's tile (a group's at a time),
-    // else widened for the item (a panel converted once for several tiles, bfloat16 pairs)
-    if (kGrouped && scales.half && t1 - t0 == 1 && !(kBF16 && kDotBF16) &&
-        scales_in_registers<S>(static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows)))) {
+    // float16 scales: read as they are, a group's at a time, by a one-tile item's tile
+    // or a panel's conversion for several; else widened for the item (bfloat16 pairs,
+    // narrow passes that read scales from memory)
+    const bool halves = t1 - t0 > 1 ? Wt::kConvertPanel  // converted once, a group at a time
+                                    : scales_in_registers<S>(static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows)));
+    if (kGrouped && scales.half && halves && !(kBF16 && kDotBF16)) {
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
       if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
     } else if (kGrouped) {
