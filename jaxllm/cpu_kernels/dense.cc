@@ -289,9 +289,9 @@ constexpr bool kWholePanel = whole_panel(G);
 
 // Whether a narrow pass of g rows keeps a group's scales (and mins: 2 vectors per weight
 // vector) in registers beside its accumulators, weights and broadcast (one spill
-// allowed: measured no loss at one row of Q4_1 under AVX2), so reading them once per
-// group; else it reads them from memory at every input as the weights' operands (6 rows
-// of Q4_1 lost 5% to spills in registers).
+// allowed: one row of Q4_1 under AVX2 ran 4-10% faster so), reading them once per
+// group; else it reads them from memory at every input as the weights' operands (a
+// 12-row Q4_1 tile, two 6-row passes, ran ~4% slower with them in registers).
 constexpr bool narrow_scales_in_registers(int g, int scale_vectors) {
   const int v = (whole_panel(g) ? kPanel : 16) / jaxllm::kLanes;
   return g * v + (1 + scale_vectors) * v + 1 <= kVectorRegisters + 1;
@@ -305,7 +305,8 @@ template <int S>
 bool scales_in_registers(int rows) {
   if (kWideTile) return true;
   const int g1 = std::min(rows, kNarrowRows), g2 = rows - g1;
-  return narrow_scales_in_registers(g1, kScaleVectors<S>) && (g2 == 0 || narrow_scales_in_registers(g2, kScaleVectors<S>));
+  return narrow_scales_in_registers(g1, kScaleVectors<S>) &&
+         (g2 == 0 || narrow_scales_in_registers(g2, kScaleVectors<S>));
 }
 
 // A panel's weights and scales, as a tile function reads them.
@@ -316,8 +317,8 @@ struct Panel {
   const float* min;        // [K / G][32] (Q4_1, the mixed-GGUF container), else null
   const typename Wt::T* prefetch;  // the panel two ahead, or null
   int group_shift = 0;     // log2(G)
-  // float16 scales (and mins) [K / G][32] in place of `scale` and `min`: read by the
-  // wide tile group by group, widened in registers (wide_tile_times_panel)
+  // float16 scales (and mins) [K / G][32] in place of `scale` and `min`: read a group
+  // at a time (group_scales), widened in registers
   const uint16_t* half_scale = nullptr;
   const uint16_t* half_min = nullptr;
 };
@@ -636,8 +637,10 @@ void scale_columns(float* y, int64_t ldy, int rows, int cols, const float* scale
 }
 
 // A call's scales (or mins) as it passes them: float32, or float16 as GGUF's Q8_0, Q4_0
-// and Q4_1 blocks store theirs (held so, they take half the bytes), widened to float32
-// a panel at a time (exactly: every float16 is a float32) before the tiles read them.
+// and Q4_1 blocks store theirs (held so, they take half the bytes). The tiles and a
+// panel's conversion read float16 ones as they are, a group at a time (Panel's
+// half_scale); other paths get a panel's widened first (`floats`; exact: every float16
+// is a float32).
 struct Scales {
   const void* data = nullptr;
   bool half = false;
@@ -717,8 +720,9 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     // float16 scales: read as they are, a group's at a time, by a one-tile item's tile
     // or a panel's conversion for several; else widened for the item (bfloat16 pairs,
     // narrow passes that read scales from memory)
+    const int rows0 = static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows));  // the first tile's
     const bool halves = t1 - t0 > 1 ? Wt::kConvertPanel  // converted once, a group at a time
-                                    : scales_in_registers<S>(static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows)));
+                                    : scales_in_registers<S>(rows0);
     if (kGrouped && scales.half && halves && !(kBF16 && kDotBF16)) {
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
       if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
@@ -734,7 +738,8 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
         float* yt = Y + t * kTileRows * N + p * kPanel;
         tile_fns[rows](XT + t * kTileRows * depth, pan, depth, yt, N, cols);
         pan.prefetch = nullptr;  // the first tile of an item prefetches
-        if constexpr (S == kColumnScales) scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
+        if constexpr (S == kColumnScales)
+          scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
       }
     };
     if constexpr (kBF16) {
@@ -896,7 +901,8 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
     if (mins != nullptr && group_shift_of(panels, *mins, 1) != shift)
       return ffi::Error::InvalidArgument("grouped dense: mins must be shaped as the scales");
     if constexpr (std::is_same_v<ScaleBuffer, ffi::AnyBuffer>) {
-      if (!scale_types_ok(*scales, mins)) return ffi::Error::InvalidArgument(std::string("grouped dense") + kScaleTypes);
+      if (!scale_types_ok(*scales, mins))
+        return ffi::Error::InvalidArgument(std::string("grouped dense") + kScaleTypes);
     }
     scale_size = scales->element_count() / experts;
   }
@@ -939,8 +945,8 @@ template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                               ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y, bool bf16) {
-  return GroupedDenseScaled<Wt, kGroupScales, ffi::Buffer<kPanelType>, ffi::AnyBuffer>(pool, x, panels, &scales, nullptr,
-                                                                                      group_sizes, y, bf16);
+  return GroupedDenseScaled<Wt, kGroupScales, ffi::Buffer<kPanelType>, ffi::AnyBuffer>(
+      pool, x, panels, &scales, nullptr, group_sizes, y, bf16);
 }
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
@@ -1034,6 +1040,8 @@ struct X8Panel {
   const float* min;        // [K/G][32] (Q4_1, int4), else null
   const uint8_t* prefetch; // the panel two ahead, or null
   int group_shift;         // log2(G)
+  const uint16_t* half_scale = nullptr;  // float16 ones in place of scale and min (kX8HalfScales)
+  const uint16_t* half_min = nullptr;
 };
 
 inline int32_t x8_quad(const int8_t* p) {  // 4 inputs' int8 values, as a 32-bit lane holds them
@@ -1086,7 +1094,13 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
       }
     }
     const int64_t grp = (b * kXBlock) >> p.group_shift;
-    const __m512 d0 = _mm512_loadu_ps(p.scale + grp * kPanel), d1 = _mm512_loadu_ps(p.scale + grp * kPanel + 16);
+    const __m512 d0 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel);
+    const __m512 d1 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel + 16);
+    __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+    if constexpr (kMins) {
+      m0 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel);
+      m1 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel + 16);
+    }
     for (int i = 0; i < R; ++i) {
       const int64_t at = b * kTileRows + g + i;
       if constexpr (kOffset != 0) {
@@ -1099,8 +1113,8 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
       acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
       if constexpr (kMins) {
         const __m512 sx = _mm512_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at]));
-        acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(p.min + grp * kPanel), sx, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(p.min + grp * kPanel + 16), sx, acc[i][1]);
+        acc[i][0] = _mm512_fmadd_ps(m0, sx, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(m1, sx, acc[i][1]);
       }
     }
   }
@@ -1109,18 +1123,30 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
     _mm512_storeu_ps(out + (g + i) * kPanel + 16, acc[i][1]);
   }
 }
+constexpr bool kX8HalfScales = true;  // x8_rows reads float16 scales (and mins) as they are
 #elif defined(__AVX2__)
 constexpr int kX8Rows = 4;  // 8 16-bit accumulators, 4 weight registers
+
+// 8 scales (or mins) at `at`: float32, or float16 widened (exact).
+inline __m256 x8_lanes(const float* f, const uint16_t* h, int64_t at) {
+  if (h == nullptr) return _mm256_loadu_ps(f + at);
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + at)));
+#else
+  alignas(32) float v[8];
+  widen_halves(h + at, 8, v);
+  return _mm256_load_ps(v);
+#endif
+}
 
 // A block's 16-bit sums (each of a column's lanes: 16 products of at most 15 x 127)
 // widened, offset, scaled and added to 8 outputs o[0..7] of one row.
 template <bool kMins, int kOffset>
-inline void x8_block_out(__m256i si, const X8Tile& xt, int64_t at, const float* scale, const float* min, float* o) {
+inline void x8_block_out(__m256i si, const X8Tile& xt, int64_t at, __m256 scale, __m256 min, float* o) {
   if constexpr (kOffset != 0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(kOffset * xt.sum[at]));
-  __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_set1_ps(xt.d[at])),
+  __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(scale, _mm256_set1_ps(xt.d[at])),
                              _mm256_loadu_ps(o));
-  if constexpr (kMins)
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(min), _mm256_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at])), a);
+  if constexpr (kMins) a = _mm256_fmadd_ps(min, _mm256_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at])), a);
   _mm256_storeu_ps(o, a);
 }
 
@@ -1161,25 +1187,31 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
           }
         }
       }
+      // the block's scales (and mins) of these columns: 16 (two vectors) or 8
+      const int64_t c0 = grp * kPanel + (kBits == 4 ? 16 : 8) * h;
+      __m256 sc[2], mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int v = 0; v < (kBits == 4 ? 2 : 1); ++v) {
+        sc[v] = x8_lanes(p.scale, p.half_scale, c0 + 8 * v);
+        if constexpr (kMins) mn[v] = x8_lanes(p.min, p.half_min, c0 + 8 * v);
+      }
       for (int i = 0; i < R; ++i) {
         const int64_t at = b * kTileRows + g + i;
         float* o = out + (g + i) * kPanel;
-        const float* sc = p.scale + grp * kPanel;
-        const float* mn = kMins ? p.min + grp * kPanel : nullptr;
         if constexpr (kBits == 4) {
           for (int v = 0; v < 2; ++v)
-            x8_block_out<kMins, kOffset>(_mm256_madd_epi16(s[i][v], ones), xt, at, sc + 16 * h + 8 * v,
-                                         kMins ? mn + 16 * h + 8 * v : nullptr, o + 16 * h + 8 * v);
+            x8_block_out<kMins, kOffset>(_mm256_madd_epi16(s[i][v], ones), xt, at, sc[v], mn[v], o + 16 * h + 8 * v);
         } else {
           const __m256i si = _mm256_add_epi32(_mm256_madd_epi16(s[i][0], ones), _mm256_madd_epi16(s[i][1], sixteens));
-          x8_block_out<kMins, kOffset>(si, xt, at, sc + 8 * h, kMins ? mn + 8 * h : nullptr, o + 8 * h);
+          x8_block_out<kMins, kOffset>(si, xt, at, sc[0], mn[0], o + 8 * h);
         }
       }
     }
   }
 }
+constexpr bool kX8HalfScales = true;
 #else  // a lane at a time (SSE2, NEON): the same sums in the same order
 constexpr int kX8Rows = kTileRows;
+constexpr bool kX8HalfScales = false;  // float16 scales widened for it per item
 template <int R, int kBits, bool kMins, int kOffset>
 void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool) {
   for (int i = 0; i < R; ++i) {
@@ -1246,9 +1278,15 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
   const auto pack = [&](int64_t t) { quantize_tile(X, M, K, t, XT + t * tile_bytes); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
     thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
-    X8Panel panel{P + p * panel_bytes, scales.floats(p * panel_groups, panel_groups, wide_scales),
-                  kMins ? mins.floats(p * panel_groups, panel_groups, wide_mins) : nullptr,
-                  p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr, group_shift};
+    X8Panel panel{P + p * panel_bytes, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr,
+                  group_shift};
+    if (kX8HalfScales && scales.half) {  // read as they are, a block's at a time
+      panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * panel_groups;
+      if (kMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * panel_groups;
+    } else {
+      panel.scale = scales.floats(p * panel_groups, panel_groups, wide_scales);
+      if (kMins) panel.min = mins.floats(p * panel_groups, panel_groups, wide_mins);
+    }
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
