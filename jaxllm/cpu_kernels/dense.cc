@@ -1280,7 +1280,9 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
     thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
     X8Panel panel{P + p * panel_bytes, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr,
                   group_shift};
-    if (kX8HalfScales && scales.half) {  // read as they are, a block's at a time
+    // float16 scales: read as they are, a block's at a time, by one tile; widened once
+    // for several (each tile would convert them again)
+    if (kX8HalfScales && scales.half && t1 - t0 == 1) {
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * panel_groups;
       if (kMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * panel_groups;
     } else {
