@@ -244,9 +244,9 @@ def _decode_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
     n = blocks.shape[0]
     zero = np.zeros_like
     if type_name in ("Q8_0", "Q4_0", "Q4_1"):
-        parts = block_parts(blocks, QUANT_FORMATS[type_name.lower()], n, 32).map_arrays(
-            lambda a: a if a.dtype == np.int8 else a.astype(np.float32))
-        return parts.q, parts.scale, parts.mins if parts.mins is not None else zero(parts.scale)
+        parts = block_parts(blocks, QUANT_FORMATS[type_name.lower()], n, 32)
+        scale = parts.scale.astype(np.float32)  # the container's scales are float32
+        return parts.q, scale, parts.mins.astype(np.float32) if parts.mins is not None else zero(scale)
     if type_name == "Q5_0":
         d = _halves(blocks[:, 0:2])
         return (_fives(blocks[:, 6:22], blocks[:, 2:6]).astype(np.int8) - 16), d, zero(d)
