@@ -82,8 +82,9 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "q4_1+a8", "q8_0 experts", "q4_1+a8 experts"])
 def test_float16_scales_give_the_sums_of_float32_ones(weights):
     """GGUF's blocks hold the file's float16 scales (and mins: QuantFormat.scale_dtype),
-    half the bytes of float32 ones; the kernel widens them a panel at a time, exactly, so
-    the same scales passed as float32 give the very same sums: dense, with int8
+    half the bytes of float32 ones; the kernels widen them exactly (a group's in
+    registers, or a panel's into a buffer), so the same scales passed as float32 give
+    the very same sums: dense at one tile (1 and 12 rows) and several (30), with int8
     activations, over experts. Scales of another dtype, or mins of another dtype than
     the scales, are refused naming what is accepted."""
     from jaxllm.models.linear import grouped_linear
@@ -101,19 +102,18 @@ def test_float16_scales_give_the_sums_of_float32_ones(weights):
     half, full = pack_weight(q), pack_weight(widened)
     assert half.scale.dtype == jnp.float16 and full.scale.dtype == jnp.float32
     assert half.scale.nbytes * 2 == full.scale.nbytes
-    x = jnp.asarray(rng.standard_normal((13, k)), jnp.float32)
-    if experts:
-        sizes = jnp.asarray([5, 0, 6], jnp.int32)
-        call = lambda w: np.asarray(jax.jit(grouped_linear)(x, w, sizes))  # noqa: E731
-    else:
-        call = lambda w: np.asarray(jax.jit(linear)(x, w))  # noqa: E731
-    got = call(half)
-    np.testing.assert_array_equal(got, call(full))
-    if not a8:  # and the sums of the dequantized matrix packed as floats
-        floats = dequantize(q)
-        want = (np.asarray(grouped_linear(x, pack_weight(floats), sizes)) if experts
-                else np.asarray(linear(x, pack_weight(floats))))
-        np.testing.assert_array_equal(got, want)
+    floats = pack_weight(dequantize(q))
+    for m in (1, 12, 30):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        if experts:
+            sizes = jnp.asarray([m // 3, 0, m - m // 3], jnp.int32)
+            call = lambda w: np.asarray(jax.jit(grouped_linear)(x, w, sizes))  # noqa: E731
+        else:
+            call = lambda w: np.asarray(jax.jit(linear)(x, w))  # noqa: E731
+        got = call(half)
+        np.testing.assert_array_equal(got, call(full))
+        if not a8:  # and the sums of the dequantized matrix packed as floats
+            np.testing.assert_array_equal(got, call(floats))
     if experts:
         return
     with pytest.raises(Exception, match="must be float32 or float16"):
