@@ -11,7 +11,8 @@ process: GFLOP/s of each and the kernel's ratio to each.
                                                            # experts, against ragged_dot
     .venv/bin/python scripts/bench_linear.py --weights q4_1  # kept blocks: the kernel multiplying
                                                            # in float32 vs in bfloat16 (a bfloat16
-                                                           # model), and bfloat16 panels
+                                                           # model), and bfloat16 panels, each
+                                                           # bfloat16 by vdpbf16ps and float tiles
 
 `--isa avx2` on an AVX-512 machine gives the register file of an AVX2-only one (it
 re-runs this script with JAXLLM_CPU_MARCH=x86-64-v3, XLA_FLAGS=--xla_cpu_max_isa=AVX2
@@ -74,12 +75,15 @@ def run(rows: list[int], iters: int) -> None:
 
 def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
     """Kept blocks of `fmt_name` through the kernel as a float32 model multiplies them
-    and as a bfloat16 model does (`float_dtype`), the same matrix as bfloat16 panels, and
-    (4-bit formats) with int8 activations (`activations`: integer dot products)."""
+    and as a bfloat16 model does (`float_dtype`), the same matrix as bfloat16 panels
+    (each bfloat16 layout by vdpbf16ps and by the float tiles, `bf16_dot`: the same
+    sums; on a build without AVX512_BF16 both are the float tiles), and (4-bit formats)
+    with int8 activations (`activations`: integer dot products)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxllm import cpu_kernels
     from jaxllm.models.linear import linear, pack_weight
     from jaxllm.models.params import QUANT_FORMATS
     from jaxllm.models.quant import dequantize, int8_activation_ready, quantize_blocks, quantize_int4
@@ -88,9 +92,11 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
     quantize = quantize_int4 if fmt_name.startswith("int4") else quantize_blocks
     rng = np.random.default_rng(0)
     print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "
-          "bfloat16 panels of the same matrix, and the blocks with int8 activations (4-bit formats)")
-    print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bfloat16':>9} {'bf16 panels':>12} {'int8 x':>8} "
-          f"{'bf16/f32':>9} {'int8x/f32':>10}")
+          "bfloat16 panels of the same matrix (bfloat16 by vdpbf16ps / by the float tiles"
+          f"{'' if cpu_kernels.has_bf16_dot() else ': this build has no vdpbf16ps, both are float tiles'}), "
+          "and the blocks with int8 activations (4-bit formats)")
+    print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bf16 dot':>9} {'bf16 fl':>9} {'panels dot':>11} "
+          f"{'panels fl':>10} {'int8 x':>8} {'bf16/f32':>9} {'fl/dot':>7} {'int8x/f32':>10}")
     kernel = jax.jit(lambda x, p: linear(x, p))
     for k, n in SHAPES:
         q = quantize(rng.standard_normal((k, n), np.float32), fmt)
@@ -101,11 +107,15 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
             np.testing.assert_array_equal(np.asarray(kernel(x, bf16)), np.asarray(kernel(x, panels)))
-            t = [timed(kernel, x, w, iters=iters) for w in (f32, bf16, panels)]
+            np.testing.assert_array_equal(np.asarray(kernel(x, bf16)),
+                                          np.asarray(kernel(x, bf16.replace(bf16_dot=False))))
+            layouts = (f32, bf16, bf16.replace(bf16_dot=False), panels, panels.replace(bf16_dot=False))
+            t = [timed(kernel, x, w, iters=iters) for w in layouts]
             t.append(timed(kernel, x, x8, iters=iters) if x8 is not None else float("nan"))
             g = [2 * m * k * n / s / 1e9 for s in t]
-            print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>12.1f} {g[3]:>8.1f} "
-                  f"{t[0] / t[1]:>9.2f} {t[0] / t[3]:>10.2f}")
+            best16 = min(t[1], t[2])
+            print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>9.1f} {g[3]:>11.1f} {g[4]:>10.1f} "
+                  f"{g[5]:>8.1f} {t[0] / best16:>9.2f} {t[1] / t[2]:>7.2f} {t[0] / t[5]:>10.2f}")
 
 
 def run_experts(experts: int, fmt_name: str, rows: list[int], iters: int) -> None:

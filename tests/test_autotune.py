@@ -2,6 +2,7 @@
 given times, the stored plan reused, and an engine whose buckets run different
 backends giving the tokens a single-backend engine gives."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,6 +93,83 @@ def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
     assert {c.attention for c in plan.choices} == {"cpu"}  # 1% faster: within the tie margin
     plan = plan_backends(BUCKETS, ["xla"], ["cpu"], None)
     assert plan.choices == (StepBackends("xla", "cpu"),) * 4 and plan.source == "fixed" and plan.seconds == {}
+
+
+def test_the_bfloat16_tiles_are_chosen_per_bucket():
+    """Where the kernels hold both bfloat16 paths (the same sums): the kernel's
+    projections timed with each at the sampled buckets, each bucket taking the faster
+    (vdpbf16ps, the first, unless the float tiles beat it by more than TIE); the
+    kernel's time in the cpu/xla choice is that of its tiles (not measured again), and
+    the output projection is measured with the largest bucket's tiles."""
+    buckets = [(t, 8) for t in (1, 2, 4, 8, 16, 32)]  # measured: 1, 4, 16, 32
+    calls = []
+
+    def measure(kind, backend, t, s):
+        calls.append((kind, backend, t))
+        if backend == "cpu/float":  # slower at one row, 1.5x from 4, a tie at 32
+            return t * (1.2 if t == 1 else 0.99 if t == 32 else 0.6)
+        return t * (1.0 if backend == "cpu" else 0.8 if kind == "linear" else 2.0)
+
+    plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure, bf16_tiles=["dot", "float"])
+    assert sorted(b for k, b, _ in calls if k == "linear") == ["cpu"] * 4 + ["cpu/float"] * 4 + ["xla"] * 4
+    assert [c.bf16_tiles for c in plan.choices] == ["dot", "dot", "float", "float", "float", "dot"]
+    # the kernel's time, its tiles': 0.6 t against XLA's 0.8 t where it takes the float tiles
+    assert [c.linear for c in plan.choices] == ["xla", "xla", "cpu", "cpu", "cpu", "xla"]
+    assert plan.seconds["linear"]["cpu"] == {1: 1.0, 4: 2.4, 16: 9.6, 32: 32.0}
+    assert plan.describe("bf16_tiles") == ("dot at T=1-2 (1.20-1.20x float), float at T=4-16 (1.67-1.67x dot), "
+                                           "dot at T=32-32 (0.99-0.99x float) [measured]")
+    assert {b for k, b, _ in calls if k == "head"} == {"cpu", "xla"}  # the largest bucket's tiles: dot
+    again = BackendPlan.from_json(plan.to_json())
+    assert again.choices == plan.choices and again.seconds == plan.seconds
+    # the kernel alone (linear_backend="cpu"): the tiles are still measured
+    alone = plan_backends(buckets, ["xla"], ["cpu"], measure, bf16_tiles=["dot", "float"])
+    assert [c.bf16_tiles for c in alone.choices] == [c.bf16_tiles for c in plan.choices]
+    assert alone.source == "measured" and "linear" not in alone.seconds
+    assert {c.bf16_tiles for c in plan_backends(buckets, ["xla"], ["cpu"], measure).choices} == {"dot"}
+
+
+def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_path, monkeypatch):
+    """A bfloat16 model whose plan gives the float tiles to its larger buckets: their
+    steps' packed weights carry it, the start-up line says it, and the tokens and
+    logprobs are those of an engine on the default tiles (the same sums; on a build
+    without vdpbf16ps both are the float tiles)."""
+    from jaxllm import cpu_kernels
+
+    class FakeTimer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):  # the float tiles faster from 4 rows
+            return {"cpu": 2.0, "cpu/float": 1.0 if t >= 4 else 3.0}.get(backend, 4.0)
+
+    monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (4, 13)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    small = dict(dtype="bfloat16", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8)  # 3 buckets
+    chosen = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **small)
+    runner = chosen.llm_engine.core.runner
+    assert runner.plan.buckets == (1, 4, 8)  # measured at 1 and 8: 4 takes 1's pick
+    assert [c.bf16_tiles for c in runner.plan.choices] == ["dot", "dot", "float"]
+
+    def packed(choice):
+        return [w for w in jax.tree.leaves(runner.weights_of(choice), is_leaf=lambda x: isinstance(x, PackedWeight))
+                if isinstance(w, PackedWeight)]
+
+    assert all(w.bf16_dot for w in packed(runner.plan.for_bucket(1)))
+    assert packed(runner.plan.for_bucket(8)) and not any(w.bf16_dot for w in packed(runner.plan.for_bucket(8)))
+    assert "bfloat16 sums dot at T=1-4 (1.50-1.50x float), float at T=8-8 (2.00-2.00x dot)" in \
+        chosen.llm_engine.core.describe()
+    got = chosen.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)  # one candidate: the default tiles, fixed
+    default = make_llm(test_models_dir, **small)
+    assert default.llm_engine.core.runner.plan.source == "fixed"
+    want = default.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{i: x.logprob for i, x in d.items()} for d in a.outputs[0].logprobs] == \
+            [{i: x.logprob for i, x in d.items()} for d in b.outputs[0].logprobs]
 
 
 def test_the_step_timer_measures_real_steps(test_models_dir):

@@ -21,6 +21,7 @@ TESTS = [
     "tests/test_kv_cache_dtypes.py::test_cpu_common_prefix_pass_reads_each_format",
     "tests/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
     "tests/test_linear.py::test_dense_kernel_matches_numpy",
+    "tests/test_linear.py::test_both_bfloat16_paths_give_the_same_sums",
     "tests/test_int8_activations.py::test_kernel_matches_the_reference",
     "tests/test_int8_activations.py::test_grouped_kernel_matches_the_reference",
     "tests/test_linear.py::test_grouped_kernel_matches_ragged_dot",
@@ -39,6 +40,7 @@ TESTS = [
 QUICK = [
     "tests/test_linear.py::test_vector_lanes_match_the_build",
     "tests/test_linear.py::test_dense_kernel_matches_numpy",
+    "tests/test_linear.py::test_both_bfloat16_paths_give_the_same_sums",
     "tests/test_int8_activations.py::test_kernel_matches_the_reference",
     "tests/test_linear.py::test_grouped_kernel_over_quantized_experts",
     "tests/test_cpu_attention.py::test_sliding_window_and_soft_cap",

@@ -79,6 +79,46 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
                                       np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(w16))))
 
 
+def _pair_order_sums(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """x [M, K] @ w [K, N] (bfloat16 values, as float32) summed as the kernel's bfloat16
+    tiles sum: input by input in float32, each pair's odd input first (vdpbf16ps's
+    order; every product of two bfloat16 values is exact in float32)."""
+    k = x16.shape[1]
+    acc = np.zeros((x16.shape[0], w16.shape[1]), np.float32)
+    for j in range(0, k, 2):
+        for i in (j + 1, j):
+            if i < k:
+                acc = (acc + np.outer(x16[:, i], w16[i])).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 33, 40), (12, 96, 64), (30, 128, 96), (100, 65, 33)])
+@pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0"])
+def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
+    """bfloat16 sums (plain bfloat16 panels, or a bfloat16 model's quantized ones) by
+    vdpbf16ps (`bf16_dot`, where the build has AVX512_BF16) and by the float tiles are
+    the same sums bit for bit: those of an exact float32 oracle that adds the products
+    in vdpbf16ps's order. One tile (in registers), several (the panel converted once),
+    odd depths (a zero pair partner), widths that are not whole panels."""
+    rng = np.random.default_rng(m * 100 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if weights == "bfloat16":
+        packed = pack_weight(jnp.asarray(w, jnp.bfloat16))
+        w16 = np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))
+    else:  # whole blocks of 32 inputs
+        k = -(-k // 32) * 32
+        x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+        quantized = quantize_blocks(w, QUANT_FORMATS[weights]).replace(float_dtype="bfloat16")
+        packed = pack_weight(quantized)
+        w16 = np.asarray(dequantize(quantized).astype(jnp.bfloat16).astype(jnp.float32))
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    want = _pair_order_sums(x16, w16)
+    for dot in (True, False):
+        got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed.replace(bf16_dot=dot)))
+        np.testing.assert_array_equal(got, want, err_msg=f"bf16_dot={dot}")
+
+
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "q4_1+a8", "q8_0 experts", "q4_1+a8 experts"])
 def test_float16_scales_give_the_sums_of_float32_ones(weights):
     """GGUF's blocks hold the file's float16 scales (and mins: QuantFormat.scale_dtype),

@@ -63,3 +63,12 @@ def vector_lanes() -> int:
     """float32 lanes of the vectors the library was built for: 16 (AVX-512), 8 (AVX2),
     4 (SSE, NEON). Builds and loads the library if needed (KernelBuildError)."""
     return int(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmVectorLanes())
+
+
+@functools.cache
+def has_bf16_dot() -> bool:
+    """Whether the library multiplies bfloat16 by vdpbf16ps where a call asks for it
+    (`bf16_dot`; built with AVX512_BF16): then it holds both bfloat16 paths, the same
+    sums either way, and the faster is measured at start-up. Builds and loads the
+    library if needed (KernelBuildError)."""
+    return bool(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmBF16Dot())

@@ -100,7 +100,7 @@ inline f32xN nibble_lanes(const uint8_t* p, int high) {
 
 // x as the tiles read it (`pack`: tile t of x into xt, `depth(K)` entries of 12 per
 // tile): float32 rows [K][12] for every panel format but bfloat16 multiplied by
-// vdpbf16ps (BF16Weights below).
+// vdpbf16ps (BF16Pairs below).
 struct FloatX {
   using X = float;
   static constexpr bool kConvertPanel = true;  // several tiles: the panel converted to float32 once
@@ -159,9 +159,15 @@ inline u32xN bf16_rounded(f32xN v) {
 // kLanes columns at input k are the low (k even) or high halves of kLanes 32-bit lanes,
 // made float32 by a shift or a mask. x is rounded to bfloat16 as it is packed: the
 // products are exact in float32 and summed there, as XLA's dot of bfloat16 inputs with
-// float32 results. With AVX512_BF16 each tile multiplies pairs with vdpbf16ps (two
-// multiply-adds per lane), reading x as pairs of bfloat16 [K/2][12]; elsewhere the
-// weights become float32 lanes for the float tiles.
+// float32 results. Two ways to multiply them: with AVX512_BF16, vdpbf16ps (two
+// multiply-adds per lane), reading x as pairs of bfloat16 [K/2][12] (BF16Pairs<true>);
+// or the float tiles, the weights made float32 lanes (BF16Pairs<false>), which take a
+// pair's odd input first: the order vdpbf16ps sums a pair in (its two products added one
+// after the other, each rounded to nearest even; a product of two bfloat16 values is
+// exact in float32), so both give the same sums bit for bit (but for subnormal inputs,
+// which vdpbf16ps reads as zero). Built with AVX512_BF16 both are compiled and the call's
+// `bf16_dot` attribute picks one (on Intel cores vdpbf16ps issues on one port where
+// float32 FMAs issue on two, and loses; on Zen 4 it wins: measured at start-up).
 #if defined(__AVX512BF16__)
 constexpr bool kDotBF16 = true;
 #else
@@ -188,18 +194,25 @@ inline f32xN bf16_lanes(const uint16_t* p, int high) {
 }
 #endif
 
-struct BF16Weights {
+template <bool kDot>
+struct BF16Pairs {
+  static_assert(kDotBF16 || !kDot, "vdpbf16ps needs a build with AVX512_BF16");
   using T = uint16_t;
-  using X = std::conditional_t<kDotBF16, uint32_t, float>;  // a pair of bfloat16, or one rounded float
-  static constexpr bool kConvertPanel = !kDotBF16;
+  using X = std::conditional_t<kDot, uint32_t, float>;  // a pair of bfloat16, or one rounded float
+  static constexpr bool kConvertPanel = !kDot;
   static constexpr int kRow = kPanel;  // elements of T per input (a pair: 2 x 32)
-  static int64_t depth(int64_t K) { return kDotBF16 ? (K + 1) / 2 : K; }
+  // the steps a tile takes: pairs, or inputs (K rounded up to even: an odd K's padding
+  // zero comes first in its pair)
+  static int64_t depth(int64_t K) { return kDot ? (K + 1) / 2 : (K + 1) / 2 * 2; }
   static int64_t panel_size(int64_t K) { return (K + 1) / 2 * 2 * kPanel; }
+  // the float tiles' step k: input k ^ 1 (the pair's odd input first)
   static f32xN load(const T* panel, int64_t k, int c) {
-    return bf16_lanes(panel + (k >> 1) * 2 * kPanel + 2 * c, static_cast<int>(k & 1));
+    return bf16_lanes(panel + (k >> 1) * 2 * kPanel + 2 * c, static_cast<int>(~k & 1));
   }
   static void pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt);
 };
+template <class Wt>
+constexpr bool kIsPairs = std::is_same_v<Wt, BF16Pairs<false>> || std::is_same_v<Wt, BF16Pairs<true>>;
 
 // What scales a panel carries. kColumnScales: one per column, applied to the finished
 // outputs (Dense below). kGroupScales: [K / G][32] per panel (G inputs per scale: 32 for
@@ -210,9 +223,19 @@ struct BF16Weights {
 // float32 gguf dequantizes it to, so the sums are those of the dequantized matrix.
 enum Scaling { kNoScales, kColumnScales, kGroupScales, kGroupScalesMins };
 // Or-ed into a grouped scaling: each weight then rounded to bfloat16 (a bfloat16 model's
-// weights kept quantized: the values that model would hold dequantized), x as BF16Weights
-// packs it.
+// weights kept quantized: the values that model would hold dequantized), x as BF16Pairs
+// packs it: the float tiles then take each pair's odd input first (input_at), or with
+// kBF16Dot too, vdpbf16ps multiplies pairs.
 constexpr int kRoundBF16 = 8;
+constexpr int kBF16Dot = 16;
+constexpr int kBF16Flags = kRoundBF16 | kBF16Dot;
+
+// The input a float tile multiplies at its step k under S: k, or k ^ 1 for a bfloat16
+// model's quantized weights (BF16Pairs' order; groups hold whole pairs).
+template <int S>
+constexpr int64_t input_at(int64_t k) {
+  return (S & kRoundBF16) != 0 ? k ^ 1 : k;
+}
 
 inline void rounded(f32xN& v) {
 #if defined(__AVX512F__)
@@ -228,14 +251,14 @@ inline void rounded(f32xN& v) {
 }
 
 template <int S>
-constexpr bool kGroupScaled = (S & ~kRoundBF16) == kGroupScales || (S & ~kRoundBF16) == kGroupScalesMins;
+constexpr bool kGroupScaled = (S & ~kBF16Flags) == kGroupScales || (S & ~kBF16Flags) == kGroupScalesMins;
 
 // Weights w (kLanes of them, as loaded) times their group's scales s, plus its mins m,
 // as S says.
 template <int S>
 inline f32xN scaled(f32xN w, f32xN s, f32xN m) {
   if constexpr (kGroupScaled<S>) w *= s;
-  if constexpr ((S & ~kRoundBF16) == kGroupScalesMins) {
+  if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) {
     rounded(w);
     w += m;
   }
@@ -252,8 +275,8 @@ inline f32xN weights_at(const typename Wt::T* panel, const float* gscale, const 
                         int c) {
   f32xN s{}, m{};
   if constexpr (kGroupScaled<S>) s = loadN(gscale + (k >> shift) * kPanel + c);
-  if constexpr ((S & ~kRoundBF16) == kGroupScalesMins) m = loadN(gmin + (k >> shift) * kPanel + c);
-  return scaled<S>(Wt::load(panel, k, c), s, m);
+  if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) m = loadN(gmin + (k >> shift) * kPanel + c);
+  return scaled<S>(Wt::load(panel, input_at<S>(k), c), s, m);
 }
 
 template <class Wt>
@@ -297,7 +320,7 @@ constexpr bool narrow_scales_in_registers(int g, int scale_vectors) {
   return g * v + (1 + scale_vectors) * v + 1 <= kVectorRegisters + 1;
 }
 template <int S>
-constexpr int kScaleVectors = (S & ~kRoundBF16) == kGroupScalesMins ? 2 : kGroupScaled<S> ? 1 : 0;
+constexpr int kScaleVectors = (S & ~kBF16Flags) == kGroupScalesMins ? 2 : kGroupScaled<S> ? 1 : 0;
 
 // Whether a tile of `rows` rows reads a grouped panel's scales in registers (so float16
 // ones need no widening first): always on the wide tile.
@@ -409,7 +432,7 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
       group_scales<S, V>(p, k0, C * h, sc, mn);
       steps(k0, k0 + step, [&](int64_t k, int c) {
         const int v = (c - C * h) / jaxllm::kLanes;
-        return scaled<S>(Wt::load(p.w, k, c), sc[v], mn[v]);
+        return scaled<S>(Wt::load(p.w, input_at<S>(k), c), sc[v], mn[v]);
       });
     }
   }
@@ -443,7 +466,8 @@ inline void wide_steps(const float* xt, const Panel<Wt>& p, int64_t k0, int64_t 
                        f32xN m1, f32xN* acc0, f32xN* acc1) {
 #pragma GCC unroll 4
   for (int64_t k = k0; k < k1; ++k) {
-    const f32xN w0 = scaled<S>(Wt::load(p.w, k, 0), s0, m0), w1 = scaled<S>(Wt::load(p.w, k, 16), s1, m1);
+    const int64_t in = input_at<S>(k);
+    const f32xN w0 = scaled<S>(Wt::load(p.w, in, 0), s0, m0), w1 = scaled<S>(Wt::load(p.w, in, 16), s1, m1);
     if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
     for (int i = 0; i < R; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + i]);
@@ -482,7 +506,7 @@ void wide_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float
 }
 
 // Columns c.. of a grouped panel at inputs 2 k2 and 2 k2 + 1 (K is even: whole groups),
-// as BF16Weights holds a pair: each weight rounded to bfloat16, the even input low.
+// as BF16Pairs holds a pair: each weight rounded to bfloat16, the even input low.
 // With AVX512_BF16: vcvtne2ps2bf16 rounds both inputs' lanes at once (to nearest even, as
 // bf16_rounded; a subnormal weight would become 0, as in XLA's own bfloat16 ops), a
 // vpermw puts each column's two side by side.
@@ -500,7 +524,7 @@ inline u32xN bf16_pair_lanes(const Panel<Wt>& p, int64_t k2, int c) {
 #endif
 }
 
-// A grouped panel as bfloat16 pairs [K/2][32][2] (BF16Weights' panel): what a bfloat16
+// A grouped panel as bfloat16 pairs [K/2][32][2] (BF16Pairs' panel): what a bfloat16
 // model's dot multiplies when its weights are kept quantized (the `bf16` attribute).
 template <class Wt, int S>
 void bf16_pairs_panel(const Panel<Wt>& p, int64_t K, uint16_t* out) {
@@ -528,7 +552,7 @@ void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<Wt>& p, int64_t
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K2; ++k) {
     __m512bh w0, w1;
-    if constexpr (std::is_same_v<Wt, BF16Weights>) {
+    if constexpr (kIsPairs<Wt>) {
       w0 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel);
       w1 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel + kPanel);
       if (p.prefetch) {
@@ -561,14 +585,14 @@ void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<Wt>& p, int64_t
 
 // x as a tile of Wt's panels under scaling S reads it.
 template <class Wt, int S>
-using TileX = std::conditional_t<(S & kRoundBF16) != 0, BF16Weights::X, typename Wt::X>;
+using TileX = std::conditional_t<(S & kRoundBF16) != 0, typename BF16Pairs<(S & kBF16Dot) != 0>::X, typename Wt::X>;
 
 // The tile this build runs (the others are never instantiated).
 template <int R, class Wt, int S>
 void tile_times_panel(const TileX<Wt, S>* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
-  if constexpr (kDotBF16 && (std::is_same_v<Wt, BF16Weights> || (S & kRoundBF16) != 0)) {
+  if constexpr (std::is_same_v<Wt, BF16Pairs<true>> || (S & kBF16Dot) != 0) {
 #if defined(__AVX512BF16__)
-    bf16_pairs_tile_times_panel<R, Wt, (S & ~kRoundBF16)>(xt, p, K, y, ldy, cols);
+    bf16_pairs_tile_times_panel<R, Wt, (S & ~kBF16Flags)>(xt, p, K, y, ldy, cols);
 #endif
   } else if constexpr (kWideTile) {
     wide_tile_times_panel<R, Wt, S>(xt, p, K, y, ldy, cols);
@@ -595,19 +619,21 @@ void FloatX::pack(const float* x, int64_t M, int64_t K, int64_t t, float* xt) {
   }
 }
 
-// Tile t of x rounded to bfloat16: as floats [K][12], or as pairs [K/2 rounded up][12]
-// (input 2j in the low half, 2j + 1, or a zero past K, in the high one).
-void BF16Weights::pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt) {
+// Tile t of x rounded to bfloat16: as pairs [K/2 rounded up][12] (input 2j in the low
+// half, 2j + 1, or a zero past K, in the high one), or as floats [K rounded up to
+// even][12] in the float tiles' order (step k: input k ^ 1, or a zero past K).
+template <bool kDot>
+void BF16Pairs<kDot>::pack(const float* x, int64_t M, int64_t K, int64_t t, X* xt) {
   const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
   for (int64_t k = 0; k < depth(K); ++k) {
     for (int64_t i = 0; i < kTileRows; ++i) {
       const float* row = x + (r0 + i) * K;
-      if constexpr (kDotBF16) {
+      if constexpr (kDot) {
         const uint32_t lo = i < rows ? bf16_bits(row[2 * k]) : 0;
         const uint32_t hi = i < rows && 2 * k + 1 < K ? bf16_bits(row[2 * k + 1]) : 0;
         xt[k * kTileRows + i] = lo | hi << 16;
       } else {
-        xt[k * kTileRows + i] = i < rows ? bf16_value(bf16_bits(row[k])) : 0.f;
+        xt[k * kTileRows + i] = i < rows && (k ^ 1) < K ? bf16_value(bf16_bits(row[k ^ 1])) : 0.f;
       }
     }
   }
@@ -626,7 +652,8 @@ void dequantize_panel(const Panel<Wt>& p, int64_t K, float* out) {
     for (int64_t k = k0; k < k0 + step; ++k) {
       if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
       for (int v = 0; v < V; ++v)
-        storeN(out + k * kPanel + v * jaxllm::kLanes, scaled<kS>(Wt::load(p.w, k, v * jaxllm::kLanes), sc[v], mn[v]));
+        storeN(out + k * kPanel + v * jaxllm::kLanes,
+               scaled<kS>(Wt::load(p.w, input_at<kS>(k), v * jaxllm::kLanes), sc[v], mn[v]));
     }
   }
 }
@@ -694,11 +721,11 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 }
 
 // y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
-// caller; one parallel pass over the pack and multiply items. kBF16 (grouped panels):
-// x and the dequantized weights rounded to bfloat16, float32 sums, as a bfloat16 model's
-// plain weights multiply (BF16Weights' tiles, vdpbf16ps where the CPU has it; the same
-// sums in the same order whichever way a panel is converted).
-template <class Wt, int S, bool kBF16 = false>
+// caller; one parallel pass over the pack and multiply items. B (grouped panels): 0, or
+// kRoundBF16 (x and the dequantized weights rounded to bfloat16, float32 sums, as a
+// bfloat16 model's plain weights multiply: BF16Pairs' float tiles) with kBF16Dot
+// (vdpbf16ps; the same sums in the same order either way, however a panel is converted).
+template <class Wt, int S, int B = 0>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
                 int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   if (K == 0) {
@@ -706,7 +733,8 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     return;
   }
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
-  using Tiles = std::conditional_t<kBF16, BF16Weights, Wt>;  // how x is packed, which tiles multiply
+  constexpr bool kBF16 = B != 0, kDot = (B & kBF16Dot) != 0;
+  using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
   thread_local std::vector<typename Tiles::X> packed;
@@ -723,7 +751,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     const int rows0 = static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows));  // the first tile's
     const bool halves = t1 - t0 > 1 ? Wt::kConvertPanel  // converted once, a group at a time
                                     : scales_in_registers<S>(rows0);
-    if (kGrouped && scales.half && halves && !(kBF16 && kDotBF16)) {
+    if (kGrouped && scales.half && halves && !kDot) {
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
       if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
     } else if (kGrouped) {
@@ -744,13 +772,13 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     };
     if constexpr (kBF16) {
       if (t1 - t0 == 1) {  // one tile: converted in registers
-        tiles_times(kTileFns<Wt, S | kRoundBF16>, panel);
-      } else if constexpr (kDotBF16) {  // several: the panel converted to bfloat16 pairs once
+        tiles_times(kTileFns<Wt, S | B>, panel);
+      } else if constexpr (kDot) {  // several: the panel converted to bfloat16 pairs once
         thread_local std::vector<uint16_t> pairs;
-        pairs.resize(BF16Weights::panel_size(K));
+        pairs.resize(Tiles::panel_size(K));  // Tiles: BF16Pairs<true>
         bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
-        tiles_times(kTileFns<BF16Weights, kNoScales>, Panel<BF16Weights>{pairs.data(), nullptr, nullptr, nullptr});
-      } else {  // or to float32 weights rounded to bfloat16, for float tiles
+        tiles_times(kTileFns<Tiles, kNoScales>, Panel<Tiles>{pairs.data(), nullptr, nullptr, nullptr});
+      } else {  // or to float32 weights rounded to bfloat16 (in the float tiles' order), for float tiles
         thread_local std::vector<float> converted;
         converted.resize(K * kPanel);
         dequantize_panel<Wt, S | kRoundBF16>(panel, K, converted.data());
@@ -758,10 +786,10 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       }
     } else {
       if constexpr (Wt::kConvertPanel) {
-        if (t1 - t0 > 1) {  // several tiles: the panel converted once, then float tiles
+        if (t1 - t0 > 1) {  // several tiles: the panel converted once (all `depth` steps), then float tiles
           thread_local std::vector<float> converted;
-          converted.resize(K * kPanel);
-          dequantize_panel<Wt, S>(panel, K, converted.data());
+          converted.resize(depth * kPanel);
+          dequantize_panel<Wt, S>(panel, depth, converted.data());
           tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
           return;
         }
@@ -771,25 +799,42 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   });
 }
 
+// Calls f(std::true_type) where `dot` asks for vdpbf16ps and the build has it, else
+// f(std::false_type): the bfloat16 tiles a call's `bf16_dot` attribute picks.
+template <class F>
+decltype(auto) with_bf16_tiles(bool dot, F&& f) {
+  if constexpr (kDotBF16) {
+    if (dot) return f(std::true_type{});
+  }
+  return f(std::false_type{});
+}
+
 // dense_rows with `bf16` (grouped scalings only: each weight dequantized before the dot)
-// chosen at run time.
+// and its tiles (`dot`) chosen at run time.
 template <class Wt, int S>
-void dense_rows_as(bool bf16, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-                   int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
+void dense_rows_as(bool bf16, bool dot, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K,
+                   const typename Wt::T* P, int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins,
+                   int group_shift) {
   if constexpr (S == kGroupScales || S == kGroupScalesMins) {
-    if (bf16) return dense_rows<Wt, S, true>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+    if (bf16) {
+      return with_bf16_tiles(dot, [&](auto use_dot) {
+        constexpr int B = kRoundBF16 | (decltype(use_dot)::value ? kBF16Dot : 0);
+        dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+      });
+    }
   }
   dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
 // panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
-// 2^group_shift inputs per scale); `bf16`: quantized panels multiplied in bfloat16.
+// 2^group_shift inputs per scale); `bf16`: quantized panels multiplied in bfloat16, by
+// vdpbf16ps where `dot` asks for it and the build has it.
 template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, Scales scales, Scales mins,
-                 ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false) {
+                 ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false, bool dot = true) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+  constexpr bool kPairs = kIsPairs<Wt>;
   if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
       (kPairs && pd[3] != 2))
     return ffi::Error::InvalidArgument("dense: x must be [M, K], panels [N/32, K, 32 (16 bytes if 4-bit)] "
@@ -799,8 +844,9 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
       N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  dense_rows_as<Wt, S>(bf16, pool, x.typed_data(), M, K, reinterpret_cast<const typename Wt::T*>(panels.untyped_data()),
-                       num_panels, N, y->typed_data(), scales, mins, group_shift);
+  dense_rows_as<Wt, S>(bf16, dot, pool, x.typed_data(), M, K,
+                       reinterpret_cast<const typename Wt::T*>(panels.untyped_data()), num_panels, N, y->typed_data(),
+                       scales, mins, group_shift);
   return ffi::Error::Success();
 }
 
@@ -826,8 +872,10 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 }
 
 ffi::Error DenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
-                     ffi::ResultBuffer<ffi::F32> y) {
-  return Dense<BF16Weights, kNoScales>(pool, x, panels, {}, {}, y);
+                     ffi::ResultBuffer<ffi::F32> y, bool dot) {
+  return with_bf16_tiles(dot, [&](auto use_dot) {
+    return Dense<BF16Pairs<decltype(use_dot)::value>, kNoScales>(pool, x, panels, {}, {}, y);
+  });
 }
 
 ffi::Error DenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -846,11 +894,11 @@ constexpr const char* kGroupedShapes =
 // [P, K, 16]).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, bool bf16, bool bf16_dot) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kGroupedShapes);
   if (!scale_types_ok(scales)) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kScaleTypes);
-  return Dense<Wt, kGroupScales>(pool, x, panels, scales_of(&scales), {}, y, shift, bf16);
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales_of(&scales), {}, y, shift, bf16, bf16_dot);
 }
 constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
 constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -860,13 +908,15 @@ constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 // with a scale and min per 16 inputs).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                           ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+                           ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y, bool bf16,
+                           bool bf16_dot) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0 || group_shift_of(panels, mins) != shift || mins.dimensions()[1] != scales.dimensions()[1])
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kGroupedShapes);
   if (!scale_types_ok(scales, &mins))
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kScaleTypes);
-  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales_of(&scales), scales_of(&mins), y, shift, bf16);
+  return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales_of(&scales), scales_of(&mins), y, shift, bf16,
+                                     bf16_dot);
 }
 constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
@@ -879,8 +929,9 @@ constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
 template <class Wt, int S, typename PanelBuffer, typename ScaleBuffer = ffi::AnyBuffer>
 ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
                               const ScaleBuffer* scales, const ScaleBuffer* mins,
-                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false) {
-  constexpr bool kPairs = std::is_same_v<Wt, BF16Weights>;
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false,
+                              bool dot = true) {
+  constexpr bool kPairs = kIsPairs<Wt>;
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   const auto xd = x.dimensions(), pd = panels.dimensions(), gd = group_sizes.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || gd.size() != 1 || pd.size() != (kPairs ? 5u : 4u) || pd[0] != gd[0] ||
@@ -915,7 +966,7 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0) {
-      dense_rows_as<Wt, S>(bf16, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
+      dense_rows_as<Wt, S>(bf16, dot, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
                            Y + row * N, scales_of(scales).at(e * scale_size), scales_of(mins).at(e * scale_size),
                            shift);
     }
@@ -931,7 +982,12 @@ ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuff
                                                                                group_sizes, y);
 }
 constexpr auto GroupedDenseF32 = GroupedDense<F32Weights, ffi::Buffer<ffi::F32>>;
-constexpr auto GroupedDenseBF16 = GroupedDense<BF16Weights, ffi::Buffer<ffi::BF16>>;
+ffi::Error GroupedDenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool dot) {
+  return with_bf16_tiles(dot, [&](auto use_dot) {
+    return GroupedDense<BF16Pairs<decltype(use_dot)::value>, ffi::Buffer<ffi::BF16>>(pool, x, panels, group_sizes, y);
+  });
+}
 
 // Quantized experts: int8 with scales per column, Q8_0 / Q4_0 blocks (int4 of a float
 // checkpoint is Q4_1's layout: a scale and min per group).
@@ -944,15 +1000,16 @@ ffi::Error GroupedDenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                               ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
-                              ffi::ResultBuffer<ffi::F32> y, bool bf16) {
+                              ffi::ResultBuffer<ffi::F32> y, bool bf16, bool bf16_dot) {
   return GroupedDenseScaled<Wt, kGroupScales, ffi::Buffer<kPanelType>, ffi::AnyBuffer>(
-      pool, x, panels, &scales, nullptr, group_sizes, y, bf16);
+      pool, x, panels, &scales, nullptr, group_sizes, y, bf16, bf16_dot);
 }
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                                   ffi::AnyBuffer scales, ffi::AnyBuffer mins,
-                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16) {
-  return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16);
+                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16,
+                                  bool bf16_dot) {
+  return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16, bf16_dot);
 }
 constexpr auto GroupedDenseQ8_0 = GroupedDenseBlocks<I8Weights, ffi::S8>;
 constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -1393,7 +1450,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16, GroupedDenseBF16,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K], rows sorted by expert
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // panels [E, N/32 rounded up, K/2 rounded up, 32, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                               ffi::Ffi::Bind()
@@ -1413,7 +1471,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                                     .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */ \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */         \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                \
-                                    .Attr<bool>("bf16"));
+                                    .Attr<bool>("bf16")                                          \
+                                    .Attr<bool>("bf16_dot"));
 JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ8_0, GroupedDenseQ8_0, ffi::S8)
 JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
 #undef JAXLLM_GROUPED_BLOCKS
@@ -1428,7 +1487,8 @@ JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
                                     .Arg<ffi::AnyBuffer>()         /* mins, as the scales */          \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */              \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                     \
-                                    .Attr<bool>("bf16"));
+                                    .Attr<bool>("bf16")                                          \
+                                    .Attr<bool>("bf16_dot"));
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1, ffi::U8)
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ8Mins, GroupedDenseQ8Mins, ffi::S8)
 #undef JAXLLM_GROUPED_BLOCKS_MINS
@@ -1486,7 +1546,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16")  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                               ffi::Ffi::Bind()
@@ -1496,7 +1557,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16")  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                               ffi::Ffi::Bind()
@@ -1505,7 +1567,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K, 16], two nibbles a byte
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16")  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                               ffi::Ffi::Bind()
@@ -1514,7 +1577,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32 rounded up, K, 32], int8
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("bf16"));  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16")  // x and weights rounded to bfloat16
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
                               ffi::Ffi::Bind()
@@ -1529,7 +1593,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseBF16, DenseBF16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // panels [N/32 rounded up, K/2 rounded up, 32, 2]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,
                               ffi::Ffi::Bind()
@@ -1541,3 +1606,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,
 // The vector width (float32 lanes) the library was built for: jaxllm.models.linear
 // prefers this kernel to XLA's dot only where its wide tile runs (16 lanes).
 extern "C" int JaxllmVectorLanes() { return jaxllm::kLanes; }
+
+// Whether the library multiplies bfloat16 by vdpbf16ps where a call's `bf16_dot` asks
+// (built with AVX512_BF16); else every bfloat16 call runs the float tiles.
+extern "C" int JaxllmBF16Dot() { return kDotBF16 ? 1 : 0; }

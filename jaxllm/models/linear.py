@@ -217,17 +217,20 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
     if w.activations == "int8":
         return _x8_call(TARGET_X8, x2, w, out).reshape(*lead, w.out_features)
-    bf16 = w.float_dtype == "bfloat16"  # grouped panels: x and the dequantized weights rounded to bfloat16
+    # grouped panels: x and the dequantized weights rounded to bfloat16 (`bf16`), by the tiles `bf16_dot` says
+    bf16 = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot)
     if w.mins is not None:
         target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins, bf16=bf16).reshape(*lead, w.out_features)
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins, **bf16).reshape(*lead, w.out_features)
     if w.scale is not None and w.group:
         target = TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, bf16=bf16).reshape(*lead, w.out_features)
+        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, **bf16).reshape(*lead, w.out_features)
     if w.scale is not None:
         return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
-    target = TARGET_BF16 if w.panels.dtype == jnp.bfloat16 else TARGET
-    return jax.ffi.ffi_call(target, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
+    if w.panels.dtype == jnp.bfloat16:
+        return jax.ffi.ffi_call(TARGET_BF16, out)(x2.astype(jnp.float32), w.panels, bf16_dot=w.bf16_dot
+                                                  ).reshape(*lead, w.out_features)
+    return jax.ffi.ffi_call(TARGET, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
 
 
 def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):
@@ -290,10 +293,11 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
         if w.activations == "int8":
             return _x8_call(TARGET_GROUPED_X8, x, w, out, sizes)
         if w.scale is None:
-            return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes)
+            attrs = dict(bf16_dot=w.bf16_dot) if w.panels.dtype == jnp.bfloat16 else {}
+            return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes, **attrs)
         target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]
         scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
-        attrs = dict(bf16=w.float_dtype == "bfloat16") if w.group else {}
+        attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot) if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
     if isinstance(w, QuantizedWeight) and w.activations == "int8":
         return grouped_int8_activation_matmul(x, w, group_sizes.astype(jnp.int32))
@@ -356,6 +360,14 @@ def int8_activations(params: ModelParams) -> tuple[ModelParams, int]:
     if params.lm_head is not None:
         return params.replace(layers=layers, lm_head=head), marked
     return params.replace(layers=layers, embed=head), marked
+
+
+def bf16_tiles(params: PyTree, dot: bool) -> PyTree:
+    """`params` with every packed weight summing bfloat16 by vdpbf16ps (`dot`, where the
+    kernels are built with AVX512_BF16) or by the float tiles: the same sums, at the
+    speed the start-up measurement found (jaxllm.worker.autotune). Abstract ones too."""
+    return jax.tree.map(lambda w: w.replace(bf16_dot=dot) if isinstance(w, PackedWeight) else w, params,
+                        is_leaf=lambda x: isinstance(x, PackedWeight))
 
 
 def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:

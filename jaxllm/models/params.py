@@ -82,6 +82,10 @@ class PackedWeight:
     # "int8" (QuantizedWeight's `activations`): the dot layout, 4-bit values [out/PANEL, in/8, PANEL, 4]
     # uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
     activations: str = struct.field(pytree_node=False, default="float")
+    # bfloat16 sums (bfloat16 panels, or a bfloat16 model's quantized ones): by vdpbf16ps where the
+    # kernels are built with AVX512_BF16, or (False) by the float tiles; the same sums either way
+    # (jaxllm/cpu_kernels/dense.cc), the faster chosen at start-up (jaxllm.worker.autotune)
+    bf16_dot: bool = struct.field(pytree_node=False, default=True)
 
     @property
     def in_features(self) -> int:

@@ -16,7 +16,13 @@ faster:
   for all buckets);
 - attention: one layer of a representative step of the bucket: min(T, S) sequences,
   decodes of ~min(512, max_model_len / 2) tokens of context, and the rest of the
-  tokens as one prefill chunk, scaled to the model's layers.
+  tokens as one prefill chunk, scaled to the model's layers;
+- for a bfloat16 model where the kernels hold both bfloat16 paths (built with
+  AVX512_BF16: `jaxllm.cpu_kernels.has_bf16_dot`), the kernel's projections by
+  vdpbf16ps and by the float tiles: the same sums bit for bit, so each bucket may take
+  the faster (its step's weights carry the choice: `PackedWeight.bf16_dot`, the same
+  arrays). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
+  at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps was the faster.
 
 The plan (`BackendPlan`) is stored as JSON next to the compiled executables, keyed by
 everything the times depend on (environment, model shapes, buckets, the kernels'
@@ -39,6 +45,7 @@ import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
+from jaxllm.models.linear import bf16_tiles
 from jaxllm.models.params import PackedWeight, abstract_params
 
 logger = logging.getLogger(__name__)
@@ -54,10 +61,13 @@ COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by read
 
 @dataclasses.dataclass(frozen=True)
 class StepBackends:
-    """The backends one bucket's step is compiled with."""
+    """The backends one bucket's step is compiled with (and, for the `cpu` linear
+    backend in a bfloat16 model, how the kernel sums: "dot", vdpbf16ps where the
+    kernels have it, or "float", the float tiles)."""
 
     attention: str
     linear: str
+    bf16_tiles: str = "dot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +157,27 @@ def plan_backends(
     attention: Sequence[str],
     linear: Sequence[str],
     measure: Callable[[str, str, int, int], float] | None,
+    bf16_tiles: Sequence[str] = ("dot",),
 ) -> BackendPlan:
     """Each bucket (T, S) gets, per kind, the candidate `measure(kind, backend, T, S)`
     (seconds per step) finds fastest at it or at the nearest smaller measured bucket; a
     kind with one candidate is not measured. The first candidate wins a tie within TIE.
     Linear backends mix across buckets only where that gains MIXED_GAIN (a second copy
-    of the weights)."""
+    of the weights). With several `bf16_tiles` and the kernel a linear candidate, the
+    kernel's tiles are chosen first, per bucket alike (the sums are the same), and the
+    kernel's time is that of the tiles chosen (`measure` names the kernel with float
+    tiles `cpu/float`)."""
     sample = measured_buckets(buckets)
     seconds: dict[str, dict[str, dict[int, float]]] = {}
-    picks: dict[str, list[str]] = {}
+    picks: dict[str, list[str]] = {"bf16_tiles": [bf16_tiles[0]] * len(buckets)}
+    tiles_at = dict.fromkeys((t for t, _ in sample), bf16_tiles[0])
+    if measure is not None and len(bf16_tiles) > 1 and "cpu" in linear:
+        seconds["bf16_tiles"] = {tile: {t: 0.0 for t, _ in sample} for tile in bf16_tiles}
+        for t, s in sample:
+            for tile in bf16_tiles:
+                seconds["bf16_tiles"][tile][t] = measure("linear", _kernel(tile), t, s)
+        tiles_at = _fastest_at(sample, bf16_tiles, seconds["bf16_tiles"])
+        picks["bf16_tiles"] = [tiles_at[max(m for m, _ in sample if m <= t)] for t, _ in buckets]
     for kind, candidates in (("attention", attention), ("linear", linear)):
         if len(candidates) == 1:
             picks[kind] = [candidates[0]] * len(buckets)
@@ -163,22 +185,36 @@ def plan_backends(
         seconds[kind] = {b: {} for b in candidates}
         for t, s in sample:  # candidates alternate: a busy moment of a shared machine hits both
             for b in candidates:
-                seconds[kind][b][t] = measure(kind, b, t, s)
-        best_at = {}
-        for t, _ in sample:
-            best = min(candidates, key=lambda b: seconds[kind][b][t])
-            if seconds[kind][candidates[0]][t] <= seconds[kind][best][t] * (1 + TIE):
-                best = candidates[0]
-            best_at[t] = best
+                if kind == "linear" and b == "cpu" and "bf16_tiles" in seconds:  # measured with its tiles
+                    seconds[kind][b][t] = seconds["bf16_tiles"][tiles_at[t]][t]
+                else:
+                    seconds[kind][b][t] = measure(kind, b, t, s)
+        best_at = _fastest_at(sample, candidates, seconds[kind])
         if kind == "linear":
             best_at = _one_layout_unless_worth_two(best_at, seconds[kind], candidates)
         picks[kind] = [best_at[max(m for m, _ in sample if m <= t)] for t, _ in buckets]
-    choices = tuple(StepBackends(a, lin) for a, lin in zip(picks["attention"], picks["linear"]))
-    head = _head_layout(buckets, picks["linear"], linear, measure, seconds)
+    choices = tuple(StepBackends(a, lin, tiles if lin == "cpu" else "dot")
+                    for a, lin, tiles in zip(picks["attention"], picks["linear"], picks["bf16_tiles"]))
+    head = _head_layout(buckets, picks["linear"], linear, measure, seconds, _kernel(picks["bf16_tiles"][-1]))
     return BackendPlan(tuple(t for t, _ in buckets), choices, seconds, "measured" if seconds else "fixed", head)
 
 
-def _head_layout(buckets, picked: list[str], linear: Sequence[str], measure, seconds) -> str:
+def _kernel(tiles: str) -> str:
+    """The `cpu` linear backend summing bfloat16 with `tiles`, as `measure` names it."""
+    return "cpu" if tiles == "dot" else f"cpu/{tiles}"
+
+
+def _fastest_at(sample, candidates: Sequence[str], times: dict[str, dict[int, float]]) -> dict[int, str]:
+    """Per sampled bucket, the candidate with the least time; the first one unless
+    another beats it by more than TIE."""
+    best_at = {}
+    for t, _ in sample:
+        best = min(candidates, key=lambda b: times[b][t])
+        best_at[t] = candidates[0] if times[candidates[0]][t] <= times[best][t] * (1 + TIE) else best
+    return best_at
+
+
+def _head_layout(buckets, picked: list[str], linear: Sequence[str], measure, seconds, kernel: str = "cpu") -> str:
     """Where buckets run the `cpu` linear backend and XLA's dot is a candidate too: the
     output projection's layout, measured on its own at the largest bucket's sequence
     rows (the logits every step samples from) and token rows (a step scoring its
@@ -190,7 +226,8 @@ def _head_layout(buckets, picked: list[str], linear: Sequence[str], measure, sec
     if measure is None or "cpu" not in picked or "xla" not in linear:
         return "cpu"
     t, s = buckets[-1]
-    seconds["head"] = {b: {rows: measure("head", b, t, rows) for rows in sorted({s, t})} for b in ("cpu", "xla")}
+    seconds["head"] = {b: {rows: measure("head", kernel if b == "cpu" else b, t, rows) for rows in sorted({s, t})}
+                       for b in ("cpu", "xla")}
     cpu, xla = seconds["head"]["cpu"], seconds["head"]["xla"]
     if xla[s] > cpu[s] * (1 + MIXED_GAIN) or sum(xla.values()) > sum(cpu.values()):
         return "cpu"
@@ -251,9 +288,12 @@ class StepTimer:
         self._fns = self._linear_fns()
 
     def __call__(self, kind: str, backend: str, t: int, s: int) -> float:
+        backend, _, tiles = backend.partition("/")  # cpu/float: the kernel's float tiles for bfloat16
         if kind == "head":  # `s`: the rows of the output projection
-            return self.head(backend, s)
-        return self.linear(backend, t, s) if kind == "linear" else self.attention(backend, t, s)
+            return self.head(backend, s, bf16_dot=tiles != "float")
+        if kind == "linear":
+            return self.linear(backend, t, s, bf16_dot=tiles != "float")
+        return self.attention(backend, t, s)
 
     def _filled(self, shape, dtype=None) -> jax.Array:
         """An array of `shape` (the values do not change the times; filling is cheap),
@@ -309,17 +349,21 @@ class StepTimer:
 
         return jax.jit(layers_fn), jax.jit(head_fn)
 
-    def linear(self, backend: str, t: int, s: int) -> float:
+    def linear(self, backend: str, t: int, s: int, bf16_dot: bool = True) -> float:
         layers, _ = self._linear_weights(backend)
+        if not bf16_dot:
+            layers = bf16_tiles(layers, dot=False)
         layers_fn = self._fns[0]
         x = self._filled((t, self.cfg.hidden_size))
         if t >= COMPUTE_BOUND_ROWS:  # the weights' streaming no longer decides: fewer copies, quicker
             layers = layers[:2]
         return _best_of(layers_fn, x, layers) / len(layers) * self.cfg.num_layers
 
-    def head(self, backend: str, rows: int) -> float:
+    def head(self, backend: str, rows: int, bf16_dot: bool = True) -> float:
         """The output projection of `rows` rows in `backend`'s layout."""
         _, head = self._linear_weights(backend)
+        if not bf16_dot:
+            head = bf16_tiles(head, dot=False)
         return _best_of(self._fns[1], self._filled((rows, self.cfg.hidden_size)), head)
 
     def attention(self, backend: str, t: int, s: int) -> float:
@@ -348,6 +392,17 @@ class StepTimer:
         return _best_of(lambda *a: fn(*a, k_scale=cache.k_scale, v_scale=cache.v_scale), *args) * cfg.num_layers
 
 
+def bf16_tile_candidates(dtype, linear: Sequence[str]) -> list[str]:
+    """The kernel's ways to sum a bfloat16 model's projections: vdpbf16ps and the float
+    tiles where the library holds both (built with AVX512_BF16) and the kernel is a
+    linear candidate; else the one it has."""
+    from jaxllm import cpu_kernels
+
+    if jnp.dtype(dtype) != jnp.bfloat16 or "cpu" not in linear or not cpu_kernels.has_bf16_dot():
+        return ["dot"]
+    return ["dot", "float"]
+
+
 def backend_plan(
     cfg: ModelConfig,
     dtype,
@@ -365,7 +420,8 @@ def backend_plan(
     candidate; else the one stored under `store_dir` for the same environment, model
     shapes and dtypes (`dtype`: the weights'; `activation_dtype`, default `dtype`),
     buckets and kernel build, or measured now (and stored)."""
-    if len(attention) == 1 and len(linear) == 1:
+    tiles = bf16_tile_candidates(dtype, linear)
+    if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path
     from jaxllm.worker.executable_cache import ExecutableStore
@@ -374,7 +430,7 @@ def backend_plan(
     kv_format = kv_format or kv_cache_format("auto", dtype)
     store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name, kv_format.name,
                             tuple(buckets), tuple(attention),
-                            tuple(linear), block_size, max_model_len, library_path().name)
+                            tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name)
     stored = store.load_text("backends.json")
     if stored is not None:
         try:
@@ -386,9 +442,9 @@ def backend_plan(
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
                       activation_dtype=activation_dtype, kv_format=kv_format)
-    plan = plan_backends(buckets, attention, linear, timer)
-    logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s",
+    plan = plan_backends(buckets, attention, linear, timer, tiles)
+    logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s; bfloat16 sums %s",
                 time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
-                plan.describe_head())
+                plan.describe_head(), plan.describe("bf16_tiles"))
     store.save_text("backends.json", plan.to_json())
     return plan

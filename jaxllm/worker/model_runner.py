@@ -31,7 +31,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import in_dtype, int8_activations, layout_params, linear_candidates
+from jaxllm.models.linear import bf16_tiles, in_dtype, int8_activations, layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import model_rope_table
@@ -276,6 +276,7 @@ class ModelRunner:
         self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype, self.mesh)
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
+        self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
         self._start_kv_caches(num_blocks)
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
@@ -369,7 +370,7 @@ class ModelRunner:
     def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
         """Where the executables of one pair of backends are kept (keyed by what the
         step is compiled from)."""
-        args = (self.weights[choice.linear], self.rope, self._abstract_caches, self.history)
+        args = (self.weights_of(choice), self.rope, self._abstract_caches, self.history)
         if self.lora is not None:
             args += (self.lora.abstract,)
         return ExecutableStore(directory, "model_step", self.config, self.kv_groups, choice.attention, choice.linear,
@@ -404,6 +405,17 @@ class ModelRunner:
             raise ValueError(f"set_params: laid-out weights for {sorted(params)}, the plan uses "
                              f"{self.plan.backends('linear')}")
         self.weights = params
+        self._tiled = {}
+
+    def weights_of(self, choice: StepBackends) -> ModelParams:
+        """The weights a bucket's step takes: its linear backend's layout, its packed
+        weights summing bfloat16 with the tiles the plan chose for it (the same arrays;
+        the same sums either way)."""
+        if choice.bf16_tiles == "dot":
+            return self.weights[choice.linear]
+        if choice not in self._tiled:
+            self._tiled[choice] = bf16_tiles(self.weights[choice.linear], dot=False)
+        return self._tiled[choice]
 
     def layout_params(self, params: ModelParams) -> dict[str, ModelParams]:
         """Loaded `params` checked against the shapes the step was compiled for and laid
@@ -439,6 +451,8 @@ class ModelRunner:
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
+        if "bf16_tiles" in self.plan.seconds:
+            head += f"; bfloat16 sums {self.plan.describe('bf16_tiles')}"
         return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
 
     # -------------------------------------------------------------- compiling
@@ -469,7 +483,7 @@ class ModelRunner:
         choice = self.plan.for_bucket(t)
         compiled, loaded = self._load_or_compile(
             self._stores[choice], name,
-            lambda: self._steps[choice].lower(self.weights[choice.linear], self.rope, self._abstract_caches,
+            lambda: self._steps[choice].lower(self.weights_of(choice), self.rope, self._abstract_caches,
                                               self.history, inputs, *self._lora_args(abstract=True)))
         self._compiled[(t, s, r)] = compiled
         return compiled, loaded
@@ -664,7 +678,7 @@ class ModelRunner:
             self.apply_block_copies(sched.block_copies)
         step = self.prepare_step(sched, bitmask)
         executable = self._executable(step.t, step.s, step.r)
-        weights = self.weights[self.plan.for_bucket(step.t).linear]
+        weights = self.weights_of(self.plan.for_bucket(step.t))
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs,
                                                        *self._lora_args())
         t1 = time.perf_counter()
