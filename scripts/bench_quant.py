@@ -26,6 +26,10 @@ int8 KV cache; `kv_cache_dtype`, default auto):
 `+a8` after the weights multiplies them with int8 activations (`activation_quantization`;
 formats kept in blocks of 32 inputs):
     .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8
+
+`--dtype bfloat16` runs every format as a bfloat16 model (the kept blocks multiplied in
+bfloat16: each weight rounded, x rounded, float32 sums; the KV cache bfloat16 under `auto`):
+    .venv/bin/python scripts/bench_quant.py --formats q4_1 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -69,13 +73,13 @@ def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
     return str(FLOAT_GGUF), fmt
 
 
-def measure(model: str | None, fmt: str, items: list[dict]) -> dict:
+def measure(model: str | None, fmt: str, items: list[dict], dtype: str = "auto") -> dict:
     weights, _, kv_cache_dtype = fmt.partition("/")
     weights, _, activations = weights.partition("+")
     if activations not in ("", "a8"):
         raise SystemExit(f"{fmt}: after '+' only a8 (int8 activations)")
     model, quantization = source(model, weights)
-    llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto",
+    llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto", dtype=dtype,
               activation_quantization="int8" if activations else None, progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
@@ -110,12 +114,13 @@ def main() -> None:
     p.add_argument("--formats", default="none,int8,q8_0,q4_1")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
+    p.add_argument("--dtype", default="auto", help="the model's dtype for every format (auto: float32 on a CPU)")
     args = p.parse_args()
     if not reexec(args.isa):
         return
     items = [json.loads(line) for line in CAPITALS.read_text().splitlines() if line.strip()]
     print(describe(args.isa), flush=True)
-    results = [measure(args.model, q, items) for q in args.formats.split(",")]
+    results = [measure(args.model, q, items, args.dtype) for q in args.formats.split(",")]
     base = results[0]
     print(f"\n{'format':14s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
           f"{'capitals':>10s}{'mean |dlp|':>12s}{'max |dlp|':>11s}")
