@@ -344,26 +344,39 @@ inline bool softmax_update(V* s, const M* vis, int ntiles, float soft_cap, float
   return true;
 }
 
-// o[G][D] += p[G][t] * v_t over the chunk's ntok value rows, GV queries' accumulators at
-// a time (as many as fit the registers; a value row is loaded once per GV queries).
+// o[G][D] += p[G][t] * v_t over the chunk's ntok value rows: GV queries x CV vectors of D
+// at a time (as many accumulators as fit the registers: all of a row where they fit,
+// else a slice of it for more queries, so a value vector loaded feeds several queries'
+// FMAs: under AVX2 at D = 64, 3 queries x 4 vectors, where one query x 8 loaded each
+// vector three times). Each output is the same sum in the same order either way.
+template <int C, int G>
+constexpr int value_slice() {  // the widest slice dividing C whose G x slice accumulators fit
+  for (int cv = C; cv > 1; --cv)
+    if (C % cv == 0 && G * cv <= kAccumulators) return cv;
+  return 1;
+}
 template <int D, int G, class R>
 inline void accumulate_values(const R* const* vrow, int ntok, const float (*p)[kChunk], float* o) {
   constexpr int C = D / kLanes;
-  constexpr int GV = G * C <= kAccumulators ? G : std::max(1, kAccumulators / C);
+  constexpr int GV = G <= kAccumulators ? G : kAccumulators;
+  constexpr int CV = value_slice<C, GV>();
   for (int g0 = 0; g0 < G; g0 += GV) {
-    V acc[GV][C];
-    for (int g = 0; g < GV; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = g0 + g < G ? load(o + (g0 + g) * D + kLanes * c) : splat(0.f);
-    for (int t = 0; t < ntok; ++t) {
-      V vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load_row(vrow[t] + kLanes * c);
-      for (int g = 0; g < GV; ++g) {
-        const V w = splat(g0 + g < G ? p[g0 + g][t] : 0.f);
-        for (int c = 0; c < C; ++c) acc[g][c] += w * vv[c];
+    for (int c0 = 0; c0 < C; c0 += CV) {
+      V acc[GV][CV];
+      for (int g = 0; g < GV; ++g)
+        for (int c = 0; c < CV; ++c)
+          acc[g][c] = g0 + g < G ? load(o + (g0 + g) * D + kLanes * (c0 + c)) : splat(0.f);
+      for (int t = 0; t < ntok; ++t) {
+        V vv[CV];
+        for (int c = 0; c < CV; ++c) vv[c] = load_row(vrow[t] + kLanes * (c0 + c));
+        for (int g = 0; g < GV; ++g) {
+          const V w = splat(g0 + g < G ? p[g0 + g][t] : 0.f);
+          for (int c = 0; c < CV; ++c) acc[g][c] += w * vv[c];
+        }
       }
+      for (int g = 0; g < GV && g0 + g < G; ++g)
+        for (int c = 0; c < CV; ++c) store(o + (g0 + g) * D + kLanes * (c0 + c), acc[g][c]);
     }
-    for (int g = 0; g < GV && g0 + g < G; ++g)
-      for (int c = 0; c < C; ++c) store(o + (g0 + g) * D + kLanes * c, acc[g][c]);
   }
 }
 
@@ -407,7 +420,7 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
 }
 
 // Query heads per decode call: their query vectors and one key row's fit the registers.
-constexpr int kGroupTile = kLanes == 16 ? 4 : kLanes == 8 ? 2 : 1;
+constexpr int kGroupTile = kLanes >= 8 ? 4 : 1;
 
 // A KV head's whole query group of one row, in calls of at most kGroupTile query heads.
 template <int D, class R>
