@@ -18,9 +18,10 @@
 // AVX-512, 8 with AVX2, 4 with SSE or NEON: simd.h), so every loop below keeps its
 // accumulators in registers on each:
 // - decode path (fewer than kManyQueries queries per KV head): the scores of the head's
-//   query group as dot products along head_dim, a tile's kLanes partial-sum vectors
-//   folded into one vector; the same loop prefetches the rows it will read one chunk
-//   later;
+//   query group (up to 4 heads a pass) as dot products along head_dim, a tile's kLanes
+//   partial-sum vectors folded into one vector; the same loop prefetches the rows it will
+//   read one chunk later; the values accumulated for the group's queries together, in
+//   slices of head_dim where a row's accumulators for all of them would not fit;
 // - prefill path: K of the chunk transposed once (kLanes x kLanes in-register
 //   transposes), then two small matrix products in register blocks sized by the
 //   register file: scores for 6 queries x 2 key tiles (AVX2; x 4 with AVX-512) per
