@@ -25,6 +25,7 @@ TESTS = [
     "tests/test_int8_activations.py::test_kernel_matches_the_reference",
     "tests/test_int8_activations.py::test_grouped_kernel_matches_the_reference",
     "tests/test_linear.py::test_grouped_kernel_matches_ragged_dot",
+    "tests/test_linear.py::test_a_row_count_leaves_the_padding_rows_zero",
     "tests/test_linear.py::test_grouped_kernel_over_quantized_experts",
     "tests/test_quant.py::test_the_gguf_int8_container_holds_every_weight_exactly",
     "tests/test_linear.py::test_vector_lanes_match_the_build",

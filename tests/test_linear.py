@@ -79,6 +79,29 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
                                       np.asarray(jax.jit(linear)(jnp.asarray(x), pack_weight(w16))))
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1+a8", "q8_0+a8"])
+def test_a_row_count_leaves_the_padding_rows_zero(weights):
+    """`rows` (a step's real tokens): the first rows are the very sums of the call over
+    every row, the bucket's padding rows after them zeros; 0 and M rows too, in one
+    jitted function (the count is an array, not a shape)."""
+    rng = np.random.default_rng(7)
+    m, k, n = 30, 64, 70
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    fmt, _, acts = weights.partition("+")
+    if fmt in ("float32", "bfloat16"):
+        packed = pack_weight(jnp.asarray(w, fmt))
+    else:
+        q = quantize_int8(w) if fmt == "int8" else quantize_blocks(w, QUANT_FORMATS[fmt])
+        packed = pack_weight(q.replace(activations="int8") if acts else q)
+    full = np.asarray(jax.jit(linear)(x, packed))
+    with_rows = jax.jit(lambda x, w, r: linear(x, w, rows=r))
+    for r in (0, 1, 13, m):
+        got = np.asarray(with_rows(x, packed, jnp.int32(r)))
+        np.testing.assert_array_equal(got[:r], full[:r])
+        assert not got[r:].any()
+
+
 def _pair_order_sums(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
     """x [M, K] @ w [K, N] (bfloat16 values, as float32) summed as the kernel's bfloat16
     tiles sum: input by input in float32, each pair's odd input first (vdpbf16ps's

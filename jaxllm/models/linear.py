@@ -184,7 +184,8 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
     return matrix[:, : w.out_features]
 
 
-def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> Float[Array, "... N"]:
+def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, rows: Int[Array, ""] | None = None
+           ) -> Float[Array, "... N"]:
     """x @ w, by the backend `w`'s layout says (packed weights return float32: x is
     multiplied in float32, or rounded to bfloat16 for bfloat16 panels).
     A plain weight of another dtype than `x` (bfloat16 weights under float32
@@ -193,7 +194,12 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
     A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
     the output columns (jaxllm.models.quant); grouped ones (GGUF blocks) are dequantized
     first, and one of a bfloat16 model (`float_dtype`) multiplies as the model's plain
-    bfloat16 weights would (the kernel: its `bf16` attribute)."""
+    bfloat16 weights would (the kernel: its `bf16` attribute).
+
+    `rows` (packed weights, x [T, K]): only x's first `rows` rows are multiplied, the
+    rest of y is zeros: a step's real tokens, its bucket's padding after them (the
+    grouped kernel over one expert of `rows` rows: the same sums as the dense call's).
+    Other weights compute every row."""
     if isinstance(w, QuantizedWeight):
         if w.kernel == "pallas":
             return _pallas_linear(x, w, preferred_element_type)
@@ -212,6 +218,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
             return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=out)
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     cpu_kernels.load_kernels()  # registers the custom calls (once)
+    if rows is not None and x.ndim == 2 and not w.experts:
+        return grouped_linear(x, one_expert(w), jnp.reshape(rows, (1,)))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
@@ -231,6 +239,13 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None) -> 
         return jax.ffi.ffi_call(TARGET_BF16, out)(x2.astype(jnp.float32), w.panels, bf16_dot=w.bf16_dot
                                                   ).reshape(*lead, w.out_features)
     return jax.ffi.ffi_call(TARGET, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
+
+
+def one_expert(w: PackedWeight) -> PackedWeight:
+    """A dense packed weight as a mixture of one expert (a leading axis of 1: a
+    reshape, no copy), for the grouped kernel's row count."""
+    lead = lambda a: None if a is None else a[None]  # noqa: E731
+    return w.replace(panels=w.panels[None], scale=lead(w.scale), mins=lead(w.mins), experts=1)
 
 
 def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):

@@ -83,7 +83,8 @@ def attention_block(
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    qkv = _project(h, lp.wqkv, lora, "wqkv")
+    rows = md.query_start_loc[md.num_seqs]  # the real tokens: the kernel skips the bucket's padding
+    qkv = _project(h, lp.wqkv, lora, "wqkv", rows)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -101,29 +102,33 @@ def attention_block(
         common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
         cache_dtype=cache.dtype,
     )
-    out = all_reduce(_project(o.reshape(t, cfg.q_size), lp.wo, lora, "wo"), axis)
+    out = all_reduce(_project(o.reshape(t, cfg.q_size), lp.wo, lora, "wo", rows), axis)
     if lp.attn_post_norm is not None:
         out = rms_norm(out, lp.attn_post_norm, eps, offset)
     return x + out, cache
 
 
-def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str) -> Float[Array, "T N"]:
-    """x's projection by `w`, plus the tokens' adapters' products where there are adapters."""
-    y = linear(x, w)
+def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows: Int[Array, ""] | None = None
+             ) -> Float[Array, "T N"]:
+    """x's projection by `w`, plus the tokens' adapters' products where there are adapters.
+    `rows`: the step's real tokens (the kernel leaves the bucket's padding rows zero)."""
+    y = linear(x, w, rows=rows)
     return y if lora is None else lora.add(field, x, y)
 
 
 def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None,
-              moe: bool = False, lora: LayerLoRA | None = None) -> Float[Array, "T D"]:
+              moe: bool = False, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
+              ) -> Float[Array, "T D"]:
     """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU, or (`moe`) a
     mixture of such experts (jaxllm.models.moe); pre-norm, residual added; Gemma's
-    output norm before the add."""
+    output norm before the add. `rows`: the step's real tokens (packed projections leave
+    the bucket's padding rows zero)."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
     if moe:
         out = moe_mlp(lp, h, cfg, axis)
     else:
-        gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up")
-        out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down"), axis)
+        gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up", rows)
+        out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down", rows), axis)
     if lp.mlp_post_norm is not None:
         out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
@@ -186,5 +191,6 @@ def forward_hidden(
         layer_lora = None if lora is None else lora.layer(i)
         x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], mds[groups.group_of(i)], cfg, attention_fn,
                                           axis, cfg.layer_window(i), layer_lora)
-        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora)
+        md_i = mds[groups.group_of(i)]
+        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora, rows=md_i.query_start_loc[md_i.num_seqs])
     return x, tuple(caches)
