@@ -166,8 +166,9 @@ inline u32xN bf16_rounded(f32xN v) {
 // after the other, each rounded to nearest even; a product of two bfloat16 values is
 // exact in float32), so both give the same sums bit for bit (but for subnormal inputs,
 // which vdpbf16ps reads as zero). Built with AVX512_BF16 both are compiled and the call's
-// `bf16_dot` attribute picks one (on Intel cores vdpbf16ps issues on one port where
-// float32 FMAs issue on two, and loses; on Zen 4 it wins: measured at start-up).
+// `bf16_dot` attribute picks one, per step shape by a measurement at start-up (on the
+// Intel Xeon measured, Emerald Rapids, vdpbf16ps issues on one port where float32 FMAs
+// issue on two and lost from 4 rows; on Zen 4 it ran 1.6-1.8x the float32 kernel).
 #if defined(__AVX512BF16__)
 constexpr bool kDotBF16 = true;
 #else

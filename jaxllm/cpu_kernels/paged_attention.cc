@@ -420,7 +420,8 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
   if (any) accumulate_values<D, GT>(vrow, ntok, p, o);
 }
 
-// Query heads per decode call: their query vectors and one key row's fit the registers.
+// Query heads per decode call: a key row's vectors and their accumulators fit the
+// registers (their query vectors are read as memory operands).
 constexpr int kGroupTile = kLanes >= 8 ? 4 : 1;
 
 // A KV head's whole query group of one row, in calls of at most kGroupTile query heads.

@@ -22,7 +22,8 @@ faster:
   vdpbf16ps and by the float tiles: the same sums bit for bit, so each bucket may take
   the faster (its step's weights carry the choice: `PackedWeight.bf16_dot`, the same
   arrays). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
-  at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps was the faster.
+  at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps ran 1.6-1.8x the
+  float32 kernel's rate (the float tiles'), so there it should keep every bucket.
 
 The plan (`BackendPlan`) is stored as JSON next to the compiled executables, keyed by
 everything the times depend on (environment, model shapes, buckets, the kernels'
@@ -415,12 +416,14 @@ def backend_plan(
     store_dir=None,
     activation_dtype=None,
     kv_format: KVCacheFormat | None = None,
+    bf16_tiles: Sequence[str] | None = None,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
     shapes and dtypes (`dtype`: the weights'; `activation_dtype`, default `dtype`),
-    buckets and kernel build, or measured now (and stored)."""
-    tiles = bf16_tile_candidates(dtype, linear)
+    buckets and kernel build, or measured now (and stored). `bf16_tiles`: the kernel's
+    bfloat16 tiles to choose from (default: `bf16_tile_candidates`)."""
+    tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(dtype, linear)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path
@@ -443,8 +446,9 @@ def backend_plan(
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
                       activation_dtype=activation_dtype, kv_format=kv_format)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
-    logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s; bfloat16 sums %s",
+    sums = f"; bfloat16 sums {plan.describe('bf16_tiles')}" if "bf16_tiles" in plan.seconds else ""
+    logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s%s",
                 time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
-                plan.describe_head(), plan.describe("bf16_tiles"))
+                plan.describe_head(), sums)
     store.save_text("backends.json", plan.to_json())
     return plan

@@ -315,12 +315,13 @@ class ModelRunner:
                                          cache_dtype=self.kv_format.dtype)
         linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None,
                                    quantized=self.config.quantization is not None)
+        tiles = None  # measured where the kernels hold both bfloat16 paths
         if jax.process_count() > 1:
-            attention, linear = attention[:1], linear[:1]
+            attention, linear, tiles = attention[:1], linear[:1], ["dot"]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype,
                             [(t, seq_bucket(self.max_num_seqs, t)) for t in self.token_buckets], attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
-                            store_dir=store_directory(cache_dir), kv_format=self.kv_format)
+                            store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles)
 
     def _start_kv_caches(self, num_blocks: int) -> None:
         """The KV caches (2 GiB by default: a second of page faults) are zero-filled on
