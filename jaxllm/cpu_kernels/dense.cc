@@ -6,7 +6,8 @@
 // (16); 4-bit values two to a byte) are converted to float32 weights in registers when
 // one tile of rows passes over a panel, or once into a float panel when several do; each
 // weight is the float gguf dequantizes it to. bfloat16 panels hold inputs in pairs for
-// vdpbf16ps (AVX512_BF16; float32 lanes elsewhere). A mixture of experts' projection
+// vdpbf16ps (AVX512_BF16), which the float tiles read as float32 lanes too: the same
+// sums, the call's `bf16_dot` picks (BF16Pairs). A mixture of experts' projection
 // runs the same pass once per expert over its rows (GroupedDense).
 //
 // Why on CPU: a step multiplies a few dozen to a few hundred rows by every weight matrix

@@ -9,9 +9,11 @@ once, at load, when its backend is `cpu`.
 Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
 - `cpu`: packed weights and the custom call; XLA:CPU, float32 or bfloat16 weights
-  (bfloat16: x rounded to bfloat16, float32 sums, as XLA's dot; vdpbf16ps where the
-  CPU has AVX512_BF16: 1.3-1.8x XLA's bfloat16 dot at 32-128 rows on an AMD EPYC Zen 4,
-  on par at 512). At the 32-512 rows of a
+  (bfloat16: x rounded to bfloat16, float32 sums, as XLA's dot; where the CPU has
+  AVX512_BF16 by vdpbf16ps or by the float tiles, the same sums, the faster per step
+  shape measured at start-up (`PackedWeight.bf16_dot`): vdpbf16ps ran 1.3-1.8x XLA's
+  bfloat16 dot at 32-128 rows on an AMD EPYC Zen 4, on par at 512; on an Intel Xeon
+  (Emerald Rapids) the float tiles ran 1.3-1.75x it from 8 rows). At the 32-512 rows of a
   step on SmolLM2's shapes it measured 1.0-1.6x XLA:CPU's dot built for AVX-512, and
   0.75-1.2x built for AVX2 (AMD EPYC Zen 4, 2 vCPUs, before the k-loop unroll;
   docs/benchmarks.md).
@@ -336,8 +338,14 @@ def pallas_params(params: PyTree) -> PyTree:
     """The `pallas` backend's layout: every quantized projection marked for the Pallas
     kernel (the arrays as they are), in ModelParams or any pytree of weights; abstract
     params too."""
-    return jax.tree.map(lambda w: w.replace(kernel="pallas") if isinstance(w, QuantizedWeight) else w, params,
-                        is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return _marked(params, QuantizedWeight, kernel="pallas")
+
+
+def _marked(params: PyTree, kind: type, where=lambda w: True, **fields) -> PyTree:
+    """`params` with `fields` set on every weight of type `kind` that `where` accepts
+    (the arrays as they are)."""
+    return jax.tree.map(lambda w: w.replace(**fields) if isinstance(w, kind) and where(w) else w, params,
+                        is_leaf=lambda x: isinstance(x, kind))
 
 
 def in_dtype(params: ModelParams, dtype) -> ModelParams:
@@ -350,8 +358,7 @@ def in_dtype(params: ModelParams, dtype) -> ModelParams:
     Abstract params too."""
     if jnp.dtype(dtype) != jnp.bfloat16:
         return params
-    return jax.tree.map(lambda w: w.replace(float_dtype="bfloat16") if isinstance(w, QuantizedWeight) and w.group
-                        else w, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return _marked(params, QuantizedWeight, lambda w: w.group, float_dtype="bfloat16")
 
 
 def int8_activations(params: ModelParams) -> tuple[ModelParams, int]:
@@ -381,8 +388,7 @@ def bf16_tiles(params: PyTree, dot: bool) -> PyTree:
     """`params` with every packed weight summing bfloat16 by vdpbf16ps (`dot`, where the
     kernels are built with AVX512_BF16) or by the float tiles: the same sums, at the
     speed the start-up measurement found (jaxllm.worker.autotune). Abstract ones too."""
-    return jax.tree.map(lambda w: w.replace(bf16_dot=dot) if isinstance(w, PackedWeight) else w, params,
-                        is_leaf=lambda x: isinstance(x, PackedWeight))
+    return _marked(params, PackedWeight, bf16_dot=dot)
 
 
 def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:

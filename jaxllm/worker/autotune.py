@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import bf16_tiles
+from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
 from jaxllm.models.params import PackedWeight, abstract_params
 
 logger = logging.getLogger(__name__)
@@ -351,9 +351,7 @@ class StepTimer:
         return jax.jit(layers_fn), jax.jit(head_fn)
 
     def linear(self, backend: str, t: int, s: int, bf16_dot: bool = True) -> float:
-        layers, _ = self._linear_weights(backend)
-        if not bf16_dot:
-            layers = bf16_tiles(layers, dot=False)
+        layers = mark_bf16_tiles(self._linear_weights(backend)[0], dot=bf16_dot)
         layers_fn = self._fns[0]
         x = self._filled((t, self.cfg.hidden_size))
         if t >= COMPUTE_BOUND_ROWS:  # the weights' streaming no longer decides: fewer copies, quicker
@@ -362,9 +360,7 @@ class StepTimer:
 
     def head(self, backend: str, rows: int, bf16_dot: bool = True) -> float:
         """The output projection of `rows` rows in `backend`'s layout."""
-        _, head = self._linear_weights(backend)
-        if not bf16_dot:
-            head = bf16_tiles(head, dot=False)
+        head = mark_bf16_tiles(self._linear_weights(backend)[1], dot=bf16_dot)
         return _best_of(self._fns[1], self._filled((rows, self.cfg.hidden_size)), head)
 
     def attention(self, backend: str, t: int, s: int) -> float:
