@@ -36,6 +36,7 @@ class Check:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     timeout: float = 1800
     pick: tuple[str, ...] = ()  # the output lines (starting so) the table shows, else the last one
+    full_model: bool = False  # needs all 16 layers of Llama-3.2-1B's shapes (made on first use)
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
                if gpu else f"import tests.multidevice as m; print(m.run('tp_engine_matches', {str(tp_model)!r}, "
                            f"'2', devices=2))")
     # on a GPU the slow engine-step replay too, not the full grid (~1.5 s of compile a case)
+    dump = os.environ.get("GPU_CHECK_DUMP", "")  # a folder for the first differing attention call's inputs
     kernel_tests = pytest + ["tests/test_pallas_ragged_paged_attention.py"] + (
         ["-m", "", "-k", "not full_grid"] if gpu else ["-k", "matches_reference"])
     small = models / ("llama-3.2-1b" if gpu else "llama")
@@ -79,20 +81,25 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     return [
         Check("pallas kernels vs reference" + ("" if gpu else " (interpret mode)"), kernel_tests,
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
-        Check("engine: pallas == xla, greedy tokens", pytest + ["tests/test_pallas_engine.py"], timeout=180),
+        Check("engine's attention calls replayed: kernel == reference",
+              [py, "-c", f"import tests.multidevice as m; m.pallas_engine_calls_match({str(models / 'llama')!r}, "
+                         f"dump={dump!r})"],
+              timeout=180, pick=("ok",)),
+        Check("engine: pallas == xla, greedy tokens (float32)", pytest + ["tests/test_pallas_engine.py", "-m", ""],
+              env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout=180),  # else XLA's float32 dot is TF32
         Check("pallas quantized matmul vs reference, and as linear_backend='pallas' through the engine",
               pytest + ["tests/test_pallas_quantized_matmul.py", "-m", ""],
-              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
-        Check("engine's attention calls replayed: kernel == reference",
-              [py, "-c", f"import tests.multidevice as m; m.pallas_engine_calls_match({str(models / 'llama')!r})"],
-              timeout=180, pick=("ok",)),
+              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1", "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
+              timeout=240),
+        Check("pallas LoRA (shrink/expand) vs reference", pytest + ["tests/test_pallas_lora.py"],
+              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=180),
         Check(("GPU (pallas)" if gpu else "default platform (pallas)") + " == CPU (xla): tokens, logprobs",
               [py, "-c", tokens_code], timeout=240, pick=("ok",)),
         Check("GPU == CPU with Q8_0 weights (XLA's dot on int8 values)",
               [py, "-c", q8_0_code] if gpu else None,
               "the CPU runs it in tests/test_quant.py", timeout=240, pick=("ok",)),
         Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
-              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap")),
+              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap"), full_model=gpu),
         Check("bench_kernels.py (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
               "needs CUDA: in interpret mode it would time the interpreter", timeout=180),
@@ -106,22 +113,28 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     ]
 
 
-def make_models(models: Path, gpu: bool) -> None:
+def make_models(models: Path, gpu: bool, full: bool = False) -> None:
     """The test models the checks use: the tiny llama (and, on a GPU, Llama-3.2-1B's
-    shapes: 2 layers for the TP check, all 16 for the throughput benchmark)."""
+    shapes: 2 layers for the TP check); with `full`, all 16 layers for the throughput
+    benchmark (made only when a check that needs them runs)."""
     script = ROOT / "scripts" / "make_test_model.py"
     run = lambda *a: subprocess.run([sys.executable, str(script), *a], check=True, capture_output=True)  # noqa: E731
+    if full:
+        if gpu and not (models / "llama-3.2-1b-full").exists():
+            run(str(models / "full"), "--arch", "llama-3.2-1b")
+            (models / "full" / "llama-3.2-1b").rename(models / "llama-3.2-1b-full")
+        return
     run(str(models), "--arch", "llama")
     if gpu:
         run(str(models), "--arch", "llama-3.2-1b", "--layers", "2")
-        full = models / "full"
-        run(str(full), "--arch", "llama-3.2-1b")
-        (full / "llama-3.2-1b").rename(models / "llama-3.2-1b-full")
 
 
-def run_check(check: Check) -> Result:
+def run_check(check: Check, seconds_left: float) -> Result:
     if check.cmd is None:
         return Result(check.name, "skipped", 0.0, check.why)
+    if seconds_left < 30:
+        return Result(check.name, "skipped", 0.0, "out of time (--deadline)")
+    check = dataclasses.replace(check, timeout=min(check.timeout, seconds_left))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **check.env)
     start = time.perf_counter()
     try:
@@ -153,9 +166,14 @@ def table(results: list[Result], machine: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
-    p.add_argument("--only", default=None, help="run the checks whose name contains this")
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON (after every check)")
+    p.add_argument("--only", default=None,
+                   help="run the checks whose name contains one of these (comma-separated), in this order")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole run: each check's limit is cut to what is left, later ones skipped")
     args = p.parse_args()
+    start = time.perf_counter()
+    left = lambda: (args.deadline or float("inf")) - (time.perf_counter() - start)  # noqa: E731
     backend, n, kind = platform()
     machine = f"{backend}, {n} x {kind}"
     print(f"gpu_check on {machine}" + ("" if backend == "gpu" else ": no GPU, CUDA-only parts skipped"), flush=True)
@@ -163,18 +181,26 @@ def main() -> None:
         models = Path(tmp)
         make_models(models, backend == "gpu")
         results = []
-        for check in checks(backend, n, models):
-            if args.only and args.only not in check.name:
-                continue
+        for check in selected(checks(backend, n, models), args.only):
             print(f"... {check.name}", flush=True)
-            results.append(run_check(check))
+            if check.full_model and check.cmd is not None and left() > 60:
+                make_models(models, backend == "gpu", full=True)
+            results.append(run_check(check, left()))
             print(f"    {results[-1].status} ({results[-1].seconds:.0f} s) {results[-1].detail}", flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"machine": machine, "results": [dataclasses.asdict(r) for r in results]},
+                                               indent=1))
     print()
     print(table(results, machine))
-    if args.out:
-        args.out.write_text(json.dumps({"machine": machine, "results": [dataclasses.asdict(r) for r in results]},
-                                       indent=1))
     sys.exit(1 if any(r.status == "FAIL" for r in results) else 0)
+
+
+def selected(all_checks: list[Check], only: str | None) -> list[Check]:
+    """The checks `--only` names (substrings, comma-separated), in its order; all without it."""
+    if not only:
+        return all_checks
+    names = [x.strip() for x in only.split(",") if x.strip()]
+    return [c for name in names for c in all_checks if name in c.name]
 
 
 if __name__ == "__main__":

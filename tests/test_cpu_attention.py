@@ -162,3 +162,13 @@ def test_common_prefix_hint_is_used():
     false = cpu.ragged_paged_attention_cpu(*args, sm_scale=0.2, common_prefix_blocks=jnp.int32(8))
     np.testing.assert_allclose(np.asarray(honest)[:valid], want, atol=2e-5, rtol=0)
     assert np.abs(np.asarray(false)[:valid] - want).max() > 1e-2
+
+
+def test_auto_on_a_gpu_is_the_pallas_kernel(monkeypatch):
+    """On a GPU `auto` means the Pallas kernels (their differing tokens on the H100 were
+    bfloat16 rounding: docs/kernels.md), and the CPU kernel is refused with the reason."""
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.bfloat16) == ["pallas"]
+    assert backends.attention_candidates("xla", head_dim=64, dtype=jnp.bfloat16) == ["xla"]
+    with pytest.raises(ValueError, match="CPU platform only"):
+        backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32)

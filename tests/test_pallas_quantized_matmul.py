@@ -48,7 +48,9 @@ def test_float32_equals_the_oracle_and_the_xla_path(fmt, m):
                                      None if qw.mins is None else jnp.asarray(qw.mins), group=qw.group)
     assert got.shape == (m, N) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got, linear(x, jax.tree.map(jnp.asarray, qw)), rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU is TF32 by default
+        xla = linear(x, jax.tree.map(jnp.asarray, qw))
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4_1"])
@@ -71,7 +73,10 @@ def test_several_tiles_each_way():
     qw = quantized("q8_0", k=128, n=150, seed=3)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((70, 128)), jnp.float32)
     got = kernel(x, qw, block_m=16, block_n=32, interpret=INTERPRET)
-    np.testing.assert_allclose(got, linear(x, jax.tree.map(jnp.asarray, qw)), rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU is TF32 by default
+        xla = linear(x, jax.tree.map(jnp.asarray, qw))
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5)
+
 
 
 def test_bad_shapes_and_blocks_are_refused():
@@ -147,11 +152,11 @@ def test_the_pallas_linear_backend_through_the_engine(test_models_dir):
 
     prompts = ["The quick brown fox", "Hello world! How are you today?", "One, two, three, four, five, six"]
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0)
-    for quantization in ("int8", "q4_1"):
+    for quantization in ("int8", "q4_1"):  # float32: auto would be bfloat16 on a GPU
         results = {}
         for backend in ("xla", "pallas"):
             llm = LLM(str(test_models_dir / "llama"), quantization=quantization, linear_backend=backend,
-                      attention_backend="xla", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                      attention_backend="xla", dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                       kv_cache_memory=16 * KV_BYTES_PER_BLOCK, progress=False)
             assert llm.llm_engine.core.runner.plan.backends("linear") == [backend]
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -11,7 +11,7 @@ pallas_kernels.ragged_paged_attention:
 - `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32
   activations, a cache of any KV cache format; the kernel is in jaxllm/cpu_kernels/).
 - `pallas`: the Pallas GPU kernels (interpret mode off GPU: for tests, slow but exact).
-- `auto`: xla on GPU (see PALLAS_ON_GPU); on CPU the faster of cpu and xla per step
+- `auto`: pallas on GPU; on CPU the faster of cpu and xla per step
   shape, measured at start-up (jaxllm.worker.autotune), or xla alone when the model
   cannot use the cpu backend or its kernels do not build here (the reason logged).
 """
@@ -31,14 +31,12 @@ from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
 
-# Why `auto` does not pick the Pallas kernels on a GPU: run natively on an H100
-# (2026-11-25, jax 0.11.2), every kernel test passed, but through the engine
-# (tests/test_pallas_engine.py) one request of six got other greedy tokens than with
-# xla from its first token, where the top two logprobs are 0.08 apart: a wrong result,
-# not rounding. Until scripts/gpu_check.sh passes that check, `pallas` is opt-in.
-PALLAS_ON_GPU = ("the Pallas kernels gave wrong tokens through the engine on an H100 (docs/kernels.md, "
-                 "'Known GPU failure'); `auto` uses xla on GPU until scripts/gpu_check.sh passes again")
-
+# `auto` on a GPU is the Pallas kernels. On an H100 (2026-11-25) the engine gave other
+# greedy tokens with pallas than with xla on one request, and `auto` was xla for a while;
+# on an H200 (2026-11-27) that workload's every attention call, replayed, gave the same
+# bits inside the step as alone, within bfloat16 rounding of the float32 reference, and
+# in float32 the engine's tokens were xla's: the bfloat16 default rounds the two
+# backends' sums apart, no kernel fault (docs/kernels.md, "The H100's differing tokens").
 
 
 @runtime_checkable
@@ -95,9 +93,7 @@ def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None) -
     order (`auto` on a CPU: cpu and xla, measured by the runner); an explicit choice
     that cannot work raises ValueError saying why."""
     platform = jax.default_backend()
-    preference = {"cpu": ["cpu", "xla"]}.get(platform, ["xla"])
-    if name == "pallas" and platform == "gpu":
-        logger.warning("attention_backend 'pallas': %s", PALLAS_ON_GPU)
+    preference = {"gpu": ["pallas"], "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
 
     def unavailable(backend: str) -> str | None:
         if backend == "cpu":

@@ -1,0 +1,81 @@
+"""Times the Pallas weight-only quantized matmul (pallas_kernels/quantized_matmul.py)
+against XLA on the same weights: a bfloat16 ``jnp.dot`` (the unquantized baseline) and
+jaxllm's XLA path for the quantized weight (`linear`: dequantize, then dot), at
+Llama-3.1-8B's projection shapes, bfloat16 activations, M = 1 .. 256 rows. Prints
+microseconds per call, the weight bytes each path reads per microsecond (GB/s, to set
+against the card's HBM bandwidth) and the kernel's speed-up over both, measured in the
+same run.
+
+    python scripts/bench_quantized_matmul.py            # on a GPU
+    python scripts/bench_quantized_matmul.py --small    # anywhere (interpret mode off GPU: a smoke run, no timing value)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models.linear import linear
+from jaxllm.models.params import QUANT_FORMATS
+from jaxllm.models.quant import quantize_blocks, quantize_int8
+from pallas_kernels.quantized_matmul import quantized_matmul
+
+SHAPES = {"gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096), "o 4096x4096": (4096, 4096)}
+
+
+def timed(f, *args, iters: int) -> float:
+    """Microseconds per call: `iters` calls dispatched back to back (after a compiled,
+    warmed one), the clock stopped when the last is done, so the host's dispatch
+    overlaps the device's work as it does in a step."""
+    jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / iters * 1e6
+
+
+def quantize(fmt: str, w: np.ndarray):
+    return quantize_int8(w) if fmt == "int8" else quantize_blocks(w, QUANT_FORMATS[fmt])
+
+
+def weight_bytes(qw) -> int:
+    return sum(int(np.asarray(a).nbytes) for a in (qw.q, qw.scale, qw.mins) if a is not None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="int8,q8_0,q4_1")
+    ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (for a CPU: interpret mode)")
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    shapes = {"small 256x96": (256, 96)} if args.small else SHAPES
+    iters = args.iters if gpu else 1
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})" + ("" if gpu else ": interpret mode"))
+    print("| shape | format | M | bf16 dot us | XLA dequant us | pallas us | pallas GB/s | vs bf16 | vs XLA |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for label, (k, n) in shapes.items():
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        w16 = jnp.asarray(w, jnp.bfloat16)
+        for fmt in args.formats.split(","):
+            qw = jax.tree.map(jnp.asarray, quantize(fmt, w))
+            kern = jax.jit(lambda x, qw: quantized_matmul(x, qw.q, qw.scale, qw.mins, group=qw.group,
+                                                          interpret=not gpu))
+            for m in (int(r) for r in args.rows.split(",")):
+                x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+                t_dot = timed(jax.jit(jnp.dot), x, w16, iters=iters)
+                t_xla = timed(jax.jit(linear), x, qw, iters=iters)
+                t_k = timed(kern, x, qw, iters=iters)
+                print(f"| {label} | {fmt} | {m} | {t_dot:.1f} | {t_xla:.1f} | {t_k:.1f} | "
+                      f"{weight_bytes(qw) / t_k / 1e3:.0f} | {t_dot / t_k:.2f}x | {t_xla / t_k:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
