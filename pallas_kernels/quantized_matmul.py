@@ -13,12 +13,15 @@ Formats (``group`` and ``mins`` say which):
   is one group, so each step scales (and shifts) its whole ``[32, block_n]`` tile by one
   row of scales, in float32, rounded once to x's dtype for the MMA.
 
-Design: grid ``(cdiv(M, block_m), cdiv(N, block_n))``; program ``(i, j)`` walks K in
-steps of ``block_k`` (``group`` when grouped, else the largest power of two up to 64
-dividing K), loading an x tile ``[block_m, block_k]`` and a value tile ``[block_k,
+Design: grid ``(cdiv(M, block_m), cdiv(N, block_n), split_k)``; program ``(i, j, s)``
+walks its ``1 / split_k`` of K in steps of ``block_k`` (``group`` when grouped, else
+the largest power of two up to 64 dividing K), loading an x tile ``[block_m, block_k]`` and a value tile ``[block_k,
 block_n]`` through masked gathers (rows past M and columns past N read zeros and are
 never stored), converting the values to float32, scaling, casting to x's dtype, and
-accumulating ``tl.dot`` in float32. Whole-array refs and explicit gathers, as the
+accumulating ``tl.dot`` in float32. With ``split_k`` > 1 each program stores its
+float32 partial sums ``[split_k, M, N]`` and XLA adds them: more programs for a
+decode-sized M over a long K (the down projection: 32 column tiles for 132
+multiprocessors without it). Whole-array refs and explicit gathers, as the
 attention kernel does: M, N and K need not be powers of two (K must divide into
 steps), only the tiles are.
 """
@@ -71,7 +74,7 @@ def default_blocks(m: int, n: int, k: int, group: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
-def _check(k: int, group: int, block_m: int, block_n: int, block_k: int, dtype) -> None:
+def _check(k: int, group: int, block_m: int, block_n: int, block_k: int, dtype, split_k: int = 1) -> None:
     if jnp.dtype(dtype) not in Q_DTYPES:
         raise ValueError(f"quantized_matmul: x must be one of {[d.name for d in Q_DTYPES]}, got {jnp.dtype(dtype)}")
     for name, val in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -82,10 +85,13 @@ def _check(k: int, group: int, block_m: int, block_n: int, block_k: int, dtype) 
         raise ValueError(f"quantized_matmul: grouped scales need block_k == group ({group}), got {block_k}")
     if k % block_k:
         raise ValueError(f"quantized_matmul: K={k} is not a multiple of block_k={block_k}")
+    if split_k < 1 or (k // block_k) % split_k:
+        raise ValueError(f"quantized_matmul: split_k={split_k} must divide the {k // block_k} steps of "
+                         f"block_k={block_k} over K={k}")
 
 
 def _qmm_kernel(x_ref, q_ref, s_ref, *rest, m: int, n: int, k: int, group: int, has_mins: bool,
-                block_m: int, block_n: int, block_k: int, precision):
+                block_m: int, block_n: int, block_k: int, split_k: int, precision):
     if has_mins:
         mins_ref, o_ref = rest
     else:
@@ -107,45 +113,57 @@ def _qmm_kernel(x_ref, q_ref, s_ref, *rest, m: int, n: int, k: int, group: int, 
         return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, k // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+    steps = k // block_k // split_k  # this program's share of K
+    first = pl.program_id(2) * steps
+    acc = lax.fori_loop(first, first + steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     if not group:
         acc = acc * plgpu.load(s_ref.at[cols_in])[None, :]
     # Stored rows / columns past the end point one past it: masked on the GPU, dropped by
     # the interpreter's scatter (never aliased with a real element, as clamped ones would be).
     rows_out, cols_out = jnp.where(row_ok, rows, m), jnp.where(col_ok, cols, n)
-    plgpu.store(o_ref.at[rows_out[:, None], cols_out[None, :]], acc.astype(o_ref.dtype),
-                mask=row_ok[:, None] & col_ok[None, :])
+    idx = (rows_out[:, None], cols_out[None, :])
+    if split_k > 1:  # partial sums: [split_k, M, N]
+        idx = (pl.program_id(2),) + idx
+    plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def build_quantized_matmul_call(*, m: int, n: int, k: int, group: int, has_mins: bool, dtype, block_m: int,
                                 block_n: int, block_k: int, out_dtype=None, num_warps: int = 4, num_stages: int = 2,
-                                interpret: bool = False):
+                                split_k: int = 1, interpret: bool = False):
     """The raw ``pallas_call`` (no validation): ``(x, q, scale[, mins]) -> y [m, n]``
-    of `out_dtype` (default: x's, `dtype`). Exposed for the lowering tests."""
+    of `out_dtype` (default: x's, `dtype`), or with `split_k` > 1 float32 partial sums
+    ``[split_k, m, n]``. Exposed for the lowering tests."""
     precision = lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(_qmm_kernel, m=m, n=n, k=k, group=group, has_mins=has_mins, block_m=block_m,
-                               block_n=block_n, block_k=block_k, precision=precision)
+                               block_n=block_n, block_k=block_k, split_k=split_k, precision=precision)
     fmt = f"g{group}{'m' if has_mins else ''}" if group else "col"
+    out_dtype = dtype if out_dtype is None else out_dtype
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), dtype if out_dtype is None else out_dtype),
+        grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n), split_k),
+        out_shape=(jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split_k > 1
+                   else jax.ShapeDtypeStruct((m, n), out_dtype)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"quantized_matmul_{fmt}_bm{block_m}_bn{block_n}_bk{block_k}",
+        name=f"quantized_matmul_{fmt}_bm{block_m}_bn{block_n}_bk{block_k}" + (f"_sk{split_k}" if split_k > 1 else ""),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "block_k", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "block_k", "split_k", "num_warps",
+                                             "num_stages", "out_dtype", "interpret"))
 def quantized_matmul(
     x: Float[Array, "M K"], q: Int8[Array, "K N"], scale: Float[Array, "N"] | Float[Array, "G N"],
     mins: Float[Array, "G N"] | None = None, *, group: int = 0, block_m: int | None = None,
-    block_n: int | None = None, block_k: int | None = None, out_dtype=None, interpret: bool = False,
+    block_n: int | None = None, block_k: int | None = None, split_k: int = 1, num_warps: int | None = None,
+    num_stages: int = 2, out_dtype=None, interpret: bool = False,
 ) -> Float[Array, "M N"]:
     """``x @ W`` for ``W`` as int8 values ``q`` [K, N] with float32 scales: one per
     column (``group=0``) or per ``group`` inputs of each column (``scale`` [K / group,
     N], and ``mins`` alike for Q4_1). Accumulates in float32; returns `out_dtype`
-    (default x's: float32 for logits from bfloat16 activations)."""
+    (default x's: float32 for logits from bfloat16 activations). `split_k` > 1 splits
+    K over that many programs per output tile, their float32 partial sums added after
+    (the tiles and `split_k` are for scripts/bench_quantized_matmul.py's sweep: the
+    defaults are the ones measured, docs/kernels.md)."""
     (m, k), n = x.shape, q.shape[1]
     if q.shape[0] != k or q.dtype != jnp.int8:
         raise ValueError(f"quantized_matmul: q must be int8 [K={k}, N], got {q.dtype} {q.shape}")
@@ -159,10 +177,12 @@ def quantized_matmul(
         raise ValueError("quantized_matmul: mins need grouped scales")
     bm, bn, bk = default_blocks(m, n, k, group)
     block_m, block_n, block_k = block_m or bm, block_n or bn, block_k or bk
-    _check(k, group, block_m, block_n, block_k, x.dtype)
-    call = build_quantized_matmul_call(m=m, n=n, k=k, group=group, has_mins=mins is not None, dtype=x.dtype,
-                                       out_dtype=out_dtype,
-                                       block_m=block_m, block_n=block_n, block_k=block_k,
-                                       num_warps=8 if block_m * block_n >= 64 * 128 else 4, interpret=interpret)
+    _check(k, group, block_m, block_n, block_k, x.dtype, split_k)
+    call = build_quantized_matmul_call(
+        m=m, n=n, k=k, group=group, has_mins=mins is not None, dtype=x.dtype, out_dtype=out_dtype,
+        block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=num_stages,
+        num_warps=num_warps or (8 if block_m * block_n >= 64 * 128 else 4), interpret=interpret)
     args = (x, q, scale.astype(jnp.float32)) + (() if mins is None else (mins.astype(jnp.float32),))
-    return call(*args)
+    if split_k == 1:
+        return call(*args)
+    return call(*args).sum(axis=0).astype(x.dtype if out_dtype is None else out_dtype)

@@ -8,6 +8,11 @@ same run.
 
     python scripts/bench_quantized_matmul.py            # on a GPU
     python scripts/bench_quantized_matmul.py --small    # anywhere (interpret mode off GPU: a smoke run, no timing value)
+    python scripts/bench_quantized_matmul.py --sweep --rows 1   # the kernel's tiles, K splits and pipeline depths
+
+With `--sweep`, each shape, format and M is also timed over `SWEEP` (block_n, split_k,
+num_stages) and the fastest configurations are printed beside the default:
+what to set `default_blocks` from on the card the run names.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from jaxllm.models.params import QUANT_FORMATS
 from jaxllm.models.quant import quantize_blocks, quantize_int8
 from pallas_kernels.quantized_matmul import quantized_matmul
 
+SWEEP = [dict(block_n=bn, split_k=sk, num_stages=st) for bn in (64, 128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)]
 SHAPES = {"gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096), "o 4096x4096": (4096, 4096)}
 
 
@@ -47,12 +53,27 @@ def weight_bytes(qw) -> int:
     return sum(int(np.asarray(a).nbytes) for a in (qw.q, qw.scale, qw.mins) if a is not None)
 
 
+def sweep(x, qw, gpu: bool, iters: int, best: int = 3) -> str:
+    """The fastest `best` of SWEEP's configurations that this shape admits, as text."""
+    times = []
+    for cfg in SWEEP:
+        f = jax.jit(lambda x, qw, cfg=cfg: quantized_matmul(x, qw.q, qw.scale, qw.mins, group=qw.group,
+                                                            interpret=not gpu, **cfg))
+        try:
+            times.append((timed(f, x, qw, iters=iters), cfg))
+        except ValueError:  # a split that does not divide K's steps
+            continue
+    times.sort(key=lambda t: t[0])
+    return "; ".join(f"{t:.1f} us {' '.join(f'{k}={v}' for k, v in c.items())}" for t, c in times[:best])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="int8,q8_0,q4_1")
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--small", action="store_true", help="tiny shapes (for a CPU: interpret mode)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel's configurations (SWEEP)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     shapes = {"small 256x96": (256, 96)} if args.small else SHAPES
@@ -75,6 +96,8 @@ def main() -> None:
                 t_k = timed(kern, x, qw, iters=iters)
                 print(f"| {label} | {fmt} | {m} | {t_dot:.1f} | {t_xla:.1f} | {t_k:.1f} | "
                       f"{weight_bytes(qw) / t_k / 1e3:.0f} | {t_dot / t_k:.2f}x | {t_xla / t_k:.2f}x |", flush=True)
+                if args.sweep:
+                    print(f"  fastest: {sweep(x, qw, gpu, iters)}", flush=True)
 
 
 if __name__ == "__main__":

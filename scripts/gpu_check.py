@@ -100,6 +100,10 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               "the CPU runs it in tests/test_quant.py", timeout=240, pick=("ok",)),
         Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
               throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap"), full_model=gpu),
+        Check("bench_quantized_matmul.py --sweep (llama-3.1-8b projections, one row)",
+              [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]
+              if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
+              pick=("|", "  fastest")),
         Check("bench_kernels.py (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
               "needs CUDA: in interpret mode it would time the interpreter", timeout=180),
