@@ -8,7 +8,10 @@ saying so, so that it cannot rot.
     scripts/gpu_check.sh                 # or: .venv/bin/python scripts/gpu_check.py
     scripts/gpu_check.sh --out gpu_check.json
 
-On a CUDA machine: `pip install -e '.[cuda12]'` (or the image's JAX with CUDA) first.
+On a CUDA machine: `pip install -e '.[cuda12]'` (or the image's JAX with CUDA) first;
+on one with no package index, the rest as wheels (`scripts/gpu_wheels.sh` here, then
+its install line there). `--deadline SECONDS` fits a short lease: checks run most
+telling first, each cut to the time left, and `--out` is rewritten after every one.
 Every check runs in its own subprocess, with a time limit; the exit status is non-zero
 if any check failed.
 """
@@ -204,7 +207,8 @@ def selected(all_checks: list[Check], only: str | None) -> list[Check]:
     if not only:
         return all_checks
     names = [x.strip() for x in only.split(",") if x.strip()]
-    return [c for name in names for c in all_checks if name in c.name]
+    picked = [c for name in names for c in all_checks if name in c.name]
+    return [c for i, c in enumerate(picked) if c not in picked[:i]]  # each once, where first named
 
 
 if __name__ == "__main__":
