@@ -293,13 +293,12 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4", dump: str = "") ->
     """tests/test_pallas_engine.py's workload through LLM with attention "pallas", every
     attention call the engine makes captured (its inputs, as the step passes them, and
     its output inside the step) and replayed through the kernel alone and the jnp
-    reference on this platform; fails if any call's real rows differ by more than `tol` (or a
-    bfloat16 step's rounding),
-    naming each such call's step (T, S, q_lens, kv_lens) and which of the two (the
-    kernel inside the step, the kernel alone) differs. On the H100 the engine gave other
-    tokens with pallas than with xla (docs/kernels.md, "The H100's differing tokens": bfloat16 rounding): this says
-    which call, and whether the kernel alone reproduces it. With `dump` (a folder), the
-    first differing call's inputs and outputs are saved there as an .npz."""
+    reference on this platform; fails if any call's real rows differ by more than `tol`
+    (or, in a bfloat16 step, than its rounding), naming each such call's step (T, S,
+    q_lens, kv_lens) and how far the kernel inside the step and alone are from the
+    reference. It showed the H100's differing tokens to be bfloat16 rounding
+    (docs/kernels.md). With `dump` (a folder), the first differing call's inputs and
+    outputs are saved there as an .npz (floating arrays as float32, exactly)."""
     import functools
     import tempfile
 
@@ -310,7 +309,6 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4", dump: str = "") ->
     import jaxllm.attention.backends as backends
     import pallas_kernels
     from jaxllm import LLM
-
     from jaxllm.attention.kv_cache import as_elements
 
     calls, original = [], backends._pallas_attention
@@ -352,9 +350,11 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4", dump: str = "") ->
             step = f"call {i}: T={q.shape[0]} S={tables.shape[0]} q_lens={np.diff(qsl)[:n].tolist()} " \
                    f"kv_lens={kv_lens[:n].tolist()}"
             bad.append(f"{step}: max |kernel - reference| " + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()))
-            if dump and len(bad) == 1:
-                np.savez(f"{dump}/pallas_call_{i}.npz", q=q, k_cache=kc, v_cache=vc, kv_lens=kv_lens,
-                         block_tables=tables, query_start_loc=qsl, num_seqs=num_seqs, in_step=in_step,
-                         alone=alone, reference=want, kwargs=repr(kw), **arrays)
+            if dump and len(bad) == 1:  # npz has no bfloat16: floating arrays as float32 (exact), int8 as it is
+                exact = {k: a if a.dtype == np.int8 else a.astype(np.float32)
+                         for k, a in dict(q=q, k_cache=kc, v_cache=vc, in_step=in_step).items()}
+                np.savez(f"{dump}/pallas_call_{i}.npz", kv_lens=kv_lens, block_tables=tables, query_start_loc=qsl,
+                         num_seqs=num_seqs, alone=alone, reference=want, kwargs=repr(kw), **exact, **arrays)
     assert not bad, f"{len(bad)} of {len(calls)} calls differ:\n" + "\n".join(bad)
-    print(f"ok: {len(calls)} attention calls of the engine replayed on {jax.default_backend()}: kernel == reference")
+    print(f"ok: {len(calls)} attention calls of the engine replayed on {jax.default_backend()}: kernel == reference "
+          f"(within {np.dtype(calls[0][1][0].dtype).name} rounding)" if calls else "ok: no attention calls")
