@@ -245,6 +245,13 @@ def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
     h = jax.random.normal(jax.random.key(0), (7, model.config.hidden_size))
     np.testing.assert_allclose(compute_logits(packed, h, model.config), compute_logits(model.params, h, model.config),
                                rtol=0, atol=1e-5)
+    # a step's sample rows padded to its bucket: the real ones' very logits, zeros after (one compile for any count)
+    logits_of = jax.jit(lambda p, h, r: compute_logits(p, h, model.config, rows=r))
+    full = np.asarray(compute_logits(packed, h, model.config))
+    for r in (0, 3, 7):
+        got = np.asarray(logits_of(packed, h, jnp.int32(r)))
+        np.testing.assert_array_equal(got[:r], full[:r])
+        assert not got[r:].any()
     spec = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)  # noqa: E731
     assert spec(pack_params(abstract_params(model.config, jnp.float32))) == spec(packed)
 

@@ -135,20 +135,24 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: s
 
 
 def compute_logits(
-    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: str | None = None
+    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: str | None = None,
+    rows: Int[Array, ""] | None = None,
 ) -> Float[Array, "S V"]:
-    """float32 logits over the whole vocabulary (gathered from the shards of `axis`)."""
+    """float32 logits over the whole vocabulary (gathered from the shards of `axis`).
+    `rows`: only the first `rows` of `hidden` are real (a step's sample rows, padded to
+    its bucket): a packed output projection multiplies those alone and gives zeros for
+    the rest (at 32 clients a mixed step samples ~33 rows of a 64-row bucket)."""
     h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
     embed = params.embed
     if params.lm_head is None and isinstance(embed, PackedWeight):  # tied, packed in the table's place
-        logits = linear(h, embed, preferred_element_type=jnp.float32)
+        logits = linear(h, embed, preferred_element_type=jnp.float32, rows=rows)
     elif params.lm_head is None and isinstance(embed, QuantizedWeight) and embed.activations == "int8":
         logits = linear(h, embed.transposed(), preferred_element_type=jnp.float32)  # int8 inputs, as packed
     elif params.lm_head is None:  # tied (a quantized embedding dequantized: the dequantized table's very sums)
         embed = dequantize(embed) if isinstance(embed, QuantizedWeight) else embed
         logits = jnp.einsum("sd,vd->sv", h.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
     else:
-        logits = linear(h, params.lm_head, preferred_element_type=jnp.float32)
+        logits = linear(h, params.lm_head, preferred_element_type=jnp.float32, rows=rows)
     logits = apply_soft_cap(logits, cfg.final_logit_softcap)
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
 

@@ -160,8 +160,10 @@ class ShardedModel:
             in_specs=specs, out_specs=(P(), caches), check_vma=False,
         )(*args)
 
-    def compute_logits(self, params, hidden, cfg=None):
-        """`cfg` is ignored (the model's own is used): llama.compute_logits' signature."""
+    def compute_logits(self, params, hidden, cfg=None, rows=None):
+        """`cfg` is ignored (the model's own is used): llama.compute_logits' signature.
+        `rows` too: tensor-parallel weights are plain, which compute every row."""
+        del rows
         local = shard_config(self.cfg, self.size)
         return jax.shard_map(
             lambda p, h: compute_logits(p, h, local, axis=TP_AXIS), mesh=self.mesh,

@@ -576,6 +576,7 @@ class ModelRunner:
             history_rows=_pad(host.tok_rows, pad_t, self.max_num_seqs),
             attn=self._attention_metadata(t, s, host),
             logits_indices=_pad(host.logit_rows, r - len(host.logit_rows)),
+            num_logit_rows=np.int32(len(host.logit_rows)),
             sampling=self._sampling_metadata(r, host),
             prompt_logprob_targets=targets,
             any_prompt_logprobs=np.bool_((targets >= 0).any()),

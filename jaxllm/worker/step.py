@@ -35,6 +35,7 @@ class StepInputs:
     history_rows: Int[Array, "T"]  # token history row of each token (padding: an unused row)
     attn: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV cache group where there are several
     logits_indices: Int[Array, "S"]  # the row of each sequence's last token
+    num_logit_rows: Int[Array, ""]  # how many of logits_indices are real (the rest pad the bucket)
     sampling: SamplingMetadata
     prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
     any_prompt_logprobs: Bool[Array, ""]
@@ -97,7 +98,7 @@ def model_step(
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
     hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, **extra)
     history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
-    logits = logits_fn(params, hidden[inputs.logits_indices], cfg)
+    logits = logits_fn(params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logit_rows)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
