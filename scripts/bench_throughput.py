@@ -15,7 +15,8 @@ exactly (ignore_eos, max_tokens = the drawn length), greedy.
 Printed, all measured in this one run: output and total (prompt + output) tokens/s,
 the ratios jaxllm/HF, jaxllm's model-FLOPs utilization (2 x matmul parameters x tokens
 processed / wall time, against a jitted 2048^3 float32 jnp.dot timed in the same run,
-just before and just after jaxllm's run: their mean, both printed),
+just before and just after jaxllm's run: their mean, both printed; and against numpy's
+OpenBLAS dot, which under `--isa avx2` is capped to AVX2 where XLA's is not),
 the KV cache accounting at the step with the most blocks in use (blocks, tokens held,
 waste = 1 - tokens / (blocks x block_size)), and where jaxllm's time went.
 
@@ -82,6 +83,22 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len=(32,
 
 
 # ------------------------------------------------------------ matmul rate
+
+
+def blas_rate(n: int = 2048, reps: int = 5) -> float:
+    """Best-of-`reps` float32 GFLOP/s of numpy's n^3 dot (the OpenBLAS its wheel ships):
+    the second MFU denominator, because under `--isa avx2` OpenBLAS is capped to its
+    Haswell kernels where XLA's dot is not (scripts/isa_build.py)."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+    a @ a
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
 
 
 def matmul_rate(n: int = 2048, reps: int = 5) -> float:
@@ -435,12 +452,13 @@ def main(argv=None) -> None:
 
     # The matmul rate brackets jaxllm's run: on a shared machine the rate drifts by 10-20%
     # within minutes, and one snapshot before the run can catch a fast or a slow moment.
-    mm_before = matmul_rate()
+    mm_before, blas_before = matmul_rate(), blas_rate()
     print(f"float32 matmul rate before jaxllm (jitted 2048^3 jnp.dot, best of 5): {mm_before:.1f} GFLOP/s",
           flush=True)
     j = run_jaxllm(args, workload)
-    mm_after = matmul_rate()
+    mm_after, blas = matmul_rate(), (blas_before + blas_rate()) / 2
     mm = (mm_before + mm_after) / 2
+    results["blas_gflop_s"] = blas
     print(f"float32 matmul rate after jaxllm: {mm_after:.1f} GFLOP/s; mean {mm:.1f}", flush=True)
     j["mfu"] = j["model_gflop_s"] / mm
     results["matmul_gflop_s"] = mm
@@ -482,6 +500,8 @@ def main(argv=None) -> None:
         print(f"{'HF ' + dtype:14s}{h['wall_seconds']:9.1f}{h['output_tok_s']:14.1f}{h['total_tok_s']:13.1f}{ratio:9.2f}x")
     print(f"MFU: {100 * j['mfu']:.1f}% = 2 x {j['forward_tokens']} tokens x matmul params / {j['wall_seconds']:.1f}s "
           f"= {j['model_gflop_s']:.1f} GFLOP/s of {mm:.1f} measured (mean of {mm_before:.1f} before, {mm_after:.1f} after)")
+    print(f"MFU against numpy's OpenBLAS 2048^3 dot ({blas:.1f} GFLOP/s{', its AVX2 kernels' if args.isa == 'avx2' else ''}"
+          f"; XLA's dot is not capped under --isa avx2): {100 * j['model_gflop_s'] / blas:.1f}%")
     kv = j["kv"]
     print(f"KV: peak {kv['peak_blocks_in_use']} of {kv['num_blocks']} blocks in use, {kv['tokens_held_at_peak']} tokens "
           f"held, waste at peak {100 * kv['waste_at_peak']:.2f}% (mean over steps {100 * kv['mean_waste']:.2f}%), "

@@ -6,6 +6,15 @@ many cloud instances): the kernels built with -march=x86-64-v3, XLA's code gener
 capped at AVX2, and torch's (the HF baseline) and numpy's OpenBLAS too. On an AVX-512 machine that gives
 the register file and vector width of the older one.
 
+What no variable caps: XLA's own dot. jaxlib 0.10.2's matmul library picks its kernels
+by CPUID, and neither `--xla_cpu_max_isa=AVX2` (which caps XLA's generated code) nor
+`--xla_cpu_use_xnnpack=false`, `--xla_cpu_use_onednn=false` or the YNN/XNN fusion types
+change it: on the Intel Xeon (Emerald Rapids) a 2048^3 float32 dot ran at 299-320
+GFLOP/s capped and 302 native, above what two cores reach with AVX2 FMAs (the kernels'
+AVX2 build: 143-154). So under `avx2` on an AVX-512 machine the all-`xla`
+comparison and the MFU denominator are an AVX-512 dot's: stricter than an AVX2-only
+CPU would give (on a Zen 4, whose AVX-512 runs at AVX2's width, the difference is small).
+
 The environment must be set before JAX (and torch) start, so `reexec` runs the script
 again in a child process with it set.
 """
@@ -24,6 +33,9 @@ ISAS: dict[str, dict[str, str]] = {
         "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        # torch's float32 matmul is MKL's sgemm, which neither variable above caps: on an
+        # Intel Xeon (AVX-512) 2048^3 ran at 343 GFLOP/s with them and 170 with this one
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "OPENBLAS_CORETYPE": "Haswell",  # numpy's OpenBLAS (DYNAMIC_ARCH): its AVX2 kernels
     },
 }
