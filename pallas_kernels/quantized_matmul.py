@@ -15,8 +15,8 @@ Formats (``group`` and ``mins`` say which):
 
 Design: grid ``(cdiv(M, block_m), cdiv(N, block_n), split_k)``; program ``(i, j, s)``
 walks its ``1 / split_k`` of K in steps of ``block_k`` (``group`` when grouped, else
-the largest power of two up to 64 dividing K), loading an x tile ``[block_m, block_k]`` and a value tile ``[block_k,
-block_n]`` through masked gathers (rows past M and columns past N read zeros and are
+the largest power of two up to 64 dividing K), loading an x tile ``[block_m,
+block_k]`` and a value tile ``[block_k, block_n]`` through masked gathers (rows past M and columns past N read zeros and are
 never stored), converting the values to float32, scaling, casting to x's dtype, and
 accumulating ``tl.dot`` in float32. With ``split_k`` > 1 each program stores its
 float32 partial sums ``[split_k, M, N]`` and XLA adds them: more programs for a

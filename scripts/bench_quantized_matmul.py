@@ -7,7 +7,7 @@ against the card's HBM bandwidth) and the kernel's speed-up over both, measured 
 same run.
 
     python scripts/bench_quantized_matmul.py            # on a GPU
-    python scripts/bench_quantized_matmul.py --small    # anywhere (interpret mode off GPU: a smoke run, no timing value)
+    python scripts/bench_quantized_matmul.py --small    # anywhere (off GPU interpret mode: a smoke run, no timing)
     python scripts/bench_quantized_matmul.py --sweep --rows 1   # the kernel's tiles, K splits and pipeline depths
 
 With `--sweep`, each shape, format and M is also timed over `SWEEP` (block_n, split_k,

@@ -500,7 +500,8 @@ def main(argv=None) -> None:
         print(f"{'HF ' + dtype:14s}{h['wall_seconds']:9.1f}{h['output_tok_s']:14.1f}{h['total_tok_s']:13.1f}{ratio:9.2f}x")
     print(f"MFU: {100 * j['mfu']:.1f}% = 2 x {j['forward_tokens']} tokens x matmul params / {j['wall_seconds']:.1f}s "
           f"= {j['model_gflop_s']:.1f} GFLOP/s of {mm:.1f} measured (mean of {mm_before:.1f} before, {mm_after:.1f} after)")
-    print(f"MFU against numpy's OpenBLAS 2048^3 dot ({blas:.1f} GFLOP/s{', its AVX2 kernels' if args.isa == 'avx2' else ''}"
+    capped = ", its AVX2 kernels" if args.isa == "avx2" else ""
+    print(f"MFU against numpy's OpenBLAS 2048^3 dot ({blas:.1f} GFLOP/s{capped}"
           f"; XLA's dot is not capped under --isa avx2): {100 * j['model_gflop_s'] / blas:.1f}%")
     kv = j["kv"]
     print(f"KV: peak {kv['peak_blocks_in_use']} of {kv['num_blocks']} blocks in use, {kv['tokens_held_at_peak']} tokens "

@@ -196,8 +196,8 @@ def main() -> None:
             results.append(run_check(check, left() if not check.full_model or left() > 120 else 0))
             print(f"    {results[-1].status} ({results[-1].seconds:.0f} s) {results[-1].detail}", flush=True)
             if args.out:
-                args.out.write_text(json.dumps({"machine": machine, "results": [dataclasses.asdict(r) for r in results]},
-                                               indent=1))
+                rows = [dataclasses.asdict(r) for r in results]
+                args.out.write_text(json.dumps({"machine": machine, "results": rows}, indent=1))
     print()
     print(table(results, machine))
     sys.exit(1 if any(r.status == "FAIL" for r in results) else 0)

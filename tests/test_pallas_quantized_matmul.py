@@ -184,8 +184,8 @@ def test_the_pallas_linear_backend_through_the_engine(test_models_dir):
         results = {}
         for backend in ("xla", "pallas"):
             llm = LLM(str(test_models_dir / "llama"), quantization=quantization, linear_backend=backend,
-                      attention_backend="xla", dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-                      kv_cache_memory=16 * KV_BYTES_PER_BLOCK, progress=False)
+                      attention_backend="xla", dtype="float32", max_model_len=128, max_num_seqs=4,
+                      max_num_batched_tokens=32, kv_cache_memory=16 * KV_BYTES_PER_BLOCK, progress=False)
             assert llm.llm_engine.core.runner.plan.backends("linear") == [backend]
             outs = llm.generate(prompts, params, use_tqdm=False)
             results[backend] = [(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
