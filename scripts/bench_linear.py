@@ -85,11 +85,8 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
 
     from jaxllm import cpu_kernels
     from jaxllm.models.linear import linear, pack_weight
-    from jaxllm.models.params import QUANT_FORMATS
-    from jaxllm.models.quant import dequantize, int8_activation_ready, quantize_blocks, quantize_int4
+    from jaxllm.models.quant import dequantize, int8_activation_ready, quantize_weight
 
-    fmt = QUANT_FORMATS[fmt_name]
-    quantize = quantize_int4 if fmt_name.startswith("int4") else quantize_blocks
     rng = np.random.default_rng(0)
     print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "
           "bfloat16 panels of the same matrix (bfloat16 by vdpbf16ps / by the float tiles"
@@ -99,7 +96,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
           f"{'panels fl':>10} {'int8 x':>8} {'bf16/f32':>9} {'fl/dot':>7} {'int8x/f32':>10}")
     kernel = jax.jit(lambda x, p: linear(x, p))
     for k, n in SHAPES:
-        q = quantize(rng.standard_normal((k, n), np.float32), fmt)
+        q = quantize_weight(rng.standard_normal((k, n), np.float32), fmt_name)
         q16 = q.replace(float_dtype="bfloat16")
         f32, bf16 = pack_weight(q), pack_weight(q16)
         panels = pack_weight(dequantize(q16))
@@ -128,17 +125,15 @@ def run_experts(experts: int, fmt_name: str, rows: list[int], iters: int) -> Non
     import numpy as np
 
     from jaxllm.models.linear import grouped_linear, pack_weight
-    from jaxllm.models.params import QUANT_FORMATS, stack_experts
-    from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4, quantize_int8
+    from jaxllm.models.params import stack_experts
+    from jaxllm.models.quant import dequantize, quantize_weight
 
-    fmt = QUANT_FORMATS[fmt_name]
-    quantize = {"int8": lambda w, fmt: quantize_int8(w), "int4": quantize_int4}.get(fmt_name, quantize_blocks)
     rng = np.random.default_rng(0)
     k, n = 576, 1536
-    q = stack_experts([quantize(rng.standard_normal((k, n), np.float32), fmt) for _ in range(experts)])
+    q = stack_experts([quantize_weight(rng.standard_normal((k, n), np.float32), fmt_name) for _ in range(experts)])
     floats = dequantize(q)
     layouts = {"float32 kernel": pack_weight(floats), f"{fmt_name} kernel": pack_weight(q)}
-    if fmt.group:
+    if q.group:
         layouts[f"{fmt_name} bf16"] = pack_weight(q.replace(float_dtype="bfloat16"))
     layouts["ragged_dot"] = floats
     fn = jax.jit(grouped_linear)

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.linear import linear
-from jaxllm.models.params import QUANT_FORMATS
-from jaxllm.models.quant import quantize_blocks, quantize_int8
+from jaxllm.models.quant import quantize_weight
 from pallas_kernels.quantized_matmul import quantized_matmul
 
 SWEEP = [dict(block_n=bn, split_k=sk, num_stages=st) for bn in (64, 128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)]
@@ -43,10 +42,6 @@ def timed(f, *args, iters: int) -> float:
         out = f(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / iters * 1e6
-
-
-def quantize(fmt: str, w: np.ndarray):
-    return quantize_int8(w) if fmt == "int8" else quantize_blocks(w, QUANT_FORMATS[fmt])
 
 
 def weight_bytes(qw) -> int:
@@ -86,7 +81,7 @@ def main() -> None:
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
         w16 = jnp.asarray(w, jnp.bfloat16)
         for fmt in args.formats.split(","):
-            qw = jax.tree.map(jnp.asarray, quantize(fmt, w))
+            qw = jax.tree.map(jnp.asarray, quantize_weight(w, fmt))
             kern = jax.jit(lambda x, qw: quantized_matmul(x, qw.q, qw.scale, qw.mins, group=qw.group,
                                                           interpret=not gpu))
             for m in (int(r) for r in args.rows.split(",")):

@@ -191,9 +191,12 @@ def main() -> None:
         results = []
         for check in selected(checks(backend, n, models), args.only):
             print(f"... {check.name}", flush=True)
-            if check.full_model and check.cmd is not None and left() > 120:  # else run_check skips it
-                make_models(models, backend == "gpu", full=True)
-            results.append(run_check(check, left() if not check.full_model or left() > 120 else 0))
+            budget = left()
+            if check.full_model and check.cmd is not None:  # its model first, if there is time for both
+                budget = budget if budget > 120 else 0  # (run_check skips a check with no time)
+                if budget:
+                    make_models(models, backend == "gpu", full=True)
+            results.append(run_check(check, left() if budget else 0))
             print(f"    {results[-1].status} ({results[-1].seconds:.0f} s) {results[-1].detail}", flush=True)
             if args.out:
                 rows = [dataclasses.asdict(r) for r in results]

@@ -15,7 +15,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.models.linear import grouped_linear, int8_activations, linear, pack_weight, unpack_weight
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
 from jaxllm.models.quant import (dequantize, int8_activation_matmul, int8_activation_ready, quantize_activations,
-                                 quantize_blocks, quantize_int4, quantize_int8)
+                                 quantize_int4, quantize_int8, quantize_weight)
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g32"]
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
@@ -23,8 +23,7 @@ SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, atten
 
 def _quantized(fmt: str, k: int, n: int, seed: int = 0) -> QuantizedWeight:
     w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
-    quantize = quantize_int4 if fmt.startswith("int4") else quantize_blocks
-    return quantize(w, QUANT_FORMATS[fmt]).map_arrays(jnp.asarray).replace(activations="int8")
+    return quantize_weight(w, fmt).map_arrays(jnp.asarray).replace(activations="int8")
 
 
 def test_activations_are_rounded_to_their_block_s_scale():

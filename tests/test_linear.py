@@ -17,7 +17,7 @@ from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, linear_candidates, pack_params, pack_weight, packed_rows, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
-from jaxllm.models.quant import dequantize, quantize_blocks, quantize_int4, quantize_int8
+from jaxllm.models.quant import dequantize, quantize_blocks, quantize_weight
 from tests.paged_driver import PagedDriver
 from tests.test_engine import assert_no_leaks, make_llm
 
@@ -48,13 +48,12 @@ def test_dense_kernel_matches_numpy(m, k, n, weights):
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
         return
     fmt = QUANT_FORMATS.get(weights)
-    quantize = {"int8": lambda w, fmt: quantize_int8(w), "int4": quantize_int4}.get(weights, quantize_blocks)
     if fmt is not None and fmt.group and k % fmt.group:  # such a matrix is refused, naming why
         with pytest.raises(ValueError, match=f"has {k} inputs, not a multiple of {fmt.group}"):
-            quantize(w, fmt)
+            quantize_weight(w, weights)
         return
     if fmt is not None:
-        quantized = quantize(w, fmt)
+        quantized = quantize_weight(w, weights)
         w = np.asarray(dequantize(quantized))
         packed = pack_weight(quantized)
         assert packed.panels.dtype == (jnp.uint8 if fmt.bits == 4 else jnp.int8)
@@ -92,7 +91,7 @@ def test_a_row_count_leaves_the_padding_rows_zero(weights):
     if fmt in ("float32", "bfloat16"):
         packed = pack_weight(jnp.asarray(w, fmt))
     else:
-        q = quantize_int8(w) if fmt == "int8" else quantize_blocks(w, QUANT_FORMATS[fmt])
+        q = quantize_weight(w, fmt)
         packed = pack_weight(q.replace(activations="int8") if acts else q)
     full = np.asarray(jax.jit(linear)(x, packed))
     with_rows = jax.jit(lambda x, w, r: linear(x, w, rows=r))
@@ -272,8 +271,7 @@ def test_a_table_looked_up_from_its_packed_transpose(fmt):
         embed = jnp.asarray(table, weights)
         head, want = pack_weight(embed.T), embed[ids]
     else:
-        quantize = quantize_int4 if weights.startswith("int4") else quantize_blocks
-        embed = quantize(table.T, QUANT_FORMATS[weights]).transposed().map_arrays(jnp.asarray)  # grouped along D
+        embed = quantize_weight(table.T, weights).transposed().map_arrays(jnp.asarray)  # grouped along D
         embed = embed.replace(activations="int8" if acts else "float")
         head, want = pack_weight(embed.transposed()), jax.jit(lambda e, i: dequantize(e.take_rows(i)))(embed, ids)
     assert head.activations == ("int8" if acts else "float")
@@ -428,9 +426,7 @@ def test_grouped_kernel_over_quantized_experts(weights):
 
     rng = np.random.default_rng(5)
     e, k, n = 4, 128, 70
-    fmt = QUANT_FORMATS[weights]
-    quantize = {"int8": lambda w, fmt: quantize_int8(w), "int4": quantize_int4}.get(weights, quantize_blocks)
-    q = stack_experts([quantize(rng.standard_normal((k, n)).astype(np.float32), fmt) for _ in range(e)])
+    q = stack_experts([quantize_weight(rng.standard_normal((k, n)).astype(np.float32), weights) for _ in range(e)])
     assert q.shape == (e, k, n) and q.scale.shape[0] == e
     floats = dequantize(q)
     packed = pack_weight(q)
@@ -445,7 +441,7 @@ def test_grouped_kernel_over_quantized_experts(weights):
         np.testing.assert_allclose(got, want, rtol=0, atol=4e-6 * np.abs(want).max())
         np.testing.assert_allclose(np.asarray(grouped(x, q, sizes)), want, rtol=0, atol=4e-6 * np.abs(want).max())
         np.testing.assert_array_equal(got[int(sizes.sum()):], 0)
-        if fmt.group:
+        if q.group:
             np.testing.assert_array_equal(got, np.asarray(grouped(x, pack_weight(floats), sizes)))
             in_bf16 = pack_weight(q.replace(float_dtype="bfloat16"))
             np.testing.assert_array_equal(np.asarray(grouped(x, in_bf16, sizes)),

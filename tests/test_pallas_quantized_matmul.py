@@ -15,7 +15,7 @@ import pytest
 
 from jaxllm.models.linear import linear
 from jaxllm.models.params import QUANT_FORMATS
-from jaxllm.models.quant import quantize_blocks, quantize_int4, quantize_int8
+from jaxllm.models.quant import quantize_weight
 from pallas_kernels.cuda_lowering import has_triton_call
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 
@@ -28,9 +28,7 @@ K, N = 96, 80  # N not a multiple of the column tile: masked columns
 
 def quantized(fmt: str, k: int = K, n: int = N, seed: int = 0):
     w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) / np.sqrt(k)
-    if fmt == "int8":
-        return quantize_int8(w)
-    return (quantize_int4 if fmt.startswith("int4") else quantize_blocks)(w, QUANT_FORMATS[fmt])
+    return quantize_weight(w, fmt)
 
 
 def kernel(x, qw, **kw):

@@ -31,6 +31,12 @@ class AttentionMetadata:
     # attention); the others ignore it.
     common_prefix_blocks: Int[Array, ""]
 
+    @property
+    def num_tokens(self) -> Int[Array, ""]:
+        """The step's real tokens (the rest of T pads its bucket): the row count the
+        packed projections multiply."""
+        return self.query_start_loc[self.num_seqs]
+
 
 def common_prefix_blocks(block_tables: np.ndarray, num_computed: np.ndarray, block_size: int) -> int:
     """The leading block-table columns every row of `block_tables` shares, within the

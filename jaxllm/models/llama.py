@@ -83,7 +83,7 @@ def attention_block(
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    rows = md.query_start_loc[md.num_seqs]  # the real tokens: the kernel skips the bucket's padding
+    rows = md.num_tokens  # the real tokens: the kernel skips the bucket's padding
     qkv = _project(h, lp.wqkv, lora, "wqkv", rows)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
@@ -192,9 +192,8 @@ def forward_hidden(
     caches = list(kv_caches)
     for i, lp in enumerate(params.layers):
         slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
-        layer_lora = None if lora is None else lora.layer(i)
-        x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], mds[groups.group_of(i)], cfg, attention_fn,
+        layer_lora, md_i = None if lora is None else lora.layer(i), mds[groups.group_of(i)]
+        x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
                                           axis, cfg.layer_window(i), layer_lora)
-        md_i = mds[groups.group_of(i)]
-        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora, rows=md_i.query_start_loc[md_i.num_seqs])
+        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora, rows=md_i.num_tokens)
     return x, tuple(caches)

@@ -109,6 +109,16 @@ def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name:
     return qw if on_host else qw.map_arrays(jnp.asarray)
 
 
+def quantize_weight(w: Float[Array, "K N"] | np.ndarray, name: str, tensor: str = "weight") -> QuantizedWeight:
+    """`w` quantized as the QUANT_FORMATS entry `name` says: int8 per column, int4 with
+    scales and mins per group, or GGUF blocks by gguf's own quantizer (`tensor` names it
+    in errors)."""
+    if name == "int8":
+        return quantize_int8(w)
+    fmt = QUANT_FORMATS[name]
+    return (quantize_int4 if fmt.name.startswith("int4") else quantize_blocks)(w, fmt, tensor)
+
+
 def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
     """The float matrix `w` stands for (the oracle of the quantized matmul): each
     value times its scale, rounded once, plus its min where it has one, rounded again,
@@ -308,10 +318,7 @@ def quantize_params(cfg: ModelConfig, params: ModelParams) -> ModelParams:
         w = array if isinstance(array, np.ndarray) else jnp.asarray(array)
         if decl.experts:  # each expert's [K, N] quantized as a projection of its own, then stacked
             return stack_experts([convert(one, w[e]) for e, one in enumerate(decl.per_expert())])
-        if decl.quant == "int8":
-            return quantize_int8(w)
-        fmt = QUANT_FORMATS[decl.quant]
-        return (quantize_int4 if fmt.name.startswith("int4") else quantize_blocks)(w, fmt, decl.hf[0][0])
+        return quantize_weight(w, decl.quant, decl.hf[0][0])
 
     return map_declared(convert, declare(cfg), params)
 
