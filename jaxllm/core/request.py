@@ -47,6 +47,8 @@ class Request:
             (JSON schema, regex, choice, grammar); it waits until the grammar is ready.
         spec_token_ids: draft tokens proposed for its next step (speculative decoding);
             the scheduler schedules them after its last known token and drops them.
+        num_output_placeholders: tokens sampled by steps still running (async
+            scheduling): counted as the request's, their ids not yet known.
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class Request:
     prompt_scores: PromptScores | None = None
     structured: StructuredOutputRequest | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    num_output_placeholders: int = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
@@ -98,7 +101,13 @@ class Request:
     def samples_this_step(self) -> bool:
         """After scheduling: this step computes the request's last known token (and any
         draft tokens after it), so it samples the next one."""
-        return self.num_computed_tokens >= self.num_tokens
+        return self.num_computed_tokens >= self.num_tokens + self.num_output_placeholders
+
+    @property
+    def placeholders_reach_limit(self) -> bool:
+        """Its tokens in flight (async scheduling) are the last it may have: another step
+        would sample past max_tokens or max_model_len (the scheduler checks the latter)."""
+        return self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -120,12 +120,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._waits_for_its_tokens(request):
+                i += 1
+                continue
             drafts, request.spec_token_ids = request.spec_token_ids, []
-            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+            known = request.num_tokens + request.num_output_placeholders  # with the tokens of steps in flight
+            num_new = min(known + len(drafts) - request.num_computed_tokens, budget)
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:  # the request itself was preempted (it was the tail)
                 break
-            num_drafts = request.num_computed_tokens + num_new - request.num_tokens  # what the budget left of them
+            num_drafts = request.num_computed_tokens + num_new - known  # what the budget left of them
             if num_drafts > 0:
                 spec_tokens[request.request_id] = drafts[:num_drafts]
             cached_reqs.append(
@@ -140,6 +144,9 @@ class Scheduler:
         deferred: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted while a step ran: its token comes first
+                deferred.append(self.waiting.popleft())
+                continue
             if request.structured is not None and not request.structured.ready:
                 deferred.append(self.waiting.popleft())  # its grammar is compiling: the others go on
                 continue
@@ -171,6 +178,23 @@ class Scheduler:
             block_copies=self._block_copies,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _waits_for_its_tokens(self, request: Request) -> bool:
+        """Async scheduling: the request's tokens in flight are its last (max_tokens,
+        max_model_len), or it has nothing new to compute; it finishes when they come."""
+        if not request.num_output_placeholders:
+            return False
+        known = request.num_tokens + request.num_output_placeholders
+        return request.placeholders_reach_limit or known >= self.max_model_len or known <= request.num_computed_tokens
+
+    def add_placeholders(self, sched: SchedulerOutput) -> None:
+        """Async scheduling, once the step of `sched` is dispatched: each request it
+        samples for holds a token in flight, which the next schedule counts as known
+        (its id comes with `update_from_output`)."""
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if request.samples_this_step:
+                request.num_output_placeholders += 1
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether admitting `request` keeps the running batch within max_loras adapters."""
@@ -330,8 +354,10 @@ class Scheduler:
         outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # aborted while the step ran (or finished by the step before it)
                 continue
+            if tokens and request.num_output_placeholders:  # async scheduling: the token in flight came
+                request.num_output_placeholders -= 1
             num_computed = sched.num_scheduled_tokens[req_id] - self._reject_drafts(
                 request, sched.scheduled_spec_decode_tokens.get(req_id), tokens)
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
@@ -345,9 +371,11 @@ class Scheduler:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
                 continue
             new_tokens, finish, stop_reason = self._append_tokens(request, tokens)
-            self._record_contents(request, num_computed)
+            running = request.status is RequestStatus.RUNNING  # else preempted after the step was dispatched
+            if running:
+                self._record_contents(request, num_computed)
             if finish is not None:
-                self.running.remove(request)
+                (self.running if running else self.waiting).remove(request)
                 self._finish(request, finish, stop_reason)
             else:
                 request.spec_token_ids = self._usable_drafts(request, result.spec_token_ids.get(req_id))

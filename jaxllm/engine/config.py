@@ -82,6 +82,11 @@ class EngineConfig:
               "own, ngram): a match shorter than prompt_lookup_max proposes at most this many (1, with "
               "num_speculative_tokens 7 and prompt_lookup 1..3: 2x at batch 1 on edits of a given text, "
               "2-core AVX-512 Xeon, native build)")
+    async_scheduling: bool = _option(
+        False, "schedule and prepare each step while the one before it runs, its sampled tokens fed to the next "
+               "on the device (vLLM's --async-scheduling): the host's work between steps hidden behind the "
+               "device's; the same tokens; a request that stops computes one step more, whose token is dropped; "
+               "not with speculative decoding or num_processes > 1")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
                                        "its own, many in one batch")
     max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
@@ -126,6 +131,11 @@ class EngineConfig:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling: not with speculative_config (a step's drafts depend on the "
+                             "tokens of the step before)")
+        if self.async_scheduling and self.num_processes > 1:
+            raise ValueError("async_scheduling: not yet with num_processes > 1 (an engine over several hosts)")
 
 
     @property

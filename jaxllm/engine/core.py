@@ -35,7 +35,8 @@ from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path, resolve_dtype
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
-from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.worker.model_runner import DispatchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,10 @@ class EngineCore:
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
             speculative_config=config.speculative_config,
             lora_config=config.lora_config,
+            async_scheduling=config.async_scheduling,
         )
+        # async scheduling: the step dispatched and not yet collected, with its schedule
+        self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
         if draft is not None:
             self.runner.set_proposer(self._draft_proposer(config, draft, cache_dir))
         self._rng = np.random.default_rng(config.seed)
@@ -316,14 +320,17 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ------------------------------------------------------------------- step
 
     def step(self) -> EngineCoreOutputs:
         """One scheduled step. If the model step raises, the requests it held are
         aborted and the prefix cache forgets the blocks it was to fill, then the error
-        propagates (the engine stays usable)."""
+        propagates (the engine stays usable). Under async scheduling, the outputs of
+        the step before (`_step_async`)."""
+        if self.config.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
             self.structured_outputs.wait_for_compiles(timeout=0.1)
@@ -334,6 +341,49 @@ class EngineCore:
             result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
+            raise
+        return self.scheduler.update_from_output(sched, result)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Schedule and dispatch the next step while the one before runs (its sampled
+        tokens stand as placeholders the step reads on the device), then wait for that
+        one and return its outputs: the host's scheduling, input building and output
+        recording overlap the device's work. Where a request's grammar needs the
+        tokens first (its next bitmask), the step before is collected first."""
+        outputs = None
+        if self._in_flight is not None and self._tokens_needed():
+            outputs = self._collect()
+        sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.waiting and self._in_flight is None:
+            self.structured_outputs.wait_for_compiles(timeout=0.1)
+        try:
+            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
+            flight = self.runner.dispatch(sched, bitmask)
+        except Exception:
+            self.scheduler.fail_step(sched)
+            if self._in_flight is not None:
+                self.scheduler.abort_requests(list(self._in_flight[0].num_scheduled_tokens))
+                self._in_flight = None
+            raise
+        self.scheduler.add_placeholders(sched)
+        if outputs is None and self._in_flight is not None:
+            outputs = self._collect()
+        self._in_flight = None if flight is None else (sched, flight)
+        return outputs if outputs is not None else EngineCoreOutputs([], self.scheduler.make_stats())
+
+    def _tokens_needed(self) -> bool:
+        """Whether the next schedule needs the ids of the step in flight: a request
+        under a grammar samples with a bitmask made from its tokens so far."""
+        return any(r.structured is not None for r in self.scheduler.requests.values())
+
+    def _collect(self) -> EngineCoreOutputs:
+        """Wait for the step in flight; its requests' outputs (aborted if it fails)."""
+        sched, flight = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.runner.collect(flight)
+        except Exception:
+            self.scheduler.abort_requests(list(sched.num_scheduled_tokens))
             raise
         return self.scheduler.update_from_output(sched, result)
 

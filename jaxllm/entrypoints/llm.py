@@ -18,7 +18,7 @@ class LLM:
 
     Options are EngineConfig's fields (dtype, quantization, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
+    async_scheduling, seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
     tensor_parallel_size, enable_lora / max_loras / max_lora_rank / max_cpu_loras,
     and coordinator_address / num_processes / process_id for an engine over several
     processes; data_parallel_size is the server's).

@@ -24,7 +24,9 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(r - 1, -1, -1))
         self.token_ids = np.zeros((r, max_model_len), np.int32)
-        self.num_tokens = np.zeros(r, np.int32)  # known tokens: prompt + sampled so far
+        self.num_tokens = np.zeros(r, np.int32)  # prompt + sampled so far (with a step in flight's tokens)
+        # of those, the tokens whose ids are here: all but the tokens of a step in flight (async scheduling)
+        self.num_known = np.zeros(r, np.int32)
         self.num_prompt_tokens = np.zeros(r, np.int32)
         self.num_computed_tokens = np.zeros(r, np.int32)  # KV in the cache, before the step
         self.block_table = np.zeros((num_kv_groups, r, max_blocks_per_seq), np.int32)  # per KV cache group
@@ -55,7 +57,7 @@ class InputBatch:
         self.row_of[req.req_id] = row
         n = len(req.token_ids)
         self.token_ids[row, :n] = req.token_ids
-        self.num_tokens[row] = n
+        self.num_tokens[row] = self.num_known[row] = n
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[:, row] = 0
@@ -115,6 +117,12 @@ class InputBatch:
             num_before = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        self.num_known[rows] = self.num_tokens[rows]
+        self.lift_min_tokens(rows, num_before)
+
+    def lift_min_tokens(self, rows: np.ndarray, num_before: np.ndarray) -> None:
+        """Stop tokens allowed again in the rows whose outputs reached min_tokens, from
+        `num_before` outputs (num_tokens counts them)."""
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         met = (num_outputs >= self.min_tokens[rows]) & (num_before < self.min_tokens[rows])
         for row in rows[met]:

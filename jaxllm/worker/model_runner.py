@@ -177,6 +177,9 @@ class StepRows:
     # unconstrained); None when no row is constrained
     token_bitmask: Int[np.ndarray, "R W"] | None = None
     lora_slots: Int[np.ndarray, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
+    # tokens whose ids the host does not know yet (async scheduling: sampled by the step in
+    # flight); None: every id is known
+    from_history: Bool[np.ndarray, "T"] | None = None
 
     @classmethod
     def empty(cls, num_kv_groups: int = 1) -> "StepRows":
@@ -202,6 +205,20 @@ class PreparedStep:
     inputs: StepInputs
 
 
+@dataclasses.dataclass
+class DispatchedStep:
+    """A step called but not yet waited for (`ModelRunner.dispatch`; `collect` waits)."""
+
+    step: PreparedStep
+    out: StepOutput
+    started: float  # perf_counter() before its inputs were built
+    dispatched: float  # and once the call returned
+    # each row's logprobs / prompt_logprobs setting when dispatched (its row may hold
+    # another request by the time the results are recorded)
+    logprobs: Int[np.ndarray, "S"]
+    prompt_logprobs: Int[np.ndarray, "S"]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -220,6 +237,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         activation_quantization: str | None = None,
         hybrid_kv_cache: bool = True,
+        async_scheduling: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
     ) -> None:
@@ -247,6 +265,7 @@ class ModelRunner:
         LoRA adapters in device slots, each request's applied to its tokens
         (jaxllm.worker.lora_manager)."""
         self.config = config
+        self.async_scheduling = async_scheduling
         self.kv_groups = config.kv_cache_groups(hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
@@ -574,8 +593,11 @@ class ModelRunner:
             input_ids=_pad(host.input_ids, pad_t),
             positions=_pad(host.positions, pad_t),
             history_rows=_pad(host.tok_rows, pad_t, self.max_num_seqs),
+            from_history=_pad(np.zeros(host.num_tokens, bool) if host.from_history is None else host.from_history,
+                              pad_t, False),
             attn=self._attention_metadata(t, s, host),
             logits_indices=_pad(host.logit_rows, r - len(host.logit_rows)),
+            sampled_history_rows=_pad(self._sampled_history_rows(host), r - len(host.logit_rows), self.max_num_seqs),
             num_logit_rows=np.int32(len(host.logit_rows)),
             sampling=self._sampling_metadata(r, host),
             prompt_logprob_targets=targets,
@@ -583,6 +605,15 @@ class ModelRunner:
             lora_slots=None if self.lora is None else _pad(
                 np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
         )
+
+    def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, "R"]:
+        """Where each sample row's token goes in the history (at its next position):
+        under async scheduling its row where it samples (the next step may read it
+        there), else the unused row (nothing read there)."""
+        unused = np.full(len(host.logit_rows), self.max_num_seqs, np.int32)
+        if not self.async_scheduling:
+            return unused
+        return np.where(host.samples[host.sample_seq], host.rows[host.sample_seq], unused).astype(np.int32)
 
     def _attention_metadata(self, t: int, s: int, host: StepRows
                             ) -> AttentionMetadata | tuple[AttentionMetadata, ...]:
@@ -672,9 +703,16 @@ class ModelRunner:
         """Run one step; `bitmask`: the structured-output token bitmask of the step's
         sample rows (`num_scheduled_tokens`' order, a drafted request's 1 + drafts rows
         in turn; None: no row is constrained)."""
+        return self.collect(self.dispatch(sched, bitmask))
+
+    def dispatch(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None,
+                 ) -> DispatchedStep | None:
+        """Call one step without waiting for it (None: nothing scheduled). Under async
+        scheduling the rows count its tokens at once (`_advance_rows`), so the next step
+        can be dispatched before this one's ids are known: it reads them from the history."""
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return None
         t0 = time.perf_counter()
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
@@ -683,11 +721,22 @@ class ModelRunner:
         weights = self.weights_of(self.plan.for_bucket(step.t))
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs,
                                                        *self._lora_args())
-        t1 = time.perf_counter()
+        b = self.input_batch
+        flight = DispatchedStep(step, out, t0, time.perf_counter(), b.logprobs[step.host.rows].copy(),
+                                b.prompt_logprobs[step.host.rows].copy())
+        if self.async_scheduling:
+            self._advance_rows(step)
+        return flight
+
+    def collect(self, flight: DispatchedStep | None) -> ModelRunnerOutput:
+        """Wait for a dispatched step and record its results."""
+        if flight is None:
+            return ModelRunnerOutput([], [])
+        step, out = flight.step, flight.out
         sampled = np.asarray(out.sampled.token_ids)[: len(step.host.logit_rows)]
         t2 = time.perf_counter()
-        result = self._record(step, out, sampled)
-        self._account(step, t0, t1, t2)
+        result = self._record_ids(flight, sampled) if self.async_scheduling else self._record(flight, sampled)
+        self._account(step, flight.started, flight.dispatched, t2)
         return result
 
     def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> "PreparedStep":
@@ -706,6 +755,7 @@ class ModelRunner:
         tok_rows = np.repeat(rows, n)
         positions = (np.repeat(start - qsl[:-1], n) + np.arange(num_tokens)).astype(np.int32)
         input_ids = b.token_ids[tok_rows, positions]
+        from_history = positions >= b.num_known[tok_rows] if self.async_scheduling else None  # sampled in flight
         slots = b.block_table[:, tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         seq_lens = (start + n).astype(np.int32)
         samples = seq_lens >= b.num_tokens[rows]
@@ -723,7 +773,8 @@ class ModelRunner:
                         slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
                         samples=samples, num_drafts=num_drafts, logit_rows=logit_rows, sample_seq=sample_seq,
                         output_index=output_index, token_bitmask=bitmask,
-                        lora_slots=None if self.lora is None else b.lora_slot[tok_rows])
+                        lora_slots=None if self.lora is None else b.lora_slot[tok_rows],
+                        from_history=from_history if from_history is not None and from_history.any() else None)
         t, s, r = self.bucket_for(num_tokens, len(rows), len(logit_rows))
         return PreparedStep(req_ids, host, t, s, r, self._pad_inputs(t, s, r, host))
 
@@ -762,8 +813,42 @@ class ModelRunner:
             kept.append(np.arange(first[i], first[i] + accepted + 1))
         return kept
 
-    def _record(self, step: "PreparedStep", out: StepOutput, sampled: np.ndarray) -> ModelRunnerOutput:
+    def _advance_rows(self, step: PreparedStep) -> None:
+        """Async scheduling, at dispatch: each sampling row gains its token now, its id
+        unknown until `_record_ids` (num_known stays behind); min_tokens counts it."""
+        b, host = self.input_batch, step.host
+        rows = host.rows[host.samples]
+        num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        b.num_tokens[rows] += 1
+        b.lift_min_tokens(rows, num_before)
+        b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
+
+    def _record_ids(self, flight: DispatchedStep, sampled: np.ndarray) -> ModelRunnerOutput:
+        """Async scheduling, at collect: the sampled ids into the rows that still hold
+        their requests (counted at dispatch); the runner's output."""
+        b, host = self.input_batch, flight.step.host
+        first = np.arange(len(host.rows), dtype=np.int32)  # no drafts: a row's one sample row is its index
+        for i in np.flatnonzero(host.samples):
+            row = host.rows[i]
+            if b.row_of.get(flight.step.req_ids[i]) == row:
+                b.token_ids[row, host.seq_lens[i]] = sampled[i]
+                b.num_known[row] = host.seq_lens[i] + 1
+        kept = [first[i:i + 1] if ok else first[:0] for i, ok in enumerate(host.samples)]
+        return self._results(flight, sampled, kept)
+
+    def _results(self, flight: DispatchedStep, sampled: np.ndarray, kept: list) -> ModelRunnerOutput:
+        """The runner's output: each row's kept tokens, with the logprobs asked."""
+        step, out, host = flight.step, flight.out, flight.step.host
+        result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
+        if step.inputs.sampling.any_logprobs:
+            self._collect_logprobs(result, out, flight.logprobs, kept)
+        if step.inputs.any_prompt_logprobs:
+            self._collect_prompt_logprobs(result, out, flight.prompt_logprobs, host.qsl, host.targets)
+        return result
+
+    def _record(self, flight: DispatchedStep, sampled: np.ndarray) -> ModelRunnerOutput:
         """Advance the rows' host state by the step's results; the runner's output."""
+        step = flight.step
         b, host = self.input_batch, step.host
         kept = self._verify(host, sampled)
         num_kept = np.fromiter(map(len, kept), np.int32, len(kept))
@@ -774,11 +859,7 @@ class ModelRunner:
                          num_before)
         # a sampling row's K/V is computed up to its latest token (rejected drafts' is to be overwritten)
         b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
-        result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
-        if step.inputs.sampling.any_logprobs:
-            self._collect_logprobs(result, out, host.rows, kept)
-        if step.inputs.any_prompt_logprobs:
-            self._collect_prompt_logprobs(result, out, host.rows, host.qsl, host.targets)
+        result = self._results(flight, sampled, kept)
         self._propose(result)
         return result
 
@@ -807,7 +888,7 @@ class ModelRunner:
         row = b.row_of[req_id]
         b.num_computed_tokens[row] = num_computed
         b.token_ids[row, num_computed:num_computed + len(tokens)] = tokens
-        b.num_tokens[row] = num_computed + len(tokens)
+        b.num_tokens[row] = b.num_known[row] = num_computed + len(tokens)
 
     def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
         st = self.stats
@@ -825,11 +906,11 @@ class ModelRunner:
         st.device_seconds += t2 - t1
         st.post_seconds += time.perf_counter() - t2
 
-    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, kept) -> None:
-        """One logprob row per token a request gained (its sample rows `kept`)."""
+    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, ks, kept) -> None:
+        """One logprob row per token a request gained (its sample rows `kept`; `ks`: the
+        alternatives each row asked for, -1 for none)."""
         o = jax.device_get(out.sampled)
-        for req_id, row, idx in zip(result.req_ids, rows, kept):
-            k = self.input_batch.logprobs[row]
+        for req_id, k, idx in zip(result.req_ids, ks, kept):
             if k < 0 or not len(idx):
                 continue
             result.logprobs[req_id] = LogprobsLists(
@@ -838,10 +919,9 @@ class ModelRunner:
                 ranks=[int(o.sampled_rank[j]) for j in idx],
             )
 
-    def _collect_prompt_logprobs(self, result: ModelRunnerOutput, out: StepOutput, rows, qsl, targets) -> None:
+    def _collect_prompt_logprobs(self, result: ModelRunnerOutput, out: StepOutput, ks, qsl, targets) -> None:
         o = jax.device_get(out.prompt_logprobs)
-        for i, (req_id, row) in enumerate(zip(result.req_ids, rows)):
-            k = self.input_batch.prompt_logprobs[row]
+        for i, (req_id, k) in enumerate(zip(result.req_ids, ks)):
             idx = np.arange(qsl[i], qsl[i + 1])
             idx = idx[targets[idx] >= 0]
             if k < 0 or len(idx) == 0:

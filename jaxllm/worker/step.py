@@ -33,8 +33,14 @@ class StepInputs:
     input_ids: Int[Array, "T"]
     positions: Int[Array, "T"]
     history_rows: Int[Array, "T"]  # token history row of each token (padding: an unused row)
+    # tokens the host does not know yet (async scheduling: sampled by the step before, which
+    # wrote them into the history): read from the history at their row and position
+    from_history: Bool[Array, "T"]
     attn: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV cache group where there are several
     logits_indices: Int[Array, "S"]  # the row of each sequence's last token
+    # the history row each sample row's token goes to, at its sequence's next position (an
+    # unused row where the row samples nothing: a prompt's chunk before its last, padding)
+    sampled_history_rows: Int[Array, "S"]
     num_logit_rows: Int[Array, ""]  # how many of logits_indices are real (the rest pad the bucket)
     sampling: SamplingMetadata
     prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
@@ -96,10 +102,14 @@ def model_step(
     extra = {}
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
-    hidden, kv_caches = forward(params, rope, kv_caches, inputs.input_ids, inputs.positions, inputs.attn, **extra)
-    history = history.at[inputs.history_rows, inputs.positions].set(inputs.input_ids, mode="drop")
+    input_ids = jnp.where(inputs.from_history, history[inputs.history_rows, inputs.positions], inputs.input_ids)
+    hidden, kv_caches = forward(params, rope, kv_caches, input_ids, inputs.positions, inputs.attn, **extra)
+    history = history.at[inputs.history_rows, inputs.positions].set(input_ids, mode="drop")
     logits = logits_fn(params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logit_rows)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
+    # each sampled token at its position, where the next step reads it if its host does not yet know it
+    history = history.at[inputs.sampled_history_rows, inputs.sampling.num_known_tokens].set(
+        sampled.token_ids, mode="drop")
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
         lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn, logits_fn),

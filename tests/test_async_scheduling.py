@@ -1,0 +1,166 @@
+"""Async scheduling (`async_scheduling=True`): each step is scheduled and dispatched while
+the one before runs, the tokens that one samples read from the device's token history.
+Every output must be the synchronous engine's: tokens and finish reasons exactly,
+logprobs and prompt logprobs to float32 rounding (a request that stops keeps its seat
+one step longer, so a prompt may be cut into other chunks, and the attention over a
+chunk sums in another order), under greedy, seeded, penalized, min_tokens and
+stop-token sampling, chunked prefill, preemption, aborts and structured outputs; and
+nothing leaks."""
+
+import numpy as np
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.core.request import RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.config import EngineConfig
+from jaxllm.sampling_params import StructuredOutputsParams
+from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+
+# prompts of 5 to 86 tokens: several take chunks over steps of max_num_batched_tokens=32
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(10)]
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+             o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+
+
+def _logprob_rows(rows):
+    """(token ids and ranks per row, their logprobs) of a request's logprob rows."""
+    rows = [row or {} for row in rows or []]
+    return ([sorted((t, lp.rank) for t, lp in row.items()) for row in rows],
+            [lp.logprob for row in rows for _, lp in sorted(row.items())])
+
+
+def assert_same_outputs(got, want):
+    """Tokens, finish and stop reasons equal; logprobs' tokens and ranks equal, their
+    values to float32 rounding."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g[:3] == w[:3]
+        for got_rows, want_rows in ((g[3], w[3]), (g[4], w[4])):
+            (g_ids, g_values), (w_ids, w_values) = _logprob_rows(got_rows), _logprob_rows(want_rows)
+            assert g_ids == w_ids
+            np.testing.assert_allclose(g_values, w_values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def engines(test_models_dir):
+    """The synchronous engine and the async one, on the same model and options."""
+    return make_llm(test_models_dir), make_llm(test_models_dir, async_scheduling=True)
+
+
+def greedy(max_tokens: int, **options) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **options)
+
+
+def _params(stop_token: int) -> list[SamplingParams]:
+    return [
+        greedy(1),
+        greedy(2),
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5),
+        greedy(33, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+        greedy(7, logprobs=3, prompt_logprobs=2),
+        greedy(24, stop_token_ids=[stop_token]),  # stops while its next step runs
+        greedy(24, stop_token_ids=[stop_token], min_tokens=6),
+        SamplingParams(max_tokens=16, temperature=1.0, top_k=5, seed=11, logprobs=1),
+        greedy(0, prompt_logprobs=1),  # scores its prompt only
+        greedy(12),
+    ]
+
+
+def test_outputs_are_the_synchronous_engines(engines):
+    sync, asynchronous = engines
+    tokens = sync.generate(PROMPTS[5], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    params = _params(stop_token=tokens[3])  # PROMPTS[5]'s 4th greedy token: the stop requests stop early
+    want = _outputs(sync, PROMPTS, params)
+    assert want[5][1] == "stop" and len(want[5][0]) == 4 and len(want[6][0]) >= 6
+    assert_same_outputs(_outputs(asynchronous, PROMPTS, params), want)
+    for llm in engines:
+        assert_no_leaks(llm)
+
+
+def test_a_lone_request_and_a_second_batch(engines):
+    """Batch 1 (every step has a step in flight before it) and a batch after an idle engine."""
+    sync, asynchronous = engines
+    for prompts, params in (([PROMPTS[3]], greedy(40, ignore_eos=True)),
+                            (PROMPTS[:4], greedy(9))):
+        assert_same_outputs(_outputs(asynchronous, prompts, params), _outputs(sync, prompts, params))
+    assert_no_leaks(asynchronous)
+
+
+def test_preemption_gives_the_same_tokens(test_models_dir, monkeypatch):
+    """A pool too small for the batch: requests are preempted, some while a step that
+    samples for them runs, and recomputed with the token it brings."""
+    params = greedy(40, ignore_eos=True)
+    prompts = [PROMPTS[i % 10][:20] for i in range(8)]
+    append, to_preempted = Scheduler._append_tokens, []
+
+    def appending(self, request, tokens):
+        if request.status is not RequestStatus.RUNNING:
+            to_preempted.append(request.request_id)
+        return append(self, request, tokens)
+
+    monkeypatch.setattr(Scheduler, "_append_tokens", appending)
+    results = []
+    for options in ({}, {"async_scheduling": True}):
+        llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
+        results.append(_outputs(llm, prompts, params))
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        assert_no_leaks(llm)
+    assert to_preempted  # the async engine's path: a token for a request preempted after its step was dispatched
+    assert_same_outputs(results[1], results[0])
+
+
+def test_abort_while_its_step_runs(engines):
+    """A request aborted between steps (its next step already dispatched) is dropped;
+    the others' tokens are the synchronous engine's."""
+    sync, asynchronous = engines
+    want = _outputs(sync, PROMPTS[:3], greedy(15))
+    engine = asynchronous.llm_engine
+    engine.add_requests([(f"r{i}", PROMPTS[i], greedy(15)) for i in range(3)])
+    finished = {}
+    for _ in range(4):
+        for out in engine.step():
+            finished[out.request_id] = out
+    engine.abort_requests(["r1"])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["r0"].outputs[0].token_ids == want[0][0]
+    assert finished["r2"].outputs[0].token_ids == want[2][0]
+    assert "r1" not in finished or not finished["r1"].finished or finished["r1"].outputs[0].finish_reason == "abort"
+    assert_no_leaks(asynchronous)
+
+
+def test_structured_outputs_wait_for_the_tokens(engines):
+    """A request under a grammar needs the step before's tokens for its bitmask: the
+    engine collects that step first; its outputs and its neighbours' are unchanged."""
+    sync, asynchronous = engines
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=3,
+                             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta", "gamma"])),
+              greedy(10)]
+    assert_same_outputs(_outputs(asynchronous, PROMPTS[:2], params), _outputs(sync, PROMPTS[:2], params))
+    assert_no_leaks(asynchronous)
+
+
+def test_refuses_speculative_decoding():
+    with pytest.raises(ValueError, match="async_scheduling: not with speculative_config"):
+        EngineConfig(async_scheduling=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+def test_the_engine_keeps_no_step_in_flight_when_done(engines):
+    """After the last outputs, one more step collects the step that ran for requests
+    that had already finished; the engine then reports nothing unfinished."""
+    _, asynchronous = engines
+    engine = asynchronous.llm_engine
+    engine.add_requests([("x", PROMPTS[2], greedy(3))])
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps >= 3 and engine.core._in_flight is None
