@@ -131,6 +131,7 @@ def engine_options(args) -> dict:
         linear_backend=args.linear_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
+        async_scheduling=args.async_scheduling,
     )
     if args.kv_cache_memory is not None:
         opts["kv_cache_memory"] = args.kv_cache_memory
@@ -410,6 +411,9 @@ def main(argv=None) -> None:
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
     p.add_argument("--compare-xla", action="store_true", help="run jaxllm again with both backends xla")
+    p.add_argument("--async-scheduling", action="store_true", help="the engine's async_scheduling")
+    p.add_argument("--compare-async", action="store_true",
+                   help="run jaxllm again with async_scheduling the other way, and print the ratio")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.startup_child:
@@ -472,6 +476,13 @@ def main(argv=None) -> None:
         results["jaxllm_all_xla"] = x
         print(f"jaxllm, attention and linear xla: {x['wall_seconds']:.1f}s  output {x['output_tok_s']:.1f} tok/s; "
               f"defaults / all-xla = {j['output_tok_s'] / x['output_tok_s']:.2f}x", flush=True)
+    if args.compare_async:
+        other = not args.async_scheduling
+        a = run_jaxllm(args, workload, async_scheduling=other)
+        results["jaxllm_async" if other else "jaxllm_sync"] = a
+        sync, asynchronous = (j, a) if other else (a, j)
+        print(f"jaxllm, async_scheduling={other}: {a['wall_seconds']:.1f}s  output {a['output_tok_s']:.1f} tok/s; "
+              f"async / sync = {asynchronous['output_tok_s'] / sync['output_tok_s']:.2f}x", flush=True)
 
     hf_results = {}
     if not args.skip_hf:

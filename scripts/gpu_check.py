@@ -78,8 +78,9 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     q8_0_code = (f"import tests.multidevice as m; "
                  f"m.platform_tokens_match({str(small)!r}, quantization='q8_0', attention='xla')")
     throughput = ([py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf", "--attention-backend", "pallas",
-                   "--model", str(models / "llama-3.2-1b-full")] if gpu else
-                  [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf"])
+                   "--model", str(models / "llama-3.2-1b-full"), "--compare-async"] if gpu else
+                  [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf",
+                   "--compare-async"])
     # most telling first, each with a time limit (a device lease is short): what has not yet
     # run natively or is measured on every run first; what passed on the H200 (2026-11-27) later
     return [
@@ -95,7 +96,8 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               [py, "-c", q8_0_code] if gpu else None,
               "the CPU runs it in tests/test_quant.py", timeout=240, pick=("ok",)),
         Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
-              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap"), full_model=gpu),
+              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap", "async"),
+              full_model=gpu),
         Check("bench_quantized_matmul.py --sweep (llama-3.1-8b projections, one row)",
               [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]
               if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
