@@ -16,6 +16,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.test_server import Server
 
 # prompts of 5 to 86 tokens: several take chunks over steps of max_num_batched_tokens=32
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(10)]
@@ -164,3 +165,23 @@ def test_the_engine_keeps_no_step_in_flight_when_done(engines):
         engine.step()
         steps += 1
     assert steps >= 3 and engine.core._in_flight is None
+
+
+def test_the_server_with_async_scheduling(test_models_dir, tmp_path, engines):
+    """`python -m jaxllm.serve --async-scheduling`: the engine core process steps the
+    same way; completions, several prompts and a stream, give the offline synchronous
+    engine's text."""
+    sync, _ = engines
+    server = Server(test_models_dir / "llama", tmp_path, "--async-scheduling", "--served-model-name", "tiny")
+    try:
+        client = server.client()
+        prompts = [PROMPTS[i] for i in (1, 4, 7)]
+        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        want = [o.outputs[0].text for o in sync.generate(prompts, greedy(12, ignore_eos=True), use_tqdm=False)]
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+        stream = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want[1]
+    finally:
+        server.stop()

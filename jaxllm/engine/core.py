@@ -21,6 +21,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
+from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
@@ -35,7 +36,6 @@ from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path, resolve_dtype
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
-from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.worker.model_runner import DispatchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -827,14 +827,12 @@ class ModelRunner:
         """Async scheduling, at collect: the sampled ids into the rows that still hold
         their requests (counted at dispatch); the runner's output."""
         b, host = self.input_batch, flight.step.host
-        first = np.arange(len(host.rows), dtype=np.int32)  # no drafts: a row's one sample row is its index
-        for i in np.flatnonzero(host.samples):
-            row = host.rows[i]
-            if b.row_of.get(flight.step.req_ids[i]) == row:
-                b.token_ids[row, host.seq_lens[i]] = sampled[i]
-                b.num_known[row] = host.seq_lens[i] + 1
-        kept = [first[i:i + 1] if ok else first[:0] for i, ok in enumerate(host.samples)]
-        return self._results(flight, sampled, kept)
+        idx = np.flatnonzero(host.samples)  # no drafts: row i's one sample row is i
+        owned = np.fromiter((b.row_of.get(flight.step.req_ids[i]) == host.rows[i] for i in idx), bool, len(idx))
+        rows, positions = host.rows[idx[owned]], host.seq_lens[idx[owned]]
+        b.token_ids[rows, positions] = sampled[idx[owned]]
+        b.num_known[rows] = positions + 1
+        return self._results(flight, sampled, self._verify(host, sampled))
 
     def _results(self, flight: DispatchedStep, sampled: np.ndarray, kept: list) -> ModelRunnerOutput:
         """The runner's output: each row's kept tokens, with the logprobs asked."""
