@@ -107,10 +107,12 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization
     print("ok", folder, size, attention)
 
 
-def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: str = "float32") -> None:
+def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: str = "float32",
+                      async_scheduling: str = "0") -> None:
     """LLM(tensor_parallel_size=size): greedy tokens and logprobs of a batch (prefix
     caching on, chunked prefill, a preemption forced by a small KV pool) equal one
-    device's; nothing compiles after warm-up."""
+    device's; nothing compiles after warm-up. `async_scheduling` "1": the sharded
+    engine schedules asynchronously (the one device's does not)."""
     from jaxllm import LLM
     from jaxllm.loaders import load_model
     from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
@@ -127,7 +129,7 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
 
     runs = []
     for tp in (1, int(size)):
-        llm = LLM(folder, tensor_parallel_size=tp, **options(tp))
+        llm = LLM(folder, tensor_parallel_size=tp, async_scheduling=tp > 1 and async_scheduling == "1", **options(tp))
         outs = llm.generate(prompts, params, use_tqdm=False)
         core = llm.llm_engine.core
         assert core.runner.num_compilations_after_warmup == 0

@@ -10,12 +10,13 @@ nothing leaks."""
 import numpy as np
 import pytest
 
-from jaxllm import SamplingParams
+from jaxllm import LLM, SamplingParams
 from jaxllm.core.request import RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests import multidevice
 from tests.test_server import Server
 
 # prompts of 5 to 86 tokens: several take chunks over steps of max_num_batched_tokens=32
@@ -167,6 +168,7 @@ def test_the_engine_keeps_no_step_in_flight_when_done(engines):
     assert steps >= 3 and engine.core._in_flight is None
 
 
+@pytest.mark.slow  # a server start (~40 s); the default run steps the same EngineCore in process
 def test_the_server_with_async_scheduling(test_models_dir, tmp_path, engines):
     """`python -m jaxllm.serve --async-scheduling`: the engine core process steps the
     same way; completions, several prompts and a stream, give the offline synchronous
@@ -185,3 +187,27 @@ def test_the_server_with_async_scheduling(test_models_dir, tmp_path, engines):
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want[1]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_windows_and_the_hybrid_cache(test_models_dir, arch):
+    """Sliding-window layers free the blocks behind their window as requests advance
+    (Gemma 3: a block table per layer group): a block freed while the step before still
+    reads it is written only by later steps, which run after it. Same greedy tokens."""
+    prompts = PROMPTS + [p[:30] * 3 for p in PROMPTS[5:]]
+    runs = []
+    for options in ({}, {"async_scheduling": True}):
+        llm = LLM(str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+                  block_size=16, kv_cache_memory=4 * 2**20, attention_backend="cpu", linear_backend="cpu",
+                  progress=False, **options)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40, ignore_eos=True),
+                                                                   use_tqdm=False)])
+        assert_no_leaks(llm)
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.slow  # two engines over simulated devices in a subprocess (~1 min)
+def test_tensor_parallel(test_models_dir):
+    """Sharded over two devices, scheduled asynchronously: one device's tokens (and
+    logprobs to 1e-4), with prefix caching, chunking and a forced preemption."""
+    multidevice.run("tp_engine_matches", str(test_models_dir / "llama"), "2", "auto", "float32", "1", devices=2)
