@@ -448,6 +448,20 @@ def compare_lora(args, results: dict, out_prefix: Path) -> None:
           f"{results['output_throughput_ratio']:.3f}x (target >= 0.8x)")
 
 
+def _joined_launch(argv: list[str]) -> list[str]:
+    """`--launch --async-scheduling` as `--launch=--async-scheduling`: argparse takes a
+    lone value that starts with a dash for an option (one with a space it keeps)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--launch" and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"--launch={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server (default: launch one with --launch)")
@@ -476,7 +490,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this (SmolLM2's)")
     p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
-    args = p.parse_args()
+    args = p.parse_args(_joined_launch(sys.argv[1:]))
 
     if not reexec(args.isa):
         return
