@@ -367,7 +367,11 @@ class EngineCore:
             raise
         self.scheduler.add_placeholders(sched)
         if outputs is None and self._in_flight is not None:
-            outputs = self._collect()
+            try:
+                outputs = self._collect()
+            except Exception:  # the step just dispatched is dropped with it
+                self.scheduler.fail_step(sched)
+                raise
         self._in_flight = None if flight is None else (sched, flight)
         return outputs if outputs is not None else EngineCoreOutputs([], self.scheduler.make_stats())
 

@@ -56,7 +56,9 @@ class RunnerStats:
 
     host_seconds: building the step's inputs on the host (numpy) and dispatching the
     call; device_seconds: waiting for the sampled ids after dispatch (the device
-    work not hidden behind host work); post_seconds: recording the results.
+    work not hidden behind host work; under async scheduling it also spans the next
+    step's scheduling and dispatch, which run before the wait); post_seconds:
+    recording the results.
     """
 
     num_steps: int = 0
@@ -722,8 +724,8 @@ class ModelRunner:
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs,
                                                        *self._lora_args())
         b = self.input_batch
-        flight = DispatchedStep(step, out, t0, time.perf_counter(), b.logprobs[step.host.rows].copy(),
-                                b.prompt_logprobs[step.host.rows].copy())
+        flight = DispatchedStep(step, out, t0, time.perf_counter(), b.logprobs[step.host.rows],
+                                b.prompt_logprobs[step.host.rows])  # copies (fancy indexing)
         if self.async_scheduling:
             self._advance_rows(step)
         return flight
