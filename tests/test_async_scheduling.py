@@ -166,6 +166,7 @@ def test_the_engine_keeps_no_step_in_flight_when_done(engines):
         engine.step()
         steps += 1
     assert steps >= 3 and engine.core._in_flight is None
+    assert engine.core.describe().endswith("; async scheduling")  # the start-up line says so
 
 
 @pytest.mark.slow  # a server start (~40 s); the default run steps the same EngineCore in process

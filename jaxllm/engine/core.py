@@ -409,5 +409,6 @@ class EngineCore:
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes; "
             f"{self.runner.describe_backends()}"
+            + ("; async scheduling" if self.config.async_scheduling else "")
         )
 
