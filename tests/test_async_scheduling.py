@@ -212,3 +212,21 @@ def test_tensor_parallel(test_models_dir):
     """Sharded over two devices, scheduled asynchronously: one device's tokens (and
     logprobs to 1e-4), with prefix caching, chunking and a forced preemption."""
     multidevice.run("tp_engine_matches", str(test_models_dir / "llama"), "2", "auto", "float32", "1", devices=2)
+
+
+def test_prompt_logprobs_under_preemption(test_models_dir):
+    """Requests scoring their prompts in a pool that preempts, some mid-prompt while a
+    step that computes their rows runs (its rows arrive before they are admitted
+    again): every prompt position scored once, as the synchronous engine scores it."""
+    rng = np.random.default_rng(17)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (3, 150, 40, 90, 7, 120, 64, 33, 100, 12)]
+    params = [greedy(20, logprobs=1, prompt_logprobs=1, n=2 if i == 3 else 1) for i in range(len(prompts))]
+    runs = []
+    for options in ({}, {"async_scheduling": True}):
+        llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
+        runs.append(_outputs(llm, prompts, params))
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        assert_no_leaks(llm)
+    for prompt, got in zip(prompts, runs[1]):
+        assert len(got[4]) == len(prompt) and got[4][0] is None
+    assert_same_outputs(runs[1], runs[0])
