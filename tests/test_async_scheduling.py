@@ -15,8 +15,8 @@ from jaxllm.core.request import RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.sampling_params import StructuredOutputsParams
-from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 from tests import multidevice
+from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 from tests.test_server import Server
 
 # prompts of 5 to 86 tokens: several take chunks over steps of max_num_batched_tokens=32
