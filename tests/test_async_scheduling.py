@@ -57,6 +57,21 @@ def engines(test_models_dir):
 def greedy(max_tokens: int, **options) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **options)
 
+def _sync_then_async(prompts, params, make) -> tuple[list, list]:
+    """The outputs of the engines `make(**options)` makes, synchronous then async, and
+    the engines, each left with nothing in use."""
+    runs, engines = [], []
+    for options in ({}, {"async_scheduling": True}):
+        engines.append(make(**options))
+        runs.append(_outputs(engines[-1], prompts, params))
+        assert_no_leaks(engines[-1])
+    return runs, engines
+
+
+def _pressured(test_models_dir, **options):
+    """An engine whose 24-block pool preempts (checked after its run by the callers)."""
+    return make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
+
 
 def _params(stop_token: int) -> list[SamplingParams]:
     return [
@@ -106,12 +121,8 @@ def test_preemption_gives_the_same_tokens(test_models_dir, monkeypatch):
         return append(self, request, tokens)
 
     monkeypatch.setattr(Scheduler, "_append_tokens", appending)
-    results = []
-    for options in ({}, {"async_scheduling": True}):
-        llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
-        results.append(_outputs(llm, prompts, params))
-        assert llm.llm_engine.core.scheduler.num_preemptions > 0
-        assert_no_leaks(llm)
+    results, engines = _sync_then_async(prompts, params, lambda **o: _pressured(test_models_dir, **o))
+    assert all(llm.llm_engine.core.scheduler.num_preemptions > 0 for llm in engines)
     assert to_preempted  # the async engine's path: a token for a request preempted after its step was dispatched
     assert_same_outputs(results[1], results[0])
 
@@ -196,15 +207,10 @@ def test_sliding_windows_and_the_hybrid_cache(test_models_dir, arch):
     (Gemma 3: a block table per layer group): a block freed while the step before still
     reads it is written only by later steps, which run after it. Same greedy tokens."""
     prompts = PROMPTS + [p[:30] * 3 for p in PROMPTS[5:]]
-    runs = []
-    for options in ({}, {"async_scheduling": True}):
-        llm = LLM(str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-                  block_size=16, kv_cache_memory=4 * 2**20, attention_backend="cpu", linear_backend="cpu",
-                  progress=False, **options)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40, ignore_eos=True),
-                                                                   use_tqdm=False)])
-        assert_no_leaks(llm)
-    assert runs[1] == runs[0]
+    runs, _ = _sync_then_async(prompts, greedy(40, ignore_eos=True), lambda **o: LLM(
+        str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
+        kv_cache_memory=4 * 2**20, attention_backend="cpu", linear_backend="cpu", progress=False, **o))
+    assert [r[0] for r in runs[1]] == [r[0] for r in runs[0]]
 
 
 @pytest.mark.slow  # two engines over simulated devices in a subprocess (~1 min)
@@ -221,12 +227,8 @@ def test_prompt_logprobs_under_preemption(test_models_dir):
     rng = np.random.default_rng(17)
     prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (3, 150, 40, 90, 7, 120, 64, 33, 100, 12)]
     params = [greedy(20, logprobs=1, prompt_logprobs=1, n=2 if i == 3 else 1) for i in range(len(prompts))]
-    runs = []
-    for options in ({}, {"async_scheduling": True}):
-        llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
-        runs.append(_outputs(llm, prompts, params))
-        assert llm.llm_engine.core.scheduler.num_preemptions > 0
-        assert_no_leaks(llm)
+    runs, engines = _sync_then_async(prompts, params, lambda **o: _pressured(test_models_dir, **o))
+    assert all(llm.llm_engine.core.scheduler.num_preemptions > 0 for llm in engines)
     for prompt, got in zip(prompts, runs[1]):
         assert len(got[4]) == len(prompt) and got[4][0] is None
     assert_same_outputs(runs[1], runs[0])
