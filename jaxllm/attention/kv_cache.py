@@ -157,7 +157,11 @@ def write_kv_cache(
         if src.dtype != dst.dtype:  # the element type's bits
             src = jax.lax.bitcast_convert_type(src, dst.dtype)
         flat = dst.reshape(n * bs, *dst.shape[2:])
-        return flat.at[slot_mapping].set(src, mode="drop").reshape(dst.shape)
+        slots = slot_mapping
+        if slots.shape[0] == 1:  # a lone row as two, the second dropped: see below
+            slots = jnp.concatenate([slots, jnp.full((1,), n * bs, slots.dtype)])
+            src = jnp.concatenate([src, src])
+        return flat.at[slots].set(src, mode="drop").reshape(dst.shape)
 
     kq, ks = quantize_rows(k, fmt)
     vq, vs = quantize_rows(v, fmt)
