@@ -117,6 +117,10 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     quantization: str | None = None  # the projections as the engine holds them: None (as loaded), or a QUANTIZATIONS name
     embed_quantization: str | None = None  # the embedding (and a tied output projection): a GGUF's kept blocks, or None
+    # A GGUF of mixed block types ("gguf_int8"): the projections whose blocks a tighter
+    # container holds exactly, each with its QUANT_FORMATS name, keyed by its first HF
+    # tensor's name (jaxllm.models.quant.mixed_gguf_format); the rest are gguf_int8
+    tensor_quantization: tuple[tuple[str, str], ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -216,6 +220,7 @@ class ModelConfig:
                 checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 quantization=hf.get("jaxllm_quantization"),
                 embed_quantization=hf.get("jaxllm_embed_quantization"),
+                tensor_quantization=tuple((str(k), str(v)) for k, v in hf.get("jaxllm_tensor_quantization", {}).items()),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **_hf_family_fields(hf, model_type, source),
@@ -318,6 +323,8 @@ class ModelConfig:
             out["jaxllm_quantization"] = self.quantization
         if self.embed_quantization is not None:  # ... or a quantized embedding
             out["jaxllm_embed_quantization"] = self.embed_quantization
+        if self.tensor_quantization:  # ... or projections of several formats
+            out["jaxllm_tensor_quantization"] = dict(self.tensor_quantization)
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias
         if self.model_type in ("mistral", "mixtral"):

@@ -14,7 +14,8 @@ from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear, pack_weight
 from jaxllm.config import QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import (GGUF_INT8_TYPES, dequantize, gguf_int8_parts, param_bytes, quantize_blocks,
+from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, gguf_int8_parts,
+                                 mixed_gguf_format, param_bytes, quantize_blocks,
                                  quantize_int4, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES, MOE
@@ -316,12 +317,45 @@ def test_the_gguf_int8_container_holds_every_weight_exactly(type_name):
         np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, packed)), np.asarray(jax.jit(linear)(x, floats)))
 
 
+@pytest.mark.parametrize("type_name,fmt", [(t, fmt) for allowed, fmt in MIXED_GGUF_FORMATS for t in sorted(allowed)])
+def test_a_tighter_container_holds_its_types_exactly(type_name, fmt):
+    """Each type a mixed GGUF's projection may hold in a container tighter than gguf_int8
+    (Q4_K as int4_g32's 4-bit values and float32 scale and min per 32, Q5_0 as q8_0's
+    int8 values and float16 scale...) dequantizes to gguf's own floats, bit for bit, in
+    the container's bytes, and the kernel's sums over it are those over the floats."""
+    import gguf
+
+    rows, cols = 70, 512
+    blocks = _random_blocks(type_name, rows, cols)
+    theirs = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType[type_name]).reshape(rows, cols)
+    qw = gguf_container_parts(blocks, type_name, rows, cols, fmt)
+    form = QUANT_FORMATS[fmt]
+    assert (qw.group, qw.bits, qw.mins is not None, qw.scale.dtype.name) == (
+        form.group, form.bits, form.mins, form.scale_dtype)
+    np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
+    packed, floats = pack_weight(qw.transposed()), pack_weight(jnp.asarray(theirs.T))
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))  # noqa: E731
+    assert nbytes(packed) < (0.2 if form.bits == 4 else 0.3) * nbytes(floats)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, cols)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, packed)), np.asarray(jax.jit(linear)(x, floats)))
+
+
+def test_a_mixed_gguf_projection_takes_the_tightest_exact_container():
+    assert [mixed_gguf_format(t) for t in ({"Q4_K"}, {"Q4_K", "Q4_1"}, {"Q5_0", "Q8_0"}, {"Q4_0"}, {"Q4_0", "Q8_0"},
+                                           {"Q4_1"}, {"Q4_K", "Q6_K"}, {"Q5_1"}, {"Q4_K", "Q5_0"})] == [
+        "int4_g32", "int4_g32", "q8_0", "q4_0", "q8_0", "q4_1", "gguf_int8", "gguf_int8", "gguf_int8"]
+    with pytest.raises(ValueError, match="GGUF type Q6_K is not held exactly as int4_g32"):
+        gguf_container_parts(_random_blocks("Q6_K", 2, 256), "Q6_K", 2, 256, "int4_g32")
+
+
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backend):
     """Projections of several block types (Q5_0, Q8_0 v, Q5_1 down, Q4_1 o: the mix of
-    a Q4_K_M file) are kept in the gguf_int8 container, the Q8_0 embedding as its own
-    blocks, in the abstract params' shapes (a conversion restores them), and give the
-    very logprobs of the file dequantized at load, in well under half the bytes."""
+    a Q4_K_M file) are kept each in the tightest container that holds its parts exactly
+    (q | k | v of Q5_0 and Q8_0 as q8_0, o as its Q4_1 blocks, down in gguf_int8), the
+    Q8_0 embedding as its own blocks, in the abstract params' shapes (a conversion
+    restores them), and give the very logprobs of the file dequantized at load, in well
+    under half the bytes."""
     from tests.conftest import make_test_model
 
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "mixed.gguf", "Q5_0",
@@ -331,7 +365,14 @@ def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backen
     cfg = kept.config
     assert (cfg.quantization, cfg.embed_quantization) == ("gguf_int8", "q8_0")
     assert dequantized.config.quantization is None
-    assert isinstance(kept.params.layers[0].wqkv, QuantizedWeight) and kept.params.layers[0].wqkv.group == 16
+    layer = kept.params.layers[0]
+    held = {name: (w.group, w.bits, w.mins is not None, w.scale.dtype.name)
+            for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("gate_up", layer.w_gate_up), ("down", layer.w_down))}
+    assert held == {"wqkv": (32, 8, False, "float16"), "gate_up": (32, 8, False, "float16"),
+                    "wo": (32, 4, True, "float16"), "down": (16, 8, True, "float32")}
+    assert dict(cfg.tensor_quantization)["model.layers.0.self_attn.q_proj.weight"] == "q8_0"
+    assert dict(cfg.tensor_quantization)["model.layers.0.self_attn.o_proj.weight"] == "q4_1"
+    assert "model.layers.0.mlp.down_proj.weight" not in dict(cfg.tensor_quantization)  # gguf_int8, the default
     assert kept.params.embed.group == 32
     shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
     assert shapes(kept.params) == shapes(abstract_params(cfg, jnp.float32))

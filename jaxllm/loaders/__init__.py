@@ -129,6 +129,8 @@ def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = Fal
     own = _gguf_quantization(gguf_file, cfg, quantization)
     if own is not None:
         cfg = quantized_config(cfg, own)
+    if own == "gguf_int8":  # each projection in the tightest container that holds its types exactly
+        cfg = dataclasses.replace(cfg, tensor_quantization=gguf_file.own_tensor_quantization(cfg))
     if quantization != "none":  # the embedding keeps its blocks too, unless everything is dequantized
         cfg = dataclasses.replace(cfg, embed_quantization=gguf_file.own_embed_quantization())
     params = load_gguf_params(gguf_file, cfg, dtype, on_host)
@@ -149,8 +151,9 @@ def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = F
 # blocks (2: Q4_0 / Q4_1 projections and the embedding's blocks), or to the parameters'
 # pytree (3: LayerParams' Gemma output norms, None elsewhere; 4: a GGUF of mixed block
 # types keeps them as gguf_int8; 5: LayerParams' MoE fields; 6: Q8_0 / Q4_0 / Q4_1 scales and mins as the file's
-# float16), must not restore an older conversion (floats where blocks are now kept; a tree orbax cannot map).
-CONVERSION_FORMAT = 6
+# float16; 7: a mixed GGUF's projections in the tightest exact container, tensor_quantization),
+# must not restore an older conversion (floats where blocks are now kept; a tree orbax cannot map).
+CONVERSION_FORMAT = 7
 
 
 def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:

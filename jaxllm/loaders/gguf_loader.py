@@ -4,7 +4,9 @@ Quantized tensors are dequantized to the compute dtype, except the projections: 
 whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks (their values,
 scales and mins, jaxllm.models.quant); one whose projections mix the affine block
 types (GGUF_INT8_TYPES: a Q4_K_M file's Q4_K, Q6_K, Q5_0, Q8_0...) keeps every weight
-exactly in the `gguf_int8` container (int8 values, a scale and min per 16 inputs).
+exactly in the `gguf_int8` container (int8 values, a scale and min per 16 inputs), or
+where all of a projection's parts allow, in a tighter container that holds them as
+exactly (`mixed_gguf_format`: Q4_K as int4_g32, Q5_0 and Q8_0 as q8_0...).
 llama.cpp's interleaved row order of attn_q / attn_k (its converter permutes them for
 its RoPE kernel) is undone so the standard rotate-half RoPE applies. The tokenizer (BPE vocab, merges, special tokens) and chat template come from
 the file's metadata.
@@ -22,7 +24,8 @@ import numpy as np
 from jaxllm.config import GEMMA_TYPES, ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
 from jaxllm.models.params import QUANT_FORMATS, ModelParams, QuantizedWeight, declarations
-from jaxllm.models.quant import GGUF_INT8_TYPES, block_parts, gguf_int8_parts, quantized_config
+from jaxllm.models.quant import (GGUF_INT8_TYPES, block_parts, gguf_container_parts, mixed_gguf_format,
+                                 quantized_config)
 
 
 def _dequantizable_types() -> tuple[str, ...]:
@@ -159,16 +162,17 @@ class GGUFFile:
         return None if t is None else t.tensor_type.name
 
     def quantized_tensor(self, name: str, held: str | None = None, expert: int | None = None) -> QuantizedWeight:
-        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are, or (`held` "gguf_int8") any of
-        GGUF_INT8_TYPES in that container, in HF orientation ([out, in]): values [out,
-        in] and scales (and mins) [out, in / group]: float16 as the file's blocks have
-        them, float32 in the container (QuantizedWeight's fields, not yet laid out)."""
+        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as they are (`held` its own format), or
+        any of GGUF_INT8_TYPES in the container `held` (gguf_int8, or the one
+        `mixed_gguf_format` gives it), in HF orientation ([out, in]): values [out, in]
+        and scales (and mins) [out, in / group]: float16 as the file's blocks have
+        them, float32 where the container's are (QuantizedWeight's fields, not yet laid out)."""
         t = self._tensors[name]
         rows, cols = int(t.shape[1]), int(t.shape[0])  # ggml lists the fastest dimension first
         data = t.data if expert is None else t.data[expert]  # a stacked [E, out, in]: one expert's rows
-        if held == "gguf_int8":
-            return gguf_int8_parts(data, t.tensor_type.name, rows, cols)
-        return block_parts(data, QUANT_FORMATS[KEPT_TENSOR_TYPES[t.tensor_type.name]], rows, cols)
+        if KEPT_TENSOR_TYPES.get(t.tensor_type.name) == held:
+            return block_parts(data, QUANT_FORMATS[held], rows, cols)
+        return gguf_container_parts(data, t.tensor_type.name, rows, cols, held)
 
     def own_quantization(self, cfg: ModelConfig) -> str | None:
         """The format jaxllm keeps the projections of `cfg` in: when every one is stored
@@ -180,6 +184,19 @@ class GGUFFile:
         if len(types) == 1 and next(iter(types)) in KEPT_TENSOR_TYPES:
             return KEPT_TENSOR_TYPES[types.pop()]
         return "gguf_int8" if types <= set(GGUF_INT8_TYPES) else None
+
+    def own_tensor_quantization(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+        """Of a file of mixed block types (`own_quantization` "gguf_int8"): each projection
+        whose parts a tighter container than gguf_int8 holds exactly, keyed by its
+        declaration's first HF tensor name, with that container (`mixed_gguf_format`)."""
+        formats = []
+        for decl in declarations(quantized_config(cfg, "q8_0")):
+            if decl.quant:
+                types = {self.tensor_type(gguf_tensor_name(name.format(e=0), cfg.model_type)) for name, _ in decl.hf}
+                fmt = mixed_gguf_format(types)
+                if fmt != "gguf_int8":
+                    formats.append((decl.hf[0][0], fmt))
+        return tuple(formats)
 
     def own_embed_quantization(self) -> str | None:
         """The format jaxllm keeps the token embedding in (a tied output projection too)

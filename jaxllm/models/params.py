@@ -235,7 +235,18 @@ AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim", "expert")
 
 
 def declare(cfg: ModelConfig) -> ModelParams:
-    """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves."""
+    """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves; each
+    quantized projection in `cfg.quantization`'s format, or in the one
+    `cfg.tensor_quantization` gives it (by its first HF tensor's name)."""
+    decls = _declare(cfg)
+    if not cfg.tensor_quantization:
+        return decls
+    formats = dict(cfg.tensor_quantization)
+    own = lambda d: dataclasses.replace(d, quant=formats.get(d.hf[0][0], d.quant)) if d.quant else d  # noqa: E731
+    return jax.tree.map(own, decls, is_leaf=lambda x: isinstance(x, ParamDecl))
+
+
+def _declare(cfg: ModelConfig) -> ModelParams:
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = cfg.q_size + 2 * cfg.kv_size
 

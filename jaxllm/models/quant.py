@@ -24,6 +24,9 @@ int4 with the zero point kept as a float min): 4.5 (6) bits a weight; the kernel
 `gguf_int8`: a GGUF whose projections mix block types (Q4_K_M files: Q4_K, Q6_K, Q5_0,
 Q8_0...) keeps each weight exactly as gguf dequantizes it, as int8 values with a float32
 scale and min per 16 inputs (12 bits a weight against float32's 32); only a GGUF's own.
+A projection of such a file whose parts are all of types a tighter container holds
+exactly is held in that one instead (`mixed_gguf_format`: Q4_K as int4_g32, Q5_0 and
+Q8_0 as q8_0...; `ModelConfig.tensor_quantization` lists them).
 
 The embedding (a lookup) and the norms stay as loaded, as in vLLM's weight-only
 schemes; so does a tied output projection, which is the embedding.
@@ -282,20 +285,47 @@ def _decode_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
 
 GGUF_INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
+# In a GGUF of mixed block types, a projection whose parts (q | k | v, gate | up, or one
+# tensor; a mixture's every expert) are all of one set below is held in that tighter
+# container, which holds their weights exactly too (the rest: gguf_int8, 12 bits a weight):
+# - Q4_0 alone: q4_0; Q4_1 alone: q4_1 (their own blocks, 4.5 / 5 bits);
+# - Q4_K, with Q4_1 or not: int4_g32 (4-bit values, a float32 scale d * sc and min
+#   -(d_min * m) per 32: fl(fl(scale * q) + min), as gguf dequantizes both; 6 bits);
+# - Q8_0, Q5_0, Q4_0: q8_0 (int8 values q, q - 16, q - 8, their float16 d per 32:
+#   fl(d * q) for all three; 8.5 bits).
+MIXED_GGUF_FORMATS = (({"Q4_0"}, "q4_0"), ({"Q4_1"}, "q4_1"), ({"Q4_K", "Q4_1"}, "int4_g32"),
+                      ({"Q8_0", "Q5_0", "Q4_0"}, "q8_0"))
 
-def gguf_int8_parts(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
-    """A GGUF tensor of one of GGUF_INT8_TYPES as the `gguf_int8` container, grouped
-    along its last axis in the file's (HF) orientation: int8 values [rows, cols], float32
-    scales and mins [rows, cols / 16] (a type with 32 inputs per scale repeats each)."""
+
+def mixed_gguf_format(types: set[str]) -> str:
+    """The format a projection of a mixed-type GGUF whose parts are of `types` is held in."""
+    return next((fmt for allowed, fmt in MIXED_GGUF_FORMATS if types <= allowed), "gguf_int8")
+
+
+def gguf_container_parts(blocks: np.ndarray, type_name: str, rows: int, cols: int,
+                         fmt: str = "gguf_int8") -> QuantizedWeight:
+    """A GGUF tensor of one of GGUF_INT8_TYPES in the container `fmt` (the `gguf_int8`
+    one, or one `mixed_gguf_format` gives its type), grouped along its last axis in the
+    file's (HF) orientation: int8 values [rows, cols], scales (and mins) [rows, cols /
+    group] in the format's dtype (a type with 32 inputs per scale repeats each for 16)."""
     import gguf
 
+    form = QUANT_FORMATS[fmt]
+    if fmt != "gguf_int8" and type_name not in next(allowed for allowed, f in MIXED_GGUF_FORMATS if f == fmt):
+        raise ValueError(f"GGUF type {type_name} is not held exactly as {fmt}")
     kind = gguf.GGMLQuantizationType[type_name]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     q, scale, mins = _decode_blocks(np.asarray(blocks, np.uint8).reshape(-1, size), type_name)
-    per = block // scale.shape[1] // GGUF_INT8_GROUP  # 2 where a scale covers 32 inputs
-    spread = lambda a: np.repeat(a, per, axis=1).reshape(rows, cols // GGUF_INT8_GROUP)  # noqa: E731
-    return QuantizedWeight(np.ascontiguousarray(q.reshape(rows, cols)), spread(scale), GGUF_INT8_GROUP,
-                           spread(mins), 8, group_axis=1)
+    per = block // scale.shape[1] // form.group  # 2 where a scale covers 32 inputs and the container 16
+    spread = lambda a: np.repeat(a, per, axis=1).reshape(rows, cols // form.group).astype(form.scale_dtype)  # noqa: E731
+    return QuantizedWeight(np.ascontiguousarray(q.reshape(rows, cols)), spread(scale), form.group,
+                           spread(mins) if form.mins else None, form.bits, group_axis=1)
+
+
+def gguf_int8_parts(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
+    """A GGUF tensor of one of GGUF_INT8_TYPES as the `gguf_int8` container: int8 values
+    [rows, cols], float32 scales and mins [rows, cols / 16]."""
+    return gguf_container_parts(blocks, type_name, rows, cols, "gguf_int8")
 
 
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:

@@ -33,7 +33,7 @@ from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
 from jaxllm.models.linear import bf16_tiles, in_dtype, int8_activations, layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
-from jaxllm.models.params import ModelParams
+from jaxllm.models.params import ModelParams, declarations
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.sample.metadata import SamplingMetadata
@@ -147,6 +147,17 @@ def _digest(obj) -> str:
 def _pad(a: np.ndarray, n: int, value=0) -> np.ndarray:
     """`a` followed by `n` copies of `value`."""
     return np.concatenate([a, np.full(n, value, a.dtype)]) if n else a
+
+
+def _projection_formats(cfg: ModelConfig) -> str:
+    """The projections' quantization: one format, or a mixed GGUF's count of each."""
+    if not cfg.tensor_quantization:
+        return cfg.quantization or "not quantized"
+    counts: dict[str, int] = {}
+    for decl in declarations(cfg):
+        if decl.quant and decl.hf[0][0] != "model.embed_tokens.weight":
+            counts[decl.quant] = counts.get(decl.quant, 0) + 1
+    return f"{cfg.quantization}: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _smallest_at_least(buckets: list[int], n: int) -> int:
@@ -469,7 +480,7 @@ class ModelRunner:
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
         acts = (f", int8 activations into {self.int8_projections} projections"
                 if self.activation_quantization == "int8" else "")
-        return f"{held / 2**20:.0f} MiB ({cfg.quantization or 'not quantized'}{embed}{acts})"
+        return f"{held / 2**20:.0f} MiB ({_projection_formats(cfg)}{embed}{acts})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
