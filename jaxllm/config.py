@@ -220,7 +220,8 @@ class ModelConfig:
                 checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 quantization=hf.get("jaxllm_quantization"),
                 embed_quantization=hf.get("jaxllm_embed_quantization"),
-                tensor_quantization=tuple((str(k), str(v)) for k, v in hf.get("jaxllm_tensor_quantization", {}).items()),
+                tensor_quantization=tuple((str(k), str(v))
+                                          for k, v in hf.get("jaxllm_tensor_quantization", {}).items()),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **_hf_family_fields(hf, model_type, source),

@@ -14,8 +14,8 @@ from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear, pack_weight
 from jaxllm.config import QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, gguf_int8_parts,
-                                 mixed_gguf_format, param_bytes, quantize_blocks,
+from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, mixed_gguf_format,
+                                 param_bytes, quantize_blocks,
                                  quantize_int4, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES, MOE
@@ -306,7 +306,7 @@ def test_the_gguf_int8_container_holds_every_weight_exactly(type_name):
     rows, cols = 70, 512  # [out, in] as the file holds it
     blocks = _random_blocks(type_name, rows, cols)
     theirs = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType[type_name]).reshape(rows, cols)
-    qw = gguf_int8_parts(blocks, type_name, rows, cols)
+    qw = gguf_container_parts(blocks, type_name, rows, cols, "gguf_int8")
     assert qw.q.dtype == np.int8 and qw.group == 16 and qw.scale.shape == qw.mins.shape == (rows, cols // 16)
     np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
     w = qw.transposed()  # [in, out], grouped along the inputs, as a projection is held
@@ -366,8 +366,8 @@ def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backen
     assert (cfg.quantization, cfg.embed_quantization) == ("gguf_int8", "q8_0")
     assert dequantized.config.quantization is None
     layer = kept.params.layers[0]
-    held = {name: (w.group, w.bits, w.mins is not None, w.scale.dtype.name)
-            for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("gate_up", layer.w_gate_up), ("down", layer.w_down))}
+    held = {name: (w.group, w.bits, w.mins is not None, w.scale.dtype.name) for name, w in (
+        ("wqkv", layer.wqkv), ("wo", layer.wo), ("gate_up", layer.w_gate_up), ("down", layer.w_down))}
     assert held == {"wqkv": (32, 8, False, "float16"), "gate_up": (32, 8, False, "float16"),
                     "wo": (32, 4, True, "float16"), "down": (16, 8, True, "float32")}
     assert dict(cfg.tensor_quantization)["model.layers.0.self_attn.q_proj.weight"] == "q8_0"

@@ -158,7 +158,8 @@ def write_kv_cache(
             src = jax.lax.bitcast_convert_type(src, dst.dtype)
         flat = dst.reshape(n * bs, *dst.shape[2:])
         slots = slot_mapping
-        if slots.shape[0] == 1:  # a lone row as two, the second dropped: see below
+        if slots.shape[0] == 1:  # a lone row as two, the second out of range and dropped: XLA makes a
+            # one-row scatter a dynamic-update-slice, which copied whole cache arrays every such step
             slots = jnp.concatenate([slots, jnp.full((1,), n * bs, slots.dtype)])
             src = jnp.concatenate([src, src])
         return flat.at[slots].set(src, mode="drop").reshape(dst.shape)

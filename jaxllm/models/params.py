@@ -53,7 +53,7 @@ QUANT_FORMATS = {
     # (or 32) inputs of each column (jaxllm.models.quant.quantize_int4)
     "int4": QuantFormat("int4", 128, 4, mins=True),
     "int4_g32": QuantFormat("int4_g32", 32, 4, mins=True),
-    # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_int8_parts)
+    # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_container_parts)
     "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }
 

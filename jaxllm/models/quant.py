@@ -222,13 +222,6 @@ def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> Q
                            halves(blocks[:, 2:4]) if fmt.mins else None, fmt.bits, group_axis=1)
 
 
-# The GGUF block types a file of mixed types keeps in the `gguf_int8` container (int8
-# values, a float32 scale and min per 16 inputs), each weight as gguf dequantizes it:
-# fl(fl(scale * q) + min), the scale being gguf's own product (d * sub-block scale) and
-# the min its negated d_min * sub-block min (0 for types without one).
-GGUF_INT8_GROUP = 16
-
-
 def _halves(a: np.ndarray) -> np.ndarray:
     """float16 fields of blocks (two bytes each) as float32 [blocks, fields]."""
     return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
@@ -285,9 +278,12 @@ def _decode_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
 
 GGUF_INT8_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
-# In a GGUF of mixed block types, a projection whose parts (q | k | v, gate | up, or one
-# tensor; a mixture's every expert) are all of one set below is held in that tighter
-# container, which holds their weights exactly too (the rest: gguf_int8, 12 bits a weight):
+# A GGUF of mixed block types keeps each projection's weights as gguf dequantizes them:
+# fl(fl(scale * q) + min), the scale gguf's own product (d * sub-block scale), the min its
+# negated d_min * sub-block min (0 for types without one). In the `gguf_int8` container
+# (int8 values, a float32 scale and min per 16 inputs: 12 bits a weight) any of
+# GGUF_INT8_TYPES fits; a projection whose parts (q | k | v, gate | up, or one tensor; a
+# mixture's every expert) are all of one set below is held in that tighter container:
 # - Q4_0 alone: q4_0; Q4_1 alone: q4_1 (their own blocks, 4.5 / 5 bits);
 # - Q4_K, with Q4_1 or not: int4_g32 (4-bit values, a float32 scale d * sc and min
 #   -(d_min * m) per 32: fl(fl(scale * q) + min), as gguf dequantizes both; 6 bits);
@@ -317,15 +313,12 @@ def gguf_container_parts(blocks: np.ndarray, type_name: str, rows: int, cols: in
     block, size = gguf.GGML_QUANT_SIZES[kind]
     q, scale, mins = _decode_blocks(np.asarray(blocks, np.uint8).reshape(-1, size), type_name)
     per = block // scale.shape[1] // form.group  # 2 where a scale covers 32 inputs and the container 16
-    spread = lambda a: np.repeat(a, per, axis=1).reshape(rows, cols // form.group).astype(form.scale_dtype)  # noqa: E731
+
+    def spread(a):
+        return np.repeat(a, per, axis=1).reshape(rows, cols // form.group).astype(form.scale_dtype)
+
     return QuantizedWeight(np.ascontiguousarray(q.reshape(rows, cols)), spread(scale), form.group,
                            spread(mins) if form.mins else None, form.bits, group_axis=1)
-
-
-def gguf_int8_parts(blocks: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWeight:
-    """A GGUF tensor of one of GGUF_INT8_TYPES as the `gguf_int8` container: int8 values
-    [rows, cols], float32 scales and mins [rows, cols / 16]."""
-    return gguf_container_parts(blocks, type_name, rows, cols, "gguf_int8")
 
 
 def quantized_config(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
