@@ -461,9 +461,11 @@ def test_a_mixture_of_experts_gguf_is_its_hf_checkpoint(test_models_dir, tmp_pat
     pytest.param("mixtral", "Q8_0", "q8_0", marks=pytest.mark.slow)])
 def test_a_mixture_of_experts_gguf_keeps_its_blocks(test_models_dir, tmp_path, name, tensor_type, kept_as):
     """A MoE GGUF whose projections and experts are all of one kept type holds the
-    experts' blocks stacked (QuantizedWeight [E, K, N]), one of mixed types (Q4_1 with
-    Q8_0 down experts) in the gguf_int8 container, and either gives the logprobs of the
-    same file dequantized at load, bit for bit, through the grouped kernel."""
+    experts' blocks stacked (QuantizedWeight [E, K, N]); one of mixed types (Q4_1 with
+    Q8_0 down experts) holds each projection in the tightest exact container (here each
+    in its own type's blocks: the Q4_1 gate | up experts as q4_1, the Q8_0 down ones as
+    q8_0); either gives the logprobs of the same file dequantized at load, bit for bit,
+    through the grouped kernel."""
     from tests.conftest import make_test_model
 
     main, _, other = tensor_type.partition("+")
@@ -473,4 +475,7 @@ def test_a_mixture_of_experts_gguf_keeps_its_blocks(test_models_dir, tmp_path, n
     experts = kept.params.layers[0].w_gate_up
     assert kept.config.quantization == kept_as
     assert isinstance(experts, QuantizedWeight) and experts.shape[0] == kept.config.num_experts
+    if other:
+        down = kept.params.layers[0].w_down
+        assert (experts.bits, experts.mins is not None, down.bits, down.mins is not None) == (4, True, 8, False)
     np.testing.assert_array_equal(_engine_numbers(path, None, "cpu"), _engine_numbers(path, "none", "cpu"))

@@ -178,9 +178,7 @@ class GGUFFile:
         """The format jaxllm keeps the projections of `cfg` in: when every one is stored
         in the same type of KEPT_TENSOR_TYPES, that ("q8_0", "q4_0", "q4_1"); when they
         are all of GGUF_INT8_TYPES, "gguf_int8"; else None (the file is dequantized)."""
-        names = [name.format(e=0) for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant
-                 for name, _ in decl.hf]
-        types = {self.tensor_type(gguf_tensor_name(n, cfg.model_type)) for n in names}
+        types = set().union(*self._projection_types(cfg).values())
         if len(types) == 1 and next(iter(types)) in KEPT_TENSOR_TYPES:
             return KEPT_TENSOR_TYPES[types.pop()]
         return "gguf_int8" if types <= set(GGUF_INT8_TYPES) else None
@@ -189,14 +187,15 @@ class GGUFFile:
         """Of a file of mixed block types (`own_quantization` "gguf_int8"): each projection
         whose parts a tighter container than gguf_int8 holds exactly, keyed by its
         declaration's first HF tensor name, with that container (`mixed_gguf_format`)."""
-        formats = []
-        for decl in declarations(quantized_config(cfg, "q8_0")):
-            if decl.quant:
-                types = {self.tensor_type(gguf_tensor_name(name.format(e=0), cfg.model_type)) for name, _ in decl.hf}
-                fmt = mixed_gguf_format(types)
-                if fmt != "gguf_int8":
-                    formats.append((decl.hf[0][0], fmt))
-        return tuple(formats)
+        formats = ((name, mixed_gguf_format(types)) for name, types in self._projection_types(cfg).items())
+        return tuple((name, fmt) for name, fmt in formats if fmt != "gguf_int8")
+
+    def _projection_types(self, cfg: ModelConfig) -> dict[str, set[str]]:
+        """Each projection of `cfg` (by its first HF tensor's name): the GGUF types of its
+        parts (a mixture's first expert's, where the experts are tensors of their own)."""
+        return {decl.hf[0][0]: {self.tensor_type(gguf_tensor_name(name.format(e=0), cfg.model_type))
+                                for name, _ in decl.hf}
+                for decl in declarations(quantized_config(cfg, "q8_0")) if decl.quant}
 
     def own_embed_quantization(self) -> str | None:
         """The format jaxllm keeps the token embedding in (a tied output projection too)

@@ -307,7 +307,7 @@ def gguf_container_parts(blocks: np.ndarray, type_name: str, rows: int, cols: in
     import gguf
 
     form = QUANT_FORMATS[fmt]
-    if fmt != "gguf_int8" and type_name not in next(allowed for allowed, f in MIXED_GGUF_FORMATS if f == fmt):
+    if fmt != "gguf_int8" and type_name not in {t for allowed, f in MIXED_GGUF_FORMATS if f == fmt for t in allowed}:
         raise ValueError(f"GGUF type {type_name} is not held exactly as {fmt}")
     kind = gguf.GGMLQuantizationType[type_name]
     block, size = gguf.GGML_QUANT_SIZES[kind]

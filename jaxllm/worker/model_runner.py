@@ -11,6 +11,7 @@ again: that is a bug, counted in `num_compilations_after_warmup` and logged.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -33,7 +34,7 @@ from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
 from jaxllm.models.linear import bf16_tiles, in_dtype, int8_activations, layout_params, linear_candidates
 from jaxllm.models.quant import param_bytes
-from jaxllm.models.params import ModelParams, declarations
+from jaxllm.models.params import ModelParams, ParamDecl, declare
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.sample.metadata import SamplingMetadata
@@ -153,11 +154,10 @@ def _projection_formats(cfg: ModelConfig) -> str:
     """The projections' quantization: one format, or a mixed GGUF's count of each."""
     if not cfg.tensor_quantization:
         return cfg.quantization or "not quantized"
-    counts: dict[str, int] = {}
-    for decl in declarations(cfg):
-        if decl.quant and decl.hf[0][0] != "model.embed_tokens.weight":
-            counts[decl.quant] = counts.get(decl.quant, 0) + 1
-    return f"{cfg.quantization}: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    decls = declare(cfg)
+    counts = collections.Counter(d.quant for d in jax.tree.leaves((decls.layers, decls.lm_head),
+                                                                  is_leaf=lambda x: isinstance(x, ParamDecl)) if d.quant)
+    return f"{cfg.quantization}: " + ", ".join(f"{n} {fmt}" for fmt, n in counts.most_common())
 
 
 def _smallest_at_least(buckets: list[int], n: int) -> int:
