@@ -16,6 +16,7 @@ from jaxllm.attention.kv_cache import cache_shapes, kv_cache_format
 from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
+from jaxllm.models.llama import OutputRows
 from jaxllm.models.parallel import model_functions
 from jaxllm.models.rope import model_rope_table
 
@@ -24,7 +25,9 @@ from jaxllm.models.rope import model_rope_table
 def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     """The model's forward jitted for the tests (the engine's step does the same inside
     its one executable, with sampling): fn(params, kv_caches, input_ids, positions, md,
-    logits_indices) -> (float32 logits of those rows, caches); the caches donated. With
+    logits_indices, num_logits, every) -> (float32 logits of those rows, caches); the caches
+    donated. `every`: the last layer runs every row (the engine's path for prompt
+    logprobs), else logits_indices' alone (its path otherwise: llama.forward_rows). With
     a `mesh`, tensor-parallel over it (jaxllm.models.parallel). One per configuration,
     so the drivers of a test module share its compilations (their steps are padded to
     a few shapes: `_bucket`)."""
@@ -32,9 +35,10 @@ def make_forward(cfg: ModelConfig, attention_fn, mesh=None):
     forward, logits = model_functions(cfg, attention_fn, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def fn(params, kv_caches, input_ids, positions, md, logits_indices):
-        hidden, kv_caches = forward(params, rope, kv_caches, input_ids, positions, md)
-        return logits(params, hidden[logits_indices], cfg), kv_caches
+    def fn(params, kv_caches, input_ids, positions, md, logits_indices, num_logits, every):
+        out = OutputRows(logits_indices, num_logits, every)
+        hidden, kv_caches = forward(params, rope, kv_caches, input_ids, positions, md, out)
+        return logits(params, hidden.rows, cfg), kv_caches
 
     return fn
 
@@ -58,13 +62,15 @@ class PagedDriver:
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
                  max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0,
-                 cache_dtype=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
+                 cache_dtype=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 every_row: bool = False):
         """`cache_dtype`: the activations' dtype (default: the params'), the KV cache's
-        where `kv_cache_dtype` (a KV_CACHE_DTYPES name) is auto. `tensor_parallel_size`
+        where `kv_cache_dtype` (a KV_CACHE_DTYPES name) is auto. `every_row`: the last
+        layer runs every token's row (make_forward's `every`). `tensor_parallel_size`
         > 1: over a mesh of that many devices, the params (as loaded) laid out and
         sharded for it, the caches by KV head."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_blocks_per_seq, self.every_row = max_blocks_per_seq, every_row
         fmt = kv_cache_format(kv_cache_dtype, cache_dtype or params.final_norm.dtype)
         self.caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                       cfg.head_dim))
@@ -129,7 +135,7 @@ class PagedDriver:
         )
         logits, self.caches = self.forward(
             self.params, self.caches, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), md,
-            jnp.asarray(logit_rows, jnp.int32),
+            jnp.asarray(logit_rows, jnp.int32), jnp.asarray(num_logits, jnp.int32), jnp.asarray(self.every_row),
         )
         logits = np.asarray(logits)[:num_logits]
         out, row = [], 0

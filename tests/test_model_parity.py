@@ -34,7 +34,10 @@ def pair(request, test_models_dir):
 # projections, which those two cover, and the default run has a 15-minute budget.
 SLOW_CASES = ("[llama-plain]", "[mistral-plain]", "[qwen3-plain]", "[gemma3-plain]", "[gemma2-plain]", "[qwen3_moe-plain]",
               "[mixtral-plain]", "test_moe_engine_greedy_matches_hf[qwen3_moe]",
-              "test_moe_engine_greedy_matches_hf[qwen2_moe]")
+              "test_moe_engine_greedy_matches_hf[qwen2_moe]",
+              # the sample rows' last layer: llama, gemma3 (hybrid, output norms) and qwen2_moe by default
+              *(f"test_the_last_layer_on_the_sample_rows_alone[{name}-packed]"
+                for name in ("mistral", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral")))
 LAYOUTS = pytest.mark.parametrize("layout", ["plain", "packed"])
 
 
@@ -196,3 +199,60 @@ def test_moe_experts_lower_for_cuda_as_a_ragged_matmul():
             jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16)]
     lowered = jax.jit(lambda *a: experts_mlp(*a, "silu")).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("\"chlo.ragged_dot\"(") == 2
+
+
+@LAYOUTS
+def test_the_last_layer_on_the_sample_rows_alone(pair, layout):
+    """The engine's step (llama.forward_rows) runs the last layer's output projection
+    and MLP on the rows it samples from alone (unless prompt logprobs need every row):
+    those rows' logits are the ones running every row gives (to float32 rounding: XLA
+    vectorizes the norms' sums by the row count), through prefill chunks, a mixed step
+    and decodes, and the pruned branch multiplies nothing of the step's T rows."""
+    ours, _ = pair
+    tok = ours.tokenizer
+    a, b = tok.encode(PROMPT), tok.encode("Hello world! How are you today?")
+    got = {}
+    for every in (False, True):
+        driver = PagedDriver(ours.config, weights(ours, layout), block_size=4, every_row=every)
+        sa, sb = driver.new_sequence(a), driver.new_sequence(b)
+        got[every] = (driver.step([(sa, 9)]) + driver.step([(sa, len(a) - 10), (sb, len(b) - 1)])
+                      + driver.step([(sa, 1), (sb, 1)], all_logits=True))
+    for pruned, full in zip(got[False], got[True], strict=True):
+        np.testing.assert_allclose(pruned, full, atol=2e-5, rtol=0)
+    _assert_pruned_branch_multiplies_sample_rows(ours.config, weights(ours, layout))
+
+
+def _assert_pruned_branch_multiplies_sample_rows(cfg, params, t: int = 32, s: int = 8):
+    import jax
+    import jax.extend
+    import jax.numpy as jnp
+
+    from jaxllm.attention import allocate_kv_caches
+    from jaxllm.attention.kv_cache import cache_shapes, kv_cache_format
+    from jaxllm.attention.metadata import AttentionMetadata
+    from jaxllm.attention.xla import ragged_paged_attention_xla
+    from jaxllm.models.llama import OutputRows
+    from jaxllm.models.parallel import model_functions
+    from jaxllm.models.rope import model_rope_table
+
+    forward, _ = model_functions(cfg, ragged_paged_attention_xla)
+    fmt = kv_cache_format("auto", jnp.float32)
+    caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim))
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(t), i32(4, 2), i32(4), i32(5), i32(), i32())
+    out = OutputRows(i32(s), i32(), jnp.zeros((), bool))
+    rope = model_rope_table(cfg, 64)
+    jaxpr = jax.make_jaxpr(lambda p, c: forward(p, rope, c, i32(t), i32(t), md, out))(params, caches)
+    cond = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"][-1]
+    pruned = cond.params["branches"][0].jaxpr  # out.every false
+
+    def products(jx):
+        for e in jx.eqns:
+            if e.primitive.name in ("dot_general", "ffi_call", "custom_call", "ragged_dot_general"):
+                yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from products(sub)
+
+    rows = [e.outvars[0].aval.shape[0] for e in products(pruned)]
+    routed = {s * cfg.num_experts_per_tok} if cfg.num_experts else set()  # packed experts: a row per (token, expert)
+    assert len(rows) >= 3 and set(rows) <= {s} | routed, rows

@@ -17,9 +17,13 @@ where a shard holds the token and all-reduced, and the logits are all-gathered.
 
 from __future__ import annotations
 
+import functools
+import typing
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, write_kv_cache
@@ -63,7 +67,7 @@ def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, in
     return all_reduce(jnp.where(held[:, None], rows(jnp.clip(local, 0, v - 1)), 0), axis)
 
 
-def attention_block(
+def self_attention(
     lp: LayerParams,
     x: Float[Array, "T D"],
     cos: Float[Array, "T half"],
@@ -72,19 +76,17 @@ def attention_block(
     md: AttentionMetadata,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
-    axis: str | None = None,
     window: int | None = None,
     lora: LayerLoRA | None = None,
-) -> tuple[Float[Array, "T D"], KVCache]:
-    """Self-attention sublayer (pre-norm, residual added; Gemma's output norm before
-    the add): writes this step's K/V into the cache, then attends through the block
-    tables, to the last `window` keys where the layer slides. `lora`: each token's
+) -> tuple[Float[Array, "T Q"], KVCache]:
+    """The attention sublayer up to its output projection: writes this step's K/V into
+    the cache, then attends through the block tables, to the last `window` keys where
+    the layer slides. Returns the heads' outputs, [T, q_size]. `lora`: each token's
     adapter added to the projections (jaxllm.models.lora)."""
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    rows = md.num_tokens  # the real tokens: the kernel skips the bucket's padding
-    qkv = _project(h, lp.wqkv, lora, "wqkv", rows)
+    qkv = _project(h, lp.wqkv, lora, "wqkv", md.num_tokens)  # the kernel skips the bucket's padding rows
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -102,10 +104,37 @@ def attention_block(
         common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
         cache_dtype=cache.dtype,
     )
-    out = all_reduce(_project(o.reshape(t, cfg.q_size), lp.wo, lora, "wo", rows), axis)
+    return o.reshape(t, cfg.q_size), cache
+
+
+def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], cfg: ModelConfig,
+                     axis: str | None = None, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
+                     ) -> Float[Array, "T D"]:
+    """The attention sublayer's output projection of the heads' outputs `o`, (Gemma) its
+    output norm, and the residual `x` added. `rows`: the real rows (the rest pad)."""
+    out = all_reduce(_project(o, lp.wo, lora, "wo", rows), axis)
     if lp.attn_post_norm is not None:
-        out = rms_norm(out, lp.attn_post_norm, eps, offset)
-    return x + out, cache
+        out = rms_norm(out, lp.attn_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    return x + out
+
+
+def attention_block(
+    lp: LayerParams,
+    x: Float[Array, "T D"],
+    cos: Float[Array, "T half"],
+    sin: Float[Array, "T half"],
+    cache: KVCache,
+    md: AttentionMetadata,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+    axis: str | None = None,
+    window: int | None = None,
+    lora: LayerLoRA | None = None,
+) -> tuple[Float[Array, "T D"], KVCache]:
+    """Self-attention sublayer (pre-norm, residual added; Gemma's output norm before
+    the add): self_attention, then attention_output."""
+    o, cache = self_attention(lp, x, cos, sin, cache, md, cfg, attention_fn, window, lora)
+    return attention_output(lp, x, o, cfg, axis, lora, md.num_tokens), cache
 
 
 def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows: Int[Array, ""] | None = None
@@ -157,6 +186,28 @@ def compute_logits(
     return logits if axis is None else jax.lax.all_gather(logits, axis, axis=1, tiled=True)
 
 
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
+@struct.dataclass
+class OutputRows:
+    """The rows a step reads the last layer's hidden states of: `indices` (each sample
+    row's token row, padded to the bucket; the first `count` are real), and whether it
+    needs `every` row too (prompt logprobs score each prompt token)."""
+
+    indices: Int[Array, "S"]
+    count: Int[Array, ""]
+    every: Bool[Array, ""]
+
+
+@typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
+@struct.dataclass
+class HiddenRows:
+    """The last layer's hidden states (before the final norm) of the OutputRows'
+    `indices`, and of every token where OutputRows.every (zeros otherwise)."""
+
+    rows: Float[Array, "S D"]
+    every: Float[Array, "T D"]
+
+
 def forward_hidden(
     params: ModelParams,
     rope: RopeTable,
@@ -178,6 +229,35 @@ def forward_hidden(
     `md` per KV cache group and a cache per slot: layer i reads its group's block
     tables and writes its slot's cache. `lora`: the adapters' slots and each token's
     slot (jaxllm.models.lora)."""
+    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, None)
+
+
+def forward_rows(
+    params: ModelParams,
+    rope: RopeTable,
+    kv_caches: tuple[KVCache, ...],
+    input_ids: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    md: AttentionMetadata | tuple[AttentionMetadata, ...],
+    out: OutputRows,
+    *,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn,
+    axis: str | None = None,
+    lora: LoRAInputs | None = None,
+) -> tuple[HiddenRows, tuple[KVCache, ...]]:
+    """forward_hidden for a step that reads the rows `out` names: the last layer writes
+    every token's K/V and attends for every token, but (unless `out.every`) its output
+    projection and MLP run on those rows alone, as llama.cpp's last layer does (a
+    prefill chunk samples from one row of hundreds). Row by row forward_hidden's
+    arithmetic, but for the order of the norms' sums (XLA vectorizes them by the row
+    count: float32 rounding, as a different batch gives)."""
+    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, out)
+
+
+def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig, attention_fn: AttentionFn,
+            axis: str | None, lora: LoRAInputs | None, out: OutputRows | None):
+    """forward_hidden's layers; with `out`, forward_rows' last one."""
     x = embed_tokens(params.embed, input_ids, axis)
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
@@ -193,7 +273,31 @@ def forward_hidden(
     for i, lp in enumerate(params.layers):
         slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
         layer_lora, md_i = None if lora is None else lora.layer(i), mds[groups.group_of(i)]
-        x, caches[slot] = attention_block(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
-                                          axis, cfg.layer_window(i), layer_lora)
-        x = mlp_block(lp, x, cfg, axis, moe=cfg.is_moe(i), lora=layer_lora, rows=md_i.num_tokens)
+        o, caches[slot] = self_attention(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
+                                         cfg.layer_window(i), layer_lora)
+        finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
+        if out is not None and i == len(params.layers) - 1:
+            return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
+        x = finish(x, o, md_i.num_tokens, layer_lora)
     return x, tuple(caches)
+
+
+def _finish_layer(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], rows: Int[Array, ""],
+                  lora: LayerLoRA | None, *, cfg: ModelConfig, axis: str | None, moe: bool) -> Float[Array, "T D"]:
+    """A layer after its attention: the output projection, the residual, the MLP."""
+    x = attention_output(lp, x, o, cfg, axis, lora, rows)
+    return mlp_block(lp, x, cfg, axis, moe=moe, lora=lora, rows=rows)
+
+
+def _last_layer_rows(finish, x: Float[Array, "T D"], o: Float[Array, "T Q"], num_tokens: Int[Array, ""],
+                     lora: LayerLoRA | None, out: OutputRows) -> HiddenRows:
+    """The last layer's `finish` on every row where `out.every`, else on `out`'s rows."""
+    def every_row(x, o):
+        h = finish(x, o, num_tokens, lora)
+        return HiddenRows(h[out.indices], h)
+
+    def sample_rows(x, o):
+        taken = None if lora is None else lora.take(out.indices)
+        return HiddenRows(finish(x[out.indices], o[out.indices], out.count, taken), jnp.zeros_like(x))
+
+    return jax.lax.cond(out.every, every_row, sample_rows, x, o)

@@ -170,6 +170,10 @@ class LayerLoRA:
             delta = lambda: lora_delta(x, proj, self.onehot)  # noqa: E731
         return jax.lax.cond(self.active, lambda y: y + delta().astype(y.dtype), lambda y: y, y)
 
+    def take(self, rows: Int[Array, "S"]) -> "LayerLoRA":
+        """The same adapters for the tokens at `rows` alone (a step's sample rows)."""
+        return dataclasses.replace(self, slots=self.slots[rows], onehot=self.onehot[rows])
+
 
 def lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, onehot: Float[Array, "T L"]) -> Float[Array, "T N"]:
     """Each token's x A B through its slot's A and B, for every part, concatenated."""

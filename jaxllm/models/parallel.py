@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import compute_logits, forward_hidden
+from jaxllm.models.llama import OutputRows, compute_logits, forward_hidden, forward_rows
 from jaxllm.models.lora import LoRAInputs, lora_partition_specs
 from jaxllm.models.params import (QUANT_FORMATS, TENSOR_PARALLEL_RULES, ModelParams, declarations, kv_replicas,
                                   partition_specs, shard_major)
@@ -147,16 +147,25 @@ class ShardedModel:
     def forward_hidden(self, params, rope, kv_caches, input_ids, positions, md, lora: LoRAInputs | None = None):
         """`lora`: the adapters' slots, A and B split as their projections (jaxllm.models.
         lora.lora_partition_specs), the tokens' slots replicated."""
-        fn = functools.partial(forward_hidden, cfg=shard_config(self.cfg, self.size),
-                               attention_fn=self.attention_fn, axis=TP_AXIS)
-        caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in kv_caches)
-        args, specs = (params, rope, kv_caches, input_ids, positions, md), (partition_specs(self.cfg), P(), caches,
-                                                                            P(), P(), P())
+        return self._over_mesh(forward_hidden, (params, rope, kv_caches, input_ids, positions, md), lora)
+
+    def forward_rows(self, params, rope, kv_caches, input_ids, positions, md, out: OutputRows,
+                     lora: LoRAInputs | None = None):
+        """llama.forward_rows over the mesh: forward_hidden's arguments and `out`, replicated."""
+        return self._over_mesh(forward_rows, (params, rope, kv_caches, input_ids, positions, md, out), lora)
+
+    def _over_mesh(self, forward, args: tuple, lora: LoRAInputs | None):
+        """`forward`(params, rope, kv_caches, *replicated, lora=) of one shard, in shard_map."""
+        fn = functools.partial(forward, cfg=shard_config(self.cfg, self.size), attention_fn=self.attention_fn,
+                               axis=TP_AXIS)
+        caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in args[2])
+        specs = (partition_specs(self.cfg), P(), caches) + (P(),) * (len(args) - 3)
         if lora is not None:
             args += (lora,)
             specs += (LoRAInputs(lora_partition_specs(self.cfg, self.size), P(), P(), P(), lora.kernel),)
+        n = len(specs) - (lora is not None)
         return jax.shard_map(
-            lambda p, r, c, i, pos, m, *lo: fn(p, r, c, i, pos, m, lora=lo[0] if lo else None), mesh=self.mesh,
+            lambda *a: fn(*a[:n], lora=a[n] if lora is not None else None), mesh=self.mesh,
             in_specs=specs, out_specs=(P(), caches), check_vma=False,
         )(*args)
 
@@ -172,9 +181,9 @@ class ShardedModel:
 
 
 def model_functions(cfg: ModelConfig, attention_fn: AttentionFn, mesh: Mesh | None = None):
-    """(forward(params, rope, kv_caches, input_ids, positions, md), compute_logits(params,
-    hidden, cfg)): jaxllm.models.llama's on one device, ShardedModel's over a mesh."""
+    """(forward(params, rope, kv_caches, input_ids, positions, md, out), compute_logits(params,
+    hidden, cfg)): jaxllm.models.llama's forward_rows on one device, ShardedModel's over a mesh."""
     if mesh is None:
-        return functools.partial(forward_hidden, cfg=cfg, attention_fn=attention_fn), compute_logits
+        return functools.partial(forward_rows, cfg=cfg, attention_fn=attention_fn), compute_logits
     model = ShardedModel(cfg, mesh, attention_fn)
-    return model.forward_hidden, model.compute_logits
+    return model.forward_rows, model.compute_logits

@@ -18,7 +18,7 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import compute_logits
+from jaxllm.models.llama import OutputRows, compute_logits
 from jaxllm.models.lora import LoRAInputs, LoRAWeights
 from jaxllm.models.parallel import model_functions
 from jaxllm.models.params import ModelParams
@@ -103,9 +103,10 @@ def model_step(
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
     input_ids = jnp.where(inputs.from_history, history[inputs.history_rows, inputs.positions], inputs.input_ids)
-    hidden, kv_caches = forward(params, rope, kv_caches, input_ids, inputs.positions, inputs.attn, **extra)
+    out = OutputRows(inputs.logits_indices, inputs.num_logit_rows, inputs.any_prompt_logprobs)
+    hidden, kv_caches = forward(params, rope, kv_caches, input_ids, inputs.positions, inputs.attn, out, **extra)
     history = history.at[inputs.history_rows, inputs.positions].set(input_ids, mode="drop")
-    logits = logits_fn(params, hidden[inputs.logits_indices], cfg, rows=inputs.num_logit_rows)
+    logits = logits_fn(params, hidden.rows, cfg, rows=inputs.num_logit_rows)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     # each sampled token at its position, where the next step reads it if its host does not yet know it
     history = history.at[inputs.sampled_history_rows, inputs.sampling.num_known_tokens].set(
@@ -114,7 +115,7 @@ def model_step(
         inputs.any_prompt_logprobs,
         lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn, logits_fn),
         lambda h, t: _no_prompt_logprobs(params, h, t, cfg),
-        hidden,
+        hidden.every,
         inputs.prompt_logprob_targets,
     )
     return kv_caches, history, StepOutput(sampled, prompt_lp)
