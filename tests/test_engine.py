@@ -518,7 +518,9 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     place: its executable copies no cache array. XLA turns a one-row scatter into a
     dynamic-update-slice, which copied whole cache arrays every such step: ~0.7 ms a
     token for SmolLM2, seconds a token for Gemma 3, whose layer groups share arrays
-    (jaxllm.attention.kv_cache.write_kv_cache writes a lone row as two)."""
+    (jaxllm.attention.kv_cache.write_kv_cache writes a lone row as two). Nor the token
+    history, which it copied twice (worker.step.set_tokens: the same, and the history
+    read only after its update)."""
     import re
 
     import jax
@@ -528,6 +530,7 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     runner = llm.llm_engine.core.runner
     shapes = {tuple(a.shape) for a in jax.tree.leaves(runner.kv_caches)}
     shapes |= {(s[0] * s[1], *s[2:]) for s in shapes}  # the flat [slots, ...] view the write scatters into
+    shapes.add(tuple(runner.history.shape))
     hlo = runner._executable(1, 1, 1).as_text()
     copied = {tuple(map(int, dims.split(","))) for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)}
     assert runner.kv_groups.num_groups == (2 if name == "gemma3" else 1)

@@ -80,6 +80,18 @@ def _no_prompt_logprobs(params, hidden, targets, cfg):
     )
 
 
+def set_tokens(history: Int[Array, "R L"], rows: Int[Array, "N"], positions: Int[Array, "N"],
+               tokens: Int[Array, "N"]) -> Int[Array, "R L"]:
+    """history[rows, positions] = tokens, out-of-range rows dropped. A lone token as two,
+    the second out of range: XLA makes a one-element scatter a dynamic-update-slice, and
+    copied the whole history around it (twice a one-token step), as it did the KV cache
+    (jaxllm.attention.kv_cache.write_kv_cache)."""
+    if rows.shape[0] == 1:
+        rows = jnp.concatenate([rows, jnp.full((1,), history.shape[0], rows.dtype)])
+        positions, tokens = jnp.concatenate([positions, positions]), jnp.concatenate([tokens, tokens])
+    return history.at[rows, positions].set(tokens, mode="drop")
+
+
 def model_step(
     params: ModelParams,
     rope: RopeTable,
@@ -102,15 +114,17 @@ def model_step(
     extra = {}
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
+    # the tokens the host knows into the history; the others are there already (the step before wrote
+    # them) and are read back after: no reader of the history before its update, which XLA copied for
+    history = set_tokens(history, jnp.where(inputs.from_history, history.shape[0], inputs.history_rows),
+                         inputs.positions, inputs.input_ids)
     input_ids = jnp.where(inputs.from_history, history[inputs.history_rows, inputs.positions], inputs.input_ids)
     out = OutputRows(inputs.logits_indices, inputs.num_logit_rows, inputs.any_prompt_logprobs)
     hidden, kv_caches = forward(params, rope, kv_caches, input_ids, inputs.positions, inputs.attn, out, **extra)
-    history = history.at[inputs.history_rows, inputs.positions].set(input_ids, mode="drop")
     logits = logits_fn(params, hidden.rows, cfg, rows=inputs.num_logit_rows)
     sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
     # each sampled token at its position, where the next step reads it if its host does not yet know it
-    history = history.at[inputs.sampled_history_rows, inputs.sampling.num_known_tokens].set(
-        sampled.token_ids, mode="drop")
+    history = set_tokens(history, inputs.sampled_history_rows, inputs.sampling.num_known_tokens, sampled.token_ids)
     prompt_lp = jax.lax.cond(
         inputs.any_prompt_logprobs,
         lambda h, t: prompt_logprobs(params, h, t, cfg, scores_fn, logits_fn),
