@@ -115,7 +115,8 @@ def model_step(
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
     # the tokens the host knows into the history; the others are there already (the step before wrote
-    # them) and are read back after: no reader of the history before its update, which XLA copied for
+    # them) and are read back after the write, so nothing reads the history before its update (XLA
+    # copied the whole history for such a reader at one-token steps)
     history = set_tokens(history, jnp.where(inputs.from_history, history.shape[0], inputs.history_rows),
                          inputs.positions, inputs.input_ids)
     input_ids = jnp.where(inputs.from_history, history[inputs.history_rows, inputs.positions], inputs.input_ids)
