@@ -512,7 +512,7 @@ def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_ca
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # (the default run's budget)
 def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     """A step of one token (one sequence decoding) writes its K/V into the caches in
     place: its executable copies no cache array. XLA turns a one-row scatter into a

@@ -35,9 +35,11 @@ def pair(request, test_models_dir):
 SLOW_CASES = ("[llama-plain]", "[mistral-plain]", "[qwen3-plain]", "[gemma3-plain]", "[gemma2-plain]", "[qwen3_moe-plain]",
               "[mixtral-plain]", "test_moe_engine_greedy_matches_hf[qwen3_moe]",
               "test_moe_engine_greedy_matches_hf[qwen2_moe]",
-              # the sample rows' last layer: llama, gemma3 (hybrid, output norms) and qwen2_moe by default
+              # the sample rows' last layer: llama, gemma3 (hybrid, output norms) and qwen2_moe packed by default
               *(f"test_the_last_layer_on_the_sample_rows_alone[{name}-packed]"
-                for name in ("mistral", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral")))
+                for name in ("mistral", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral")),
+              "test_the_last_layer_on_the_sample_rows_alone[qwen2-plain]",
+              "test_the_last_layer_on_the_sample_rows_alone[qwen2_moe-plain]")
 LAYOUTS = pytest.mark.parametrize("layout", ["plain", "packed"])
 
 
