@@ -118,25 +118,6 @@ def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T
     return x + out
 
 
-def attention_block(
-    lp: LayerParams,
-    x: Float[Array, "T D"],
-    cos: Float[Array, "T half"],
-    sin: Float[Array, "T half"],
-    cache: KVCache,
-    md: AttentionMetadata,
-    cfg: ModelConfig,
-    attention_fn: AttentionFn,
-    axis: str | None = None,
-    window: int | None = None,
-    lora: LayerLoRA | None = None,
-) -> tuple[Float[Array, "T D"], KVCache]:
-    """Self-attention sublayer (pre-norm, residual added; Gemma's output norm before
-    the add): self_attention, then attention_output."""
-    o, cache = self_attention(lp, x, cos, sin, cache, md, cfg, attention_fn, window, lora)
-    return attention_output(lp, x, o, cfg, axis, lora, md.num_tokens), cache
-
-
 def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows: Int[Array, ""] | None = None
              ) -> Float[Array, "T N"]:
     """x's projection by `w`, plus the tokens' adapters' products where there are adapters.
