@@ -302,6 +302,86 @@ def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, 
     return folder
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An [in, out] float matrix rounded to 4 bits per group of `group` inputs (round to
+    nearest, GPTQ's and AWQ's grid without their calibration): values q and zero points
+    in [0, 16), float16 scales, w ~ scale * (q - zero). Symmetric: zero 8. `min_zero`:
+    the smallest zero point (GPTQ's original format cannot store 0)."""
+    k, n = w.shape
+    g = w.astype(np.float32).reshape(k // group, group, n)
+    if sym:
+        scale = 2 * np.abs(g).max(axis=1) / 15
+        zero = np.full((k // group, n), 8, np.int32)
+    else:
+        lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
+        scale = (hi - lo) / 15
+    scale = np.where(scale > 0, scale, 1).astype(np.float16)
+    s = scale.astype(np.float32)
+    if not sym:
+        zero = np.clip(np.round(-lo / s), min_zero, 15).astype(np.int32)
+    q = np.clip(np.round(g / s[:, None]) + zero[:, None], 0, 15).astype(np.uint32).reshape(k, n)
+    return q, zero, scale
+
+
+def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
+    """Eight 4-bit values per int32 along `axis`: value order[j] of each eight in bits 4j.."""
+    v = np.moveaxis(values.astype(np.uint32) & 0xF, axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for j, src in enumerate(order):
+        words |= v[..., src] << np.uint32(4 * j)
+    return np.moveaxis(words, -1, axis).view(np.int32)
+
+
+def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: int = 128, sym: bool = False,
+                       checkpoint_format: str = "gptq", lm_head: bool = False) -> tuple[Path, Path]:
+    """`hf_folder`'s float model as a GPTQ or AWQ checkpoint (round to nearest, 4 bits,
+    `group` inputs per scale: the tensors and quantization_config those tools write;
+    GPTQ's "gptq" checkpoint_format stores each zero point less one), and beside it the
+    float32 checkpoint of exactly the weights it stands for, scale * (q - zero) (the
+    oracle of a load that keeps the groups). Returns (quantized folder, float folder)."""
+    import shutil
+
+    tensors = _hf_tensors(hf_folder)
+    config = json.loads((hf_folder / "config.json").read_text())
+    packed, exact = {}, {}
+    for name, w in tensors.items():
+        module = name[: -len(".weight")]
+        if not (module.split(".")[-1] in PROJECTIONS or (lm_head and name == "lm_head.weight")):
+            packed[name] = exact[name] = w
+            continue
+        q, zero, scale = quantize_rtn(w.T, group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0)
+        k = q.shape[0]
+        group_of = np.arange(k) // group
+        exact[name] = np.ascontiguousarray((scale.astype(np.float32)[group_of]
+                                            * (q.astype(np.float32) - zero[group_of].astype(np.float32))).T)
+        if method == "gptq":
+            stored_zero = zero - (1 if checkpoint_format == "gptq" else 0)
+            packed |= {module + ".qweight": pack_nibbles(q, 0), module + ".qzeros": pack_nibbles(stored_zero, 1),
+                       module + ".scales": scale, module + ".g_idx": (np.arange(k) // group).astype(np.int32)}
+        else:
+            packed |= {module + ".qweight": pack_nibbles(q, 1, AWQ_ORDER),
+                       module + ".qzeros": pack_nibbles(zero, 1, AWQ_ORDER), module + ".scales": scale}
+    if method == "gptq":
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": sym,
+              "checkpoint_format": checkpoint_format, "lm_head": lm_head}
+    else:
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    folders = (out / f"{hf_folder.name}-{method}-g{group}", out / f"{hf_folder.name}-{method}-g{group}-dequantized")
+    packed = {name: np.ascontiguousarray(a) for name, a in packed.items()}  # safetensors writes the buffer as laid out
+    for folder, weights, extra in zip(folders, (packed, exact), ({"quantization_config": qc}, {})):
+        shutil.copytree(hf_folder, folder, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+        (folder / "config.json").write_text(json.dumps(config | extra, indent=2))
+        save_weights(folder, weights, 1)
+    return folders
+
+
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row permutation of q/k projections."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -493,9 +573,16 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
+    parser.add_argument("--quantize", choices=("gptq", "awq"), default=None,
+                        help="also write each model as a 4-bit GPTQ / AWQ checkpoint (round to nearest), and the "
+                             "float32 checkpoint of the weights it stands for")
+    parser.add_argument("--group", type=int, default=128, help="--quantize: inputs per scale")
     args = parser.parse_args()
     for name in args.arch.split(","):
-        print(write_model(args.out, name, seed=args.seed, layers=args.layers))
+        folder = write_model(args.out, name, seed=args.seed, layers=args.layers)
+        print(folder)
+        if args.quantize:
+            print(*write_prequantized(folder, args.out, args.quantize, args.group), sep="\n")
 
 
 if __name__ == "__main__":

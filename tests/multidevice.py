@@ -79,14 +79,15 @@ def tp_logits_match(folder: str, size: str, attention: str = "xla", quantization
     if kv_cache_dtype == "int8":
         assert tp.caches[0].k_scale.sharding.spec == P(None, None, "model")
     wqkv = tp.params.layers[0].wqkv
-    if quantization == "int8":  # the values as the weight, the scales with their columns
+    held = model.config.quantization  # as asked, or as a GGUF / GPTQ checkpoint stores it
+    if held == "int8":  # the values as the weight, the scales with their columns
         assert wqkv.q.sharding.spec == P(None, "model") and wqkv.scale.sharding.spec == P("model")
         wqkv = wqkv.q
-    if quantization in ("q8_0", "q4_0", "q4_1"):  # [K / 32, N] scales (and mins) split like the values
+    elif held is not None:  # [K / group, N] scales (and mins) split like the values
         w_down = tp.params.layers[0].w_down  # row-parallel: by input groups
-        for grouped in (wqkv.scale, wqkv.mins) if quantization == "q4_1" else (wqkv.scale,):
+        for grouped in (wqkv.scale, wqkv.mins) if wqkv.mins is not None else (wqkv.scale,):
             assert grouped.sharding.spec == P(None, "model")
-        for grouped in (w_down.scale, w_down.mins) if quantization == "q4_1" else (w_down.scale,):
+        for grouped in (w_down.scale, w_down.mins) if w_down.mins is not None else (w_down.scale,):
             assert grouped.sharding.spec == P("model", None)
         wqkv = wqkv.q
     assert wqkv.sharding.spec == P(None, "model")

@@ -49,11 +49,12 @@ class EngineConfig:
     dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU (on a CPU, bfloat16 means bfloat16 weights and "
                                      "matmuls under float32 activations and KV cache)", DTYPE_NAMES)
     quantization: str | None = _option(None, "projection weights: none (dequantized to dtype), int8 (weight-only, "
-                                             "a scale per output channel), int4 / int4_g32 (4-bit, a scale and "
-                                             "min per 128 / 32 inputs), q8_0, q4_0 or q4_1 (GGUF's blocks: a "
-                                             "scale, for q4_1 also a min, per 32 inputs), quantized at load; "
-                                             "default: as stored (a GGUF's Q8_0/Q4_0/Q4_1 projections kept as "
-                                             "they are, a mix of block types kept exactly as gguf_int8)",
+                                             "a scale per output channel), int4 / int4_g64 / int4_g32 (4-bit, a "
+                                             "scale and min per 128 / 64 / 32 inputs), q8_0, q4_0 or q4_1 (GGUF's "
+                                             "blocks: a scale, for q4_1 also a min, per 32 inputs), quantized at "
+                                             "load; default: as stored (a GGUF's Q8_0/Q4_0/Q4_1 projections kept "
+                                             "as they are, a mix of block types kept exactly as gguf_int8, a GPTQ "
+                                             "/ AWQ checkpoint's 4-bit groups as int4*)",
                                        QUANTIZATIONS)
     activation_quantization: str | None = _option(
         None, "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "

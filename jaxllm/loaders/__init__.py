@@ -16,7 +16,8 @@ from jaxllm.config import ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
-from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer
+from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names
+from jaxllm.loaders.prequantized import held_config, read_quantization
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams
 from jaxllm.models.quant import check_quantization, quantize_params, quantized_config
@@ -48,7 +49,8 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     "q4_1" quantize a float checkpoint's projections after loading (the conversion cache
     keeps the float weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps
     those blocks, one of mixed block types keeps them as "gguf_int8" (and its conversion
-    holds them so) unless it is "none" (`_gguf_quantization`); the
+    holds them so), a GPTQ / AWQ checkpoint its 4-bit groups (int4, int4_g64, int4_g32),
+    unless it is "none" (`_gguf_quantization`, `_folder_config`); the
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     check_quantization(quantization)
@@ -56,7 +58,7 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     compute_dtype = resolve_dtype(dtype)
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
-        cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host)
+        cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host, quantization)
         _check_not_requantized(cfg.quantization, quantization, path)
     elif path.is_file() and path.suffix == ".gguf":
         cfg, params, tokenizer = _load_gguf(path, compute_dtype, chat_template, on_host, quantization)
@@ -85,7 +87,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
-    cfg = ModelConfig.from_hf_folder(folder)  # a GGUF's kept blocks: quantized as stored
+    cfg = _folder_config(folder, quantization)  # a GGUF's kept blocks, GPTQ / AWQ groups: quantized as stored
     return cfg if cfg.quantization is not None else quantized_config(cfg, quantization)
 
 
@@ -140,8 +142,19 @@ def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = Fal
     return cfg, params, tokenizer
 
 
-def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = False):
+def _folder_config(path: Path, quantization: str | None) -> ModelConfig:
+    """A folder's config, with the projections a GPTQ / AWQ checkpoint stores quantized
+    held so, unless `quantization` is "none" (dequantized at load)."""
     cfg = ModelConfig.from_hf_folder(path)
+    quant = read_quantization(path)
+    if quant is None or quantization == "none":
+        return cfg
+    return held_config(cfg, quant, tensor_names(path))
+
+
+def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = False,
+                 quantization: str | None = None):
+    cfg = _folder_config(path, quantization)
     params = (restore_params(path, cfg, dtype, on_host) if is_converted_checkpoint(path)
               else load_hf_params(path, cfg, dtype, on_host))
     return cfg, params, load_hf_tokenizer(path, chat_template)

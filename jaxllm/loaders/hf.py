@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from jaxllm.config import ModelConfig
+from jaxllm.loaders.prequantized import held_names, quantized_source, read_quantization
 from jaxllm.loaders.weights import CheckpointError, build_params, params_to_hf_tensors
 from jaxllm.models.params import ModelParams
 
@@ -33,7 +34,25 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
     return {}  # every name lives in the single file
 
 
+def tensor_names(folder: str | Path) -> set[str]:
+    """The names of the tensors an HF folder holds (from its index, or the single
+    file's header)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    if files:
+        return set(files)
+    try:
+        with safe_open(str(folder / SINGLE_FILE), framework="np") as f:
+            return set(f.keys())
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{folder / SINGLE_FILE}: cannot read safetensors file ({e})") from None
+
+
 def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
+    """The folder's weights for `cfg`. A GPTQ / AWQ checkpoint's packed projections are
+    kept where `cfg` declares them quantized, else dequantized (jaxllm.loaders.prequantized)."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -62,6 +81,9 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
         where = str(folder / (INDEX_FILE if files else SINGLE_FILE))
+        quant = read_quantization(folder)
+        if quant is not None:
+            source = quantized_source(quant, source, tensor_names(folder), held_names(cfg))
         return build_params(cfg, source, dtype, where, on_host=on_host)
 
 

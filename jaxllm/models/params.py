@@ -53,6 +53,7 @@ QUANT_FORMATS = {
     # (or 32) inputs of each column (jaxllm.models.quant.quantize_int4)
     "int4": QuantFormat("int4", 128, 4, mins=True),
     "int4_g32": QuantFormat("int4_g32", 32, 4, mins=True),
+    "int4_g64": QuantFormat("int4_g64", 64, 4, mins=True),  # a GPTQ / AWQ checkpoint's group of 64
     # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_container_parts)
     "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }
@@ -237,12 +238,16 @@ AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim", "expert")
 def declare(cfg: ModelConfig) -> ModelParams:
     """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves; each
     quantized projection in `cfg.quantization`'s format, or in the one
-    `cfg.tensor_quantization` gives it (by its first HF tensor's name)."""
+    `cfg.tensor_quantization` gives it (by its first HF tensor's name; "none": as stored)."""
     decls = _declare(cfg)
     if not cfg.tensor_quantization:
         return decls
     formats = dict(cfg.tensor_quantization)
-    own = lambda d: dataclasses.replace(d, quant=formats.get(d.hf[0][0], d.quant)) if d.quant else d  # noqa: E731
+
+    def own(d: ParamDecl) -> ParamDecl:  # "none": a projection the checkpoint stores unquantized
+        quant = formats.get(d.hf[0][0], d.quant) if d.quant else None
+        return dataclasses.replace(d, quant=None if quant == "none" else quant)
+
     return jax.tree.map(own, decls, is_leaf=lambda x: isinstance(x, ParamDecl))
 
 

@@ -1,0 +1,220 @@
+"""HF checkpoints quantized by GPTQ or AWQ: a model folder whose config.json has a
+`quantization_config` with `quant_method` "gptq" or "awq" (AutoGPTQ / GPTQModel,
+AutoAWQ, llm-awq's GEMM layout: what vLLM's `gptq` and `awq` methods read).
+
+Each quantized projection `<module>.weight` is stored as
+- `qweight` int32, 4-bit values eight to a word: GPTQ packs along the inputs ([in / 8,
+  out], input 8i + j in bits 4j..4j+3), AWQ along the outputs ([in, out / 8], column
+  8c + AWQ_ORDER[j] in bits 4j..);
+- `qzeros` int32 [in / group, out / 8], the zero points packed along the outputs as
+  qweight's columns are (GPTQ in order; its original "gptq" checkpoint format stores
+  each zero less one, "gptq_v2" as it is);
+- `scales` float16 [in / group, out];
+- GPTQ's `g_idx` int32 [in]: each input's group (i // group unless the checkpoint was
+  quantized in activation order, `desc_act`).
+
+The weight is `scale * (q - zero)`. jaxllm holds it in its int4 formats (4-bit values, a
+float32 scale and min per group: min = -scale * zero), whose kernels compute each weight
+as fl(fl(scale * q) + min). Both products are exact in float32 (a float16 scale times an
+integer below 16) and so is their sum, so the weights the kernels multiply are the
+checkpoint's exactly: `quantization="none"` (dequantized at load) gives the same
+matrix. Which projections are quantized is read from the checkpoint (a `qweight` beside
+them): an unquantized lm_head or module stays as stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, declarations
+
+METHODS = ("gptq", "awq")
+# jaxllm's format for each group size a checkpoint may have (inputs per scale)
+HELD_FORMATS = {fmt.group: name for name, fmt in QUANT_FORMATS.items() if name.startswith("int4")}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
+PACK = 8  # 4-bit values per int32
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class PrequantizedError(ValueError):
+    """A GPTQ / AWQ checkpoint jaxllm cannot hold as it is stored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint's `quantization_config`, validated."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group: int  # inputs per scale
+    zero_offset: int  # what is added to a stored zero point: 1 in GPTQ's original format
+    desc_act: bool  # GPTQ's activation order: g_idx may not follow the inputs
+
+    @property
+    def held(self) -> str:
+        """The jaxllm format its projections are held in."""
+        return HELD_FORMATS[self.group]
+
+    @classmethod
+    def from_hf(cls, qc: Mapping[str, Any], source: str) -> CheckpointQuantization:
+        method = str(qc.get("quant_method", "")).lower()
+        if method not in METHODS:
+            raise PrequantizedError(f"{source}: quantization_config quant_method {method!r} is not supported; "
+                                    f"jaxllm reads {', '.join(METHODS)} checkpoints (4-bit) and GGUF files")
+        bits = int(_first(qc, ("bits", "w_bit"), 4))
+        group = int(_first(qc, ("group_size", "q_group_size"), 128))
+        if bits != 4:
+            raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit only)")
+        if group not in HELD_FORMATS:
+            raise PrequantizedError(f"{source}: {method} group_size {group} is not supported; jaxllm holds groups "
+                                    f"of {', '.join(str(g) for g in sorted(HELD_FORMATS))} inputs")
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm" or not qc.get("zero_point", True):
+                raise PrequantizedError(f"{source}: AWQ version {version!r} zero_point={qc.get('zero_point')} is "
+                                        f"not supported (the GEMM layout with zero points only)")
+            return cls(method, bits, group, 0, False)
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise PrequantizedError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        if qc.get("dynamic"):
+            raise PrequantizedError(f"{source}: GPTQ per-module overrides (dynamic) are not supported")
+        return cls(method, bits, group, 1 if fmt == "gptq" else 0, bool(qc.get("desc_act", False)))
+
+
+def _first(qc: Mapping[str, Any], keys: tuple[str, ...], default):
+    return next((qc[k] for k in keys if qc.get(k) is not None), default)
+
+
+def read_quantization(folder: str | Path) -> CheckpointQuantization | None:
+    """The folder's GPTQ / AWQ quantization, or None for a float (or jaxllm-converted)
+    checkpoint."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    qc = json.loads(path.read_text()).get("quantization_config")
+    return None if qc is None else CheckpointQuantization.from_hf(qc, str(path))
+
+
+def module_of(name: str) -> str | None:
+    """`<module>` of a projection's `<module>.weight` name, else None."""
+    return name[: -len(".weight")] if name.endswith(".weight") else None
+
+
+def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]) -> ModelConfig:
+    """`cfg` with the projections held as the checkpoint stores them: each declared
+    projection whose tensors all have a `qweight` in `names` in `quant.held`, the ones
+    with none as stored (an lm_head GPTQ left in float16, AWQ's modules_to_not_convert);
+    one fused from parts stored both ways is an error."""
+    quantized = dataclasses.replace(cfg, quantization=quant.held)
+    plain = []
+    for decl in declarations(quantized):
+        if not decl.quant:
+            continue
+        stored = {f"{module_of(name)}.qweight" in names for one in decl.per_expert() for name, _ in one.hf}
+        if stored == {True, False}:
+            raise PrequantizedError(f"{decl.hf[0][0]}: its parts ({', '.join(n for n, _ in decl.hf)}) are stored "
+                                    f"some quantized, some not; jaxllm fuses them into one projection")
+        if stored == {False}:
+            plain.append((decl.hf[0][0], "none"))
+    if len(plain) == len([d for d in declarations(quantized) if d.quant]):
+        raise PrequantizedError(f"the checkpoint's config says {quant.method} but it holds no qweight tensors")
+    return dataclasses.replace(quantized, tensor_quantization=tuple(plain))
+
+
+def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words of eight 4-bit values (value j in bits 4j..4j+3) as uint8 values,
+    the eight of a word consecutive along `axis`."""
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    values = (words.astype(np.uint32)[..., None] >> shifts) & 0xF  # [..., 8]
+    values = np.moveaxis(values, -1, axis + 1 if axis >= 0 else axis)
+    shape = list(words.shape)
+    shape[axis] *= PACK
+    return values.reshape(shape).astype(np.uint8)
+
+
+def _awq_columns(values: np.ndarray) -> np.ndarray:
+    """Unpacked AWQ columns (nibble order) in column order."""
+    order = np.argsort(AWQ_ORDER)  # column c is nibble order[c] of its word
+    rows, cols = values.shape
+    return values.reshape(rows, cols // PACK, PACK)[:, :, order].reshape(rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredProjection:
+    """One projection as the checkpoint stores it, unpacked: values and zero points in
+    [0, 16), float16 scales, each input's group."""
+
+    q: np.ndarray  # uint8 [in, out]
+    zeros: np.ndarray  # int32 [in / group, out]
+    scales: np.ndarray  # float16 [in / group, out]
+    group_of: np.ndarray  # int [in]
+
+    def weight(self) -> np.ndarray:
+        """The float32 [in, out] matrix it stands for, scale * (q - zero) (exact)."""
+        g = self.group_of
+        return self.scales[g].astype(np.float32) * (self.q.astype(np.float32) - self.zeros[g].astype(np.float32))
+
+    def held(self, group: int, name: str) -> QuantizedWeight:
+        """As jaxllm's int4 format holds it, in the HF orientation ([out, in], grouped
+        along the inputs): values, float32 scales and mins -scale * zero."""
+        if not np.array_equal(self.group_of, np.arange(self.q.shape[0]) // group):
+            raise PrequantizedError(f"{name}: GPTQ in activation order (desc_act, g_idx not in input order) is not "
+                                    f"kept packed; quantization='none' dequantizes it at load")
+        scale = self.scales.astype(np.float32)
+        mins = -(scale * self.zeros.astype(np.float32))
+        return QuantizedWeight(np.ascontiguousarray(self.q.T.astype(np.int8)), np.ascontiguousarray(scale.T), group,
+                               np.ascontiguousarray(mins.T), bits=4, group_axis=1)
+
+
+def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None],
+                      module: str) -> StoredProjection:
+    """`module`'s tensors (read by `get`, None when absent) unpacked, shapes checked."""
+    parts = {s: get(f"{module}.{s}") for s in SUFFIXES}
+    missing = [s for s in SUFFIXES[:3] if parts[s] is None]
+    if missing:
+        raise PrequantizedError(f"{module}: {quant.method} tensors missing: {', '.join(missing)}")
+    qweight, qzeros, scales = (np.asarray(parts[s]) for s in SUFFIXES[:3])
+    if quant.method == "gptq":
+        q = unpack_int4(qweight, 0)
+        zeros = unpack_int4(qzeros, 1).astype(np.int32) + quant.zero_offset
+    else:
+        q = _awq_columns(unpack_int4(qweight, 1))
+        zeros = _awq_columns(unpack_int4(qzeros, 1)).astype(np.int32)
+    k, n = q.shape
+    if scales.shape != (k // quant.group, n) or zeros.shape != scales.shape or k % quant.group:
+        raise PrequantizedError(f"{module}: qweight {qweight.shape}, qzeros {qzeros.shape}, scales {scales.shape} "
+                                f"do not make a {k} x {n} matrix in groups of {quant.group}")
+    g_idx = parts["g_idx"]
+    group_of = np.arange(k) // quant.group if g_idx is None else np.asarray(g_idx).astype(np.int64)
+    if group_of.shape != (k,) or group_of.min() < 0 or group_of.max() >= k // quant.group:
+        raise PrequantizedError(f"{module}: g_idx of shape {group_of.shape} is not one group per input")
+    return StoredProjection(q, zeros, scales.astype(np.float16), group_of)
+
+
+def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None], names: set[str],
+                     held: set[str]) -> Callable[[str], np.ndarray | QuantizedWeight | None]:
+    """A tensor source over the checkpoint's own (`get`, holding `names`): a projection's
+    `<module>.weight` comes from its packed tensors, kept (a QuantizedWeight, HF
+    orientation) where its name is in `held`, else dequantized to float32 [out, in];
+    everything else as stored."""
+
+    def source(name: str):
+        module = module_of(name)
+        if module is None or f"{module}.qweight" not in names:
+            return get(name)
+        stored = stored_projection(quant, get, module)
+        return stored.held(quant.group, name) if name in held else np.ascontiguousarray(stored.weight().T)
+
+    return source
+
+
+def held_names(cfg: ModelConfig) -> set[str]:
+    """The HF names of the projections `cfg` declares quantized."""
+    return {name for decl in declarations(cfg) if decl.quant for one in decl.per_expert() for name, _ in one.hf}

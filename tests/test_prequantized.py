@@ -1,0 +1,103 @@
+"""GPTQ and AWQ checkpoints (jaxllm.loaders.prequantized): their 4-bit groups kept as
+jaxllm's int4 formats, the weights exactly the checkpoint's."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.loaders import load_model, peek_model_config
+from jaxllm.loaders.prequantized import (AWQ_ORDER, CheckpointQuantization, PrequantizedError, stored_projection,
+                                         unpack_int4)
+from jaxllm.models.linear import pack_weight
+from jaxllm.models.params import QuantizedWeight
+from jaxllm.models.quant import dequantize
+from tests.conftest import make_test_model
+from tests.test_quant import _engine_numbers
+
+# (method, group, symmetric, checkpoint_format): GPTQ's original format stores zero - 1
+CASES = [("gptq", 64, False, "gptq"), ("awq", 32, False, "gptq"),
+         pytest.param("gptq", 128, True, "gptq_v2", marks=pytest.mark.slow)]
+
+
+def _word(nibbles) -> np.int32:
+    return np.array([sum(int(v) << (4 * j) for j, v in enumerate(nibbles))], np.uint32).view(np.int32)[0]
+
+
+def test_the_packed_layouts_unpack_as_gptq_and_awq_define_them():
+    """Known answers, from the formats' definitions (AutoGPTQ's pack along the inputs,
+    AutoAWQ's along the outputs in the order 0 2 4 6 1 3 5 7): one word each."""
+    column = np.array([[_word(range(8))]])  # GPTQ qweight [in / 8, out]: inputs 0..7 of column 0 are 0..7
+    assert unpack_int4(column, 0)[:, 0].tolist() == list(range(8))
+    stored = {"m.qweight": np.array([[_word(AWQ_ORDER)]]), "m.qzeros": np.array([[_word([1] * 8)]]),
+              "m.scales": np.ones((1, 8), np.float16)}  # AWQ [in, out / 8]: nibble j holds column AWQ_ORDER[j]
+    awq = CheckpointQuantization("awq", 4, 1, 0, False)
+    assert stored_projection(awq, stored.get, "m").q[0].tolist() == list(range(8))
+    gptq = CheckpointQuantization("gptq", 4, 8, 1, False)  # zeros stored less one
+    stored = {"m.qweight": np.full((1, 8), _word([15] * 8)), "m.qzeros": np.array([[_word(range(8))]]),
+              "m.scales": np.full((1, 8), 0.5, np.float16)}
+    one = stored_projection(gptq, stored.get, "m")
+    assert one.zeros[0].tolist() == list(range(1, 9))
+    np.testing.assert_array_equal(one.weight()[:, 3], 0.5 * (15 - 4))
+
+
+@pytest.mark.parametrize("method,group,sym,fmt", CASES)
+def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, method, group, sym,
+                                                                   fmt):
+    """The checkpoint's groups held as int4 (scale, and min -scale * zero, per group):
+    the engine's tokens and logprobs are those of the float32 checkpoint of the very
+    weights it stands for, scale * (q - zero), bit for bit through the kernel; the
+    kernel's panels an eighth of the float ones; `quantization="none"` dequantizes them."""
+    qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, group, sym, fmt)
+    model = load_model(qc, "float32")
+    held = {32: "int4_g32", 64: "int4_g64", 128: "int4"}[group]
+    assert model.config.quantization == held and peek_model_config(qc).quantization == held
+    w = model.params.layers[1].wqkv
+    assert isinstance(w, QuantizedWeight) and w.group == group and w.bits == 4
+    float_model = load_model(exact, "float32")
+    np.testing.assert_array_equal(dequantize(w), float_model.params.layers[1].wqkv)
+    assert not isinstance(model.params.lm_head, QuantizedWeight)  # left in float by GPTQ and AWQ alike
+    layers = lambda m: sum(a.nbytes for a in jax.tree.leaves(m.params.layers))  # noqa: E731
+    assert layers(model) < layers(float_model) / 3  # int8 values until packed: the kernel's panels hold 4 bits
+    assert pack_weight(w).panels.nbytes * 8 == pack_weight(float_model.params.layers[1].wqkv).panels.nbytes
+    dequantized = load_model(qc, "float32", quantization="none")
+    assert dequantized.config.quantization is None
+    np.testing.assert_array_equal(dequantized.params.layers[0].w_down, float_model.params.layers[0].w_down)
+    np.testing.assert_array_equal(_engine_numbers(qc, None, "cpu"), _engine_numbers(exact, None, "cpu"))
+
+
+def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir, tmp_path):
+    qc, _ = make_test_model.write_prequantized(test_models_dir / "llama", tmp_path, "gptq", 64)
+    with pytest.raises(ValueError, match="re-quantize"):
+        load_model(qc, "float32", quantization="int8")
+    config = json.loads((qc / "config.json").read_text())
+    for change, message in (({"quant_method": "bitsandbytes"}, "bitsandbytes"), ({"bits": 8}, "8-bit"),
+                            ({"group_size": 48}, "group_size 48"), ({"checkpoint_format": "marlin"}, "marlin")):
+        (qc / "config.json").write_text(json.dumps(config | {"quantization_config": config["quantization_config"]
+                                                             | change}))
+        with pytest.raises(PrequantizedError, match=message):
+            load_model(qc, "float32")
+    (qc / "config.json").write_text(json.dumps(config))
+    # activation order: inputs whose groups are shuffled are refused kept, and dequantized with "none"
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(qc / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = np.random.default_rng(0).permutation(tensors[name])
+    save_file(tensors, str(qc / "model.safetensors"))
+    with pytest.raises(PrequantizedError, match="desc_act"):
+        load_model(qc, "float32")
+    assert load_model(qc, "float32", quantization="none").config.quantization is None
+
+
+@pytest.mark.slow  # 15 s; the int4 formats quantized at load shard in tests/test_quant.py
+def test_a_kept_gptq_checkpoint_shards_for_tensor_parallelism(test_models_dir, tmp_path):
+    """A GPTQ checkpoint's groups (values, scales and mins) split with their columns,
+    the unquantized lm_head by vocabulary: TP=2 logits equal one device's."""
+    from tests import multidevice
+
+    qc, _ = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, "gptq", 64)
+    multidevice.run("tp_logits_match", str(qc), "2", "cpu", "", devices=2)
