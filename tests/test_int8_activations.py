@@ -17,7 +17,7 @@ from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
 from jaxllm.models.quant import (dequantize, int8_activation_matmul, int8_activation_ready, quantize_activations,
                                  quantize_int4, quantize_int8, quantize_weight)
 
-FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g32"]
+FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
 
 

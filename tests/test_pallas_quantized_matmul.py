@@ -139,17 +139,19 @@ def test_lowers_for_cuda(fmt, dtype):
         assert has_triton_call(lowered.as_text()), (fmt, dtype, m, k, n)
 
 
-def test_int4_with_128_input_groups_runs_and_lowers_for_cuda():
-    """int4's groups of 128 inputs: one group per K step, against the reference, and
-    the CUDA lowering."""
-    qw = quantized("int4", k=256, n=96)
+@pytest.mark.parametrize("fmt", ["int4", "int4_g64"])  # int4_g64: a GPTQ / AWQ checkpoint's groups of 64
+def test_int4_with_128_or_64_input_groups_runs_and_lowers_for_cuda(fmt):
+    """int4's groups of 128 (64) inputs: one group per K step, against the reference,
+    and the CUDA lowering."""
+    group = QUANT_FORMATS[fmt].group
+    qw = quantized(fmt, k=256, n=96)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((20, 256)), jnp.float32)
-    want = quantized_matmul_reference(x, jnp.asarray(qw.q), jnp.asarray(qw.scale), jnp.asarray(qw.mins), group=128)
+    want = quantized_matmul_reference(x, jnp.asarray(qw.q), jnp.asarray(qw.scale), jnp.asarray(qw.mins), group=group)
     np.testing.assert_allclose(kernel(x, qw, interpret=INTERPRET), want, rtol=1e-5, atol=1e-5)
     m, k, n = 16, 2048, 8192
     args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.int8),
-            jax.ShapeDtypeStruct((k // 128, n), jnp.float32), jax.ShapeDtypeStruct((k // 128, n), jnp.float32)]
-    lowered = jax.jit(lambda *a: quantized_matmul(*a, group=128)).trace(*args).lower(lowering_platforms=("cuda",))
+            jax.ShapeDtypeStruct((k // group, n), jnp.float32), jax.ShapeDtypeStruct((k // group, n), jnp.float32)]
+    lowered = jax.jit(lambda *a: quantized_matmul(*a, group=group)).trace(*args).lower(lowering_platforms=("cuda",))
     assert has_triton_call(lowered.as_text())
 
 
