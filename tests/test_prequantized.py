@@ -34,9 +34,9 @@ def test_the_packed_layouts_unpack_as_gptq_and_awq_define_them():
     assert unpack_int4(column, 0)[:, 0].tolist() == list(range(8))
     stored = {"m.qweight": np.array([[_word(AWQ_ORDER)]]), "m.qzeros": np.array([[_word([1] * 8)]]),
               "m.scales": np.ones((1, 8), np.float16)}  # AWQ [in, out / 8]: nibble j holds column AWQ_ORDER[j]
-    awq = CheckpointQuantization("awq", 4, 1, 0, False)
+    awq = CheckpointQuantization("awq", 1, 0)
     assert stored_projection(awq, stored.get, "m").q[0].tolist() == list(range(8))
-    gptq = CheckpointQuantization("gptq", 4, 8, 1, False)  # zeros stored less one
+    gptq = CheckpointQuantization("gptq", 8, 1)  # zeros stored less one
     stored = {"m.qweight": np.full((1, 8), _word([15] * 8)), "m.qzeros": np.array([[_word(range(8))]]),
               "m.scales": np.full((1, 8), 0.5, np.float16)}
     one = stored_projection(gptq, stored.get, "m")

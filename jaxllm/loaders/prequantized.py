@@ -50,11 +50,9 @@ class PrequantizedError(ValueError):
 class CheckpointQuantization:
     """A checkpoint's `quantization_config`, validated."""
 
-    method: str  # "gptq" or "awq"
-    bits: int
+    method: str  # "gptq" or "awq" (4-bit values)
     group: int  # inputs per scale
     zero_offset: int  # what is added to a stored zero point: 1 in GPTQ's original format
-    desc_act: bool  # GPTQ's activation order: g_idx may not follow the inputs
 
     @property
     def held(self) -> str:
@@ -79,13 +77,13 @@ class CheckpointQuantization:
             if version != "gemm" or not qc.get("zero_point", True):
                 raise PrequantizedError(f"{source}: AWQ version {version!r} zero_point={qc.get('zero_point')} is "
                                         f"not supported (the GEMM layout with zero points only)")
-            return cls(method, bits, group, 0, False)
+            return cls(method, group, 0)
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise PrequantizedError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
         if qc.get("dynamic"):
             raise PrequantizedError(f"{source}: GPTQ per-module overrides (dynamic) are not supported")
-        return cls(method, bits, group, 1 if fmt == "gptq" else 0, bool(qc.get("desc_act", False)))
+        return cls(method, group, 1 if fmt == "gptq" else 0)  # desc_act: read from each g_idx
 
 
 def _first(qc: Mapping[str, Any], keys: tuple[str, ...], default):
