@@ -26,7 +26,7 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # types are dequantized), "none" dequantizes everything to the dtype, "int8" is
 # weight-only int8 with a scale per output channel, "q8_0" / "q4_0" / "q4_1" GGUF's block
 # formats (a scale, for Q4_1 also a min, per 32 inputs); a float checkpoint is
-# quantized at load. A GPTQ / AWQ checkpoint keeps its 4-bit groups as int4 (128),
+# quantized at load. A GPTQ / AWQ / compressed-tensors W4A16 checkpoint keeps its 4-bit groups as int4 (128),
 # int4_g64 or int4_g32 (jaxllm.loaders.prequantized).
 QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "q8_0", "q4_0", "q4_1", "gguf_int8")
 # The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the

@@ -306,12 +306,12 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0
+def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0, scale_dtype=np.float16
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An [in, out] float matrix rounded to 4 bits per group of `group` inputs (round to
     nearest, GPTQ's and AWQ's grid without their calibration): values q and zero points
-    in [0, 16), float16 scales, w ~ scale * (q - zero). Symmetric: zero 8. `min_zero`:
-    the smallest zero point (GPTQ's original format cannot store 0)."""
+    in [0, 16), scales of `scale_dtype`, w ~ scale * (q - zero). Symmetric: zero 8.
+    `min_zero`: the smallest zero point (GPTQ's original format cannot store 0)."""
     k, n = w.shape
     g = w.astype(np.float32).reshape(k // group, group, n)
     if sym:
@@ -320,7 +320,7 @@ def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0
     else:
         lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
         scale = (hi - lo) / 15
-    scale = np.where(scale > 0, scale, 1).astype(np.float16)
+    scale = np.where(scale > 0, scale, 1).astype(scale_dtype)
     s = scale.astype(np.float32)
     if not sym:
         zero = np.clip(np.round(-lo / s), min_zero, 15).astype(np.int32)
@@ -340,12 +340,15 @@ def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.nda
 
 def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: int = 128, sym: bool = False,
                        checkpoint_format: str = "gptq", lm_head: bool = False) -> tuple[Path, Path]:
-    """`hf_folder`'s float model as a GPTQ or AWQ checkpoint (round to nearest, 4 bits,
-    `group` inputs per scale: the tensors and quantization_config those tools write;
-    GPTQ's "gptq" checkpoint_format stores each zero point less one), and beside it the
-    float32 checkpoint of exactly the weights it stands for, scale * (q - zero) (the
-    oracle of a load that keeps the groups). Returns (quantized folder, float folder)."""
+    """`hf_folder`'s float model as a GPTQ, AWQ or compressed-tensors (pack-quantized,
+    W4A16, bfloat16 scales) checkpoint (round to nearest, 4 bits, `group` inputs per
+    scale: the tensors and quantization_config those tools write; GPTQ's "gptq"
+    checkpoint_format stores each zero point less one), and beside it the float32
+    checkpoint of exactly the weights it stands for, scale * (q - zero) (the oracle of a
+    load that keeps the groups). Returns (quantized folder, float folder)."""
     import shutil
+
+    import ml_dtypes
 
     tensors = _hf_tensors(hf_folder)
     config = json.loads((hf_folder / "config.json").read_text())
@@ -355,7 +358,8 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
         if not (module.split(".")[-1] in PROJECTIONS or (lm_head and name == "lm_head.weight")):
             packed[name] = exact[name] = w
             continue
-        q, zero, scale = quantize_rtn(w.T, group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0)
+        q, zero, scale = quantize_rtn(w.T, group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0,
+                                      ml_dtypes.bfloat16 if method == "compressed-tensors" else np.float16)
         k = q.shape[0]
         group_of = np.arange(k) // group
         exact[name] = np.ascontiguousarray((scale.astype(np.float32)[group_of]
@@ -364,14 +368,25 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
             stored_zero = zero - (1 if checkpoint_format == "gptq" else 0)
             packed |= {module + ".qweight": pack_nibbles(q, 0), module + ".qzeros": pack_nibbles(stored_zero, 1),
                        module + ".scales": scale, module + ".g_idx": (np.arange(k) // group).astype(np.int32)}
-        else:
+        elif method == "awq":
             packed |= {module + ".qweight": pack_nibbles(q, 1, AWQ_ORDER),
                        module + ".qzeros": pack_nibbles(zero, 1, AWQ_ORDER), module + ".scales": scale}
+        else:  # [out, ...]; the values (and zero points) as signed ones plus 8: q and zero here
+            packed |= {module + ".weight_packed": pack_nibbles(q.T, 1), module + ".weight_scale": scale.T,
+                       module + ".weight_shape": np.array(w.shape, np.int32)}
+            if not sym:
+                packed[module + ".weight_zero_point"] = pack_nibbles(zero.T, 0)
     if method == "gptq":
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": sym,
               "checkpoint_format": checkpoint_format, "lm_head": lm_head}
-    else:
+    elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    else:
+        scheme = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                  "weights": {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
+                              "group_size": group, "dynamic": False, "actorder": None}}
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
     folders = (out / f"{hf_folder.name}-{method}-g{group}", out / f"{hf_folder.name}-{method}-g{group}-dequantized")
     packed = {name: np.ascontiguousarray(a) for name, a in packed.items()}  # safetensors writes the buffer as laid out
     for folder, weights, extra in zip(folders, (packed, exact), ({"quantization_config": qc}, {})):
@@ -573,9 +588,9 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
-    parser.add_argument("--quantize", choices=("gptq", "awq"), default=None,
-                        help="also write each model as a 4-bit GPTQ / AWQ checkpoint (round to nearest), and the "
-                             "float32 checkpoint of the weights it stands for")
+    parser.add_argument("--quantize", choices=("gptq", "awq", "compressed-tensors"), default=None,
+                        help="also write each model as a 4-bit GPTQ / AWQ / compressed-tensors checkpoint (round to "
+                             "nearest), and the float32 checkpoint of the weights it stands for")
     parser.add_argument("--group", type=int, default=128, help="--quantize: inputs per scale")
     args = parser.parse_args()
     for name in args.arch.split(","):

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints (jaxllm.loaders.prequantized): their 4-bit groups kept as
+"""GPTQ, AWQ and compressed-tensors (W4A16) checkpoints (jaxllm.loaders.prequantized): their 4-bit
 jaxllm's int4 formats, the weights exactly the checkpoint's."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from tests.conftest import make_test_model
 from tests.test_quant import _engine_numbers
 
 # (method, group, symmetric, checkpoint_format): GPTQ's original format stores zero - 1
-CASES = [("gptq", 64, False, "gptq"), ("awq", 32, False, "gptq"),
-         pytest.param("gptq", 128, True, "gptq_v2", marks=pytest.mark.slow)]
+CASES = [("gptq", 64, False, "gptq"), ("awq", 32, False, "gptq"), ("compressed-tensors", 64, True, ""),
+         pytest.param("gptq", 128, True, "gptq_v2", marks=pytest.mark.slow),
+         pytest.param("compressed-tensors", 32, False, "", marks=pytest.mark.slow)]
 
 
 def _word(nibbles) -> np.int32:
@@ -42,6 +43,14 @@ def test_the_packed_layouts_unpack_as_gptq_and_awq_define_them():
     one = stored_projection(gptq, stored.get, "m")
     assert one.zeros[0].tolist() == list(range(1, 9))
     np.testing.assert_array_equal(one.weight()[:, 3], 0.5 * (15 - 4))
+    # compressed-tensors [out, in / 8], signed values stored plus 8 (compressed_tensors.pack_to_int32): one row
+    # of inputs -8..-1, symmetric (zero 0); asymmetric zero points packed along the outputs
+    ct = CheckpointQuantization("compressed-tensors", 8, 0, symmetric=True)
+    stored = {"m.weight_packed": np.array([[_word(range(8))]] * 8), "m.weight_scale": np.ones((8, 1), np.float32)}
+    np.testing.assert_array_equal(stored_projection(ct, stored.get, "m").weight()[:, 0], np.arange(-8, 0))
+    stored["m.weight_zero_point"] = np.array([[_word(range(8))]])  # outputs 0..7: zero points -8..-1
+    asym = stored_projection(CheckpointQuantization("compressed-tensors", 8, 0), stored.get, "m")
+    np.testing.assert_array_equal(asym.weight()[0], -8 - np.arange(-8, 0))
 
 
 @pytest.mark.parametrize("method,group,sym,fmt", CASES)
@@ -74,8 +83,12 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
     with pytest.raises(ValueError, match="re-quantize"):
         load_model(qc, "float32", quantization="int8")
     config = json.loads((qc / "config.json").read_text())
+    w8a8 = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    w8a8_scheme = {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                                           "input_activations": {"num_bits": 8, "dynamic": True}}}}
     for change, message in (({"quant_method": "bitsandbytes"}, "bitsandbytes"), ({"bits": 8}, "8-bit"),
-                            ({"group_size": 48}, "group_size 48"), ({"checkpoint_format": "marlin"}, "marlin")):
+                            ({"group_size": 48}, "group_size 48"), ({"checkpoint_format": "marlin"}, "marlin"),
+                            (w8a8, "int-quantized"), (w8a8 | w8a8_scheme | {"format": "pack-quantized"}, "W8A8")):
         (qc / "config.json").write_text(json.dumps(config | {"quantization_config": config["quantization_config"]
                                                              | change}))
         with pytest.raises(PrequantizedError, match=message):

@@ -49,7 +49,7 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     "q4_1" quantize a float checkpoint's projections after loading (the conversion cache
     keeps the float weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps
     those blocks, one of mixed block types keeps them as "gguf_int8" (and its conversion
-    holds them so), a GPTQ / AWQ checkpoint its 4-bit groups (int4, int4_g64, int4_g32),
+    holds them so), a GPTQ / AWQ / compressed-tensors checkpoint its 4-bit groups (int4, int4_g64, int4_g32),
     unless it is "none" (`_gguf_quantization`, `_folder_config`); the
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
@@ -143,7 +143,7 @@ def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = Fal
 
 
 def _folder_config(path: Path, quantization: str | None) -> ModelConfig:
-    """A folder's config, with the projections a GPTQ / AWQ checkpoint stores quantized
+    """A folder's config, with the projections a GPTQ / AWQ / compressed-tensors checkpoint stores quantized
     held so, unless `quantization` is "none" (dequantized at load)."""
     cfg = ModelConfig.from_hf_folder(path)
     quant = read_quantization(path)

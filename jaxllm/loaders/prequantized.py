@@ -1,6 +1,8 @@
-"""HF checkpoints quantized by GPTQ or AWQ: a model folder whose config.json has a
-`quantization_config` with `quant_method` "gptq" or "awq" (AutoGPTQ / GPTQModel,
-AutoAWQ, llm-awq's GEMM layout: what vLLM's `gptq` and `awq` methods read).
+"""HF checkpoints quantized to 4 bits by GPTQ, AWQ or llm-compressor: a model folder
+whose config.json has a `quantization_config` with `quant_method` "gptq" (AutoGPTQ /
+GPTQModel), "awq" (AutoAWQ, llm-awq's GEMM layout) or "compressed-tensors" (its
+"pack-quantized" format, weight-only W4A16): what vLLM's `gptq`, `awq` and
+`compressed-tensors` methods read.
 
 Each quantized projection `<module>.weight` is stored as
 - `qweight` int32, 4-bit values eight to a word: GPTQ packs along the inputs ([in / 8,
@@ -13,10 +15,15 @@ Each quantized projection `<module>.weight` is stored as
 - GPTQ's `g_idx` int32 [in]: each input's group (i // group unless the checkpoint was
   quantized in activation order, `desc_act`).
 
+compressed-tensors names them `weight_packed` (int32 [out, in / 8], packed along the
+inputs, each value stored plus 8), `weight_scale` ([out, in / group], the model's float
+dtype), `weight_zero_point` (asymmetric only: int32 [out / 8, in / group], packed along
+the outputs, plus 8 too; symmetric: zero) and `weight_g_idx` (activation order).
+
 The weight is `scale * (q - zero)`. jaxllm holds it in its int4 formats (4-bit values, a
 float32 scale and min per group: min = -scale * zero), whose kernels compute each weight
-as fl(fl(scale * q) + min). Both products are exact in float32 (a float16 scale times an
-integer below 16) and so is their sum, so the weights the kernels multiply are the
+as fl(fl(scale * q) + min). Both products are exact in float32 (a float16 or bfloat16
+scale times an integer below 16) and so is their sum, so the weights the kernels multiply are the
 checkpoint's exactly: `quantization="none"` (dequantized at load) gives the same
 matrix. Which projections are quantized is read from the checkpoint (a `qweight` beside
 them): an unquantized lm_head or module stays as stored.
@@ -34,12 +41,14 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, declarations
 
-METHODS = ("gptq", "awq")
+METHODS = ("gptq", "awq", "compressed-tensors")
 # jaxllm's format for each group size a checkpoint may have (inputs per scale)
 HELD_FORMATS = {fmt.group: name for name, fmt in QUANT_FORMATS.items() if name.startswith("int4")}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 PACK = 8  # 4-bit values per int32
-SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+# each method's tensors of a projection: values, zero points, scales, g_idx (optional)
+SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales", "g_idx"),
+            "compressed-tensors": ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")}
 
 
 class PrequantizedError(ValueError):
@@ -50,9 +59,15 @@ class PrequantizedError(ValueError):
 class CheckpointQuantization:
     """A checkpoint's `quantization_config`, validated."""
 
-    method: str  # "gptq" or "awq" (4-bit values)
+    method: str  # "gptq", "awq" or "compressed-tensors" (4-bit values)
     group: int  # inputs per scale
     zero_offset: int  # what is added to a stored zero point: 1 in GPTQ's original format
+    symmetric: bool = False  # compressed-tensors: no zero points stored (zero 8 on the stored values)
+
+    @property
+    def marker(self) -> str:
+        """The suffix of the tensor a quantized projection has in place of `weight`."""
+        return SUFFIXES[self.method][0]
 
     @property
     def held(self) -> str:
@@ -65,13 +80,16 @@ class CheckpointQuantization:
         if method not in METHODS:
             raise PrequantizedError(f"{source}: quantization_config quant_method {method!r} is not supported; "
                                     f"jaxllm reads {', '.join(METHODS)} checkpoints (4-bit) and GGUF files")
-        bits = int(_first(qc, ("bits", "w_bit"), 4))
-        group = int(_first(qc, ("group_size", "q_group_size"), 128))
+        weights = _compressed_tensors_weights(qc, source) if method == "compressed-tensors" else qc
+        bits = int(_first(weights, ("bits", "w_bit", "num_bits"), 4))
+        group = int(_first(weights, ("group_size", "q_group_size"), 128))
         if bits != 4:
             raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit only)")
         if group not in HELD_FORMATS:
             raise PrequantizedError(f"{source}: {method} group_size {group} is not supported; jaxllm holds groups "
                                     f"of {', '.join(str(g) for g in sorted(HELD_FORMATS))} inputs")
+        if method == "compressed-tensors":
+            return cls(method, group, 0, bool(weights.get("symmetric", True)))
         if method == "awq":
             version = str(qc.get("version", "gemm")).lower()
             if version != "gemm" or not qc.get("zero_point", True):
@@ -84,6 +102,29 @@ class CheckpointQuantization:
         if qc.get("dynamic"):
             raise PrequantizedError(f"{source}: GPTQ per-module overrides (dynamic) are not supported")
         return cls(method, group, 1 if fmt == "gptq" else 0)  # desc_act: read from each g_idx
+
+
+def _compressed_tensors_weights(qc: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """The weights' scheme of a compressed-tensors config, if jaxllm holds it: the
+    pack-quantized format, one config group, integer weights by group, activations not
+    quantized (W4A16), no sparsity."""
+    fmt = qc.get("format")
+    groups = list((qc.get("config_groups") or {}).values())
+    if fmt != "pack-quantized":
+        raise PrequantizedError(f"{source}: compressed-tensors format {fmt!r} is not supported (pack-quantized, "
+                                f"4-bit weight-only)")
+    if len(groups) != 1 or qc.get("sparsity_config"):
+        raise PrequantizedError(f"{source}: compressed-tensors with {len(groups)} config groups"
+                                f"{' and sparsity' if qc.get('sparsity_config') else ''} is not supported (one)")
+    scheme = groups[0]
+    if scheme.get("input_activations") or scheme.get("output_activations"):
+        raise PrequantizedError(f"{source}: compressed-tensors quantizing activations (W8A8, W4A8) is not "
+                                f"supported; weight-only (W4A16) is")
+    weights = scheme.get("weights") or {}
+    if weights.get("type", "int") != "int" or weights.get("strategy") != "group" or weights.get("dynamic"):
+        raise PrequantizedError(f"{source}: compressed-tensors weights of type {weights.get('type')!r}, strategy "
+                                f"{weights.get('strategy')!r} are not supported (int, by group)")
+    return weights
 
 
 def _first(qc: Mapping[str, Any], keys: tuple[str, ...], default):
@@ -107,7 +148,8 @@ def module_of(name: str) -> str | None:
 
 def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]) -> ModelConfig:
     """`cfg` with the projections held as the checkpoint stores them: each declared
-    projection whose tensors all have a `qweight` in `names` in `quant.held`, the ones
+    projection whose tensors all have a `qweight` (`weight_packed`) in `names` in
+    `quant.held`, the ones
     with none as stored (an lm_head GPTQ left in float16, AWQ's modules_to_not_convert);
     one fused from parts stored both ways is an error."""
     quantized = dataclasses.replace(cfg, quantization=quant.held)
@@ -115,14 +157,15 @@ def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]
     for decl in declarations(quantized):
         if not decl.quant:
             continue
-        stored = {f"{module_of(name)}.qweight" in names for one in decl.per_expert() for name, _ in one.hf}
+        stored = {f"{module_of(name)}.{quant.marker}" in names for one in decl.per_expert() for name, _ in one.hf}
         if stored == {True, False}:
             raise PrequantizedError(f"{decl.hf[0][0]}: its parts ({', '.join(n for n, _ in decl.hf)}) are stored "
                                     f"some quantized, some not; jaxllm fuses them into one projection")
         if stored == {False}:
             plain.append((decl.hf[0][0], "none"))
     if len(plain) == len([d for d in declarations(quantized) if d.quant]):
-        raise PrequantizedError(f"the checkpoint's config says {quant.method} but it holds no qweight tensors")
+        raise PrequantizedError(f"the checkpoint's config says {quant.method} but it holds no {quant.marker} "
+                                f"tensors")
     return dataclasses.replace(quantized, tensor_quantization=tuple(plain))
 
 
@@ -151,13 +194,13 @@ class StoredProjection:
 
     q: np.ndarray  # uint8 [in, out]
     zeros: np.ndarray  # int32 [in / group, out]
-    scales: np.ndarray  # float16 [in / group, out]
+    scales: np.ndarray  # float32 [in / group, out] (the checkpoint's float16 or bfloat16 ones, exact)
     group_of: np.ndarray  # int [in]
 
     def weight(self) -> np.ndarray:
         """The float32 [in, out] matrix it stands for, scale * (q - zero) (exact)."""
         g = self.group_of
-        return self.scales[g].astype(np.float32) * (self.q.astype(np.float32) - self.zeros[g].astype(np.float32))
+        return self.scales[g] * (self.q.astype(np.float32) - self.zeros[g].astype(np.float32))
 
     def held(self, group: int, name: str) -> QuantizedWeight:
         """As jaxllm's int4 format holds it, in the HF orientation ([out, in], grouped
@@ -165,7 +208,7 @@ class StoredProjection:
         if not np.array_equal(self.group_of, np.arange(self.q.shape[0]) // group):
             raise PrequantizedError(f"{name}: GPTQ in activation order (desc_act, g_idx not in input order) is not "
                                     f"kept packed; quantization='none' dequantizes it at load")
-        scale = self.scales.astype(np.float32)
+        scale = self.scales
         mins = -(scale * self.zeros.astype(np.float32))
         return QuantizedWeight(np.ascontiguousarray(self.q.T.astype(np.int8)), np.ascontiguousarray(scale.T), group,
                                np.ascontiguousarray(mins.T), bits=4, group_axis=1)
@@ -174,26 +217,34 @@ class StoredProjection:
 def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None],
                       module: str) -> StoredProjection:
     """`module`'s tensors (read by `get`, None when absent) unpacked, shapes checked."""
-    parts = {s: get(f"{module}.{s}") for s in SUFFIXES}
-    missing = [s for s in SUFFIXES[:3] if parts[s] is None]
+    suffixes = SUFFIXES[quant.method]
+    needed = suffixes[:1] + suffixes[2:3] if quant.symmetric else suffixes[:3]
+    parts = {s: get(f"{module}.{s}") for s in suffixes}
+    missing = [s for s in needed if parts[s] is None]
     if missing:
         raise PrequantizedError(f"{module}: {quant.method} tensors missing: {', '.join(missing)}")
-    qweight, qzeros, scales = (np.asarray(parts[s]) for s in SUFFIXES[:3])
+    qweight, qzeros, scales = (None if parts[s] is None else np.asarray(parts[s]) for s in suffixes[:3])
     if quant.method == "gptq":
         q = unpack_int4(qweight, 0)
         zeros = unpack_int4(qzeros, 1).astype(np.int32) + quant.zero_offset
-    else:
+    elif quant.method == "awq":
         q = _awq_columns(unpack_int4(qweight, 1))
         zeros = _awq_columns(unpack_int4(qzeros, 1)).astype(np.int32)
+    else:  # [out, ...] as torch.nn.Linear, each eight padded: values and zero points stored plus 8, so
+        # w = scale * (q - zero) on the stored ones (symmetric: zero 8)
+        out, inputs = scales.shape[0], scales.shape[1] * quant.group
+        q, scales = unpack_int4(qweight, 1)[:, :inputs].T, scales.T
+        zeros = (np.full(scales.shape, 8, np.int32) if quant.symmetric
+                 else unpack_int4(qzeros, 0)[:out].T.astype(np.int32))
     k, n = q.shape
     if scales.shape != (k // quant.group, n) or zeros.shape != scales.shape or k % quant.group:
-        raise PrequantizedError(f"{module}: qweight {qweight.shape}, qzeros {qzeros.shape}, scales {scales.shape} "
-                                f"do not make a {k} x {n} matrix in groups of {quant.group}")
-    g_idx = parts["g_idx"]
+        raise PrequantizedError(f"{module}: {suffixes[0]} {qweight.shape}, zero points {zeros.shape}, scales "
+                                f"{scales.shape} do not make a {k} x {n} matrix in groups of {quant.group}")
+    g_idx = parts[suffixes[3]]
     group_of = np.arange(k) // quant.group if g_idx is None else np.asarray(g_idx).astype(np.int64)
     if group_of.shape != (k,) or group_of.min() < 0 or group_of.max() >= k // quant.group:
         raise PrequantizedError(f"{module}: g_idx of shape {group_of.shape} is not one group per input")
-    return StoredProjection(q, zeros, scales.astype(np.float16), group_of)
+    return StoredProjection(q, zeros, scales.astype(np.float32), group_of)
 
 
 def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None], names: set[str],
@@ -205,7 +256,7 @@ def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndar
 
     def source(name: str):
         module = module_of(name)
-        if module is None or f"{module}.qweight" not in names:
+        if module is None or f"{module}.{quant.marker}" not in names:
             return get(name)
         stored = stored_projection(quant, get, module)
         return stored.held(quant.group, name) if name in held else np.ascontiguousarray(stored.weight().T)
