@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and compressed-tensors (W4A16) checkpoints (jaxllm.loaders.prequantized): their 4-bit
+"""GPTQ, AWQ and compressed-tensors (W4A16) checkpoints (jaxllm.loaders.prequantized): their 4-bit groups kept as
 jaxllm's int4 formats, the weights exactly the checkpoint's."""
 
 from __future__ import annotations
