@@ -28,7 +28,11 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # formats (a scale, for Q4_1 also a min, per 32 inputs); a float checkpoint is
 # quantized at load. A GPTQ / AWQ / compressed-tensors W4A16 checkpoint keeps its 4-bit groups as int4 (128),
 # int4_g64 or int4_g32 (jaxllm.loaders.prequantized).
-QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "q8_0", "q4_0", "q4_1", "gguf_int8")
+# vLLM's names for the methods a checkpoint is stored in: asking one keeps the
+# checkpoint as stored, after checking it is stored so.
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
+QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "q8_0", "q4_0", "q4_1", "gguf_int8",
+                 *CHECKPOINT_METHODS)
 # The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the
 # model's dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is
 # "fp8_e4m3" (vLLM's names), saturated at +-448, no scale.

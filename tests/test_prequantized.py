@@ -82,6 +82,11 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
     qc, _ = make_test_model.write_prequantized(test_models_dir / "llama", tmp_path, "gptq", 64)
     with pytest.raises(ValueError, match="re-quantize"):
         load_model(qc, "float32", quantization="int8")
+    # vLLM's method names: as stored, once the checkpoint is found stored so
+    assert load_model(qc, "float32", quantization="gptq").config.quantization == "int4_g64"
+    for method, path in (("awq", qc), ("gptq", test_models_dir / "llama")):
+        with pytest.raises(ValueError, match=f"quantization '{method}': .* is stored as"):
+            load_model(path, "float32", quantization=method)
     config = json.loads((qc / "config.json").read_text())
     w8a8 = {"quant_method": "compressed-tensors", "format": "int-quantized"}
     w8a8_scheme = {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},

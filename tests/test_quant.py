@@ -12,7 +12,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.loaders import load_model, peek_model_config
 from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear, pack_weight
-from jaxllm.config import QUANTIZATIONS
+from jaxllm.config import CHECKPOINT_METHODS, QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
 from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, mixed_gguf_format,
                                  param_bytes, quantize_blocks,
@@ -175,7 +175,7 @@ def test_auto_runs_int8_weights_on_the_kernel_alone():
 
 
 def test_the_formats_are_the_config_s_choices():
-    assert set(QUANT_FORMATS) == set(QUANTIZATIONS) - {None, "none"}
+    assert set(QUANT_FORMATS) == set(QUANTIZATIONS) - {None, "none", *CHECKPOINT_METHODS}
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, kv_cache_format
-from jaxllm.config import ModelConfig
+from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
@@ -147,8 +147,8 @@ def draft_block_bytes(config: EngineConfig, draft: LoadedModel) -> int:
 
 def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
     """A model loaded by the caller, quantized as the engine's config asks (one already
-    quantized so, or a None ask, as it is)."""
-    if quantization in (None, model.config.quantization):
+    quantized so, a None ask or a checkpoint method's name, as it is)."""
+    if quantization in (None, model.config.quantization, *CHECKPOINT_METHODS):
         return model
     if model.config.quantization is not None:
         raise ValueError(f"quantization: {quantization!r} asked for a model loaded with {model.config.quantization!r}")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
@@ -53,8 +53,8 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     unless it is "none" (`_gguf_quantization`, `_folder_config`); the
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
-    check_quantization(quantization)
     path = model_path(model)
+    quantization = _as_stored(path, quantization)
     compute_dtype = resolve_dtype(dtype)
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
@@ -84,11 +84,30 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     already converted in `conversion_cache_dir`); None otherwise. It lets the engine
     load its compiled executables, which need only shapes, while the weights load."""
     path = model_path(model)
+    quantization = _as_stored(path, quantization)
     folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
     cfg = _folder_config(folder, quantization)  # a GGUF's kept blocks, GPTQ / AWQ groups: quantized as stored
     return cfg if cfg.quantization is not None else quantized_config(cfg, quantization)
+
+
+def _as_stored(path: Path, quantization: str | None) -> str | None:
+    """`quantization` checked (jaxllm.config.QUANTIZATIONS); a checkpoint method's name
+    (vLLM's "gptq", "awq", "compressed-tensors", "gguf") is None, as stored, once the
+    checkpoint is found stored so."""
+    check_quantization(quantization)
+    if quantization not in CHECKPOINT_METHODS:
+        return quantization
+    if path.is_file() and path.suffix == ".gguf":
+        stored = "gguf"
+    else:
+        method = read_quantization(path) if path.is_dir() else None
+        stored = method.method if method is not None else None
+    if stored != quantization:
+        raise ValueError(f"quantization {quantization!r}: {path} is stored as {stored or 'float weights'}, not "
+                         f"{quantization}; leave quantization unset to load it as stored")
+    return None
 
 
 def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,
