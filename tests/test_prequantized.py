@@ -60,7 +60,9 @@ def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_d
     the engine's tokens and logprobs are those of the float32 checkpoint of the very
     weights it stands for, scale * (q - zero), bit for bit through the kernel; the
     kernel's panels an eighth of the float ones; `quantization="none"` dequantizes them."""
-    qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, group, sym, fmt)
+    lm_head = fmt == "gptq_v2"  # GPTQModel's lm_head=True: the head quantized too
+    qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, group, sym, fmt,
+                                                   lm_head)
     model = load_model(qc, "float32")
     held = {32: "int4_g32", 64: "int4_g64", 128: "int4"}[group]
     assert model.config.quantization == held and peek_model_config(qc).quantization == held
@@ -68,7 +70,7 @@ def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_d
     assert isinstance(w, QuantizedWeight) and w.group == group and w.bits == 4
     float_model = load_model(exact, "float32")
     np.testing.assert_array_equal(dequantize(w), float_model.params.layers[1].wqkv)
-    assert not isinstance(model.params.lm_head, QuantizedWeight)  # left in float by GPTQ and AWQ alike
+    assert isinstance(model.params.lm_head, QuantizedWeight) == lm_head  # else left in float, as stored
     layers = lambda m: sum(a.nbytes for a in jax.tree.leaves(m.params.layers))  # noqa: E731
     assert layers(model) < layers(float_model) / 3  # int8 values until packed: the kernel's panels hold 4 bits
     assert pack_weight(w).panels.nbytes * 8 == pack_weight(float_model.params.layers[1].wqkv).panels.nbytes
