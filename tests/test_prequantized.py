@@ -121,3 +121,20 @@ def test_a_kept_gptq_checkpoint_shards_for_tensor_parallelism(test_models_dir, t
 
     qc, _ = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, "gptq", 64)
     multidevice.run("tp_logits_match", str(qc), "2", "cpu", "", devices=2)
+
+
+def test_none_dequantizes_a_converted_checkpoint_that_holds_quantized_weights(test_models_dir, tmp_path):
+    """A converted (orbax) checkpoint of kept groups restores them kept; `quantization=
+    "none"` gives the float weights they stand for, and the config peeked says so too
+    (it used to keep them quantized)."""
+    from jaxllm.loaders.checkpoint import save_checkpoint
+
+    qc, exact = make_test_model.write_prequantized(test_models_dir / "llama", tmp_path, "awq", 64)
+    model = load_model(qc, "float32")
+    save_checkpoint(tmp_path / "converted", model.config, model.params, model.tokenizer, source=str(qc))
+    assert load_model(tmp_path / "converted", "float32").config.quantization == "int4_g64"
+    plain = load_model(tmp_path / "converted", "float32", quantization="none")
+    assert plain.config.quantization is None and peek_model_config(tmp_path / "converted", quantization="none"
+                                                                   ).quantization is None
+    for got, want in zip(jax.tree.leaves(plain.params), jax.tree.leaves(load_model(exact, "float32").params)):
+        np.testing.assert_array_equal(got, want)

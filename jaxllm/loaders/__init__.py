@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
@@ -19,8 +22,8 @@ from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names
 from jaxllm.loaders.prequantized import held_config, read_quantization
 from jaxllm.loaders.weights import CheckpointError
-from jaxllm.models.params import ModelParams
-from jaxllm.models.quant import check_quantization, quantize_params, quantized_config
+from jaxllm.models.params import ModelParams, QuantizedWeight, declare, map_declared
+from jaxllm.models.quant import check_quantization, dequantize, quantize_params, quantized_config
 from jaxllm.platform import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -162,21 +165,43 @@ def _load_gguf(path: Path, dtype, chat_template: str | None, on_host: bool = Fal
 
 
 def _folder_config(path: Path, quantization: str | None) -> ModelConfig:
-    """A folder's config, with the projections a GPTQ / AWQ / compressed-tensors checkpoint stores quantized
-    held so, unless `quantization` is "none" (dequantized at load)."""
+    """A folder's config as the weights will be held: the projections a GPTQ / AWQ /
+    compressed-tensors checkpoint (or a converted one) stores quantized held so, unless
+    `quantization` is "none" (everything dequantized at load)."""
     cfg = ModelConfig.from_hf_folder(path)
+    if quantization == "none":
+        return _unquantized(cfg)
     quant = read_quantization(path)
-    if quant is None or quantization == "none":
-        return cfg
-    return held_config(cfg, quant, tensor_names(path))
+    return cfg if quant is None else held_config(cfg, quant, tensor_names(path))
+
+
+def _unquantized(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, quantization=None, embed_quantization=None, tensor_quantization=())
 
 
 def _load_folder(path: Path, dtype, chat_template: str | None, on_host: bool = False,
                  quantization: str | None = None):
     cfg = _folder_config(path, quantization)
-    params = (restore_params(path, cfg, dtype, on_host) if is_converted_checkpoint(path)
-              else load_hf_params(path, cfg, dtype, on_host))
+    if is_converted_checkpoint(path):  # restored as stored; "none" then dequantizes what it holds quantized
+        stored = ModelConfig.from_hf_folder(path)
+        params = restore_params(path, stored, dtype, on_host)
+        if stored != cfg:
+            params = _dequantized(stored, params, dtype, on_host)
+    else:
+        params = load_hf_params(path, cfg, dtype, on_host)
     return cfg, params, load_hf_tokenizer(path, chat_template)
+
+
+def _dequantized(cfg: ModelConfig, params: ModelParams, dtype, on_host: bool) -> ModelParams:
+    """Every quantized parameter of `cfg`'s `params` as the `dtype` matrix it stands for."""
+
+    def plain(decl, array):
+        if not isinstance(array, QuantizedWeight):
+            return array
+        w = np.asarray(dequantize(array), np.float32)
+        return w.astype(jnp.dtype(dtype)) if on_host else jnp.asarray(w, dtype)
+
+    return map_declared(plain, declare(cfg), params)
 
 
 # What a conversion of a GGUF holds, by version: a change to which tensors are kept as
