@@ -339,13 +339,18 @@ def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.nda
 
 
 def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: int = 128, sym: bool = False,
-                       checkpoint_format: str = "gptq", lm_head: bool = False) -> tuple[Path, Path]:
+                       checkpoint_format: str = "gptq", lm_head: bool = False, act_order: bool = False
+                       ) -> tuple[Path, Path]:
     """`hf_folder`'s float model as a GPTQ, AWQ or compressed-tensors (pack-quantized,
     W4A16, bfloat16 scales) checkpoint (round to nearest, 4 bits, `group` inputs per
     scale: the tensors and quantization_config those tools write; GPTQ's "gptq"
     checkpoint_format stores each zero point less one), and beside it the float32
     checkpoint of exactly the weights it stands for, scale * (q - zero) (the oracle of a
-    load that keeps the groups). Returns (quantized folder, float folder)."""
+    load that keeps the groups). `act_order` (GPTQ, compressed-tensors): the groups are
+    formed in a random order of the inputs (one per input: q, k and v share theirs, as
+    gate and up do), as GPTQ's desc_act forms them in the activations' order, and g_idx
+    records each input's. Returns (quantized folder, float folder)."""
+    import zlib
     import shutil
 
     import ml_dtypes
@@ -358,16 +363,23 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
         if not (module.split(".")[-1] in PROJECTIONS or (lm_head and name == "lm_head.weight")):
             packed[name] = exact[name] = w
             continue
-        q, zero, scale = quantize_rtn(w.T, group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0,
-                                      ml_dtypes.bfloat16 if method == "compressed-tensors" else np.float16)
-        k = q.shape[0]
-        group_of = np.arange(k) // group
+        k = w.shape[1]
+        order = np.arange(k)
+        if act_order:  # the same order for the projections of one input
+            shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}
+            key = module.rsplit(".", 2)[0] + shared.get(module.split(".")[-1], module.split(".")[-1])
+            order = np.random.default_rng(zlib.crc32(key.encode())).permutation(k)
+        q_sorted, zero, scale = quantize_rtn(
+            w.T[order], group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0,
+            ml_dtypes.bfloat16 if method == "compressed-tensors" else np.float16)
+        q, group_of = np.empty_like(q_sorted), np.empty(k, np.int64)
+        q[order], group_of[order] = q_sorted, np.arange(k) // group
         exact[name] = np.ascontiguousarray((scale.astype(np.float32)[group_of]
                                             * (q.astype(np.float32) - zero[group_of].astype(np.float32))).T)
         if method == "gptq":
             stored_zero = zero - (1 if checkpoint_format == "gptq" else 0)
             packed |= {module + ".qweight": pack_nibbles(q, 0), module + ".qzeros": pack_nibbles(stored_zero, 1),
-                       module + ".scales": scale, module + ".g_idx": (np.arange(k) // group).astype(np.int32)}
+                       module + ".scales": scale, module + ".g_idx": group_of.astype(np.int32)}
         elif method == "awq":
             packed |= {module + ".qweight": pack_nibbles(q, 1, AWQ_ORDER),
                        module + ".qzeros": pack_nibbles(zero, 1, AWQ_ORDER), module + ".scales": scale}
@@ -376,15 +388,17 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
                        module + ".weight_shape": np.array(w.shape, np.int32)}
             if not sym:
                 packed[module + ".weight_zero_point"] = pack_nibbles(zero.T, 0)
+            if act_order:
+                packed[module + ".weight_g_idx"] = group_of.astype(np.int32)
     if method == "gptq":
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": sym,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
               "checkpoint_format": checkpoint_format, "lm_head": lm_head}
     elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
         scheme = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                   "weights": {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
-                              "group_size": group, "dynamic": False, "actorder": None}}
+                              "group_size": group, "dynamic": False, "actorder": "group" if act_order else None}}
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
               "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
     folders = (out / f"{hf_folder.name}-{method}-g{group}", out / f"{hf_folder.name}-{method}-g{group}-dequantized")

@@ -101,14 +101,15 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
         with pytest.raises(PrequantizedError, match=message):
             load_model(qc, "float32")
     (qc / "config.json").write_text(json.dumps(config))
-    # activation order: inputs whose groups are shuffled are refused kept, and dequantized with "none"
+    # activation order: q alone in another order than k and v (jaxllm fuses them) is refused kept, and
+    # dequantized with "none"
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(str(qc / "model.safetensors"))
-    name = "model.layers.0.mlp.down_proj.g_idx"
+    name = "model.layers.0.self_attn.q_proj.g_idx"
     tensors[name] = np.random.default_rng(0).permutation(tensors[name])
     save_file(tensors, str(qc / "model.safetensors"))
-    with pytest.raises(PrequantizedError, match="desc_act"):
+    with pytest.raises(PrequantizedError, match="different activation orders"):
         load_model(qc, "float32")
     assert load_model(qc, "float32", quantization="none").config.quantization is None
 
@@ -138,3 +139,26 @@ def test_none_dequantizes_a_converted_checkpoint_that_holds_quantized_weights(te
                                                                    ).quantization is None
     for got, want in zip(jax.tree.leaves(plain.params), jax.tree.leaves(load_model(exact, "float32").params)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["gptq", pytest.param("compressed-tensors", marks=pytest.mark.slow)])
+def test_a_checkpoint_in_activation_order_is_kept_with_its_inputs_order(test_models_dir, tmp_path, method):
+    """GPTQ's desc_act: each projection's groups formed in another order of its inputs
+    (g_idx). Kept as int4 with its rows sorted by group and that order (`perm`), x's
+    inputs taken in it: the same products as the float32 checkpoint of its weights,
+    summed in another order (logprobs to float32 rounding, greedy tokens equal), through the
+    kernel and XLA. Refused for tensor parallelism (the order crosses any split)."""
+    from jaxllm.models.params import partition_specs
+
+    qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, 64, act_order=True)
+    model = load_model(qc, "float32")
+    assert {f for _, f in model.config.tensor_quantization} == {"int4_g64+act_order", "none"}
+    w = model.params.layers[0].wqkv
+    assert w.perm is not None and sorted(np.asarray(w.perm).tolist()) == list(range(w.shape[0]))
+    np.testing.assert_array_equal(np.asarray(dequantize(w))[np.argsort(np.asarray(w.perm))],
+                                  load_model(exact, "float32").params.layers[0].wqkv)
+    for backend in ("cpu", "xla"):
+        got, want = _engine_numbers(qc, None, backend), _engine_numbers(exact, None, backend)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5, err_msg=backend)  # tokens: exact
+    with pytest.raises(ValueError, match="activation order"):
+        partition_specs(model.config)

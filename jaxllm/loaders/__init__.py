@@ -19,7 +19,7 @@ from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
-from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names
+from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names, tensor_reader
 from jaxllm.loaders.prequantized import held_config, read_quantization
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams, QuantizedWeight, declare, map_declared
@@ -172,7 +172,7 @@ def _folder_config(path: Path, quantization: str | None) -> ModelConfig:
     if quantization == "none":
         return _unquantized(cfg)
     quant = read_quantization(path)
-    return cfg if quant is None else held_config(cfg, quant, tensor_names(path))
+    return cfg if quant is None else held_config(cfg, quant, tensor_names(path), tensor_reader(path))
 
 
 def _unquantized(cfg: ModelConfig) -> ModelConfig:

@@ -50,6 +50,24 @@ def tensor_names(folder: str | Path) -> set[str]:
         raise CheckpointError(f"{folder / SINGLE_FILE}: cannot read safetensors file ({e})") from None
 
 
+def tensor_reader(folder: str | Path):
+    """A function reading one of the folder's tensors by name (None when absent), each
+    read opening its file (for a few small tensors: a GPTQ checkpoint's g_idx)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+
+    def read(name: str):
+        path = files.get(name) if files else folder / SINGLE_FILE
+        if path is None:
+            return None
+        with safe_open(str(path), framework="np") as f:
+            return f.get_tensor(name) if name in f.keys() else None
+
+    return read
+
+
 def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
     """The folder's weights for `cfg`. A GPTQ / AWQ checkpoint's packed projections are
     kept where `cfg` declares them quantized, else dequantized (jaxllm.loaders.prequantized)."""

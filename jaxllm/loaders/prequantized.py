@@ -25,7 +25,10 @@ float32 scale and min per group: min = -scale * zero), whose kernels compute eac
 as fl(fl(scale * q) + min). Both products are exact in float32 (a float16 or bfloat16
 scale times an integer below 16) and so is their sum, so the weights the kernels multiply are the
 checkpoint's exactly: `quantization="none"` (dequantized at load) gives the same
-matrix. Which projections are quantized is read from the checkpoint (a `qweight` beside
+matrix. A projection in activation order (g_idx not i // group) is held with its rows
+sorted by group and that order of its inputs (`QuantizedWeight.perm`: `linear` takes x's
+inputs in it), marked in the config's `tensor_quantization` ("int4+act_order") so that
+the declaration, and with it the abstract params, carry the order too. Which projections are quantized is read from the checkpoint (a `qweight` beside
 them): an unquantized lm_head or module stays as stored.
 """
 
@@ -39,7 +42,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, declarations
+from jaxllm.models.params import ACT_ORDER, QUANT_FORMATS, QuantizedWeight, declarations
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 # jaxllm's format for each group size a checkpoint may have (inputs per scale)
@@ -146,14 +149,15 @@ def module_of(name: str) -> str | None:
     return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
-def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]) -> ModelConfig:
+def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str],
+                get: Callable[[str], np.ndarray | None]) -> ModelConfig:
     """`cfg` with the projections held as the checkpoint stores them: each declared
     projection whose tensors all have a `qweight` (`weight_packed`) in `names` in
-    `quant.held`, the ones
-    with none as stored (an lm_head GPTQ left in float16, AWQ's modules_to_not_convert);
-    one fused from parts stored both ways is an error."""
+    `quant.held`, the ones with none as stored (an lm_head GPTQ left in float16, AWQ's
+    modules_to_not_convert); one fused from parts stored both ways is an error. A
+    projection in activation order (its g_idx, read by `get`) is marked so."""
     quantized = dataclasses.replace(cfg, quantization=quant.held)
-    plain = []
+    own = []
     for decl in declarations(quantized):
         if not decl.quant:
             continue
@@ -162,11 +166,32 @@ def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]
             raise PrequantizedError(f"{decl.hf[0][0]}: its parts ({', '.join(n for n, _ in decl.hf)}) are stored "
                                     f"some quantized, some not; jaxllm fuses them into one projection")
         if stored == {False}:
-            plain.append((decl.hf[0][0], "none"))
-    if len(plain) == len([d for d in declarations(quantized) if d.quant]):
+            own.append((decl.hf[0][0], "none"))
+        elif _in_activation_order(quant, decl, get):
+            own.append((decl.hf[0][0], f"{quant.held}+{ACT_ORDER}"))
+    if sum(f == "none" for _, f in own) == len([d for d in declarations(quantized) if d.quant]):
         raise PrequantizedError(f"the checkpoint's config says {quant.method} but it holds no {quant.marker} "
                                 f"tensors")
-    return dataclasses.replace(quantized, tensor_quantization=tuple(plain))
+    return dataclasses.replace(quantized, tensor_quantization=tuple(own))
+
+
+def _in_activation_order(quant: CheckpointQuantization, decl, get: Callable[[str], np.ndarray | None]) -> bool:
+    """Whether a declared projection's parts are stored in activation order (their g_idx
+    not the inputs' own): then they must share one order, and not be a mixture's
+    experts or the output projection."""
+    g_idx = SUFFIXES[quant.method][3]
+    orders = [get(f"{module_of(name)}.{g_idx}") for one in decl.per_expert() for name, _ in one.hf]
+    if all(o is None or np.array_equal(o, np.arange(len(o)) // quant.group) for o in orders):
+        return False
+    name = decl.hf[0][0]
+    if decl.experts or not name.startswith("model.layers.") or any(o is None for o in orders):
+        raise PrequantizedError(f"{name}: activation order (desc_act) is kept for a layer's dense projections "
+                                f"only; quantization='none' dequantizes it at load")
+    if any(not np.array_equal(np.argsort(o, kind="stable"), np.argsort(orders[0], kind="stable")) for o in orders):
+        raise PrequantizedError(f"{name}: its parts ({', '.join(n for n, _ in decl.hf)}) are in different "
+                                f"activation orders; jaxllm fuses them into one projection; quantization='none' "
+                                f"dequantizes them at load")
+    return True
 
 
 def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
@@ -202,16 +227,27 @@ class StoredProjection:
         g = self.group_of
         return self.scales[g] * (self.q.astype(np.float32) - self.zeros[g].astype(np.float32))
 
+    def perm(self, group: int, name: str) -> np.ndarray | None:
+        """The order of the inputs that makes each group's consecutive (activation order:
+        GPTQ's desc_act), or None where they already are."""
+        k = self.q.shape[0]
+        if np.array_equal(self.group_of, np.arange(k) // group):
+            return None
+        perm = np.argsort(self.group_of, kind="stable").astype(np.int32)
+        if not np.array_equal(self.group_of[perm], np.arange(k) // group):
+            raise PrequantizedError(f"{name}: g_idx puts other than {group} inputs in a group")
+        return perm
+
     def held(self, group: int, name: str) -> QuantizedWeight:
         """As jaxllm's int4 format holds it, in the HF orientation ([out, in], grouped
-        along the inputs): values, float32 scales and mins -scale * zero."""
-        if not np.array_equal(self.group_of, np.arange(self.q.shape[0]) // group):
-            raise PrequantizedError(f"{name}: GPTQ in activation order (desc_act, g_idx not in input order) is not "
-                                    f"kept packed; quantization='none' dequantizes it at load")
+        along the inputs): values, float32 scales and mins -scale * zero; in activation
+        order, its inputs sorted by group, with their order (`perm`)."""
         scale = self.scales
         mins = -(scale * self.zeros.astype(np.float32))
-        return QuantizedWeight(np.ascontiguousarray(self.q.T.astype(np.int8)), np.ascontiguousarray(scale.T), group,
-                               np.ascontiguousarray(mins.T), bits=4, group_axis=1)
+        perm = self.perm(group, name)
+        q = self.q if perm is None else self.q[perm]
+        return QuantizedWeight(np.ascontiguousarray(q.T.astype(np.int8)), np.ascontiguousarray(scale.T), group,
+                               np.ascontiguousarray(mins.T), bits=4, group_axis=1, perm=perm)
 
 
 def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None],

@@ -79,12 +79,17 @@ def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> 
     transposed and fused like a float one, values, scales and mins alike."""
     if not all(isinstance(p, QuantizedWeight) and p.group and p.group_axis == 1 for p in parts):
         raise CheckpointError(f"{where}: {decl.hf[0][0]} is declared {decl.quant} but not stored so")
+    if (parts[0].perm is not None) != decl.act_order or any(
+            not np.array_equal(p.perm, parts[0].perm) for p in parts if p.perm is not None):
+        raise CheckpointError(f"{where}: {decl.hf[0][0]}'s parts are not in the activation order declared")
     if decl.transposed:
         parts = [p.transposed().map_arrays(np.ascontiguousarray) for p in parts]
     fused_field = lambda field: fuse([getattr(p, field) for p in parts])  # noqa: E731
     fused = parts[0].replace(q=fused_field("q"), scale=fused_field("scale"),
                              mins=None if parts[0].mins is None else fused_field("mins"))
-    return fused if on_host else fused.map_arrays(jnp.asarray)
+    if on_host:
+        return fused
+    return fused.map_arrays(jnp.asarray).replace(perm=None if fused.perm is None else jnp.asarray(fused.perm))
 
 
 def params_to_hf_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, np.ndarray]:

@@ -137,7 +137,7 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
         return jnp.asarray(scale)
 
     return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins),
-                          float_dtype=w.float_dtype, activations=w.activations)
+                          float_dtype=w.float_dtype, activations=w.activations, perm=w.perm)
 
 
 def _nibble_panels(panels, offset: int, dot: bool):
@@ -201,7 +201,10 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, row
     `rows` (packed weights, x [T, K]): only x's first `rows` rows are multiplied, the
     rest of y is zeros: a step's real tokens, its bucket's padding after them (the
     grouped kernel over one expert of `rows` rows: the same sums as the dense call's).
-    Other weights compute every row."""
+    Other weights compute every row. A weight in activation order (`perm`: its rows
+    sorted by group) multiplies x's inputs in that order."""
+    if isinstance(w, (QuantizedWeight, PackedWeight)) and w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
     if isinstance(w, QuantizedWeight):
         if w.kernel == "pallas":
             return _pallas_linear(x, w, preferred_element_type)

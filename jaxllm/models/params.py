@@ -87,6 +87,7 @@ class PackedWeight:
     # kernels are built with AVX512_BF16, or (False) by the float tiles; the same sums either way
     # (jaxllm/cpu_kernels/dense.cc), the faster chosen at start-up (jaxllm.worker.autotune)
     bf16_dot: bool = struct.field(pytree_node=False, default=True)
+    perm: Int[Array, "K"] | None = None  # QuantizedWeight's (activation order)
 
     @property
     def in_features(self) -> int:
@@ -122,6 +123,9 @@ class QuantizedWeight:
     # jaxllm.models.quant; EngineConfig.activation_quantization), in integer dot products;
     # "float": as the float matrix it stands for.
     activations: str = struct.field(pytree_node=False, default="float")
+    # A checkpoint quantized in activation order (GPTQ's desc_act): its rows (inputs) sorted
+    # so that each group's are consecutive; x @ w is then x[..., perm] @ q (jaxllm.models.linear)
+    perm: Int[Array, "K"] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -207,6 +211,7 @@ class ParamDecl:
     transposed: bool = False
     kv_parts: tuple[int, ...] = ()  # which of `hf` hold K/V heads (replicated when shards outnumber them)
     quant: str | None = None  # a projection held quantized (a QUANT_FORMATS name: QuantizedWeight); None: as loaded
+    act_order: bool = False  # its rows sorted by group, with the permutation of its inputs (QuantizedWeight.perm)
     experts: int = 0  # > 0: stacked along a leading axis from `experts` tensors each, `hf` names holding "{e}"
 
     def __post_init__(self) -> None:
@@ -235,6 +240,9 @@ class ParamDecl:
 AXES = ("vocab", "embed", "qkv", "heads", "mlp", "head_dim", "expert")
 
 
+ACT_ORDER = "act_order"  # a tensor_quantization format's suffix: the projection's rows sorted by group
+
+
 def declare(cfg: ModelConfig) -> ModelParams:
     """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves; each
     quantized projection in `cfg.quantization`'s format, or in the one
@@ -245,8 +253,8 @@ def declare(cfg: ModelConfig) -> ModelParams:
     formats = dict(cfg.tensor_quantization)
 
     def own(d: ParamDecl) -> ParamDecl:  # "none": a projection the checkpoint stores unquantized
-        quant = formats.get(d.hf[0][0], d.quant) if d.quant else None
-        return dataclasses.replace(d, quant=None if quant == "none" else quant)
+        quant, order, _ = (formats.get(d.hf[0][0], d.quant) if d.quant else "none").partition(f"+{ACT_ORDER}")
+        return dataclasses.replace(d, quant=None if quant == "none" else quant, act_order=bool(order))
 
     return jax.tree.map(own, decls, is_leaf=lambda x: isinstance(x, ParamDecl))
 
@@ -355,8 +363,9 @@ def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
     else:
         scale_shape = (a // fmt.group, b) if layout["group_axis"] == 0 else (a, b // fmt.group)
     scale = jax.ShapeDtypeStruct((*experts, *scale_shape), jnp.dtype(fmt.scale_dtype))
+    perm = jax.ShapeDtypeStruct((a,), jnp.int32) if decl.act_order else None
     return QuantizedWeight(jax.ShapeDtypeStruct(decl.shape, jnp.int8), scale, mins=scale if fmt.mins else None,
-                           **layout)
+                           perm=perm, **layout)
 
 
 # Tensor parallelism over a mesh axis named "model" (Megatron's layout): q/k/v and
@@ -375,6 +384,9 @@ def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RU
         if not decl.quant:
             return whole
         fmt = QUANT_FORMATS[decl.quant]
+        if decl.act_order:  # the inputs' permutation crosses any split of them
+            raise ValueError(f"{decl.hf[0][0]}: a checkpoint quantized in activation order (desc_act) is not "
+                             f"sharded for tensor parallelism; quantization='none' dequantizes it at load")
         if fmt.group:  # [K / group, N] ([V, D / group]): the groups split with their axis, as the values do
             return QuantizedWeight(whole, whole, mins=whole if fmt.mins else None, **quantized_layout(decl))
         per_column = (*decl.axes[:-2], decl.axes[-1])  # [.., N]: a mixture's experts, then the columns
