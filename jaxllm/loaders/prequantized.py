@@ -55,7 +55,7 @@ SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight",
 
 
 class PrequantizedError(ValueError):
-    """A GPTQ / AWQ checkpoint jaxllm cannot hold as it is stored."""
+    """A GPTQ / AWQ / compressed-tensors checkpoint jaxllm cannot hold as it is stored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +135,8 @@ def _first(qc: Mapping[str, Any], keys: tuple[str, ...], default):
 
 
 def read_quantization(folder: str | Path) -> CheckpointQuantization | None:
-    """The folder's GPTQ / AWQ quantization, or None for a float (or jaxllm-converted)
-    checkpoint."""
+    """The folder's GPTQ / AWQ / compressed-tensors quantization, or None for a float (or
+    jaxllm-converted) checkpoint."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
