@@ -23,13 +23,14 @@ the outputs, plus 8 too; symmetric: zero) and `weight_g_idx` (activation order).
 The weight is `scale * (q - zero)`. jaxllm holds it in its int4 formats (4-bit values, a
 float32 scale and min per group: min = -scale * zero), whose kernels compute each weight
 as fl(fl(scale * q) + min). Both products are exact in float32 (a float16 or bfloat16
-scale times an integer below 16) and so is their sum, so the weights the kernels multiply are the
-checkpoint's exactly: `quantization="none"` (dequantized at load) gives the same
-matrix. A projection in activation order (g_idx not i // group) is held with its rows
-sorted by group and that order of its inputs (`QuantizedWeight.perm`: `linear` takes x's
-inputs in it), marked in the config's `tensor_quantization` ("int4+act_order") so that
-the declaration, and with it the abstract params, carry the order too. Which projections are quantized is read from the checkpoint (a `qweight` beside
-them): an unquantized lm_head or module stays as stored.
+scale times an integer below 16) and so is their sum, so the weights the kernels
+multiply are the checkpoint's exactly: `quantization="none"` (dequantized at load) gives
+the same matrix. A projection in activation order (g_idx not i // group) is held with
+its rows sorted by group and that order of its inputs (`QuantizedWeight.perm`: `linear`
+takes x's inputs in it), marked in the config's `tensor_quantization` ("int4+act_order")
+so that the declaration, and with it the abstract params, carry the order too. Which
+projections are quantized is read from the checkpoint (a `qweight` or `weight_packed`
+beside them): an unquantized lm_head or module stays as stored.
 """
 
 from __future__ import annotations
@@ -157,10 +158,11 @@ def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]
     modules_to_not_convert); one fused from parts stored both ways is an error. A
     projection in activation order (its g_idx, read by `get`) is marked so."""
     quantized = dataclasses.replace(cfg, quantization=quant.held)
-    own = []
+    own, projections = [], 0
     for decl in declarations(quantized):
         if not decl.quant:
             continue
+        projections += 1
         stored = {f"{module_of(name)}.{quant.marker}" in names for one in decl.per_expert() for name, _ in one.hf}
         if stored == {True, False}:
             raise PrequantizedError(f"{decl.hf[0][0]}: its parts ({', '.join(n for n, _ in decl.hf)}) are stored "
@@ -169,7 +171,7 @@ def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str]
             own.append((decl.hf[0][0], "none"))
         elif _in_activation_order(quant, decl, get):
             own.append((decl.hf[0][0], f"{quant.held}+{ACT_ORDER}"))
-    if sum(f == "none" for _, f in own) == len([d for d in declarations(quantized) if d.quant]):
+    if sum(f == "none" for _, f in own) == projections:
         raise PrequantizedError(f"the checkpoint's config says {quant.method} but it holds no {quant.marker} "
                                 f"tensors")
     return dataclasses.replace(quantized, tensor_quantization=tuple(own))
