@@ -411,6 +411,82 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
     return folders
 
 
+# 8-bit schemes write_scaled writes: (quantization_config, weights' QuantizationArgs for compressed-tensors)
+SCALED_SCHEMES = ("w8a16", "w8a8", "w8a16-g32", "fp8-channel", "fp8-block")
+
+
+def _ct_config(fmt: str, weights: dict, activations: dict | None) -> dict:
+    scheme = {"targets": ["Linear"], "input_activations": activations, "output_activations": None,
+              "weights": {"num_bits": 8, "symmetric": True, "dynamic": False, "group_size": None} | weights}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+
+
+def _scaled_8bit(w: np.ndarray, scheme: str, block: tuple[int, int]) -> tuple[dict, np.ndarray]:
+    """One [out, in] projection in `scheme`: its stored tensors (suffixes) and the float32
+    matrix they stand for. int8: symmetric, scale amax / 127 in bfloat16 per block of
+    `block` (rows, inputs; 0 all); FP8: e4m3 values, float32 scales amax / 448."""
+    import ml_dtypes
+
+    out, k = w.shape
+    rows, cols = (b or n for b, n in zip(block, (out, k)))
+    grid = w.astype(np.float32).reshape(-(-out // rows), rows, k // cols, cols)
+    amax = np.abs(grid).max(axis=(1, 3))
+    fp8 = scheme.startswith("fp8")
+    scale = np.where(amax > 0, amax / (448 if fp8 else 127), 1).astype(np.float32 if fp8 else ml_dtypes.bfloat16)
+    s = np.repeat(np.repeat(scale.astype(np.float32), rows, 0), cols, 1)
+    if fp8:
+        values = (w / s).astype(ml_dtypes.float8_e4m3fn)
+    else:
+        values = np.clip(np.round(w / s), -128, 127).astype(np.int8)
+    exact = values.astype(np.float32) * s
+    scale_name = "weight_scale_inv" if scheme == "fp8-block" else "weight_scale"
+    if scheme in ("w8a16", "w8a16-g32"):  # pack-quantized: four values plus 128 to an int32, along the inputs
+        u = (values.astype(np.int16) + 128).astype(np.uint32).reshape(out, k // 4, 4)
+        packed = sum(u[..., j] << np.uint32(8 * j) for j in range(4)).view(np.int32)
+        return {"weight_packed": packed, scale_name: scale, "weight_shape": np.array(w.shape, np.int32)}, exact
+    return {"weight": values, scale_name: scale}, exact
+
+
+def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int = 32) -> tuple[Path, Path]:
+    """`hf_folder`'s float model with its layers' projections in an 8-bit scheme (round
+    to nearest): compressed-tensors "w8a16" (pack-quantized, int8 per channel), "w8a8"
+    (int-quantized, per channel, activations quantized dynamically per token),
+    "w8a16-g32" (pack-quantized by groups of 32 inputs), "fp8-channel" (float-quantized,
+    e4m3 per channel), or HF's fine-grained "fp8-block" (e4m3, a scale per `block` x
+    `block`); beside it the float32 checkpoint of exactly the weights it stands for.
+    Returns (quantized folder, float folder)."""
+    import shutil
+
+    blocks = {"w8a16": (1, 0), "w8a8": (1, 0), "w8a16-g32": (1, 32), "fp8-channel": (1, 0),
+              "fp8-block": (block, block)}
+    tensors = _hf_tensors(hf_folder)
+    stored, exact = {}, {}
+    for name, w in tensors.items():
+        module = name[: -len(".weight")]
+        if module.split(".")[-1] not in PROJECTIONS:
+            stored[name] = exact[name] = w
+            continue
+        parts, exact[name] = _scaled_8bit(w, scheme, blocks[scheme])
+        stored |= {f"{module}.{suffix}": a for suffix, a in parts.items()}
+    token = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    qc = {"w8a16": _ct_config("pack-quantized", {"type": "int", "strategy": "channel"}, None),
+          "w8a8": _ct_config("int-quantized", {"type": "int", "strategy": "channel"}, token),
+          "w8a16-g32": _ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 32}, None),
+          "fp8-channel": _ct_config("float-quantized", {"type": "float", "strategy": "channel"},
+                                    token | {"type": "float"}),
+          "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                        "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head"]}}[scheme]
+    config = json.loads((hf_folder / "config.json").read_text())
+    folders = (out / f"{hf_folder.name}-{scheme}", out / f"{hf_folder.name}-{scheme}-dequantized")
+    for folder, weights, extra in zip(folders, (stored, exact), ({"quantization_config": qc}, {})):
+        shutil.copytree(hf_folder, folder, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+        (folder / "config.json").write_text(json.dumps(config | extra, indent=2))
+        save_weights(folder, {n: np.ascontiguousarray(a) for n, a in weights.items()}, 1)
+    return folders
+
+
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row permutation of q/k projections."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -602,15 +678,18 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
-    parser.add_argument("--quantize", choices=("gptq", "awq", "compressed-tensors"), default=None,
-                        help="also write each model as a 4-bit GPTQ / AWQ / compressed-tensors checkpoint (round to "
-                             "nearest), and the float32 checkpoint of the weights it stands for")
+    parser.add_argument("--quantize", choices=("gptq", "awq", "compressed-tensors", *SCALED_SCHEMES), default=None,
+                        help="also write each model as a 4-bit GPTQ / AWQ / compressed-tensors checkpoint or an 8-bit "
+                             "one (compressed-tensors W8A16 / W8A8 / FP8, HF's block FP8; round to nearest), and the "
+                             "float32 checkpoint of the weights it stands for")
     parser.add_argument("--group", type=int, default=128, help="--quantize: inputs per scale")
     args = parser.parse_args()
     for name in args.arch.split(","):
         folder = write_model(args.out, name, seed=args.seed, layers=args.layers)
         print(folder)
-        if args.quantize:
+        if args.quantize in SCALED_SCHEMES:
+            print(*write_scaled(folder, args.out, args.quantize), sep="\n")
+        elif args.quantize:
             print(*write_prequantized(folder, args.out, args.quantize, args.group), sep="\n")
 
 

@@ -1,5 +1,6 @@
-"""GPTQ, AWQ and compressed-tensors (W4A16) checkpoints (jaxllm.loaders.prequantized): their 4-bit groups kept as
-jaxllm's int4 formats, the weights exactly the checkpoint's."""
+"""GPTQ, AWQ, compressed-tensors and FP8 checkpoints (jaxllm.loaders.prequantized): their 4-bit groups kept as
+jaxllm's int4 formats, int8 per channel as its int8, the weights exactly the checkpoint's; FP8 and the other 8-bit
+schemes dequantized on request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from jaxllm.loaders import load_model, peek_model_config
 from jaxllm.loaders.prequantized import (AWQ_ORDER, CheckpointQuantization, PrequantizedError, stored_projection,
                                          unpack_int4)
+from jaxllm.loaders.scaled import read_scaled
 from jaxllm.models.linear import pack_weight
 from jaxllm.models.params import QuantizedWeight
 from jaxllm.models.quant import dequantize
@@ -95,12 +97,13 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
         with pytest.raises(ValueError, match=f"quantization '{method}': .* is stored as"):
             load_model(path, "float32", quantization=method)
     config = json.loads((qc / "config.json").read_text())
-    w8a8 = {"quant_method": "compressed-tensors", "format": "int-quantized"}
-    w8a8_scheme = {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-                                           "input_activations": {"num_bits": 8, "dynamic": True}}}}
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    w4a8 = {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"},
+                                    "input_activations": {"num_bits": 8, "dynamic": True}}}}
     for change, message in (({"quant_method": "bitsandbytes"}, "bitsandbytes"), ({"bits": 8}, "8-bit"),
                             ({"group_size": 48}, "group_size 48"), ({"checkpoint_format": "marlin"}, "marlin"),
-                            (w8a8, "int-quantized"), (w8a8 | w8a8_scheme | {"format": "pack-quantized"}, "W8A8")):
+                            (ct | {"format": "marlin-24"}, "marlin-24"), (ct, "0 config groups"),
+                            (ct | w4a8, "W4A8"), ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2")):
         (qc / "config.json").write_text(json.dumps(config | {"quantization_config": config["quantization_config"]
                                                              | change}))
         with pytest.raises(PrequantizedError, match=message):
@@ -117,6 +120,75 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
     with pytest.raises(PrequantizedError, match="different activation orders"):
         load_model(qc, "float32")
     assert load_model(qc, "float32", quantization="none").config.quantization is None
+
+
+def test_the_8bit_layouts_read_as_compressed_tensors_and_hf_fp8_define_them():
+    """Known answers: compressed-tensors' pack_to_int32 with 8 bits (four values plus 128
+    to a word along the inputs, the first in the low byte), and FP8 scaled by 2-D blocks
+    (HF's fine-grained FP8: weight * weight_scale_inv, the last block cut)."""
+    import ml_dtypes
+
+    word = np.array([[0 | 129 << 8 | 255 << 16 | 127 << 24]], np.uint32).view(np.int32)  # -128, 1, 127, -1
+    stored = {"m.weight_packed": word, "m.weight_scale": np.full((1, 1), 0.5, np.float32)}
+    suffixes = ("weight_packed", "weight_zero_point", "weight_scale", None)
+    one = read_scaled(stored.get, "m", suffixes, True, (1, 0))
+    assert one.values.tolist() == [[-128, 1, 127, -1]] and one.per_channel
+    np.testing.assert_array_equal(one.weight(), [[-64, 0.5, 63.5, -0.5]])
+    assert one.held().scale.tolist() == [0.5] and one.held().group == 0
+    stored = {"m.weight": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.float8_e4m3fn),
+              "m.weight_scale_inv": np.array([[1, 2], [4, 8]], np.float32)}
+    fp8 = read_scaled(stored.get, "m", ("weight", None, "weight_scale_inv", None), False, (2, 2))
+    np.testing.assert_array_equal(fp8.weight(), np.arange(12).reshape(3, 4) * np.array([[1, 1, 2, 2]] * 2
+                                                                                      + [[4, 4, 8, 8]]))
+    assert not fp8.per_channel
+    with pytest.raises(ValueError, match="do not cover a 3 x 4 matrix"):
+        read_scaled(stored.get, "m", ("weight", None, "weight_scale_inv", None), False, (1, 2))
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8"])
+def test_an_int8_per_channel_checkpoint_is_kept_as_int8(test_models_dir, tmp_path, scheme):
+    """compressed-tensors W8A16 (packed) and W8A8 (int8 `weight`; its activations stay
+    float) held as jaxllm's int8: the weights exactly the checkpoint's, the unquantized
+    lm_head as stored; `none` dequantizes them to the same."""
+    qc, exact = make_test_model.write_scaled(test_models_dir / "qwen2", tmp_path, scheme)
+    model = load_model(qc, "float32")
+    assert model.config.quantization == "int8" == peek_model_config(qc).quantization
+    float_model = load_model(exact, "float32")
+    for field in ("wqkv", "wo", "w_gate_up", "w_down"):
+        w = getattr(model.params.layers[1], field)
+        assert isinstance(w, QuantizedWeight) and w.group == 0 and w.bits == 8 and w.q.dtype == np.int8, field
+        np.testing.assert_array_equal(dequantize(w), getattr(float_model.params.layers[1], field), err_msg=field)
+    assert not isinstance(model.params.lm_head, QuantizedWeight)
+    none = load_model(qc, "float32", quantization="none")
+    np.testing.assert_array_equal(none.params.layers[0].wqkv, float_model.params.layers[0].wqkv)
+
+
+@pytest.mark.slow  # 25 s: the int8 kernel's engine is checked against fake-quantized weights in tests/test_quant.py
+def test_a_w8a16_checkpoint_runs_kept_and_matches_its_weights_in_float(test_models_dir, tmp_path):
+    """The int8 kernel on the kept W8A16 checkpoint against the float32 checkpoint of
+    its weights: equal tokens, logprobs within 1e-4 (the scale multiplies the dot's
+    sum, not each weight); an FP8 checkpoint dequantized through LLM: bit for bit."""
+    qc, exact = make_test_model.write_scaled(test_models_dir / "qwen2", tmp_path, "w8a16")
+    kept, float_run = _engine_numbers(qc, None, "cpu"), _engine_numbers(exact, None, "cpu")
+    np.testing.assert_allclose(kept, float_run, atol=1e-4, rtol=0)
+    qc, exact = make_test_model.write_scaled(test_models_dir / "qwen2", tmp_path, "fp8-block")
+    np.testing.assert_array_equal(_engine_numbers(qc, "none", "cpu"), _engine_numbers(exact, None, "cpu"))
+
+
+@pytest.mark.parametrize("scheme", ["w8a16-g32", "fp8-channel", "fp8-block"])
+def test_an_fp8_or_grouped_int8_checkpoint_loads_dequantized_on_request(test_models_dir, tmp_path, scheme):
+    """What jaxllm holds no format for (FP8 values, int8 by group): refused as stored,
+    naming the remedy; `quantization="none"` gives exactly the float32 weights it stands
+    for (FP8 values read from the safetensors bytes: its numpy reader has no FP8)."""
+    qc, exact = make_test_model.write_scaled(test_models_dir / "llama", tmp_path, scheme)
+    asked = "fp8" if scheme == "fp8-block" else "compressed-tensors"  # vLLM's name of the method: as stored
+    for load, quantization in ((load_model, None), (peek_model_config, None), (load_model, asked)):
+        with pytest.raises(PrequantizedError, match="quantization='none' dequantizes"):
+            load(qc, "float32", quantization=quantization)
+    model, float_model = load_model(qc, "float32", quantization="none"), load_model(exact, "float32")
+    assert model.config.quantization is None
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(float_model.params), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow  # 15 s; the int4 formats quantized at load shard in tests/test_quant.py

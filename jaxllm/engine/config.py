@@ -55,8 +55,9 @@ class EngineConfig:
                                              "load; default: as stored (a GGUF's Q8_0/Q4_0/Q4_1 projections kept "
                                              "as they are, a mix of block types kept exactly as gguf_int8, a GPTQ "
                                              "/ AWQ / compressed-tensors W4A16 checkpoint's 4-bit groups as "
-                                             "int4*); gptq, awq, compressed-tensors or gguf (vLLM's names): as "
-                                             "stored, checked to be stored so",
+                                             "int4*, a W8A16 / W8A8 one's int8 per channel as int8; FP8 "
+                                             "checkpoints load with none); gptq, awq, compressed-tensors, fp8 or "
+                                             "gguf (vLLM's names): as stored, checked to be stored so",
                                        QUANTIZATIONS)
     activation_quantization: str | None = _option(
         None, "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "

@@ -172,7 +172,7 @@ def _folder_config(path: Path, quantization: str | None) -> ModelConfig:
     if quantization == "none":
         return _unquantized(cfg)
     quant = read_quantization(path)
-    return cfg if quant is None else held_config(cfg, quant, tensor_names(path), tensor_reader(path))
+    return cfg if quant is None else held_config(cfg, quant, tensor_names(path), tensor_reader(path), str(path))
 
 
 def _unquantized(cfg: ModelConfig) -> ModelConfig:

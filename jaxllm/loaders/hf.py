@@ -6,6 +6,8 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
+
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.prequantized import held_names, quantized_source, read_quantization
 from jaxllm.loaders.weights import CheckpointError, build_params, params_to_hf_tensors
@@ -13,6 +15,24 @@ from jaxllm.models.params import ModelParams
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes its numpy reader has no type for, read here as ml_dtypes' (FP8 checkpoints)
+RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_tensor(f, path: Path, name: str):
+    """Tensor `name` of the open safetensors file `f` (at `path`) as numpy; FP8 ones
+    (which safetensors' numpy reader cannot make) read from the file's bytes."""
+    dtype = RAW_DTYPES.get(f.get_slice(name).get_dtype())
+    if dtype is None:
+        return f.get_tensor(name)
+    import ml_dtypes
+
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(size))[name]
+    start, end = info["data_offsets"]
+    return np.fromfile(path, np.dtype(getattr(ml_dtypes, dtype)), end - start, offset=8 + size + start).reshape(
+        info["shape"])
 
 
 def _safetensors_files(folder: Path) -> dict[str, Path]:
@@ -63,7 +83,7 @@ def tensor_reader(folder: str | Path):
         if path is None:
             return None
         with safe_open(str(path), framework="np") as f:
-            return f.get_tensor(name) if name in f.keys() else None
+            return read_tensor(f, path, name) if name in f.keys() else None
 
     return read
 
@@ -94,7 +114,7 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
             if name not in f.keys():
                 return None
             try:
-                return f.get_tensor(name)
+                return read_tensor(f, path, name)
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 

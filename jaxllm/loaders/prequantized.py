@@ -1,8 +1,13 @@
-"""HF checkpoints quantized to 4 bits by GPTQ, AWQ or llm-compressor: a model folder
+"""HF checkpoints quantized by GPTQ, AWQ, llm-compressor or to FP8: a model folder
 whose config.json has a `quantization_config` with `quant_method` "gptq" (AutoGPTQ /
-GPTQModel), "awq" (AutoAWQ, llm-awq's GEMM layout) or "compressed-tensors" (its
-"pack-quantized" format, weight-only W4A16): what vLLM's `gptq`, `awq` and
-`compressed-tensors` methods read.
+GPTQModel), "awq" (AutoAWQ, llm-awq's GEMM layout), "compressed-tensors" (its
+"pack-quantized" format, weight-only W4A16 and W8A16; "int-quantized" W8A8;
+"float-quantized" FP8) or "fp8" (HF's fine-grained FP8): what vLLM's `gptq`, `awq`,
+`compressed-tensors` and `fp8` methods read. The 8-bit ones are read by
+jaxllm.loaders.scaled: symmetric int8 per channel is held as jaxllm's int8 (a W8A8
+checkpoint's activations then stay float), FP8 and the other 8-bit schemes only
+dequantized at load (`quantization="none"`; refused as stored, naming that remedy).
+The 4-bit ones:
 
 Each quantized projection `<module>.weight` is stored as
 - `qweight` int32, 4-bit values eight to a word: GPTQ packs along the inputs ([in / 8,
@@ -37,15 +42,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.loaders.scaled import read_scaled, unpack_bits
 from jaxllm.models.params import ACT_ORDER, QUANT_FORMATS, QuantizedWeight, declarations
 
-METHODS = ("gptq", "awq", "compressed-tensors")
+logger = logging.getLogger(__name__)
+
+METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 # jaxllm's format for each group size a checkpoint may have (inputs per scale)
 HELD_FORMATS = {fmt.group: name for name, fmt in QUANT_FORMATS.items() if name.startswith("int4")}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
@@ -53,6 +62,13 @@ PACK = 8  # 4-bit values per int32
 # each method's tensors of a projection: values, zero points, scales, g_idx (optional)
 SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales", "g_idx"),
             "compressed-tensors": ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")}
+# 8-bit values stored as `weight` (jaxllm.loaders.scaled): compressed-tensors' int- and
+# float-quantized formats, HF's fine-grained FP8 (per block, scales named weight_scale_inv) and
+# per-tensor FP8
+STORED_SUFFIXES = {"compressed-tensors": ("weight", "weight_zero_point", "weight_scale", "weight_g_idx"),
+                   "fp8": ("weight", None, "weight_scale", None)}
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+NONE_REMEDY = "quantization='none' dequantizes it to the model's dtype at load"
 
 
 class PrequantizedError(ValueError):
@@ -63,20 +79,37 @@ class PrequantizedError(ValueError):
 class CheckpointQuantization:
     """A checkpoint's `quantization_config`, validated."""
 
-    method: str  # "gptq", "awq" or "compressed-tensors" (4-bit values)
-    group: int  # inputs per scale
+    method: str  # "gptq", "awq", "compressed-tensors" or "fp8"
+    group: int  # 4-bit values: inputs per scale
     zero_offset: int  # what is added to a stored zero point: 1 in GPTQ's original format
     symmetric: bool = False  # compressed-tensors: no zero points stored (zero 8 on the stored values)
+    bits: int = 4  # 8: int8 or FP8 values, read by jaxllm.loaders.scaled
+    packed: bool = True  # values packed into int32 words (else stored as `weight`)
+    block: tuple[int, int] | None = None  # 8 bits: (rows, inputs) per scale, 0 all; None: the scale's shape says
+    scale_suffix: str = ""  # 8 bits: the scales' tensor, where not the method's usual one
+    why: str = ""  # what keeps jaxllm from holding it as stored ("": nothing)
+    activations: bool = False  # the checkpoint also quantizes activations (W8A8): not applied
+
+    @property
+    def suffixes(self) -> tuple[str | None, ...]:
+        """The tensors of a projection: values, zero points, scales, g_idx."""
+        if self.bits == 4:
+            return SUFFIXES[self.method]
+        values, zeros, scales, g_idx = STORED_SUFFIXES[self.method]
+        return ("weight_packed" if self.packed else values, zeros, self.scale_suffix or scales, g_idx)
 
     @property
     def marker(self) -> str:
-        """The suffix of the tensor a quantized projection has in place of `weight`."""
-        return SUFFIXES[self.method][0]
+        """The suffix of the tensor only a quantized projection has: its packed values,
+        or the scales of values stored as `weight`."""
+        return self.suffixes[0] if self.packed else self.suffixes[2]
 
     @property
-    def held(self) -> str:
-        """The jaxllm format its projections are held in."""
-        return HELD_FORMATS[self.group]
+    def held(self) -> str | None:
+        """The jaxllm format its projections are held in; None where it holds none (`why`)."""
+        if self.why:
+            return None
+        return HELD_FORMATS[self.group] if self.bits == 4 else "int8"
 
     @classmethod
     def from_hf(cls, qc: Mapping[str, Any], source: str) -> CheckpointQuantization:
@@ -84,14 +117,20 @@ class CheckpointQuantization:
         if method not in METHODS:
             raise PrequantizedError(f"{source}: quantization_config quant_method {method!r} is not supported; "
                                     f"jaxllm reads {', '.join(METHODS)} checkpoints (4-bit) and GGUF files")
+        if method == "fp8":
+            return cls._fp8(qc, source)
         weights = _compressed_tensors_weights(qc, source) if method == "compressed-tensors" else qc
         bits = int(_first(weights, ("bits", "w_bit", "num_bits"), 4))
         group = int(_first(weights, ("group_size", "q_group_size"), 128))
+        if method == "compressed-tensors" and (bits == 8 or qc.get("format") != "pack-quantized"):
+            return cls._compressed_tensors_8bit(qc, weights, source)
         if bits != 4:
-            raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit only)")
-        if group not in HELD_FORMATS:
-            raise PrequantizedError(f"{source}: {method} group_size {group} is not supported; jaxllm holds groups "
-                                    f"of {', '.join(str(g) for g in sorted(HELD_FORMATS))} inputs")
+            raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit; "
+                                    f"compressed-tensors 4- and 8-bit)")
+        if group not in HELD_FORMATS or (method == "compressed-tensors" and weights.get("strategy") != "group"):
+            raise PrequantizedError(f"{source}: {method} 4-bit {weights.get('strategy', 'group')} group_size "
+                                    f"{group} is not supported; jaxllm holds groups of "
+                                    f"{', '.join(str(g) for g in sorted(HELD_FORMATS))} inputs")
         if method == "compressed-tensors":
             return cls(method, group, 0, bool(weights.get("symmetric", True)))
         if method == "awq":
@@ -107,27 +146,70 @@ class CheckpointQuantization:
             raise PrequantizedError(f"{source}: GPTQ per-module overrides (dynamic) are not supported")
         return cls(method, group, 1 if fmt == "gptq" else 0)  # desc_act: read from each g_idx
 
+    @classmethod
+    def _fp8(cls, qc: Mapping[str, Any], source: str) -> CheckpointQuantization:
+        """HF's fine-grained FP8 (e4m3 values, a float32 `weight_scale_inv` per block of
+        `weight_block_size`, multiplied) or per-tensor FP8 (`weight_scale`)."""
+        if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+            raise PrequantizedError(f"{source}: fp8 fmt {qc.get('fmt')!r} is not supported (e4m3)")
+        size = qc.get("weight_block_size")
+        if size is not None and (len(size) != 2 or min(size) < 1):
+            raise PrequantizedError(f"{source}: fp8 weight_block_size {size!r} is not two block sizes")
+        return cls("fp8", 0, 0, True, 8, False, None if size is None else (int(size[0]), int(size[1])),
+                   "weight_scale_inv" if size is not None else "", why="FP8 weights",
+                   activations=qc.get("activation_scheme") is not None)
 
-def _compressed_tensors_weights(qc: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """The weights' scheme of a compressed-tensors config, if jaxllm holds it: the
-    pack-quantized format, one config group, integer weights by group, activations not
-    quantized (W4A16), no sparsity."""
-    fmt = qc.get("format")
+    @classmethod
+    def _compressed_tensors_8bit(cls, qc: Mapping[str, Any], weights: Mapping[str, Any],
+                                 source: str) -> CheckpointQuantization:
+        """compressed-tensors 8-bit: W8A16 packed, W8A8 int, FP8; symmetric int8 per
+        channel (or tensor) is held as int8, the rest dequantized on request (`why`)."""
+        fmt, kind, strategy = qc.get("format"), weights.get("type", "int"), weights.get("strategy")
+        bits, symmetric = int(weights.get("num_bits", 8)), bool(weights.get("symmetric", True))
+        if bits != 8 or kind not in ("int", "float") or (kind == "float" and fmt == "pack-quantized"):
+            raise PrequantizedError(f"{source}: compressed-tensors {fmt} with {bits}-bit {kind} weights is not "
+                                    f"supported (4-bit pack-quantized; 8-bit int or FP8)")
+        blocks = {"tensor": (0, 0), "channel": (1, 0), "group": (1, int(weights.get("group_size") or 0)),
+                  "block": tuple(int(b) for b in weights.get("block_structure") or (0, 0))}
+        if strategy not in blocks or (strategy in ("group", "block") and min(blocks[strategy]) < 1):
+            raise PrequantizedError(f"{source}: compressed-tensors weights by {strategy!r} are not supported "
+                                    f"(tensor, channel, group, block)")
+        why = ("FP8 weights" if kind == "float" else "asymmetric int8 weights" if not symmetric
+               else f"int8 weights by {strategy}" if strategy in ("group", "block") else "")
+        activations = bool(_only_scheme(qc, source).get("input_activations"))
+        return cls("compressed-tensors", 0, 0, symmetric, 8, fmt == "pack-quantized", blocks[strategy], why=why,
+                   activations=activations)
+
+    def refusal(self, source: str) -> str:
+        """Why loading it as stored is refused, and what to do."""
+        return (f"{source}: {self.why} ({self.method}): jaxllm holds no such weights as stored (it keeps 4-bit "
+                f"groups and symmetric int8 per channel); {NONE_REMEDY}")
+
+
+def _only_scheme(qc: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     groups = list((qc.get("config_groups") or {}).values())
-    if fmt != "pack-quantized":
-        raise PrequantizedError(f"{source}: compressed-tensors format {fmt!r} is not supported (pack-quantized, "
-                                f"4-bit weight-only)")
     if len(groups) != 1 or qc.get("sparsity_config"):
         raise PrequantizedError(f"{source}: compressed-tensors with {len(groups)} config groups"
                                 f"{' and sparsity' if qc.get('sparsity_config') else ''} is not supported (one)")
-    scheme = groups[0]
-    if scheme.get("input_activations") or scheme.get("output_activations"):
-        raise PrequantizedError(f"{source}: compressed-tensors quantizing activations (W8A8, W4A8) is not "
-                                f"supported; weight-only (W4A16) is")
+    return groups[0]
+
+
+def _compressed_tensors_weights(qc: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """The weights' scheme of a compressed-tensors config, if jaxllm reads it: one of
+    CT_FORMATS, one config group, static weight scales, no sparsity, activations not
+    quantized but for 8-bit weights (W8A8: read as W8A16)."""
+    fmt = qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise PrequantizedError(f"{source}: compressed-tensors format {fmt!r} is not supported "
+                                f"({', '.join(CT_FORMATS)})")
+    scheme = _only_scheme(qc, source)
     weights = scheme.get("weights") or {}
-    if weights.get("type", "int") != "int" or weights.get("strategy") != "group" or weights.get("dynamic"):
-        raise PrequantizedError(f"{source}: compressed-tensors weights of type {weights.get('type')!r}, strategy "
-                                f"{weights.get('strategy')!r} are not supported (int, by group)")
+    if (scheme.get("input_activations") and int(weights.get("num_bits", 8)) != 8) or scheme.get(
+            "output_activations"):
+        raise PrequantizedError(f"{source}: compressed-tensors quantizing activations with other than 8-bit "
+                                f"weights (W4A8) is not supported; weight-only (W4A16, W8A16) and W8A8 are")
+    if weights.get("dynamic"):
+        raise PrequantizedError(f"{source}: compressed-tensors weights with dynamic scales are not supported")
     return weights
 
 
@@ -151,12 +233,15 @@ def module_of(name: str) -> str | None:
 
 
 def held_config(cfg: ModelConfig, quant: CheckpointQuantization, names: set[str],
-                get: Callable[[str], np.ndarray | None]) -> ModelConfig:
+                get: Callable[[str], np.ndarray | None], source: str = "the checkpoint") -> ModelConfig:
     """`cfg` with the projections held as the checkpoint stores them: each declared
     projection whose tensors all have a `qweight` (`weight_packed`) in `names` in
     `quant.held`, the ones with none as stored (an lm_head GPTQ left in float16, AWQ's
     modules_to_not_convert); one fused from parts stored both ways is an error. A
-    projection in activation order (its g_idx, read by `get`) is marked so."""
+    projection in activation order (its g_idx, read by `get`) is marked so. A scheme
+    jaxllm holds no format for (FP8...) is refused, naming the remedy."""
+    if quant.held is None:
+        raise PrequantizedError(quant.refusal(source))
     quantized = dataclasses.replace(cfg, quantization=quant.held)
     own, projections = [], 0
     for decl in declarations(quantized):
@@ -181,7 +266,9 @@ def _in_activation_order(quant: CheckpointQuantization, decl, get: Callable[[str
     """Whether a declared projection's parts are stored in activation order (their g_idx
     not the inputs' own): then they must share one order, and not be a mixture's
     experts or the output projection."""
-    g_idx = SUFFIXES[quant.method][3]
+    g_idx = quant.suffixes[3]
+    if g_idx is None or quant.bits != 4:  # 8-bit ones are held per channel: no groups
+        return False
     orders = [get(f"{module_of(name)}.{g_idx}") for one in decl.per_expert() for name, _ in one.hf]
     if all(o is None or np.array_equal(o, np.arange(len(o)) // quant.group) for o in orders):
         return False
@@ -199,12 +286,7 @@ def _in_activation_order(quant: CheckpointQuantization, decl, get: Callable[[str
 def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
     """int32 words of eight 4-bit values (value j in bits 4j..4j+3) as uint8 values,
     the eight of a word consecutive along `axis`."""
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    values = (words.astype(np.uint32)[..., None] >> shifts) & 0xF  # [..., 8]
-    values = np.moveaxis(values, -1, axis + 1 if axis >= 0 else axis)
-    shape = list(words.shape)
-    shape[axis] *= PACK
-    return values.reshape(shape).astype(np.uint8)
+    return unpack_bits(words, axis, 4)
 
 
 def _awq_columns(values: np.ndarray) -> np.ndarray:
@@ -254,8 +336,8 @@ class StoredProjection:
 
 def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None],
                       module: str) -> StoredProjection:
-    """`module`'s tensors (read by `get`, None when absent) unpacked, shapes checked."""
-    suffixes = SUFFIXES[quant.method]
+    """`module`'s 4-bit tensors (read by `get`, None when absent) unpacked, shapes checked."""
+    suffixes = quant.suffixes
     needed = suffixes[:1] + suffixes[2:3] if quant.symmetric else suffixes[:3]
     parts = {s: get(f"{module}.{s}") for s in suffixes}
     missing = [s for s in needed if parts[s] is None]
@@ -292,10 +374,20 @@ def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndar
     orientation) where its name is in `held`, else dequantized to float32 [out, in];
     everything else as stored."""
 
+    if quant.activations:
+        logger.warning("the checkpoint quantizes activations too (%s); jaxllm multiplies its weights with float "
+                       "activations", quant.method)
+
     def source(name: str):
         module = module_of(name)
         if module is None or f"{module}.{quant.marker}" not in names:
             return get(name)
+        if quant.bits == 8:
+            try:
+                stored = read_scaled(get, module, quant.suffixes, quant.packed, quant.block)
+            except ValueError as e:
+                raise PrequantizedError(f"{quant.method}: {e}") from None
+            return stored.held() if name in held else np.ascontiguousarray(stored.weight())
         stored = stored_projection(quant, get, module)
         return stored.held(quant.group, name) if name in held else np.ascontiguousarray(stored.weight().T)
 

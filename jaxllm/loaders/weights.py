@@ -75,9 +75,10 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
 
 def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> QuantizedWeight:
     """A parameter the source gives quantized (GGUF blocks, grouped along the HF
-    tensor's rows: [out, in] values and [out, in / 32] scales and mins per part):
+    tensor's rows: [out, in] values and [out, in / 32] scales and mins per part; int8
+    with a scale per row, [out]):
     transposed and fused like a float one, values, scales and mins alike."""
-    if not all(isinstance(p, QuantizedWeight) and p.group and p.group_axis == 1 for p in parts):
+    if not all(isinstance(p, QuantizedWeight) and p.group_axis == 1 for p in parts):
         raise CheckpointError(f"{where}: {decl.hf[0][0]} is declared {decl.quant} but not stored so")
     if (parts[0].perm is not None) != decl.act_order or any(
             not np.array_equal(p.perm, parts[0].perm) for p in parts if p.perm is not None):
