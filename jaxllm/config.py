@@ -27,12 +27,14 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # weight-only int8 with a scale per output channel, "q8_0" / "q4_0" / "q4_1" GGUF's block
 # formats (a scale, for Q4_1 also a min, per 32 inputs); a float checkpoint is
 # quantized at load. A GPTQ / AWQ / compressed-tensors W4A16 checkpoint keeps its 4-bit groups as int4 (128),
-# int4_g64 or int4_g32, a compressed-tensors W8A16 / W8A8 one its int8 per channel as int8; FP8 and other
-# 8-bit schemes load with "none" only (jaxllm.loaders.prequantized).
+# int4_g64 or int4_g32, an 8-bit GPTQ / W8A16 one by groups as int8_g128 / int8_g64 / int8_g32, a
+# compressed-tensors W8A16 / W8A8 one its int8 per channel as int8; FP8 and other 8-bit schemes load with
+# "none" only (jaxllm.loaders.prequantized).
 # vLLM's names for the methods a checkpoint is stored in: asking one keeps the
 # checkpoint as stored, after checking it is stored so.
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "gguf")
-QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "q8_0", "q4_0", "q4_1", "gguf_int8",
+QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "int8_g128", "int8_g64", "int8_g32", "q8_0",
+                 "q4_0", "q4_1", "gguf_int8",
                  *CHECKPOINT_METHODS)
 # The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the
 # model's dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is

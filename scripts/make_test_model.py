@@ -306,41 +306,45 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0, scale_dtype=np.float16
+def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0, scale_dtype=np.float16, bits: int = 4
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An [in, out] float matrix rounded to 4 bits per group of `group` inputs (round to
-    nearest, GPTQ's and AWQ's grid without their calibration): values q and zero points
-    in [0, 16), scales of `scale_dtype`, w ~ scale * (q - zero). Symmetric: zero 8.
-    `min_zero`: the smallest zero point (GPTQ's original format cannot store 0)."""
+    """An [in, out] float matrix rounded to `bits` bits per group of `group` inputs
+    (round to nearest, GPTQ's and AWQ's grid without their calibration): values q and
+    zero points in [0, 2^bits), scales of `scale_dtype`, w ~ scale * (q - zero).
+    Symmetric: zero 2^(bits-1). `min_zero`: the smallest zero point (GPTQ's original
+    format cannot store 0)."""
     k, n = w.shape
+    levels = (1 << bits) - 1
     g = w.astype(np.float32).reshape(k // group, group, n)
     if sym:
-        scale = 2 * np.abs(g).max(axis=1) / 15
-        zero = np.full((k // group, n), 8, np.int32)
+        scale = 2 * np.abs(g).max(axis=1) / levels
+        zero = np.full((k // group, n), 1 << (bits - 1), np.int32)
     else:
         lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
-        scale = (hi - lo) / 15
+        scale = (hi - lo) / levels
     scale = np.where(scale > 0, scale, 1).astype(scale_dtype)
     s = scale.astype(np.float32)
     if not sym:
-        zero = np.clip(np.round(-lo / s), min_zero, 15).astype(np.int32)
-    q = np.clip(np.round(g / s[:, None]) + zero[:, None], 0, 15).astype(np.uint32).reshape(k, n)
+        zero = np.clip(np.round(-lo / s), min_zero, levels).astype(np.int32)
+    q = np.clip(np.round(g / s[:, None]) + zero[:, None], 0, levels).astype(np.uint32).reshape(k, n)
     return q, zero, scale
 
 
-def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
-    """Eight 4-bit values per int32 along `axis`: value order[j] of each eight in bits 4j.."""
-    v = np.moveaxis(values.astype(np.uint32) & 0xF, axis, -1)
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
+def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8)), bits: int = 4) -> np.ndarray:
+    """32 / `bits` values per int32 along `axis`: value order[j] of each in bits j * bits.."""
+    per = 32 // bits
+    order = order[:per] if bits == 4 else tuple(range(per))
+    v = np.moveaxis(values.astype(np.uint32) & ((1 << bits) - 1), axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
     words = np.zeros(v.shape[:-1], np.uint32)
     for j, src in enumerate(order):
-        words |= v[..., src] << np.uint32(4 * j)
+        words |= v[..., src] << np.uint32(bits * j)
     return np.moveaxis(words, -1, axis).view(np.int32)
 
 
 def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: int = 128, sym: bool = False,
-                       checkpoint_format: str = "gptq", lm_head: bool = False, act_order: bool = False
-                       ) -> tuple[Path, Path]:
+                       checkpoint_format: str = "gptq", lm_head: bool = False, act_order: bool = False,
+                       bits: int = 4) -> tuple[Path, Path]:
     """`hf_folder`'s float model as a GPTQ, AWQ or compressed-tensors (pack-quantized,
     W4A16, bfloat16 scales) checkpoint (round to nearest, 4 bits, `group` inputs per
     scale: the tensors and quantization_config those tools write; GPTQ's "gptq"
@@ -349,7 +353,8 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
     load that keeps the groups). `act_order` (GPTQ, compressed-tensors): the groups are
     formed in a random order of the inputs (one per input: q, k and v share theirs, as
     gate and up do), as GPTQ's desc_act forms them in the activations' order, and g_idx
-    records each input's. Returns (quantized folder, float folder)."""
+    records each input's. `bits` 8: GPTQ's and compressed-tensors' 8-bit layouts (four
+    values to a word). Returns (quantized folder, float folder)."""
     import zlib
     import shutil
 
@@ -371,37 +376,39 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
             order = np.random.default_rng(zlib.crc32(key.encode())).permutation(k)
         q_sorted, zero, scale = quantize_rtn(
             w.T[order], group, sym, 1 if method == "gptq" and checkpoint_format == "gptq" else 0,
-            ml_dtypes.bfloat16 if method == "compressed-tensors" else np.float16)
+            ml_dtypes.bfloat16 if method == "compressed-tensors" else np.float16, bits)
         q, group_of = np.empty_like(q_sorted), np.empty(k, np.int64)
         q[order], group_of[order] = q_sorted, np.arange(k) // group
         exact[name] = np.ascontiguousarray((scale.astype(np.float32)[group_of]
                                             * (q.astype(np.float32) - zero[group_of].astype(np.float32))).T)
         if method == "gptq":
             stored_zero = zero - (1 if checkpoint_format == "gptq" else 0)
-            packed |= {module + ".qweight": pack_nibbles(q, 0), module + ".qzeros": pack_nibbles(stored_zero, 1),
+            packed |= {module + ".qweight": pack_nibbles(q, 0, bits=bits),
+                       module + ".qzeros": pack_nibbles(stored_zero, 1, bits=bits),
                        module + ".scales": scale, module + ".g_idx": group_of.astype(np.int32)}
         elif method == "awq":
             packed |= {module + ".qweight": pack_nibbles(q, 1, AWQ_ORDER),
                        module + ".qzeros": pack_nibbles(zero, 1, AWQ_ORDER), module + ".scales": scale}
-        else:  # [out, ...]; the values (and zero points) as signed ones plus 8: q and zero here
-            packed |= {module + ".weight_packed": pack_nibbles(q.T, 1), module + ".weight_scale": scale.T,
+        else:  # [out, ...]; the values (and zero points) as signed ones plus 2^(bits-1): q and zero here
+            packed |= {module + ".weight_packed": pack_nibbles(q.T, 1, bits=bits), module + ".weight_scale": scale.T,
                        module + ".weight_shape": np.array(w.shape, np.int32)}
             if not sym:
-                packed[module + ".weight_zero_point"] = pack_nibbles(zero.T, 0)
+                packed[module + ".weight_zero_point"] = pack_nibbles(zero.T, 0, bits=bits)
             if act_order:
                 packed[module + ".weight_g_idx"] = group_of.astype(np.int32)
     if method == "gptq":
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
               "checkpoint_format": checkpoint_format, "lm_head": lm_head}
     elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
         scheme = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                  "weights": {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
+                  "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
                               "group_size": group, "dynamic": False, "actorder": "group" if act_order else None}}
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
               "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
-    folders = (out / f"{hf_folder.name}-{method}-g{group}", out / f"{hf_folder.name}-{method}-g{group}-dequantized")
+    name = f"{hf_folder.name}-{method}{'-int8' if bits == 8 else ''}-g{group}"
+    folders = (out / name, out / f"{name}-dequantized")
     packed = {name: np.ascontiguousarray(a) for name, a in packed.items()}  # safetensors writes the buffer as laid out
     for folder, weights, extra in zip(folders, (packed, exact), ({"quantization_config": qc}, {})):
         shutil.copytree(hf_folder, folder, dirs_exist_ok=True,
@@ -412,7 +419,7 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
 
 
 # 8-bit schemes write_scaled writes: (quantization_config, weights' QuantizationArgs for compressed-tensors)
-SCALED_SCHEMES = ("w8a16", "w8a8", "w8a16-g32", "fp8-channel", "fp8-block")
+SCALED_SCHEMES = ("w8a16", "w8a8", "w8a16-asym", "fp8-channel", "fp8-block")
 
 
 def _ct_config(fmt: str, weights: dict, activations: dict | None) -> dict:
@@ -425,40 +432,50 @@ def _ct_config(fmt: str, weights: dict, activations: dict | None) -> dict:
 def _scaled_8bit(w: np.ndarray, scheme: str, block: tuple[int, int]) -> tuple[dict, np.ndarray]:
     """One [out, in] projection in `scheme`: its stored tensors (suffixes) and the float32
     matrix they stand for. int8: symmetric, scale amax / 127 in bfloat16 per block of
-    `block` (rows, inputs; 0 all); FP8: e4m3 values, float32 scales amax / 448."""
+    `block` (rows, inputs; 0 all), or asymmetric ("-asym": (max - min) / 255 and a zero
+    point); FP8: e4m3 values, float32 scales amax / 448."""
     import ml_dtypes
 
     out, k = w.shape
     rows, cols = (b or n for b, n in zip(block, (out, k)))
     grid = w.astype(np.float32).reshape(-(-out // rows), rows, k // cols, cols)
-    amax = np.abs(grid).max(axis=(1, 3))
-    fp8 = scheme.startswith("fp8")
-    scale = np.where(amax > 0, amax / (448 if fp8 else 127), 1).astype(np.float32 if fp8 else ml_dtypes.bfloat16)
-    s = np.repeat(np.repeat(scale.astype(np.float32), rows, 0), cols, 1)
+    amax, lo, hi = np.abs(grid).max(axis=(1, 3)), grid.min(axis=(1, 3)), grid.max(axis=(1, 3))
+    fp8, asym = scheme.startswith("fp8"), scheme.endswith("-asym")
+    step = (hi - lo) / 255 if asym else amax / (448 if fp8 else 127)
+    scale = np.where(step > 0, step, 1).astype(np.float32 if fp8 else ml_dtypes.bfloat16)
+    spread = lambda a: np.repeat(np.repeat(a, rows, 0), cols, 1)  # noqa: E731
+    s = spread(scale.astype(np.float32))
+    zero = np.clip(np.round(-lo / scale.astype(np.float32)) - 128, -128, 127).astype(np.int32) if asym else None
+    z = 0 if zero is None else spread(zero)
     if fp8:
         values = (w / s).astype(ml_dtypes.float8_e4m3fn)
     else:
-        values = np.clip(np.round(w / s), -128, 127).astype(np.int8)
-    exact = values.astype(np.float32) * s
+        values = np.clip(np.round(w / s) + z, -128, 127).astype(np.int8)
+    exact = (values.astype(np.float32) - z) * s
     scale_name = "weight_scale_inv" if scheme == "fp8-block" else "weight_scale"
-    if scheme in ("w8a16", "w8a16-g32"):  # pack-quantized: four values plus 128 to an int32, along the inputs
-        u = (values.astype(np.int16) + 128).astype(np.uint32).reshape(out, k // 4, 4)
-        packed = sum(u[..., j] << np.uint32(8 * j) for j in range(4)).view(np.int32)
-        return {"weight_packed": packed, scale_name: scale, "weight_shape": np.array(w.shape, np.int32)}, exact
+    if scheme.startswith("w8a16"):  # pack-quantized: four values plus 128 to an int32 along the inputs
+        parts = {"weight_packed": _pack_bytes(values, 1), scale_name: scale,
+                 "weight_shape": np.array(w.shape, np.int32)}
+        return parts | ({} if zero is None else {"weight_zero_point": _pack_bytes(zero, 0)}), exact
     return {"weight": values, scale_name: scale}, exact
+
+
+def _pack_bytes(values: np.ndarray, axis: int) -> np.ndarray:
+    """compressed-tensors' pack_to_int32 of int8 values: plus 128, four to a word along `axis`."""
+    return pack_nibbles(values.astype(np.int16) + 128, axis, bits=8)
 
 
 def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int = 32) -> tuple[Path, Path]:
     """`hf_folder`'s float model with its layers' projections in an 8-bit scheme (round
     to nearest): compressed-tensors "w8a16" (pack-quantized, int8 per channel), "w8a8"
     (int-quantized, per channel, activations quantized dynamically per token),
-    "w8a16-g32" (pack-quantized by groups of 32 inputs), "fp8-channel" (float-quantized,
+    "w8a16-asym" (pack-quantized per channel with zero points), "fp8-channel" (float-quantized,
     e4m3 per channel), or HF's fine-grained "fp8-block" (e4m3, a scale per `block` x
     `block`); beside it the float32 checkpoint of exactly the weights it stands for.
     Returns (quantized folder, float folder)."""
     import shutil
 
-    blocks = {"w8a16": (1, 0), "w8a8": (1, 0), "w8a16-g32": (1, 32), "fp8-channel": (1, 0),
+    blocks = {"w8a16": (1, 0), "w8a8": (1, 0), "w8a16-asym": (1, 0), "fp8-channel": (1, 0),
               "fp8-block": (block, block)}
     tensors = _hf_tensors(hf_folder)
     stored, exact = {}, {}
@@ -472,7 +489,8 @@ def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int =
     token = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
     qc = {"w8a16": _ct_config("pack-quantized", {"type": "int", "strategy": "channel"}, None),
           "w8a8": _ct_config("int-quantized", {"type": "int", "strategy": "channel"}, token),
-          "w8a16-g32": _ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 32}, None),
+          "w8a16-asym": _ct_config("pack-quantized", {"type": "int", "strategy": "channel", "symmetric": False},
+                                   None),
           "fp8-channel": _ct_config("float-quantized", {"type": "float", "strategy": "channel"},
                                     token | {"type": "float"}),
           "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -683,6 +701,8 @@ def main() -> None:
                              "one (compressed-tensors W8A16 / W8A8 / FP8, HF's block FP8; round to nearest), and the "
                              "float32 checkpoint of the weights it stands for")
     parser.add_argument("--group", type=int, default=128, help="--quantize: inputs per scale")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="--quantize gptq|compressed-tensors: "
+                                                                           "bits per weight")
     args = parser.parse_args()
     for name in args.arch.split(","):
         folder = write_model(args.out, name, seed=args.seed, layers=args.layers)
@@ -690,7 +710,7 @@ def main() -> None:
         if args.quantize in SCALED_SCHEMES:
             print(*write_scaled(folder, args.out, args.quantize), sep="\n")
         elif args.quantize:
-            print(*write_prequantized(folder, args.out, args.quantize, args.group), sep="\n")
+            print(*write_prequantized(folder, args.out, args.quantize, args.group, bits=args.bits), sep="\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from tests.test_engine import assert_no_leaks, make_llm
     [(1, 64, 32), (11, 576, 960), (12, 64, 64), (13, 64, 40), (64, 576, 576), (96, 33, 96), (97, 1536, 576),
      (200, 576, 3072), (5, 7, 5), (300, 16, 33)],
 )
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4", "int8_g32", "q8_0", "q4_0", "q4_1"])
 def test_dense_kernel_matches_numpy(m, k, n, weights):
     """float32 panels, bfloat16 ones (x rounded to bfloat16, float32 sums: vdpbf16ps
     where the build has AVX512_BF16, float32 lanes elsewhere), and quantized ones
@@ -414,7 +414,7 @@ def test_grouped_kernel_matches_ragged_dot(dtype):
         np.testing.assert_array_equal(got[int(sizes.sum()):], 0)
 
 
-@pytest.mark.parametrize("weights", ["int8", "q8_0", "q4_0", "q4_1", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "q8_0", "q4_0", "q4_1", "int4", "int8_g64"])
 def test_grouped_kernel_over_quantized_experts(weights):
     """Quantized experts (each expert's [K, N] quantized as a projection, stacked): the
     grouped kernel gives, for the block formats, the very sums of the grouped float

@@ -19,7 +19,7 @@ from jaxllm.models.quant import quantize_weight
 from pallas_kernels.cuda_lowering import has_triton_call
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 
-FORMATS = ["int8", "int4_g32", "q8_0", "q4_0", "q4_1"]
+FORMATS = ["int8", "int4_g32", "int8_g32", "q8_0", "q4_0", "q4_1"]
 # Interpret mode (CPU), unless JAXLLM_PALLAS_INTERPRET=0: scripts/gpu_check.py runs these
 # natively on a GPU.
 INTERPRET = os.environ.get("JAXLLM_PALLAS_INTERPRET", "1") != "0"

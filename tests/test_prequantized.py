@@ -20,12 +20,14 @@ from jaxllm.models.quant import dequantize
 from tests.conftest import make_test_model
 from tests.test_quant import _engine_numbers
 
-# (method, group, symmetric, checkpoint_format): GPTQ's original format stores zero - 1
+# (method, group, symmetric, checkpoint_format, bits): GPTQ's original format stores zero - 1
 # the default run's budget: AWQ's layout is checked by its known answers there, its engine in the slow run
-CASES = [("gptq", 64, False, "gptq"), pytest.param("awq", 32, False, "gptq", marks=pytest.mark.slow),
-         ("compressed-tensors", 64, True, ""),
-         pytest.param("gptq", 128, True, "gptq_v2", marks=pytest.mark.slow),
-         pytest.param("compressed-tensors", 32, False, "", marks=pytest.mark.slow)]
+CASES = [("gptq", 64, False, "gptq", 4), pytest.param("awq", 32, False, "gptq", 4, marks=pytest.mark.slow),
+         ("compressed-tensors", 64, True, "", 4),
+         pytest.param("gptq", 128, True, "gptq_v2", 4, marks=pytest.mark.slow),
+         pytest.param("compressed-tensors", 32, False, "", 4, marks=pytest.mark.slow),
+         ("gptq", 128, True, "gptq", 8),  # Qwen's GPTQ-Int8 layout
+         pytest.param("compressed-tensors", 64, False, "", 8, marks=pytest.mark.slow)]
 
 
 def _word(nibbles) -> np.int32:
@@ -55,30 +57,40 @@ def test_the_packed_layouts_unpack_as_gptq_and_awq_define_them():
     stored["m.weight_zero_point"] = np.array([[_word(range(8))]])  # outputs 0..7: zero points -8..-1
     asym = stored_projection(CheckpointQuantization("compressed-tensors", 8, 0), stored.get, "m")
     np.testing.assert_array_equal(asym.weight()[0], -8 - np.arange(-8, 0))
+    # 8 bits (GPTQ-Int8): four values to a word along the inputs, zero points four to a word along the outputs
+    gptq8 = CheckpointQuantization("gptq", 4, 1, bits=8)
+    byte_word = lambda values: np.array([sum(int(v) << (8 * j) for j, v in enumerate(values))],  # noqa: E731
+                                        np.uint32).view(np.int32)[0]
+    stored = {"m.qweight": np.full((1, 4), byte_word([0, 1, 2, 255])), "m.qzeros": np.array([[byte_word([127] * 4)]]),
+              "m.scales": np.full((1, 4), 0.5, np.float16)}
+    one = stored_projection(gptq8, stored.get, "m")
+    np.testing.assert_array_equal(one.weight()[:, 0], 0.5 * (np.array([0, 1, 2, 255]) - 128))
+    held = one.held(4, "m")  # as int8: values less 128, the min moved to match
+    assert held.bits == 8 and held.q[0].tolist() == [-128, -127, -126, 127] and held.mins[0, 0] == 0
 
 
-@pytest.mark.parametrize("method,group,sym,fmt", CASES)
+@pytest.mark.parametrize("method,group,sym,fmt,bits", CASES)
 def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, method, group, sym,
-                                                                   fmt):
-    """The checkpoint's groups held as int4 (scale, and min -scale * zero, per group):
+                                                                   fmt, bits):
+    """The checkpoint's groups held as int4 or int8_g* (scale, and min -scale * zero, per group):
     the engine's tokens and logprobs are those of the float32 checkpoint of the very
     weights it stands for, scale * (q - zero), bit for bit through the kernel (and XLA,
     slow); the
     kernel's panels an eighth of the float ones; `quantization="none"` dequantizes them."""
     lm_head = fmt == "gptq_v2"  # GPTQModel's lm_head=True: the head quantized too
     qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, group, sym, fmt,
-                                                   lm_head)
+                                                   lm_head, bits=bits)
     model = load_model(qc, "float32")
-    held = {32: "int4_g32", 64: "int4_g64", 128: "int4"}[group]
+    held = {32: "int4_g32", 64: "int4_g64", 128: "int4"}[group] if bits == 4 else f"int8_g{group}"
     assert model.config.quantization == held and peek_model_config(qc).quantization == held
     w = model.params.layers[1].wqkv
-    assert isinstance(w, QuantizedWeight) and w.group == group and w.bits == 4
+    assert isinstance(w, QuantizedWeight) and w.group == group and w.bits == bits
     float_model = load_model(exact, "float32")
     np.testing.assert_array_equal(dequantize(w), float_model.params.layers[1].wqkv)
     assert isinstance(model.params.lm_head, QuantizedWeight) == lm_head  # else left in float, as stored
     layers = lambda m: sum(a.nbytes for a in jax.tree.leaves(m.params.layers))  # noqa: E731
     assert layers(model) < layers(float_model) / 3  # int8 values until packed: the kernel's panels hold 4 bits
-    assert pack_weight(w).panels.nbytes * 8 == pack_weight(float_model.params.layers[1].wqkv).panels.nbytes
+    assert pack_weight(w).panels.nbytes * 32 // bits == pack_weight(float_model.params.layers[1].wqkv).panels.nbytes
     dequantized = load_model(qc, "float32", quantization="none")
     assert dequantized.config.quantization is None
     np.testing.assert_array_equal(dequantized.params.layers[0].w_down, float_model.params.layers[0].w_down)
@@ -100,7 +112,7 @@ def test_what_a_checkpoint_cannot_be_held_as_is_refused_by_name(test_models_dir,
     ct = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     w4a8 = {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"},
                                     "input_activations": {"num_bits": 8, "dynamic": True}}}}
-    for change, message in (({"quant_method": "bitsandbytes"}, "bitsandbytes"), ({"bits": 8}, "8-bit"),
+    for change, message in (({"quant_method": "bitsandbytes"}, "bitsandbytes"), ({"bits": 3}, "3-bit"),
                             ({"group_size": 48}, "group_size 48"), ({"checkpoint_format": "marlin"}, "marlin"),
                             (ct | {"format": "marlin-24"}, "marlin-24"), (ct, "0 config groups"),
                             (ct | w4a8, "W4A8"), ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2")):
@@ -175,9 +187,9 @@ def test_a_w8a16_checkpoint_runs_kept_and_matches_its_weights_in_float(test_mode
     np.testing.assert_array_equal(_engine_numbers(qc, "none", "cpu"), _engine_numbers(exact, None, "cpu"))
 
 
-@pytest.mark.parametrize("scheme", ["w8a16-g32", "fp8-channel", "fp8-block"])
-def test_an_fp8_or_grouped_int8_checkpoint_loads_dequantized_on_request(test_models_dir, tmp_path, scheme):
-    """What jaxllm holds no format for (FP8 values, int8 by group): refused as stored,
+@pytest.mark.parametrize("scheme", ["w8a16-asym", "fp8-channel", "fp8-block"])
+def test_an_fp8_or_asymmetric_int8_checkpoint_loads_dequantized_on_request(test_models_dir, tmp_path, scheme):
+    """What jaxllm holds no format for (FP8 values, int8 per channel with zero points): refused as stored,
     naming the remedy; `quantization="none"` gives exactly the float32 weights it stands
     for (FP8 values read from the safetensors bytes: its numpy reader has no FP8)."""
     qc, exact = make_test_model.write_scaled(test_models_dir / "llama", tmp_path, scheme)

@@ -40,27 +40,31 @@ def test_int8_rounds_each_column_to_its_own_scale():
     np.testing.assert_array_equal(np.asarray(on_device.scale), qw.scale)
 
 
-@pytest.mark.parametrize("name", ["int4", "int4_g32"])
+@pytest.mark.parametrize("name", ["int4", "int4_g32", "int8_g64"])
 def test_int4_rounds_each_group_to_its_own_scale_and_min(name):
-    """Asymmetric 4-bit per group of inputs: each group's min is exact (its q is 0),
-    every weight within half its group's step, a constant group exact; numpy and jnp
-    give the same numbers (XLA may divide by 15 as a multiplication: the scales to an
-    ulp)."""
+    """Asymmetric 4-bit (8-bit) per group of inputs: each group's min is exact (its q is
+    0; 8-bit: -128 and the min shifted by 128 steps, so within rounding), every weight
+    within half its group's step, a constant group exact; numpy and jnp give the same
+    numbers (XLA may divide by 15 as a multiplication: the scales to an ulp)."""
     fmt = QUANT_FORMATS[name]
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 24)).astype(np.float32) * rng.uniform(0.01, 3, 24).astype(np.float32)
     w[: fmt.group, 5] = 0.25  # a constant group
     qw = quantize_int4(w, fmt)
-    assert qw.q.dtype == np.int8 and qw.bits == 4 and qw.group == fmt.group and qw.group_axis == 0
-    assert qw.scale.shape == qw.mins.shape == (256 // fmt.group, 24) and 0 <= qw.q.min() and qw.q.max() == 15
+    assert qw.q.dtype == np.int8 and qw.bits == fmt.bits and qw.group == fmt.group and qw.group_axis == 0
+    low, high = (0, 15) if fmt.bits == 4 else (-128, 127)
+    assert qw.scale.shape == qw.mins.shape == (256 // fmt.group, 24) and low <= qw.q.min() and qw.q.max() == high
     deq = np.asarray(dequantize(qw))
     steps = np.repeat(qw.scale, fmt.group, axis=0)
-    assert (np.abs(deq - w) <= steps / 2 * (1 + 1e-5)).all()
-    np.testing.assert_array_equal(deq.reshape(-1, fmt.group, 24).min(axis=1), w.reshape(-1, fmt.group, 24).min(axis=1))
+    assert (np.abs(deq - w) <= steps / 2 * (1 + 1e-5) + 1e-6 * np.abs(w)).all()
+    group_min = lambda a: a.reshape(-1, fmt.group, 24).min(axis=1)  # noqa: E731
+    np.testing.assert_allclose(group_min(deq), group_min(w), rtol=0 if fmt.bits == 4 else 1e-6, atol=0)
     np.testing.assert_array_equal(deq[: fmt.group, 5], 0.25)
     on_device = quantize_int4(jnp.asarray(w), fmt)
     np.testing.assert_array_equal(np.asarray(on_device.q), qw.q)
-    np.testing.assert_array_equal(np.asarray(on_device.mins), qw.mins)
+    # 8-bit: the min moved by 128 scales, whose ulp moves it by 128 of its own
+    np.testing.assert_allclose(np.asarray(on_device.mins), qw.mins, rtol=0,
+                               atol=0 if fmt.bits == 4 else 256 * np.finfo(np.float32).eps * np.abs(qw.mins).max())
     np.testing.assert_allclose(np.asarray(on_device.scale), qw.scale, rtol=1e-6, atol=0)
 
 

@@ -50,12 +50,14 @@ class EngineConfig:
                                      "matmuls under float32 activations and KV cache)", DTYPE_NAMES)
     quantization: str | None = _option(None, "projection weights: none (dequantized to dtype), int8 (weight-only, "
                                              "a scale per output channel), int4 / int4_g64 / int4_g32 (4-bit, a "
-                                             "scale and min per 128 / 64 / 32 inputs), q8_0, q4_0 or q4_1 (GGUF's "
+                                             "scale and min per 128 / 64 / 32 inputs), int8_g128 / int8_g64 / "
+                                             "int8_g32 (8-bit, the same), q8_0, q4_0 or q4_1 (GGUF's "
                                              "blocks: a scale, for q4_1 also a min, per 32 inputs), quantized at "
                                              "load; default: as stored (a GGUF's Q8_0/Q4_0/Q4_1 projections kept "
                                              "as they are, a mix of block types kept exactly as gguf_int8, a GPTQ "
                                              "/ AWQ / compressed-tensors W4A16 checkpoint's 4-bit groups as "
-                                             "int4*, a W8A16 / W8A8 one's int8 per channel as int8; FP8 "
+                                             "int4*, an 8-bit GPTQ / W8A16 one's by groups as int8_g*, a W8A16 "
+                                             "/ W8A8 one's int8 per channel as int8; FP8 "
                                              "checkpoints load with none); gptq, awq, compressed-tensors, fp8 or "
                                              "gguf (vLLM's names): as stored, checked to be stored so",
                                        QUANTIZATIONS)

@@ -3,10 +3,13 @@ whose config.json has a `quantization_config` with `quant_method` "gptq" (AutoGP
 GPTQModel), "awq" (AutoAWQ, llm-awq's GEMM layout), "compressed-tensors" (its
 "pack-quantized" format, weight-only W4A16 and W8A16; "int-quantized" W8A8;
 "float-quantized" FP8) or "fp8" (HF's fine-grained FP8): what vLLM's `gptq`, `awq`,
-`compressed-tensors` and `fp8` methods read. The 8-bit ones are read by
+`compressed-tensors` and `fp8` methods read. 8-bit values packed by groups (GPTQ-Int8,
+compressed-tensors W8A16 by group) are read as the 4-bit ones below, four to a word
+(plus 128 in compressed-tensors), and held as int8_g128 / int8_g64 / int8_g32 (values
+less 128, mins -scale * (zero - 128)). The other 8-bit ones are read by
 jaxllm.loaders.scaled: symmetric int8 per channel is held as jaxllm's int8 (a W8A8
-checkpoint's activations then stay float), FP8 and the other 8-bit schemes only
-dequantized at load (`quantization="none"`; refused as stored, naming that remedy).
+checkpoint's activations then stay float), FP8 and the rest only dequantized at load
+(`quantization="none"`; refused as stored, naming that remedy).
 The 4-bit ones:
 
 Each quantized projection `<module>.weight` is stored as
@@ -56,7 +59,10 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 # jaxllm's format for each group size a checkpoint may have (inputs per scale)
-HELD_FORMATS = {fmt.group: name for name, fmt in QUANT_FORMATS.items() if name.startswith("int4")}
+# jaxllm's format for each (bits, group size) a grouped checkpoint may have (inputs per scale)
+HELD_FORMATS = {(fmt.bits, fmt.group): name for name, fmt in QUANT_FORMATS.items()
+                if name.startswith(("int4", "int8_g"))}
+HELD_GROUPS = sorted({group for _, group in HELD_FORMATS})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 PACK = 8  # 4-bit values per int32
 # each method's tensors of a projection: values, zero points, scales, g_idx (optional)
@@ -80,10 +86,10 @@ class CheckpointQuantization:
     """A checkpoint's `quantization_config`, validated."""
 
     method: str  # "gptq", "awq", "compressed-tensors" or "fp8"
-    group: int  # 4-bit values: inputs per scale
+    group: int  # inputs per scale of grouped values (4-bit, GPTQ's or compressed-tensors' packed 8-bit); else 0
     zero_offset: int  # what is added to a stored zero point: 1 in GPTQ's original format
     symmetric: bool = False  # compressed-tensors: no zero points stored (zero 8 on the stored values)
-    bits: int = 4  # 8: int8 or FP8 values, read by jaxllm.loaders.scaled
+    bits: int = 4  # 8: int8 or FP8 values (ungrouped: read by jaxllm.loaders.scaled)
     packed: bool = True  # values packed into int32 words (else stored as `weight`)
     block: tuple[int, int] | None = None  # 8 bits: (rows, inputs) per scale, 0 all; None: the scale's shape says
     scale_suffix: str = ""  # 8 bits: the scales' tensor, where not the method's usual one
@@ -93,7 +99,7 @@ class CheckpointQuantization:
     @property
     def suffixes(self) -> tuple[str | None, ...]:
         """The tensors of a projection: values, zero points, scales, g_idx."""
-        if self.bits == 4:
+        if self.group:
             return SUFFIXES[self.method]
         values, zeros, scales, g_idx = STORED_SUFFIXES[self.method]
         return ("weight_packed" if self.packed else values, zeros, self.scale_suffix or scales, g_idx)
@@ -109,7 +115,7 @@ class CheckpointQuantization:
         """The jaxllm format its projections are held in; None where it holds none (`why`)."""
         if self.why:
             return None
-        return HELD_FORMATS[self.group] if self.bits == 4 else "int8"
+        return HELD_FORMATS[self.bits, self.group] if self.group else "int8"
 
     @classmethod
     def from_hf(cls, qc: Mapping[str, Any], source: str) -> CheckpointQuantization:
@@ -122,17 +128,19 @@ class CheckpointQuantization:
         weights = _compressed_tensors_weights(qc, source) if method == "compressed-tensors" else qc
         bits = int(_first(weights, ("bits", "w_bit", "num_bits"), 4))
         group = int(_first(weights, ("group_size", "q_group_size"), 128))
-        if method == "compressed-tensors" and (bits == 8 or qc.get("format") != "pack-quantized"):
+        grouped = method != "compressed-tensors" or (weights.get("strategy") == "group" and group in HELD_GROUPS
+                                                     and qc.get("format") == "pack-quantized")
+        if method == "compressed-tensors" and bits == 8 and not grouped:
             return cls._compressed_tensors_8bit(qc, weights, source)
-        if bits != 4:
-            raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit; "
-                                    f"compressed-tensors 4- and 8-bit)")
-        if group not in HELD_FORMATS or (method == "compressed-tensors" and weights.get("strategy") != "group"):
-            raise PrequantizedError(f"{source}: {method} 4-bit {weights.get('strategy', 'group')} group_size "
+        if bits not in (4, 8) or (bits == 8 and method == "awq"):
+            raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit; GPTQ "
+                                    f"and compressed-tensors 8-bit)")
+        if (bits, group) not in HELD_FORMATS or not grouped:
+            raise PrequantizedError(f"{source}: {method} {bits}-bit {weights.get('strategy', 'group')} group_size "
                                     f"{group} is not supported; jaxllm holds groups of "
-                                    f"{', '.join(str(g) for g in sorted(HELD_FORMATS))} inputs")
+                                    f"{', '.join(str(g) for g in HELD_GROUPS)} inputs")
         if method == "compressed-tensors":
-            return cls(method, group, 0, bool(weights.get("symmetric", True)))
+            return cls(method, group, 0, bool(weights.get("symmetric", True)), bits)
         if method == "awq":
             version = str(qc.get("version", "gemm")).lower()
             if version != "gemm" or not qc.get("zero_point", True):
@@ -144,7 +152,7 @@ class CheckpointQuantization:
             raise PrequantizedError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
         if qc.get("dynamic"):
             raise PrequantizedError(f"{source}: GPTQ per-module overrides (dynamic) are not supported")
-        return cls(method, group, 1 if fmt == "gptq" else 0)  # desc_act: read from each g_idx
+        return cls(method, group, 1 if fmt == "gptq" else 0, bits=bits)  # desc_act: read from each g_idx
 
     @classmethod
     def _fp8(cls, qc: Mapping[str, Any], source: str) -> CheckpointQuantization:
@@ -162,8 +170,9 @@ class CheckpointQuantization:
     @classmethod
     def _compressed_tensors_8bit(cls, qc: Mapping[str, Any], weights: Mapping[str, Any],
                                  source: str) -> CheckpointQuantization:
-        """compressed-tensors 8-bit: W8A16 packed, W8A8 int, FP8; symmetric int8 per
-        channel (or tensor) is held as int8, the rest dequantized on request (`why`)."""
+        """compressed-tensors 8-bit, but packed by groups jaxllm holds (`from_hf`): W8A16
+        packed, W8A8 int, FP8; symmetric int8 per channel (or tensor) is held as int8,
+        the rest dequantized on request (`why`)."""
         fmt, kind, strategy = qc.get("format"), weights.get("type", "int"), weights.get("strategy")
         bits, symmetric = int(weights.get("num_bits", 8)), bool(weights.get("symmetric", True))
         if bits != 8 or kind not in ("int", "float") or (kind == "float" and fmt == "pack-quantized"):
@@ -267,7 +276,7 @@ def _in_activation_order(quant: CheckpointQuantization, decl, get: Callable[[str
     not the inputs' own): then they must share one order, and not be a mixture's
     experts or the output projection."""
     g_idx = quant.suffixes[3]
-    if g_idx is None or quant.bits != 4:  # 8-bit ones are held per channel: no groups
+    if g_idx is None or not quant.group:  # ungrouped (int8 per channel): no order
         return False
     orders = [get(f"{module_of(name)}.{g_idx}") for one in decl.per_expert() for name, _ in one.hf]
     if all(o is None or np.array_equal(o, np.arange(len(o)) // quant.group) for o in orders):
@@ -299,12 +308,13 @@ def _awq_columns(values: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class StoredProjection:
     """One projection as the checkpoint stores it, unpacked: values and zero points in
-    [0, 16), float16 scales, each input's group."""
+    [0, 2^bits), float16 scales, each input's group."""
 
     q: np.ndarray  # uint8 [in, out]
     zeros: np.ndarray  # int32 [in / group, out]
     scales: np.ndarray  # float32 [in / group, out] (the checkpoint's float16 or bfloat16 ones, exact)
     group_of: np.ndarray  # int [in]
+    bits: int = 4
 
     def weight(self) -> np.ndarray:
         """The float32 [in, out] matrix it stands for, scale * (q - zero) (exact)."""
@@ -323,20 +333,22 @@ class StoredProjection:
         return perm
 
     def held(self, group: int, name: str) -> QuantizedWeight:
-        """As jaxllm's int4 format holds it, in the HF orientation ([out, in], grouped
-        along the inputs): values, float32 scales and mins -scale * zero; in activation
-        order, its inputs sorted by group, with their order (`perm`)."""
+        """As jaxllm's int4 (int8_g*) format holds it, in the HF orientation ([out, in],
+        grouped along the inputs): values (8-bit ones less 128, to fit an int8), float32
+        scales and mins -scale * (zero - that offset), each exact; in activation order,
+        its inputs sorted by group, with their order (`perm`)."""
+        offset = 128 if self.bits == 8 else 0
         scale = self.scales
-        mins = -(scale * self.zeros.astype(np.float32))
+        mins = -(scale * (self.zeros - offset).astype(np.float32))
         perm = self.perm(group, name)
-        q = self.q if perm is None else self.q[perm]
+        q = (self.q if perm is None else self.q[perm]).astype(np.int16) - offset
         return QuantizedWeight(np.ascontiguousarray(q.T.astype(np.int8)), np.ascontiguousarray(scale.T), group,
-                               np.ascontiguousarray(mins.T), bits=4, group_axis=1, perm=perm)
+                               np.ascontiguousarray(mins.T), bits=self.bits, group_axis=1, perm=perm)
 
 
 def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None],
                       module: str) -> StoredProjection:
-    """`module`'s 4-bit tensors (read by `get`, None when absent) unpacked, shapes checked."""
+    """`module`'s grouped tensors (read by `get`, None when absent) unpacked, shapes checked."""
     suffixes = quant.suffixes
     needed = suffixes[:1] + suffixes[2:3] if quant.symmetric else suffixes[:3]
     parts = {s: get(f"{module}.{s}") for s in suffixes}
@@ -344,18 +356,19 @@ def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.nda
     if missing:
         raise PrequantizedError(f"{module}: {quant.method} tensors missing: {', '.join(missing)}")
     qweight, qzeros, scales = (None if parts[s] is None else np.asarray(parts[s]) for s in suffixes[:3])
+    bits = quant.bits
     if quant.method == "gptq":
-        q = unpack_int4(qweight, 0)
-        zeros = unpack_int4(qzeros, 1).astype(np.int32) + quant.zero_offset
+        q = unpack_bits(qweight, 0, bits)
+        zeros = unpack_bits(qzeros, 1, bits).astype(np.int32) + quant.zero_offset
     elif quant.method == "awq":
         q = _awq_columns(unpack_int4(qweight, 1))
         zeros = _awq_columns(unpack_int4(qzeros, 1)).astype(np.int32)
-    else:  # [out, ...] as torch.nn.Linear, each eight padded: values and zero points stored plus 8, so
-        # w = scale * (q - zero) on the stored ones (symmetric: zero 8)
+    else:  # [out, ...] as torch.nn.Linear, each word padded: values and zero points stored plus 2^(bits-1),
+        # so w = scale * (q - zero) on the stored ones (symmetric: zero 2^(bits-1))
         out, inputs = scales.shape[0], scales.shape[1] * quant.group
-        q, scales = unpack_int4(qweight, 1)[:, :inputs].T, scales.T
-        zeros = (np.full(scales.shape, 8, np.int32) if quant.symmetric
-                 else unpack_int4(qzeros, 0)[:out].T.astype(np.int32))
+        q, scales = unpack_bits(qweight, 1, bits)[:, :inputs].T, scales.T
+        zeros = (np.full(scales.shape, 1 << (bits - 1), np.int32) if quant.symmetric
+                 else unpack_bits(qzeros, 0, bits)[:out].T.astype(np.int32))
     k, n = q.shape
     if scales.shape != (k // quant.group, n) or zeros.shape != scales.shape or k % quant.group:
         raise PrequantizedError(f"{module}: {suffixes[0]} {qweight.shape}, zero points {zeros.shape}, scales "
@@ -364,7 +377,7 @@ def stored_projection(quant: CheckpointQuantization, get: Callable[[str], np.nda
     group_of = np.arange(k) // quant.group if g_idx is None else np.asarray(g_idx).astype(np.int64)
     if group_of.shape != (k,) or group_of.min() < 0 or group_of.max() >= k // quant.group:
         raise PrequantizedError(f"{module}: g_idx of shape {group_of.shape} is not one group per input")
-    return StoredProjection(q, zeros, scales.astype(np.float32), group_of)
+    return StoredProjection(q, zeros, scales.astype(np.float32), group_of, bits)
 
 
 def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndarray | None], names: set[str],
@@ -382,7 +395,7 @@ def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndar
         module = module_of(name)
         if module is None or f"{module}.{quant.marker}" not in names:
             return get(name)
-        if quant.bits == 8:
+        if not quant.group:
             try:
                 stored = read_scaled(get, module, quant.suffixes, quant.packed, quant.block)
             except ValueError as e:

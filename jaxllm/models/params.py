@@ -54,6 +54,11 @@ QUANT_FORMATS = {
     "int4": QuantFormat("int4", 128, 4, mins=True),
     "int4_g32": QuantFormat("int4_g32", 32, 4, mins=True),
     "int4_g64": QuantFormat("int4_g64", 64, 4, mins=True),  # a GPTQ / AWQ checkpoint's group of 64
+    # int8 by groups (a GPTQ int8 or compressed-tensors W8A16 group checkpoint; or quantized
+    # at load): int8 values, a float32 scale and min per 128 / 64 / 32 inputs
+    "int8_g128": QuantFormat("int8_g128", 128, 8, mins=True),
+    "int8_g64": QuantFormat("int8_g64", 64, 8, mins=True),
+    "int8_g32": QuantFormat("int8_g32", 32, 8, mins=True),
     # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_container_parts)
     "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }

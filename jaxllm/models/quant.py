@@ -77,11 +77,12 @@ def quantize_int8(w: Float[Array, "K N"] | np.ndarray) -> QuantizedWeight:
 
 
 def quantize_int4(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
-    """`w` as 4-bit values with a float32 scale and min per `fmt.group` inputs of each
-    column (asymmetric: the group's min and max map to 0 and 15, `q = round((w - min) /
-    scale)`, `w ~ scale * q + min` within half a step; a constant group gets scale 1
-    and q = 0, exactly its value); numpy in, numpy out, else jax arrays. A matrix whose
-    inputs the group does not divide is refused, naming it."""
+    """`w` as 4-bit values (8-bit: the int8_g* formats) with a float32 scale and min per
+    `fmt.group` inputs of each column (asymmetric: the group's min and max map to 0 and
+    15 (255), `q = round((w - min) / scale)`, `w ~ scale * q + min` within half a step;
+    a constant group gets scale 1 and q = 0, exactly its value; 8-bit values are held
+    as q - 128, their min as min + 128 * scale); numpy in, numpy out, else jax arrays. A
+    matrix whose inputs the group does not divide is refused, naming it."""
     k, n = w.shape
     if k % fmt.group:
         other = " ('int4_g32' groups 32)" if fmt.name == "int4" else ""
@@ -90,9 +91,11 @@ def quantize_int4(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: s
     xp = np if isinstance(w, np.ndarray) else jnp
     g = w.astype(np.float32).reshape(k // fmt.group, fmt.group, n)
     lo, hi = g.min(axis=1), g.max(axis=1)
-    scale = xp.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
-    q = xp.clip(xp.round((g - lo[:, None]) / scale[:, None]), 0, 15).astype(np.int8).reshape(k, n)
-    return QuantizedWeight(q, scale, fmt.group, lo, bits=4)
+    levels = (1 << fmt.bits) - 1
+    scale = xp.where(hi > lo, (hi - lo) / levels, 1.0).astype(np.float32)
+    q = xp.clip(xp.round((g - lo[:, None]) / scale[:, None]), 0, levels).reshape(k, n)
+    offset = 0 if fmt.bits == 4 else 128  # int8 values: q - 128, the min shifted to match
+    return QuantizedWeight((q - offset).astype(np.int8), scale, fmt.group, lo + offset * scale, bits=fmt.bits)
 
 
 def quantize_blocks(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
@@ -119,7 +122,7 @@ def quantize_weight(w: Float[Array, "K N"] | np.ndarray, name: str, tensor: str 
     if name == "int8":
         return quantize_int8(w)
     fmt = QUANT_FORMATS[name]
-    return (quantize_int4 if fmt.name.startswith("int4") else quantize_blocks)(w, fmt, tensor)
+    return (quantize_int4 if fmt.name.startswith(("int4", "int8_g")) else quantize_blocks)(w, fmt, tensor)
 
 
 def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
