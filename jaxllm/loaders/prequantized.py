@@ -58,7 +58,6 @@ from jaxllm.models.params import ACT_ORDER, QUANT_FORMATS, QuantizedWeight, decl
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
-# jaxllm's format for each group size a checkpoint may have (inputs per scale)
 # jaxllm's format for each (bits, group size) a grouped checkpoint may have (inputs per scale)
 HELD_FORMATS = {(fmt.bits, fmt.group): name for name, fmt in QUANT_FORMATS.items()
                 if name.startswith(("int4", "int8_g"))}
@@ -122,7 +121,7 @@ class CheckpointQuantization:
         method = str(qc.get("quant_method", "")).lower()
         if method not in METHODS:
             raise PrequantizedError(f"{source}: quantization_config quant_method {method!r} is not supported; "
-                                    f"jaxllm reads {', '.join(METHODS)} checkpoints (4-bit) and GGUF files")
+                                    f"jaxllm reads {', '.join(METHODS)} checkpoints and GGUF files")
         if method == "fp8":
             return cls._fp8(qc, source)
         weights = _compressed_tensors_weights(qc, source) if method == "compressed-tensors" else qc
@@ -136,9 +135,11 @@ class CheckpointQuantization:
             raise PrequantizedError(f"{source}: {method} with {bits}-bit weights is not supported (4-bit; GPTQ "
                                     f"and compressed-tensors 8-bit)")
         if (bits, group) not in HELD_FORMATS or not grouped:
-            raise PrequantizedError(f"{source}: {method} {bits}-bit {weights.get('strategy', 'group')} group_size "
-                                    f"{group} is not supported; jaxllm holds groups of "
-                                    f"{', '.join(str(g) for g in HELD_GROUPS)} inputs")
+            layout = f"{qc.get('format')} " if method == "compressed-tensors" else ""
+            raise PrequantizedError(f"{source}: {method} {layout}{bits}-bit weights by "
+                                    f"{weights.get('strategy', 'group')} (group_size {group}) are not supported; "
+                                    f"jaxllm holds them packed by groups of {', '.join(str(g) for g in HELD_GROUPS)} "
+                                    f"inputs")
         if method == "compressed-tensors":
             return cls(method, group, 0, bool(weights.get("symmetric", True)), bits)
         if method == "awq":
@@ -398,9 +399,9 @@ def quantized_source(quant: CheckpointQuantization, get: Callable[[str], np.ndar
         if not quant.group:
             try:
                 stored = read_scaled(get, module, quant.suffixes, quant.packed, quant.block)
+                return stored.held() if name in held else np.ascontiguousarray(stored.weight())
             except ValueError as e:
-                raise PrequantizedError(f"{quant.method}: {e}") from None
-            return stored.held() if name in held else np.ascontiguousarray(stored.weight())
+                raise PrequantizedError(f"{quant.method} {module}: {e}") from None
         stored = stored_projection(quant, get, module)
         return stored.held(quant.group, name) if name in held else np.ascontiguousarray(stored.weight().T)
 

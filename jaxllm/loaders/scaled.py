@@ -69,7 +69,9 @@ class ScaledMatrix:
     def held(self) -> QuantizedWeight:
         """As jaxllm's int8 format holds it, in the HF orientation ([out, in], one scale
         per row; build_params transposes it to [in, out], a scale per column)."""
-        assert self.per_channel, "only a symmetric int8 matrix scaled per channel is held as int8"
+        if not self.per_channel:
+            raise ValueError(f"int8 per channel expected, not {self.values.dtype} values in blocks of {self.block}"
+                             f"{' with zero points' if self.zero is not None else ''}")
         scale = self._expanded(self.scale)[:, 0]
         return QuantizedWeight(np.ascontiguousarray(self.values), np.ascontiguousarray(scale), 0, bits=8,
                                group_axis=1)
@@ -85,7 +87,7 @@ def read_scaled(get: Callable[[str], np.ndarray | None], module: str, suffixes: 
     raw, zero, scale, g_idx = (None if n is None else get(n) for n in names)
     if raw is None or scale is None:
         missing = [n for n, a in zip((names[0], names[2]), (raw, scale)) if a is None]
-        raise ValueError(f"{module}: tensors missing: {', '.join(missing)}")
+        raise ValueError(f"tensors missing: {', '.join(missing)}")
     values = np.asarray(raw)
     if packed:
         shape = get(f"{module}.weight_shape")
@@ -109,6 +111,6 @@ def read_scaled(get: Callable[[str], np.ndarray | None], module: str, suffixes: 
     if group_of is not None:
         expect = (expect[0], int(group_of.max()) + 1 if group_of.size else 0)
     if scale.shape != expect or (zero is not None and zero.shape != scale.shape):
-        raise ValueError(f"{module}: scales {scale.shape} do not cover a {out} x {k} matrix in blocks of "
+        raise ValueError(f"scales {scale.shape} do not cover a {out} x {k} matrix in blocks of "
                          f"{block} ({expect} expected)")
     return matrix
