@@ -26,7 +26,8 @@ CASES = [("gptq", 64, False, "gptq", 4), pytest.param("awq", 32, False, "gptq", 
          ("compressed-tensors", 64, True, "", 4),
          pytest.param("gptq", 128, True, "gptq_v2", 4, marks=pytest.mark.slow),
          pytest.param("compressed-tensors", 32, False, "", 4, marks=pytest.mark.slow),
-         ("gptq", 128, True, "gptq", 8),  # Qwen's GPTQ-Int8 layout
+         # Qwen's GPTQ-Int8 layout (its loading is checked in the default run below)
+         pytest.param("gptq", 128, True, "gptq", 8, marks=pytest.mark.slow),
          pytest.param("compressed-tensors", 64, False, "", 8, marks=pytest.mark.slow)]
 
 
@@ -173,6 +174,19 @@ def test_an_int8_per_channel_checkpoint_is_kept_as_int8(test_models_dir, tmp_pat
     assert not isinstance(model.params.lm_head, QuantizedWeight)
     none = load_model(qc, "float32", quantization="none")
     np.testing.assert_array_equal(none.params.layers[0].wqkv, float_model.params.layers[0].wqkv)
+
+
+def test_a_gptq_int8_checkpoint_is_kept_as_int8_groups(test_models_dir, tmp_path):
+    """GPTQ-Int8 (four values to a word, zeros stored less one, groups of 128): held as
+    int8_g128, each weight exactly the checkpoint's (the engine's bit-identity: the slow
+    case of the test above; the grouped int8 kernel: tests/test_linear.py)."""
+    qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, "gptq", 128, True, bits=8)
+    model, float_model = load_model(qc, "float32"), load_model(exact, "float32")
+    assert model.config.quantization == "int8_g128" == peek_model_config(qc).quantization
+    for field in ("wqkv", "w_down"):
+        w = getattr(model.params.layers[0], field)
+        assert isinstance(w, QuantizedWeight) and (w.bits, w.group) == (8, 128) and w.mins is not None, field
+        np.testing.assert_array_equal(dequantize(w), getattr(float_model.params.layers[0], field), err_msg=field)
 
 
 @pytest.mark.slow  # 25 s: the int8 kernel's engine is checked against fake-quantized weights in tests/test_quant.py
