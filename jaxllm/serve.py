@@ -18,6 +18,7 @@ import sys
 import time
 
 from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
+from jaxllm.engine.protocol import EngineCoreStartError
 from jaxllm.entrypoints.openai.tools import PARSERS
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
 from jaxllm.lora.request import LoRARequest
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
+    except EngineCoreStartError as e:  # its message (a bad model or checkpoint: no traceback), once
+        sys.exit(f"error: {e}")
 
 
 def follow(args: argparse.Namespace) -> None:

@@ -112,6 +112,19 @@ def test_startup_output(server):
     assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
 
 
+def test_a_model_that_is_not_there_exits_with_its_message_alone(tmp_path):
+    """Bad input found at start-up (here a model path that does not exist; a checkpoint
+    jaxllm cannot hold alike): the server exits 1 with one `error:` naming it, no
+    tracebacks from the engine core process and the frontend."""
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--model", str(missing), "--port", "0"],
+                         capture_output=True, text=True, timeout=120, env=os.environ | {"JAXLLM_API_KEY": ""})
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr, run.stderr
+    assert run.stderr.count(f"FileNotFoundError: {missing}: no such model file or folder") == 1, run.stderr
+    assert run.stderr.startswith("error: engine core failed during start-up"), run.stderr
+
+
 def test_completions_and_usage(server):
     client = server.client()
     r = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,

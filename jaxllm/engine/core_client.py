@@ -18,13 +18,9 @@ from typing import Any, Callable
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_proc import run_engine_core
-from jaxllm.engine.protocol import EngineCoreReady
+from jaxllm.engine.protocol import EngineCoreReady, EngineCoreStartError
 
 DEAD = "dead"  # delivered to the callback when the core process is gone
-
-
-class EngineCoreStartError(RuntimeError):
-    pass
 
 
 _ENV_LOCK = threading.Lock()

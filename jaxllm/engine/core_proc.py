@@ -28,11 +28,22 @@ HEARTBEAT_SECONDS = 1.0
 
 
 def run_engine_core(config: EngineConfig, conn: Connection) -> None:
-    """Entry point of the engine core process."""
+    """Entry point of the engine core process. Bad input at start-up (a model that is
+    not there, a checkpoint it cannot hold, an option the model refuses: FileNotFoundError,
+    ValueError) is sent as its message alone, its traceback logged at debug level; any
+    other failure with its traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level(), tag="engine core")
     try:
         core = EngineCore(config, progress=True)
+    except (FileNotFoundError, ValueError) as e:
+        logger.debug("engine core start-up failed:\n%s", traceback.format_exc())
+        _send_fatal(conn, f"{type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+    except Exception:
+        _fail(conn)
+        raise
+    try:
         model = core.model
         print(f"model {model.path.name} loaded in {model.load_seconds:.1f} s; {core.describe()}; "
               f"compiled in {core.warmup_seconds:.1f} s", flush=True)
@@ -53,13 +64,22 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend is gone: nothing left to serve
     except Exception:
-        message = traceback.format_exc()
-        logger.error("engine core failed:\n%s", message)
-        try:
-            conn.send_bytes(wire.encode(wire.FATAL, message))
-        except OSError:
-            pass
+        _fail(conn)
         raise
+
+
+def _fail(conn: Connection) -> None:
+    """Log the exception being handled and send its traceback to the frontend."""
+    message = traceback.format_exc()
+    logger.error("engine core failed:\n%s", message)
+    _send_fatal(conn, message)
+
+
+def _send_fatal(conn: Connection, message: str) -> None:
+    try:
+        conn.send_bytes(wire.encode(wire.FATAL, message))
+    except OSError:
+        pass  # the frontend is gone
 
 
 class EngineCoreLoop:

@@ -9,6 +9,10 @@ import dataclasses
 from jaxllm.lora.request import LoRARequest
 
 
+class EngineCoreStartError(RuntimeError):
+    """The engine core process failed to start: its message (bad input), or its traceback."""
+
+
 @dataclasses.dataclass
 class EngineCoreReady:
     """Sent once by the core process when the model is loaded and compiled."""
