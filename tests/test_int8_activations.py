@@ -15,7 +15,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.models.linear import grouped_linear, int8_activations, linear, pack_weight, unpack_weight
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
 from jaxllm.models.quant import (dequantize, int8_activation_matmul, int8_activation_ready, quantize_activations,
-                                 quantize_int4, quantize_int8, quantize_weight)
+                                 quantize_grouped, quantize_int8, quantize_weight)
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
@@ -107,7 +107,7 @@ def test_which_weights_take_int8_activations():
     w = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32)
     assert all(int8_activation_ready(_quantized(f, 128, 64)) for f in FORMATS)
     assert not int8_activation_ready(quantize_int8(w))
-    container = quantize_int4(w, QUANT_FORMATS["int4_g32"]).replace(group=16, bits=8)
+    container = quantize_grouped(w, QUANT_FORMATS["int4_g32"]).replace(group=16, bits=8)
     assert not int8_activation_ready(container)
     experts = _quantized("q4_1", 128, 64).map_arrays(lambda a: jnp.stack([a, a]))
     assert int8_activation_ready(experts)

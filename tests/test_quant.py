@@ -16,7 +16,7 @@ from jaxllm.config import CHECKPOINT_METHODS, QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
 from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, mixed_gguf_format,
                                  param_bytes, quantize_blocks,
-                                 quantize_int4, quantize_int8, quantize_params, quantized_config)
+                                 quantize_grouped, quantize_int8, quantize_params, quantized_config)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES, MOE
 
@@ -50,7 +50,7 @@ def test_int4_rounds_each_group_to_its_own_scale_and_min(name):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 24)).astype(np.float32) * rng.uniform(0.01, 3, 24).astype(np.float32)
     w[: fmt.group, 5] = 0.25  # a constant group
-    qw = quantize_int4(w, fmt)
+    qw = quantize_grouped(w, fmt)
     assert qw.q.dtype == np.int8 and qw.bits == fmt.bits and qw.group == fmt.group and qw.group_axis == 0
     low, high = (0, 15) if fmt.bits == 4 else (-128, 127)
     assert qw.scale.shape == qw.mins.shape == (256 // fmt.group, 24) and low <= qw.q.min() and qw.q.max() == high
@@ -60,7 +60,7 @@ def test_int4_rounds_each_group_to_its_own_scale_and_min(name):
     group_min = lambda a: a.reshape(-1, fmt.group, 24).min(axis=1)  # noqa: E731
     np.testing.assert_allclose(group_min(deq), group_min(w), rtol=0 if fmt.bits == 4 else 1e-6, atol=0)
     np.testing.assert_array_equal(deq[: fmt.group, 5], 0.25)
-    on_device = quantize_int4(jnp.asarray(w), fmt)
+    on_device = quantize_grouped(jnp.asarray(w), fmt)
     np.testing.assert_array_equal(np.asarray(on_device.q), qw.q)
     # 8-bit: the min moved by 128 scales, whose ulp moves it by 128 of its own
     np.testing.assert_allclose(np.asarray(on_device.mins), qw.mins, rtol=0,

@@ -50,7 +50,7 @@ QUANT_FORMATS = {
     "q4_0": QuantFormat("q4_0", GGUF_BLOCK, 4, scale_dtype="float16"),
     "q4_1": QuantFormat("q4_1", GGUF_BLOCK, 4, mins=True, scale_dtype="float16"),
     # int4 weight-only from float weights: 4-bit values, a float32 scale and min per 128
-    # (or 32) inputs of each column (jaxllm.models.quant.quantize_int4)
+    # (or 32) inputs of each column (jaxllm.models.quant.quantize_grouped)
     "int4": QuantFormat("int4", 128, 4, mins=True),
     "int4_g32": QuantFormat("int4_g32", 32, 4, mins=True),
     "int4_g64": QuantFormat("int4_g64", 64, 4, mins=True),  # a GPTQ / AWQ checkpoint's group of 64

@@ -76,7 +76,7 @@ def quantize_int8(w: Float[Array, "K N"] | np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(q, scale)
 
 
-def quantize_int4(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
+def quantize_grouped(w: Float[Array, "K N"] | np.ndarray, fmt: QuantFormat, name: str = "weight") -> QuantizedWeight:
     """`w` as 4-bit values (8-bit: the int8_g* formats) with a float32 scale and min per
     `fmt.group` inputs of each column (asymmetric: the group's min and max map to 0 and
     15 (255), `q = round((w - min) / scale)`, `w ~ scale * q + min` within half a step;
@@ -122,7 +122,7 @@ def quantize_weight(w: Float[Array, "K N"] | np.ndarray, name: str, tensor: str 
     if name == "int8":
         return quantize_int8(w)
     fmt = QUANT_FORMATS[name]
-    return (quantize_int4 if fmt.name.startswith(("int4", "int8_g")) else quantize_blocks)(w, fmt, tensor)
+    return (quantize_grouped if fmt.name.startswith(("int4", "int8_g")) else quantize_blocks)(w, fmt, tensor)
 
 
 def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
