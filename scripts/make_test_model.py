@@ -331,10 +331,12 @@ def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0, scale_
 
 
 def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8)), bits: int = 4) -> np.ndarray:
-    """32 / `bits` values per int32 along `axis`: value order[j] of each in bits j * bits.."""
+    """32 / `bits` values per int32 along `axis`: value order[j] of each in bits j * bits..
+    (a last word padded with zeros, as compressed_tensors' pack_to_int32)."""
     per = 32 // bits
     order = order[:per] if bits == 4 else tuple(range(per))
     v = np.moveaxis(values.astype(np.uint32) & ((1 << bits) - 1), axis, -1)
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, -v.shape[-1] % per)])  # the last word padded with zeros
     v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
     words = np.zeros(v.shape[:-1], np.uint32)
     for j, src in enumerate(order):

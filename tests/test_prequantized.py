@@ -154,6 +154,12 @@ def test_the_8bit_layouts_read_as_compressed_tensors_and_hf_fp8_define_them():
     np.testing.assert_array_equal(fp8.weight(), np.arange(12).reshape(3, 4) * np.array([[1, 1, 2, 2]] * 2
                                                                                       + [[4, 4, 8, 8]]))
     assert not fp8.per_channel
+    # zero points packed along the outputs, the last word padded: 6 outputs in two words
+    w = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    parts, exact = make_test_model._scaled_8bit(w, "w8a16-asym", (1, 0))
+    assert parts["weight_zero_point"].shape == (2, 1)
+    asym = read_scaled({f"m.{k}": v for k, v in parts.items()}.get, "m", suffixes, True, (1, 0))
+    np.testing.assert_array_equal(asym.weight(), exact)
     with pytest.raises(ValueError, match="do not cover a 3 x 4 matrix"):
         read_scaled(stored.get, "m", ("weight", None, "weight_scale_inv", None), False, (1, 2))
 

@@ -103,8 +103,10 @@ def read_scaled(get: Callable[[str], np.ndarray | None], module: str, suffixes: 
     out, k = values.shape
     if block is None:
         block = (0, 0) if scale.size == 1 else (1, 0)
-    if zero is not None:
-        zero = np.asarray(zero).reshape(scale.shape[0], -1)[:, : scale.shape[1]]
+    if zero is not None:  # as the scales (packed: past the outputs' padding to a multiple of four)
+        zero = np.asarray(zero)
+        zero = zero.reshape(1, 1) if zero.size == 1 else zero.reshape(zero.shape[0], -1)
+        zero = zero[: scale.shape[0], : scale.shape[1]]
     group_of = None if g_idx is None else np.asarray(g_idx).astype(np.int64)
     matrix = ScaledMatrix(values, scale, zero, block, group_of)
     expect = tuple(-(-n // (b or n)) for n, b in zip((out, k), block))
