@@ -330,7 +330,7 @@ def quantize_rtn(w: np.ndarray, group: int, sym: bool, min_zero: int = 0, scale_
     return q, zero, scale
 
 
-def pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8)), bits: int = 4) -> np.ndarray:
+def pack_words(values: np.ndarray, axis: int, order=tuple(range(8)), bits: int = 4) -> np.ndarray:
     """32 / `bits` values per int32 along `axis`: value order[j] of each in bits j * bits..
     (a last word padded with zeros, as compressed_tensors' pack_to_int32)."""
     per = 32 // bits
@@ -358,12 +358,10 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
     records each input's. `bits` 8: GPTQ's and compressed-tensors' 8-bit layouts (four
     values to a word). Returns (quantized folder, float folder)."""
     import zlib
-    import shutil
 
     import ml_dtypes
 
     tensors = _hf_tensors(hf_folder)
-    config = json.loads((hf_folder / "config.json").read_text())
     packed, exact = {}, {}
     for name, w in tensors.items():
         module = name[: -len(".weight")]
@@ -385,17 +383,17 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
                                             * (q.astype(np.float32) - zero[group_of].astype(np.float32))).T)
         if method == "gptq":
             stored_zero = zero - (1 if checkpoint_format == "gptq" else 0)
-            packed |= {module + ".qweight": pack_nibbles(q, 0, bits=bits),
-                       module + ".qzeros": pack_nibbles(stored_zero, 1, bits=bits),
+            packed |= {module + ".qweight": pack_words(q, 0, bits=bits),
+                       module + ".qzeros": pack_words(stored_zero, 1, bits=bits),
                        module + ".scales": scale, module + ".g_idx": group_of.astype(np.int32)}
         elif method == "awq":
-            packed |= {module + ".qweight": pack_nibbles(q, 1, AWQ_ORDER),
-                       module + ".qzeros": pack_nibbles(zero, 1, AWQ_ORDER), module + ".scales": scale}
+            packed |= {module + ".qweight": pack_words(q, 1, AWQ_ORDER),
+                       module + ".qzeros": pack_words(zero, 1, AWQ_ORDER), module + ".scales": scale}
         else:  # [out, ...]; the values (and zero points) as signed ones plus 2^(bits-1): q and zero here
-            packed |= {module + ".weight_packed": pack_nibbles(q.T, 1, bits=bits), module + ".weight_scale": scale.T,
+            packed |= {module + ".weight_packed": pack_words(q.T, 1, bits=bits), module + ".weight_scale": scale.T,
                        module + ".weight_shape": np.array(w.shape, np.int32)}
             if not sym:
-                packed[module + ".weight_zero_point"] = pack_nibbles(zero.T, 0, bits=bits)
+                packed[module + ".weight_zero_point"] = pack_words(zero.T, 0, bits=bits)
             if act_order:
                 packed[module + ".weight_g_idx"] = group_of.astype(np.int32)
     if method == "gptq":
@@ -404,27 +402,35 @@ def write_prequantized(hf_folder: Path, out: Path, method: str = "gptq", group: 
     elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
-        scheme = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                  "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
-                              "group_size": group, "dynamic": False, "actorder": "group" if act_order else None}}
-        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-              "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
-    name = f"{hf_folder.name}-{method}{'-int8' if bits == 8 else ''}-g{group}"
-    folders = (out / name, out / f"{name}-dequantized")
-    packed = {name: np.ascontiguousarray(a) for name, a in packed.items()}  # safetensors writes the buffer as laid out
-    for folder, weights, extra in zip(folders, (packed, exact), ({"quantization_config": qc}, {})):
-        shutil.copytree(hf_folder, folder, dirs_exist_ok=True,
+        qc = _ct_config("pack-quantized", {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
+                                           "group_size": group, "actorder": "group" if act_order else None}, None)
+    return _write_pair(hf_folder, out / f"{hf_folder.name}-{method}{'-int8' if bits == 8 else ''}-g{group}",
+                       packed, exact, qc)
+
+
+def _write_pair(hf_folder: Path, folder: Path, stored: dict, exact: dict, qc: dict) -> tuple[Path, Path]:
+    """`folder` (hf_folder's files, `stored` tensors, config.json with `qc`) and beside it
+    `folder`-dequantized (the `exact` float32 tensors, no quantization_config)."""
+    import shutil
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    folders = (folder, folder.with_name(f"{folder.name}-dequantized"))
+    for path, weights, extra in zip(folders, (stored, exact), ({"quantization_config": qc}, {})):
+        shutil.copytree(hf_folder, path, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-        (folder / "config.json").write_text(json.dumps(config | extra, indent=2))
-        save_weights(folder, weights, 1)
+        (path / "config.json").write_text(json.dumps(config | extra, indent=2))
+        # safetensors writes the buffer as laid out: contiguous copies
+        save_weights(path, {n: np.ascontiguousarray(a) for n, a in weights.items()}, 1)
     return folders
 
 
-# 8-bit schemes write_scaled writes: (quantization_config, weights' QuantizationArgs for compressed-tensors)
+# the 8-bit schemes write_scaled writes
 SCALED_SCHEMES = ("w8a16", "w8a8", "w8a16-asym", "fp8-channel", "fp8-block")
 
 
 def _ct_config(fmt: str, weights: dict, activations: dict | None) -> dict:
+    """A compressed-tensors quantization_config of one scheme (`weights` over 8-bit
+    symmetric static defaults), lm_head left unquantized."""
     scheme = {"targets": ["Linear"], "input_activations": activations, "output_activations": None,
               "weights": {"num_bits": 8, "symmetric": True, "dynamic": False, "group_size": None} | weights}
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
@@ -464,7 +470,7 @@ def _scaled_8bit(w: np.ndarray, scheme: str, block: tuple[int, int]) -> tuple[di
 
 def _pack_bytes(values: np.ndarray, axis: int) -> np.ndarray:
     """compressed-tensors' pack_to_int32 of int8 values: plus 128, four to a word along `axis`."""
-    return pack_nibbles(values.astype(np.int16) + 128, axis, bits=8)
+    return pack_words(values.astype(np.int16) + 128, axis, bits=8)
 
 
 def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int = 32) -> tuple[Path, Path]:
@@ -475,8 +481,6 @@ def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int =
     e4m3 per channel), or HF's fine-grained "fp8-block" (e4m3, a scale per `block` x
     `block`); beside it the float32 checkpoint of exactly the weights it stands for.
     Returns (quantized folder, float folder)."""
-    import shutil
-
     blocks = {"w8a16": (1, 0), "w8a8": (1, 0), "w8a16-asym": (1, 0), "fp8-channel": (1, 0),
               "fp8-block": (block, block)}
     tensors = _hf_tensors(hf_folder)
@@ -497,14 +501,7 @@ def write_scaled(hf_folder: Path, out: Path, scheme: str = "w8a16", block: int =
                                     token | {"type": "float"}),
           "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                         "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head"]}}[scheme]
-    config = json.loads((hf_folder / "config.json").read_text())
-    folders = (out / f"{hf_folder.name}-{scheme}", out / f"{hf_folder.name}-{scheme}-dequantized")
-    for folder, weights, extra in zip(folders, (stored, exact), ({"quantization_config": qc}, {})):
-        shutil.copytree(hf_folder, folder, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-        (folder / "config.json").write_text(json.dumps(config | extra, indent=2))
-        save_weights(folder, {n: np.ascontiguousarray(a) for n, a in weights.items()}, 1)
-    return folders
+    return _write_pair(hf_folder, out / f"{hf_folder.name}-{scheme}", stored, exact, qc)
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

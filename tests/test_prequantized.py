@@ -77,7 +77,7 @@ def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_d
     the engine's tokens and logprobs are those of the float32 checkpoint of the very
     weights it stands for, scale * (q - zero), bit for bit through the kernel (and XLA,
     slow); the
-    kernel's panels an eighth of the float ones; `quantization="none"` dequantizes them."""
+    kernel's panels bits / 32 of the float ones; `quantization="none"` dequantizes them."""
     lm_head = fmt == "gptq_v2"  # GPTQModel's lm_head=True: the head quantized too
     qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, group, sym, fmt,
                                                    lm_head, bits=bits)

@@ -52,8 +52,9 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     "q4_1" quantize a float checkpoint's projections after loading (the conversion cache
     keeps the float weights); a GGUF whose projections are all Q8_0, Q4_0 or Q4_1 keeps
     those blocks, one of mixed block types keeps them as "gguf_int8" (and its conversion
-    holds them so), a GPTQ / AWQ / compressed-tensors checkpoint its 4-bit groups (int4, int4_g64, int4_g32),
-    unless it is "none" (`_gguf_quantization`, `_folder_config`); the
+    holds them so), a GPTQ / AWQ / compressed-tensors checkpoint its 4-bit or 8-bit groups
+    (int4*, int8_g*) or its int8 per channel (int8) (jaxllm.loaders.prequantized: FP8 and
+    other 8-bit schemes are refused as stored, loaded with "none"), unless it is "none" (`_gguf_quantization`, `_folder_config`); the
     returned config says what is held (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     path = model_path(model)
@@ -97,7 +98,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
 
 def _as_stored(path: Path, quantization: str | None) -> str | None:
     """`quantization` checked (jaxllm.config.QUANTIZATIONS); a checkpoint method's name
-    (vLLM's "gptq", "awq", "compressed-tensors", "gguf") is None, as stored, once the
+    (vLLM's "gptq", "awq", "compressed-tensors", "fp8", "gguf") is None, as stored, once the
     checkpoint is found stored so."""
     check_quantization(quantization)
     if quantization not in CHECKPOINT_METHODS:

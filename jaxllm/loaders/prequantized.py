@@ -53,14 +53,13 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.scaled import read_scaled, unpack_bits
-from jaxllm.models.params import ACT_ORDER, QUANT_FORMATS, QuantizedWeight, declarations
+from jaxllm.models.params import ACT_ORDER, GROUPED_FORMATS, QUANT_FORMATS, QuantizedWeight, declarations
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 # jaxllm's format for each (bits, group size) a grouped checkpoint may have (inputs per scale)
-HELD_FORMATS = {(fmt.bits, fmt.group): name for name, fmt in QUANT_FORMATS.items()
-                if name.startswith(("int4", "int8_g"))}
+HELD_FORMATS = {(QUANT_FORMATS[name].bits, QUANT_FORMATS[name].group): name for name in GROUPED_FORMATS}
 HELD_GROUPS = sorted({group for _, group in HELD_FORMATS})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 PACK = 8  # 4-bit values per int32

@@ -62,6 +62,9 @@ QUANT_FORMATS = {
     # a GGUF of mixed block types, each weight exact (jaxllm.models.quant.gguf_container_parts)
     "gguf_int8": QuantFormat("gguf_int8", 16, 8, mins=True),
 }
+# jaxllm's own grouped formats (a float32 scale and min per group; quantize_grouped): what a
+# GPTQ / AWQ / compressed-tensors checkpoint's groups are held in (jaxllm.loaders.prequantized)
+GROUPED_FORMATS = ("int4", "int4_g32", "int4_g64", "int8_g128", "int8_g64", "int8_g32")
 
 
 @struct.dataclass

@@ -51,7 +51,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int8, Int32
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import (QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight, declare,
+from jaxllm.models.params import (GROUPED_FORMATS, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight, declare,
                                   map_declared, stack_experts)
 
 INT8_MAX = 127
@@ -122,7 +122,7 @@ def quantize_weight(w: Float[Array, "K N"] | np.ndarray, name: str, tensor: str 
     if name == "int8":
         return quantize_int8(w)
     fmt = QUANT_FORMATS[name]
-    return (quantize_grouped if fmt.name.startswith(("int4", "int8_g")) else quantize_blocks)(w, fmt, tensor)
+    return (quantize_grouped if name in GROUPED_FORMATS else quantize_blocks)(w, fmt, tensor)
 
 
 def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray, "*E K N"]:
