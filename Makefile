@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-dev serve test test-slow bench clean
+.PHONY: setup setup-dev serve test test-slow bench bench-isa clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,25 +41,30 @@ test-slow: setup-dev
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
 
-bench: setup-dev
-	$(PY) scripts/bench_kv_cache_manager.py
+# Issue 16's targets, each build of both sides (about 60 min on 2 cores): the kernels against
+# XLA, the standard workload offline against HF generate and the all-xla configuration, and
+# serving at 32 clients against llama-server.
+bench-isa: setup-dev
 	$(PY) scripts/bench_linear.py
 	$(PY) scripts/bench_linear.py --isa avx2
-	$(PY) scripts/bench_linear.py --weights q4_1
-	$(PY) scripts/bench_linear.py --isa avx2 --weights q4_1
-	$(PY) scripts/bench_linear.py --experts 8 --weights q4_1 --rows 16,64,512
 	$(PY) scripts/bench_attention.py
 	$(PY) scripts/bench_attention.py --isa avx2
 	$(PY) scripts/bench_throughput.py --compare-xla --out bench_results/throughput.json
 	$(PY) scripts/bench_throughput.py --isa avx2 --compare-xla --hf-dtypes float32 --skip-startup \
 	  --out bench_results/throughput_avx2.json
-	test -f build/smollm2-f32.gguf || $(PY) scripts/export_gguf.py build/smollm2-f32.gguf
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard
 	$(PY) scripts/bench_serving.py --isa avx2 --launch "" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard_avx2
+
+bench: bench-isa
+	$(PY) scripts/bench_kv_cache_manager.py
+	$(PY) scripts/bench_linear.py --weights q4_1
+	$(PY) scripts/bench_linear.py --isa avx2 --weights q4_1
+	$(PY) scripts/bench_linear.py --experts 8 --weights q4_1 --rows 16,64,512
+	test -f build/smollm2-f32.gguf || $(PY) scripts/export_gguf.py build/smollm2-f32.gguf
 	$(PY) scripts/bench_serving.py --launch "--activation-quantization int8" --dataset standard --max-concurrency 32 \
 	  --out bench_results/serving_standard_int8_activations
 	$(PY) scripts/bench_serving.py --isa avx2 --launch "--activation-quantization int8" --dataset standard \
