@@ -12,6 +12,12 @@
     python scripts/bench_serving.py --launch "" --max-concurrency 32 \
         --llama-server path/to/llama-server --llama-gguf smollm2-f32.gguf
 
+    # two jaxllm configurations on the same requests, one launched server after the other
+    # (and llama-server first): the Q8_0 file kept against the same file dequantized
+    python scripts/bench_serving.py --launch "--model build/smollm2-q8_0.gguf" --max-concurrency 32 \
+        --compare-launch "--model build/smollm2-q8_0.gguf --quantization none" \
+        --llama-server path/to/llama-server --llama-gguf build/smollm2-q8_0.gguf
+
     # shared-prefix dataset with and without prefix caching (two launched servers)
     python scripts/bench_serving.py --compare-prefix-caching --max-concurrency 16
 
@@ -448,13 +454,30 @@ def compare_lora(args, results: dict, out_prefix: Path) -> None:
           f"{results['output_throughput_ratio']:.3f}x (target >= 0.8x)")
 
 
+def compare_launch(args, results: dict, out_prefix: Path) -> None:
+    """`--compare-launch`: the same requests on a second launched server (its flags), after
+    the first configuration's run; the ratio of the first's output throughput to it."""
+    log = out_prefix.with_name(out_prefix.name + "_compare_server.log")
+    with LaunchedServer(args.compare_launch, log) as server:
+        run = asyncio.run(benchmark(server.url, args.model or server.model(), make_dataset(args, args.seed),
+                                    max_concurrency=args.max_concurrency, request_rate=args.request_rate))
+    label = f"--compare-launch {args.compare_launch!r}"
+    first = next(iter(results["runs"].values()))
+    results["runs"][label] = run
+    print_summary(label, run)
+    results["output_throughput_vs_compare_launch"] = first["output_token_throughput"] / run["output_token_throughput"]
+    print(f"\n--launch {args.launch or ''!r} / --compare-launch {args.compare_launch!r}, output tokens/s: "
+          f"{results['output_throughput_vs_compare_launch']:.3f}x")
+
+
 def _joined_launch(argv: list[str]) -> list[str]:
-    """`--launch --async-scheduling` as `--launch=--async-scheduling`: argparse takes a
+    """`--launch --async-scheduling` as `--launch=--async-scheduling` (and `--compare-launch`'s
+    value so): argparse takes a
     lone value that starts with a dash for an option (one with a space it keeps)."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] == "--launch" and i + 1 < len(argv) and argv[i + 1].startswith("-"):
-            out.append(f"--launch={argv[i + 1]}")
+        if argv[i] in ("--launch", "--compare-launch") and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
             out.append(argv[i])
@@ -484,6 +507,9 @@ def main() -> None:
                    help="the dataset on the base model alone, then spread over N random LoRA adapters (two launched "
                         "servers, --launch's flags); prints the throughput ratio")
     p.add_argument("--lora-rank", type=int, default=16, help="the rank of --compare-lora's adapters")
+    p.add_argument("--compare-launch", default=None, metavar="FLAGS",
+                   help="a second launched jaxllm server, these flags, on the same requests after --launch's: "
+                        "the output throughput ratio of --launch's to it")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary: run the same workload on it first, as the baseline")
     p.add_argument("--llama-gguf", default=None, help="the GGUF llama-server loads (e.g. an F32 export)")
@@ -492,6 +518,10 @@ def main() -> None:
     p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
     args = p.parse_args(_joined_launch(sys.argv[1:]))
 
+    if args.compare_launch is not None and (args.base_url or args.concurrency_sweep or args.compare_speculative
+                                            or args.compare_lora or args.compare_prefix_caching):
+        p.error("--compare-launch compares two launched servers at one concurrency: not with --base-url, "
+                "--concurrency-sweep or another --compare-* option")
     if not reexec(args.isa):
         return
     print(describe(args.isa), flush=True)
@@ -547,6 +577,8 @@ def main() -> None:
             with LaunchedServer(args.launch or "", out_prefix.with_name(out_prefix.name + "_server.log")) as server:
                 results["server_startup_s"] = server.startup_s
                 run_all(server.url, args.model or server.model())
+        if args.compare_launch is not None:
+            compare_launch(args, results, out_prefix)
 
     if "baseline" in results and results["runs"]:
         first = next(iter(results["runs"].values()))
