@@ -36,7 +36,7 @@ test: setup-dev
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 115 min on 2 cores): the
+# Everything in docs/benchmarks.md, into bench_results/ (about 2 hours on 2 cores): the
 # native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
@@ -59,7 +59,7 @@ bench-isa: setup-dev
 	  --llama-server $$(LLAMA_ISA=avx2 scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_standard_avx2
 
-# Issue 19's targets in one run (about 40 min on 2 cores): per format the weights held,
+# Issue 19's targets in one run (about 16 min on 2 cores): per format the weights held,
 # batch-1 and 32-request rates and the quality against float32 (the Q4_1 file kept and
 # dequantized, its float export quantized at load, an int8 KV cache, the Q8_0 export kept);
 # serving the Q8_0 export kept against the same file dequantized and against llama-server
