@@ -41,7 +41,7 @@ test-slow: setup-dev
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
 
-# Issue 16's targets, each build of both sides (about 60 min on 2 cores): the kernels against
+# Issue 16's targets, each build of both sides (about 55 min on 2 cores): the kernels against
 # XLA, the standard workload offline against HF generate and the all-xla configuration, and
 # serving at 32 clients against llama-server.
 bench-isa: setup-dev

@@ -471,9 +471,9 @@ def compare_launch(args, results: dict, out_prefix: Path) -> None:
 
 
 def _joined_launch(argv: list[str]) -> list[str]:
-    """`--launch --async-scheduling` as `--launch=--async-scheduling` (and `--compare-launch`'s
-    value so): argparse takes a
-    lone value that starts with a dash for an option (one with a space it keeps)."""
+    """`--launch --async-scheduling` as `--launch=--async-scheduling`, `--compare-launch`'s
+    value likewise: argparse takes a lone value that starts with a dash for an option (one
+    with a space it keeps)."""
     out, i = [], 0
     while i < len(argv):
         if argv[i] in ("--launch", "--compare-launch") and i + 1 < len(argv) and argv[i + 1].startswith("-"):
