@@ -54,8 +54,9 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     those blocks, one of mixed block types keeps them as "gguf_int8" (and its conversion
     holds them so), a GPTQ / AWQ / compressed-tensors checkpoint its 4-bit or 8-bit groups
     (int4*, int8_g*) or its int8 per channel (int8) (jaxllm.loaders.prequantized: FP8 and
-    other 8-bit schemes are refused as stored, loaded with "none"), unless it is "none" (`_gguf_quantization`, `_folder_config`); the
-    returned config says what is held (`ModelConfig.quantization`)."""
+    other 8-bit schemes are refused as stored, loaded with "none"), unless it is "none"
+    (`_gguf_quantization`, `_folder_config`); the returned config says what is held
+    (`ModelConfig.quantization`)."""
     start = time.perf_counter()
     path = model_path(model)
     quantization = _as_stored(path, quantization)

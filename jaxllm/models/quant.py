@@ -51,8 +51,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int8, Int32
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import (GROUPED_FORMATS, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight, declare,
-                                  map_declared, stack_experts)
+from jaxllm.models.params import (GROUPED_FORMATS, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
+                                  declare, map_declared, stack_experts)
 
 INT8_MAX = 127
 

@@ -1,0 +1,80 @@
+"""scripts/bench_serving.py's --compare-launch, with the servers and the HTTP runs faked:
+the two launches in order with their flags, the same requests to both, the ratio of
+the first's output throughput to the second's; combinations it cannot compare refused."""
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, _load_script
+
+sys.path.insert(0, str(ROOT / "scripts"))  # for its own import of isa_build, while it loads
+try:
+    bench_serving = _load_script("bench_serving")
+finally:
+    sys.path.remove(str(ROOT / "scripts"))
+
+
+class FakeServer:
+    launched: list[str] = []
+
+    def __init__(self, args: str, log_path=None) -> None:
+        self.args, self.url, self.startup_s = args, f"http://fake/{len(FakeServer.launched)}", 0.0
+        FakeServer.launched.append(args)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def model(self) -> str:
+        return "m"
+
+
+@pytest.fixture
+def faked(monkeypatch):
+    FakeServer.launched = []
+    seen = []
+
+    async def benchmark(url, model, requests, *, max_concurrency, request_rate, seed=0):
+        seen.append([(r.prompt, r.output_len) for r in requests])
+        return {"output_token_throughput": 300.0 if url.endswith("/0") else 150.0}
+
+    monkeypatch.setattr(bench_serving, "LaunchedServer", FakeServer)
+    monkeypatch.setattr(bench_serving, "benchmark", benchmark)
+    monkeypatch.setattr(bench_serving, "print_summary", lambda title, run: None)
+    monkeypatch.setattr(bench_serving, "plot", lambda results, prefix: [])
+    return seen
+
+
+def test_compare_launch_runs_both_on_the_same_requests(faked, monkeypatch, tmp_path):
+    out = tmp_path / "serving"
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--launch", "--model a.gguf", "--compare-launch",
+                                      "--model a.gguf --quantization none", "--dataset", "random",
+                                      "--num-prompts", "3", "--random-input-len", "5", "--random-output-len", "4",
+                                      "--max-concurrency", "1", "--out", str(out)])
+    bench_serving.main()
+    assert FakeServer.launched == ["--model a.gguf", "--model a.gguf --quantization none"]
+    assert len(faked) == 2 and faked[0] == faked[1] and len(faked[0]) == 3
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["output_throughput_vs_compare_launch"] == 2.0
+    assert list(results["runs"]) == ["random concurrency=1", "--compare-launch '--model a.gguf --quantization none'"]
+
+
+@pytest.mark.parametrize("other", [["--concurrency-sweep", "1,2"], ["--base-url", "http://x"],
+                                   ["--compare-prefix-caching"]])
+def test_compare_launch_refuses_what_it_cannot_compare(faked, monkeypatch, capsys, other):
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--compare-launch", "--x 1", *other])
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main()
+    assert e.value.code == 2
+    assert "--compare-launch compares two launched servers" in capsys.readouterr().err
+    assert FakeServer.launched == []
+
+
+def test_joined_launch_keeps_dash_values():
+    assert bench_serving._joined_launch(["--launch", "--async-scheduling", "--compare-launch", "--dtype x",
+                                         "--out", "o"]) == [
+        "--launch=--async-scheduling", "--compare-launch=--dtype x", "--out", "o"]
