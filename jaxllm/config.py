@@ -42,7 +42,7 @@ QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "int8_g12
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 # The inputs of projections kept in blocks (jaxllm.models.quant): None multiplies them in
 # float; "int8" quantizes them per 32 inputs and multiplies in integers, as llama.cpp does.
-ACTIVATION_QUANTIZATIONS = (None, "int8")
+ACTIVATION_QUANTIZATIONS = (None, "int8", "int16")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding windows,

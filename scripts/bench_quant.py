@@ -23,9 +23,9 @@ A format may name a KV cache dtype after a slash (`q4_1/int8`: the default weigh
 int8 KV cache; `kv_cache_dtype`, default auto):
     .venv/bin/python scripts/bench_quant.py --formats q4_1,q4_1/bfloat16,q4_1/int8,q4_1/fp8
 
-`+a8` after the weights multiplies them with int8 activations (`activation_quantization`;
-formats kept in blocks of 32 inputs):
-    .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8
+`+a8` (`+a16`) after the weights multiplies them with int8 (int16) activations
+(`activation_quantization`; formats kept in blocks of 32 inputs):
+    .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8,q4_1+a16
 
 `--dtype bfloat16` runs every format as a bfloat16 model (the kept blocks multiplied in
 bfloat16: each weight rounded, x rounded, float32 sums; the KV cache bfloat16 under `auto`):
@@ -76,11 +76,11 @@ def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
 def measure(model: str | None, fmt: str, items: list[dict], dtype: str = "auto") -> dict:
     weights, _, kv_cache_dtype = fmt.partition("/")
     weights, _, activations = weights.partition("+")
-    if activations not in ("", "a8"):
-        raise SystemExit(f"{fmt}: after '+' only a8 (int8 activations)")
+    if activations not in ("", "a8", "a16"):
+        raise SystemExit(f"{fmt}: after '+' only a8 or a16 (int8 or int16 activations)")
     model, quantization = source(model, weights)
     llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto", dtype=dtype,
-              activation_quantization="int8" if activations else None, progress=False)
+              activation_quantization=f"int{activations[1:]}" if activations else None, progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]

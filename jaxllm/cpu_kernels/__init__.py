@@ -38,6 +38,12 @@ TARGETS = {
     "jaxllm_grouped_dense_q4_0_x8": "JaxllmGroupedDenseQ4_0X8",
     "jaxllm_grouped_dense_q4_1_x8": "JaxllmGroupedDenseQ4_1X8",
     "jaxllm_grouped_dense_q8_0_x8": "JaxllmGroupedDenseQ8_0X8",
+    "jaxllm_dense_q4_0_x16": "JaxllmDenseQ4_0X16",
+    "jaxllm_dense_q4_1_x16": "JaxllmDenseQ4_1X16",
+    "jaxllm_dense_q8_0_x16": "JaxllmDenseQ8_0X16",
+    "jaxllm_grouped_dense_q4_0_x16": "JaxllmGroupedDenseQ4_0X16",
+    "jaxllm_grouped_dense_q4_1_x16": "JaxllmGroupedDenseQ4_1X16",
+    "jaxllm_grouped_dense_q8_0_x16": "JaxllmGroupedDenseQ8_0X16",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
 }

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -1028,7 +1029,7 @@ constexpr auto GroupedDenseQ8Mins = GroupedDenseBlocksMins<I8Weights, ffi::S8>; 
 // most 16 x 15 x 127 in a lane, then widened once), plain C++ elsewhere. Each block's
 // exact integer sum is then scaled: y = sum over blocks of (d_w d_x) isum (+ m_w s_x for
 // Q4_1, s_x = d_x sum(q_x)); Q4_0's stored nibble is q + 8, taken off exactly as 8 sum(q_x).
-// jaxllm.models.quant.int8_activation_matmul is the same arithmetic in jnp.
+// jaxllm.models.quant.quantized_activation_matmul is the same arithmetic in jnp.
 //
 // The panels ("dot layout"), 128 bytes (32 columns x 4) per row: 4-bit values as [K/8][32][4]
 // bytes, byte j of column c at inputs 8i..8i+7 holding input 8i + j in its low nibble and
@@ -1044,51 +1045,135 @@ constexpr int kDotRow = kPanel * 4;  // bytes of a dot-layout panel row
 template <int kBits>
 constexpr int kDotSteps = kBits == 4 ? 4 : 8;  // dot-layout rows per block of 32 inputs
 
-// Tile t of x quantized: q [12][K] int8, d [K/32][12] float32, sum(q) [K/32][12] int32
-// (rows past M zero).
-template <bool kConst>
-struct X8TileOf {
+// Tile t of x quantized: q [12][K] int8 (or int16: Q), d [K/32][12] float32, sum(q)
+// [K/32][12] int32 (rows past M zero).
+template <bool kConst, class Q>
+struct XTileOf {
   template <class T>
   using P = std::conditional_t<kConst, const T*, T*>;
   using Byte = std::conditional_t<kConst, const uint8_t, uint8_t>;
-  static int64_t bytes(int64_t K) { return kTileRows * K + (K / kXBlock) * kTileRows * 8; }
-  P<int8_t> q;
+  static constexpr int64_t values(int64_t K) { return kTileRows * K * static_cast<int64_t>(sizeof(Q)); }
+  static int64_t bytes(int64_t K) { return values(K) + (K / kXBlock) * kTileRows * 8; }
+  P<Q> q;
   P<float> d;
   P<int32_t> sum;
-  X8TileOf(Byte* base, int64_t K)
-      : q(reinterpret_cast<P<int8_t>>(base)),
-        d(reinterpret_cast<P<float>>(base + kTileRows * K)),
-        sum(reinterpret_cast<P<int32_t>>(base + kTileRows * K + (K / kXBlock) * kTileRows * 4)) {}
+  XTileOf(Byte* base, int64_t K)
+      : q(reinterpret_cast<P<Q>>(base)),
+        d(reinterpret_cast<P<float>>(base + values(K))),
+        sum(reinterpret_cast<P<int32_t>>(base + values(K) + (K / kXBlock) * kTileRows * 4)) {}
 };
-using X8Tile = X8TileOf<true>;
+template <class Q>
+using XTile = XTileOf<true, Q>;
+using X8Tile = XTile<int8_t>;
+using X16Tile = XTile<int16_t>;
 
+// Where input k of a row sits in its tile: in order for int8; for int16, inputs 1 and 2
+// of each 4 swapped ([x0, x2, x1, x3]: the pairs a 32-bit lane of the int16 weights
+// holds, x16_rows below).
+template <class Q>
+constexpr int64_t slot(int64_t k) {
+  return sizeof(Q) == 1 ? k : (k & ~int64_t{3}) | ((k & 1) << 1) | ((k >> 1) & 1);
+}
+
+// One block of 32 inputs xb quantized into qb (in slot order): its scale d = max|x| *
+// (1/127) (int8) or (1/32767) (int16), as XLA computes amax / 127 (times the
+// reciprocal), q = x / d to nearest even (the vector conversions round so, as nearbyint
+// does, in the default rounding mode); returns the sum of the values, sets *scale.
+// Vectorized where the ISA converts and narrows vectors (a scalar loop cost int16
+// activations a third of a 32-row call at K = 1536); the same values either way.
+template <class Q>
+inline int32_t quantize_block_scalar(const float* xb, float amax, Q* qb, float* scale) {
+  *scale = amax * (1.f / static_cast<float>(std::numeric_limits<Q>::max()));
+  const float inv = *scale > 0.f ? 1.f / *scale : 0.f;
+  int32_t s = 0;
+  for (int k = 0; k < kXBlock; ++k) {
+    const int v = static_cast<int>(std::nearbyint(xb[k] * inv));
+    qb[slot<Q>(k)] = static_cast<Q>(v);
+    s += v;
+  }
+  return s;
+}
+
+#if defined(__AVX512BW__) && JAXLLM_LANES == 16
+template <class Q>
+inline int32_t quantize_block(const float* xb, Q* qb, float* scale) {
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  *scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) *
+           (1.f / static_cast<float>(std::numeric_limits<Q>::max()));
+  const __m512 inv = _mm512_set1_ps(*scale > 0.f ? 1.f / *scale : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb2 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  if constexpr (sizeof(Q) == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qb2));
+  } else {  // inputs 1 and 2 of each 4 swapped (slot)
+    const __m256i swap = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qa), swap));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm256_shuffle_epi8(_mm512_cvtsepi32_epi16(qb2), swap));
+  }
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb2));
+}
+#elif defined(__AVX2__)
+template <class Q>
+inline int32_t quantize_block(const float* xb, Q* qb, float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(xb + 8 * j);
+    m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  *scale = _mm_cvtss_f32(h) * (1.f / static_cast<float>(std::numeric_limits<Q>::max()));
+  const __m256 inv = _mm256_set1_ps(*scale > 0.f ? 1.f / *scale : 0.f);
+  __m256i q[4], total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    total = _mm256_add_epi32(total, q[j]);
+  }
+  // int32 to int16 in order (packs interleaves the 128-bit halves; the permute undoes it)
+  const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+  const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+  if constexpr (sizeof(Q) == 1) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xD8));
+  } else {  // inputs 1 and 2 of each 4 swapped (slot)
+    const __m256i swap = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_shuffle_epi8(w01, swap));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm256_shuffle_epi8(w23, swap));
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
+#else
+template <class Q>
+inline int32_t quantize_block(const float* xb, Q* qb, float* scale) {
+  float amax = 0.f;
+  for (int k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+  return quantize_block_scalar(xb, amax, qb, scale);
+}
+#endif
+
+// Tile t's rows, block by block (rows past M: zeros, scale 0).
+template <class Q>
 void quantize_tile(const float* x, int64_t M, int64_t K, int64_t t, uint8_t* out) {
-  const X8TileOf<false> tile(out, K);
-  int8_t* q = tile.q;
-  float* d = tile.d;
-  int32_t* sum = tile.sum;
+  const XTileOf<false, Q> tile(out, K);
   const int64_t r0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, M - r0);
   for (int64_t i = 0; i < kTileRows; ++i) {
     for (int64_t b = 0; b < K / kXBlock; ++b) {
-      int8_t* qb = q + i * K + b * kXBlock;
+      Q* qb = tile.q + i * K + b * kXBlock;
       float scale = 0.f;
       int32_t s = 0;
-      if (i < rows) {
-        const float* xb = x + (r0 + i) * K + b * kXBlock;
-        float amax = 0.f;
-        for (int k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        scale = amax * (1.f / 127.f);  // as XLA computes amax / 127 (times the reciprocal)
-        const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        for (int k = 0; k < kXBlock; ++k) {
-          const int v = static_cast<int>(std::nearbyint(xb[k] * inv));
-          qb[k] = static_cast<int8_t>(v);
-          s += v;
-        }
-      } else {
-        std::memset(qb, 0, kXBlock);
-      }
-      d[b * kTileRows + i] = scale;
-      sum[b * kTileRows + i] = s;
+      if (i < rows)
+        s = quantize_block(x + (r0 + i) * K + b * kXBlock, qb, &scale);
+      else
+        std::memset(qb, 0, kXBlock * sizeof(Q));
+      tile.d[b * kTileRows + i] = scale;
+      tile.sum[b * kTileRows + i] = s;
     }
   }
 }
@@ -1122,6 +1207,47 @@ inline void prefetch_dot_rows(const X8Panel& p, int64_t b) {
 // the integer sums as kOffset sum(q_x).
 #if defined(__AVX512VNNI__) && JAXLLM_LANES == 16
 constexpr int kX8Rows = 6;  // 12 int32 and 12 float32 accumulators, 4 weight registers
+
+// A block's exact sums s of rows g.. (either activation width) offset, scaled by the
+// panel's scales times x's, and added to the rows' float accumulators (Q4_1's mins
+// times x's block sums too).
+template <int R, bool kMins, int kOffset, class Q>
+inline void x_block_out(__m512i (&s)[R][2], __m512 (&acc)[R][2], const XTile<Q>& xt, int g, const X8Panel& p,
+                        int64_t b) {
+  const int64_t grp = (b * kXBlock) >> p.group_shift;
+  const __m512 d0 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel);
+  const __m512 d1 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel + 16);
+  __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+  if constexpr (kMins) {
+    m0 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel);
+    m1 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel + 16);
+  }
+  for (int i = 0; i < R; ++i) {
+    const int64_t at = b * kTileRows + g + i;
+    if constexpr (kOffset != 0) {
+      const __m512i off = _mm512_set1_epi32(kOffset * xt.sum[at]);
+      s[i][0] = _mm512_sub_epi32(s[i][0], off);
+      s[i][1] = _mm512_sub_epi32(s[i][1], off);
+    }
+    const __m512 dx = _mm512_set1_ps(xt.d[at]);
+    acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
+    acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
+    if constexpr (kMins) {
+      const __m512 sx = _mm512_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at]));
+      acc[i][0] = _mm512_fmadd_ps(m0, sx, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(m1, sx, acc[i][1]);
+    }
+  }
+}
+
+template <int R>
+inline void x_rows_out(const __m512 (&acc)[R][2], int g, float* out) {
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out + (g + i) * kPanel, acc[i][0]);
+    _mm512_storeu_ps(out + (g + i) * kPanel + 16, acc[i][1]);
+  }
+}
+
 template <int R, int kBits, bool kMins, int kOffset>
 void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
@@ -1152,37 +1278,58 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
         }
       }
     }
-    const int64_t grp = (b * kXBlock) >> p.group_shift;
-    const __m512 d0 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel);
-    const __m512 d1 = (__m512)group_lanes(p.scale, p.half_scale, grp * kPanel + 16);
-    __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
-    if constexpr (kMins) {
-      m0 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel);
-      m1 = (__m512)group_lanes(p.min, p.half_min, grp * kPanel + 16);
-    }
-    for (int i = 0; i < R; ++i) {
-      const int64_t at = b * kTileRows + g + i;
-      if constexpr (kOffset != 0) {
-        const __m512i off = _mm512_set1_epi32(kOffset * xt.sum[at]);
-        s[i][0] = _mm512_sub_epi32(s[i][0], off);
-        s[i][1] = _mm512_sub_epi32(s[i][1], off);
-      }
-      const __m512 dx = _mm512_set1_ps(xt.d[at]);
-      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
-      if constexpr (kMins) {
-        const __m512 sx = _mm512_set1_ps(xt.d[at] * static_cast<float>(xt.sum[at]));
-        acc[i][0] = _mm512_fmadd_ps(m0, sx, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(m1, sx, acc[i][1]);
-      }
-    }
+    x_block_out<R, kMins, kOffset>(s, acc, xt, g, p, b);
   }
+  x_rows_out<R>(acc, g, out);
+}
+
+// int16 activations (the *_x16 handlers) times the same panels: each 32-bit lane of a
+// dot-layout row made two int16 weights, one by sign- (int8) or zero-extension (4-bit:
+// 0..15) of its bytes 0 and 2, one of bytes 1 and 3 (4-bit: a nibble of each), times
+// x's pairs [x0, x2] and [x1, x3] (slot) by vpdpwssd: a block's sums exact in int32 (32
+// products of at most 127 x 32767). int8 weights read as they are: no offset.
+template <int R>
+inline void x16_pairs(__m512i (&s)[R][2], __m512i a0, __m512i b0, __m512i a1, __m512i b1, const X16Tile& xt, int g,
+                      int64_t K, int64_t k) {
   for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(out + (g + i) * kPanel, acc[i][0]);
-    _mm512_storeu_ps(out + (g + i) * kPanel + 16, acc[i][1]);
+    const int16_t* xr = xt.q + (g + i) * K + k;
+    const __m512i xa = _mm512_set1_epi32(x8_quad(reinterpret_cast<const int8_t*>(xr)));
+    const __m512i xb = _mm512_set1_epi32(x8_quad(reinterpret_cast<const int8_t*>(xr + 2)));
+    s[i][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[i][0], a0, xa), b0, xb);
+    s[i][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[i][1], a1, xa), b1, xb);
   }
 }
-constexpr bool kX8HalfScales = true;  // x8_rows reads float16 scales (and mins) as they are
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  const __m512i nib = _mm512_set1_epi16(0x000F);
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / kXBlock; ++b) {
+    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    __m512i s[R][2];
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
+    for (int j = 0; j < kDotSteps<kBits>; ++j) {
+      const uint8_t* w = p.w + (b * kDotSteps<kBits> + j) * kDotRow;
+      const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
+      if constexpr (kBits == 4) {  // inputs 8j.. in the low nibbles, 8j + 4.. in the high ones
+        const int64_t k = b * kXBlock + j * 8;
+        x16_pairs<R>(s, _mm512_and_si512(v0, nib), _mm512_and_si512(_mm512_srli_epi16(v0, 8), nib),
+                     _mm512_and_si512(v1, nib), _mm512_and_si512(_mm512_srli_epi16(v1, 8), nib), xt, g, K, k);
+        x16_pairs<R>(s, _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib), _mm512_srli_epi16(v0, 12),
+                     _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib), _mm512_srli_epi16(v1, 12), xt, g, K, k + 4);
+      } else {
+        x16_pairs<R>(s, _mm512_srai_epi16(_mm512_slli_epi16(v0, 8), 8), _mm512_srai_epi16(v0, 8),
+                     _mm512_srai_epi16(_mm512_slli_epi16(v1, 8), 8), _mm512_srai_epi16(v1, 8), xt, g, K,
+                     b * kXBlock + j * 4);
+      }
+    }
+    x_block_out<R, kMins, kOffset>(s, acc, xt, g, p, b);
+  }
+  x_rows_out<R>(acc, g, out);
+}
+constexpr int kX16Rows = 6;  // 12 int32 and 12 float32 accumulators, 4 weight registers, 2 of x
+constexpr bool kX8HalfScales = true;  // x8_rows and x16_rows read float16 scales (and mins) as they are
 #elif defined(__AVX2__)
 constexpr int kX8Rows = 4;  // 8 16-bit accumulators, 4 weight registers
 
@@ -1200,8 +1347,8 @@ inline __m256 x8_lanes(const float* f, const uint16_t* h, int64_t at) {
 
 // A block's 16-bit sums (each of a column's lanes: 16 products of at most 15 x 127)
 // widened, offset, scaled and added to 8 outputs o[0..7] of one row.
-template <bool kMins, int kOffset>
-inline void x8_block_out(__m256i si, const X8Tile& xt, int64_t at, __m256 scale, __m256 min, float* o) {
+template <bool kMins, int kOffset, class Q>
+inline void x8_block_out(__m256i si, const XTile<Q>& xt, int64_t at, __m256 scale, __m256 min, float* o) {
   if constexpr (kOffset != 0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(kOffset * xt.sum[at]));
   __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(scale, _mm256_set1_ps(xt.d[at])),
                              _mm256_loadu_ps(o));
@@ -1267,6 +1414,49 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
     }
   }
 }
+
+// int16 activations as the AVX-512 x16_rows takes them, by vpmaddwd (two products a
+// 32-bit lane, summed) and a 32-bit add: 8 columns at a time, R rows of x.
+template <int R>
+inline void x16_pairs(__m256i (&s)[R], __m256i a, __m256i b, const X16Tile& xt, int g, int64_t K, int64_t k) {
+  for (int i = 0; i < R; ++i) {
+    const int16_t* xr = xt.q + (g + i) * K + k;
+    const __m256i xa = _mm256_set1_epi32(x8_quad(reinterpret_cast<const int8_t*>(xr)));
+    const __m256i xb = _mm256_set1_epi32(x8_quad(reinterpret_cast<const int8_t*>(xr + 2)));
+    s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(a, xa), _mm256_madd_epi16(b, xb)));
+  }
+}
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  const __m256i nib = _mm256_set1_epi16(0x000F);
+  for (int i = 0; i < R; ++i) std::memset(out + (g + i) * kPanel, 0, kPanel * sizeof(float));
+  for (int64_t b = 0; b < K / kXBlock; ++b) {
+    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    const int64_t grp = (b * kXBlock) >> p.group_shift;
+    for (int h = 0; h < 4; ++h) {  // columns 8h..8h+7
+      __m256i s[R];
+      for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+      for (int j = 0; j < kDotSteps<kBits>; ++j) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.w + (b * kDotSteps<kBits> + j) * kDotRow + 32 * h));
+        if constexpr (kBits == 4) {
+          const int64_t k = b * kXBlock + j * 8;
+          x16_pairs<R>(s, _mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), xt, g, K, k);
+          x16_pairs<R>(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), _mm256_srli_epi16(v, 12), xt, g, K, k + 4);
+        } else {
+          x16_pairs<R>(s, _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(v, 8), xt, g, K,
+                       b * kXBlock + j * 4);
+        }
+      }
+      const __m256 sc = x8_lanes(p.scale, p.half_scale, grp * kPanel + 8 * h);
+      const __m256 mn = kMins ? x8_lanes(p.min, p.half_min, grp * kPanel + 8 * h) : _mm256_setzero_ps();
+      for (int i = 0; i < R; ++i)
+        x8_block_out<kMins, kOffset>(s[i], xt, b * kTileRows + g + i, sc, mn, out + (g + i) * kPanel + 8 * h);
+    }
+  }
+}
+constexpr int kX16Rows = 6;  // 6 accumulators, 2 weight registers (4-bit: 2 at a time), 2 of x
 constexpr bool kX8HalfScales = true;
 #else  // a lane at a time (SSE2, NEON): the same sums in the same order
 constexpr int kX8Rows = kTileRows;
@@ -1297,44 +1487,85 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
     }
   }
 }
+constexpr int kX16Rows = kTileRows;
+template <int R, int kBits, bool kMins, int kOffset>
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool) {
+  for (int i = 0; i < R; ++i) {
+    float* o = out + (g + i) * kPanel;
+    for (int c = 0; c < kPanel; ++c) o[c] = 0.f;
+    for (int64_t b = 0; b < K / kXBlock; ++b) {
+      const int64_t at = b * kTileRows + g + i, grp = (b * kXBlock) >> p.group_shift, k0 = b * kXBlock;
+      const int16_t* xr = xt.q + (g + i) * K;
+      for (int c = 0; c < kPanel; ++c) {
+        int32_t s = 0;
+        for (int j = 0; j < kDotSteps<kBits>; ++j)
+          for (int l = 0; l < 4; ++l) {
+            const uint8_t byte = p.w[(b * kDotSteps<kBits> + j) * kDotRow + c * 4 + l];
+            if constexpr (kBits == 4) {
+              const int64_t k = k0 + j * 8 + l;
+              s += (byte & 0x0F) * xr[slot<int16_t>(k)] + (byte >> 4) * xr[slot<int16_t>(k + 4)];
+            } else {
+              s += static_cast<int8_t>(byte) * xr[slot<int16_t>(k0 + j * 4 + l)];
+            }
+          }
+        s -= kOffset * xt.sum[at];
+        o[c] = std::fma(static_cast<float>(s), p.scale[grp * kPanel + c] * xt.d[at], o[c]);
+        if constexpr (kMins)
+          o[c] = std::fma(p.min[grp * kPanel + c], xt.d[at] * static_cast<float>(xt.sum[at]), o[c]);
+      }
+    }
+  }
+}
 #endif
 
-template <int R, int kBits, bool kMins, int kOffset>
-void x8_chunks(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
-  constexpr int C = R < kX8Rows ? R : kX8Rows;
-  x8_rows<C, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
-  if constexpr (R > C) x8_chunks<R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out, false);
+// Rows g.. of a quantized tile (int8 or int16 values: Q) times a panel, by the ISA's
+// x8_rows or x16_rows.
+template <class Q, int R, int kBits, bool kMins, int kOffset>
+inline void xq_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  if constexpr (sizeof(Q) == 1)
+    x8_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
+  else
+    x16_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
 }
 
-template <int R, int kBits, bool kMins, int kOffset>
-void x8_tile_times_panel(const X8Tile& xt, const X8Panel& p, int64_t K, float* y, int64_t ldy, int cols) {
+template <class Q, int R, int kBits, bool kMins, int kOffset>
+void x8_chunks(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  constexpr int kRows = sizeof(Q) == 1 ? kX8Rows : kX16Rows;
+  constexpr int C = R < kRows ? R : kRows;
+  xq_rows<Q, C, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
+  if constexpr (R > C) x8_chunks<Q, R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out, false);
+}
+
+template <class Q, int R, int kBits, bool kMins, int kOffset>
+void x8_tile_times_panel(const XTile<Q>& xt, const X8Panel& p, int64_t K, float* y, int64_t ldy, int cols) {
   float out[kTileRows * kPanel];
-  x8_chunks<R, kBits, kMins, kOffset>(xt, 0, p, K, out, p.prefetch != nullptr);
+  x8_chunks<Q, R, kBits, kMins, kOffset>(xt, 0, p, K, out, p.prefetch != nullptr);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
-using X8TileFn = void (*)(const X8Tile&, const X8Panel&, int64_t, float*, int64_t, int);
-template <int kBits, bool kMins, int kOffset>
-constexpr X8TileFn kX8TileFns[kTileRows + 1] = {
+template <class Q>
+using X8TileFn = void (*)(const XTile<Q>&, const X8Panel&, int64_t, float*, int64_t, int);
+template <class Q, int kBits, bool kMins, int kOffset>
+constexpr X8TileFn<Q> kX8TileFns[kTileRows + 1] = {
     nullptr,
-    x8_tile_times_panel<1, kBits, kMins, kOffset>,  x8_tile_times_panel<2, kBits, kMins, kOffset>,
-    x8_tile_times_panel<3, kBits, kMins, kOffset>,  x8_tile_times_panel<4, kBits, kMins, kOffset>,
-    x8_tile_times_panel<5, kBits, kMins, kOffset>,  x8_tile_times_panel<6, kBits, kMins, kOffset>,
-    x8_tile_times_panel<7, kBits, kMins, kOffset>,  x8_tile_times_panel<8, kBits, kMins, kOffset>,
-    x8_tile_times_panel<9, kBits, kMins, kOffset>,  x8_tile_times_panel<10, kBits, kMins, kOffset>,
-    x8_tile_times_panel<11, kBits, kMins, kOffset>, x8_tile_times_panel<12, kBits, kMins, kOffset>};
+    x8_tile_times_panel<Q, 1, kBits, kMins, kOffset>,  x8_tile_times_panel<Q, 2, kBits, kMins, kOffset>,
+    x8_tile_times_panel<Q, 3, kBits, kMins, kOffset>,  x8_tile_times_panel<Q, 4, kBits, kMins, kOffset>,
+    x8_tile_times_panel<Q, 5, kBits, kMins, kOffset>,  x8_tile_times_panel<Q, 6, kBits, kMins, kOffset>,
+    x8_tile_times_panel<Q, 7, kBits, kMins, kOffset>,  x8_tile_times_panel<Q, 8, kBits, kMins, kOffset>,
+    x8_tile_times_panel<Q, 9, kBits, kMins, kOffset>,  x8_tile_times_panel<Q, 10, kBits, kMins, kOffset>,
+    x8_tile_times_panel<Q, 11, kBits, kMins, kOffset>, x8_tile_times_panel<Q, 12, kBits, kMins, kOffset>};
 
-// y[M, N] = x[M, K] (quantized as it is packed) @ the dot-layout panels; shapes checked
-// by the caller (K a positive multiple of 32).
-template <int kBits, bool kMins, int kOffset>
+// y[M, N] = x[M, K] (quantized to Q as it is packed) @ the dot-layout panels; shapes
+// checked by the caller (K a positive multiple of 32).
+template <class Q, int kBits, bool kMins, int kOffset>
 void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P,
                    int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = X8Tile::bytes(K);
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = XTile<Q>::bytes(K);
   const int64_t panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow, panel_groups = (K >> group_shift) * kPanel;
   thread_local std::vector<uint8_t> packed;
   packed.resize(tiles * tile_bytes);
   uint8_t* XT = packed.data();
-  const auto pack = [&](int64_t t) { quantize_tile(X, M, K, t, XT + t * tile_bytes); };
+  const auto pack = [&](int64_t t) { quantize_tile<Q>(X, M, K, t, XT + t * tile_bytes); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
     thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
     X8Panel panel{P + p * panel_bytes, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr,
@@ -1351,18 +1582,18 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-      kX8TileFns<kBits, kMins, kOffset>[rows](X8Tile(XT + t * tile_bytes, K), panel, K,
-                                              Y + t * kTileRows * N + p * kPanel, N, cols);
+      kX8TileFns<Q, kBits, kMins, kOffset>[rows](XTile<Q>(XT + t * tile_bytes, K), panel, K,
+                                                 Y + t * kTileRows * N + p * kPanel, N, cols);
       panel.prefetch = nullptr;  // the first tile of an item prefetches
     }
   });
 }
 
-// Blocks in the dot layout times int8 activations: panels [P, K/8, 32, 4] uint8 (4-bit)
+// Blocks in the dot layout times int8 (Q) or int16 activations: panels [P, K/8, 32, 4] uint8 (4-bit)
 // or [P, K/4, 32, 4] int8, scales (and mins) [P, K/G, 32], G a power of two >= 32
 // dividing K. With `group_sizes` (a mixture of experts, as GroupedDenseScaled): each
 // expert's [E, ...] panels and scales times its rows, x's rows sorted by expert.
-template <int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
+template <class Q, int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
 ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                    ffi::AnyBuffer scales, const ffi::AnyBuffer* mins, const ffi::Buffer<ffi::S32>* group_sizes,
                    ffi::ResultBuffer<ffi::F32> y) {
@@ -1388,8 +1619,8 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
   const Scales sc = scales_of(&scales), mn = scales_of(mins);
   if (!lead) {
     if (M > 0 && N > 0)
-      dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(),
-                                           sc, mn, shift);
+      dense_rows_x8<Q, kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(),
+                                              sc, mn, shift);
     return ffi::Error::Success();
   }
   const int64_t experts = pd[0], expert_bytes = num_panels * (K / kXBlock) * kDotSteps<kBits> * kDotRow;
@@ -1400,41 +1631,57 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("dense x8: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0)
-      dense_rows_x8<kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
-                                           num_panels, N, y->typed_data() + row * N,
-                                           sc.at(e * scale_size), mn.at(e * scale_size), shift);
+      dense_rows_x8<Q, kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
+                                              num_panels, N, y->typed_data() + row * N,
+                                              sc.at(e * scale_size), mn.at(e * scale_size), shift);
     row += sizes[e];
   }
   std::memset(y->typed_data() + row * N, 0, (M - row) * N * sizeof(float));
   return ffi::Error::Success();
 }
-ffi::Error DenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+// int8 activations (X8: Q8_0's values read unsigned, 128 taken off) and int16 (X16:
+// signed as stored); Q4_0's nibble + 8 either way.
+template <class Q>
+constexpr int kQ8Offset = sizeof(Q) == 1 ? 128 : 0;
+template <class Q>
+ffi::Error DenseQ4_0Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                        ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, nullptr, y);
+  return DenseX8<Q, 4, false, 8>(pool, x, panels, scales, nullptr, nullptr, y);
 }
-ffi::Error DenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+template <class Q>
+ffi::Error DenseQ4_1Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                        ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, nullptr, y);
+  return DenseX8<Q, 4, true, 0>(pool, x, panels, scales, &mins, nullptr, y);
 }
-ffi::Error DenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+template <class Q>
+ffi::Error DenseQ8_0Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
                        ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, nullptr, y);
+  return DenseX8<Q, 8, false, kQ8Offset<Q>>(pool, x, panels, scales, nullptr, nullptr, y);
 }
-ffi::Error GroupedDenseQ4_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+template <class Q>
+ffi::Error GroupedDenseQ4_0Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                               ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, false, 8>(pool, x, panels, scales, nullptr, &group_sizes, y);
+  return DenseX8<Q, 4, false, 8>(pool, x, panels, scales, nullptr, &group_sizes, y);
 }
-ffi::Error GroupedDenseQ4_1X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+template <class Q>
+ffi::Error GroupedDenseQ4_1Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                               ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<4, true, 0>(pool, x, panels, scales, &mins, &group_sizes, y);
+  return DenseX8<Q, 4, true, 0>(pool, x, panels, scales, &mins, &group_sizes, y);
 }
-ffi::Error GroupedDenseQ8_0X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+template <class Q>
+ffi::Error GroupedDenseQ8_0Xq(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
                               ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::F32> y) {
-  return DenseX8<8, false, 128>(pool, x, panels, scales, nullptr, &group_sizes, y);
+  return DenseX8<Q, 8, false, kQ8Offset<Q>>(pool, x, panels, scales, nullptr, &group_sizes, y);
 }
+constexpr auto DenseQ4_0X8 = DenseQ4_0Xq<int8_t>, DenseQ4_0X16 = DenseQ4_0Xq<int16_t>;
+constexpr auto DenseQ4_1X8 = DenseQ4_1Xq<int8_t>, DenseQ4_1X16 = DenseQ4_1Xq<int16_t>;
+constexpr auto DenseQ8_0X8 = DenseQ8_0Xq<int8_t>, DenseQ8_0X16 = DenseQ8_0Xq<int16_t>;
+constexpr auto GroupedDenseQ4_0X8 = GroupedDenseQ4_0Xq<int8_t>, GroupedDenseQ4_0X16 = GroupedDenseQ4_0Xq<int16_t>;
+constexpr auto GroupedDenseQ4_1X8 = GroupedDenseQ4_1Xq<int8_t>, GroupedDenseQ4_1X16 = GroupedDenseQ4_1Xq<int16_t>;
+constexpr auto GroupedDenseQ8_0X8 = GroupedDenseQ8_0Xq<int8_t>, GroupedDenseQ8_0X16 = GroupedDenseQ8_0Xq<int16_t>;
 
 }  // namespace
 
@@ -1495,14 +1742,18 @@ JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1, ffi::U8)
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ8Mins, GroupedDenseQ8Mins, ffi::S8)
 #undef JAXLLM_GROUPED_BLOCKS_MINS
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], quantized to int8 per 32 inputs
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32 rounded up, K/8, 32, 4] (dot layout)
-                                  .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
-                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+#define JAXLLM_DENSE_Q4_1_X(NAME, FN)                                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], int8/16 per 32 inputs */ \
+                                    .Arg<ffi::Buffer<ffi::U8>>()   /* panels [N/32, K/8, 32, 4] */       \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [N/32, K/G, 32] */          \
+                                    .Arg<ffi::AnyBuffer>()         /* mins, as the scales */             \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
+JAXLLM_DENSE_Q4_1_X(JaxllmDenseQ4_1X8, DenseQ4_1X8)
+JAXLLM_DENSE_Q4_1_X(JaxllmDenseQ4_1X16, DenseQ4_1X16)
+#undef JAXLLM_DENSE_Q4_1_X
 
 #define JAXLLM_GROUPED_X8(NAME, FN, PANELS)                                                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
@@ -1515,17 +1766,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1X8, DenseQ4_1X8,
                                     .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
 JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ4_0X8, GroupedDenseQ4_0X8, ffi::U8)
 JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ8_0X8, GroupedDenseQ8_0X8, ffi::S8)
+JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ4_0X16, GroupedDenseQ4_0X16, ffi::U8)
+JAXLLM_GROUPED_X8(JaxllmGroupedDenseQ8_0X16, GroupedDenseQ8_0X16, ffi::S8)
 #undef JAXLLM_GROUPED_X8
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4] (dot layout)
-                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
-                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+#define JAXLLM_GROUPED_Q4_1_X(NAME, FN)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], rows sorted by expert */ \
+                                    .Arg<ffi::Buffer<ffi::U8>>()   /* panels [E, N/32, K/8, 32, 4] */    \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */       \
+                                    .Arg<ffi::AnyBuffer>()         /* mins, as the scales */             \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
+JAXLLM_GROUPED_Q4_1_X(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8)
+JAXLLM_GROUPED_Q4_1_X(JaxllmGroupedDenseQ4_1X16, GroupedDenseQ4_1X16)
+#undef JAXLLM_GROUPED_Q4_1_X
 
 // Q8_0 (int8 panels [N/32, K/4, 32, 4]) and Q4_0 (nibble + 8, [N/32, K/8, 32, 4]) in the dot layout
 #define JAXLLM_DENSE_X8(NAME, FN, PANELS)                                                                \
@@ -1538,6 +1795,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1X8, GroupedDenseQ4_1X8,
                                     .Ret<ffi::Buffer<ffi::F32>>()); /* y [M, N] */
 JAXLLM_DENSE_X8(JaxllmDenseQ8_0X8, DenseQ8_0X8, ffi::S8)
 JAXLLM_DENSE_X8(JaxllmDenseQ4_0X8, DenseQ4_0X8, ffi::U8)
+JAXLLM_DENSE_X8(JaxllmDenseQ8_0X16, DenseQ8_0X16, ffi::S8)
+JAXLLM_DENSE_X8(JaxllmDenseQ4_0X16, DenseQ4_0X16, ffi::U8)
 #undef JAXLLM_DENSE_X8
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,

@@ -39,8 +39,8 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
-from jaxllm.models.quant import (dequantize, grouped_int8_activation_matmul, int8_activation_matmul,
-                                 int8_activation_ready)
+from jaxllm.models.quant import (ACTIVATION_MAX, activation_quantization_ready, dequantize,
+                                 grouped_quantized_activation_matmul, quantized_activation_matmul)
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
@@ -61,9 +61,9 @@ TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
 TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
 TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (or 2^n) inputs: mixed GGUF
-# int8 activations, panels in the dot layout, by (panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
-TARGET_X8 = {("uint8", False): "jaxllm_dense_q4_0_x8", ("uint8", True): "jaxllm_dense_q4_1_x8",
-             ("int8", False): "jaxllm_dense_q8_0_x8"}
+# int8 (int16) activations, panels in the dot layout, by (activations, panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
+TARGET_X8 = {(acts, dtype, mins): f"jaxllm_dense_{fmt}_x{acts[3:]}" for acts in ACTIVATION_MAX
+             for (dtype, mins), fmt in {("uint8", False): "q4_0", ("uint8", True): "q4_1", ("int8", False): "q8_0"}.items()}
 TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
@@ -118,8 +118,8 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
     groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
     if w.bits == 4:
         values = values.replace(panels=_nibble_panels(values.panels, offset=0 if w.mins is not None else 8,
-                                                      dot=w.activations == "int8"))
-    elif w.activations == "int8":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
+                                                      dot=w.activations != "float"))
+    elif w.activations != "float":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
         k = values.panels.shape[1]
         if isinstance(values.panels, jax.ShapeDtypeStruct):
             values = values.replace(panels=jax.ShapeDtypeStruct((p, k // 4, PANEL, 4), jnp.int8))
@@ -143,7 +143,7 @@ def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
 def _nibble_panels(panels, offset: int, dot: bool):
     """4-bit values' panels [P, K, 32] (int8, plus `offset`: Q4_0's 8) two to a byte:
     [P, K, 16], byte j holding column j low and column j + 16 high; or with `dot` (int8
-    activations) [P, K/8, 32, 4], byte j of column c at inputs 8i.. holding input 8i + j
+    or int16 activations) [P, K/8, 32, 4], byte j of column c at inputs 8i.. holding input 8i + j
     low and 8i + 4 + j high (the 4 inputs an integer dot product sums per 32-bit lane).
     Abstract panels too."""
     p, k, _ = panels.shape
@@ -165,9 +165,9 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
         return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
                                                   mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
     panels = w.panels
-    if w.activations == "int8" and panels.dtype == jnp.int8:  # the dot layout [P, K/4, 32, 4] -> [P, K, 32]
+    if w.activations != "float" and panels.dtype == jnp.int8:  # the dot layout [P, K/4, 32, 4] -> [P, K, 32]
         panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
-    elif w.activations == "int8":  # the dot layout [P, K/8, 32, 4] -> [P, K, 16]
+    elif w.activations != "float":  # the dot layout [P, K/8, 32, 4] -> [P, K, 16]
         lo_hi = jnp.stack([panels & 0x0F, panels >> 4], axis=2).transpose(0, 1, 2, 4, 3)  # [P, K/8, 2, 4, 32]
         v = lo_hi.reshape(panels.shape[0], -1, PANEL)
         panels = (v[..., : PANEL // 2] | (v[..., PANEL // 2:] << 4)).astype(jnp.uint8)
@@ -208,8 +208,8 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, row
     if isinstance(w, QuantizedWeight):
         if w.kernel == "pallas":
             return _pallas_linear(x, w, preferred_element_type)
-        if w.activations == "int8":
-            y = int8_activation_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+        if w.activations != "float":
+            y = quantized_activation_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
             return y.astype(preferred_element_type or jnp.float32)
         if w.group and w.float_dtype != "float32":  # the plain weight it stands for
             return linear(x, dequantize(w), preferred_element_type)
@@ -228,7 +228,7 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, row
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
-    if w.activations == "int8":
+    if w.activations != "float":
         return _x8_call(TARGET_X8, x2, w, out).reshape(*lead, w.out_features)
     # grouped panels: x and the dequantized weights rounded to bfloat16 (`bf16`), by the tiles `bf16_dot` says
     bf16 = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot)
@@ -254,10 +254,10 @@ def one_expert(w: PackedWeight) -> PackedWeight:
 
 
 def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):
-    """x (float32) times dot-layout panels through the int8-activation handler of
-    `targets` their format picks (a mixture's: `extra` = the group sizes)."""
+    """x (float32) times dot-layout panels through the int8- (int16-) activation handler
+    of `targets` their format picks (a mixture's: `extra` = the group sizes)."""
     mins = () if w.mins is None else (w.mins,)
-    target = targets[(jnp.dtype(w.panels.dtype).name, w.mins is not None)]
+    target = targets[(w.activations, jnp.dtype(w.panels.dtype).name, w.mins is not None)]
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
 
 
@@ -269,9 +269,9 @@ def packed_rows(w: PackedWeight, rows: Int[Array, "T"]) -> Float[Array, "T K"]:
     column from whichever layout the head is packed in."""
     panel, col = rows // PANEL, rows % PANEL
     panels = w.panels
-    if w.activations == "int8" and panels.dtype == jnp.int8:  # [P, K/4, 32, 4]
+    if w.activations != "float" and panels.dtype == jnp.int8:  # [P, K/4, 32, 4]
         q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
-    elif w.activations == "int8":  # [P, K/8, 32, 4]: byte j holds inputs 8i + j (low) and 8i + 4 + j (high)
+    elif w.activations != "float":  # [P, K/8, 32, 4]: byte j holds inputs 8i + j (low) and 8i + 4 + j (high)
         b = panels[panel, :, col, :]
         q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(rows.shape[0], -1)
     elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2]
@@ -310,7 +310,7 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
         cpu_kernels.load_kernels()
         out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
         x, sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
-        if w.activations == "int8":
+        if w.activations != "float":
             return _x8_call(TARGET_GROUPED_X8, x, w, out, sizes)
         if w.scale is None:
             attrs = dict(bf16_dot=w.bf16_dot) if w.panels.dtype == jnp.bfloat16 else {}
@@ -319,8 +319,8 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
         scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
         attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot) if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
-    if isinstance(w, QuantizedWeight) and w.activations == "int8":
-        return grouped_int8_activation_matmul(x, w, group_sizes.astype(jnp.int32))
+    if isinstance(w, QuantizedWeight) and w.activations != "float":
+        return grouped_quantized_activation_matmul(x, w, group_sizes.astype(jnp.int32))
     if isinstance(w, QuantizedWeight):  # experts dequantized (the kernel converts them panel by panel)
         w = dequantize(w)
     return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
@@ -364,18 +364,20 @@ def in_dtype(params: ModelParams, dtype) -> ModelParams:
     return _marked(params, QuantizedWeight, lambda w: w.group, float_dtype="bfloat16")
 
 
-def int8_activations(params: ModelParams) -> tuple[ModelParams, int]:
+def quantized_activations(params: ModelParams, dtype: str = "int8") -> tuple[ModelParams, int]:
     """Every projection kept in blocks of a multiple of 32 inputs (Q4_0, Q4_1, Q8_0,
-    int4: `int8_activation_ready`) marked to multiply int8 activations, and how many
-    were marked; a quantized embedding too where the output projection is tied to it
-    (its lookups are unchanged). Abstract params too."""
+    int4: `activation_quantization_ready`) marked to multiply int8 (or int16: `dtype`)
+    activations, and how many were marked; a quantized embedding too where the output
+    projection is tied to it (its lookups are unchanged). Abstract params too."""
+    if dtype not in ACTIVATION_MAX:
+        raise ValueError(f"activation quantization: {dtype!r} is not one of {', '.join(ACTIVATION_MAX)}")
     marked = 0
 
     def mark(w):
         nonlocal marked
-        if isinstance(w, QuantizedWeight) and int8_activation_ready(w.transposed() if w.group_axis else w):
+        if isinstance(w, QuantizedWeight) and activation_quantization_ready(w.transposed() if w.group_axis else w):
             marked += 1
-            return w.replace(activations="int8")
+            return w.replace(activations=dtype)
         return w
 
     is_leaf = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731

@@ -88,8 +88,8 @@ class PackedWeight:
     mins: Float[Array, "*E P G 32"] | None = None  # Q4_1
     experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
     float_dtype: str = struct.field(pytree_node=False, default="float32")  # a quantized one's: QuantizedWeight's
-    # "int8" (QuantizedWeight's `activations`): the dot layout, 4-bit values [out/PANEL, in/8, PANEL, 4]
-    # uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
+    # "int8" or "int16" (QuantizedWeight's `activations`): the dot layout, 4-bit values
+    # [out/PANEL, in/8, PANEL, 4] uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
     activations: str = struct.field(pytree_node=False, default="float")
     # bfloat16 sums (bfloat16 panels, or a bfloat16 model's quantized ones): by vdpbf16ps where the
     # kernels are built with AVX512_BF16, or (False) by the float tiles; the same sums either way
@@ -101,7 +101,7 @@ class PackedWeight:
     def in_features(self) -> int:
         """Rows of the packed matrix (rounded up to even for bfloat16 pairs)."""
         dims = self.panels.shape[1:] if self.experts else self.panels.shape
-        if self.activations == "int8":  # the dot layout: 8 4-bit inputs or 4 int8 ones per row
+        if self.activations != "float":  # the dot layout: 8 4-bit inputs or 4 int8 ones per row
             return dims[1] * (8 if self.panels.dtype == jnp.uint8 else 4)
         return dims[1] * (2 if len(dims) == 4 else 1)
 
@@ -127,9 +127,9 @@ class QuantizedWeight:
     # model (grouped formats) each of those values rounded to bfloat16, as the model would
     # hold it dequantized; multiplied as that model's plain weights (jaxllm.models.linear).
     float_dtype: str = struct.field(pytree_node=False, default="float32")
-    # "int8": multiplied with its inputs quantized to int8 per 32 (int8_activation_matmul in
-    # jaxllm.models.quant; EngineConfig.activation_quantization), in integer dot products;
-    # "float": as the float matrix it stands for.
+    # "int8" / "int16": multiplied with its inputs quantized to int8 / int16 per 32
+    # (quantized_activation_matmul in jaxllm.models.quant; EngineConfig.activation_quantization),
+    # in integer dot products; "float": as the float matrix it stands for.
     activations: str = struct.field(pytree_node=False, default="float")
     # A checkpoint quantized in activation order (GPTQ's desc_act): its rows (inputs) sorted
     # so that each group's are consecutive; x @ w is then x[..., perm] @ q (jaxllm.models.linear)

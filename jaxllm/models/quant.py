@@ -35,10 +35,12 @@ int8 activations (EngineConfig.activation_quantization="int8", opt-in): the inpu
 each projection kept in blocks of 32 inputs or a multiple (Q4_0, Q4_1, Q8_0, int4,
 int4_g32) quantized per row and 32 inputs to int8 with a float32 scale, as llama.cpp
 multiplies its blocks (Q8_0 / Q8_1 activations) and vLLM's GGUF kernels too; each
-block's integer dot product is exact, then scaled (`int8_activation_matmul`). The `cpu`
-kernel runs it with integer dot-product instructions (jaxllm/cpu_kernels/dense.cc),
+block's integer dot product is exact, then scaled (`quantized_activation_matmul`). The
+`cpu` kernel runs it with integer dot-product instructions (jaxllm/cpu_kernels/dense.cc),
 trading an error of up to half a step of each block's scale (max |x| / 254) per input
-for it.
+for it. int16 activations ("int16") the same with int16 values: a step of max |x| /
+32767 (258 times finer), at half int8's integer rate (vpdpwssd: two products a 32-bit
+lane where vpdpbusd makes four).
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8, Int32
+from jaxtyping import Array, Float, Int, Int32
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
 from jaxllm.models.params import (GROUPED_FORMATS, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
                                   declare, map_declared, stack_experts)
 
 INT8_MAX = 127
+ACTIVATION_MAX = {"int8": 127, "int16": 32767}  # activation_quantization: largest value
 
 
 def check_quantization(name: str | None) -> str | None:
@@ -150,39 +153,41 @@ def _grouped_values(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.nda
     return values
 
 
-X_BLOCK = 32  # inputs per activation scale under int8 activations
+X_BLOCK = 32  # inputs per activation scale under int8 (int16) activations
 
 
-def int8_activation_ready(w: QuantizedWeight) -> bool:
-    """Whether `w` multiplies under int8 activations: a [K, N] matrix (a mixture's [E, K, N]
+def activation_quantization_ready(w: QuantizedWeight) -> bool:
+    """Whether `w` multiplies under int8 (int16) activations: a [K, N] matrix (a mixture's [E, K, N]
     experts) grouped along its inputs by a multiple of 32: Q4_0, Q4_1, int4, Q8_0 (not
     the gguf_int8 container: 16)."""
     return (len(w.shape) in (2, 3) and w.group_axis == 0 and w.group > 0 and w.group % X_BLOCK == 0
             and (w.bits == 4 or w.mins is None))
 
 
-def quantize_activations(x: Float[Array, "M K"]) -> tuple[Int8[Array, "M B 32"], Float[Array, "M B"],
-                                                           Int32[Array, "M B"]]:
-    """x's rows as int8 per block of 32 inputs: the values, the block's float32 scale
-    (max |x| times float32(1/127), which is what XLA makes of a division by 127 and the
-    kernel computes too; 0 for a block of zeros) and the sum of its values. Rounded to
-    nearest, half to even (the kernel's nearbyint)."""
+def quantize_activations(x: Float[Array, "M K"], dtype: str = "int8"
+                         ) -> tuple[Int[Array, "M B 32"], Float[Array, "M B"], Int32[Array, "M B"]]:
+    """x's rows as int8 (or int16: `dtype`) per block of 32 inputs: the values, the
+    block's float32 scale (max |x| times float32(1/127) (1/32767), which is what XLA makes
+    of a division by 127 and the kernel computes too; 0 for a block of zeros) and the sum
+    of its values. Rounded to nearest, half to even (the kernel's nearbyint)."""
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // X_BLOCK, X_BLOCK)
-    scale = jnp.max(jnp.abs(blocks), axis=-1) * np.float32(1 / INT8_MAX)
+    scale = jnp.max(jnp.abs(blocks), axis=-1) * (np.float32(1) / np.float32(ACTIVATION_MAX[dtype]))
     inv = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), 0)
-    q = jnp.round(blocks * inv[..., None]).astype(jnp.int8)
+    q = jnp.round(blocks * inv[..., None]).astype(dtype)
     return q, scale, jnp.sum(q, axis=-1, dtype=jnp.int32)
 
 
-def int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[Array, "M N"]:
-    """x @ w with x quantized to int8 per 32 inputs (quantize_activations): per block b
-    of 32 inputs, the exact integer sum of x's values times w's (Q4_0's as signed), times
-    w's scale and x's, plus (Q4_1, int4) w's min times the block's sum d_x * sum(q_x);
-    float32 out. The `cpu` kernel's arithmetic (jaxllm/cpu_kernels/dense.cc, *_x8)."""
-    if not int8_activation_ready(w) or len(w.shape) != 2:
-        raise ValueError(f"int8 activations: a [K, N] weight kept in blocks of a multiple of {X_BLOCK} inputs, "
-                         f"not bits={w.bits} group={w.group} shape={w.shape}")
-    q, d, s = quantize_activations(x)
+def quantized_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[Array, "M N"]:
+    """x @ w with x quantized to int8 or int16 (`w.activations`) per 32 inputs
+    (quantize_activations): per block b of 32 inputs, the exact integer sum of x's values
+    times w's (Q4_0's as signed), times w's scale and x's, plus (Q4_1, int4) w's min times
+    the block's sum d_x * sum(q_x); float32 out. The `cpu` kernel's arithmetic
+    (jaxllm/cpu_kernels/dense.cc, *_x8 and *_x16)."""
+    if not activation_quantization_ready(w) or len(w.shape) != 2 or w.activations not in ACTIVATION_MAX:
+        raise ValueError(f"int8/int16 activations: a [K, N] weight kept in blocks of a multiple of {X_BLOCK} inputs "
+                         f"and marked so, not bits={w.bits} group={w.group} shape={w.shape} "
+                         f"activations={w.activations!r}")
+    q, d, s = quantize_activations(x, w.activations)
     k, n = w.shape
     isum = jnp.einsum("mbi,bin->mbn", q, w.q.reshape(k // X_BLOCK, X_BLOCK, n), preferred_element_type=jnp.int32)
     group_of = np.arange(k // X_BLOCK) * X_BLOCK // w.group
@@ -192,14 +197,14 @@ def int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> Float[
     return jnp.sum(y, axis=-2)
 
 
-def grouped_int8_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight,
-                                    group_sizes: Int32[Array, "E"]) -> Float[Array, "M N"]:
-    """A mixture of experts' int8_activation_matmul: x's rows sorted by expert,
+def grouped_quantized_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight,
+                                        group_sizes: Int32[Array, "E"]) -> Float[Array, "M N"]:
+    """A mixture of experts' quantized_activation_matmul: x's rows sorted by expert,
     `group_sizes[e]` of them times expert e's [K, N] (rows past the sum get zeros, as
     jax.lax.ragged_dot). Computes every expert for every row (the oracle, and the `xla`
     backend's path, as ragged_dot on a CPU)."""
     experts = w.shape[0]
-    every = jnp.stack([int8_activation_matmul(x, w.expert(e)) for e in range(experts)])  # [E, M, N]
+    every = jnp.stack([quantized_activation_matmul(x, w.expert(e)) for e in range(experts)])  # [E, M, N]
     expert_of = jnp.sum(jnp.arange(x.shape[0])[:, None] >= jnp.cumsum(group_sizes)[None, :], axis=1)
     picked = jnp.take_along_axis(every, jnp.minimum(expert_of, experts - 1)[None, :, None], axis=0)[0]
     return jnp.where((expert_of < experts)[:, None], picked, 0.0)

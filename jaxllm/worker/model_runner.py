@@ -32,7 +32,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import bf16_tiles, in_dtype, int8_activations, layout_params, linear_candidates
+from jaxllm.models.linear import bf16_tiles, in_dtype, layout_params, linear_candidates, quantized_activations
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams, ParamDecl, declare
 from jaxllm.models.rope import model_rope_table
@@ -266,8 +266,9 @@ class ModelRunner:
         devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
         replicated; the backends are measured on one shard's shapes. The KV cache holds
         `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype).
-        `activation_quantization` "int8": the projections kept in blocks multiply int8
-        inputs (jaxllm.models.linear.int8_activations); a model with none is refused.
+        `activation_quantization` "int8" ("int16"): the projections kept in blocks multiply
+        int8 (int16) inputs (jaxllm.models.linear.quantized_activations); a model with
+        none is refused.
         `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per
         KV cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager
         allocates them. `speculative_config`: after each step the runner proposes draft
@@ -462,10 +463,11 @@ class ModelRunner:
         """The weights in the layout of each linear backend some bucket uses (quantized
         ones multiplied as the model's dtype: `in_dtype`)."""
         params = in_dtype(params, self.param_dtype)
-        if self.activation_quantization == "int8":
-            params, self.int8_projections = int8_activations(params)
-            if not self.int8_projections:
-                raise ValueError("activation_quantization 'int8': the model has no projection kept in blocks of 32 "
+        if self.activation_quantization:
+            params, self.quantized_projections = quantized_activations(params, self.activation_quantization)
+            if not self.quantized_projections:
+                raise ValueError(f"activation_quantization {self.activation_quantization!r}: the model has no "
+                                 "projection kept in blocks of 32 "
                                  "inputs (Q4_0, Q4_1, Q8_0, int4); quantize it (quantization q4_1, q8_0, int4...) "
                                  "or leave activations in float")
         if self.mesh is not None:  # plain weights only (linear_candidates)
@@ -478,8 +480,8 @@ class ModelRunner:
         held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
         cfg = self.config
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
-        acts = (f", int8 activations into {self.int8_projections} projections"
-                if self.activation_quantization == "int8" else "")
+        acts = (f", {self.activation_quantization} activations into {self.quantized_projections} projections"
+                if self.activation_quantization else "")
         return f"{held / 2**20:.0f} MiB ({_projection_formats(cfg)}{embed}{acts})"
 
     def describe_backends(self) -> str:
