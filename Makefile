@@ -71,12 +71,12 @@ SMALL_POOL = --kv-cache-memory 256MiB --max-model-len 2048 --max-num-seqs 64
 bench-quant: setup-dev
 	test -f $(Q8_0_GGUF) || $(PY) scripts/export_gguf.py $(Q8_0_GGUF) --type Q8_0
 	$(PY) scripts/bench_quant.py --formats none,int8,q8_0,q4_1,q4_1/int8 --out bench_results/quant.json
-	$(PY) scripts/bench_quant.py --model $(Q8_0_GGUF) --formats none,q8_0 --out bench_results/quant_q8_0_gguf.json
-	$(PY) scripts/bench_serving.py --launch "--model $(Q8_0_GGUF)" \
+	$(PY) scripts/bench_quant.py --model $(Q8_0_GGUF) --formats none,q8_0,q8_0+a16 --out bench_results/quant_q8_0_gguf.json
+	$(PY) scripts/bench_serving.py --launch "--model $(Q8_0_GGUF) --activation-quantization int16" \
 	  --compare-launch "--model $(Q8_0_GGUF) --quantization none" --dataset standard --max-concurrency 32 \
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(Q8_0_GGUF) \
 	  --out bench_results/serving_standard_q8_0
-	$(PY) scripts/bench_serving.py --launch "--model $(Q8_0_GGUF)" \
+	$(PY) scripts/bench_serving.py --launch "--model $(Q8_0_GGUF) --activation-quantization int16" \
 	  --compare-launch "--model $(Q8_0_GGUF) --quantization none" --dataset random --num-prompts 6 \
 	  --max-concurrency 1 --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(Q8_0_GGUF) \
 	  --out bench_results/serving_batch1_q8_0
