@@ -118,18 +118,21 @@ def main() -> None:
     args = p.parse_args()
     if not reexec(args.isa):
         return
+    if args.out:  # made now, not after the run (a fresh clone has no bench_results/)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     items = [json.loads(line) for line in CAPITALS.read_text().splitlines() if line.strip()]
     print(describe(args.isa), flush=True)
     results = [measure(args.model, q, items, args.dtype) for q in args.formats.split(",")]
     base = results[0]
-    print(f"\n{'format':14s}{'weights':>22s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
-          f"{'capitals':>10s}{'mean |dlp|':>12s}{'max |dlp|':>11s}")
+    print(f"\n{'format':14s}{'batch-1 tok/s':>15s}{'x':>7s}{'32 req tok/s':>14s}{'x':>7s}"
+          f"{'capitals':>10s}{'mean |dlp|':>12s}{'max |dlp|':>11s}  weights")
     for r in results:
         diffs = np.concatenate([np.abs(np.subtract(a, b)) for a, b in zip(r["prompt_logprobs"], base["prompt_logprobs"])])
         r["mean_abs_logprob_diff"], r["max_abs_logprob_diff"] = float(diffs.mean()), float(diffs.max())
-        print(f"{r['format']:14s}{r['weights']:>22s}{r['batch1_tok_s']:15.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:7.2f}"
+        print(f"{r['format']:14s}{r['batch1_tok_s']:15.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:7.2f}"
               f"{r['batch32_tok_s']:14.1f}{r['batch32_tok_s'] / base['batch32_tok_s']:7.2f}"
-              f"{r['correct']:>5d}/{len(items):<4d}{r['mean_abs_logprob_diff']:12.4f}{r['max_abs_logprob_diff']:11.3f}")
+              f"{r['correct']:>5d}/{len(items):<4d}{r['mean_abs_logprob_diff']:12.4f}{r['max_abs_logprob_diff']:11.3f}"
+              f"  {r['weights']}")
     for r in results:
         print(f"{r['format']}: {r['describe']}")
     if args.out:

@@ -13,10 +13,10 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.config import EngineConfig
-from jaxllm.models.linear import grouped_linear, quantized_activations, linear, pack_weight, unpack_weight
+from jaxllm.models.linear import grouped_linear, linear, pack_weight, quantized_activations, unpack_weight
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
-from jaxllm.models.quant import (dequantize, quantized_activation_matmul, activation_quantization_ready, quantize_activations,
-                                 quantize_grouped, quantize_int8, quantize_weight)
+from jaxllm.models.quant import (activation_quantization_ready, dequantize, quantize_activations, quantize_grouped,
+                                 quantize_int8, quantize_weight, quantized_activation_matmul)
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]
@@ -137,8 +137,13 @@ def test_marking_a_model_s_projections(test_models_dir):
     projections = sum(isinstance(w, QuantizedWeight) for lp in model.params.layers
                       for w in jax.tree.leaves(lp, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
     assert count == projections and marked.layers[0].w_down.activations == "int8"
-    _, abstract_count = quantized_activations(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
+    _, abstract_count = quantized_activations(abstract)
     assert abstract_count == count
+    marked16, count16 = quantized_activations(model.params, "int16")
+    assert count16 == count and marked16.layers[0].w_down.activations == "int16"
+    with pytest.raises(ValueError, match="'int4' is not one of int8, int16"):
+        quantized_activations(model.params, "int4")
     packed = pack_params(marked)
     assert packed.layers[0].wqkv.activations == "int8" and packed.layers[0].wqkv.panels.ndim == 4
 
@@ -210,11 +215,12 @@ def test_a_mixture_of_experts_with_int8_activations(test_models_dir):
     assert layer.w_gate_up.activations == "int8" and layer.w_gate_up.experts > 0
 
 
-def test_int8_activations_are_refused_where_they_cannot_apply(test_models_dir):
+def test_activation_quantization_is_refused_where_it_cannot_apply(test_models_dir):
     """A float model (no projection kept in blocks), the pallas backend, and an unknown
     name are refused, saying why."""
-    with pytest.raises(ValueError, match="no projection kept in blocks"):
-        LLM(str(test_models_dir / "llama"), activation_quantization="int8", **SMALL)
+    for dtype in ACTIVATIONS:
+        with pytest.raises(ValueError, match=f"activation_quantization '{dtype}': the model has no projection kept"):
+            LLM(str(test_models_dir / "llama"), activation_quantization=dtype, **SMALL)
     with pytest.raises(ValueError, match="not with linear_backend 'pallas'"):
         LLM(str(test_models_dir / "llama"), activation_quantization="int8", quantization="q4_1",
             linear_backend="pallas", **SMALL)

@@ -65,7 +65,8 @@ class EngineConfig:
         None, "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "
               "int8 per 32, multiplied in integer dot products (as llama.cpp does; on an AMD EPYC Zen 4 ~2.5x the "
               "float32 kernel with AVX512_VNNI, ~1.7x built for AVX2); int16: the same in int16 (a step of "
-              "max|x|/32767 where int8's is /127; its speed is AVX512_VNNI's); default: multiplied in float",
+              "max|x|/32767 where int8's is /127: logprobs within ~1e-3 of float; on an AMD EPYC Zen 5 ~1.7x the "
+              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); default: multiplied in float",
         ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")

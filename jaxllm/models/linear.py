@@ -62,8 +62,9 @@ TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
 TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
 TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (or 2^n) inputs: mixed GGUF
 # int8 (int16) activations, panels in the dot layout, by (activations, panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
+_X_FORMATS = {("uint8", False): "q4_0", ("uint8", True): "q4_1", ("int8", False): "q8_0"}
 TARGET_X8 = {(acts, dtype, mins): f"jaxllm_dense_{fmt}_x{acts[3:]}" for acts in ACTIVATION_MAX
-             for (dtype, mins), fmt in {("uint8", False): "q4_0", ("uint8", True): "q4_1", ("int8", False): "q8_0"}.items()}
+             for (dtype, mins), fmt in _X_FORMATS.items()}
 TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
