@@ -512,7 +512,9 @@ def main() -> None:
                         "the output throughput ratio of --launch's to it")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary: run the same workload on it first, as the baseline")
-    p.add_argument("--llama-gguf", default=None, help="the GGUF llama-server loads (e.g. an F32 export)")
+    p.add_argument("--llama-gguf", default=None,
+                   help="the GGUF llama-server loads (e.g. an F32 export; default: the default model's file, "
+                        "where --launch names no --model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=49152, help="random token ids are drawn below this (SmolLM2's)")
     p.add_argument("--out", default="bench_results/serving", help="prefix of the JSON and PNG files")
@@ -522,6 +524,13 @@ def main() -> None:
                                             or args.compare_lora or args.compare_prefix_caching):
         p.error("--compare-launch compares two launched servers at one concurrency: not with --base-url, "
                 "--concurrency-sweep or another --compare-* option")
+    if args.llama_server and not args.llama_gguf:
+        if "--model" in (args.launch or "") or args.base_url:
+            p.error("--llama-server needs --llama-gguf: the GGUF it loads (the server measured here is not "
+                    "serving the default model)")
+        from jaxllm.loaders import default_model_path
+
+        args.llama_gguf = str(default_model_path())  # the model jaxllm serves by default, the same file
     if not reexec(args.isa):
         return
     print(describe(args.isa), flush=True)

@@ -78,3 +78,35 @@ def test_joined_launch_keeps_dash_values():
     assert bench_serving._joined_launch(["--launch", "--async-scheduling", "--compare-launch", "--dtype x",
                                          "--out", "o"]) == [
         "--launch=--async-scheduling", "--compare-launch=--dtype x", "--out", "o"]
+
+
+class FakeLlamaServer(FakeServer):
+    loaded: list[str] = []
+
+    def __init__(self, binary: str, gguf: str, slots: int, log_path=None) -> None:
+        super().__init__("llama-server")
+        FakeLlamaServer.loaded.append(gguf)
+
+
+def test_llama_server_loads_the_default_model_s_file_unless_told(faked, monkeypatch, capsys, tmp_path):
+    """Without --llama-gguf, llama-server loads the file jaxllm serves by default (the
+    same model on both); where --launch names its own --model, the GGUF must be named,
+    and the run stops before launching anything."""
+    import jaxllm.loaders
+
+    FakeLlamaServer.loaded = []
+    monkeypatch.setattr(bench_serving, "LaunchedLlamaServer", FakeLlamaServer)
+    monkeypatch.setattr(jaxllm.loaders, "default_model_path", lambda: tmp_path / "default.gguf")
+    common = ["--llama-server", "/bin/llama-server", "--dataset", "random", "--num-prompts", "2",
+              "--random-input-len", "5", "--random-output-len", "4", "--out", str(tmp_path / "s")]
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", *common])
+    bench_serving.main()
+    assert FakeLlamaServer.loaded == [str(tmp_path / "default.gguf")]
+    assert FakeServer.launched == ["llama-server", ""]
+
+    FakeServer.launched = []
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--launch", "--model x.gguf", *common])
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main()
+    assert e.value.code == 2 and "--llama-server needs --llama-gguf" in capsys.readouterr().err
+    assert FakeServer.launched == [] and len(FakeLlamaServer.loaded) == 1
