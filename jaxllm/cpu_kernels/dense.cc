@@ -8,7 +8,9 @@
 // weight is the float gguf dequantizes it to. bfloat16 panels hold inputs in pairs for
 // vdpbf16ps (AVX512_BF16), which the float tiles read as float32 lanes too: the same
 // sums, the call's `bf16_dot` picks (BF16Pairs). A mixture of experts' projection
-// runs the same pass once per expert over its rows (GroupedDense).
+// runs the same pass once per expert over its rows (GroupedDense). Blocks of 32 inputs
+// also multiply x quantized per 32 to int8 or int16, in integers (the *_x8 / *_x16
+// handlers, below: EngineConfig.activation_quantization).
 //
 // Why on CPU: a step multiplies a few dozen to a few hundred rows by every weight matrix
 // of the model. XLA:CPU's dot reached ~100-160 GFLOP/s at 32-128 rows on SmolLM2's
@@ -1081,19 +1083,6 @@ constexpr int64_t slot(int64_t k) {
 // does, in the default rounding mode); returns the sum of the values, sets *scale.
 // Vectorized where the ISA converts and narrows vectors (a scalar loop cost int16
 // activations a third of a 32-row call at K = 1536); the same values either way.
-template <class Q>
-inline int32_t quantize_block_scalar(const float* xb, float amax, Q* qb, float* scale) {
-  *scale = amax * (1.f / static_cast<float>(std::numeric_limits<Q>::max()));
-  const float inv = *scale > 0.f ? 1.f / *scale : 0.f;
-  int32_t s = 0;
-  for (int k = 0; k < kXBlock; ++k) {
-    const int v = static_cast<int>(std::nearbyint(xb[k] * inv));
-    qb[slot<Q>(k)] = static_cast<Q>(v);
-    s += v;
-  }
-  return s;
-}
-
 #if defined(__AVX512BW__) && JAXLLM_LANES == 16
 template <class Q>
 inline int32_t quantize_block(const float* xb, Q* qb, float* scale) {
@@ -1154,7 +1143,15 @@ template <class Q>
 inline int32_t quantize_block(const float* xb, Q* qb, float* scale) {
   float amax = 0.f;
   for (int k = 0; k < kXBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-  return quantize_block_scalar(xb, amax, qb, scale);
+  *scale = amax * (1.f / static_cast<float>(std::numeric_limits<Q>::max()));
+  const float inv = *scale > 0.f ? 1.f / *scale : 0.f;
+  int32_t s = 0;
+  for (int k = 0; k < kXBlock; ++k) {
+    const int v = static_cast<int>(std::nearbyint(xb[k] * inv));
+    qb[slot<Q>(k)] = static_cast<Q>(v);
+    s += v;
+  }
+  return s;
 }
 #endif
 
