@@ -1245,9 +1245,11 @@ inline void x_rows_out(const __m512 (&acc)[R][2], int g, float* out) {
   }
 }
 
-template <int R, int kBits, bool kMins, int kOffset>
-void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+// The pass both activation widths make over a panel with R rows: per block of 32 inputs
+// its dot-layout rows loaded (v0: columns 0-15, v1: 16-31) and handed to `step` with the
+// block's int32 sums s, then the block's epilogue (x_block_out); the rows stored.
+template <int R, int kBits, bool kMins, int kOffset, class Q, class Step>
+inline void x_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch, Step step) {
   __m512 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / kXBlock; ++b) {
@@ -1256,28 +1258,36 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
     for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
     for (int j = 0; j < kDotSteps<kBits>; ++j) {
       const uint8_t* w = p.w + (b * kDotSteps<kBits> + j) * kDotRow;
-      const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
-      if constexpr (kBits == 4) {
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-        for (int i = 0; i < R; ++i) {
-          const int8_t* xr = xt.q + (g + i) * K + b * kXBlock + j * 8;
-          const __m512i xa = _mm512_set1_epi32(x8_quad(xr)), xb = _mm512_set1_epi32(x8_quad(xr + 4));
-          s[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][0], lo0, xa), hi0, xb);
-          s[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][1], lo1, xa), hi1, xb);
-        }
-      } else {
-        const __m512i u0 = _mm512_xor_si512(v0, flip), u1 = _mm512_xor_si512(v1, flip);
-        for (int i = 0; i < R; ++i) {
-          const __m512i xa = _mm512_set1_epi32(x8_quad(xt.q + (g + i) * K + b * kXBlock + j * 4));
-          s[i][0] = _mm512_dpbusd_epi32(s[i][0], u0, xa);
-          s[i][1] = _mm512_dpbusd_epi32(s[i][1], u1, xa);
-        }
-      }
+      step(s, _mm512_loadu_si512(w), _mm512_loadu_si512(w + 64), b, j);
     }
     x_block_out<R, kMins, kOffset>(s, acc, xt, g, p, b);
   }
   x_rows_out<R>(acc, g, out);
+}
+
+template <int R, int kBits, bool kMins, int kOffset>
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
+  const auto step = [&](__m512i (&s)[R][2], __m512i v0, __m512i v1, int64_t b, int j) {
+    if constexpr (kBits == 4) {
+      const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+      const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xr = xt.q + (g + i) * K + b * kXBlock + j * 8;
+        const __m512i xa = _mm512_set1_epi32(x8_quad(xr)), xb = _mm512_set1_epi32(x8_quad(xr + 4));
+        s[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][0], lo0, xa), hi0, xb);
+        s[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][1], lo1, xa), hi1, xb);
+      }
+    } else {
+      const __m512i u0 = _mm512_xor_si512(v0, flip), u1 = _mm512_xor_si512(v1, flip);
+      for (int i = 0; i < R; ++i) {
+        const __m512i xa = _mm512_set1_epi32(x8_quad(xt.q + (g + i) * K + b * kXBlock + j * 4));
+        s[i][0] = _mm512_dpbusd_epi32(s[i][0], u0, xa);
+        s[i][1] = _mm512_dpbusd_epi32(s[i][1], u1, xa);
+      }
+    }
+  };
+  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch, step);
 }
 
 // int16 activations (the *_x16 handlers) times the same panels: each 32-bit lane of a
@@ -1300,30 +1310,20 @@ inline void x16_pairs(__m512i (&s)[R][2], __m512i a0, __m512i b0, __m512i a1, __
 template <int R, int kBits, bool kMins, int kOffset>
 void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
   const __m512i nib = _mm512_set1_epi16(0x000F);
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / kXBlock; ++b) {
-    if (prefetch) prefetch_dot_rows<kBits>(p, b);
-    __m512i s[R][2];
-    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
-    for (int j = 0; j < kDotSteps<kBits>; ++j) {
-      const uint8_t* w = p.w + (b * kDotSteps<kBits> + j) * kDotRow;
-      const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);
-      if constexpr (kBits == 4) {  // inputs 8j.. in the low nibbles, 8j + 4.. in the high ones
-        const int64_t k = b * kXBlock + j * 8;
-        x16_pairs<R>(s, _mm512_and_si512(v0, nib), _mm512_and_si512(_mm512_srli_epi16(v0, 8), nib),
-                     _mm512_and_si512(v1, nib), _mm512_and_si512(_mm512_srli_epi16(v1, 8), nib), xt, g, K, k);
-        x16_pairs<R>(s, _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib), _mm512_srli_epi16(v0, 12),
-                     _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib), _mm512_srli_epi16(v1, 12), xt, g, K, k + 4);
-      } else {
-        x16_pairs<R>(s, _mm512_srai_epi16(_mm512_slli_epi16(v0, 8), 8), _mm512_srai_epi16(v0, 8),
-                     _mm512_srai_epi16(_mm512_slli_epi16(v1, 8), 8), _mm512_srai_epi16(v1, 8), xt, g, K,
-                     b * kXBlock + j * 4);
-      }
+  const auto step = [&](__m512i (&s)[R][2], __m512i v0, __m512i v1, int64_t b, int j) {
+    if constexpr (kBits == 4) {  // inputs 8j.. in the low nibbles, 8j + 4.. in the high ones
+      const int64_t k = b * kXBlock + j * 8;
+      x16_pairs<R>(s, _mm512_and_si512(v0, nib), _mm512_and_si512(_mm512_srli_epi16(v0, 8), nib),
+                   _mm512_and_si512(v1, nib), _mm512_and_si512(_mm512_srli_epi16(v1, 8), nib), xt, g, K, k);
+      x16_pairs<R>(s, _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib), _mm512_srli_epi16(v0, 12),
+                   _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib), _mm512_srli_epi16(v1, 12), xt, g, K, k + 4);
+    } else {
+      x16_pairs<R>(s, _mm512_srai_epi16(_mm512_slli_epi16(v0, 8), 8), _mm512_srai_epi16(v0, 8),
+                   _mm512_srai_epi16(_mm512_slli_epi16(v1, 8), 8), _mm512_srai_epi16(v1, 8), xt, g, K,
+                   b * kXBlock + j * 4);
     }
-    x_block_out<R, kMins, kOffset>(s, acc, xt, g, p, b);
-  }
-  x_rows_out<R>(acc, g, out);
+  };
+  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch, step);
 }
 constexpr int kX16Rows = 6;  // 12 int32 and 12 float32 accumulators, 4 weight registers, 2 of x
 constexpr bool kX8HalfScales = true;  // x8_rows and x16_rows read float16 scales (and mins) as they are
