@@ -1,6 +1,6 @@
-"""int8 and int16 activations (EngineConfig.activation_quantization="int8" / "int16"):
-the inputs of block-quantized projections quantized per 32 to int8 (int16) and multiplied
-in integers. The jnp reference (jaxllm.models.quant.quantized_activation_matmul) against
+"""int8 and int16 activations (EngineConfig.activation_quantization="int8" / "int16", and
+"auto", the default: int16 on the cpu kernel): the inputs of block-quantized projections
+quantized per 32 to int8 (int16) and multiplied in integers. The jnp reference (jaxllm.models.quant.quantized_activation_matmul) against
 the float64 product of the quantized inputs and the dequantized weights; the `cpu`
 kernel's integer dot products (jaxllm/cpu_kernels/dense.cc, *_x8 and *_x16;
 tests/test_kernel_builds.py runs them under the AVX2 and SSE2 builds too) against that
@@ -13,6 +13,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.config import EngineConfig
+from jaxllm.loaders import load_model
 from jaxllm.models.linear import grouped_linear, linear, pack_weight, quantized_activations, unpack_weight
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
 from jaxllm.models.quant import (activation_quantization_ready, dequantize, quantize_activations, quantize_grouped,
@@ -129,7 +130,6 @@ def test_which_weights_take_int8_activations():
 def test_marking_a_model_s_projections(test_models_dir):
     """quantized_activations marks each projection of a q4_1 model and the tied head's
     embedding (its lookups unchanged), abstract params too, and packs them so."""
-    from jaxllm.loaders import load_model
     from jaxllm.models.linear import pack_params
 
     model = load_model(test_models_dir / "llama", "float32", quantization="q4_1")
@@ -192,12 +192,46 @@ def test_the_engine_with_int16_activations(test_models_dir, tmp_path):
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q8_0")
     llm, tokens, logprobs = _engine(path, activation_quantization="int16", linear_backend="cpu")
     _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int16", linear_backend="xla")
-    _, float_tokens, float_logprobs = _engine(path, linear_backend="cpu")
+    _, float_tokens, float_logprobs = _engine(path, linear_backend="cpu", activation_quantization="none")
     assert tokens == ref_tokens == float_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-3)
     np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
     assert "int16 activations into" in llm.llm_engine.core.runner.describe_weights()
     assert llm.llm_engine.core.runner.weights["cpu"].layers[0].wqkv.activations == "int16"
+
+
+def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tmp_path):
+    """The default, activation_quantization "auto": a Q4_1 GGUF on the cpu kernel (built
+    with AVX2 or AVX512_VNNI here) multiplies int16 activations, the very numbers of an
+    explicit "int16", and says so at start-up; under XLA's dot, for a bfloat16 model, and
+    for a float model (nothing kept in blocks) it multiplies in float, as "none" does."""
+    from jaxllm import cpu_kernels
+    from jaxllm.models.linear import auto_activation_quantization
+    from tests.conftest import make_test_model
+
+    assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+    llm, tokens, logprobs = _engine(path)
+    _, tokens16, logprobs16 = _engine(path, activation_quantization="int16")
+    assert tokens == tokens16
+    np.testing.assert_array_equal(logprobs, logprobs16)
+    runner = llm.llm_engine.core.runner
+    assert runner.activation_quantization == "int16"
+    assert "int16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
+    _, _, float_logprobs = _engine(path, activation_quantization="none")
+    assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
+    xla, _, xla_logprobs = _engine(path, linear_backend="xla")
+    _, _, xla_float = _engine(path, linear_backend="xla", activation_quantization=None)
+    assert xla.llm_engine.core.runner.activation_quantization is None
+    np.testing.assert_array_equal(xla_logprobs, xla_float)
+    assert runner.weights["cpu"].layers[0].wqkv.activations == "int16"
+    model = load_model(path, "float32")
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.float32) == "int16"
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.bfloat16) is None
+    assert auto_activation_quantization(model.params, ["cpu", "xla"], "cpu", jnp.float32) is None
+    assert auto_activation_quantization(model.params, ["cpu"], "xla", jnp.float32) is None
+    assert auto_activation_quantization(load_model(test_models_dir / "llama", "float32").params, ["cpu"], "cpu",
+                                        jnp.float32) is None
 
 
 @pytest.mark.slow  # the grouped kernel's own test runs by default

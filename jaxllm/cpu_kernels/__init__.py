@@ -13,7 +13,7 @@ import jax
 
 from jaxllm.cpu_kernels.build import KernelBuildError, library_path
 
-__all__ = ["KernelBuildError", "TARGETS", "load_kernels", "vector_lanes"]
+__all__ = ["KernelBuildError", "TARGETS", "has_bf16_dot", "has_integer_dot", "load_kernels", "vector_lanes"]
 
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
@@ -78,3 +78,12 @@ def has_bf16_dot() -> bool:
     sums either way, and the faster is measured at start-up. Builds and loads the
     library if needed (KernelBuildError)."""
     return bool(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmBF16Dot())
+
+
+@functools.cache
+def has_integer_dot() -> bool:
+    """Whether the library multiplies int8 / int16 activations in vector integer dot
+    products (built with AVX2 or AVX512_VNNI); elsewhere those handlers run a lane at a
+    time, slower than the float tiles. Builds and loads the library if needed
+    (KernelBuildError)."""
+    return bool(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmIntegerDot())

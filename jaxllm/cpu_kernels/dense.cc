@@ -1868,3 +1868,16 @@ extern "C" int JaxllmVectorLanes() { return jaxllm::kLanes; }
 // Whether the library multiplies bfloat16 by vdpbf16ps where a call's `bf16_dot` asks
 // (built with AVX512_BF16); else every bfloat16 call runs the float tiles.
 extern "C" int JaxllmBF16Dot() { return kDotBF16 ? 1 : 0; }
+
+// The integer dot products the *_x8 / *_x16 handlers are built with: 2 AVX512_VNNI, 1
+// AVX2 (vpmaddubsw, vpmaddwd), 0 none (SSE2, NEON: a lane at a time, slower than the
+// float tiles; EngineConfig.activation_quantization "auto" then multiplies in float).
+extern "C" int JaxllmIntegerDot() {
+#if defined(__AVX512VNNI__) && JAXLLM_LANES == 16
+  return 2;
+#elif defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -62,11 +62,13 @@ class EngineConfig:
                                              "gguf (vLLM's names): as stored, checked to be stored so",
                                        QUANTIZATIONS)
     activation_quantization: str | None = _option(
-        None, "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "
+        "auto", "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "
               "int8 per 32, multiplied in integer dot products (as llama.cpp does; on an AMD EPYC Zen 4 ~2.5x the "
               "float32 kernel with AVX512_VNNI, ~1.7x built for AVX2); int16: the same in int16 (a step of "
               "max|x|/32767 where int8's is /127: logprobs within ~1e-3 of float; on an AMD EPYC Zen 5 ~1.7x the "
-              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); default: multiplied in float",
+              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); none: multiplied in float (the same sums as the file dequantized); "
+              "auto (default): int16 where those projections run on the cpu kernel in float32 and it has integer "
+              "dot products (AVX2, AVX512_VNNI), else none",
         ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
@@ -118,6 +120,8 @@ class EngineConfig:
     process_id: int = _option(0, "this process's index: 0 schedules (and serves), the others follow its steps")
 
     def __post_init__(self) -> None:
+        if self.activation_quantization is None:  # what None meant before "auto" was the default
+            object.__setattr__(self, "activation_quantization", "none")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

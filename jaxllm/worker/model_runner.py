@@ -32,7 +32,8 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import bf16_tiles, in_dtype, layout_params, linear_candidates, quantized_activations
+from jaxllm.models.linear import (auto_activation_quantization, bf16_tiles, in_dtype, layout_params, linear_candidates,
+                                  quantized_activations)
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams, ParamDecl, declare
 from jaxllm.models.rope import model_rope_table
@@ -268,7 +269,9 @@ class ModelRunner:
         `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype).
         `activation_quantization` "int8" ("int16"): the projections kept in blocks multiply
         int8 (int16) inputs (jaxllm.models.linear.quantized_activations); a model with
-        none is refused.
+        none is refused. "auto": int16 where the cpu kernel multiplies those in integer
+        dot products, else float (jaxllm.models.linear.auto_activation_quantization);
+        "none" or None: float.
         `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per
         KV cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager
         allocates them. `speculative_config`: after each step the runner proposes draft
@@ -297,10 +300,8 @@ class ModelRunner:
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
-        self.activation_quantization = activation_quantization
-        if activation_quantization and "pallas" in self.plan.backends("linear"):
-            raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
-                             "float inputs); use cpu or xla")
+        self.activation_quantization = self._activation_quantization(activation_quantization, params)
+        self._auto_activations = activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
             raise ValueError(f"max_lora_rank: the pallas linear backend's LoRA kernels need a power of two >= 16, "
@@ -355,6 +356,19 @@ class ModelRunner:
                             [(t, seq_bucket(self.max_num_seqs, t)) for t in self.token_buckets], attention, linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles)
+
+    def _activation_quantization(self, requested: str | None, params: ModelParams) -> str | None:
+        """What the projections kept in blocks multiply: `requested` ("none" and None:
+        float), or what "auto" means for these weights on this plan's backends."""
+        if requested == "auto":
+            return auto_activation_quantization(params, self.plan.backends("linear"), self.plan.head,
+                                                self.param_dtype)
+        if requested in (None, "none"):
+            return None
+        if "pallas" in self.plan.backends("linear"):
+            raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
+                             "float inputs); use cpu or xla")
+        return requested
 
     def _start_kv_caches(self, num_blocks: int) -> None:
         """The KV caches (2 GiB by default: a second of page faults) are zero-filled on
@@ -481,6 +495,7 @@ class ModelRunner:
         cfg = self.config
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
         acts = (f", {self.activation_quantization} activations into {self.quantized_projections} projections"
+                + (" (auto; activation_quantization none: float)" if self._auto_activations else "")
                 if self.activation_quantization else "")
         return f"{held / 2**20:.0f} MiB ({_projection_formats(cfg)}{embed}{acts})"
 
