@@ -41,7 +41,7 @@ test-slow: setup-dev
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
 
-# Issue 16's targets, each build of both sides (about 55 min on 2 cores): the kernels against
+# Issue 16's targets, each build of both sides (about 50 min on 2 cores): the kernels against
 # XLA, the standard workload offline against HF generate and the all-xla configuration, and
 # serving at 32 clients against llama-server.
 bench-isa: setup-dev
@@ -60,8 +60,8 @@ bench-isa: setup-dev
 	  --out bench_results/serving_standard_avx2
 
 # Issue 19's targets in one run (about 16 min on 2 cores): per format the weights held,
-# batch-1 and 32-request rates and the quality against float32 (the Q4_1 file kept and
-# dequantized, its float export quantized at load, an int8 KV cache, the Q8_0 export kept,
+# batch-1 and 32-request rates and the quality against float32 (the Q4_1 file kept, with
+# float and with int16 activations (the default), and dequantized, its float export quantized at load, an int8 KV cache, the Q8_0 export kept,
 # with float and int16 activations); serving the Q8_0 export kept with int16 activations
 # against the same file dequantized and against llama-server on it, at 32 clients and at
 # batch 1; an int8 KV cache against float32 in a small pool at 64 clients, the standard
@@ -71,7 +71,7 @@ SMALL_POOL = --kv-cache-memory 256MiB --max-model-len 2048 --max-num-seqs 64
 
 bench-quant: setup-dev
 	test -f $(Q8_0_GGUF) || $(PY) scripts/export_gguf.py $(Q8_0_GGUF) --type Q8_0
-	$(PY) scripts/bench_quant.py --formats none,int8,q8_0,q4_1,q4_1/int8 --out bench_results/quant.json
+	$(PY) scripts/bench_quant.py --formats none,int8,q8_0,q4_1,q4_1+a16,q4_1/int8 --out bench_results/quant.json
 	$(PY) scripts/bench_quant.py --model $(Q8_0_GGUF) --formats none,q8_0,q8_0+a16 --out bench_results/quant_q8_0_gguf.json
 	$(PY) scripts/bench_serving.py --launch "--model $(Q8_0_GGUF) --activation-quantization int16" \
 	  --compare-launch "--model $(Q8_0_GGUF) --quantization none" --dataset standard --max-concurrency 32 \

@@ -24,7 +24,9 @@ int8 KV cache; `kv_cache_dtype`, default auto):
     .venv/bin/python scripts/bench_quant.py --formats q4_1,q4_1/bfloat16,q4_1/int8,q4_1/fp8
 
 `+a8` (`+a16`) after the weights multiplies them with int8 (int16) activations
-(`activation_quantization`; formats kept in blocks of 32 inputs):
+(`activation_quantization`; formats kept in blocks of 32 inputs); without it every format
+multiplies float activations (`activation_quantization="none"`, where the engine's
+default `auto` takes int16 on the cpu kernel), so `q4_1+a16` is what the default serves:
     .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8,q4_1+a16
 
 `--dtype bfloat16` runs every format as a bfloat16 model (the kept blocks multiplied in
@@ -80,7 +82,7 @@ def measure(model: str | None, fmt: str, items: list[dict], dtype: str = "auto")
         raise SystemExit(f"{fmt}: after '+' only a8 or a16 (int8 or int16 activations)")
     model, quantization = source(model, weights)
     llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto", dtype=dtype,
-              activation_quantization=f"int{activations[1:]}" if activations else None, progress=False)
+              activation_quantization=f"int{activations[1:]}" if activations else "none", progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]
