@@ -41,8 +41,8 @@ QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "int8_g12
 # "fp8_e4m3" (vLLM's names), saturated at +-448, no scale.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 # The inputs of projections kept in blocks (jaxllm.models.quant): "none" (EngineConfig
-# takes None for it too) multiplies them in float; "int8" quantizes them per 32 inputs and multiplies in
-# integers, as llama.cpp does; "int16" the same with int16 values (steps 258 times finer,
+# takes None for it too) multiplies them in float; "int8" quantizes them per 32 inputs
+# and multiplies in integers, as llama.cpp does; "int16" the same with int16 values (steps 258 times finer,
 # half int8's integer rate); "auto" is int16 where the CPU kernel has integer dot products
 # for them (jaxllm.models.linear.auto_activation_quantization), else none.
 ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int16")

@@ -1,7 +1,7 @@
 """int8 and int16 activations (EngineConfig.activation_quantization="int8" / "int16", and
 "auto", the default: int16 on the cpu kernel): the inputs of block-quantized projections
-quantized per 32 to int8 (int16) and multiplied in integers. The jnp reference (jaxllm.models.quant.quantized_activation_matmul) against
-the float64 product of the quantized inputs and the dequantized weights; the `cpu`
+quantized per 32 to int8 (int16) and multiplied in integers. The jnp reference
+(jaxllm.models.quant.quantized_activation_matmul) against the float64 product of the quantized inputs and the dequantized weights; the `cpu`
 kernel's integer dot products (jaxllm/cpu_kernels/dense.cc, *_x8 and *_x16;
 tests/test_kernel_builds.py runs them under the AVX2 and SSE2 builds too) against that
 reference; the engine through either backend."""
@@ -232,6 +232,8 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     assert auto_activation_quantization(model.params, ["cpu"], "xla", jnp.float32) is None
     assert auto_activation_quantization(load_model(test_models_dir / "llama", "float32").params, ["cpu"], "cpu",
                                         jnp.float32) is None
+    assert EngineConfig().activation_quantization == "auto"
+    assert EngineConfig(activation_quantization=None).activation_quantization == "none"
 
 
 @pytest.mark.slow  # the grouped kernel's own test runs by default

@@ -268,7 +268,7 @@ def test_a_mixture_of_experts_is_quantized_at_load(test_models_dir, name, quanti
                                rtol=0, atol=2e-4)
 
 
-def _engine_numbers(path, quantization, linear_backend, dtype="float32", activations="none") -> np.ndarray:
+def _engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:
     """Greedy tokens, sample and prompt logprobs (top 3 / 2) of two fixed prompts through
     LLM: what a kept-blocks engine must reproduce bit for bit (activations in float: the
     default "auto" multiplies int16 ones on the cpu kernel)."""
@@ -276,7 +276,7 @@ def _engine_numbers(path, quantization, linear_backend, dtype="float32", activat
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, dtype=dtype,
-              activation_quantization=activations, **SMALL)
+              activation_quantization="none", **SMALL)
     values = []
     for o in llm.generate(prompts, params, use_tqdm=False):
         steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]

@@ -66,9 +66,9 @@ class EngineConfig:
               "int8 per 32, multiplied in integer dot products (as llama.cpp does; on an AMD EPYC Zen 4 ~2.5x the "
               "float32 kernel with AVX512_VNNI, ~1.7x built for AVX2); int16: the same in int16 (a step of "
               "max|x|/32767 where int8's is /127: logprobs within ~1e-3 of float; on an AMD EPYC Zen 5 ~1.7x the "
-              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); none: multiplied in float (the same sums as the file dequantized); "
-              "auto (default): int16 where those projections run on the cpu kernel in float32 and it has integer "
-              "dot products (AVX2, AVX512_VNNI), else none",
+              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); none: multiplied in float (the same "
+              "sums as the file dequantized); auto (default): int16 where those projections run on the cpu "
+              "kernel in float32 and it has integer dot products (AVX2, AVX512_VNNI), else none",
         ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
