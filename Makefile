@@ -63,10 +63,10 @@ bench-isa: setup-dev
 # batch-1 and 32-request rates and the quality against float32 (the Q4_1 file kept, with
 # float and with int16 activations (the default), and dequantized, its float export
 # quantized at load, an int8 KV cache, the Q8_0 export kept, with float and int16
-# activations); serving the Q8_0 export kept with int16 activations
-# against the same file dequantized and against llama-server on it, at 32 clients and at
-# batch 1; an int8 KV cache against float32 in a small pool at 64 clients, the standard
-# and the shared-prefix datasets.
+# activations); serving the Q8_0 export kept with int16 activations against the same file
+# dequantized and against llama-server on it, at 32 clients and at batch 1; an int8 KV
+# cache against float32 in a small pool at 64 clients, the standard and the shared-prefix
+# datasets.
 Q8_0_GGUF = build/smollm2-q8_0.gguf
 SMALL_POOL = --kv-cache-memory 256MiB --max-model-len 2048 --max-num-seqs 64
 

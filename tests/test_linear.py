@@ -373,7 +373,8 @@ def test_set_params_lays_out_loaded_weights_and_rejects_other_shapes(test_models
 def test_vector_lanes_match_the_build():
     """The library reports the vector width it was built for: the ISA level
     $JAXLLM_CPU_MARCH names, else the host's (tests/test_kernel_builds.py runs this under
-    the other x86-64 builds)."""
+    the other x86-64 builds); and whether it has integer dot products for int8 / int16
+    activations (AVX2 and up: what activation_quantization "auto" asks)."""
     import os
     import platform
 
@@ -381,15 +382,17 @@ def test_vector_lanes_match_the_build():
 
     march = os.environ.get("JAXLLM_CPU_MARCH", "native")
     if march == "x86-64-v3":
-        want = 8
+        want, integer_dot = 8, True
     elif march == "x86-64":
-        want = 4
+        want, integer_dot = 4, False
     elif platform.machine() in ("x86_64", "AMD64"):
         flags = open("/proc/cpuinfo").read()
         want = 16 if " avx512f" in flags else 8 if " avx" in flags else 4
+        integer_dot = " avx2" in flags
     else:
         pytest.skip("native width of a non-x86 CPU")
     assert jaxllm.cpu_kernels.vector_lanes() == want
+    assert jaxllm.cpu_kernels.has_integer_dot() == integer_dot
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
