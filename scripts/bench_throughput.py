@@ -411,7 +411,8 @@ def main(argv=None) -> None:
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
     p.add_argument("--compare-xla", action="store_true", help="run jaxllm again with both backends xla")
-    p.add_argument("--async-scheduling", action="store_true", help="the engine's async_scheduling")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's async_scheduling (on by default, as the engine's)")
     p.add_argument("--compare-async", action="store_true",
                    help="run jaxllm again with async_scheduling the other way, and print the ratio")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)

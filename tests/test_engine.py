@@ -455,21 +455,22 @@ print(json.dumps({{"buckets": len(runner.buckets), "loaded": runner.num_loaded_e
     assert second["tokens"] == first["tokens"]
 
 
-def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_models_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_models_dir, async_scheduling):
     """Blocks enter the prefix cache when a step is scheduled, before it writes them. If
     the step fails, they must leave again: the same prompt afterwards computes its KV
     (no hit on blocks that were never written) and gets the model's tokens."""
-    llm = make_llm(test_models_dir)
+    llm = make_llm(test_models_dir, async_scheduling=async_scheduling)
     prompt = [int(t) for t in np.random.default_rng(9).integers(3, 500, 40)]  # the first step: 2 full blocks
     runner = llm.llm_engine.core.runner
 
     def fail(sched, bitmask=None):
         raise RuntimeError("injected step failure")
 
-    runner.execute_model = fail
+    runner.dispatch = fail  # both step loops call it (execute_model: dispatch, then collect)
     with pytest.raises(RuntimeError, match="injected step failure"):
         llm.generate([prompt, prompt[:20]], greedy(5), use_tqdm=False)
-    del runner.execute_model  # the class's again
+    del runner.dispatch  # the class's again
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([prompt], greedy(5), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0

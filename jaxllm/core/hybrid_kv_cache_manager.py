@@ -142,10 +142,11 @@ class HybridKVCacheManager(PoolUsage):
         for m in self.managers:
             m.free(request)
 
-    def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1) -> None:
+    def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1,
+                        end: int | None = None) -> None:
         """The first group's (KVCacheManager.record_contents; a sliding group's manager
         records nothing): the prompt rows of its blocks, for requests scoring their prompt."""
-        self.managers[0].record_contents(request, num_new_tokens, rows, k)
+        self.managers[0].record_contents(request, num_new_tokens, rows, k, end)
 
     def parent_key(self, request: Request, block_index: int) -> bytes:
         return self.managers[0].parent_key(request, block_index)

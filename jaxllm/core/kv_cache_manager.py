@@ -336,9 +336,10 @@ class KVCacheManager(PoolUsage):
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
 
-    def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1) -> None:
-        """After a step that computed the request's last ``num_new_tokens`` tokens (of
-        ``request.num_computed_tokens``): record what the blocks it wrote hold.
+    def record_contents(self, request: Request, num_new_tokens: int, rows: list | None = None, k: int = -1,
+                        end: int | None = None) -> None:
+        """After a step that computed the request's ``num_new_tokens`` tokens before
+        ``end``: record what the blocks it wrote hold.
 
         Args:
             request: the request.
@@ -346,11 +347,13 @@ class KVCacheManager(PoolUsage):
             rows: the request's prompt logprob rows (row ``p`` predicts token ``p + 1``),
                 when it scores its prompt.
             k: alternatives per row.
+            end: the step's last computed token + 1 (default ``request.num_computed_tokens``;
+                under async scheduling the next step, already scheduled, has moved that on).
         """
         if not self.enable_caching or num_new_tokens <= 0 or self.sliding_window is not None:
             return
         bs = self.block_size
-        end = request.num_computed_tokens
+        end = request.num_computed_tokens if end is None else end
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             return

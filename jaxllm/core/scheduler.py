@@ -68,6 +68,9 @@ class Scheduler:
         # the token lists of the blocks the step being scheduled writes, by parent key,
         # while a request scoring its prompt waits (it may reuse them after the step)
         self._in_flight: dict[bytes, list[list[int]]] | None = None
+        # the same of steps scheduled and not yet updated (async scheduling: the step
+        # running while the next is scheduled), by id of their SchedulerOutput
+        self._unrecorded: dict[int, dict[bytes, list[list[int]]]] = {}
         self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
         self._block_copies: list[tuple[int, int]] = []  # (source, destination) of this step's tails
         self._grammar_failures: list[EngineCoreOutput] = []  # aborted for their grammar, reported next update
@@ -165,10 +168,10 @@ class Scheduler:
             new_reqs.append(admitted)
             budget -= num_scheduled[request.request_id]
         self.waiting.extendleft(reversed(deferred))
-        self._in_flight = None
+        written, self._in_flight = self._in_flight, None
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        sched = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -178,6 +181,11 @@ class Scheduler:
             block_copies=self._block_copies,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if written and not sched.is_empty:
+            self._unrecorded[id(sched)] = written
+            while len(self._unrecorded) > 2:  # at most one step runs ahead: an older one was dropped
+                del self._unrecorded[next(iter(self._unrecorded))]
+        return sched
 
     def _waits_for_its_tokens(self, request: Request) -> bool:
         """Async scheduling: the request's tokens in flight are its last (max_tokens,
@@ -282,13 +290,14 @@ class Scheduler:
     def _worth_waiting(self, request: Request, num_reusable: int) -> bool:
         """Whether a request scoring its prompt would reuse more of it after this step:
         a block this step writes shares more of its next tokens than it reuses now."""
-        if not self._in_flight or num_reusable >= request.num_tokens - 1:
+        steps = [w for w in (self._in_flight, *self._unrecorded.values()) if w]
+        if not steps or num_reusable >= request.num_tokens - 1:
             return False
         kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
         j = (num_reusable + 1) // bs  # the block of the first token whose row it lacks
         tokens = request.get_token_ids(j * bs, min((j + 1) * bs, request.num_tokens - 1))
-        written = self._in_flight.get(kv.parent_key(request, j), ())
-        best = max((common_prefix(t, tokens) for t in written), default=0)
+        key = kv.parent_key(request, j)
+        best = max((common_prefix(t, tokens) for w in steps for t in w.get(key, ())), default=0)
         return j * bs + best - 1 > num_reusable
 
     def _note_in_flight(self, request: Request, num_new: int) -> None:
@@ -341,6 +350,7 @@ class Scheduler:
         """The step of `sched` failed: the blocks it entered into the prefix cache hold
         no KV, so they leave the cache, and its requests (whose progress it counted)
         are aborted. Returns their outputs."""
+        self._unrecorded.pop(id(sched), None)
         self.kv_cache_manager.uncache(self._cached_this_step)
         self._cached_this_step = []
         return self.abort_requests(list(sched.num_scheduled_tokens))
@@ -352,6 +362,8 @@ class Scheduler:
         take back the K/V of rejected draft tokens, free finished requests, and keep the
         drafts proposed for the next step."""
         outputs, self._grammar_failures = self._grammar_failures, []
+        self._unrecorded.pop(id(sched), None)
+        starts = {r.req_id: r.num_computed_tokens for r in (*sched.scheduled_new_reqs, *sched.scheduled_cached_reqs)}
         for req_id, tokens in zip(result.req_ids, result.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran (or finished by the step before it)
@@ -362,7 +374,7 @@ class Scheduler:
                 request, sched.scheduled_spec_decode_tokens.get(req_id), tokens)
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
             if not tokens or request.max_tokens == 0:
-                self._record_contents(request, num_computed)
+                self._record_contents(request, num_computed, starts[req_id] + num_computed)
                 if request.max_tokens == 0 and tokens:  # scoring the prompt only: the sample is dropped
                     self.running.remove(request)
                     self._finish(request, FinishReason.LENGTH)
@@ -373,7 +385,7 @@ class Scheduler:
             new_tokens, finish, stop_reason = self._append_tokens(request, tokens)
             running = request.status is RequestStatus.RUNNING  # else preempted after the step was dispatched
             if running:
-                self._record_contents(request, num_computed)
+                self._record_contents(request, num_computed, starts[req_id] + num_computed)
             if finish is not None:
                 (self.running if running else self.waiting).remove(request)
                 self._finish(request, finish, stop_reason)
@@ -406,10 +418,12 @@ class Scheduler:
                 return tokens[:i + 1], finish, stop_reason
         return tokens, None, None
 
-    def _record_contents(self, request: Request, num_computed: int) -> None:
+    def _record_contents(self, request: Request, num_computed: int, end: int) -> None:
+        """Record what the blocks hold that a step wrote for `request` (its `num_computed`
+        tokens before `end`)."""
         scores = request.prompt_scores
         self.kv_cache_manager.record_contents(request, num_computed, None if scores is None else scores.rows,
-                                              -1 if scores is None else scores.k)
+                                              -1 if scores is None else scores.k, end)
 
     def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
         """The proposed drafts the request may compute next step: under a grammar, those

@@ -93,11 +93,12 @@ class EngineConfig:
               "own, ngram): a match shorter than prompt_lookup_max proposes at most this many (1, with "
               "num_speculative_tokens 7 and prompt_lookup 1..3: 2x at batch 1 on edits of a given text, "
               "2-core AVX-512 Xeon, native build)")
-    async_scheduling: bool = _option(
-        False, "schedule and prepare each step while the one before it runs, its sampled tokens fed to the next "
-               "on the device (vLLM's --async-scheduling): the host's work between steps hidden behind the "
-               "device's; the same tokens; a request that stops computes one step more, whose token is dropped; "
-               "not with speculative decoding or num_processes > 1")
+    async_scheduling: bool | None = _option(
+        None, "schedule and prepare each step while the one before it runs, its sampled tokens fed to the next "
+              "on the device (vLLM's --async-scheduling): the host's work between steps hidden behind the "
+              "device's; the same tokens; a request that stops computes one step more, whose token is dropped. "
+              "Default: on, except with speculative decoding or num_processes > 1, where it is off (the log "
+              "says so); --no-async-scheduling turns it off")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
                                        "its own, many in one batch")
     max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
@@ -144,11 +145,22 @@ class EngineConfig:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling: not with speculative_config (a step's drafts depend on the "
-                             "tokens of the step before)")
-        if self.async_scheduling and self.num_processes > 1:
-            raise ValueError("async_scheduling: not yet with num_processes > 1 (an engine over several hosts)")
+        if self.async_scheduling and self.async_scheduling_blocked:
+            raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
+
+    @property
+    def async_scheduling_blocked(self) -> str | None:
+        """What in this configuration keeps steps from overlapping (None: nothing)."""
+        if self.speculative_config is not None:
+            return "speculative_config (a step's drafts depend on the tokens of the step before)"
+        if self.num_processes > 1:
+            return "num_processes > 1 (an engine over several hosts) yet"
+        return None
+
+    @property
+    def runs_async(self) -> bool:
+        """Whether steps overlap: async_scheduling, or by default where nothing blocks it."""
+        return self.async_scheduling is not False and self.async_scheduling_blocked is None
 
 
     @property
@@ -165,8 +177,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
         kwargs = {"default": f.default, "help": f.metadata.get("help"), "choices": f.metadata.get("choices")}
-        if hint is bool:
+        if hint in (bool, bool | None):
             kwargs["action"] = argparse.BooleanOptionalAction
+            del kwargs["choices"]  # BooleanOptionalAction takes none (deprecated since Python 3.12)
         elif hint in (int, int | None):
             kwargs["type"] = int
         parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)

@@ -214,8 +214,10 @@ class EngineCore:
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
             speculative_config=config.speculative_config,
             lora_config=config.lora_config,
-            async_scheduling=config.async_scheduling,
+            async_scheduling=config.runs_async,
         )
+        if config.async_scheduling is None and config.async_scheduling_blocked:
+            logger.info("async scheduling off: %s", config.async_scheduling_blocked)
         # async scheduling: the step dispatched and not yet collected, with its schedule
         self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
         if draft is not None:
@@ -329,7 +331,7 @@ class EngineCore:
         aborted and the prefix cache forgets the blocks it was to fill, then the error
         propagates (the engine stays usable). Under async scheduling, the outputs of
         the step before (`_step_async`)."""
-        if self.config.async_scheduling:
+        if self.config.runs_async:
             return self._step_async()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
@@ -409,6 +411,6 @@ class EngineCore:
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes; "
             f"{self.runner.describe_backends()}"
-            + ("; async scheduling" if self.config.async_scheduling else "")
+            + ("; async scheduling" if self.config.runs_async else "")
         )
 

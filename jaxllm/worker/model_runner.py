@@ -47,7 +47,8 @@ from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
 from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
 from jaxllm.worker.lora_manager import LoRAManager
-from jaxllm.worker.step import StepInputs, StepOutput, model_step
+from jaxllm.worker.packing import PackLayout
+from jaxllm.worker.step import SEPARATE_INPUTS, StepInputs, StepOutput, packed_step
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,7 @@ class ModelRunner:
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[tuple[int, int, int], object] = {}
+        self._layouts: dict[tuple[int, int, int], PackLayout] = {}  # each bucket's packed inputs
         self.bitmask_width = bitmask_width(config.vocab_size)
         # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
         # constrained row pass it without a transfer
@@ -391,17 +393,15 @@ class ModelRunner:
         return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.kv_groups.group_size
 
     def _step_functions(self) -> dict[StepBackends, object]:
-        """The jitted step of each pair of backends the plan uses. Where the C++ kernels
+        """The step of each pair of backends the plan uses (jitted per bucket, with its
+        inputs' PackLayout). Where the C++ kernels
         run the step, they also take the sampler's greedy argmax and prompt-logprob scores."""
         kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention") and self.mesh is None
         return {
-            choice: jax.jit(functools.partial(model_step, cfg=self.config,
-                                              attention_fn=get_attention_fn(choice.attention),
-                                              argmax_fn=argmax_cpu if kernels else argmax,
-                                              scores_fn=token_scores_cpu if kernels else compute_logprobs,
-                                              mesh=self.mesh,
-                                              lora_kernel="pallas" if choice.linear == "pallas" else "xla"),
-                            donate_argnums=(2, 3), **self._step_shardings())
+            choice: functools.partial(packed_step, cfg=self.config, attention_fn=get_attention_fn(choice.attention),
+                                      argmax_fn=argmax_cpu if kernels else argmax,
+                                      scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=self.mesh,
+                                      lora_kernel="pallas" if choice.linear == "pallas" else "xla")
             for choice in dict.fromkeys(self.plan.choices)
         }
 
@@ -412,7 +412,7 @@ class ModelRunner:
             return {}
         rep, caches = parallel.replicated(self.mesh), self._cache_shardings()
         lora = () if self.lora is None else (self.lora.shardings,)
-        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep, *lora),
+        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep, rep, *lora),
                 "out_shardings": (caches, rep, rep)}
 
     def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
@@ -529,12 +529,17 @@ class ModelRunner:
         """The executable of bucket (t, s, r), and whether it came from the executable
         store (else it was compiled, and stored)."""
         inputs = self._pad_inputs(t, s, r, StepRows.empty(self.kv_groups.num_groups))
-        name = f"t{t}-s{s}-" + _digest(jax.tree.map(lambda a: (np.shape(a), np.asarray(a).dtype.name), inputs))
+        layout = PackLayout.of(inputs, SEPARATE_INPUTS)
+        name = f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
         choice = self.plan.for_bucket(t)
+        bitmask = jax.ShapeDtypeStruct(inputs.sampling.token_bitmask.shape, jnp.int32)
         compiled, loaded = self._load_or_compile(
             self._stores[choice], name,
-            lambda: self._steps[choice].lower(self.weights_of(choice), self.rope, self._abstract_caches,
-                                              self.history, inputs, *self._lora_args(abstract=True)))
+            lambda: jax.jit(functools.partial(self._steps[choice], layout=layout), donate_argnums=(2, 3),
+                            **self._step_shardings()).lower(self.weights_of(choice), self.rope,
+                                                            self._abstract_caches, self.history, layout.abstract(),
+                                                            bitmask, *self._lora_args(abstract=True)))
+        self._layouts[(t, s, r)] = layout
         self._compiled[(t, s, r)] = compiled
         return compiled, loaded
 
@@ -747,10 +752,7 @@ class ModelRunner:
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
         step = self.prepare_step(sched, bitmask)
-        executable = self._executable(step.t, step.s, step.r)
-        weights = self.weights_of(self.plan.for_bucket(step.t))
-        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, step.inputs,
-                                                       *self._lora_args())
+        out = self._call(step)
         b = self.input_batch
         flight = DispatchedStep(step, out, t0, time.perf_counter(), b.logprobs[step.host.rows],
                                 b.prompt_logprobs[step.host.rows])  # copies (fancy indexing)
@@ -758,12 +760,38 @@ class ModelRunner:
             self._advance_rows(step)
         return flight
 
+    def _call(self, step: PreparedStep) -> StepOutput:
+        """Call the step's executable on its inputs packed into one buffer (the caches
+        and history it returns replace the donated ones); returns without waiting."""
+        executable = self._executable(step.t, step.s, step.r)
+        # the step's one transfer, explicit (the hot path runs under jax.transfer_guard("disallow"))
+        packed, separate = jax.device_put(self._layouts[(step.t, step.s, step.r)].pack(step.inputs))
+        weights = self.weights_of(self.plan.for_bucket(step.t))
+        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
+                                                       *separate, *self._lora_args())
+        return out
+
+    def time_step_alone(self, step: PreparedStep, reps: int) -> float:
+        """The median seconds of `step`'s executable called back to back with its inputs
+        already on the device: the device's share of a step (scripts/bench_host.py).
+        Runs the step `reps` times over the live caches: for benchmarks only."""
+        executable = self._executable(step.t, step.s, step.r)
+        packed, separate = jax.device_put(self._layouts[(step.t, step.s, step.r)].pack(step.inputs))
+        weights, times = self.weights_of(self.plan.for_bucket(step.t)), []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
+                                                           *separate, *self._lora_args())
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
     def collect(self, flight: DispatchedStep | None) -> ModelRunnerOutput:
         """Wait for a dispatched step and record its results."""
         if flight is None:
             return ModelRunnerOutput([], [])
         step, out = flight.step, flight.out
-        sampled = np.asarray(out.sampled.token_ids)[: len(step.host.logit_rows)]
+        sampled = jax.device_get(out.sampled.token_ids)[: len(step.host.logit_rows)]
         t2 = time.perf_counter()
         result = self._record_ids(flight, sampled) if self.async_scheduling else self._record(flight, sampled)
         self._account(step, flight.started, flight.dispatched, t2)

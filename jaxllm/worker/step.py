@@ -25,6 +25,11 @@ from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jaxllm.sample.sampler import ArgmaxFn, ScoresFn, argmax, compute_logprobs, num_top_logprobs, sample
+from jaxllm.worker.packing import PackLayout
+
+# StepInputs leaves not packed (jaxllm.worker.packing): the token bitmask is [S, V/32] and
+# stays on the device between steps that constrain no row
+SEPARATE_INPUTS = ("token_bitmask",)
 
 
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
@@ -134,3 +139,11 @@ def model_step(
         inputs.prompt_logprob_targets,
     )
     return kv_caches, history, StepOutput(sampled, prompt_lp)
+
+
+def packed_step(params: ModelParams, rope: RopeTable, kv_caches: tuple[KVCache, ...], history: Int[Array, "R L"],
+                packed: Int[Array, "P"], token_bitmask: Int[Array, "S W"], lora: LoRAWeights | None = None, *,
+                layout: PackLayout, **kwargs) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
+    """`model_step` on its inputs as the host sends them: one int32 buffer of `layout`
+    and the token bitmask (one transfer a step where ~40 arrays were ~40)."""
+    return model_step(params, rope, kv_caches, history, layout.unpack(packed, (token_bitmask,)), lora, **kwargs)

@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""Host work per decode step: where the time between two device calls goes.
+
+A tiny random Llama (hidden 128; 1 layer, and as many layers as SmolLM2's 30, since
+per-leaf costs grow with the layer count) runs pure decode at 1, 64, 256 and 1024
+running sequences through `EngineCore.step`. Each configuration first admits every
+request and finishes their prompts, then times `--steps` decode steps and prints, in
+microseconds per step:
+
+- schedule: `Scheduler.schedule` (and, under async scheduling, `add_placeholders`);
+- build: the runner's numpy inputs for the bucket (`ModelRunner.prepare_step`);
+- dispatch: the rest of `ModelRunner.dispatch` (row updates, transfers, the call);
+- wait: waiting for the sampled ids (`RunnerStats.device_seconds`);
+- record: the runner recording them (`RunnerStats.post_seconds`);
+- update: `Scheduler.update_from_output` (stops, outputs, freeing blocks);
+- host: the sum of the host's parts (everything but the wait);
+- wall: the step's wall time; device: the same step's executable alone, called
+  back to back on device-resident inputs (median of `--device-reps`); idle: the share
+  of the wall time the device had nothing to do (1 - device / wall).
+
+The phases are read by wrapping those methods on the engine's own objects, so the
+script runs unchanged against an older tree (`--tree PATH`: a worktree of an earlier
+commit, run in a subprocess with that tree first on sys.path) and prints both in one
+run: `--compare-tree PATH`. Ratios between trees are only meaningful within one run.
+
+    .venv/bin/python scripts/bench_host.py                        # this tree, 1 and 30 layers
+    .venv/bin/python scripts/bench_host.py --compare-tree /tmp/old --layers 30
+    .venv/bin/python scripts/bench_host.py --seqs 64 --async-scheduling on,off
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PHASES = ("schedule", "build", "dispatch", "wait", "record", "update")
+
+
+@dataclasses.dataclass
+class Timers:
+    """Seconds spent in each wrapped method since the last reset."""
+
+    seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def wrap(self, obj, name: str, phase: str, exclude: str | None = None):
+        """Time `obj.name` into `phase` (less what `exclude` took meanwhile)."""
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            before = self.seconds[exclude] if exclude else 0.0
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                taken = time.perf_counter() - t0
+                self.seconds[phase] += taken - ((self.seconds[exclude] - before) if exclude else 0.0)
+
+        setattr(obj, name, timed)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, {platform.python_version()}"
+
+
+def make_model(folder: Path, layers: int) -> Path:
+    sys.path.insert(0, str(HERE))
+    import make_test_model
+
+    return make_test_model.write_model(folder, "llama", layers=layers)
+
+
+def device_seconds(runner, step, reps: int) -> float:
+    """The median seconds of the step's executable alone on device-resident inputs."""
+    import jax
+    import numpy as np
+
+    if hasattr(runner, "time_step_alone"):
+        return runner.time_step_alone(step, reps)
+    # an older runner: call the executable as its dispatch did
+    exe = runner._executable(step.t, step.s, step.r)
+    weights = runner.weights_of(runner.plan.for_bucket(step.t))
+    inputs = jax.device_put(step.inputs)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.kv_caches, runner.history, out = exe(weights, runner.rope, runner.kv_caches, runner.history, inputs)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, device_reps: int) -> dict:
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.core import EngineCore
+    from jaxllm.messages import EngineCoreRequest
+    from jaxllm.sampling_params import SamplingParams
+
+    prompt_len, max_model_len = 8, 64 + steps + 16
+    config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory="256MiB",
+                          async_scheduling=async_scheduling, enable_prefix_caching=False,
+                          compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"))
+    core = EngineCore(config, progress=False)
+    params = SamplingParams(max_tokens=max_model_len - prompt_len, ignore_eos=True, temperature=0.0)
+    core.add_requests([EngineCoreRequest(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(prompt_len)], params, None,
+                                         time.time()) for i in range(num_seqs)])
+    timers = Timers()
+    runner, sched = core.runner, core.scheduler
+    last = {}
+    prepare = runner.prepare_step
+
+    def keep(*args, **kwargs):
+        last["step"] = prepare(*args, **kwargs)
+        return last["step"]
+
+    runner.prepare_step = keep
+    timers.wrap(sched, "schedule", "schedule")
+    if hasattr(sched, "add_placeholders"):
+        timers.wrap(sched, "add_placeholders", "schedule")
+    timers.wrap(sched, "update_from_output", "update")
+    timers.wrap(runner, "prepare_step", "build")
+    timers.wrap(runner, "dispatch", "dispatch", exclude="build")
+    # admit every request and finish the prompts (a few steps), then settle
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in sched.requests.values()) or not sched.running:
+        core.step()
+    for _ in range(3):
+        core.step()
+    timers.seconds = dict.fromkeys(PHASES, 0.0)
+    st = runner.stats
+    dev0, post0, n0 = st.device_seconds, st.post_seconds, st.num_steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    wall = (time.perf_counter() - t0) / steps
+    n = st.num_steps - n0
+    assert n == steps, f"{n} runner steps for {steps} engine steps"
+    sec = dict(timers.seconds, wait=st.device_seconds - dev0, record=st.post_seconds - post0)
+    # collect() is wrapped in neither: its wait and record come from the runner's stats
+    per_step = {k: v / steps * 1e6 for k, v in sec.items()}
+    per_step["host"] = sum(v for k, v in per_step.items() if k != "wait")
+    per_step["wall"] = wall * 1e6
+    device = device_seconds(runner, last["step"], device_reps) * 1e6
+    per_step["device"] = device
+    per_step["idle"] = max(0.0, 1.0 - device / per_step["wall"])
+    per_step["bucket"] = [last["step"].t, last["step"].s]
+    return per_step
+
+
+def child(args) -> None:
+    out = {}
+    for layers in args.layers:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_model(Path(tmp), layers)
+            for n in args.seqs:
+                for mode in args.async_scheduling:
+                    key = f"{layers}L/{n}/{mode}"
+                    out[key] = run_config(model, n, args.steps, mode == "on", args.device_reps)
+                    print(json.dumps({key: out[key]}), file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+def run_tree(tree: Path, args) -> dict:
+    """Run the measurements in a subprocess importing jaxllm from `tree`."""
+    cmd = [sys.executable, str(HERE / "bench_host.py"), "--child", "--steps", str(args.steps),
+           "--device-reps", str(args.device_reps), "--layers", ",".join(map(str, args.layers)),
+           "--seqs", ",".join(map(str, args.seqs)), "--async-scheduling", ",".join(args.async_scheduling)]
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(name: str, results: dict) -> str:
+    cols = (*PHASES, "host", "wall", "device")
+    lines = [f"{name}", f"{'layers/seqs/async':<18}" + "".join(f"{c:>10}" for c in cols) + f"{'idle':>7}  bucket"]
+    for key, r in results.items():
+        lines.append(f"{key:<18}" + "".join(f"{r[c]:>10.0f}" for c in cols) + f"{r['idle']:>7.0%}  {r['bucket']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--layers", type=ints, default=[1, 30], help="model depths (comma-separated)")
+    p.add_argument("--seqs", type=ints, default=[1, 64, 256, 1024], help="running sequences (comma-separated)")
+    p.add_argument("--steps", type=int, default=40, help="decode steps timed per configuration")
+    p.add_argument("--device-reps", type=int, default=20, help="calls of the executable alone")
+    p.add_argument("--async-scheduling", type=lambda s: s.split(","), default=["off", "on"],
+                   help="on, off or on,off")
+    p.add_argument("--compare-tree", type=Path, default=None, help="also run an older tree, first")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    results = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
+    if args.compare_tree:
+        results["before"] = run_tree(args.compare_tree, args)
+    results["this tree"] = run_tree(HERE.parent, args)
+    print(f"host work per decode step, microseconds ({results['machine']})")
+    for name in ("before", "this tree"):
+        if name in results:
+            print(table(name, results[name]))
+    if "before" in results:
+        print("host work before / now (x):")
+        for key, r in results["this tree"].items():
+            b = results["before"].get(key)
+            if b:
+                print(f"  {key:<18} host {b['host'] / r['host']:.2f}x  wall {b['wall'] / r['wall']:.2f}x")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
