@@ -96,6 +96,7 @@ bench-quant: setup-dev
 	  --dataset shared-prefix --num-prompts 128 --max-concurrency 64 --out bench_results/small_pool_int8_kv_shared_prefix
 
 bench: bench-isa bench-quant
+	$(PY) scripts/bench_host.py --out bench_results/host.json
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_linear.py --weights q4_1
 	$(PY) scripts/bench_linear.py --isa avx2 --weights q4_1

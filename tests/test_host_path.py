@@ -69,10 +69,10 @@ def test_a_leaf_of_another_dtype_is_refused():
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_steps_transfer_only_the_packed_inputs_and_the_tokens(test_models_dir, async_scheduling):
     """Once every request decodes, steps run under jax.transfer_guard('disallow'): an
-    implicit host-to-device transfer (a numpy argument: the ~40 step inputs before they
-    were packed) raises; only the explicit ones pass (the packed inputs in, the sampled
-    ids out by jax.device_get). On a CPU a read-back shares host memory and is no
-    transfer, so this guards the inputs' side; a GPU run guards both."""
+    host-to-device transfer anywhere but the step call's packed inputs (a numpy array
+    handed to another jitted function, a block copy, a history row) raises, and so does a
+    read-back but the sampled ids'. On a CPU a read-back shares host memory and is no
+    transfer, so there this guards the inputs' side; a GPU run guards both."""
     llm = make_llm(test_models_dir, async_scheduling=async_scheduling)
     core = llm.llm_engine.core
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
