@@ -10,7 +10,8 @@ microseconds per step:
 - schedule: `Scheduler.schedule` (and, under async scheduling, `add_placeholders`);
 - build: the runner's numpy inputs for the bucket (`ModelRunner.prepare_step`);
 - dispatch: the rest of `ModelRunner.dispatch` (row updates, transfers, the call);
-- wait: waiting for the sampled ids (`RunnerStats.device_seconds`);
+- wait: from the call's return to the sampled ids (`RunnerStats.device_seconds`;
+  under async scheduling this spans the next step's host work, so it overlaps the rest);
 - record: the runner recording them (`RunnerStats.post_seconds`);
 - update: `Scheduler.update_from_output` (stops, outputs, freeing blocks);
 - host: the sum of the host's parts (everything but the wait);
@@ -19,9 +20,9 @@ microseconds per step:
   of the wall time the device had nothing to do (1 - device / wall).
 
 The phases are read by wrapping those methods on the engine's own objects, so the
-script runs unchanged against an older tree (`--tree PATH`: a worktree of an earlier
-commit, run in a subprocess with that tree first on sys.path) and prints both in one
-run: `--compare-tree PATH`. Ratios between trees are only meaningful within one run.
+script runs unchanged against an older tree: `--compare-tree PATH` (a worktree of an
+earlier commit) runs it first, in a subprocess with that tree first on sys.path, and
+prints both in one run. Ratios between trees are only meaningful within one run.
 
     .venv/bin/python scripts/bench_host.py                        # this tree, 1 and 30 layers
     .venv/bin/python scripts/bench_host.py --compare-tree /tmp/old --layers 30

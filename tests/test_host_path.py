@@ -12,6 +12,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.engine.config import EngineConfig
+from jaxllm.messages import EngineCoreRequest
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.worker.packing import PackLayout
 from jaxllm.worker.step import SEPARATE_INPUTS, StepInputs
@@ -76,8 +77,6 @@ def test_decode_steps_transfer_only_the_packed_inputs_and_the_tokens(test_models
     llm = make_llm(test_models_dir, async_scheduling=async_scheduling)
     core = llm.llm_engine.core
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
-    from jaxllm.messages import EngineCoreRequest
-
     core.add_requests([EngineCoreRequest(f"r{i}", [3 + i, 5, 7, 11, 13], params, None, 0.0) for i in range(4)])
     for _ in range(3):  # prompts done, async pipeline full
         core.step()

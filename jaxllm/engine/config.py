@@ -154,7 +154,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             return "speculative_config (a step's drafts depend on the tokens of the step before)"
         if self.num_processes > 1:
-            return "num_processes > 1 (an engine over several hosts) yet"
+            return "num_processes > 1 (an engine over several hosts; not yet)"
         return None
 
     @property

@@ -761,31 +761,33 @@ class ModelRunner:
         return flight
 
     def _call(self, step: PreparedStep) -> StepOutput:
-        """Call the step's executable on its inputs packed into one buffer (the caches
-        and history it returns replace the donated ones); returns without waiting."""
-        executable = self._executable(step.t, step.s, step.r)
+        """Call the step's executable on its inputs packed into one buffer; returns
+        without waiting. The buffer (and a constrained step's bitmask) is the step's one
+        transfer, allowed here alone (the tests run the hot path under
+        jax.transfer_guard("disallow")) and converted by the call itself, which costs
+        less than an explicit jax.device_put (docs/benchmarks.md)."""
         packed, separate = self._layouts[(step.t, step.s, step.r)].pack(step.inputs)
-        weights = self.weights_of(self.plan.for_bucket(step.t))
-        # the step's one transfer (two with a constrained row's bitmask), allowed here alone: the
-        # hot path runs under jax.transfer_guard("disallow") in the tests. Converted by the call
-        # itself: ~6 us on a CPU where an explicit jax.device_put costs ~27
         with jax.transfer_guard_host_to_device("allow"):
-            self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history,
-                                                           packed, *separate, *self._lora_args())
+            return self._run(step, packed, separate)
+
+    def _run(self, step: PreparedStep, packed, separate: list) -> StepOutput:
+        """Run the step's executable on packed inputs (the caches and history it returns
+        replace the donated ones)."""
+        executable = self._executable(step.t, step.s, step.r)
+        weights = self.weights_of(self.plan.for_bucket(step.t))
+        self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
+                                                       *separate, *self._lora_args())
         return out
 
     def time_step_alone(self, step: PreparedStep, reps: int) -> float:
         """The median seconds of `step`'s executable called back to back with its inputs
         already on the device: the device's share of a step (scripts/bench_host.py).
         Runs the step `reps` times over the live caches: for benchmarks only."""
-        executable = self._executable(step.t, step.s, step.r)
         packed, separate = jax.device_put(self._layouts[(step.t, step.s, step.r)].pack(step.inputs))
-        weights, times = self.weights_of(self.plan.for_bucket(step.t)), []
+        times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
-                                                           *separate, *self._lora_args())
-            jax.block_until_ready(out)
+            jax.block_until_ready(self._run(step, packed, separate))
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# leaf dtype -> how it is held in the int32 buffer
-_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.uint32): "bits", np.dtype(np.float32): "bits",
-          np.dtype(np.bool_): "bool"}
+# the leaf dtypes the int32 buffer holds: int32 as is, uint32 and float32 by their bits, bool as 0/1
+PACKABLE = frozenset(map(np.dtype, (np.int32, np.uint32, np.float32, np.bool_)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class PackLayout:
     """Where each leaf of one step shape's inputs lives (hashable: a jit static argument).
-    `slots[i]` is None for a leaf passed separately (`separate_paths`, in leaf order)."""
+    `slots[i]` is None for a leaf passed separately (`of`'s `separate`, in leaf order)."""
 
     treedef: jax.tree_util.PyTreeDef
     slots: tuple[Slot | None, ...]
@@ -53,7 +52,7 @@ class PackLayout:
                 slots.append(None)
                 continue
             dtype = np.dtype(leaf.dtype)
-            if dtype not in _KINDS:
+            if dtype not in PACKABLE:
                 raise TypeError(f"PackLayout: {jax.tree_util.keystr(path)} is {dtype}, not int32, uint32, "
                                 "float32 or bool")
             size = int(np.prod(leaf.shape, dtype=np.int64))
