@@ -3,9 +3,11 @@
 
 A tiny random Llama (hidden 128; 1 layer, and as many layers as SmolLM2's 30, since
 per-leaf costs grow with the layer count) runs pure decode at 1, 64, 256 and 1024
-running sequences through `EngineCore.step`. Each configuration first admits every
-request and finishes their prompts, then times `--steps` decode steps and prints, in
-microseconds per step:
+running sequences through `EngineCore.step`, one decode step per call and, with
+multi-step decode (`--decode-steps`, the engine's num_scheduler_steps), several. Each
+configuration first admits every request and finishes their prompts, then times
+`--steps` decode steps (forward passes: a call of K steps counts K) and prints, in
+microseconds per decode step:
 
 - schedule: `Scheduler.schedule` (and, under async scheduling, `add_placeholders`);
 - build: the runner's numpy inputs for the bucket (`ModelRunner.prepare_step`);
@@ -15,9 +17,10 @@ microseconds per step:
 - record: the runner recording them (`RunnerStats.post_seconds`);
 - update: `Scheduler.update_from_output` (stops, outputs, freeing blocks);
 - host: the sum of the host's parts (everything but the wait);
-- wall: the step's wall time; device: the same step's executable alone, called
-  back to back on device-resident inputs (median of `--device-reps`); idle: the share
-  of the wall time the device had nothing to do (1 - device / wall).
+- wall: the step's wall time; device: the last call's executable alone, called
+  back to back on device-resident inputs (median of `--device-reps`, divided by the
+  steps it runs); idle: the share of the wall time the device had nothing to do
+  (1 - device / wall).
 
 The phases are read by wrapping those methods on the engine's own objects, so the
 script runs unchanged against an older tree: `--compare-tree PATH` (a worktree of an
@@ -26,7 +29,7 @@ prints both in one run. Ratios between trees are only meaningful within one run.
 
     .venv/bin/python scripts/bench_host.py                        # this tree, 1 and 30 layers
     .venv/bin/python scripts/bench_host.py --compare-tree /tmp/old --layers 30
-    .venv/bin/python scripts/bench_host.py --seqs 64 --async-scheduling on,off
+    .venv/bin/python scripts/bench_host.py --seqs 64 --async-scheduling on,off --decode-steps 1,4,8
 """
 
 from __future__ import annotations
@@ -107,17 +110,28 @@ def device_seconds(runner, step, reps: int) -> float:
     return float(np.median(times))
 
 
-def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, device_reps: int) -> dict:
+def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, device_reps: int,
+               decode_steps: int) -> dict | None:
+    import dataclasses
+
     from jaxllm.engine.config import EngineConfig
     from jaxllm.engine.core import EngineCore
     from jaxllm.messages import EngineCoreRequest
     from jaxllm.sampling_params import SamplingParams
 
-    prompt_len, max_model_len = 8, 64 + steps + 16
+    multi = {}
+    if "num_scheduler_steps" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        multi = {"num_scheduler_steps": decode_steps}
+    elif decode_steps > 1:
+        return None  # a tree without multi-step decode
+    prompt_len = 8
+    # room for the prompts' admission (over many steps at 256 sequences: the decodes take the budget first),
+    # settling and the timed steps, so no request finishes while timed
+    max_model_len = 128 + steps + 8 * decode_steps
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=num_seqs,
-                          max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory="256MiB",
+                          max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory="2GiB",
                           async_scheduling=async_scheduling, enable_prefix_caching=False,
-                          compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"))
+                          compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"), **multi)
     core = EngineCore(config, progress=False)
     params = SamplingParams(max_tokens=max_model_len - prompt_len, ignore_eos=True, temperature=0.0)
     core.add_requests([EngineCoreRequest(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(prompt_len)], params, None,
@@ -145,22 +159,29 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
         core.step()
     timers.seconds = dict.fromkeys(PHASES, 0.0)
     st = runner.stats
-    dev0, post0, n0 = st.device_seconds, st.post_seconds, st.num_steps
+    model_steps = lambda: getattr(st, "num_model_steps", st.num_steps)  # noqa: E731 (an older runner: one each)
+    dev0, post0, n0, m0 = st.device_seconds, st.post_seconds, st.num_steps, model_steps()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    while model_steps() - m0 < steps:
+        n_before = st.num_steps
         core.step()
-    wall = (time.perf_counter() - t0) / steps
-    n = st.num_steps - n0
-    assert n == steps, f"{n} runner steps for {steps} engine steps"
+        assert st.num_steps == n_before + 1, "an engine step that ran no runner step"
+    wall = time.perf_counter() - t0
+    n = model_steps() - m0  # decode steps (forward passes), several per call with multi-step decode
     sec = dict(timers.seconds, wait=st.device_seconds - dev0, record=st.post_seconds - post0)
     # collect() is wrapped in neither: its wait and record come from the runner's stats
-    per_step = {k: v / steps * 1e6 for k, v in sec.items()}
+    per_step = {k: v / n * 1e6 for k, v in sec.items()}
     per_step["host"] = sum(v for k, v in per_step.items() if k != "wait")
-    per_step["wall"] = wall * 1e6
-    device = device_seconds(runner, last["step"], device_reps) * 1e6
-    per_step["device"] = device
-    per_step["idle"] = max(0.0, 1.0 - device / per_step["wall"])
-    per_step["bucket"] = [last["step"].t, last["step"].s]
+    per_step["wall"] = wall / n * 1e6
+    step = last["step"]
+    iterations = 1  # a multi-step call's executable runs its steps (all of them: no request stops)
+    if getattr(step, "shape", None) is not None and step.shape.decode_steps > 1:
+        iterations = int(step.host.decode_steps.max())
+    per_step["device"] = device_seconds(runner, step, device_reps) / iterations * 1e6
+    per_step["idle"] = max(0.0, 1.0 - per_step["device"] / per_step["wall"])
+    per_step["bucket"] = [step.t, step.s]
+    assert len(step.host.rows) == num_seqs, f"the last step ran {len(step.host.rows)} of {num_seqs} sequences"
+    per_step["calls"] = st.num_steps - n0
     return per_step
 
 
@@ -171,9 +192,12 @@ def child(args) -> None:
             model = make_model(Path(tmp), layers)
             for n in args.seqs:
                 for mode in args.async_scheduling:
-                    key = f"{layers}L/{n}/{mode}"
-                    out[key] = run_config(model, n, args.steps, mode == "on", args.device_reps)
-                    print(json.dumps({key: out[key]}), file=sys.stderr, flush=True)
+                    for k in args.decode_steps:
+                        key = f"{layers}L/{n}/{mode}/{k}"
+                        result = run_config(model, n, args.steps, mode == "on", args.device_reps, k)
+                        if result is not None:
+                            out[key] = result
+                            print(json.dumps({key: result}), file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
@@ -181,7 +205,8 @@ def run_tree(tree: Path, args) -> dict:
     """Run the measurements in a subprocess importing jaxllm from `tree`."""
     cmd = [sys.executable, str(HERE / "bench_host.py"), "--child", "--steps", str(args.steps),
            "--device-reps", str(args.device_reps), "--layers", ",".join(map(str, args.layers)),
-           "--seqs", ",".join(map(str, args.seqs)), "--async-scheduling", ",".join(args.async_scheduling)]
+           "--seqs", ",".join(map(str, args.seqs)), "--async-scheduling", ",".join(args.async_scheduling),
+           "--decode-steps", ",".join(map(str, args.decode_steps))]
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -189,9 +214,9 @@ def run_tree(tree: Path, args) -> dict:
 
 def table(name: str, results: dict) -> str:
     cols = (*PHASES, "host", "wall", "device")
-    lines = [f"{name}", f"{'layers/seqs/async':<18}" + "".join(f"{c:>10}" for c in cols) + f"{'idle':>7}  bucket"]
+    lines = [f"{name}", f"{'layers/seqs/async/K':<20}" + "".join(f"{c:>10}" for c in cols) + f"{'idle':>7}  bucket"]
     for key, r in results.items():
-        lines.append(f"{key:<18}" + "".join(f"{r[c]:>10.0f}" for c in cols) + f"{r['idle']:>7.0%}  {r['bucket']}")
+        lines.append(f"{key:<20}" + "".join(f"{r[c]:>10.0f}" for c in cols) + f"{r['idle']:>7.0%}  {r['bucket']}")
     return "\n".join(lines)
 
 
@@ -204,6 +229,9 @@ def main(argv=None) -> None:
     p.add_argument("--device-reps", type=int, default=20, help="calls of the executable alone")
     p.add_argument("--async-scheduling", type=lambda s: s.split(","), default=["off", "on"],
                    help="on, off or on,off")
+    p.add_argument("--decode-steps", type=ints, default=[1, 4],
+                   help="num_scheduler_steps: decode steps per call (comma-separated; a tree without multi-step "
+                        "decode runs 1 only)")
     p.add_argument("--compare-tree", type=Path, default=None, help="also run an older tree, first")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -223,7 +251,7 @@ def main(argv=None) -> None:
         for key, r in results["this tree"].items():
             b = results["before"].get(key)
             if b:
-                print(f"  {key:<18} host {b['host'] / r['host']:.2f}x  wall {b['wall'] / r['wall']:.2f}x")
+                print(f"  {key:<20} host {b['host'] / r['host']:.2f}x  wall {b['wall'] / r['wall']:.2f}x")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

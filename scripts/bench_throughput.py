@@ -133,6 +133,8 @@ def engine_options(args) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
     )
+    if args.num_scheduler_steps is not None:
+        opts["num_scheduler_steps"] = args.num_scheduler_steps
     if args.kv_cache_memory is not None:
         opts["kv_cache_memory"] = args.kv_cache_memory
     if args.compilation_cache_dir is not None:
@@ -415,6 +417,11 @@ def main(argv=None) -> None:
                    help="the engine's async_scheduling (on by default, as the engine's)")
     p.add_argument("--compare-async", action="store_true",
                    help="run jaxllm again with async_scheduling the other way, and print the ratio")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="the engine's num_scheduler_steps (decode steps per device call; default: the engine's)")
+    p.add_argument("--compare-decode-steps", default="",
+                   help="run jaxllm again with each of these num_scheduler_steps (comma-separated) and print "
+                        "the ratios")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.startup_child:
@@ -484,6 +491,12 @@ def main(argv=None) -> None:
         sync, asynchronous = (j, a) if other else (a, j)
         print(f"jaxllm, async_scheduling={other}: {a['wall_seconds']:.1f}s  output {a['output_tok_s']:.1f} tok/s; "
               f"async / sync = {asynchronous['output_tok_s'] / sync['output_tok_s']:.2f}x", flush=True)
+
+    for k in [int(x) for x in args.compare_decode_steps.split(",") if x]:
+        m = run_jaxllm(args, workload, num_scheduler_steps=k)
+        results[f"jaxllm_decode_steps_{k}"] = m
+        print(f"jaxllm, num_scheduler_steps={k}: {m['wall_seconds']:.1f}s  output {m['output_tok_s']:.1f} tok/s; "
+              f"default run / this = {j['output_tok_s'] / m['output_tok_s']:.2f}x", flush=True)
 
     hf_results = {}
     if not args.skip_hf:

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.messages import EngineCoreRequest
+from jaxllm.worker.model_runner import StepShape
 
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
 
@@ -440,7 +441,7 @@ llm = LLM({str(test_models_dir / "llama")!r}, max_model_len=128, max_num_seqs=4,
           kv_cache_memory={32 * KV_BYTES_PER_BLOCK}, compilation_cache_dir={str(tmp_path)!r}, progress=False)
 runner = llm.llm_engine.core.runner
 out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-print(json.dumps({{"buckets": len(runner.buckets), "loaded": runner.num_loaded_executables,
+print(json.dumps({{"buckets": len(runner.buckets) + len(runner.loop_buckets), "loaded": runner.num_loaded_executables,
                   "after_warmup": runner.num_compilations_after_warmup, "tokens": out.outputs[0].token_ids}}))
 """
     runs = []
@@ -449,8 +450,8 @@ print(json.dumps({{"buckets": len(runner.buckets), "loaded": runner.num_loaded_e
         assert done.returncode == 0, done.stderr
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["loaded"] == 0 and first["buckets"] == 5
-    assert second["loaded"] == second["buckets"] == 5  # compiled: buckets - loaded = 0
+    assert first["loaded"] == 0 and first["buckets"] == 7  # 5 token counts, 2 of them decode loops' too
+    assert second["loaded"] == second["buckets"] == 7  # compiled: buckets - loaded = 0
     assert first["after_warmup"] == second["after_warmup"] == 0
     assert second["tokens"] == first["tokens"]
 
@@ -521,7 +522,8 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     token for SmolLM2, seconds a token for Gemma 3, whose layer groups share arrays
     (jaxllm.attention.kv_cache.write_kv_cache writes a lone row as two). Nor the token
     history, which it copied twice (worker.step.set_tokens: the same, and the history
-    read only after its update)."""
+    read only after its update). The same holds for the multi-step decode loop's
+    executable, whose while loop carries the caches and history."""
     import re
 
     import jax
@@ -532,9 +534,11 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     shapes = {tuple(a.shape) for a in jax.tree.leaves(runner.kv_caches)}
     shapes |= {(s[0] * s[1], *s[2:]) for s in shapes}  # the flat [slots, ...] view the write scatters into
     shapes.add(tuple(runner.history.shape))
-    hlo = runner._executable(1, 1, 1).as_text()
-    copied = {tuple(map(int, dims.split(","))) for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", hlo)}
     assert runner.kv_groups.num_groups == (2 if name == "gemma3" else 1)
-    assert not copied & shapes
+    for shape in [StepShape(1, 1, 1), *runner.loop_buckets]:  # a step, and the decode loop's
+        hlo = runner._executable(shape).as_text()
+        copied = {tuple(map(int, dims.split(","))) for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(",
+                                                                        hlo)}
+        assert not copied & shapes, shape
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4

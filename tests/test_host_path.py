@@ -67,23 +67,25 @@ def test_a_leaf_of_another_dtype_is_refused():
         PackLayout.of(inputs)
 
 
+@pytest.mark.parametrize("num_steps", [1, 4])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_decode_steps_transfer_only_the_packed_inputs_and_the_tokens(test_models_dir, async_scheduling):
+def test_decode_steps_transfer_only_the_packed_inputs_and_the_tokens(test_models_dir, async_scheduling, num_steps):
     """Once every request decodes, steps run under jax.transfer_guard('disallow'): an
     host-to-device transfer anywhere but the step call's packed inputs (a numpy array
     handed to another jitted function, a block copy, a history row) raises, and so does a
     read-back but the sampled ids'. On a CPU a read-back shares host memory and is no
-    transfer, so there this guards the inputs' side; a GPU run guards both."""
-    llm = make_llm(test_models_dir, async_scheduling=async_scheduling)
+    transfer, so there this guards the inputs' side; a GPU run guards both. The same
+    for calls of several decode steps (multi-step decode)."""
+    llm = make_llm(test_models_dir, async_scheduling=async_scheduling, num_scheduler_steps=num_steps)
     core = llm.llm_engine.core
-    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=200, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
     core.add_requests([EngineCoreRequest(f"r{i}", [3 + i, 5, 7, 11, 13], params, None, 0.0) for i in range(4)])
     for _ in range(3):  # prompts done, async pipeline full
         core.step()
     assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in core.scheduler.requests.values())
     with jax.transfer_guard("disallow"):
         outputs = [core.step() for _ in range(8)]
-    assert sum(len(o.new_token_ids) for out in outputs for o in out.outputs) == 8 * 4
+    assert sum(len(o.new_token_ids) for out in outputs for o in out.outputs) == 8 * 4 * num_steps
 
 
 def test_async_scheduling_is_on_by_default_and_off_where_it_cannot_overlap(test_models_dir, caplog):

@@ -103,6 +103,14 @@ class HybridKVCacheManager(PoolUsage):
                 return hits
             limit = shortest
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
     def count_lookup(self, request: Request, num_hit_tokens: int) -> None:
         self.managers[0].count_lookup(request, num_hit_tokens)
 

@@ -108,6 +108,8 @@ class PoolUsage:
         """Blocks that can hold request tokens (all but the null block)."""
         return self.block_pool.num_usable_blocks
 
+    num_groups = 1  # KV cache groups (jaxllm.core.hybrid_kv_cache_manager has several)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks not held by any request (free cached blocks included)."""

@@ -49,6 +49,10 @@ class SchedulerOutput:
     # speculative decoding: the draft tokens each request computes after its last known
     # token this step (counted in num_scheduled_tokens), to be verified by the target
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # multi-step decode: every scheduled request decodes this many steps in one call (at
+    # most num_scheduler_steps; fewer where its KV slots, held for that many, end sooner);
+    # empty: one step
+    decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -59,6 +63,11 @@ class SchedulerOutput:
         """Rows the step samples at: one per scheduled request, and one per draft token
         (the model runner's sample rows; a structured-output bitmask has as many)."""
         return len(self.num_scheduled_tokens) + sum(len(d) for d in self.scheduled_spec_decode_tokens.values())
+
+    @property
+    def num_steps(self) -> int:
+        """The decode steps the call runs (1 unless several are handed over)."""
+        return max(self.decode_steps.values(), default=1)
 
     @property
     def is_empty(self) -> bool:

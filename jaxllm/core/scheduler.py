@@ -51,11 +51,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int = 0,
+        num_scheduler_steps: int = 1,
     ) -> None:
         """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
         in the running batch (the model runner's device slots); a request whose
-        adapter finds no room waits, and those behind it go ahead."""
+        adapter finds no room waits, and those behind it go ahead.
+        `num_scheduler_steps` > 1: when every running request decodes and none could
+        be admitted, a step hands the runner up to that many decode steps at once
+        (`_num_decode_steps`; the model runner's decode loop)."""
         self.kv_cache_manager = kv_cache_manager
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,6 +124,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        num_steps, decode_steps = self._num_decode_steps(), {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -129,7 +135,9 @@ class Scheduler:
             drafts, request.spec_token_ids = request.spec_token_ids, []
             known = request.num_tokens + request.num_output_placeholders  # with the tokens of steps in flight
             num_new = min(known + len(drafts) - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            steps, new_blocks = self._allocate_steps(request, num_steps) if num_steps > 1 else (1, None)
+            if new_blocks is None:  # one step's slots (the pool could not give it more)
+                steps, new_blocks = 1, self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:  # the request itself was preempted (it was the tail)
                 break
             num_drafts = request.num_computed_tokens + num_new - known  # what the budget left of them
@@ -140,6 +148,9 @@ class Scheduler:
                                   request.num_computed_tokens)
             )
             self._advance(request, num_new, num_scheduled)
+            if num_steps > 1:
+                decode_steps[request.request_id] = steps
+                request.num_computed_tokens += steps - 1  # the loop computes the K/V of all but its last token
             budget -= num_new
             i += 1
 
@@ -180,12 +191,44 @@ class Scheduler:
             preempted_req_ids=preempted,
             block_copies=self._block_copies,
             scheduled_spec_decode_tokens=spec_tokens,
+            decode_steps=decode_steps,
         )
         if written and not sched.is_empty:
             self._unrecorded[id(sched)] = written
             while len(self._unrecorded) > 2:  # at most one step runs ahead: an older one was dropped
                 del self._unrecorded[next(iter(self._unrecorded))]
         return sched
+
+    def _num_decode_steps(self) -> int:
+        """The decode steps this schedule may hand over at once: num_scheduler_steps
+        when every running request decodes one token (no drafts, no grammar: its next
+        bitmask needs this token), all fit the budget, and no waiting request could be
+        admitted; fewer where a request would cross min_tokens (the loop keeps each
+        row's stop-token suppression as it starts) or the pool could run short of
+        slots; else 1."""
+        k, running = self.num_scheduler_steps, self.running
+        if (k == 1 or not running or len(running) > self.max_num_batched_tokens
+                or (self.waiting and len(running) < self.max_num_seqs)):
+            return 1
+        for request in running:
+            known = request.num_tokens + request.num_output_placeholders
+            if (request.spec_token_ids or request.structured is not None
+                    or known - request.num_computed_tokens != 1 or self._waits_for_its_tokens(request)):
+                return 1
+            below = request.sampling_params.min_tokens - request.num_output_tokens - request.num_output_placeholders
+            if below > 0:
+                k = min(k, below)
+        kv = self.kv_cache_manager
+        most = len(running) * kv.num_groups * (-(-k // kv.block_size) + 1)  # new blocks k slots may take
+        return k if k > 1 and most <= kv.num_free_blocks else 1
+
+    def _allocate_steps(self, request: Request, num_steps: int) -> tuple[int, list | None]:
+        """Slots for up to `num_steps` decode steps of `request` (no more than its
+        max_tokens allows): how many, and the new blocks (None: the pool had not
+        enough; nothing allocated)."""
+        room = request.max_tokens - request.num_output_tokens - request.num_output_placeholders
+        steps = max(1, min(num_steps, room))
+        return steps, self.kv_cache_manager.allocate_slots(request, steps)
 
     def _waits_for_its_tokens(self, request: Request) -> bool:
         """Async scheduling: the request's tokens in flight are its last (max_tokens,
@@ -202,7 +245,7 @@ class Scheduler:
         for req_id in sched.num_scheduled_tokens:
             request = self.requests[req_id]
             if request.samples_this_step:
-                request.num_output_placeholders += 1
+                request.num_output_placeholders += sched.decode_steps.get(req_id, 1)
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether admitting `request` keeps the running batch within max_loras adapters."""
@@ -368,8 +411,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran (or finished by the step before it)
                 continue
-            if tokens and request.num_output_placeholders:  # async scheduling: the token in flight came
-                request.num_output_placeholders -= 1
+            steps = sched.decode_steps.get(req_id, 1)
+            if tokens and request.num_output_placeholders:  # async scheduling: the tokens in flight came
+                request.num_output_placeholders = max(0, request.num_output_placeholders - steps)
             num_computed = sched.num_scheduled_tokens[req_id] - self._reject_drafts(
                 request, sched.scheduled_spec_decode_tokens.get(req_id), tokens)
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
@@ -383,6 +427,10 @@ class Scheduler:
                     outputs.append(self._output(request, [], None, prompt_logprobs))
                 continue
             new_tokens, finish, stop_reason = self._append_tokens(request, tokens)
+            if steps > 1:  # a decode loop: the K/V of each token it kept but the last
+                num_computed = len(new_tokens)
+                if finish is None:  # (it ran all its steps unless it stopped)
+                    request.num_computed_tokens -= steps - len(tokens)
             running = request.status is RequestStatus.RUNNING  # else preempted after the step was dispatched
             if running:
                 self._record_contents(request, num_computed, starts[req_id] + num_computed)

@@ -99,6 +99,13 @@ class EngineConfig:
               "device's; the same tokens; a request that stops computes one step more, whose token is dropped. "
               "Default: on, except with speculative decoding or num_processes > 1, where it is off (the log "
               "says so); --no-async-scheduling turns it off")
+    num_scheduler_steps: int = _option(
+        4, "decode steps one device call may run (vLLM's --num-scheduler-steps): while every running request "
+           "decodes and none waits for admission, each sampled token is fed to the next step on the device "
+           "and stop tokens, max_tokens and min_tokens are checked there, so the host's work per step is paid "
+           "once for them all; the same tokens; outputs arrive that many at a time, a request arriving meanwhile "
+           "waits for the call to end, and a request under a grammar (structured outputs) decodes one step at a "
+           "time. 1 turns it off; with speculative decoding it is off")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
                                        "its own, many in one batch")
     max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
@@ -128,7 +135,7 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(map(str, choices))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size", "num_processes"):
+                     "data_parallel_size", "num_processes", "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -156,6 +163,12 @@ class EngineConfig:
         if self.num_processes > 1:
             return "num_processes > 1 (an engine over several hosts; not yet)"
         return None
+
+    @property
+    def decode_steps(self) -> int:
+        """The decode steps one call may run: num_scheduler_steps, except with
+        speculative decoding (each step verifies drafts proposed after the one before)."""
+        return 1 if self.speculative_config is not None else self.num_scheduler_steps
 
     @property
     def runs_async(self) -> bool:

@@ -36,7 +36,7 @@ from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path, resolve_dtype
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
-from jaxllm.worker.model_runner import DispatchedStep, ModelRunner
+from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,29 @@ def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
     return dataclasses.replace(model, config=cfg, params=quantize_params(cfg, model.params))
 
 
+def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path) -> RunnerConfig:
+    """The model runner's configuration: the engine's options it needs, and the KV
+    cache planned for them."""
+    return RunnerConfig(
+        num_blocks=cache.num_blocks,
+        block_size=config.block_size,
+        max_model_len=cache.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        attention_backend=config.attention_backend,
+        linear_backend=config.linear_backend,
+        cache_dir=cache_dir,
+        tensor_parallel_size=config.tensor_parallel_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        activation_quantization=config.activation_quantization,
+        hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
+        async_scheduling=config.runs_async,
+        num_scheduler_steps=config.decode_steps,
+        speculative_config=config.speculative_config,
+        lora_config=config.lora_config,
+    )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
                  progress: bool = True) -> None:
@@ -196,26 +219,9 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_loras=config.max_loras if config.enable_lora else 0,
+            num_scheduler_steps=config.decode_steps,
         )
-        self.runner = ModelRunner(
-            cfg,
-            params,
-            num_blocks=self.cache.num_blocks,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            attention_backend=config.attention_backend,
-            linear_backend=config.linear_backend,
-            cache_dir=cache_dir,
-            tensor_parallel_size=config.tensor_parallel_size,
-            kv_cache_dtype=config.kv_cache_dtype,
-            activation_quantization=config.activation_quantization,
-            hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
-            speculative_config=config.speculative_config,
-            lora_config=config.lora_config,
-            async_scheduling=config.runs_async,
-        )
+        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir))
         if config.async_scheduling is None and config.async_scheduling_blocked:
             logger.info("async scheduling off: %s", config.async_scheduling_blocked)
         # async scheduling: the step dispatched and not yet collected, with its schedule
@@ -264,11 +270,11 @@ class EngineCore:
         every sequence's drafts, and its proposer."""
         k, bs = config.speculative_config.num_speculative_tokens, config.block_size
         num_blocks = self.cache.num_blocks + config.max_num_seqs * -(-k // bs)
-        runner = ModelRunner(draft.config, draft.params, num_blocks=num_blocks, block_size=bs,
-                             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                             max_num_batched_tokens=config.max_num_batched_tokens,
-                             attention_backend=config.attention_backend, linear_backend=config.linear_backend,
-                             cache_dir=cache_dir, kv_cache_dtype=config.kv_cache_dtype, hybrid_kv_cache=False)
+        target = self.runner.runner_config
+        runner = ModelRunner(draft.config, draft.params, RunnerConfig(
+            num_blocks, bs, self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+            attention_backend=config.attention_backend, linear_backend=config.linear_backend,
+            cache_dir=target.cache_dir, kv_cache_dtype=config.kv_cache_dtype, hybrid_kv_cache=False))
         runner.warm_up(progress=False)
         manager = KVCacheManager(num_blocks, bs, enable_caching=False)
         return DraftModelProposer(runner, manager, k, config.max_num_batched_tokens)

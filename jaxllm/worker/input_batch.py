@@ -15,6 +15,9 @@ from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 # logit_bias entries, then -inf entries for EOS and stop token ids while below min_tokens
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 1
+# stop tokens per row a multi-step decode loop checks on the device (EOS first, then the
+# first stop_token_ids; the host checks them all: jaxllm.worker.decode_loop)
+STOP_WIDTH = 8
 
 
 class InputBatch:
@@ -44,6 +47,7 @@ class InputBatch:
         self.bias_values = np.zeros((r, BIAS_WIDTH), np.float32)
         self.num_user_bias = np.zeros(r, np.int32)
         self.min_tokens = np.zeros(r, np.int32)
+        self.stop_token_ids = np.full((r, STOP_WIDTH), -1, np.int32)  # -1: none
         self.logprobs = np.full(r, -1, np.int32)  # -1: not requested
         self.prompt_logprobs = np.full(r, -1, np.int32)
         self.prompt_scored = np.zeros(r, np.int32)  # prompt positions scored already (by the scheduler's count)
@@ -89,6 +93,9 @@ class InputBatch:
             stops.append(req.eos_token_id)
         self.bias_token_ids[row, k:k + len(stops)] = stops
         self._suppress_stops(row, len(stops))
+        first = stops[-1:] + stops[:STOP_WIDTH - 1] if len(stops) > STOP_WIDTH else stops  # EOS (last) kept
+        self.stop_token_ids[row] = -1
+        self.stop_token_ids[row, :len(first)] = first
         return row
 
     def _suppress_stops(self, row: int, num_stops: int) -> None:

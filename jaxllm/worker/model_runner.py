@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
+import typing
 from pathlib import Path
 
 import jax
@@ -44,8 +45,9 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
+from jaxllm.worker.decode_loop import DecodeLimits, LoopInputs, LoopOutput, packed_decode_loop
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
-from jaxllm.worker.input_batch import BIAS_WIDTH, InputBatch
+from jaxllm.worker.input_batch import BIAS_WIDTH, STOP_WIDTH, InputBatch
 from jaxllm.worker.lora_manager import LoRAManager
 from jaxllm.worker.packing import PackLayout
 from jaxllm.worker.step import SEPARATE_INPUTS, StepInputs, StepOutput, packed_step
@@ -64,7 +66,8 @@ class RunnerStats:
     recording the results.
     """
 
-    num_steps: int = 0
+    num_steps: int = 0  # device calls
+    num_model_steps: int = 0  # forward passes: a call of several decode steps counts those it ran
     num_tokens: int = 0  # real (scheduled) tokens
     num_padded_tokens: int = 0  # tokens of the buckets the steps ran in
     num_seqs: int = 0
@@ -111,7 +114,18 @@ def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
     return min(max_num_seqs, num_tokens)
 
 
-def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) -> list[tuple[int, int, int]]:
+class StepShape(typing.NamedTuple):
+    """The shape a step is padded to and compiled for: its tokens, sequence rows and
+    sample rows, and the decode steps one call runs (1: a single step; more: the
+    multi-step decode loop, jaxllm.worker.decode_loop, compiled for that many)."""
+
+    tokens: int
+    seqs: int
+    sample_rows: int
+    decode_steps: int = 1
+
+
+def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) -> list[StepShape]:
     """The step shapes (tokens, sequences, sample rows): one per token count, sampling
     one row per sequence; with speculative decoding also, where a token count exceeds
     the sequence rows, one sampling every token row (a drafted row samples at each of
@@ -120,10 +134,20 @@ def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) 
     buckets = []
     for t in token_counts:
         s = seq_bucket(max_num_seqs, t)
-        buckets.append((t, s, s))
+        buckets.append(StepShape(t, s, s))
         if speculative and t > s:
-            buckets.append((t, s, t))
+            buckets.append(StepShape(t, s, t))
     return buckets
+
+
+def loop_buckets(token_counts: list[int], max_num_seqs: int, decode_steps: int) -> list[StepShape]:
+    """The shapes of the multi-step decode loop: those a step of 1 to max_num_seqs
+    decoding sequences (one token each) pads to; none for single steps."""
+    if decode_steps <= 1:
+        return []
+    counts = {_smallest_at_least(token_counts, n) for n in range(1, min(max_num_seqs, token_counts[-1]) + 1)}
+    return [StepShape(t, seq_bucket(max_num_seqs, t), seq_bucket(max_num_seqs, t), decode_steps)
+            for t in sorted(counts)]
 
 
 def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
@@ -195,6 +219,9 @@ class StepRows:
     # tokens whose ids the host does not know yet (async scheduling: sampled by the step in
     # flight); None: every id is known
     from_history: Bool[np.ndarray, "T"] | None = None
+    # several decode steps in one call: the steps each row may take (the KV slots the
+    # scheduler gave it); None: one step
+    decode_steps: Int[np.ndarray, "S"] | None = None
 
     @classmethod
     def empty(cls, num_kv_groups: int = 1) -> "StepRows":
@@ -214,10 +241,25 @@ class PreparedStep:
 
     req_ids: list[str]
     host: StepRows
-    t: int  # token bucket
-    s: int  # sequence bucket
-    r: int  # sample rows
-    inputs: StepInputs
+    shape: StepShape
+    inputs: StepInputs | LoopInputs  # LoopInputs where the shape runs several decode steps
+
+    @property
+    def step_inputs(self) -> StepInputs:
+        """The (first) step's inputs."""
+        return self.inputs.step if isinstance(self.inputs, LoopInputs) else self.inputs
+
+    @property
+    def t(self) -> int:
+        return self.shape.tokens
+
+    @property
+    def s(self) -> int:
+        return self.shape.seqs
+
+    @property
+    def r(self) -> int:
+        return self.shape.sample_rows
 
 
 @dataclasses.dataclass
@@ -225,7 +267,7 @@ class DispatchedStep:
     """A step called but not yet waited for (`ModelRunner.dispatch`; `collect` waits)."""
 
     step: PreparedStep
-    out: StepOutput
+    out: StepOutput | LoopOutput
     started: float  # perf_counter() before its inputs were built
     dispatched: float  # and once the call returned
     # each row's logprobs / prompt_logprobs setting when dispatched (its row may hold
@@ -234,75 +276,90 @@ class DispatchedStep:
     prompt_logprobs: Int[np.ndarray, "S"]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """What a model runner is built for, besides its model: the engine makes one from
+    its EngineConfig (jaxllm.engine.core.runner_config) and passes it whole.
+
+    `num_blocks` KV cache blocks of `block_size` tokens; steps of at most
+    `max_num_seqs` sequences and `max_num_batched_tokens` tokens, padded to buckets.
+    Each bucket's step runs the attention and linear backends of the runner's plan
+    (measured per bucket where `auto` leaves a choice: jaxllm.worker.autotune); for the
+    `cpu` linear backend the runner keeps the projection weights packed
+    (jaxllm.models.linear), a copy of what it is given, and both layouts if some buckets
+    use each. Compiled executables and the plan are stored under `cache_dir` (the
+    engine's compilation cache; None: compile and measure every start). With
+    `tensor_parallel_size` > 1 the step runs over a mesh of that many devices
+    (jaxllm.models.parallel): weights and KV cache sharded, the rest replicated; the
+    backends are measured on one shard's shapes. The KV cache holds `kv_cache_dtype`
+    (jaxllm.attention.kv_cache: auto is the model's dtype). `activation_quantization`
+    "int8" ("int16"): the projections kept in blocks multiply int8 (int16) inputs
+    (jaxllm.models.linear.quantized_activations); a model with none is refused. "auto":
+    int16 where the cpu kernel multiplies those in integer dot products, else float
+    (jaxllm.models.linear.auto_activation_quantization); "none" or None: float.
+    `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per KV
+    cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager allocates
+    them. `async_scheduling`: a step may be dispatched before the one before it is
+    collected (its unknown tokens read on the device). `num_scheduler_steps` > 1: the
+    multi-step decode loop is compiled for that many steps (jaxllm.worker.decode_loop)
+    and run where the scheduler hands over several. `speculative_config`: after each
+    step the runner proposes draft tokens for the requests that gained one
+    (`ModelRunnerOutput.spec_token_ids`), and a step verifies the drafts the scheduler
+    gives back: every position of a drafted row samples as a decode at that position
+    would (same uniform, same history), and the drafts are accepted while they agree
+    (`ModelRunner._verify`). `lora_config`: LoRA adapters in device slots, each
+    request's applied to its tokens (jaxllm.worker.lora_manager)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    cache_dir: Path | None = None
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    activation_quantization: str | None = None
+    hybrid_kv_cache: bool = True
+    async_scheduling: bool = False
+    num_scheduler_steps: int = 1
+    speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        config: ModelConfig,
-        params: ModelParams,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        cache_dir: Path | None = None,
-        tensor_parallel_size: int = 1,
-        kv_cache_dtype: str = "auto",
-        activation_quantization: str | None = None,
-        hybrid_kv_cache: bool = True,
-        async_scheduling: bool = False,
-        speculative_config: SpeculativeConfig | None = None,
-        lora_config: LoRAConfig | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, params: ModelParams, runner_config: RunnerConfig) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
         loading the buckets needs only shapes; `set_params` gives the weights before
-        the first step. Each bucket's step runs the attention and linear backends of
-        `self.plan` (measured per bucket where `auto` leaves a choice: jaxllm.worker.
-        autotune); for the `cpu` linear backend the runner keeps the projection weights
-        packed (jaxllm.models.linear), a copy of what it is given, and both layouts if
-        some buckets use each. Compiled executables and the plan are stored under
-        `cache_dir` (the engine's compilation cache; None: compile and measure every
-        start). With `tensor_parallel_size` > 1 the step runs over a mesh of that many
-        devices (jaxllm.models.parallel): weights and KV cache sharded, the rest
-        replicated; the backends are measured on one shard's shapes. The KV cache holds
-        `kv_cache_dtype` (jaxllm.attention.kv_cache: auto is the model's dtype).
-        `activation_quantization` "int8" ("int16"): the projections kept in blocks multiply
-        int8 (int16) inputs (jaxllm.models.linear.quantized_activations); a model with
-        none is refused. "auto": int16 where the cpu kernel multiplies those in integer
-        dot products, else float (jaxllm.models.linear.auto_activation_quantization);
-        "none" or None: float.
-        `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per
-        KV cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager
-        allocates them. `speculative_config`: after each step the runner proposes draft
-        tokens for the requests that gained one (`ModelRunnerOutput.spec_token_ids`),
-        and a step verifies the drafts the scheduler gives back: every position of a
-        drafted row samples as a decode at that position would (same uniform, same
-        history), and the drafts are accepted while they agree (`_verify`). `lora_config`:
-        LoRA adapters in device slots, each request's applied to its tokens
-        (jaxllm.worker.lora_manager)."""
+        the first step. What the runner is built for: `runner_config` (RunnerConfig)."""
+        rc = self.runner_config = runner_config
+        block_size, max_model_len, max_num_seqs = rc.block_size, rc.max_model_len, rc.max_num_seqs
+        speculative_config, lora_config, cache_dir = rc.speculative_config, rc.lora_config, rc.cache_dir
+        tensor_parallel_size, async_scheduling = rc.tensor_parallel_size, rc.async_scheduling
         self.config = config
         self.async_scheduling = async_scheduling
-        self.kv_groups = config.kv_cache_groups(hybrid_kv_cache)
+        self.kv_groups = config.kv_cache_groups(rc.hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
-        self.kv_format = kv_cache_format(kv_cache_dtype, param_dtype)
+        self.kv_format = kv_cache_format(rc.kv_cache_dtype, param_dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.token_buckets = token_buckets(max_num_batched_tokens, speculative=speculative_config is not None)
+        self.token_buckets = token_buckets(rc.max_num_batched_tokens, speculative=speculative_config is not None)
         self.speculative_config = speculative_config
         self.proposer = make_proposer(speculative_config)
         self.buckets = step_buckets(self.token_buckets, max_num_seqs, speculative_config is not None)
+        self.num_scheduler_steps = rc.num_scheduler_steps
+        self.loop_buckets = loop_buckets(self.token_buckets, max_num_seqs, rc.num_scheduler_steps)
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
-        self.plan = self._make_plan(attention_backend, linear_backend, param_dtype, dtype, cache_dir)
-        self.activation_quantization = self._activation_quantization(activation_quantization, params)
-        self._auto_activations = activation_quantization == "auto"
+        self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir)
+        self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
+        self._auto_activations = rc.activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
             raise ValueError(f"max_lora_rank: the pallas linear backend's LoRA kernels need a power of two >= 16, "
@@ -312,7 +369,7 @@ class ModelRunner:
         self._given_shapes = _shapes_and_dtypes(params)
         self.weights = self._layout(params)
         self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
-        self._start_kv_caches(num_blocks)
+        self._start_kv_caches(rc.num_blocks)
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
         if self.mesh:
@@ -327,8 +384,8 @@ class ModelRunner:
                                     **({"out_shardings": self._cache_shardings()} if self.mesh else {}))
         self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
-        self._compiled: dict[tuple[int, int, int], object] = {}
-        self._layouts: dict[tuple[int, int, int], PackLayout] = {}  # each bucket's packed inputs
+        self._compiled: dict[StepShape, object] = {}
+        self._layouts: dict[StepShape, PackLayout] = {}  # each bucket's packed inputs
         self.bitmask_width = bitmask_width(config.vocab_size)
         # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
         # constrained row pass it without a transfer
@@ -392,18 +449,27 @@ class ModelRunner:
             return None
         return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.kv_groups.group_size
 
-    def _step_functions(self) -> dict[StepBackends, object]:
-        """The step of each pair of backends the plan uses (jitted per bucket, with its
-        inputs' PackLayout). Where the C++ kernels
-        run the step, they also take the sampler's greedy argmax and prompt-logprob scores."""
+    def _step_functions(self) -> dict[StepBackends, dict]:
+        """The keyword arguments of the step of each pair of backends the plan uses
+        (`packed_step`, or `packed_decode_loop` with its number of steps; jitted per
+        bucket with its inputs' PackLayout). Where the C++ kernels run the step, they
+        also take the sampler's greedy argmax and prompt-logprob scores."""
         kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention") and self.mesh is None
         return {
-            choice: functools.partial(packed_step, cfg=self.config, attention_fn=get_attention_fn(choice.attention),
-                                      argmax_fn=argmax_cpu if kernels else argmax,
-                                      scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=self.mesh,
-                                      lora_kernel="pallas" if choice.linear == "pallas" else "xla")
+            choice: dict(cfg=self.config, attention_fn=get_attention_fn(choice.attention),
+                         argmax_fn=argmax_cpu if kernels else argmax,
+                         scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=self.mesh,
+                         lora_kernel="pallas" if choice.linear == "pallas" else "xla")
             for choice in dict.fromkeys(self.plan.choices)
         }
+
+    def _step_function(self, shape: StepShape, layout: PackLayout):
+        """The function a bucket's executable is compiled from."""
+        kwargs = self._steps[self.plan.for_bucket(shape.tokens)] | {"layout": layout}
+        if shape.decode_steps > 1:
+            return functools.partial(packed_decode_loop, max_steps=shape.decode_steps, block_size=self.block_size,
+                                     **kwargs)
+        return functools.partial(packed_step, **kwargs)
 
     def _step_shardings(self) -> dict:
         """jit's in/out shardings of the step over the mesh: weights and caches
@@ -513,7 +579,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(self._compile, *bucket) for bucket in self.buckets]
+            futures = [pool.submit(self._compile, shape) for shape in self.buckets + self.loop_buckets]
             bar = tqdm(total=len(futures), desc="compiling buckets", disable=not progress, unit="shape")
             with bar:
                 for future in concurrent.futures.as_completed(futures):
@@ -525,22 +591,23 @@ class ModelRunner:
         self.warmed_up = True
         return time.perf_counter() - start
 
-    def _compile(self, t: int, s: int, r: int):
-        """The executable of bucket (t, s, r), and whether it came from the executable
+    def _compile(self, shape: StepShape):
+        """The executable of bucket `shape`, and whether it came from the executable
         store (else it was compiled, and stored)."""
-        inputs = self._pad_inputs(t, s, r, StepRows.empty(self.kv_groups.num_groups))
+        t, s, r, k = shape
+        inputs = self._pad_inputs(shape, StepRows.empty(self.kv_groups.num_groups))
         layout = PackLayout.of(inputs, SEPARATE_INPUTS)
-        name = f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
+        name = (f"loop{k}-" if k > 1 else "") + f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
+        bitmask = jax.ShapeDtypeStruct((r, self.bitmask_width), jnp.int32)
         choice = self.plan.for_bucket(t)
-        bitmask = jax.ShapeDtypeStruct(inputs.sampling.token_bitmask.shape, jnp.int32)
         compiled, loaded = self._load_or_compile(
             self._stores[choice], name,
-            lambda: jax.jit(functools.partial(self._steps[choice], layout=layout), donate_argnums=(2, 3),
+            lambda: jax.jit(self._step_function(shape, layout), donate_argnums=(2, 3),
                             **self._step_shardings()).lower(self.weights_of(choice), self.rope,
                                                             self._abstract_caches, self.history, layout.abstract(),
                                                             bitmask, *self._lora_args(abstract=True)))
-        self._layouts[(t, s, r)] = layout
-        self._compiled[(t, s, r)] = compiled
+        self._layouts[shape] = layout
+        self._compiled[shape] = compiled
         return compiled, loaded
 
     @staticmethod
@@ -562,13 +629,13 @@ class ModelRunner:
             return ()
         return (self.lora.abstract if abstract else self.lora.weights,)
 
-    def _executable(self, t: int, s: int, r: int):
-        compiled = self._compiled.get((t, s, r))
+    def _executable(self, shape: StepShape):
+        compiled = self._compiled.get(shape)
         if compiled is None:
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
-                logger.error("compiling bucket (tokens=%d, seqs=%d, sample rows=%d) after warm-up: a bug", t, s, r)
-            compiled, _ = self._compile(t, s, r)
+                logger.error("compiling bucket %s after warm-up: a bug", shape)
+            compiled, _ = self._compile(shape)
         return compiled
 
     def _copy_executable(self, c: int):
@@ -589,14 +656,18 @@ class ModelRunner:
         pairs[:, :len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2).T
         self.kv_caches = self._copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, num_sample_rows: int | None = None) -> tuple[int, int, int]:
-        """The smallest step shape (tokens, sequences, sample rows) holding a step."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_sample_rows: int | None = None,
+                   decode_steps: int = 1) -> StepShape:
+        """The smallest step shape holding a step (with several decode steps: the loop's,
+        compiled for num_scheduler_steps)."""
         t = _smallest_at_least(self.token_buckets, num_tokens)
         rows = num_sample_rows or num_seqs
-        for bucket in self.buckets:
-            if bucket[0] == t and num_seqs <= bucket[1] and rows <= bucket[2]:
+        buckets = self.loop_buckets if decode_steps > 1 else self.buckets
+        for bucket in buckets:
+            if bucket.tokens == t and num_seqs <= bucket.seqs and rows <= bucket.sample_rows:
                 return bucket
-        raise ValueError(f"{num_seqs} sequences ({rows} sample rows) exceed every bucket of {t} tokens")
+        raise ValueError(f"{num_seqs} sequences ({rows} sample rows, {decode_steps} decode steps) exceed every "
+                         f"bucket of {t} tokens")
 
     # ---------------------------------------------------------------- state
 
@@ -619,9 +690,27 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
 
-    def _pad_inputs(self, t: int, s: int, r: int, host: StepRows) -> StepInputs:
-        """Bucket-shaped StepInputs from the real rows; padding writes to the null block,
-        reads nothing, and samples greedily (discarded)."""
+    def _pad_inputs(self, shape: StepShape, host: StepRows) -> StepInputs | LoopInputs:
+        """Bucket-shaped inputs from the real rows (with the decode loop's limits where
+        the shape runs several steps); padding writes to the null block, reads nothing,
+        and samples greedily (discarded)."""
+        step = self._pad_step_inputs(*shape[:3], host)
+        if shape.decode_steps == 1:
+            return step
+        return LoopInputs(step, self._decode_limits(shape.seqs, host))
+
+    def _decode_limits(self, s: int, host: StepRows) -> DecodeLimits:
+        """What ends each row's decode loop: its steps, stop tokens and min_tokens."""
+        b, n = self.input_batch, len(host.rows)
+        steps = np.zeros(0, np.int32) if host.decode_steps is None else host.decode_steps
+        stops = np.full((s, STOP_WIDTH), -1, np.int32)
+        stops[:n] = b.stop_token_ids[host.rows]
+        return DecodeLimits(max_steps=_pad(steps, s - len(steps)), stop_token_ids=stops,
+                            min_tokens=_pad(b.min_tokens[host.rows], s - n),
+                            num_steps=np.int32(steps.max(initial=0)))
+
+    def _pad_step_inputs(self, t: int, s: int, r: int, host: StepRows) -> StepInputs:
+        """Bucket-shaped StepInputs from the real rows."""
         pad_t = t - host.num_tokens
         targets = _pad(host.targets, pad_t, -1)
         return StepInputs(
@@ -760,21 +849,21 @@ class ModelRunner:
             self._advance_rows(step)
         return flight
 
-    def _call(self, step: PreparedStep) -> StepOutput:
+    def _call(self, step: PreparedStep) -> StepOutput | LoopOutput:
         """Call the step's executable on its inputs packed into one buffer; returns
         without waiting. The buffer (and a constrained step's bitmask) is the step's one
         transfer, allowed here alone (the tests run the hot path under
         jax.transfer_guard("disallow")) and converted by the call itself, which costs
         less than an explicit jax.device_put (docs/benchmarks.md)."""
-        packed, separate = self._layouts[(step.t, step.s, step.r)].pack(step.inputs)
+        packed, separate = self._layouts[step.shape].pack(step.inputs)
         with jax.transfer_guard_host_to_device("allow"):
             return self._run(step, packed, separate)
 
-    def _run(self, step: PreparedStep, packed, separate: list) -> StepOutput:
+    def _run(self, step: PreparedStep, packed, separate: list) -> StepOutput | LoopOutput:
         """Run the step's executable on packed inputs (the caches and history it returns
         replace the donated ones)."""
-        executable = self._executable(step.t, step.s, step.r)
-        weights = self.weights_of(self.plan.for_bucket(step.t))
+        executable = self._executable(step.shape)
+        weights = self.weights_of(self.plan.for_bucket(step.shape.tokens))
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
                                                        *separate, *self._lora_args())
         return out
@@ -783,7 +872,7 @@ class ModelRunner:
         """The median seconds of `step`'s executable called back to back with its inputs
         already on the device: the device's share of a step (scripts/bench_host.py).
         Runs the step `reps` times over the live caches: for benchmarks only."""
-        packed, separate = jax.device_put(self._layouts[(step.t, step.s, step.r)].pack(step.inputs))
+        packed, separate = jax.device_put(self._layouts[step.shape].pack(step.inputs))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -796,12 +885,52 @@ class ModelRunner:
         if flight is None:
             return ModelRunnerOutput([], [])
         step, out = flight.step, flight.out
+        if isinstance(out, LoopOutput):
+            with jax.transfer_guard_device_to_host("allow"):  # the loop's read-backs
+                ids, counts, num_steps = jax.device_get((out.sampled.token_ids, out.num_tokens, out.num_steps))
+            t2 = time.perf_counter()
+            result = self._record_loop(flight, ids, counts[:len(step.host.rows)])
+            self._account(step, flight.started, flight.dispatched, t2, int(num_steps))
+            return result
         with jax.transfer_guard_device_to_host("allow"):  # the step's one read-back
             sampled = np.asarray(out.sampled.token_ids)[: len(step.host.logit_rows)]
         t2 = time.perf_counter()
         result = self._record_ids(flight, sampled) if self.async_scheduling else self._record(flight, sampled)
         self._account(step, flight.started, flight.dispatched, t2)
         return result
+
+    def _record_loop(self, flight: DispatchedStep, ids: Int[np.ndarray, "K S"], counts: Int[np.ndarray, "N"]
+                     ) -> ModelRunnerOutput:
+        """Record a decode loop's tokens: row i's are ids[:counts[i], i]. Under async
+        scheduling the rows counted them at dispatch (`_advance_rows`), and only the
+        rows still holding their requests take their ids."""
+        b, host = self.input_batch, flight.step.host
+        n, s = len(host.rows), ids.shape[1]
+        if self.async_scheduling:
+            owned = self._owned(flight, np.arange(n))
+            rows, starts = host.rows[owned], host.seq_lens[owned]
+            self._write_tokens(rows, starts, ids[:, :n][:, owned], counts[owned])
+            b.num_known[rows] = starts + counts[owned]
+        else:
+            rows = host.rows
+            num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+            self._write_tokens(rows, host.seq_lens, ids[:, :n], counts)
+            b.num_tokens[rows] = b.num_known[rows] = host.seq_lens + counts
+            b.lift_min_tokens(rows, num_before)
+            b.num_computed_tokens[rows] = b.num_tokens[rows] - 1
+        return self._results(flight, ids.reshape(-1), [i + s * np.arange(c) for i, c in enumerate(counts)])
+
+    def _write_tokens(self, rows: Int[np.ndarray, "N"], starts: Int[np.ndarray, "N"], ids: Int[np.ndarray, "K N"],
+                      counts: Int[np.ndarray, "N"]) -> None:
+        """token_ids[rows[i], starts[i] + j] = ids[j, i] for j < counts[i]."""
+        j = np.arange(ids.shape[0])[:, None]
+        mask = j < counts
+        self.input_batch.token_ids[np.broadcast_to(rows, ids.shape)[mask], (starts + j)[mask]] = ids[mask]
+
+    def _owned(self, flight: DispatchedStep, idx: Int[np.ndarray, "N"]) -> Bool[np.ndarray, "N"]:
+        """Which of the step's rows `idx` still hold the requests they held at dispatch."""
+        b, step = self.input_batch, flight.step
+        return np.fromiter((b.row_of.get(step.req_ids[i]) == step.host.rows[i] for i in idx), bool, len(idx))
 
     def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> "PreparedStep":
         """The bucket-shaped inputs of a step, from the rows' host state (numpy only).
@@ -838,9 +967,20 @@ class ModelRunner:
                         samples=samples, num_drafts=num_drafts, logit_rows=logit_rows, sample_seq=sample_seq,
                         output_index=output_index, token_bitmask=bitmask,
                         lora_slots=None if self.lora is None else b.lora_slot[tok_rows],
-                        from_history=from_history if from_history is not None and from_history.any() else None)
-        t, s, r = self.bucket_for(num_tokens, len(rows), len(logit_rows))
-        return PreparedStep(req_ids, host, t, s, r, self._pad_inputs(t, s, r, host))
+                        from_history=from_history if from_history is not None and from_history.any() else None,
+                        decode_steps=self._decode_steps(req_ids, sched))
+        shape = self.bucket_for(num_tokens, len(rows), len(logit_rows), 1 if host.decode_steps is None else
+                                self.num_scheduler_steps)
+        return PreparedStep(req_ids, host, shape, self._pad_inputs(shape, host))
+
+    def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, "S"] | None:
+        """The steps each row takes where the scheduler hands over several (None: one)."""
+        if not sched.decode_steps:
+            return None
+        if sched.num_steps > self.num_scheduler_steps:
+            raise ValueError(f"{sched.num_steps} decode steps scheduled; the runner was compiled for "
+                             f"num_scheduler_steps={self.num_scheduler_steps}")
+        return np.fromiter((sched.decode_steps[r] for r in req_ids), np.int32, len(req_ids))
 
     def _write_drafts(self, req_ids: list[str], rows: Int[np.ndarray, "S"], drafts: dict[str, list[int]]
                       ) -> Int[np.ndarray, "S"]:
@@ -878,12 +1018,13 @@ class ModelRunner:
         return kept
 
     def _advance_rows(self, step: PreparedStep) -> None:
-        """Async scheduling, at dispatch: each sampling row gains its token now, its id
-        unknown until `_record_ids` (num_known stays behind); min_tokens counts it."""
+        """Async scheduling, at dispatch: each sampling row gains its token (a decode
+        loop's rows their steps) now, the ids unknown until they are recorded (num_known
+        stays behind); min_tokens counts them."""
         b, host = self.input_batch, step.host
         rows = host.rows[host.samples]
         num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        b.num_tokens[rows] += 1
+        b.num_tokens[rows] += 1 if host.decode_steps is None else host.decode_steps[host.samples]
         b.lift_min_tokens(rows, num_before)
         b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
 
@@ -892,7 +1033,7 @@ class ModelRunner:
         their requests (counted at dispatch); the runner's output."""
         b, host = self.input_batch, flight.step.host
         idx = np.flatnonzero(host.samples)  # no drafts: row i's one sample row is i
-        owned = np.fromiter((b.row_of.get(flight.step.req_ids[i]) == host.rows[i] for i in idx), bool, len(idx))
+        owned = self._owned(flight, idx)
         rows, positions = host.rows[idx[owned]], host.seq_lens[idx[owned]]
         b.token_ids[rows, positions] = sampled[idx[owned]]
         b.num_known[rows] = positions + 1
@@ -902,9 +1043,9 @@ class ModelRunner:
         """The runner's output: each row's kept tokens, with the logprobs asked."""
         step, out, host = flight.step, flight.out, flight.step.host
         result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
-        if step.inputs.sampling.any_logprobs:
+        if step.step_inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, flight.logprobs, kept)
-        if step.inputs.any_prompt_logprobs:
+        if step.step_inputs.any_prompt_logprobs:
             self._collect_prompt_logprobs(result, out, flight.prompt_logprobs, host.qsl, host.targets)
         return result
 
@@ -952,26 +1093,30 @@ class ModelRunner:
         b.token_ids[row, num_computed:num_computed + len(tokens)] = tokens
         b.num_tokens[row] = b.num_known[row] = num_computed + len(tokens)
 
-    def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float) -> None:
+    def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float, num_model_steps: int = 1) -> None:
         st = self.stats
         st.num_steps += 1
+        st.num_model_steps += num_model_steps
         st.num_tokens += step.host.num_tokens
         st.num_padded_tokens += step.t
         st.num_seqs += len(step.host.rows)
         st.num_padded_seqs += step.s
-        attn = step.inputs.attn if isinstance(step.inputs.attn, tuple) else (step.inputs.attn,)
+        attn = step.step_inputs.attn
+        attn = attn if isinstance(attn, tuple) else (attn,)
         st.num_common_prefix_steps += int(any(md.common_prefix_blocks > 0 for md in attn))
-        key = (step.t, step.s)
+        key = (step.t, step.s) if step.shape.decode_steps == 1 else step.shape
         st.steps_per_bucket[key] = st.steps_per_bucket.get(key, 0) + 1
         st.seconds_per_bucket[key] = st.seconds_per_bucket.get(key, 0.0) + (t2 - t0)
         st.host_seconds += t1 - t0
         st.device_seconds += t2 - t1
         st.post_seconds += time.perf_counter() - t2
 
-    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput, ks, kept) -> None:
+    def _collect_logprobs(self, result: ModelRunnerOutput, out: StepOutput | LoopOutput, ks, kept) -> None:
         """One logprob row per token a request gained (its sample rows `kept`; `ks`: the
         alternatives each row asked for, -1 for none)."""
         o = jax.device_get(out.sampled)
+        if isinstance(out, LoopOutput):  # [K, S, ...] as K * S sample rows
+            o = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), o)
         for req_id, k, idx in zip(result.req_ids, ks, kept):
             if k < 0 or not len(idx):
                 continue
