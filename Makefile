@@ -96,7 +96,10 @@ bench-quant: setup-dev
 	  --dataset shared-prefix --num-prompts 128 --max-concurrency 64 --out bench_results/small_pool_int8_kv_shared_prefix
 
 bench: bench-isa bench-quant
-	$(PY) scripts/bench_host.py --out bench_results/host.json
+	$(PY) scripts/bench_host.py --decode-steps 1,4,8 --out bench_results/host.json
+	$(PY) scripts/bench_batch1.py --decode-steps 1,4,8 > bench_results/batch1.txt
+	$(PY) scripts/bench_throughput.py --skip-hf --skip-startup --compare-decode-steps 1,8 \
+	  --out bench_results/throughput_decode_steps.json
 	$(PY) scripts/bench_kv_cache_manager.py
 	$(PY) scripts/bench_linear.py --weights q4_1
 	$(PY) scripts/bench_linear.py --isa avx2 --weights q4_1

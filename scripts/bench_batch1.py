@@ -5,9 +5,10 @@ The default model (SmolLM2-135M-Instruct unless `--model`) decodes one request; 
 time per output token is measured as the difference between two generations of
 different lengths from the same prompt (so the prompt and the first token cancel),
 once per `--decode-steps` value (the engine's num_scheduler_steps). The floor is the
-median time of one jitted pass reading every weight array the batch-1 step reads
-(their bytes, reduced), on the same engine, in the same run: a decode step cannot read
-its weights faster. Prints ms per token, the floor, and their ratio.
+time one jitted pass takes to read as many bytes as the weights the batch-1 step reads
+(a sum over a float32 array of that size: the device's read bandwidth), in the same
+run: a decode step cannot read its weights faster. Prints ms per token, the floor, and
+their ratio.
 
     .venv/bin/python scripts/bench_batch1.py --decode-steps 1,4,8
 """
@@ -20,22 +21,25 @@ import time
 
 
 def weight_floor(runner, reps: int = 30) -> tuple[float, int]:
-    """Median seconds of one pass over the batch-1 step's weights, and their bytes."""
+    """The seconds reading the batch-1 step's weight bytes takes at the device's read
+    bandwidth (a jitted sum over a float32 array of as many bytes: one pass, no
+    layout or dtype in the way), and those bytes."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     weights = runner.weights_of(runner.plan.for_bucket(1))
-    leaves = [x for x in jax.tree.leaves(weights) if hasattr(x, "dtype")]
-    read = jax.jit(lambda ls: sum(jnp.max(x.view(jnp.int8) if x.dtype.itemsize == 1 else x).astype(jnp.float32)
-                                  for x in ls))
-    jax.block_until_ready(read(leaves))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(weights) if hasattr(x, "nbytes"))
+    buf = jnp.ones(nbytes // 4, jnp.float32)
+    read = jax.jit(jnp.sum)
+    jax.block_until_ready(read(buf))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(read(leaves))
+        jax.block_until_ready(read(buf))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)), sum(x.nbytes for x in leaves)
+    del buf
+    return float(np.median(times)), nbytes
 
 
 def per_token(llm, prompt: list[int], short: int, long: int, reps: int) -> float:

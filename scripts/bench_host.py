@@ -30,6 +30,7 @@ prints both in one run. Ratios between trees are only meaningful within one run.
     .venv/bin/python scripts/bench_host.py                        # this tree, 1 and 30 layers
     .venv/bin/python scripts/bench_host.py --compare-tree /tmp/old --layers 30
     .venv/bin/python scripts/bench_host.py --seqs 64 --async-scheduling on,off --decode-steps 1,4,8
+    python scripts/bench_host.py --model MODELS/llama-3.2-1b-full --dtype bfloat16 --seqs 1,64,256  # a GPU
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def device_seconds(runner, step, reps: int) -> float:
 
 
 def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, device_reps: int,
-               decode_steps: int) -> dict | None:
+               decode_steps: int, dtype: str = "auto", kv_cache_memory: str = "2GiB") -> dict | None:
     import dataclasses
 
     from jaxllm.engine.config import EngineConfig
@@ -129,7 +130,7 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
     # settling and the timed steps, so no request finishes while timed
     max_model_len = 128 + steps + 8 * decode_steps
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=num_seqs,
-                          max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory="2GiB",
+                          max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory=kv_cache_memory, dtype=dtype,
                           async_scheduling=async_scheduling, enable_prefix_caching=False,
                           compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"), **multi)
     core = EngineCore(config, progress=False)
@@ -187,14 +188,16 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
 
 def child(args) -> None:
     out = {}
-    for layers in args.layers:
+    models = [(args.model.name, args.model)] if args.model else [(f"{n}L", n) for n in args.layers]
+    for name, model in models:
         with tempfile.TemporaryDirectory() as tmp:
-            model = make_model(Path(tmp), layers)
+            folder = model if isinstance(model, Path) else make_model(Path(tmp), model)
             for n in args.seqs:
                 for mode in args.async_scheduling:
                     for k in args.decode_steps:
-                        key = f"{layers}L/{n}/{mode}/{k}"
-                        result = run_config(model, n, args.steps, mode == "on", args.device_reps, k)
+                        key = f"{name}/{n}/{mode}/{k}"
+                        result = run_config(folder, n, args.steps, mode == "on", args.device_reps, k,
+                                            args.dtype, args.kv_cache_memory)
                         if result is not None:
                             out[key] = result
                             print(json.dumps({key: result}), file=sys.stderr, flush=True)
@@ -205,6 +208,8 @@ def run_tree(tree: Path, args) -> dict:
     """Run the measurements in a subprocess importing jaxllm from `tree`."""
     cmd = [sys.executable, str(HERE / "bench_host.py"), "--child", "--steps", str(args.steps),
            "--device-reps", str(args.device_reps), "--layers", ",".join(map(str, args.layers)),
+           "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, *(["--model", str(args.model)]
+                                                                                 if args.model else []),
            "--seqs", ",".join(map(str, args.seqs)), "--async-scheduling", ",".join(args.async_scheduling),
            "--decode-steps", ",".join(map(str, args.decode_steps))]
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
@@ -224,6 +229,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--layers", type=ints, default=[1, 30], help="model depths (comma-separated)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="an HF folder to run instead of the tiny models (--layers ignored), e.g. "
+                        "make_test_model.py's llama-3.2-1b on a GPU")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="the engine's kv_cache_memory")
     p.add_argument("--seqs", type=ints, default=[1, 64, 256, 1024], help="running sequences (comma-separated)")
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per configuration")
     p.add_argument("--device-reps", type=int, default=20, help="calls of the executable alone")

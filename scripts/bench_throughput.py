@@ -254,8 +254,9 @@ def run_jaxllm(args, workload: Workload, **overrides) -> dict:
             "runner_post_seconds": st.post_seconds,
             "frontend_seconds": wall - sum(timing.values()),
             "compilations_after_warmup": runner.num_compilations_after_warmup,
-            "steps_per_bucket": {f"{t}x{s}": n for (t, s), n in sorted(st.steps_per_bucket.items())},
-            "seconds_per_bucket": {f"{t}x{s}": round(x, 3) for (t, s), x in sorted(st.seconds_per_bucket.items())},
+            # (tokens, seqs), and (tokens, seqs, decode steps) for multi-step calls
+            "steps_per_bucket": {"x".join(map(str, k)): n for k, n in sorted(st.steps_per_bucket.items())},
+            "seconds_per_bucket": {"x".join(map(str, k)): round(x, 3) for k, x in sorted(st.seconds_per_bucket.items())},
         },
     }
 

@@ -78,12 +78,25 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     q8_0_code = (f"import tests.multidevice as m; "
                  f"m.platform_tokens_match({str(small)!r}, quantization='q8_0', attention='xla')")
     throughput = ([py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf", "--attention-backend", "pallas",
-                   "--model", str(models / "llama-3.2-1b-full"), "--compare-async"] if gpu else
+                   "--model", full, "--compare-async", "--compare-decode-steps", "1"] if gpu else
                   [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf",
                    "--compare-async"])
+    full = str(models / "llama-3.2-1b-full")
+    # issue 57's figures: host work and the device's idle share per decode step at 1, 64 and 256
+    # sequences, single steps against multi-step decode; batch-1 decode against the weights' read floor
+    host = ([py, "scripts/bench_host.py", "--model", full, "--dtype", "bfloat16", "--seqs", "1,64,256",
+             "--async-scheduling", "on", "--decode-steps", "1,8", "--steps", "32", "--kv-cache-memory", "8GiB"]
+            if gpu else [py, "scripts/bench_host.py", "--layers", "1", "--seqs", "1,64", "--async-scheduling", "on",
+                         "--decode-steps", "1,4", "--steps", "16"])
     # most telling first, each with a time limit (a device lease is short): what has not yet
     # run natively or is measured on every run first; what passed on the H200 (2026-11-27) later
     return [
+        Check("bench_host.py: host work and device idle per decode step" + (" (llama-3.2-1b shapes, bfloat16)"
+                                                                            if gpu else " (CPU, tiny model)"),
+              host, timeout=300, pick=("layers/seqs", "llama-3.2-1b-full/", "1L/"), full_model=gpu),
+        Check("bench_batch1.py: batch-1 decode against the weights' read floor (llama-3.2-1b shapes)",
+              [py, "scripts/bench_batch1.py", "--model", full, "--decode-steps", "1,8"] if gpu else None,
+              "the CPU's is in make bench (SmolLM2)", timeout=180, pick=("num_scheduler_steps",), full_model=gpu),
         Check("engine: pallas == xla, greedy tokens (float32)", pytest + ["tests/test_pallas_engine.py", "-m", ""],
               env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout=180),  # else XLA's float32 dot is TF32
         Check("pallas quantized matmul vs reference, and as linear_backend='pallas' through the engine",
@@ -96,7 +109,8 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               [py, "-c", q8_0_code] if gpu else None,
               "the CPU runs it in tests/test_quant.py", timeout=240, pick=("ok",)),
         Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
-              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap", "async"),
+              throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap", "async",
+                                             "jaxllm, num_scheduler_steps"),
               full_model=gpu),
         Check("bench_quantized_matmul.py --sweep (llama-3.1-8b projections, one row)",
               [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]

@@ -415,7 +415,9 @@ class EngineCore:
         return (
             f"KV cache ({self.runner.kv_format.name}): {c.describe()}; "
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
-            f"{len(self.runner.buckets)} step shapes; "
+            f"{len(self.runner.buckets)} step shapes"
+            + (f" and {len(self.runner.loop_buckets)} decode loops of {self.runner.num_scheduler_steps} steps"
+               if self.runner.loop_buckets else "") + "; "
             f"{self.runner.describe_backends()}"
             + ("; async scheduling" if self.config.runs_async else "")
         )

@@ -76,6 +76,7 @@ class RunnerStats:
     host_seconds: float = 0.0
     device_seconds: float = 0.0
     post_seconds: float = 0.0
+    # by (tokens, seqs), and (tokens, seqs, decode steps) for calls of several decode steps
     steps_per_bucket: dict = dataclasses.field(default_factory=dict)
     seconds_per_bucket: dict = dataclasses.field(default_factory=dict)  # host + device wait
 
@@ -1104,7 +1105,7 @@ class ModelRunner:
         attn = step.step_inputs.attn
         attn = attn if isinstance(attn, tuple) else (attn,)
         st.num_common_prefix_steps += int(any(md.common_prefix_blocks > 0 for md in attn))
-        key = (step.t, step.s) if step.shape.decode_steps == 1 else step.shape
+        key = (step.t, step.s) if step.shape.decode_steps == 1 else (step.t, step.s, step.shape.decode_steps)
         st.steps_per_bucket[key] = st.steps_per_bucket.get(key, 0) + 1
         st.seconds_per_bucket[key] = st.seconds_per_bucket.get(key, 0.0) + (t2 - t0)
         st.host_seconds += t1 - t0
