@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.messages import EngineCoreRequest
-from jaxllm.worker.model_runner import StepShape
+from jaxllm.worker.buckets import StepShape
 
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
 
@@ -260,7 +260,7 @@ def test_import_prints_nothing():
 
 
 def test_token_buckets():
-    from jaxllm.worker.model_runner import seq_bucket, token_buckets
+    from jaxllm.worker.buckets import seq_bucket, token_buckets
 
     assert token_buckets(512) == [1, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     assert token_buckets(2048) == [1, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]

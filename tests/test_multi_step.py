@@ -19,7 +19,7 @@ from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.worker.decode_loop import DecodeLimits, stops
 from jaxllm.worker.input_batch import STOP_WIDTH
-from jaxllm.worker.model_runner import StepShape, loop_buckets, token_buckets
+from jaxllm.worker.buckets import StepShape, loop_buckets, token_buckets
 from tests.test_async_scheduling import PROMPTS, _outputs, _params, assert_same_outputs, greedy
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 

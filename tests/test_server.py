@@ -695,8 +695,10 @@ def test_chat_template_errors_are_400(test_models_dir, cache_dir):
 
 
 def test_dead_engine_core(test_models_dir, cache_dir):
+    # single decode steps: its two requests of 1,000 tokens (~0.5 s of decoding; ~0.2 s in steps of 4) must
+    # still run when the core is killed, so it decodes only between the signals below
     s = Server(test_models_dir / "llama", cache_dir, "--max-model-len", "1024", "--engine-hang-timeout", "1.5",
-               api_key=None)
+               "--num-scheduler-steps", "1", api_key=None)
     try:
         assert httpx.get(f"{s.url}/health").status_code == 200
         core = core_pid(s.proc.pid)
@@ -720,13 +722,15 @@ def test_dead_engine_core(test_models_dir, cache_dir):
 
                 stream = asyncio.create_task(streamed())
                 while metric(s, "jaxllm:num_requests_running") < 2:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.01)
                 os.kill(core, signal.SIGSTOP)  # hung: busy but silent
                 await asyncio.sleep(2.5)
                 hung = (await client.get("/health")).status_code
                 os.kill(core, signal.SIGCONT)
-                await asyncio.sleep(0.5)
-                recovered = (await client.get("/health")).status_code
+                deadline = time.monotonic() + 2  # it reports after every step: healthy again at once
+                while (recovered := (await client.get("/health")).status_code) != 200 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                os.kill(core, signal.SIGSTOP)  # its requests still running
                 assert (hung, recovered) == (503, 200)
                 os.kill(core, signal.SIGKILL)
                 deadline = time.monotonic() + 5  # 503 within 5 s, before the server exits

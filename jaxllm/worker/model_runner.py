@@ -1,9 +1,9 @@
 """The model runner: turns a SchedulerOutput into one jitted device call and its
 results into a ModelRunnerOutput.
 
-Every step is padded to a bucket: a token count from a small fixed set, with as many
-sequence rows as the token count allows (at most max_num_seqs). Every bucket is
-compiled ahead of time at start-up, two at a time; compiled executables are stored
+Every step is padded to a bucket (jaxllm.worker.buckets), its inputs built on the host
+(jaxllm.worker.input_builder) and packed into one buffer (jaxllm.worker.packing). Every
+bucket is compiled ahead of time at start-up, two at a time; compiled executables are stored
 next to JAX's persistent compilation cache (worker/executable_cache.py), so a restart
 loads them without tracing. After warm-up a step whose bucket is missing would compile
 again: that is a bug, counted in `num_compilations_after_warmup` and logged.
@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import logging
 import time
-import typing
 from pathlib import Path
 
 import jax
@@ -27,7 +26,6 @@ from jaxtyping import Bool, Int
 
 from jaxllm.attention.backends import attention_candidates, get_attention_fn
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, copy_blocks, kv_cache_format
-from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
@@ -39,18 +37,19 @@ from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams, ParamDecl, declare
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
-from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
-from jaxllm.worker.decode_loop import DecodeLimits, LoopInputs, LoopOutput, packed_decode_loop
+from jaxllm.worker.buckets import StepShape, StepShapes, seq_bucket, smallest_at_least
+from jaxllm.worker.decode_loop import LoopOutput, packed_decode_loop
 from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
-from jaxllm.worker.input_batch import BIAS_WIDTH, STOP_WIDTH, InputBatch
+from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.input_builder import InputBuilder, PreparedStep, StepRows
 from jaxllm.worker.lora_manager import LoRAManager
 from jaxllm.worker.packing import PackLayout
-from jaxllm.worker.step import SEPARATE_INPUTS, StepInputs, StepOutput, packed_step
+from jaxllm.worker.step import SEPARATE_INPUTS, StepOutput, packed_step
 
 logger = logging.getLogger(__name__)
 
@@ -81,76 +80,6 @@ class RunnerStats:
     seconds_per_bucket: dict = dataclasses.field(default_factory=dict)  # host + device wait
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 4, speculative: bool = False) -> list[int]:
-    """Token counts a step is padded to: 1 (a lone decode), powers of two from
-    `smallest` up to the spacing of the large buckets, then multiples of that spacing
-    (64, or an eighth of the budget if larger) up to the budget, and the budget itself.
-    For 512: 1, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512. Big steps are
-    matmul-bound (cost follows the padded count), so they get a fine spacing: a step of
-    32 decodes plus one new prompt of ~270 tokens (the common step of serving 32
-    clients) pads to 320, not 384; the standard offline workload's padded rows fell
-    from 8.7% to 6.2%. Small ones still pay for padding: on SmolLM2 a decode of 1-4
-    sequences took 69-74 ms per step padded to 16 tokens and 46-49 ms padded to 4; one
-    sequence 14.0-14.4 ms padded to 1 against 16.4-19.3 ms padded to 4 (AMD EPYC Zen 4,
-    AVX-512, 2 vCPUs, native build; the AVX2 build not timed). Each bucket is one more
-    compilation at start-up, so 2 and 3 pad to 4 -- except with speculative decoding,
-    where 2 is a lone decode with one draft token (n-gram lookup's short matches,
-    `short_match_tokens` 1): on SmolLM2 a 2-token step costs ~1.1x a 1-token one and a
-    4-token step ~1.36x (Intel Xeon, AVX-512, 2 vCPUs, native build; the AVX2 build
-    not timed)."""
-    budget = max_num_batched_tokens
-    step = max(64, budget // 8)
-    buckets, b = {1} | ({2} if speculative and budget >= 2 else set()), min(smallest, budget)
-    while b < min(step, budget):
-        buckets.add(b)
-        b *= 2
-    buckets.update(range(step, budget, step))
-    buckets.add(budget)
-    return sorted(buckets)
-
-
-def seq_bucket(max_num_seqs: int, num_tokens: int) -> int:
-    """The sequence rows of a token bucket: as many as it can hold (a step never has
-    more sequences than tokens). Padding rows only cost their logits and sampling."""
-    return min(max_num_seqs, num_tokens)
-
-
-class StepShape(typing.NamedTuple):
-    """The shape a step is padded to and compiled for: its tokens, sequence rows and
-    sample rows, and the decode steps one call runs (1: a single step; more: the
-    multi-step decode loop, jaxllm.worker.decode_loop, compiled for that many)."""
-
-    tokens: int
-    seqs: int
-    sample_rows: int
-    decode_steps: int = 1
-
-
-def step_buckets(token_counts: list[int], max_num_seqs: int, speculative: bool) -> list[StepShape]:
-    """The step shapes (tokens, sequences, sample rows): one per token count, sampling
-    one row per sequence; with speculative decoding also, where a token count exceeds
-    the sequence rows, one sampling every token row (a drafted row samples at each of
-    its positions), run only by steps whose drafts need it. Below that every token row
-    is a sequence row already, so decodes at small batch need no shape of their own."""
-    buckets = []
-    for t in token_counts:
-        s = seq_bucket(max_num_seqs, t)
-        buckets.append(StepShape(t, s, s))
-        if speculative and t > s:
-            buckets.append(StepShape(t, s, t))
-    return buckets
-
-
-def loop_buckets(token_counts: list[int], max_num_seqs: int, decode_steps: int) -> list[StepShape]:
-    """The shapes of the multi-step decode loop: those a step of 1 to max_num_seqs
-    decoding sequences (one token each) pads to; none for single steps."""
-    if decode_steps <= 1:
-        return []
-    counts = {_smallest_at_least(token_counts, n) for n in range(1, min(max_num_seqs, token_counts[-1]) + 1)}
-    return [StepShape(t, seq_bucket(max_num_seqs, t), seq_bucket(max_num_seqs, t), decode_steps)
-            for t in sorted(counts)]
-
-
 def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
     """The n-gram proposer where `spec` asks for one (a draft model's proposer needs its
     own runner: the engine builds it and hands it over, `ModelRunner.set_proposer`)."""
@@ -172,11 +101,6 @@ def _digest(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
 
-def _pad(a: np.ndarray, n: int, value=0) -> np.ndarray:
-    """`a` followed by `n` copies of `value`."""
-    return np.concatenate([a, np.full(n, value, a.dtype)]) if n else a
-
-
 def _projection_formats(cfg: ModelConfig) -> str:
     """The projections' quantization: one format, or a mixed GGUF's count of each."""
     if not cfg.tensor_quantization:
@@ -185,82 +109,6 @@ def _projection_formats(cfg: ModelConfig) -> str:
     counts = collections.Counter(d.quant for d in jax.tree.leaves((decls.layers, decls.lm_head),
                                                                   is_leaf=lambda x: isinstance(x, ParamDecl)) if d.quant)
     return f"{cfg.quantization}: " + ", ".join(f"{n} {fmt}" for fmt, n in counts.most_common())
-
-
-def _smallest_at_least(buckets: list[int], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRows:
-    """One step's scheduled rows and tokens on the host, before padding to a bucket:
-    what `ModelRunner._pad_inputs` turns into StepInputs (S rows, T tokens)."""
-
-    rows: Int[np.ndarray, "S"]  # the input batch's row of each scheduled request
-    input_ids: Int[np.ndarray, "T"]
-    positions: Int[np.ndarray, "T"]
-    tok_rows: Int[np.ndarray, "T"]  # the row each token belongs to
-    slots: Int[np.ndarray, "G T"]  # KV cache slot each token's K/V goes to, per KV cache group
-    qsl: Int[np.ndarray, "S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
-    seq_lens: Int[np.ndarray, "S"]  # tokens of each row whose K/V exists after the step
-    targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
-    samples: Bool[np.ndarray, "S"]  # which rows sample a token this step
-    num_drafts: Int[np.ndarray, "S"]  # draft tokens each row verifies (its last ones)
-    # sample rows: one per row, and one per draft (each position of a drafted row samples)
-    logit_rows: Int[np.ndarray, "R"]  # the token whose logits each sample row takes
-    sample_seq: Int[np.ndarray, "R"]  # the row (0..S-1) each sample row belongs to
-    output_index: Int[np.ndarray, "R"]  # which output token each sample row draws (its uniform)
-    # structured outputs: each sample row's allowed tokens as bits (all ones where
-    # unconstrained); None when no row is constrained
-    token_bitmask: Int[np.ndarray, "R W"] | None = None
-    lora_slots: Int[np.ndarray, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
-    # tokens whose ids the host does not know yet (async scheduling: sampled by the step in
-    # flight); None: every id is known
-    from_history: Bool[np.ndarray, "T"] | None = None
-    # several decode steps in one call: the steps each row may take (the KV slots the
-    # scheduler gave it); None: one step
-    decode_steps: Int[np.ndarray, "S"] | None = None
-
-    @classmethod
-    def empty(cls, num_kv_groups: int = 1) -> "StepRows":
-        """No rows: pads to a whole bucket of padding (for compiling)."""
-        i = np.zeros(0, np.int32)
-        return cls(i, i, i, i, np.zeros((num_kv_groups, 0), np.int32), np.zeros(1, np.int32), i, i,
-                   np.zeros(0, bool), i, i, i, i)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclasses.dataclass
-class PreparedStep:
-    """One step's device inputs and the host-side facts needed to record its results."""
-
-    req_ids: list[str]
-    host: StepRows
-    shape: StepShape
-    inputs: StepInputs | LoopInputs  # LoopInputs where the shape runs several decode steps
-
-    @property
-    def step_inputs(self) -> StepInputs:
-        """The (first) step's inputs."""
-        return self.inputs.step if isinstance(self.inputs, LoopInputs) else self.inputs
-
-    @property
-    def t(self) -> int:
-        return self.shape.tokens
-
-    @property
-    def s(self) -> int:
-        return self.shape.seqs
-
-    @property
-    def r(self) -> int:
-        return self.shape.sample_rows
 
 
 @dataclasses.dataclass
@@ -350,12 +198,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.token_buckets = token_buckets(rc.max_num_batched_tokens, speculative=speculative_config is not None)
+        self.shapes = StepShapes.make(rc.max_num_batched_tokens, max_num_seqs, speculative_config is not None,
+                                      rc.num_scheduler_steps)
         self.speculative_config = speculative_config
         self.proposer = make_proposer(speculative_config)
-        self.buckets = step_buckets(self.token_buckets, max_num_seqs, speculative_config is not None)
         self.num_scheduler_steps = rc.num_scheduler_steps
-        self.loop_buckets = loop_buckets(self.token_buckets, max_num_seqs, rc.num_scheduler_steps)
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir)
@@ -377,6 +224,11 @@ class ModelRunner:
             self.history = jax.device_put(self.history, parallel.replicated(self.mesh))
         self.rope = model_rope_table(config, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq, self.kv_groups.num_groups)
+        self.bitmask_width = bitmask_width(config.vocab_size)
+        self.inputs = InputBuilder(self.input_batch, self.shapes, self.kv_groups, block_size=block_size,
+                                   max_model_len=max_model_len, async_scheduling=async_scheduling,
+                                   with_lora=self.lora is not None, bitmask_width=self.bitmask_width,
+                                   num_scheduler_steps=rc.num_scheduler_steps)
 
         self._steps = self._step_functions()
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
@@ -387,10 +239,6 @@ class ModelRunner:
         self._compiled_copies: dict[int, object] = {}
         self._compiled: dict[StepShape, object] = {}
         self._layouts: dict[StepShape, PackLayout] = {}  # each bucket's packed inputs
-        self.bitmask_width = bitmask_width(config.vocab_size)
-        # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
-        # constrained row pass it without a transfer
-        self._free_bitmasks: dict[int, jax.Array] = {}
         directory = store_directory(cache_dir)
         self._stores = {choice: self._step_store(directory, choice) for choice in self._steps}
         self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches, self._mesh_key(),
@@ -413,7 +261,8 @@ class ModelRunner:
         if jax.process_count() > 1:
             attention, linear, tiles = attention[:1], linear[:1], ["dot"]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype,
-                            [(t, seq_bucket(self.max_num_seqs, t)) for t in self.token_buckets], attention, linear,
+                            [(t, seq_bucket(self.max_num_seqs, t)) for t in self.shapes.token_counts], attention,
+                            linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles)
 
@@ -580,7 +429,7 @@ class ModelRunner:
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(self._compile, shape) for shape in self.buckets + self.loop_buckets]
+            futures = [pool.submit(self._compile, shape) for shape in self.shapes.single + self.shapes.loops]
             bar = tqdm(total=len(futures), desc="compiling buckets", disable=not progress, unit="shape")
             with bar:
                 for future in concurrent.futures.as_completed(futures):
@@ -596,7 +445,7 @@ class ModelRunner:
         """The executable of bucket `shape`, and whether it came from the executable
         store (else it was compiled, and stored)."""
         t, s, r, k = shape
-        inputs = self._pad_inputs(shape, StepRows.empty(self.kv_groups.num_groups))
+        inputs = self.inputs.pad_inputs(shape, StepRows.empty(self.kv_groups.num_groups))
         layout = PackLayout.of(inputs, SEPARATE_INPUTS)
         name = (f"loop{k}-" if k > 1 else "") + f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
         bitmask = jax.ShapeDtypeStruct((r, self.bitmask_width), jnp.int32)
@@ -652,23 +501,20 @@ class ModelRunner:
 
     def apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks (source, destination), all sources read first."""
-        c = _smallest_at_least(self.copy_buckets, len(copies))
+        c = smallest_at_least(self.copy_buckets, len(copies))
         pairs = np.zeros((2, c), np.int32)
         pairs[:, :len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2).T
         self.kv_caches = self._copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, num_sample_rows: int | None = None,
-                   decode_steps: int = 1) -> StepShape:
-        """The smallest step shape holding a step (with several decode steps: the loop's,
-        compiled for num_scheduler_steps)."""
-        t = _smallest_at_least(self.token_buckets, num_tokens)
-        rows = num_sample_rows or num_seqs
-        buckets = self.loop_buckets if decode_steps > 1 else self.buckets
-        for bucket in buckets:
-            if bucket.tokens == t and num_seqs <= bucket.seqs and rows <= bucket.sample_rows:
-                return bucket
-        raise ValueError(f"{num_seqs} sequences ({rows} sample rows, {decode_steps} decode steps) exceed every "
-                         f"bucket of {t} tokens")
+    @property
+    def buckets(self) -> tuple[StepShape, ...]:
+        """The single steps' shapes."""
+        return self.shapes.single
+
+    @property
+    def loop_buckets(self) -> tuple[StepShape, ...]:
+        """The multi-step decode loop's shapes (none without it)."""
+        return self.shapes.loops
 
     # ---------------------------------------------------------------- state
 
@@ -688,138 +534,6 @@ class ModelRunner:
                 self.history = self._set_history_row(self.history, row, batch.token_ids[row])
         for req in sched.scheduled_cached_reqs:
             batch.append_blocks(batch.row_of[req.req_id], req.new_block_ids)
-
-    # ---------------------------------------------------------------- inputs
-
-    def _pad_inputs(self, shape: StepShape, host: StepRows) -> StepInputs | LoopInputs:
-        """Bucket-shaped inputs from the real rows (with the decode loop's limits where
-        the shape runs several steps); padding writes to the null block, reads nothing,
-        and samples greedily (discarded)."""
-        step = self._pad_step_inputs(*shape[:3], host)
-        if shape.decode_steps == 1:
-            return step
-        return LoopInputs(step, self._decode_limits(shape.seqs, host))
-
-    def _decode_limits(self, s: int, host: StepRows) -> DecodeLimits:
-        """What ends each row's decode loop: its steps, stop tokens and min_tokens."""
-        b, n = self.input_batch, len(host.rows)
-        steps = np.zeros(0, np.int32) if host.decode_steps is None else host.decode_steps
-        stops = np.full((s, STOP_WIDTH), -1, np.int32)
-        stops[:n] = b.stop_token_ids[host.rows]
-        return DecodeLimits(max_steps=_pad(steps, s - len(steps)), stop_token_ids=stops,
-                            min_tokens=_pad(b.min_tokens[host.rows], s - n),
-                            num_steps=np.int32(steps.max(initial=0)))
-
-    def _pad_step_inputs(self, t: int, s: int, r: int, host: StepRows) -> StepInputs:
-        """Bucket-shaped StepInputs from the real rows."""
-        pad_t = t - host.num_tokens
-        targets = _pad(host.targets, pad_t, -1)
-        return StepInputs(
-            input_ids=_pad(host.input_ids, pad_t),
-            positions=_pad(host.positions, pad_t),
-            history_rows=_pad(host.tok_rows, pad_t, self.max_num_seqs),
-            from_history=_pad(np.zeros(host.num_tokens, bool) if host.from_history is None else host.from_history,
-                              pad_t, False),
-            attn=self._attention_metadata(t, s, host),
-            logits_indices=_pad(host.logit_rows, r - len(host.logit_rows)),
-            sampled_history_rows=_pad(self._sampled_history_rows(host), r - len(host.logit_rows), self.max_num_seqs),
-            num_logit_rows=np.int32(len(host.logit_rows)),
-            sampling=self._sampling_metadata(r, host),
-            prompt_logprob_targets=targets,
-            any_prompt_logprobs=np.bool_((targets >= 0).any()),
-            lora_slots=None if self.lora is None else _pad(
-                np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
-        )
-
-    def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, "R"]:
-        """Where each sample row's token goes in the history (at its next position):
-        under async scheduling its row where it samples (the next step may read it
-        there), else the unused row (nothing read there)."""
-        unused = np.full(len(host.logit_rows), self.max_num_seqs, np.int32)
-        if not self.async_scheduling:
-            return unused
-        return np.where(host.samples[host.sample_seq], host.rows[host.sample_seq], unused).astype(np.int32)
-
-    def _attention_metadata(self, t: int, s: int, host: StepRows
-                            ) -> AttentionMetadata | tuple[AttentionMetadata, ...]:
-        """The step's attention metadata; with several KV cache groups, one per group
-        (their block tables and slots; a sliding group's table keeps ids of blocks
-        freed behind its window, which its layers never read, and gets no shared-prefix
-        hint)."""
-        rows, qsl, seq_lens = host.rows, host.qsl, host.seq_lens
-        n_seq = len(rows)
-        mds = []
-        for g, window in enumerate(self.kv_groups.windows):
-            tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-            tables[:n_seq] = self.input_batch.block_table[g, rows]
-            shared = 0 if window is not None or not n_seq else common_prefix_blocks(
-                tables[:n_seq], seq_lens - np.diff(qsl), self.block_size)
-            mds.append(AttentionMetadata(
-                slot_mapping=_pad(host.slots[g], t - host.num_tokens, 0),  # padding tokens write into the null block
-                block_tables=tables,
-                seq_lens=_pad(seq_lens, s - n_seq),
-                query_start_loc=_pad(qsl, s - n_seq, qsl[-1]),
-                num_seqs=np.int32(n_seq),
-                common_prefix_blocks=np.int32(shared),
-            ))
-        return mds[0] if len(mds) == 1 else tuple(mds)
-
-    def _sampling_metadata(self, r: int, host: StepRows) -> SamplingMetadata:
-        """Per sample row (padded to `r`): its sequence's parameters, and the output
-        index and known tokens of the position it samples."""
-        b, rows = self.input_batch, host.rows[host.sample_seq]
-        num_rows, s = len(rows), r
-        pad_s = s - num_rows
-
-        def gather(column, fill):
-            return _pad(column[rows], pad_s, fill)
-
-        real = np.zeros(s, bool)
-        real[:num_rows] = host.samples[host.sample_seq]
-        temperature = gather(b.temperature, 0.0)
-        sampling_rows = real & (temperature > 0)
-        top_k, top_p, min_p = gather(b.top_k, 0), gather(b.top_p, 1.0), gather(b.min_p, 0.0)
-        presence, frequency = gather(b.presence_penalty, 0.0), gather(b.frequency_penalty, 0.0)
-        repetition = gather(b.repetition_penalty, 1.0)
-        bias_ids = np.zeros((s, BIAS_WIDTH), np.int32)
-        bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
-        bias_ids[:num_rows], bias_values[:num_rows] = b.bias_token_ids[rows], b.bias_values[rows]
-        seeds = np.zeros((s, 2), np.uint32)
-        seeds[:num_rows] = b.seeds[rows]
-        return SamplingMetadata(
-            token_bitmask=self._bitmask(s, host.token_bitmask),
-            any_token_bitmask=np.bool_(host.token_bitmask is not None),
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            seeds=seeds,
-            output_index=_pad(host.output_index, pad_s),
-            bias_token_ids=bias_ids,
-            bias_values=bias_values,
-            history_rows=_pad(rows, pad_s, self.max_num_seqs),
-            num_prompt_tokens=gather(b.num_prompt_tokens, 0),
-            num_known_tokens=_pad(host.positions[host.logit_rows] + 1, pad_s),
-            all_greedy=np.bool_(not sampling_rows.any()),
-            any_top_k_top_p=np.bool_((sampling_rows & ((top_k > 0) | (top_p < 1))).any()),
-            any_min_p=np.bool_((sampling_rows & (min_p > 0)).any()),
-            any_penalties=np.bool_((real & ((presence != 0) | (frequency != 0) | (repetition != 1.0))).any()),
-            any_logprobs=np.bool_((real & (gather(b.logprobs, -1) >= 0)).any()),
-            any_logit_bias=np.bool_((bias_values != 0).any()),
-        )
-
-    def _bitmask(self, s: int, rows: np.ndarray | None):
-        """The step's [s, W] token bitmask: the rows' own padded with all-allowed ones."""
-        if rows is None:
-            if s not in self._free_bitmasks:
-                self._free_bitmasks[s] = jnp.full((s, self.bitmask_width), -1, jnp.int32)
-            return self._free_bitmasks[s]
-        mask = np.full((s, self.bitmask_width), -1, np.int32)
-        mask[: len(rows)] = rows
-        return mask
 
     # --------------------------------------------------------------- execute
 
@@ -933,70 +647,9 @@ class ModelRunner:
         b, step = self.input_batch, flight.step
         return np.fromiter((b.row_of.get(step.req_ids[i]) == step.host.rows[i] for i in idx), bool, len(idx))
 
-    def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> "PreparedStep":
-        """The bucket-shaped inputs of a step, from the rows' host state (numpy only).
-        A row with k draft tokens (written after its known tokens) samples at its last
-        k + 1 positions."""
-        b = self.input_batch
-        req_ids = list(sched.num_scheduled_tokens)
-        rows = np.fromiter((b.row_of[r] for r in req_ids), np.int32, len(req_ids))
-        n = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        num_drafts = self._write_drafts(req_ids, rows, sched.scheduled_spec_decode_tokens)
-        start = b.num_computed_tokens[rows]
-        qsl = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum(n, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        tok_rows = np.repeat(rows, n)
-        positions = (np.repeat(start - qsl[:-1], n) + np.arange(num_tokens)).astype(np.int32)
-        input_ids = b.token_ids[tok_rows, positions]
-        from_history = positions >= b.num_known[tok_rows] if self.async_scheduling else None  # sampled in flight
-        slots = b.block_table[:, tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        seq_lens = (start + n).astype(np.int32)
-        samples = seq_lens >= b.num_tokens[rows]
-        next_pos = np.minimum(positions + 1, self.max_model_len - 1)
-        scored = ((b.prompt_logprobs[tok_rows] >= 0) & (positions + 1 < b.num_prompt_tokens[tok_rows])
-                  & (positions >= b.prompt_scored[tok_rows]))
-        targets = np.where(scored, b.token_ids[tok_rows, next_pos], -1).astype(np.int32)
-        per_row = num_drafts + 1
-        sample_seq = np.repeat(np.arange(len(rows), dtype=np.int32), per_row)
-        offset = (np.arange(len(sample_seq)) - np.repeat(np.cumsum(per_row) - per_row, per_row)).astype(np.int32)
-        logit_rows = np.maximum(np.repeat(qsl[1:] - per_row, per_row) + offset, 0).astype(np.int32)
-        output_index = ((b.num_tokens[rows] - b.num_prompt_tokens[rows])[sample_seq] + offset).astype(np.int32)
-
-        host = StepRows(rows=rows, input_ids=input_ids, positions=positions, tok_rows=tok_rows,
-                        slots=slots.astype(np.int32), qsl=qsl, seq_lens=seq_lens, targets=targets,
-                        samples=samples, num_drafts=num_drafts, logit_rows=logit_rows, sample_seq=sample_seq,
-                        output_index=output_index, token_bitmask=bitmask,
-                        lora_slots=None if self.lora is None else b.lora_slot[tok_rows],
-                        from_history=from_history if from_history is not None and from_history.any() else None,
-                        decode_steps=self._decode_steps(req_ids, sched))
-        shape = self.bucket_for(num_tokens, len(rows), len(logit_rows), 1 if host.decode_steps is None else
-                                self.num_scheduler_steps)
-        return PreparedStep(req_ids, host, shape, self._pad_inputs(shape, host))
-
-    def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, "S"] | None:
-        """The steps each row takes where the scheduler hands over several (None: one)."""
-        if not sched.decode_steps:
-            return None
-        if sched.num_steps > self.num_scheduler_steps:
-            raise ValueError(f"{sched.num_steps} decode steps scheduled; the runner was compiled for "
-                             f"num_scheduler_steps={self.num_scheduler_steps}")
-        return np.fromiter((sched.decode_steps[r] for r in req_ids), np.int32, len(req_ids))
-
-    def _write_drafts(self, req_ids: list[str], rows: Int[np.ndarray, "S"], drafts: dict[str, list[int]]
-                      ) -> Int[np.ndarray, "S"]:
-        """Write each row's draft tokens after its known tokens (where its inputs are
-        read from); how many each row has."""
-        num_drafts = np.zeros(len(rows), np.int32)
-        if drafts:
-            b = self.input_batch
-            for i, req_id in enumerate(req_ids):
-                tokens = drafts.get(req_id)
-                if tokens:
-                    row = rows[i]
-                    b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + len(tokens)] = tokens
-                    num_drafts[i] = len(tokens)
-        return num_drafts
+    def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> PreparedStep:
+        """The step's bucket-shaped inputs from the rows' host state (jaxllm.worker.input_builder)."""
+        return self.inputs.prepare_step(sched, bitmask)
 
     def _verify(self, host: StepRows, sampled: Int[np.ndarray, "R"]) -> list[Int[np.ndarray, "N"]]:
         """Per row, the sample rows whose tokens it gains: none if it does not sample;
