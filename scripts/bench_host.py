@@ -99,7 +99,7 @@ def device_seconds(runner, step, reps: int) -> float:
     if hasattr(runner, "time_step_alone"):
         return runner.time_step_alone(step, reps)
     # an older runner: call the executable as its dispatch did
-    exe = runner._executable(step.t, step.s, step.r)
+    exe = runner._executable(step.t, step.s, step.r)  # (trees before time_step_alone)
     weights = runner.weights_of(runner.plan.for_bucket(step.t))
     inputs = jax.device_put(step.inputs)
     times = []

@@ -10,7 +10,8 @@ from jaxtyping import install_import_hook
 # trace time under jit), so an annotation that drifts from the code fails a test.
 # Installed before anything imports jaxllm.
 install_import_hook(["jaxllm.models.llama", "jaxllm.models.moe", "jaxllm.models.linear", "jaxllm.models.lora", "jaxllm.models.quant", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
-                     "jaxllm.sample.sampler", "jaxllm.worker.step", "jaxllm.worker.model_runner", "jaxllm.spec_decode.ngram_proposer",
+                     "jaxllm.sample.sampler", "jaxllm.worker.step", "jaxllm.worker.model_runner", "jaxllm.worker.input_builder",
+                     "jaxllm.worker.decode_loop", "jaxllm.spec_decode.ngram_proposer",
                      "pallas_kernels"],
                     "beartype.beartype")
 

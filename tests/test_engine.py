@@ -423,7 +423,7 @@ def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models
     make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "b"), **small)
     for name in ("a", "b"):
         assert list((tmp_path / name / "jaxllm-executables").rglob("*")), name
-    assert first.llm_engine.core.runner._copy_store.directory == tmp_path / "a" / "jaxllm-executables"
+    assert first.llm_engine.core.runner.compilation._copy_store.directory == tmp_path / "a" / "jaxllm-executables"
     assert not [k for k, v in vars(jaxllm.platform).items() if k.startswith("_") and isinstance(v, pathlib.Path)]
 
 
@@ -536,7 +536,7 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     shapes.add(tuple(runner.history.shape))
     assert runner.kv_groups.num_groups == (2 if name == "gemma3" else 1)
     for shape in [StepShape(1, 1, 1), *runner.loop_buckets]:  # a step, and the decode loop's
-        hlo = runner._executable(shape).as_text()
+        hlo = runner.compilation.get(shape).as_text()
         copied = {tuple(map(int, dims.split(","))) for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(",
                                                                         hlo)}
         assert not copied & shapes, shape

@@ -7,6 +7,7 @@ tokens than the device checks too), chunked prefill, prefix caching, preemption,
 mid-loop, structured outputs and LoRA; nothing leaks and nothing compiles after
 warm-up."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -188,9 +189,10 @@ def test_the_scheduler_hands_over_steps_only_when_every_request_decodes():
 
 
 def test_the_device_stop_check():
-    limits = DecodeLimits(max_steps=np.array([8, 8, 8]), stop_token_ids=np.array([[2, -1], [2, 3], [2, -1]]),
-                          min_tokens=np.array([0, 0, 5]), num_steps=np.int32(8))
-    got = stops(limits, np.array([0, 0, 3]), np.array([2, 3, 2]))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    limits = DecodeLimits(max_steps=i32([8, 8, 8]), stop_token_ids=i32([[2, -1], [2, 3], [2, -1]]),
+                          min_tokens=i32([0, 0, 5]), num_steps=i32(8))
+    got = stops(limits, i32([0, 0, 3]), i32([2, 3, 2]))
     np.testing.assert_array_equal(got, [True, True, False])  # row 2 samples its 4th output, below min_tokens 5
 
 

@@ -51,6 +51,10 @@ _LOWERING_OPTIONS = (  # jax options that change what a function lowers to
 _TRACED_SOURCES = ("models", "attention", "cpu_kernels", "sample", "worker", "config.py", "sampling_params.py",
                    "platform.py")
 MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
+# One executable deserialized at a time: two warm-up threads deserializing at once crashed a
+# process (segmentation fault in jax 0.11.2's serialize_executable.persistent_load, CPU,
+# 2026-11-29); loading is a small part of warm-up, compiling stays two at a time.
+_DESERIALIZING = threading.Lock()
 
 
 def _source_files(path: Path) -> list[Path]:
@@ -153,8 +157,9 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                 execution_devices=self.devices)
+            with _DESERIALIZING:
+                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                     execution_devices=self.devices)
             os.utime(path)  # recently used: pruned last
             return compiled
         except Exception as e:  # a truncated file, or an executable this jaxlib cannot load

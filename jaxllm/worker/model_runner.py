@@ -2,11 +2,9 @@
 results into a ModelRunnerOutput.
 
 Every step is padded to a bucket (jaxllm.worker.buckets), its inputs built on the host
-(jaxllm.worker.input_builder) and packed into one buffer (jaxllm.worker.packing). Every
-bucket is compiled ahead of time at start-up, two at a time; compiled executables are stored
-next to JAX's persistent compilation cache (worker/executable_cache.py), so a restart
-loads them without tracing. After warm-up a step whose bucket is missing would compile
-again: that is a bug, counted in `num_compilations_after_warmup` and logged.
+(jaxllm.worker.input_builder) and packed into one buffer (jaxllm.worker.packing), and
+run by the executable compiled for its bucket at start-up (jaxllm.worker.compilation).
+The runner dispatches steps, collects their sampled tokens and records them in its rows.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
@@ -24,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Int
 
-from jaxllm.attention.backends import attention_candidates, get_attention_fn
-from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, copy_blocks, kv_cache_format
+from jaxllm.attention.backends import attention_candidates
+from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
@@ -37,19 +34,18 @@ from jaxllm.models.quant import param_bytes
 from jaxllm.models.params import ModelParams, ParamDecl, declare
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
-from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.buckets import StepShape, StepShapes, seq_bucket, smallest_at_least
-from jaxllm.worker.decode_loop import LoopOutput, packed_decode_loop
-from jaxllm.worker.executable_cache import ExecutableStore, persistent_cache_hits, store_directory
+from jaxllm.worker.compilation import CompilationManager, shapes_and_dtypes
+from jaxllm.worker.decode_loop import LoopOutput
+from jaxllm.worker.executable_cache import store_directory
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.input_builder import InputBuilder, PreparedStep, StepRows
 from jaxllm.worker.lora_manager import LoRAManager
-from jaxllm.worker.packing import PackLayout
-from jaxllm.worker.step import SEPARATE_INPUTS, StepOutput, packed_step
+from jaxllm.worker.step import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +83,6 @@ def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
         return None
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
                          spec.short_match_tokens)
-
-
-def _shapes_and_dtypes(tree):
-    """(shape, dtype name) per leaf: what a compiled step depends on, for concrete and
-    abstract (jax.ShapeDtypeStruct) arrays alike."""
-    return jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
-
-
-def _digest(obj) -> str:
-    import hashlib
-
-    return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
 
 def _projection_formats(cfg: ModelConfig) -> str:
@@ -214,7 +198,7 @@ class ModelRunner:
                              f"got {rank}")
         # the adapters in the activations' dtype: their products take the hidden states as they are
         self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype, self.mesh)
-        self._given_shapes = _shapes_and_dtypes(params)
+        self._given_shapes = shapes_and_dtypes(params)
         self.weights = self._layout(params)
         self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
         self._start_kv_caches(rc.num_blocks)
@@ -229,23 +213,8 @@ class ModelRunner:
                                    max_model_len=max_model_len, async_scheduling=async_scheduling,
                                    with_lora=self.lora is not None, bitmask_width=self.bitmask_width,
                                    num_scheduler_steps=rc.num_scheduler_steps)
-
-        self._steps = self._step_functions()
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
-        # a step's block copies (at most one per admitted request), padded to a bucket
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,),
-                                    **({"out_shardings": self._cache_shardings()} if self.mesh else {}))
-        self.copy_buckets = sorted({min(8, max_num_seqs), max_num_seqs})
-        self._compiled_copies: dict[int, object] = {}
-        self._compiled: dict[StepShape, object] = {}
-        self._layouts: dict[StepShape, PackLayout] = {}  # each bucket's packed inputs
-        directory = store_directory(cache_dir)
-        self._stores = {choice: self._step_store(directory, choice) for choice in self._steps}
-        self._copy_store = ExecutableStore(directory, "copy_blocks", self._abstract_caches, self._mesh_key(),
-                                           devices=self._devices())
-        self.num_loaded_executables = 0
-        self.warmed_up = False
-        self.num_compilations_after_warmup = 0
+        self.compilation = CompilationManager(self, cache_dir)
         self.stats = RunnerStats()
 
     def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
@@ -299,56 +268,6 @@ class ModelRunner:
             return None
         return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.kv_groups.group_size
 
-    def _step_functions(self) -> dict[StepBackends, dict]:
-        """The keyword arguments of the step of each pair of backends the plan uses
-        (`packed_step`, or `packed_decode_loop` with its number of steps; jitted per
-        bucket with its inputs' PackLayout). Where the C++ kernels run the step, they
-        also take the sampler's greedy argmax and prompt-logprob scores."""
-        kernels = "cpu" in self.plan.backends("linear") + self.plan.backends("attention") and self.mesh is None
-        return {
-            choice: dict(cfg=self.config, attention_fn=get_attention_fn(choice.attention),
-                         argmax_fn=argmax_cpu if kernels else argmax,
-                         scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=self.mesh,
-                         lora_kernel="pallas" if choice.linear == "pallas" else "xla")
-            for choice in dict.fromkeys(self.plan.choices)
-        }
-
-    def _step_function(self, shape: StepShape, layout: PackLayout):
-        """The function a bucket's executable is compiled from."""
-        kwargs = self._steps[self.plan.for_bucket(shape.tokens)] | {"layout": layout}
-        if shape.decode_steps > 1:
-            return functools.partial(packed_decode_loop, max_steps=shape.decode_steps, block_size=self.block_size,
-                                     **kwargs)
-        return functools.partial(packed_step, **kwargs)
-
-    def _step_shardings(self) -> dict:
-        """jit's in/out shardings of the step over the mesh: weights and caches
-        sharded, the rest replicated (none on one device)."""
-        if self.mesh is None:
-            return {}
-        rep, caches = parallel.replicated(self.mesh), self._cache_shardings()
-        lora = () if self.lora is None else (self.lora.shardings,)
-        return {"in_shardings": (parallel.param_shardings(self.config, self.mesh), rep, caches, rep, rep, rep, *lora),
-                "out_shardings": (caches, rep, rep)}
-
-    def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
-        """Where the executables of one pair of backends are kept (keyed by what the
-        step is compiled from)."""
-        args = (self.weights_of(choice), self.rope, self._abstract_caches, self.history)
-        if self.lora is not None:
-            args += (self.lora.abstract,)
-        return ExecutableStore(directory, "model_step", self.config, self.kv_groups, choice.attention, choice.linear,
-                               _shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
-                               devices=self._devices())
-
-    def _devices(self) -> list:
-        """The devices the step runs on, in the mesh's order."""
-        return [jax.local_devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-
-    def _mesh_key(self) -> str:
-        """What the executables depend on of the mesh (none: one device)."""
-        return "" if self.mesh is None else f"tp{self.tensor_parallel_size}-" + ",".join(map(str, self._devices()))
-
     @property
     def kv_caches(self) -> tuple[KVCache, ...]:
         if self._kv_caches_future is not None:
@@ -385,7 +304,7 @@ class ModelRunner:
         """Loaded `params` checked against the shapes the step was compiled for and laid
         out for each linear backend the plan uses (packed for `cpu`). Touches no runner
         state: the engine calls it on its loading thread while the executables load."""
-        if _shapes_and_dtypes(params) != self._given_shapes:
+        if shapes_and_dtypes(params) != self._given_shapes:
             raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
         return self._layout(params)
 
@@ -421,57 +340,27 @@ class ModelRunner:
             head += f"; bfloat16 sums {self.plan.describe('bf16_tiles')}"
         return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
 
-    # -------------------------------------------------------------- compiling
-
     def warm_up(self, progress: bool = True) -> float:
-        """Load or compile every bucket (two at a time); returns the seconds it took."""
-        from tqdm import tqdm
-
+        """Load or compile every step shape (jaxllm.worker.compilation) while the KV
+        caches are allocated; returns the seconds it took."""
         start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(self._compile, shape) for shape in self.shapes.single + self.shapes.loops]
-            bar = tqdm(total=len(futures), desc="compiling buckets", disable=not progress, unit="shape")
-            with bar:
-                for future in concurrent.futures.as_completed(futures):
-                    self.num_loaded_executables += future.result()[1]
-                    bar.update(1)
-        for c in self.copy_buckets:
-            self._copy_executable(c)
+        self.compilation.warm_up(progress)
         jax.block_until_ready(self.kv_caches)
-        self.warmed_up = True
         return time.perf_counter() - start
 
-    def _compile(self, shape: StepShape):
-        """The executable of bucket `shape`, and whether it came from the executable
-        store (else it was compiled, and stored)."""
-        t, s, r, k = shape
-        inputs = self.inputs.pad_inputs(shape, StepRows.empty(self.kv_groups.num_groups))
-        layout = PackLayout.of(inputs, SEPARATE_INPUTS)
-        name = (f"loop{k}-" if k > 1 else "") + f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
-        bitmask = jax.ShapeDtypeStruct((r, self.bitmask_width), jnp.int32)
-        choice = self.plan.for_bucket(t)
-        compiled, loaded = self._load_or_compile(
-            self._stores[choice], name,
-            lambda: jax.jit(self._step_function(shape, layout), donate_argnums=(2, 3),
-                            **self._step_shardings()).lower(self.weights_of(choice), self.rope,
-                                                            self._abstract_caches, self.history, layout.abstract(),
-                                                            bitmask, *self._lora_args(abstract=True)))
-        self._layouts[shape] = layout
-        self._compiled[shape] = compiled
-        return compiled, loaded
+    @property
+    def warmed_up(self) -> bool:
+        return self.compilation.warmed_up
 
-    @staticmethod
-    def _load_or_compile(store: ExecutableStore, name: str, lower):
-        """The executable `store` keeps under `name`, else `lower()` compiled (and
-        stored); and whether it was loaded."""
-        compiled = store.load(name)
-        if compiled is not None:
-            return compiled, True
-        with persistent_cache_hits() as hits:
-            compiled = lower().compile()
-        if not hits():  # JAX's cache returns executables that cannot be serialized again
-            store.save(name, compiled)
-        return compiled, False
+    @property
+    def num_compilations_after_warmup(self) -> int:
+        """Steps that compiled their shape after warm-up: a bug (logged)."""
+        return self.compilation.num_compilations_after_warmup
+
+    @property
+    def num_loaded_executables(self) -> int:
+        """Executables warm-up loaded from the store rather than compiled."""
+        return self.compilation.num_loaded_executables
 
     def _lora_args(self, abstract: bool = False) -> tuple:
         """The step's adapter slots argument: none without LoRA."""
@@ -479,32 +368,12 @@ class ModelRunner:
             return ()
         return (self.lora.abstract if abstract else self.lora.weights,)
 
-    def _executable(self, shape: StepShape):
-        compiled = self._compiled.get(shape)
-        if compiled is None:
-            if self.warmed_up:
-                self.num_compilations_after_warmup += 1
-                logger.error("compiling bucket %s after warm-up: a bug", shape)
-            compiled, _ = self._compile(shape)
-        return compiled
-
-    def _copy_executable(self, c: int):
-        """The executable copying up to `c` blocks (XLA's scatter on a CPU costs by the
-        padded count: 1.1 ms for 8, 22 ms for 64 with SmolLM2's 30 layers)."""
-        compiled = self._compiled_copies.get(c)
-        if compiled is None:
-            pairs = jax.ShapeDtypeStruct((c,), jnp.int32)
-            compiled, _ = self._load_or_compile(
-                self._copy_store, f"copy-c{c}", lambda: self._copy_blocks.lower(self._abstract_caches, pairs, pairs))
-            self._compiled_copies[c] = compiled
-        return compiled
-
     def apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks (source, destination), all sources read first."""
-        c = smallest_at_least(self.copy_buckets, len(copies))
+        c = smallest_at_least(self.compilation.copy_buckets, len(copies))
         pairs = np.zeros((2, c), np.int32)
         pairs[:, :len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2).T
-        self.kv_caches = self._copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
+        self.kv_caches = self.compilation.copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
 
     @property
     def buckets(self) -> tuple[StepShape, ...]:
@@ -570,14 +439,14 @@ class ModelRunner:
         transfer, allowed here alone (the tests run the hot path under
         jax.transfer_guard("disallow")) and converted by the call itself, which costs
         less than an explicit jax.device_put (docs/benchmarks.md)."""
-        packed, separate = self._layouts[step.shape].pack(step.inputs)
+        packed, separate = self.compilation.layouts[step.shape].pack(step.inputs)
         with jax.transfer_guard_host_to_device("allow"):
             return self._run(step, packed, separate)
 
     def _run(self, step: PreparedStep, packed, separate: list) -> StepOutput | LoopOutput:
         """Run the step's executable on packed inputs (the caches and history it returns
         replace the donated ones)."""
-        executable = self._executable(step.shape)
+        executable = self.compilation.get(step.shape)
         weights = self.weights_of(self.plan.for_bucket(step.shape.tokens))
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
                                                        *separate, *self._lora_args())
@@ -587,7 +456,7 @@ class ModelRunner:
         """The median seconds of `step`'s executable called back to back with its inputs
         already on the device: the device's share of a step (scripts/bench_host.py).
         Runs the step `reps` times over the live caches: for benchmarks only."""
-        packed, separate = jax.device_put(self._layouts[step.shape].pack(step.inputs))
+        packed, separate = jax.device_put(self.compilation.layouts[step.shape].pack(step.inputs))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
