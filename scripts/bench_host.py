@@ -73,15 +73,11 @@ class Timers:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, {platform.python_version()}"
+    """The CPU, its vector ISA and the build (native: the other ISA's is not measured)."""
+    sys.path.insert(0, str(HERE))
+    from isa_build import describe
+
+    return f"{describe('native')}; Python {platform.python_version()}"
 
 
 def make_model(folder: Path, layers: int) -> Path:

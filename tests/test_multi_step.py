@@ -24,6 +24,8 @@ from jaxllm.worker.buckets import StepShape, loop_buckets, token_buckets
 from tests.test_async_scheduling import PROMPTS, _outputs, _params, assert_same_outputs, greedy
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 
+SLOW_CASES = ("single_steps[8-",)  # (the default run's budget) K = 3 covers the path; a lone request runs K = 8
+
 
 @pytest.fixture(scope="module")
 def single(test_models_dir):

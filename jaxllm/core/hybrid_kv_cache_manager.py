@@ -134,7 +134,7 @@ class HybridKVCacheManager(PoolUsage):
         hits = [m.check_computed_blocks(request, num_new_computed_tokens, h, 0) for m, h in groups]
         needed = sum(m.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens, h)
                      for (m, _), h in zip(groups, hits))
-        if needed > self.block_pool.get_num_free_blocks():
+        if needed > self.num_free_blocks:
             return None
         for (m, _), h in zip(groups, hits):  # every group's hits leave the free queue before
             m.save_computed_blocks(request, num_new_computed_tokens, h)  # new blocks could evict them

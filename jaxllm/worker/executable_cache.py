@@ -51,9 +51,11 @@ _LOWERING_OPTIONS = (  # jax options that change what a function lowers to
 _TRACED_SOURCES = ("models", "attention", "cpu_kernels", "sample", "worker", "config.py", "sampling_params.py",
                    "platform.py")
 MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
-# One executable deserialized at a time: two warm-up threads deserializing at once crashed a
-# process (segmentation fault in jax 0.11.2's serialize_executable.persistent_load, CPU,
-# 2026-11-29); loading is a small part of warm-up, compiling stays two at a time.
+# One executable deserialized at a time (compiling stays two at a time). A test worker died
+# of a segmentation fault in jax 0.11.2's serialize_executable.persistent_load with two
+# warm-up threads deserializing at once, and again later with this lock held, one thread
+# deserializing alone (CPU, 2026-11-29): the lock does not remove that crash, whose cause
+# is not known yet (a stored executable that cannot be loaded back is one suspect).
 _DESERIALIZING = threading.Lock()
 
 

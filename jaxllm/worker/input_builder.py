@@ -96,10 +96,6 @@ class PreparedStep:
     def s(self) -> int:
         return self.shape.seqs
 
-    @property
-    def r(self) -> int:
-        return self.shape.sample_rows
-
 
 class InputBuilder:
     def __init__(self, batch: InputBatch, shapes: StepShapes, kv_groups: KVCacheGroups, *, block_size: int,
