@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.core.sched_output import NewRequestData
+from jaxllm.core.sched_output import NewRequestData, SchedulerOutput
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 # logit_bias entries, then -inf entries for EOS and stop token ids while below min_tokens
@@ -65,6 +65,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[:, row] = 0
+        self.block_table[:, row] = 0  # no block ids of the row's last request past its own
         self.append_blocks(row, req.block_ids)
 
         p = req.sampling_params
@@ -115,6 +116,60 @@ class InputBatch:
             start = self.num_blocks[g, row]
             self.block_table[g, row, start:start + len(ids)] = ids
             self.num_blocks[g, row] = start + len(ids)
+
+    def update(self, sched: SchedulerOutput) -> tuple[set[str], list[tuple[int, NewRequestData]]]:
+        """A schedule's changes to the rows: its finished and preempted requests leave,
+        its new ones take rows, its running ones gain their new blocks. The ids that
+        left and the new (row, request) pairs, for the runner's own per-request state."""
+        left = sched.finished_req_ids | sched.preempted_req_ids
+        for req_id in left:
+            self.remove_request(req_id)
+        added = [(self.add_request(req), req) for req in sched.scheduled_new_reqs]
+        for req in sched.scheduled_cached_reqs:
+            self.append_blocks(self.row_of[req.req_id], req.new_block_ids)
+        return left, added
+
+    def count_in_flight(self, rows: np.ndarray, samples: np.ndarray, seq_lens: np.ndarray,
+                        steps: np.ndarray | None) -> None:
+        """Async scheduling, at a step's dispatch: each sampling row counts its token (a
+        decode loop's row its `steps`) before the ids are known (num_known stays
+        behind); min_tokens counts them. `rows`, `samples`, `seq_lens`: the step's."""
+        sampling = rows[samples]
+        num_before = self.num_tokens[sampling] - self.num_prompt_tokens[sampling]
+        self.num_tokens[sampling] += 1 if steps is None else steps[samples]
+        self.lift_min_tokens(sampling, num_before)
+        self.num_computed_tokens[rows] = np.where(samples, self.num_tokens[rows] - 1, seq_lens)
+
+    def record_known(self, rows: np.ndarray, starts: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Async scheduling, at a step's collect: the ids counted at dispatch, row i's
+        `ids[:counts[i], i]` from position `starts[i]`."""
+        self._write_tokens(rows, starts, ids, counts)
+        self.num_known[rows] = starts + counts
+
+    def record_step(self, rows: np.ndarray, samples: np.ndarray, seq_lens: np.ndarray, num_kept: np.ndarray,
+                    last_tokens: np.ndarray) -> None:
+        """A synchronous step's results: each sampling row gains its `num_kept` tokens
+        (accepted drafts, already in token_ids, then `last_tokens`); a row's K/V is
+        computed up to its latest token (a rejected draft's is to be overwritten)."""
+        sampling = rows[samples]
+        num_before = self.num_tokens[sampling] - self.num_prompt_tokens[sampling]
+        self.num_tokens[sampling] += num_kept[samples] - 1
+        self.append_sampled(sampling, last_tokens, num_before)
+        self.num_computed_tokens[rows] = np.where(samples, self.num_tokens[rows] - 1, seq_lens)
+
+    def record_loop(self, rows: np.ndarray, seq_lens: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """A synchronous decode loop's results: row i gains `ids[:counts[i], i]`."""
+        num_before = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        self._write_tokens(rows, seq_lens, ids, counts)
+        self.num_tokens[rows] = self.num_known[rows] = seq_lens + counts
+        self.lift_min_tokens(rows, num_before)
+        self.num_computed_tokens[rows] = self.num_tokens[rows] - 1
+
+    def _write_tokens(self, rows: np.ndarray, starts: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """token_ids[rows[i], starts[i] + j] = ids[j, i] for j < counts[i]."""
+        j = np.arange(ids.shape[0])[:, None]
+        mask = j < counts
+        self.token_ids[np.broadcast_to(rows, ids.shape)[mask], (starts + j)[mask]] = ids[mask]
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray, num_before: np.ndarray | None = None) -> None:
         """Record sampled tokens (one per row) and lift min_tokens suppression once met

@@ -388,21 +388,17 @@ class ModelRunner:
     # ---------------------------------------------------------------- state
 
     def _update_states(self, sched: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            batch.remove_request(req_id)
-            if self.lora is not None:
+        left, added = self.input_batch.update(sched)
+        if self.lora is not None:
+            for req_id in left:
                 self.lora.release(req_id)
         if self.proposer is not None:
-            self.proposer.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
-        for req in sched.scheduled_new_reqs:
-            row = batch.add_request(req)
+            self.proposer.remove_requests(left)
+        for row, req in added:
             if self.lora is not None:
-                batch.lora_slot[row] = self.lora.acquire(req.req_id, req.lora_request)
+                self.input_batch.lora_slot[row] = self.lora.acquire(req.req_id, req.lora_request)
             if req.sampling_params.uses_penalties:  # prefix hits never pass through the step
-                self.history = self._set_history_row(self.history, row, batch.token_ids[row])
-        for req in sched.scheduled_cached_reqs:
-            batch.append_blocks(batch.row_of[req.req_id], req.new_block_ids)
+                self.history = self._set_history_row(self.history, row, self.input_batch.token_ids[row])
 
     # --------------------------------------------------------------- execute
 
@@ -492,24 +488,10 @@ class ModelRunner:
         n, s = len(host.rows), ids.shape[1]
         if self.async_scheduling:
             owned = self._owned(flight, np.arange(n))
-            rows, starts = host.rows[owned], host.seq_lens[owned]
-            self._write_tokens(rows, starts, ids[:, :n][:, owned], counts[owned])
-            b.num_known[rows] = starts + counts[owned]
+            b.record_known(host.rows[owned], host.seq_lens[owned], ids[:, :n][:, owned], counts[owned])
         else:
-            rows = host.rows
-            num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-            self._write_tokens(rows, host.seq_lens, ids[:, :n], counts)
-            b.num_tokens[rows] = b.num_known[rows] = host.seq_lens + counts
-            b.lift_min_tokens(rows, num_before)
-            b.num_computed_tokens[rows] = b.num_tokens[rows] - 1
+            b.record_loop(host.rows, host.seq_lens, ids[:, :n], counts)
         return self._results(flight, ids.reshape(-1), [i + s * np.arange(c) for i, c in enumerate(counts)])
-
-    def _write_tokens(self, rows: Int[np.ndarray, "N"], starts: Int[np.ndarray, "N"], ids: Int[np.ndarray, "K N"],
-                      counts: Int[np.ndarray, "N"]) -> None:
-        """token_ids[rows[i], starts[i] + j] = ids[j, i] for j < counts[i]."""
-        j = np.arange(ids.shape[0])[:, None]
-        mask = j < counts
-        self.input_batch.token_ids[np.broadcast_to(rows, ids.shape)[mask], (starts + j)[mask]] = ids[mask]
 
     def _owned(self, flight: DispatchedStep, idx: Int[np.ndarray, "N"]) -> Bool[np.ndarray, "N"]:
         """Which of the step's rows `idx` still hold the requests they held at dispatch."""
@@ -541,25 +523,18 @@ class ModelRunner:
         return kept
 
     def _advance_rows(self, step: PreparedStep) -> None:
-        """Async scheduling, at dispatch: each sampling row gains its token (a decode
-        loop's rows their steps) now, the ids unknown until they are recorded (num_known
-        stays behind); min_tokens counts them."""
-        b, host = self.input_batch, step.host
-        rows = host.rows[host.samples]
-        num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        b.num_tokens[rows] += 1 if host.decode_steps is None else host.decode_steps[host.samples]
-        b.lift_min_tokens(rows, num_before)
-        b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
+        """Async scheduling, at dispatch: the rows count the step's tokens now."""
+        host = step.host
+        self.input_batch.count_in_flight(host.rows, host.samples, host.seq_lens, host.decode_steps)
 
     def _record_ids(self, flight: DispatchedStep, sampled: np.ndarray) -> ModelRunnerOutput:
         """Async scheduling, at collect: the sampled ids into the rows that still hold
         their requests (counted at dispatch); the runner's output."""
-        b, host = self.input_batch, flight.step.host
+        host = flight.step.host
         idx = np.flatnonzero(host.samples)  # no drafts: row i's one sample row is i
-        owned = self._owned(flight, idx)
-        rows, positions = host.rows[idx[owned]], host.seq_lens[idx[owned]]
-        b.token_ids[rows, positions] = sampled[idx[owned]]
-        b.num_known[rows] = positions + 1
+        owned = idx[self._owned(flight, idx)]
+        self.input_batch.record_known(host.rows[owned], host.seq_lens[owned], sampled[None, owned],
+                                      np.ones(len(owned), np.int32))
         return self._results(flight, sampled, self._verify(host, sampled))
 
     def _results(self, flight: DispatchedStep, sampled: np.ndarray, kept: list) -> ModelRunnerOutput:
@@ -574,17 +549,11 @@ class ModelRunner:
 
     def _record(self, flight: DispatchedStep, sampled: np.ndarray) -> ModelRunnerOutput:
         """Advance the rows' host state by the step's results; the runner's output."""
-        step = flight.step
-        b, host = self.input_batch, step.host
+        host = flight.step.host
         kept = self._verify(host, sampled)
         num_kept = np.fromiter(map(len, kept), np.int32, len(kept))
-        rows = host.rows[host.samples]
-        num_before = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        b.num_tokens[rows] += num_kept[host.samples] - 1  # accepted drafts: already in token_ids
-        b.append_sampled(rows, sampled[[k[-1] for k, ok in zip(kept, host.samples) if ok]].astype(np.int32),
-                         num_before)
-        # a sampling row's K/V is computed up to its latest token (rejected drafts' is to be overwritten)
-        b.num_computed_tokens[host.rows] = np.where(host.samples, b.num_tokens[host.rows] - 1, host.seq_lens)
+        last = sampled[[k[-1] for k, ok in zip(kept, host.samples) if ok]].astype(np.int32)
+        self.input_batch.record_step(host.rows, host.samples, host.seq_lens, num_kept, last)
         result = self._results(flight, sampled, kept)
         self._propose(result)
         return result
