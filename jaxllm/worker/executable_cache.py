@@ -27,6 +27,7 @@ import os
 import pickle
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import jax
@@ -57,6 +58,11 @@ MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
 # deserializing alone (CPU, 2026-11-29): the lock does not remove that crash, whose cause
 # is not known yet (a stored executable that cannot be loaded back is one suspect).
 _DESERIALIZING = threading.Lock()
+# Executables this process stored or loaded, while a runner holds them (file and devices
+# -> Compiled): a second engine of the same configuration in the process (the tests make
+# many) shares them instead of deserializing each again. Both crashes above were such
+# a second engine deserializing what a live one had loaded.
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _source_files(path: Path) -> list[Path]:
@@ -150,6 +156,9 @@ class ExecutableStore:
     def _path(self, name: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{self.prefix}-{name}.bin"
 
+    def _key(self, path: Path) -> tuple:
+        return str(path), None if self.devices is None else tuple(d.id for d in self.devices)
+
     def load(self, name: str):
         """The compiled executable stored under `name`, or None."""
         from jax.experimental import serialize_executable
@@ -157,11 +166,15 @@ class ExecutableStore:
         path = self._path(name)
         if path is None or not path.is_file():
             return None
+        key = self._key(path)
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             with _DESERIALIZING:
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                     execution_devices=self.devices)
+                compiled = _LOADED.get(key)
+                if compiled is None:
+                    payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                         execution_devices=self.devices)
+                    _LOADED[key] = compiled
             os.utime(path)  # recently used: pruned last
             return compiled
         except Exception as e:  # a truncated file, or an executable this jaxlib cannot load
@@ -175,6 +188,7 @@ class ExecutableStore:
         path = self._path(name)
         if path is None:
             return
+        _LOADED[self._key(path)] = compiled  # this process's next engine of the same shapes takes it as it is
         try:
             self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))
         except Exception as e:  # serialization unsupported here, or a read-only cache
