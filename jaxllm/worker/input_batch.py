@@ -25,6 +25,7 @@ class InputBatch:
         r = max_num_seqs
         self.max_num_seqs = max_num_seqs
         self.row_of: dict[str, int] = {}
+        self.num_removed = 0  # requests removed so far (a row may hold another request since)
         self.free_rows = list(range(r - 1, -1, -1))
         self.token_ids = np.zeros((r, max_model_len), np.int32)
         self.num_tokens = np.zeros(r, np.int32)  # prompt + sampled so far (with a step in flight's tokens)
@@ -109,6 +110,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.free_rows.append(row)
+            self.num_removed += 1
 
     def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
         """Append blocks to the row's tables, one list per KV cache group."""

@@ -107,6 +107,7 @@ class DispatchedStep:
     # another request by the time the results are recorded)
     logprobs: Int[np.ndarray, "S"]
     prompt_logprobs: Int[np.ndarray, "S"]
+    num_removed: int  # InputBatch.num_removed then: while it is unchanged, every row holds its request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,7 +425,7 @@ class ModelRunner:
         out = self._call(step)
         b = self.input_batch
         flight = DispatchedStep(step, out, t0, time.perf_counter(), b.logprobs[step.host.rows],
-                                b.prompt_logprobs[step.host.rows])  # copies (fancy indexing)
+                                b.prompt_logprobs[step.host.rows], b.num_removed)  # copies (fancy indexing)
         if self.async_scheduling:
             self._advance_rows(step)
         return flight
@@ -491,11 +492,16 @@ class ModelRunner:
             b.record_known(host.rows[owned], host.seq_lens[owned], ids[:, :n][:, owned], counts[owned])
         else:
             b.record_loop(host.rows, host.seq_lens, ids[:, :n], counts)
-        return self._results(flight, ids.reshape(-1), [i + s * np.arange(c) for i, c in enumerate(counts)])
+        tokens = [col[:c] for col, c in zip(ids[:, :n].T.tolist(), counts.tolist())]
+        kept = ([i + s * np.arange(c) for i, c in enumerate(counts)] if flight.step.step_inputs.sampling.any_logprobs
+                else None)  # sample rows of ids.reshape(-1), for the logprobs
+        return self._results(flight, ids.reshape(-1), kept, tokens)
 
     def _owned(self, flight: DispatchedStep, idx: Int[np.ndarray, "N"]) -> Bool[np.ndarray, "N"]:
         """Which of the step's rows `idx` still hold the requests they held at dispatch."""
         b, step = self.input_batch, flight.step
+        if b.num_removed == flight.num_removed:  # no request left: the rows are as they were
+            return np.ones(len(idx), bool)
         return np.fromiter((b.row_of.get(step.req_ids[i]) == step.host.rows[i] for i in idx), bool, len(idx))
 
     def prepare_step(self, sched: SchedulerOutput, bitmask: Int[np.ndarray, "R W"] | None = None) -> PreparedStep:
@@ -537,10 +543,12 @@ class ModelRunner:
                                       np.ones(len(owned), np.int32))
         return self._results(flight, sampled, self._verify(host, sampled))
 
-    def _results(self, flight: DispatchedStep, sampled: np.ndarray, kept: list) -> ModelRunnerOutput:
-        """The runner's output: each row's kept tokens, with the logprobs asked."""
+    def _results(self, flight: DispatchedStep, sampled: np.ndarray, kept: list | None,
+                 tokens: list[list[int]] | None = None) -> ModelRunnerOutput:
+        """The runner's output: each row's kept tokens (`tokens`, or those of its sample
+        rows `kept`, which the logprobs need), with the logprobs asked."""
         step, out, host = flight.step, flight.out, flight.step.host
-        result = ModelRunnerOutput(step.req_ids, [sampled[k].tolist() for k in kept])
+        result = ModelRunnerOutput(step.req_ids, tokens if tokens is not None else [sampled[k].tolist() for k in kept])
         if step.step_inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, flight.logprobs, kept)
         if step.step_inputs.any_prompt_logprobs:
