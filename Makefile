@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-dev serve test test-slow bench bench-isa bench-quant clean
+.PHONY: setup setup-dev serve test test-slow lint bench bench-isa bench-quant clean
 
 $(PY):
 	@test -n "$(PYTHON)" || { echo "error: no Python 3.12+ found (see scripts/find_python.sh)"; exit 1; }
@@ -36,16 +36,18 @@ setup-dev: $(VENV)/.setup-dev
 serve: setup
 	$(PY) -m jaxllm.serve $(ARGS)
 
-# Two workers where there are two cores (pytest-xdist; a test file stays on one worker, so its
-# module fixtures start once): the default run in ~11 min instead of ~17 on 2 cores.
+# ruff first (its rules: pyproject.toml), then the default tests on a worker per core, up to
+# four (pytest-xdist; a test file stays on one worker, so its module fixtures start once).
 test: setup-dev
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(ARGS)
+
+lint: setup-dev
+	$(PY) -m ruff check .
 
 test-slow: setup-dev
 	$(PY) -m pytest -q -m slow -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
-# Everything in docs/benchmarks.md, into bench_results/ (about 2 hours on 2 cores): the
-# native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
 # the embedded SmolLM2 GGUF (Q4_1): what jaxllm runs by default, and llama-server's baseline
 DEFAULT_GGUF = $$($(PY) -c "from jaxllm.loaders import default_model_path; print(default_model_path())")
 
@@ -95,6 +97,8 @@ bench-quant: setup-dev
 	$(PY) scripts/bench_serving.py --launch "$(SMALL_POOL) --kv-cache-dtype int8" --compare-launch "$(SMALL_POOL)" \
 	  --dataset shared-prefix --num-prompts 128 --max-concurrency 64 --out bench_results/small_pool_int8_kv_shared_prefix
 
+# Everything in docs/benchmarks.md, into bench_results/ (about 2 hours on 2 cores): the
+# native build, then the AVX2 one (`--isa avx2`: as on an AVX2-only CPU; skipped off x86-64).
 bench: bench-isa bench-quant
 	$(PY) scripts/bench_host.py --decode-steps 1,4,8 --out bench_results/host.json
 	$(PY) scripts/bench_batch1.py --decode-steps 1,4,8 > bench_results/batch1.txt

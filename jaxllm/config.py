@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from jaxllm.kv_cache_groups import KVCacheGroups, kv_cache_groups
 
@@ -206,7 +207,7 @@ class ModelConfig:
     # ----------------------------------------------------------------- readers
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from the dict of an HF config.json (transformers 4 or 5 form)."""
         architecture = _hf_architecture(hf, source)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
@@ -241,7 +242,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"{source}: missing required field {e.args[0]!r}") from None
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":
+    def from_hf_folder(cls, folder: str | Path) -> ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no config.json in the model folder")
@@ -252,7 +253,7 @@ class ModelConfig:
         return cls.from_hf_config(hf, source=str(path))
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF") -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "GGUF") -> ModelConfig:
         """Build from GGUF key/value metadata (already decoded to Python values)."""
         arch = meta.get("general.architecture")
         gguf_archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -397,7 +398,7 @@ def _gguf_gemma_fields(arch: str, get, num_heads: int, hidden_size: int, head_di
     sliding = list(pattern) if isinstance(pattern, (list, tuple)) else [(i + 1) % int(pattern) != 0
                                                                         for i in range(layers)]
     big = layers == (62 if arch == "gemma3" else 46)  # the 27B models
-    cap = lambda key: _optional_float(get(key, None))  # noqa: E731
+    cap = lambda key: _optional_float(get(key, None))
     return dict(
         sliding_window=int(get("attention.sliding_window")),
         layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),

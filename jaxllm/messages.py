@@ -66,7 +66,7 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
-    def first(self, n: int) -> "LogprobsLists":
+    def first(self, n: int) -> LogprobsLists:
         """The rows of the first `n` positions (itself if it has no more)."""
         if len(self.ranks) <= n:
             return self
@@ -100,7 +100,7 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
 
-    def __add__(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
         a, b = self.accepted_per_pos, other.accepted_per_pos
         width = max(len(a), len(b))
         a, b = a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
@@ -108,7 +108,7 @@ class SpecDecodingStats:
                                  self.num_accepted_tokens + other.num_accepted_tokens,
                                  tuple(x + y for x, y in zip(a, b)))
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> "SpecDecodingStats":
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> SpecDecodingStats:
         """These totals after one verification of `num_draft_tokens` drafts, the first
         `num_accepted` of them accepted."""
         per_pos = list(self.accepted_per_pos) + [0] * max(0, num_draft_tokens - len(self.accepted_per_pos))
@@ -116,10 +116,6 @@ class SpecDecodingStats:
             per_pos[i] += 1
         return SpecDecodingStats(self.num_drafts + 1, self.num_draft_tokens + num_draft_tokens,
                                  self.num_accepted_tokens + num_accepted, tuple(per_pos))
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -69,11 +69,10 @@ def activation_dtype(param_dtype) -> jnp.dtype:
     float32 on the CPU platform whatever the weights are, the weights' dtype elsewhere.
 
     XLA:CPU runs bfloat16 arithmetic outside its dots by converting each operation to
-    float32 and back: a step all in bfloat16 measured 4.5x slower than float32 (Intel
-    Xeon, AVX-512 + AMX, 2 vCPUs), while bfloat16 weights with float32 activations, each
-    projection's input rounded to bfloat16 and accumulated in float32, measured 2.4x
-    faster on prompt scoring (docs/benchmarks.md). The cpu attention kernel then runs
-    as for a float32 model."""
+    float32 and back, so a step all in bfloat16 is slower than float32, while bfloat16
+    weights with float32 activations (each projection's input rounded to bfloat16 and
+    accumulated in float32) are faster (docs/bench-log/2026-11-24..27-evaluation.md). The
+    cpu attention kernel then runs as for a float32 model."""
     if jax.default_backend() == "cpu":
         return jnp.dtype(jnp.float32)
     return jnp.dtype(param_dtype)

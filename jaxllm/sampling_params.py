@@ -105,6 +105,9 @@ class SamplingParams:
             integer("max_tokens", self.max_tokens)
             if self.max_tokens < 0:
                 fail("max_tokens", f"must be non-negative (0 scores the prompt only), got {self.max_tokens}")
+            if self.max_tokens == 0 and self.prompt_logprobs is None:
+                fail("max_tokens", "0 generates nothing: it is only valid with prompt_logprobs set, to score the "
+                                   "prompt")
         integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             fail("min_tokens", f"must be non-negative, got {self.min_tokens}")
@@ -146,5 +149,5 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)

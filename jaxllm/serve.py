@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -21,20 +22,23 @@ from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
 from jaxllm.engine.protocol import EngineCoreStartError
 from jaxllm.entrypoints.openai.tools import PARSERS
 from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
-from jaxllm.lora.request import LoRARequest
 from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
+from jaxllm.lora.request import LoRARequest
+
+API_KEY_ENV = "JAXLLM_API_KEY"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags: the engine's options (EngineConfig's fields), then its own."""
     p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cli_args(p)  # the engine's options, from EngineConfig's fields
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"), help="required bearer token (or JAXLLM_API_KEY)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--api-key", default=None, help=f"bearer token every request must carry (default: ${API_KEY_ENV})")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before 503s")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="the largest request body (413 beyond)")
     p.add_argument("--engine-hang-timeout", type=float, default=60.0,
                    help="seconds without a word from a busy engine core before /health says 503")
     p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
@@ -47,8 +51,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LoRA adapters (PEFT folders) to load at start-up, as name=path or vLLM's JSON "
                         "'{\"name\": ..., \"path\": ...}'; a request picks one by `model` (needs --enable-lora)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
-                   help="jaxllm's log level (default: JAXLLM_LOG_LEVEL, else info); debug also shows the libraries'")
-    return p.parse_args(argv)
+                   help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV)
+    return args
+
+
+def options_markdown() -> str:
+    """README's options table, from the parser: each flag, the `LLM(...)` keyword it is
+    (the engine's options), its default and its help."""
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    rows = ["| flag | `LLM(...)` | default | what |", "|---|---|---|---|"]
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flags = ", ".join(f"`{flag}`" for flag in action.option_strings if flag != f"--no-{action.dest}")
+        keyword = f"`{action.dest}`" if action.dest in engine else ""
+        default = "" if action.default is None or action.default == [] else f"`{action.default}`"
+        what = action.help or ""
+        if action.choices:
+            what += f"; one of {', '.join(f'`{c}`' for c in action.choices if c is not None)}"
+        what = what.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        rows.append(f"| {flags} | {keyword} | {default} | {what} |")
+    return "\n".join(rows) + "\n"
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -14,7 +14,6 @@ configuration and every (num_tokens, max_num_seqs) bucket it compiles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable
 
 import jax

@@ -80,7 +80,7 @@ def write_kv_cache(
     v: Float[Array, "T Hkv hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    slot_mapping: Int[Array, "T"],
+    slot_mapping: Int[Array, " T"],
     *,
     interpret: bool = False,
     block_t: int = 32,

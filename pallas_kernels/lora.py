@@ -37,7 +37,7 @@ __all__ = ["lora_shrink", "lora_expand", "lora_reference"]
 
 
 def lora_reference(x: Float[Array, "M K"], a: Float[Array, "K L P R"], bs: tuple[Float[Array, "L R _"], ...],
-                   slots: Int[Array, "M"]) -> Float[Array, "M NP"]:
+                   slots: Int[Array, " M"]) -> Float[Array, "M NP"]:
     """The oracle: each row through its slot's A and B (zeros for slot 0), every part's
     columns concatenated, in float32, returned in x's dtype."""
     m, k = x.shape
@@ -128,7 +128,7 @@ def _precision(dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "interpret"))
-def lora_shrink(x: Float[Array, "M K"], a: Float[Array, "K L P R"], slots: Int[Array, "M"], *,
+def lora_shrink(x: Float[Array, "M K"], a: Float[Array, "K L P R"], slots: Int[Array, " M"], *,
                 block_m: int | None = None, block_k: int | None = None, interpret: bool = False
                 ) -> Float[Array, "M P R"]:
     """Each row of x times its slot's A, for every part: [M, P, R] float32 (zeros for
@@ -150,7 +150,7 @@ def lora_shrink(x: Float[Array, "M K"], a: Float[Array, "K L P R"], slots: Int[A
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "interpret"))
-def lora_expand(s: Float[Array, "M R"], b: Float[Array, "L R N"], slots: Int[Array, "M"], *, out_dtype=None,
+def lora_expand(s: Float[Array, "M R"], b: Float[Array, "L R N"], slots: Int[Array, " M"], *, out_dtype=None,
                 block_m: int | None = None, block_n: int | None = None, interpret: bool = False
                 ) -> Float[Array, "M N"]:
     """Each shrunk row times its slot's B: [M, N] of `out_dtype` (default: b's)."""

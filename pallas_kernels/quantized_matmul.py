@@ -43,7 +43,7 @@ __all__ = ["quantized_matmul", "quantized_matmul_reference", "default_blocks", "
 
 
 def quantized_matmul_reference(
-    x: Float[Array, "M K"], q: Int8[Array, "K N"], scale: Float[Array, "N"] | Float[Array, "G N"],
+    x: Float[Array, "M K"], q: Int8[Array, "K N"], scale: Float[Array, " N"] | Float[Array, "G N"],
     mins: Float[Array, "G N"] | None = None, *, group: int = 0,
 ) -> Float[Array, "M N"]:
     """The oracle: ``x @ W`` in float32 over the dequantized matrix (each weight
@@ -152,7 +152,7 @@ def build_quantized_matmul_call(*, m: int, n: int, k: int, group: int, has_mins:
 @functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "out_dtype", "interpret"))
 def quantized_matmul(
-    x: Float[Array, "M K"], q: Int8[Array, "K N"], scale: Float[Array, "N"] | Float[Array, "G N"],
+    x: Float[Array, "M K"], q: Int8[Array, "K N"], scale: Float[Array, " N"] | Float[Array, "G N"],
     mins: Float[Array, "G N"] | None = None, *, group: int = 0, block_m: int | None = None,
     block_n: int | None = None, block_k: int | None = None, split_k: int = 1, num_warps: int | None = None,
     num_stages: int = 2, out_dtype=None, interpret: bool = False,

@@ -110,12 +110,12 @@ def num_work_items(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
 
 
 def ragged_work_items(
-    query_start_loc: Int[Array, "S1"],  # S + 1 offsets (S itself is not an argument here)
-    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    query_start_loc: Int[Array, " S1"],  # S + 1 offsets (S itself is not an argument here)
+    num_seqs: Int[Array, ""] | Int[Array, 1] | int,
     *,
     num_tokens: int,
     block_q: int,
-) -> tuple[Int[Array, "W"], Int[Array, "W"]]:
+) -> tuple[Int[Array, " W"], Int[Array, " W"]]:
     """List the query tiles of a ragged batch as (seq id, tile index within the seq).
 
     Entries past the real number of tiles have seq id -1. Padding sequences
@@ -345,10 +345,10 @@ def ragged_paged_attention(
     q: Float[Array, "T H hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    kv_lens: Int[Array, "S"],
+    kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S+1"],
-    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    query_start_loc: Int[Array, " S+1"],
+    num_seqs: Int[Array, ""] | Int[Array, 1] | int,
     *,
     sm_scale: float,
     sliding_window: int | None = None,

@@ -72,7 +72,7 @@ def check_kv_cache_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     return scaled
 
 
-def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, "1"] | int) -> Int[Array, ""]:
+def _num_seqs_scalar(num_seqs: Int[Array, ""] | Int[Array, 1] | int) -> Int[Array, ""]:
     return jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (-1,))[0]
 
 
@@ -80,10 +80,10 @@ def ragged_paged_attention_reference(
     q: Float[Array, "T H hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    kv_lens: Int[Array, "S"],
+    kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S+1"],
-    num_seqs: Int[Array, ""] | Int[Array, "1"] | int,
+    query_start_loc: Int[Array, " S+1"],
+    num_seqs: Int[Array, ""] | Int[Array, 1] | int,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -158,7 +158,7 @@ def write_kv_cache_reference(
     v: Float[Array, "T Hkv hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    slot_mapping: Int[Array, "T"],
+    slot_mapping: Int[Array, " T"],
     *,
     interpret: bool = False,  # signature parity with the kernel; unused
 ) -> tuple[Shaped[Array, "N B Hkv hd"], Shaped[Array, "N B Hkv hd"]]:

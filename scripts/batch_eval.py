@@ -219,7 +219,7 @@ def load_results(path: Path) -> dict[RequestId, dict[str, Any]]:
             results[record["id"]] = record
         except (ValueError, KeyError, TypeError):
             if offset + len(raw) < len(data):
-                raise SystemExit(f"{path}:{number}: not a result line; refusing to append to this file")
+                raise SystemExit(f"{path}:{number}: not a result line; refusing to append to this file") from None
             print(f"{path}:{number}: dropping a torn last line from an interrupted run", file=sys.stderr)
             with path.open("r+b") as f:
                 f.truncate(offset)

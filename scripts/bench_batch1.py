@@ -63,8 +63,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens between the short and the long generation")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
-    from jaxllm import LLM
     from bench_host import machine
+
+    from jaxllm import LLM
 
     prompt = list(range(100, 132))
     results = {"machine": machine()}

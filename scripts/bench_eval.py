@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_serving import LaunchedServer  # noqa: E402
+from bench_serving import LaunchedServer  # noqa: E402 (a sibling script: importable once scripts/ is on the path)
 
 TASKS_DIR = ROOT / "scripts" / "eval_tasks" / "lm_eval"
 

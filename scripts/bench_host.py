@@ -156,7 +156,7 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
         core.step()
     timers.seconds = dict.fromkeys(PHASES, 0.0)
     st = runner.stats
-    model_steps = lambda: getattr(st, "num_model_steps", st.num_steps)  # noqa: E731 (an older runner: one each)
+    model_steps = lambda: getattr(st, "num_model_steps", st.num_steps)
     dev0, post0, n0, m0 = st.device_seconds, st.post_seconds, st.num_steps, model_steps()
     t0 = time.perf_counter()
     while model_steps() - m0 < steps:
@@ -223,7 +223,7 @@ def table(name: str, results: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]
     p.add_argument("--layers", type=ints, default=[1, 30], help="model depths (comma-separated)")
     p.add_argument("--model", type=Path, default=None,
                    help="an HF folder to run instead of the tiny models (--layers ignored), e.g. "

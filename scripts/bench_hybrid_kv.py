@@ -26,15 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxllm.attention.kv_cache import kv_cache_format  # noqa: E402
-from jaxllm.core.request import Request  # noqa: E402
-from jaxllm.core.scheduler import Scheduler  # noqa: E402
-from jaxllm.engine.config import EngineConfig  # noqa: E402
-from jaxllm.engine.core import make_kv_cache_manager, plan_cache  # noqa: E402
-from jaxllm.loaders.default_model import model_path  # noqa: E402
-from jaxllm.loaders.gguf_loader import GGUFFile  # noqa: E402
-from jaxllm.messages import ModelRunnerOutput  # noqa: E402
-from jaxllm.sampling_params import SamplingParams  # noqa: E402
+from jaxllm.attention.kv_cache import kv_cache_format
+from jaxllm.core.request import Request
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.core import make_kv_cache_manager, plan_cache
+from jaxllm.loaders.default_model import model_path
+from jaxllm.loaders.gguf_loader import GGUFFile
+from jaxllm.messages import ModelRunnerOutput
+from jaxllm.sampling_params import SamplingParams
 
 
 def prompts(cfg, args) -> list[list[int]]:

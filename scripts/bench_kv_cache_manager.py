@@ -86,7 +86,8 @@ def bench_mixed_ops(num_ops: int, block_size: int, num_blocks: int, enable_cachi
             next_id += 1
             manager.check_fits(request)
             t0 = clock()
-            hits, num_hit_tokens = manager.get_computed_blocks(request)
+            hits = manager.longest_cache_hit(request)  # the whole-block lookup
+            num_hit_tokens = len(hits) * manager.block_size
             new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits)
             elapsed += clock() - t0
             ops += 2
@@ -135,7 +136,8 @@ def bench_decode_steps(
     num_blocks = num_requests * (-(-max_len // block_size)) + 1
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
     for request in requests:
-        hits, num_hit_tokens = manager.get_computed_blocks(request)
+        hits = manager.longest_cache_hit(request)
+        num_hit_tokens = len(hits) * manager.block_size
         assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits) is not None
         request.num_computed_tokens = request.num_tokens
         request.append_output_token_ids(rng.randrange(32000))

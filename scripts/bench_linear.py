@@ -86,7 +86,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
 
     from jaxllm import cpu_kernels
     from jaxllm.models.linear import linear, pack_weight
-    from jaxllm.models.quant import dequantize, activation_quantization_ready, quantize_weight
+    from jaxllm.models.quant import activation_quantization_ready, dequantize, quantize_weight
 
     rng = np.random.default_rng(0)
     print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "

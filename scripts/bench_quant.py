@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from batch_eval import is_correct
 from isa_build import ISAS, describe, reexec
 

@@ -50,7 +50,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
 from isa_build import ISAS, describe, reexec
 
 # ----------------------------------------------------------------- datasets
@@ -266,7 +265,7 @@ class LaunchedServer:
             if log:
                 log.close()
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -298,7 +297,7 @@ class LaunchedLlamaServer(LaunchedServer):
         self.cmd = [binary, "-m", gguf, "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                     "-t", str(os.cpu_count()), "--cont-batching", *extra]
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
         if self.log_path:

@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
+import httpx
 
-from jaxllm import LLM, SamplingParams  # noqa: E402
+from jaxllm import LLM, SamplingParams
 
 CODE = '''def load_config(path):
     with open(path) as f:
@@ -114,7 +114,7 @@ def run_jaxllm(args) -> dict:
         for task, params in tasks:  # (and each schema its grammar's compilation)
             llm.chat([chat(task)], params, use_tqdm=False)
     before = engines["ngram"].llm_engine.core.scheduler.spec_stats
-    seconds, tokens, texts = {k: 0.0 for k in engines}, {k: 0 for k in engines}, {k: [] for k in engines}
+    seconds, tokens, texts = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), {k: [] for k in engines}
     for _ in range(args.rounds):
         for task, params in tasks:
             for name, llm in engines.items():
@@ -151,7 +151,7 @@ def run_llama_server(args) -> dict:
     """Tokens per second of llama-server on the same chats, one at a time: without
     speculation and with its n-gram lookup."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_serving import LaunchedLlamaServer  # noqa: E402
+    from bench_serving import LaunchedLlamaServer
 
     from jaxllm.loaders.default_model import model_path
 
@@ -163,17 +163,17 @@ def run_llama_server(args) -> dict:
                                     "--spec-ngram-simple-size-m", str(args.num_speculative_tokens),
                                     "--spec-draft-n-max", str(args.num_speculative_tokens)]
     for name, extra in variants.items():
-        with LaunchedLlamaServer(args.llama_server, gguf, 1, ctx_per_slot=args.max_model_len, extra=extra) as server:
-            with httpx.Client(base_url=server.url, timeout=600) as client:
-                body = lambda task: {"messages": chat(task), "max_tokens": args.max_tokens, "temperature": 0}  # noqa: E731
-                client.post("/v1/chat/completions", json=body(TASKS[0]))
-                seconds = tokens = 0.0
-                for _ in range(args.rounds):
-                    for task in TASKS:
-                        start = time.perf_counter()
-                        r = client.post("/v1/chat/completions", json=body(task)).json()
-                        seconds += time.perf_counter() - start
-                        tokens += r["usage"]["completion_tokens"]
+        with (LaunchedLlamaServer(args.llama_server, gguf, 1, ctx_per_slot=args.max_model_len, extra=extra) as server,
+              httpx.Client(base_url=server.url, timeout=600) as client):
+            body = lambda task: {"messages": chat(task), "max_tokens": args.max_tokens, "temperature": 0}
+            client.post("/v1/chat/completions", json=body(TASKS[0]))
+            seconds = tokens = 0.0
+            for _ in range(args.rounds):
+                for task in TASKS:
+                    start = time.perf_counter()
+                    r = client.post("/v1/chat/completions", json=body(task)).json()
+                    seconds += time.perf_counter() - start
+                    tokens += r["usage"]["completion_tokens"]
         results[name] = tokens / seconds
     results["ngram"] = max(v for k, v in results.items() if k.startswith("ngram "))  # its best
     return results

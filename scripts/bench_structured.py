@@ -74,7 +74,6 @@ def bench_llguidance(tokenizer, vocab: int, specs: list[dict], rows: int, steps:
     import llguidance
     import llguidance.hf
     import llguidance.numpy
-    import numpy as np
 
     t = time.perf_counter()
     ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
@@ -229,6 +228,7 @@ def main() -> None:
     p.add_argument("--skip-serving", action="store_true")
     args = p.parse_args()
     from isa_build import describe
+
     from jaxllm.loaders import load_model
 
     specs = schemas()

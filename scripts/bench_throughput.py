@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from isa_build import ISAS, describe, reexec
 
 HERE = Path(__file__).resolve()

@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_test_model import write_gguf  # noqa: E402
+from make_test_model import write_gguf
 
-from jaxllm.loaders import load_model  # noqa: E402
-from jaxllm.loaders.hf import save_hf_folder  # noqa: E402
+from jaxllm.loaders import load_model
+from jaxllm.loaders.hf import save_hf_folder
 
 
 def main() -> None:

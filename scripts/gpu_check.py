@@ -74,6 +74,7 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     kernel_tests = pytest + ["tests/test_pallas_ragged_paged_attention.py"] + (
         ["-m", "", "-k", "not full_grid"] if gpu else ["-k", "matches_reference"])
     small = models / ("llama-3.2-1b" if gpu else "llama")
+    full = str(models / "llama-3.2-1b-full")
     tokens_code = f"import tests.multidevice as m; m.platform_tokens_match({str(small)!r})"
     q8_0_code = (f"import tests.multidevice as m; "
                  f"m.platform_tokens_match({str(small)!r}, quantization='q8_0', attention='xla')")
@@ -81,7 +82,6 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
                    "--model", full, "--compare-async", "--compare-decode-steps", "1"] if gpu else
                   [py, "scripts/bench_throughput.py", "--num-requests", "16", "--skip-startup", "--skip-hf",
                    "--compare-async"])
-    full = str(models / "llama-3.2-1b-full")
     # issue 57's figures: host work and the device's idle share per decode step at 1, 64 and 256
     # sequences, single steps against multi-step decode; batch-1 decode against the weights' read floor
     host = ([py, "scripts/bench_host.py", "--model", full, "--dtype", "bfloat16", "--seqs", "1,64,256",
@@ -142,7 +142,7 @@ def make_models(models: Path, gpu: bool, full: bool = False) -> None:
     shapes: 2 layers for the TP check); with `full`, all 16 layers for the throughput
     benchmark (made only when a check that needs them runs)."""
     script = ROOT / "scripts" / "make_test_model.py"
-    run = lambda *a: subprocess.run([sys.executable, str(script), *a], check=True, capture_output=True)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], check=True, capture_output=True)
     if full:
         if gpu and not (models / "llama-3.2-1b-full").exists():
             run(str(models / "full"), "--arch", "llama-3.2-1b")
@@ -197,7 +197,7 @@ def main() -> None:
                    help="seconds for the whole run: each check's limit is cut to what is left, later ones skipped")
     args = p.parse_args()
     start = time.perf_counter()
-    left = lambda: (args.deadline or float("inf")) - (time.perf_counter() - start)  # noqa: E731
+    left = lambda: (args.deadline or float("inf")) - (time.perf_counter() - start)
     backend, n, kind = platform()
     machine = f"{backend}, {n} x {kind}"
     print(f"gpu_check on {machine}" + ("" if backend == "gpu" else ": no GPU, CUDA-only parts skipped"), flush=True)

@@ -237,7 +237,7 @@ def save_weights(folder: Path, weights: dict, shards: int) -> None:
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: weights[n] for n in names[s::shards]}
         save_file(part, str(folder / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
+        weight_map.update(dict.fromkeys(part, fname))
     total = sum(a.nbytes for a in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -451,7 +451,7 @@ def _scaled_8bit(w: np.ndarray, scheme: str, block: tuple[int, int]) -> tuple[di
     fp8, asym = scheme.startswith("fp8"), scheme.endswith("-asym")
     step = (hi - lo) / 255 if asym else amax / (448 if fp8 else 127)
     scale = np.where(step > 0, step, 1).astype(np.float32 if fp8 else ml_dtypes.bfloat16)
-    spread = lambda a: np.repeat(np.repeat(a, rows, 0), cols, 1)  # noqa: E731
+    spread = lambda a: np.repeat(np.repeat(a, rows, 0), cols, 1)
     s = spread(scale.astype(np.float32))
     zero = np.clip(np.round(-lo / scale.astype(np.float32)) - 128, -128, 127).astype(np.int32) if asym else None
     z = 0 if zero is None else spread(zero)

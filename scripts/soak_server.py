@@ -65,10 +65,7 @@ API_KEY = "soak-key"
 HERE = Path(__file__).resolve().parent
 MAX_EXAMPLES = 12  # failing requests kept per check in the report
 
-WORDS = ("the quick brown fox jumps over lazy dog and then runs far away from home while birds sing in tall "
-         "green trees near a quiet river where old men fish every morning before the sun rises above hills "
-         "of golden grass children play with red balls under blue sky people talk about weather markets news "
-         "stories music books films science history cities rivers mountains oceans islands").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "runs", "far", "away", "from", "home", "while", "birds", "sing", "in", "tall", "green", "trees", "near", "a", "quiet", "river", "where", "old", "men", "fish", "every", "morning", "before", "the", "sun", "rises", "above", "hills", "of", "golden", "grass", "children", "play", "with", "red", "balls", "under", "blue", "sky", "people", "talk", "about", "weather", "markets", "news", "stories", "music", "books", "films", "science", "history", "cities", "rivers", "mountains", "oceans", "islands"]
 STOPS = ["e", "a", ".", "\n", " the", "zq", "ing", "!"]
 
 
@@ -670,14 +667,14 @@ class Soak:
                 self.rss.append((time.monotonic() - t0, rss_kib(server_pid), rss_kib(core)))
                 try:
                     await asyncio.wait_for(stop_sampling.wait(), self.args.rss_interval)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
         async def progress() -> None:
             while not stop_sampling.is_set():
                 try:
                     await asyncio.wait_for(stop_sampling.wait(), 15)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     m = await get_metrics(client)
                     print(f"  t={time.monotonic() - t0:5.0f} s  requests {len(self.outcomes):5d}  running "
                           f"{m.get('jaxllm:num_requests_running', 0):.0f}  waiting {m.get('jaxllm:num_requests_waiting', 0):.0f}"
@@ -693,7 +690,7 @@ class Soak:
                 start = time.monotonic()
                 try:
                     out = await asyncio.wait_for(self.one(client, spec), self.args.request_deadline)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     out = Outcome(spec, kind="hang", elapsed=time.monotonic() - start)
                 except (httpx.HTTPError, RuntimeError) as e:
                     out = Outcome(spec, kind="broken", elapsed=time.monotonic() - start,
@@ -1106,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             soak.info["startup_s"] = round(server.start(), 1)
             asyncio.run(soak.run())
-        except Exception as e:  # noqa: BLE001 - reported, and the run fails
+        except Exception as e:
             import traceback
 
             error = f"{type(e).__name__}: {e}"

@@ -115,8 +115,8 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     device's; nothing compiles after warm-up. `async_scheduling` "1": the sharded
     engine schedules asynchronously (the one device's does not)."""
     from jaxllm import LLM
-    from jaxllm.loaders import load_model
     from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
+    from jaxllm.loaders import load_model
     from jaxllm.models.parallel import shard_config
 
     prompts, params = shared_prefix_batch()
@@ -202,9 +202,8 @@ def _multihost_config(folder: str, port: str, process_id: int):
 
 def multihost_leader(folder: str, port: str) -> None:
     """Process 0 of two (2 CPU devices each, TP=4 over both): greedy tokens as JSON."""
-    import json
-
     import dataclasses
+    import json
 
     from jaxllm import LLM, SamplingParams
 

@@ -16,8 +16,15 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.loaders import load_model
 from jaxllm.models.linear import grouped_linear, linear, pack_weight, quantized_activations, unpack_weight
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
-from jaxllm.models.quant import (activation_quantization_ready, dequantize, quantize_activations, quantize_grouped,
-                                 quantize_int8, quantize_weight, quantized_activation_matmul)
+from jaxllm.models.quant import (
+    activation_quantization_ready,
+    dequantize,
+    quantize_activations,
+    quantize_grouped,
+    quantize_int8,
+    quantize_weight,
+    quantized_activation_matmul,
+)
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]

@@ -205,3 +205,16 @@ def test_mixture_of_experts_configs():
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9 must be in 1..num_experts=8"):
         ModelConfig.from_hf_config(BASE | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
                                            "num_experts_per_tok": 9})
+
+
+def test_the_readme_options_table_is_current():
+    """README's options table is generated from the options' own help
+    (scripts/options_table.py); a new or changed option without a fresh table fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "scripts" / "options_table.py"), "--check"], cwd=root,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"README's options table is stale: run scripts/options_table.py\n{result.stderr}"

@@ -215,6 +215,11 @@ def test_validation_happens_before_anything_is_queued(pressured):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p: must be in"):
         SamplingParams(top_p=0)
+    # one rule offline and on the server (whose completions allow 0 with echo): nothing
+    # generated only where the prompt is scored
+    with pytest.raises(ValueError, match="max_tokens: 0 generates nothing: it is only valid with prompt_logprobs"):
+        SamplingParams(max_tokens=0)
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
     assert_no_leaks(pressured)
 
 
@@ -542,3 +547,18 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
         assert not copied & shapes, shape
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_profile_reads_the_step_by_name(test_models_dir):
+    """The model's parts are named scopes (jax.named_scope), so a profile or an HLO dump
+    of a step reads layer{i}/qkv_proj, /rope, /kv_write, /attention, /o_proj, /mlp and
+    logits."""
+    import re
+
+    runner = make_llm(test_models_dir).llm_engine.core.runner
+    text = runner.compilation.get(runner.buckets[0]).as_text()
+    names = set(re.findall(r'op_name="([^"]*)"', text))
+    for layer in ("layer0", "layer1"):  # layer1, the last, runs its o_proj and mlp on the sample rows (a cond)
+        for part in ("qkv_proj", "rope", "kv_write", "attention", "o_proj", "mlp"):
+            assert any(re.search(rf"\b{layer}/(.*/)?{part}/", name) for name in names), (layer, part)
+    assert any("logits/" in name for name in names)

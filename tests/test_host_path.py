@@ -20,9 +20,9 @@ from tests.test_engine import make_llm
 
 
 def _random_inputs(rng, t=8, s=4, mb=5, w=3, groups=1) -> StepInputs:
-    i32 = lambda *shape: rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)  # noqa: E731
-    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    b = lambda *shape: rng.random(shape) < 0.5  # noqa: E731
+    i32 = lambda *shape: rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    b = lambda *shape: rng.random(shape) < 0.5
     attn = tuple(AttentionMetadata(i32(t), i32(s, mb), i32(s), i32(s + 1), np.int32(3), np.int32(1))
                  for _ in range(groups))
     sampling = SamplingMetadata(

@@ -181,7 +181,7 @@ class HybridKVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.groups = kv_cache_groups([w for w in WINDOWS])
+        self.groups = kv_cache_groups(list(WINDOWS))
         self.manager = HybridKVCacheManager(NUM_BLOCKS, BLOCK_SIZE, self.groups, chunk=6)
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -275,7 +275,7 @@ class HybridKVCacheMachine(RuleBasedStateMachine):
         free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         assert len(free) == len(set(free)) == pool.free_block_queue.num_free_blocks
         holders: Counter[int] = Counter()
-        for g, (m, window) in enumerate(zip(self.manager.managers, self.groups.windows)):
+        for m, window in zip(self.manager.managers, self.groups.windows):
             assert set(m.req_to_blocks) == set(self.running)
             for request_id, request in self.running.items():
                 blocks = m.get_blocks(request_id)

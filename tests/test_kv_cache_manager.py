@@ -17,10 +17,17 @@ def make_request(request_id: str, prompt: list[int], **kwargs) -> Request:
     return Request(request_id=request_id, prompt_token_ids=list(prompt), **kwargs)
 
 
+def computed_blocks(manager: KVCacheManager, request: Request) -> tuple[list, int]:
+    """The request's cached whole blocks and their tokens, the lookup counted."""
+    hits = manager.longest_cache_hit(request)
+    manager.count_lookup(request, len(hits) * manager.block_size)
+    return hits, len(hits) * manager.block_size
+
+
 def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None):
     """Prefix-cache lookup + allocation of a whole prompt (or a first chunk), as the
     scheduler does; returns (hit blocks, hit tokens, new blocks)."""
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
+    hits, num_hit_tokens = computed_blocks(manager, request)
     if num_new_tokens is None:
         num_new_tokens = request.num_tokens - num_hit_tokens
     new_blocks = manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hits)
@@ -257,7 +264,7 @@ def test_stale_hits_are_rejected():
     compute(manager, a, 5)
     manager.free(a)
     b = make_request("b", [1, 2, 3, 4, 5])
-    hits, num_hit = manager.get_computed_blocks(b)
+    hits, num_hit = computed_blocks(manager, b)
     assert num_hit == 4
     thief = make_request("thief", [7] * 6)
     admit(manager, thief)  # evicts every free block, the hits included
@@ -274,7 +281,7 @@ def test_argument_errors():
         manager.allocate_slots(a, 1, num_new_computed_tokens=2)
     admit(manager, a)
     with pytest.raises(ValueError, match="already holds"):
-        manager.get_computed_blocks(a)
+        computed_blocks(manager, a)
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=8, block_size=0)
 
@@ -415,7 +422,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def schedule_waiting(self, data):
         request_id = data.draw(st.sampled_from(sorted(self.waiting)), label="waiting request")
         request = self.waiting[request_id]
-        hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+        hits, num_hit_tokens = computed_blocks(self.manager, request)
         self.record_hashes(request)
         assert num_hit_tokens == len(hits) * BLOCK_SIZE < request.num_tokens
         tokens = request.all_token_ids

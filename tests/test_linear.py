@@ -156,7 +156,7 @@ def test_float16_scales_give_the_sums_of_float32_ones(weights):
     name, _, a8 = name.partition("+")
     fmt, rng = QUANT_FORMATS[name], np.random.default_rng(7)
     k, n = 128, 70
-    one = lambda: quantize_blocks(rng.standard_normal((k, n)).astype(np.float32), fmt)  # noqa: E731
+    one = lambda: quantize_blocks(rng.standard_normal((k, n)).astype(np.float32), fmt)
     q = stack_experts([one() for _ in range(3)]) if experts else one()
     assert q.scale.dtype == np.float16 and (q.mins is None or q.mins.dtype == np.float16)
     q = q.map_arrays(jnp.asarray).replace(activations="int8" if a8 else "float")
@@ -169,9 +169,9 @@ def test_float16_scales_give_the_sums_of_float32_ones(weights):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         if experts:
             sizes = jnp.asarray([m // 3, 0, m - m // 3], jnp.int32)
-            call = lambda w: np.asarray(jax.jit(grouped_linear)(x, w, sizes))  # noqa: E731
+            call = lambda w, x=x, sizes=sizes: np.asarray(jax.jit(grouped_linear)(x, w, sizes))
         else:
-            call = lambda w: np.asarray(jax.jit(linear)(x, w))  # noqa: E731
+            call = lambda w, x=x: np.asarray(jax.jit(linear)(x, w))
         got = call(half)
         np.testing.assert_array_equal(got, call(full))
         if not a8:  # and the sums of the dequantized matrix packed as floats
@@ -251,7 +251,7 @@ def test_pack_params_of_a_tied_model_and_of_abstract_params(test_models_dir):
         got = np.asarray(logits_of(packed, h, jnp.int32(r)))
         np.testing.assert_array_equal(got[:r], full[:r])
         assert not got[r:].any()
-    spec = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)  # noqa: E731
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
     assert spec(pack_params(abstract_params(model.config, jnp.float32))) == spec(packed)
 
 

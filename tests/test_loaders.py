@@ -267,7 +267,7 @@ def test_peek_model_config_agrees_with_load_model(test_models_dir, tmp_path):
     folder = test_models_dir / "llama"
     loaded = load_model(folder)
     assert peek_model_config(folder) == loaded.config
-    spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)  # noqa: E731
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
     assert spec(abstract_params(loaded.config, jax.numpy.float32)) == spec(loaded.params)
 
     path = make_test_model.write_gguf(folder, tmp_path / "llama.gguf", "Q4_0")  # converted (Q8_0 is kept)

@@ -12,8 +12,8 @@ import torch
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.lora.peft import load_adapter
-from jaxllm.models.lora import lora_partition_specs
 from jaxllm.lora.request import LoRAConfig
+from jaxllm.models.lora import lora_partition_specs
 from tests.conftest import make_test_model
 
 peft = pytest.importorskip("peft")

@@ -114,7 +114,7 @@ def _bfloat16_hf_oracle(hf):
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    round_input = lambda module, args: (args[0].to(torch.bfloat16).to(torch.float32), *args[1:])  # noqa: E731
+    round_input = lambda module, args: (args[0].to(torch.bfloat16).to(torch.float32), *args[1:])
     for m in hf.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(round_input)
@@ -240,7 +240,7 @@ def _assert_pruned_branch_multiplies_sample_rows(cfg, params, t: int = 32, s: in
     forward, _ = model_functions(cfg, ragged_paged_attention_xla)
     fmt = kv_cache_format("auto", jnp.float32)
     caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim))
-    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
     md = AttentionMetadata(i32(t), i32(4, 2), i32(4), i32(5), i32(), i32())
     out = OutputRows(i32(s), i32(), jnp.zeros((), bool))
     rope = model_rope_table(cfg, 64)

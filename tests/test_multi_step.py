@@ -18,9 +18,9 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_params import StructuredOutputsParams
+from jaxllm.worker.buckets import StepShape, loop_buckets, token_buckets
 from jaxllm.worker.decode_loop import DecodeLimits, stops
 from jaxllm.worker.input_batch import STOP_WIDTH
-from jaxllm.worker.buckets import StepShape, loop_buckets, token_buckets
 from tests.test_async_scheduling import PROMPTS, _outputs, _params, assert_same_outputs, greedy
 from tests.test_engine import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 
@@ -127,6 +127,7 @@ def test_a_request_under_a_grammar_decodes_one_step_at_a_time(test_models_dir, s
 def test_lora(test_models_dir, tmp_path):
     """Adapters stay applied to each row over a loop's steps."""
     import make_test_model
+
     from jaxllm.lora.request import LoRARequest
 
     path = make_test_model.write_lora_adapter(test_models_dir / "llama", tmp_path / "a1", rank=8, seed=1, scale=0.5)
@@ -191,7 +192,7 @@ def test_the_scheduler_hands_over_steps_only_when_every_request_decodes():
 
 
 def test_the_device_stop_check():
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
     limits = DecodeLimits(max_steps=i32([8, 8, 8]), stop_token_ids=i32([[2, -1], [2, 3], [2, -1]]),
                           min_tokens=i32([0, 0, 5]), num_steps=i32(8))
     got = stops(limits, i32([0, 0, 3]), i32([2, 3, 2]))

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
-from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jaxllm.loaders.hf import load_hf_tokenizer
+from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jaxllm.outputs import Logprob
 from jaxllm.sampling_params import SamplingParams
 

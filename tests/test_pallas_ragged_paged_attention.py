@@ -271,7 +271,7 @@ def test_reference_matches_naive_attention():
     args, n_rows = make_batch(rng, specs, hq=4, hkv=2, d=16, bs=16, dtype=jnp.float32)
     q, kc, vc, kvl, bt, qsl, _ = (np.asarray(a) for a in args)
     out = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.25))
-    for s, (ql, kl) in enumerate(specs):
+    for s, (_, kl) in enumerate(specs):
         k = np.concatenate([kc[b] for b in bt[s]], axis=0)[:kl]
         v = np.concatenate([vc[b] for b in bt[s]], axis=0)[:kl]
         want = _naive_attention(q[qsl[s] : qsl[s + 1]], k, v, 0.25)

@@ -11,9 +11,17 @@ from safetensors.numpy import load_file
 
 from jaxllm.loaders import load_model
 from jaxllm.loaders.weights import build_params, hf_tensor_shapes, params_to_hf_tensors
-from jaxllm.models.params import fuse, shard_major, unfuse
 from jaxllm.models.linear import pack_params
-from jaxllm.models.params import PackedWeight, ParamDecl, abstract_params, declarations, partition_specs
+from jaxllm.models.params import (
+    PackedWeight,
+    ParamDecl,
+    abstract_params,
+    declarations,
+    fuse,
+    partition_specs,
+    shard_major,
+    unfuse,
+)
 from tests.conftest import ARCHITECTURES
 
 
@@ -62,7 +70,7 @@ def test_fused_projections_are_laid_out_shard_major(test_models_dir, on_host):
     q, k, v = (t[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
     gate, up = (t[p + f"mlp.{n}_proj.weight"].T for n in ("gate", "up"))
     for s in range(2):
-        half = lambda a: np.split(a, 2, axis=-1)[s]  # noqa: E731
+        half = lambda a, s=s: np.split(a, 2, axis=-1)[s]
         np.testing.assert_array_equal(half(wqkv), np.concatenate([half(q), half(k), half(v)], axis=-1))
         np.testing.assert_array_equal(half(w_gate_up), np.concatenate([half(gate), half(up)], axis=-1))
     np.testing.assert_array_equal(one.layers[1].wqkv, np.concatenate([q, k, v], axis=-1))

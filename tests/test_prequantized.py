@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 
 from jaxllm.loaders import load_model, peek_model_config
-from jaxllm.loaders.prequantized import (AWQ_ORDER, CheckpointQuantization, PrequantizedError, stored_projection,
-                                         unpack_int4)
+from jaxllm.loaders.prequantized import (
+    AWQ_ORDER,
+    CheckpointQuantization,
+    PrequantizedError,
+    stored_projection,
+    unpack_int4,
+)
 from jaxllm.loaders.scaled import read_scaled
 from jaxllm.models.linear import pack_weight
 from jaxllm.models.params import QuantizedWeight
@@ -60,7 +65,7 @@ def test_the_packed_layouts_unpack_as_gptq_and_awq_define_them():
     np.testing.assert_array_equal(asym.weight()[0], -8 - np.arange(-8, 0))
     # 8 bits (GPTQ-Int8): four values to a word along the inputs, zero points four to a word along the outputs
     gptq8 = CheckpointQuantization("gptq", 4, 1, bits=8)
-    byte_word = lambda values: np.array([sum(int(v) << (8 * j) for j, v in enumerate(values))],  # noqa: E731
+    byte_word = lambda values: np.array([sum(int(v) << (8 * j) for j, v in enumerate(values))],
                                         np.uint32).view(np.int32)[0]
     stored = {"m.qweight": np.full((1, 4), byte_word([0, 1, 2, 255])), "m.qzeros": np.array([[byte_word([127] * 4)]]),
               "m.scales": np.full((1, 4), 0.5, np.float16)}
@@ -89,7 +94,7 @@ def test_a_gptq_or_awq_checkpoint_is_kept_packed_and_bit_identical(test_models_d
     float_model = load_model(exact, "float32")
     np.testing.assert_array_equal(dequantize(w), float_model.params.layers[1].wqkv)
     assert isinstance(model.params.lm_head, QuantizedWeight) == lm_head  # else left in float, as stored
-    layers = lambda m: sum(a.nbytes for a in jax.tree.leaves(m.params.layers))  # noqa: E731
+    layers = lambda m: sum(a.nbytes for a in jax.tree.leaves(m.params.layers))
     assert layers(model) < layers(float_model) / 3  # int8 values until packed: the kernel's panels hold 4 bits
     assert pack_weight(w).panels.nbytes * 32 // bits == pack_weight(float_model.params.layers[1].wqkv).panels.nbytes
     dequantized = load_model(qc, "float32", quantization="none")

@@ -8,18 +8,27 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config import CHECKPOINT_METHODS, QUANTIZATIONS
 from jaxllm.engine.config import EngineConfig
 from jaxllm.loaders import load_model, peek_model_config
 from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import linear, pack_weight
-from jaxllm.config import CHECKPOINT_METHODS, QUANTIZATIONS
 from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, abstract_params, declare, map_declared
-from jaxllm.models.quant import (GGUF_INT8_TYPES, MIXED_GGUF_FORMATS, dequantize, gguf_container_parts, mixed_gguf_format,
-                                 param_bytes, quantize_blocks,
-                                 quantize_grouped, quantize_int8, quantize_params, quantized_config)
+from jaxllm.models.quant import (
+    GGUF_INT8_TYPES,
+    MIXED_GGUF_FORMATS,
+    dequantize,
+    gguf_container_parts,
+    mixed_gguf_format,
+    param_bytes,
+    quantize_blocks,
+    quantize_grouped,
+    quantize_int8,
+    quantize_params,
+    quantized_config,
+)
 from tests import multidevice
 from tests.conftest import ARCHITECTURES, MOE
-
 
 # engines with few step shapes and no attention measurement: the tests are of the weights
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
@@ -57,7 +66,7 @@ def test_int4_rounds_each_group_to_its_own_scale_and_min(name):
     deq = np.asarray(dequantize(qw))
     steps = np.repeat(qw.scale, fmt.group, axis=0)
     assert (np.abs(deq - w) <= steps / 2 * (1 + 1e-5) + 1e-6 * np.abs(w)).all()
-    group_min = lambda a: a.reshape(-1, fmt.group, 24).min(axis=1)  # noqa: E731
+    group_min = lambda a: a.reshape(-1, fmt.group, 24).min(axis=1)
     np.testing.assert_allclose(group_min(deq), group_min(w), rtol=0 if fmt.bits == 4 else 1e-6, atol=0)
     np.testing.assert_array_equal(deq[: fmt.group, 5], 0.25)
     on_device = quantize_grouped(jnp.asarray(w), fmt)
@@ -96,7 +105,7 @@ def test_the_declaration_says_what_is_quantized(test_models_dir, name):
     assert layer.wqkv and layer.wo and layer.w_gate_up and layer.w_down
     assert not (quantized.embed or layer.attn_norm or layer.mlp_norm or quantized.final_norm or layer.router)
     assert quantized.lm_head is None if cfg.tie_word_embeddings else quantized.lm_head
-    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)
     assert shapes(model.params) == shapes(abstract_params(cfg, jnp.float32))
     assert isinstance(model.params.layers[0].wqkv, QuantizedWeight)
     full = load_model(test_models_dir / name, "float32")
@@ -292,7 +301,7 @@ def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nd
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    halves = lambda k: rng.uniform(-0.05, 0.05, (len(blocks), k)).astype(np.float16).view(np.uint8)  # noqa: E731
+    halves = lambda k: rng.uniform(-0.05, 0.05, (len(blocks), k)).astype(np.float16).view(np.uint8)
     if type_name == "Q6_K":  # d last
         blocks[:, -2:] = halves(1)
     else:  # d (and a min or d_min) first
@@ -340,7 +349,7 @@ def test_a_tighter_container_holds_its_types_exactly(type_name, fmt):
         form.group, form.bits, form.mins, form.scale_dtype)
     np.testing.assert_array_equal(np.asarray(dequantize(qw)), theirs)
     packed, floats = pack_weight(qw.transposed()), pack_weight(jnp.asarray(theirs.T))
-    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))  # noqa: E731
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     assert nbytes(packed) < (0.2 if form.bits == 4 else 0.3) * nbytes(floats)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, cols)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, packed)), np.asarray(jax.jit(linear)(x, floats)))
@@ -380,7 +389,7 @@ def test_a_gguf_of_mixed_types_is_kept_exactly(test_models_dir, tmp_path, backen
     assert dict(cfg.tensor_quantization)["model.layers.0.self_attn.o_proj.weight"] == "q4_1"
     assert "model.layers.0.mlp.down_proj.weight" not in dict(cfg.tensor_quantization)  # gguf_int8, the default
     assert kept.params.embed.group == 32
-    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)  # noqa: E731
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype).name), tree)
     assert shapes(kept.params) == shapes(abstract_params(cfg, jnp.float32))
     assert param_bytes(kept.params) < 0.5 * param_bytes(dequantized.params)
     cache = tmp_path / "converted"

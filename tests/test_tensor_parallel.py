@@ -129,14 +129,15 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
 
     mesh = cuda_mesh(8, TP_AXIS)  # eight abstract H100s: the Triton lowering asks their kind
 
-    def sharded(a, spec=PartitionSpec()):  # jax 0.11's shard_map checks its inputs' shardings
+    def sharded(a, spec=None):  # jax 0.11's shard_map checks its inputs' shardings
+        spec = PartitionSpec() if spec is None else spec
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
 
     model = ShardedModel(cfg, mesh, attention)
     t, s, blocks = 64, 8, 16
     cache = sharded(jax.ShapeDtypeStruct((128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),
                     kv_cache_specs(False).k)
-    i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))  # noqa: E731
+    i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
     md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
     rope = jax.tree.map(sharded, rope_table(cfg.rope, cfg.head_dim, 2048))
     params = jax.tree.map(sharded, abstract_params(cfg, jnp.bfloat16), partition_specs(cfg))

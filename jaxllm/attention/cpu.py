@@ -4,8 +4,8 @@ On XLA:CPU the jnp backend (jaxllm.attention.xla) must copy every K/V block it r
 out of the paged cache before its dots (XLA:CPU does not fuse a gather into a dot), so
 a decode step reads the cache about three times. The kernel (jaxllm/cpu_kernels/
 paged_attention.cc) reads each K/V row once, where it lies, with an online softmax in
-float32, on XLA's intra-op threads: a decode step of 64 sequences of ~400 tokens spent
-457 ms in the XLA path's attention and 82 ms in this one (SmolLM2, docs/benchmarks.md).
+float32, on XLA's intra-op threads (what that saves: docs/cpu_kernels.md and
+docs/benchmarks.md).
 
 Same signature and semantics as pallas_kernels.ragged_paged_attention and the XLA
 backend, which is its oracle in tests. Float32 q; a cache of any KV cache format
@@ -47,9 +47,9 @@ def ragged_paged_attention_cpu(
     q: Float[Array, "T H hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    kv_lens: Int[Array, "S"],
+    kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S+1"],
+    query_start_loc: Int[Array, " S+1"],
     num_seqs: Int[Array, ""],
     *,
     sm_scale: float,

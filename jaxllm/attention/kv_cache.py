@@ -144,7 +144,7 @@ def write_kv_cache(
     cache: KVCache,
     k: Float[Array, "T Hkv hd"],
     v: Float[Array, "T Hkv hd"],
-    slot_mapping: Int[Array, "T"],
+    slot_mapping: Int[Array, " T"],
 ) -> KVCache:
     """Scatter the new tokens' K/V (quantized as the cache's format stores them) into
     their slots (slot = block * block_size + offset)."""
@@ -171,7 +171,7 @@ def write_kv_cache(
 
 
 def copy_blocks(
-    caches: tuple[KVCache, ...], src: Int[Array, "C"], dst: Int[Array, "C"]
+    caches: tuple[KVCache, ...], src: Int[Array, " C"], dst: Int[Array, " C"]
 ) -> tuple[KVCache, ...]:
     """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer, scales too (all reads
     before any write; padding pairs copy the null block onto itself)."""

@@ -20,10 +20,10 @@ class AttentionMetadata:
     block (slot_mapping points there) and their outputs are never read.
     """
 
-    slot_mapping: Int[Array, "T"]  # block_id * block_size + offset, per new token
+    slot_mapping: Int[Array, " T"]  # block_id * block_size + offset, per new token
     block_tables: Int[Array, "S MB"]  # physical block ids, per sequence
-    seq_lens: Int[Array, "S"]  # tokens in cache after this step, per sequence
-    query_start_loc: Int[Array, "S+1"]  # S + 1 offsets into the flat token batch
+    seq_lens: Int[Array, " S"]  # tokens in cache after this step, per sequence
+    query_start_loc: Int[Array, " S+1"]  # S + 1 offsets into the flat token batch
     num_seqs: Int[Array, ""]  # real (unpadded) sequences
     # A hint (0: none): the first common_prefix_blocks columns of every real sequence's
     # block table are the same blocks, all computed before this step. A backend may

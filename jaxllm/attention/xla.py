@@ -123,7 +123,7 @@ def _online_softmax_step(m, l, acc, scores, values_fn):
     return m_new, l, acc
 
 
-def _index_of_iteration(ends: Int[Array, "J"], num_iterations: int) -> Int[Array, "I"]:
+def _index_of_iteration(ends: Int[Array, " J"], num_iterations: int) -> Int[Array, " I"]:
     """For iterations 0..num_iterations-1 of a loop whose iterations are grouped
     (group j ends before iteration ends[j]): the group of each iteration. A vectorized
     searchsorted, computed once per step: inside a loop body jnp.searchsorted is a
@@ -181,7 +181,7 @@ def _decode_attention(q, k_cache, v_cache, k_scale, v_scale, plan, *, sm_scale, 
         ids = jax.lax.dynamic_slice(plan["tables"], (r0, j * nb), (g, nb))
         k = _gather_blocks(k_cache, ids, k_scale, cache_dtype)  # [g, C, Hkv*hd]
         v = _gather_blocks(v_cache, ids, v_scale, cache_dtype)
-        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)  # noqa: E731
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, r0, g)
         s = apply_soft_cap(_scores(sl(q_s), k, hkv, hd, bd), soft_cap)  # [g, M, C]
         k_pos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = _mask(k_pos[None, :], sl(plan["q_pos"])[:, None], sliding_window)  # [g, C]
@@ -268,9 +268,9 @@ def ragged_paged_attention_xla(
     q: Float[Array, "T H hd"],
     k_cache: Shaped[Array, "N B Hkv hd"],
     v_cache: Shaped[Array, "N B Hkv hd"],
-    kv_lens: Int[Array, "S"],
+    kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S MB"],
-    query_start_loc: Int[Array, "S+1"],
+    query_start_loc: Int[Array, " S+1"],
     num_seqs: Int[Array, ""],
     *,
     sm_scale: float,

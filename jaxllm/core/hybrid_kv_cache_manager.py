@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager, PoolUsage, PrefixCacheStats
-from jaxllm.core.kv_cache_utils import BlockHash, KVCacheBlock
+from jaxllm.core.kv_cache_utils import KVCacheBlock
 from jaxllm.core.request import Request
 from jaxllm.kv_cache_groups import KVCacheGroups
 
@@ -158,9 +158,6 @@ class HybridKVCacheManager(PoolUsage):
 
     def parent_key(self, request: Request, block_index: int) -> bytes:
         return self.managers[0].parent_key(request, block_index)
-
-    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        return self.managers[0].block_hashes(request, num_blocks)
 
     def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block tables, one per group."""

@@ -5,10 +5,12 @@ The scheduler drives it in this order (the same as vLLM v1):
 1. At admission, :meth:`KVCacheManager.check_fits` rejects a request that could never
    fit, even alone in the pool.
 2. When a request that holds no blocks (new, or preempted) is scheduled:
-   :meth:`~KVCacheManager.get_computed_blocks` finds its longest cached prefix, and
-   right after it (no other allocation in between, or the hit blocks may be evicted)
+   :meth:`~KVCacheManager.get_computed_prefix` finds its longest reusable prefix (whole
+   cached blocks, then a tail of tokens shared with a written block), and right after it
+   (no other allocation in between, or the hit blocks may be evicted)
    :meth:`~KVCacheManager.allocate_slots` takes the hit blocks and allocates blocks for
-   the tokens to compute this step. ``None`` means the pool cannot satisfy the
+   the tokens to compute this step; :meth:`~KVCacheManager.count_lookup` counts the
+   lookup once the request is admitted. ``None`` means the pool cannot satisfy the
    allocation right now; nothing changed, and the scheduler may preempt and retry.
 3. A running request gets :meth:`~KVCacheManager.allocate_slots` each step for its new
    tokens (a prefill chunk or one decode token).
@@ -41,7 +43,7 @@ class PrefixCacheStats:
     """Cumulative prefix-cache lookups since the manager was created.
 
     Attributes:
-        requests: calls of ``get_computed_blocks`` with prefix caching on.
+        requests: lookups counted (``count_lookup``) with prefix caching on.
         queries: tokens of those requests looked up (``request.num_tokens`` each).
         hits: tokens served from the cache.
     """
@@ -213,22 +215,6 @@ class KVCacheManager(PoolUsage):
 
     # ---- scheduling ---------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of a request that holds no blocks, in whole blocks.
-
-        The lookup never covers the request's last token, whose logits must be
-        computed. It has no side effects besides counting the lookup in
-        :attr:`prefix_cache_stats` and filling ``request.block_hashes``; pass the
-        result to :meth:`allocate_slots` right away.
-
-        Returns:
-            The hit blocks (block ``i`` of the request for ``i`` in order) and the
-            number of tokens they hold. ``([], 0)`` with prefix caching off.
-        """
-        hits = self.longest_cache_hit(request)
-        self.count_lookup(request, len(hits) * self.block_size)
-        return hits, len(hits) * self.block_size
-
     def get_computed_prefix(
         self,
         request: Request,
@@ -388,7 +374,7 @@ class KVCacheManager(PoolUsage):
                 computed in earlier steps only (not this step's, not the hits).
             num_new_tokens: tokens to compute this step (at least 1).
             num_new_computed_tokens: tokens served by ``new_computed_blocks``.
-            new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`
+            new_computed_blocks: prefix-cache hits from :meth:`get_computed_prefix`
                 (only for a request that holds no blocks yet).
             num_tail_tokens: of ``num_new_computed_tokens``, those after the hit
                 blocks, which the caller copies into the first new block (a
@@ -525,13 +511,6 @@ class KVCacheManager(PoolUsage):
         if blocks:
             self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
-    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """The hashes of the request's first ``num_blocks`` full blocks (at least;
-        computed once, kept on the request). Empty with prefix caching off."""
-        if not self.enable_caching:
-            return []
-        return self._update_block_hashes(request, num_blocks)
-
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (empty if it holds none); do not mutate."""
         return self.req_to_blocks.get(request_id, [])
@@ -565,7 +544,7 @@ class KVCacheManager(PoolUsage):
         num_tail_tokens: int,
     ) -> None:
         """Reject prefix-cache hits that do not fit the request or went stale
-        (evicted or reused since :meth:`get_computed_blocks`)."""
+        (evicted or reused since :meth:`get_computed_prefix`)."""
         request_id = request.request_id
         if num_held or request.num_computed_tokens:
             raise ValueError(f"request {request_id!r}: prefix-cache hits are only valid before its first allocation")
@@ -582,7 +561,7 @@ class KVCacheManager(PoolUsage):
             if block.block_hash is None or i >= len(block_hashes) or block.block_hash != block_hashes[i] + self.group_tag:
                 raise ValueError(
                     f"request {request_id!r}: prefix-cache hit block {block.block_id} was evicted or reused "
-                    "since get_computed_blocks; call allocate_slots right after it"
+                    "since get_computed_prefix; call allocate_slots right after it"
                 )
 
     def _update_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:

@@ -74,7 +74,7 @@ class Request:
     num_output_placeholders: int = 0
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> "Request":
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:
         return cls(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),

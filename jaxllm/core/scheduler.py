@@ -20,8 +20,8 @@ from jaxllm.core.block_contents import common_prefix
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.structured_output import Grammar
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.core.structured_output import Grammar
 from jaxllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -107,9 +107,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # ----------------------------------------------------------------- schedule
 

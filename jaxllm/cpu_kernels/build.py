@@ -90,7 +90,7 @@ def library_path() -> Path:
             return path
         try:
             root.mkdir(parents=True, exist_ok=True)
-            lock = open(root / f".{name}.lock", "a")  # noqa: SIM115 (held until the build is in place)
+            lock = open(root / f".{name}.lock", "a")
         except OSError:
             continue  # a read-only cache directory: build in the temp directory instead
         with lock:

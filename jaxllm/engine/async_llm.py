@@ -67,7 +67,7 @@ class AsyncLLM:
         client.start(lambda kind, payload: self._loop.call_soon_threadsafe(self._on_core_message, kind, payload))
 
     @classmethod
-    async def start(cls, config: EngineConfig, model_name: str, hang_timeout: float = 60.0) -> "AsyncLLM":
+    async def start(cls, config: EngineConfig, model_name: str, hang_timeout: float = 60.0) -> AsyncLLM:
         client = CoreClient(config) if config.data_parallel_size == 1 else DataParallelClient(config)
         try:
             ready = await asyncio.get_running_loop().run_in_executor(None, client.wait_ready)
@@ -77,10 +77,6 @@ class AsyncLLM:
         return cls(config, client, ready, model_name, hang_timeout)
 
     # ---------------------------------------------------------------- health
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
 
     @property
     def num_unfinished_sequences(self) -> int:

@@ -10,8 +10,14 @@ import dataclasses
 import re
 import typing
 
-from jaxllm.config import (ACTIVATION_QUANTIZATIONS, ATTENTION_BACKENDS, DTYPE_NAMES, KV_CACHE_DTYPES, LINEAR_BACKENDS,
-                           QUANTIZATIONS)
+from jaxllm.config import (
+    ACTIVATION_QUANTIZATIONS,
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    QUANTIZATIONS,
+)
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -36,7 +42,7 @@ def parse_memory(value: str | int | float | None) -> int | float | None:
     return int(number * _UNITS[m.group(2).lower()])
 
 
-def _option(default, help: str, choices: tuple[str, ...] | None = None,  # noqa: A002 (argparse's word)
+def _option(default, help: str, choices: tuple[str, ...] | None = None,
             aliases: tuple[str, ...] = ()):
     """A field with the help its CLI flag shows (`add_cli_args`), the names it accepts
     when it is a choice, and short flags for it."""
@@ -45,67 +51,38 @@ def _option(default, help: str, choices: tuple[str, ...] | None = None,  # noqa:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded SmolLM2)")
-    dtype: str = _option("auto", "auto: float32 on CPU, bfloat16 on GPU (on a CPU, bfloat16 means bfloat16 weights and "
-                                     "matmuls under float32 activations and KV cache)", DTYPE_NAMES)
-    quantization: str | None = _option(None, "projection weights: none (dequantized to dtype), int8 (weight-only, "
-                                             "a scale per output channel), int4 / int4_g64 / int4_g32 (4-bit, a "
-                                             "scale and min per 128 / 64 / 32 inputs), int8_g128 / int8_g64 / "
-                                             "int8_g32 (8-bit, the same), q8_0, q4_0 or q4_1 (GGUF's "
-                                             "blocks: a scale, for q4_1 also a min, per 32 inputs), quantized at "
-                                             "load; default: as stored (a GGUF's Q8_0/Q4_0/Q4_1 projections kept "
-                                             "as they are, a mix of block types kept exactly as gguf_int8, a GPTQ "
-                                             "/ AWQ / compressed-tensors W4A16 checkpoint's 4-bit groups as "
-                                             "int4*, an 8-bit GPTQ / W8A16 one's by groups as int8_g*, a W8A16 "
-                                             "/ W8A8 one's int8 per channel as int8; FP8 "
-                                             "checkpoints load with none); gptq, awq, compressed-tensors, fp8 or "
-                                             "gguf (vLLM's names): as stored, checked to be stored so",
-                                       QUANTIZATIONS)
+    model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded "
+                                      "SmolLM2-135M-Instruct)")
+    dtype: str = _option("auto", "weights and activations: auto is float32 on a CPU, bfloat16 on a GPU; bfloat16 on a "
+                                 "CPU keeps float32 activations (docs/quantization.md)", DTYPE_NAMES)
+    quantization: str | None = _option(None, "projection weights: as stored by default; none dequantizes them to dtype; "
+                                             "a format quantizes a float checkpoint at load, a checkpoint method checks "
+                                             "it is stored so (docs/quantization.md)", QUANTIZATIONS)
     activation_quantization: str | None = _option(
-        "auto", "int8: the inputs of projections kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4) quantized to "
-              "int8 per 32, multiplied in integer dot products (as llama.cpp does; on an AMD EPYC Zen 4 ~2.5x the "
-              "float32 kernel with AVX512_VNNI, ~1.7x built for AVX2); int16: the same in int16 (a step of "
-              "max|x|/32767 where int8's is /127: logprobs within ~1e-3 of float; on an AMD EPYC Zen 5 ~1.7x the "
-              "float32 kernel with AVX512_VNNI, ~1.3x built for AVX2); none: multiplied in float (the same "
-              "sums as the file dequantized); auto (default): int16 where those projections run on the cpu "
-              "kernel in float32 and it has integer dot products (AVX2, AVX512_VNNI), else none",
-        ACTIVATION_QUANTIZATIONS)
+        "auto", "inputs of the projections kept in blocks of 32, on the CPU kernel: auto is int16 where it has integer "
+                "dot products, else none (docs/quantization.md)", ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
         None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
-    kv_cache_dtype: str = _option("auto", "KV cache elements: auto (the model's dtype), float32, bfloat16, "
-                                          "float16, int8 (a float32 scale per token and KV head), fp8 / fp8_e4m3 "
-                                          "(saturated at +-448); the narrower, the more tokens the same memory holds",
-                                  KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _option("auto", "KV cache elements: auto is the model's dtype; int8 has a scale per token "
+                                          "and KV head, fp8 none (docs/quantization.md)", KV_CACHE_DTYPES)
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")
     disable_hybrid_kv_cache_manager: bool = _option(
-        False, "a model mixing sliding-window and full layers (Gemma 2/3) keeps every block of every layer, "
-               "instead of a block table per layer group with sliding groups freeing what their window no longer sees")
+        False, "keep every block of every layer in models mixing sliding-window and full layers (Gemma 2/3), instead of "
+               "freeing what a window no longer sees")
     speculative_config: SpeculativeConfig | str | dict | None = _option(
-        None, "speculative decoding, as JSON in vLLM's form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-              "\"prompt_lookup_max\": 5}' (drafts looked up in the request's own tokens), or '{\"method\": "
-              "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 3}' (a smaller model with the same "
-              "vocabulary drafts); greedy and seeded outputs are those of decoding without it; "
-              "disable_by_batch_size: speculate only while fewer requests run; short_match_tokens (jaxllm's "
-              "own, ngram): a match shorter than prompt_lookup_max proposes at most this many (1, with "
-              "num_speculative_tokens 7 and prompt_lookup 1..3: 2x at batch 1 on edits of a given text, "
-              "2-core AVX-512 Xeon, native build)")
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} or "
+              "{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 3}; the same greedy and "
+              "seeded tokens (docs/design.md)")
     async_scheduling: bool | None = _option(
-        None, "schedule and prepare each step while the one before it runs, its sampled tokens fed to the next "
-              "on the device (vLLM's --async-scheduling): the host's work between steps hidden behind the "
-              "device's; the same tokens; a request that stops computes one step more, whose token is dropped. "
-              "Default: on, except with speculative decoding or num_processes > 1, where it is off (the log "
-              "says so); --no-async-scheduling turns it off")
+        None, "prepare each step while the one before runs, the same tokens (default: on, except with speculative "
+              "decoding or num_processes > 1, as the log says)")
     num_scheduler_steps: int = _option(
-        4, "decode steps one device call may run (vLLM's --num-scheduler-steps): while every running request "
-           "decodes and none waits for admission, each sampled token is fed to the next step on the device "
-           "and stop tokens, max_tokens and min_tokens are checked there, so the host's work per step is paid "
-           "once for them all; the same tokens; outputs arrive that many at a time, a request arriving meanwhile "
-           "waits for the call to end, and a request under a grammar (structured outputs) decodes one step at a "
-           "time. 1 turns it off; with speculative decoding it is off")
+        4, "decode steps one device call may run while every request decodes and none waits: the same tokens, "
+           "arriving that many at a time; 1 turns it off (docs/design.md)")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT folders) beside the base model, each request under "
                                        "its own, many in one batch")
     max_loras: int = _option(1, "LoRA adapters in device slots at once (a step runs at most this many)")
@@ -144,7 +121,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
-        self.lora_config  # checks max_loras, max_lora_rank, max_cpu_loras
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them, with or without enable_lora
         if self.enable_lora and self.num_processes > 1:
             raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -26,9 +26,9 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.kv_cache_groups import KVCacheGroups
-from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.lora.request import LoRARequest
+from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
@@ -185,7 +185,7 @@ class EngineCore:
         self.config = config
         multihost.initialize(config.coordinator_address, config.num_processes, config.process_id)
         cache_dir = compilation_cache_path(config.compilation_cache_dir)
-        load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),  # noqa: E731
+        load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),
                                   conversion_cache_dir=cache_dir / "converted-models",
                                   on_host=config.tensor_parallel_size > 1,  # placed shard by shard
                                   quantization=config.quantization)

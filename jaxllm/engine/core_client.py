@@ -13,7 +13,8 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig

@@ -19,7 +19,8 @@ import dataclasses
 import os
 import re
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig

@@ -24,8 +24,7 @@ import numpy as np
 from jaxllm.config import GEMMA_TYPES, ModelConfig
 from jaxllm.loaders.weights import CheckpointError, build_params
 from jaxllm.models.params import QUANT_FORMATS, ModelParams, QuantizedWeight, declarations
-from jaxllm.models.quant import (GGUF_INT8_TYPES, block_parts, gguf_container_parts, mixed_gguf_format,
-                                 quantized_config)
+from jaxllm.models.quant import GGUF_INT8_TYPES, block_parts, gguf_container_parts, mixed_gguf_format, quantized_config
 
 
 def _dequantizable_types() -> tuple[str, ...]:

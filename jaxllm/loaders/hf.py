@@ -83,7 +83,7 @@ def tensor_reader(folder: str | Path):
         if path is None:
             return None
         with safe_open(str(path), framework="np") as f:
-            return read_tensor(f, path, name) if name in f.keys() else None
+            return read_tensor(f, path, name) if name in f.keys() else None  # noqa: SIM118 (safetensors' handle has keys(), no __contains__)
 
     return read
 
@@ -111,7 +111,7 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
             if path is None:
                 return None
             f = handle(path)
-            if name not in f.keys():
+            if name not in f.keys():  # noqa: SIM118 (safetensors' handle has keys(), no __contains__)
                 return None
             try:
                 return read_tensor(f, path, name)

@@ -14,7 +14,7 @@ dequantized to float32 at load (`quantization="none"`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -9,14 +9,23 @@ the result to the device in the compute dtype: all as the parameters' declaratio
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import (ModelParams, ParamDecl, QuantizedWeight, declarations, declare, fuse,
-                                  map_declared, stack_experts, unfuse)
+from jaxllm.models.params import (
+    ModelParams,
+    ParamDecl,
+    QuantizedWeight,
+    declarations,
+    declare,
+    fuse,
+    map_declared,
+    stack_experts,
+    unfuse,
+)
 from jaxllm.models.quant import dequantize
 
 TensorSource = Callable[[str], "np.ndarray | None"]
@@ -24,11 +33,6 @@ TensorSource = Callable[[str], "np.ndarray | None"]
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing a tensor, has a wrong shape, or cannot be read."""
-
-
-def hf_tensor_names(cfg: ModelConfig) -> list[str]:
-    """Every tensor name an HF checkpoint of this config must hold."""
-    return list(hf_tensor_shapes(cfg))
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -85,7 +89,7 @@ def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> 
         raise CheckpointError(f"{where}: {decl.hf[0][0]}'s parts are not in the activation order declared")
     if decl.transposed:
         parts = [p.transposed().map_arrays(np.ascontiguousarray) for p in parts]
-    fused_field = lambda field: fuse([getattr(p, field) for p in parts])  # noqa: E731
+    fused_field = lambda field: fuse([getattr(p, field) for p in parts])
     fused = parts[0].replace(q=fused_field("q"), scale=fused_field("scale"),
                              mins=None if parts[0].mins is None else fused_field("mins"))
     if on_host:

@@ -11,12 +11,8 @@ Backends, chosen by name (EngineConfig.linear_backend):
 - `cpu`: packed weights and the custom call; XLA:CPU, float32 or bfloat16 weights
   (bfloat16: x rounded to bfloat16, float32 sums, as XLA's dot; where the CPU has
   AVX512_BF16 by vdpbf16ps or by the float tiles, the same sums, the faster per step
-  shape measured at start-up (`PackedWeight.bf16_dot`): vdpbf16ps ran 1.3-1.8x XLA's
-  bfloat16 dot at 32-128 rows on an AMD EPYC Zen 4, on par at 512; on an Intel Xeon
-  (Emerald Rapids) the float tiles ran 1.3-1.75x it from 8 rows). At the 32-512 rows of a
-  step on SmolLM2's shapes it measured 1.0-1.6x XLA:CPU's dot built for AVX-512, and
-  0.75-1.2x built for AVX2 (AMD EPYC Zen 4, 2 vCPUs, before the k-loop unroll;
-  docs/benchmarks.md).
+  shape measured at start-up (`PackedWeight.bf16_dot`): which one wins depends on the
+  CPU and the rows). How it compares with XLA's dot per build: docs/benchmarks.md.
 - `pallas`: quantized projections (QuantizedWeight) through the Pallas weight-only
   matmul (pallas_kernels.quantized_matmul: int8 tiles dequantized in the kernel, so
   the weights cross memory at a byte each; interpret mode off GPU, for tests), float
@@ -39,8 +35,13 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
-from jaxllm.models.quant import (ACTIVATION_MAX, activation_quantization_ready, dequantize,
-                                 grouped_quantized_activation_matmul, quantized_activation_matmul)
+from jaxllm.models.quant import (
+    ACTIVATION_MAX,
+    activation_quantization_ready,
+    dequantize,
+    grouped_quantized_activation_matmul,
+    quantized_activation_matmul,
+)
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:
     e = w.shape[0]
     if isinstance(w.q, jax.ShapeDtypeStruct):
         one = _pack_quantized(w.map_arrays(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
-        stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)  # noqa: E731
+        stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)
         return one.replace(panels=stacked(one.panels), scale=stacked(one.scale), mins=stacked(one.mins), experts=e)
     packed = [_pack_quantized(w.expert(i)) for i in range(e)]
 
@@ -162,7 +163,7 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
     """The [in, out] matrix back, dequantized (tests and debugging); a mixture of
     experts' [E, in, out]."""
     if w.experts:
-        expert = lambda a, e: None if a is None else a[e]  # noqa: E731
+        expert = lambda a, e: None if a is None else a[e]
         return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
                                                   mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
     panels = w.panels
@@ -179,7 +180,7 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
         panels = panels if w.mins is not None else panels - 8
     matrix = panels.transpose(1, 0, 2).reshape(w.in_features, -1)
     if w.scale is not None and w.group:
-        by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)  # noqa: E731  [P, G, 32] -> [G, P * 32]
+        by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)
         mins = None if w.mins is None else by_group(w.mins)
         matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins, float_dtype=w.float_dtype))
     elif w.scale is not None:
@@ -250,7 +251,7 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, row
 def one_expert(w: PackedWeight) -> PackedWeight:
     """A dense packed weight as a mixture of one expert (a leading axis of 1: a
     reshape, no copy), for the grouped kernel's row count."""
-    lead = lambda a: None if a is None else a[None]  # noqa: E731
+    lead = lambda a: None if a is None else a[None]
     return w.replace(panels=w.panels[None], scale=lead(w.scale), mins=lead(w.mins), experts=1)
 
 
@@ -262,7 +263,7 @@ def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.Sh
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
 
 
-def packed_rows(w: PackedWeight, rows: Int[Array, "T"]) -> Float[Array, "T K"]:
+def packed_rows(w: PackedWeight, rows: Int[Array, " T"]) -> Float[Array, "T K"]:
     """Rows `rows` of the [out, in] matrix a packed output projection transposes: the
     embedding rows of a tied model, looked up from its packed head (the runner then holds
     one copy of the table). Each row is the value the unpacked table's lookup gives
@@ -294,14 +295,14 @@ def packed_rows(w: PackedWeight, rows: Int[Array, "T"]) -> Float[Array, "T K"]:
     return dequantize(table)
 
 
-def all_reduce(x: Float[Array, "..."], axis: str | None) -> Float[Array, "..."]:
+def all_reduce(x: Float[Array, ...], axis: str | None) -> Float[Array, ...]:
     """The sum over the shards of `axis` of a row-parallel projection's partial results
     (None: not sharded, `x` itself)."""
     return x if axis is None else jax.lax.psum(x, axis)
 
 
 def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight | QuantizedWeight,
-                   group_sizes: Int[Array, "E"]) -> Float[Array, "M N"]:
+                   group_sizes: Int[Array, " E"]) -> Float[Array, "M N"]:
     """A mixture of experts' projection: `x`'s rows sorted by expert, `group_sizes[e]`
     of them for expert e, each group times its expert's [K, N] (float32 results): the
     dense kernel over each group's rows for packed weights (the work follows the rows),
@@ -381,7 +382,7 @@ def quantized_activations(params: ModelParams, dtype: str = "int8") -> tuple[Mod
             return w.replace(activations=dtype)
         return w
 
-    is_leaf = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    is_leaf = lambda x: isinstance(x, QuantizedWeight)
     layers = jax.tree.map(mark, params.layers, is_leaf=is_leaf)
     head = params.lm_head if params.lm_head is not None else params.embed  # the embedding: a tied head
     head = jax.tree.map(mark, head, is_leaf=is_leaf)

@@ -39,7 +39,7 @@ from jaxllm.models.rope import RopeTable, apply_rope
 from jaxllm.platform import activation_dtype
 
 
-def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, offset: float = 0.0
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, offset: float = 0.0
              ) -> Float[Array, "... D"]:
     """RMSNorm in float32, scaled by `offset + weight` (Gemma's offset is 1)."""
     xf = x.astype(jnp.float32)
@@ -48,7 +48,7 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float, of
     return (scale * normed).astype(x.dtype)
 
 
-def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, input_ids: Int[Array, "T"],
+def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, input_ids: Int[Array, " T"],
                  axis: str | None) -> Float[Array, "T D"]:
     """Embedding rows of `input_ids` (a quantized embedding's rows dequantized: the
     values a dequantized table holds; a tied table packed as the output projection read
@@ -86,9 +86,10 @@ def self_attention(
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
-    qkv = _project(h, lp.wqkv, lora, "wqkv", md.num_tokens)  # the kernel skips the bucket's padding rows
-    if lp.bqkv is not None:
-        qkv = qkv + lp.bqkv
+    with jax.named_scope("qkv_proj"):
+        qkv = _project(h, lp.wqkv, lora, "wqkv", md.num_tokens)  # the kernel skips the bucket's padding rows
+        if lp.bqkv is not None:
+            qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -96,14 +97,17 @@ def self_attention(
     if lp.q_norm is not None:
         q = rms_norm(q, lp.q_norm, eps, offset)
         k = rms_norm(k, lp.k_norm, eps, offset)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = write_kv_cache(cache, k, v, md.slot_mapping)
-    o = attention_fn(
-        q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-        sm_scale=cfg.sm_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-        common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
-        cache_dtype=cache.dtype,
-    )
+    with jax.named_scope("rope"):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    with jax.named_scope("kv_write"):
+        cache = write_kv_cache(cache, k, v, md.slot_mapping)
+    with jax.named_scope("attention"):
+        o = attention_fn(
+            q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            sm_scale=cfg.sm_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+            common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            cache_dtype=cache.dtype,
+        )
     return o.reshape(t, cfg.q_size), cache
 
 
@@ -112,7 +116,8 @@ def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T
                      ) -> Float[Array, "T D"]:
     """The attention sublayer's output projection of the heads' outputs `o`, (Gemma) its
     output norm, and the residual `x` added. `rows`: the real rows (the rest pad)."""
-    out = all_reduce(_project(o, lp.wo, lora, "wo", rows), axis)
+    with jax.named_scope("o_proj"):
+        out = all_reduce(_project(o, lp.wo, lora, "wo", rows), axis)
     if lp.attn_post_norm is not None:
         out = rms_norm(out, lp.attn_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
@@ -134,11 +139,12 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: s
     output norm before the add. `rows`: the step's real tokens (packed projections leave
     the bucket's padding rows zero)."""
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    if moe:
-        out = moe_mlp(lp, h, cfg, axis)
-    else:
-        gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up", rows)
-        out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down", rows), axis)
+    with jax.named_scope("moe" if moe else "mlp"):
+        if moe:
+            out = moe_mlp(lp, h, cfg, axis)
+        else:
+            gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up", rows)
+            out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down", rows), axis)
     if lp.mlp_post_norm is not None:
         out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
@@ -152,7 +158,12 @@ def compute_logits(
     `rows`: only the first `rows` of `hidden` are real (a step's sample rows, padded to
     its bucket): a packed output projection multiplies those alone and gives zeros for
     the rest (at 32 clients a mixed step samples ~33 rows of a 64-row bucket)."""
-    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    with jax.named_scope("logits"):
+        return _logits(params, rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cfg, axis, rows)
+
+
+def _logits(params: ModelParams, h: Float[Array, "S D"], cfg: ModelConfig, axis: str | None,
+            rows: Int[Array, ""] | None) -> Float[Array, "S V"]:
     embed = params.embed
     if params.lm_head is None and isinstance(embed, PackedWeight):  # tied, packed in the table's place
         logits = linear(h, embed, preferred_element_type=jnp.float32, rows=rows)
@@ -174,7 +185,7 @@ class OutputRows:
     row's token row, padded to the bucket; the first `count` are real), and whether it
     needs `every` row too (prompt logprobs score each prompt token)."""
 
-    indices: Int[Array, "S"]
+    indices: Int[Array, " S"]
     count: Int[Array, ""]
     every: Bool[Array, ""]
 
@@ -193,8 +204,8 @@ def forward_hidden(
     params: ModelParams,
     rope: RopeTable,
     kv_caches: tuple[KVCache, ...],
-    input_ids: Int[Array, "T"],
-    positions: Int[Array, "T"],
+    input_ids: Int[Array, " T"],
+    positions: Int[Array, " T"],
     md: AttentionMetadata | tuple[AttentionMetadata, ...],
     *,
     cfg: ModelConfig,
@@ -217,8 +228,8 @@ def forward_rows(
     params: ModelParams,
     rope: RopeTable,
     kv_caches: tuple[KVCache, ...],
-    input_ids: Int[Array, "T"],
-    positions: Int[Array, "T"],
+    input_ids: Int[Array, " T"],
+    positions: Int[Array, " T"],
     md: AttentionMetadata | tuple[AttentionMetadata, ...],
     out: OutputRows,
     *,
@@ -254,12 +265,13 @@ def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig,
     for i, lp in enumerate(params.layers):
         slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
         layer_lora, md_i = None if lora is None else lora.layer(i), mds[groups.group_of(i)]
-        o, caches[slot] = self_attention(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
-                                         cfg.layer_window(i), layer_lora)
-        finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
-        if out is not None and i == len(params.layers) - 1:
-            return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
-        x = finish(x, o, md_i.num_tokens, layer_lora)
+        with jax.named_scope(f"layer{i}"):  # a profile reads layer{i}/attention, layer{i}/mlp, ...
+            o, caches[slot] = self_attention(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
+                                             cfg.layer_window(i), layer_lora)
+            finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
+            if out is not None and i == len(params.layers) - 1:
+                return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
+            x = finish(x, o, md_i.num_tokens, layer_lora)
     return x, tuple(caches)
 
 

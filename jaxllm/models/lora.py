@@ -8,9 +8,8 @@ rank), and each part's B matrices, [L, R, N_p] (scaled by alpha / r at load). A 
 of slot l (1..L; 0: the base model alone) adds x A_l,p B_l,p to part p's columns:
 x times every slot's A at once ([T, L*P*R]), zeroed outside the token's slot, times
 every slot's B stacked along the contraction: L times the multiply-adds one adapter
-needs (4 slots of rank 16 on SmolLM2: about a fifth more than the base projections; a
-sort by slot and `lax.ragged_dot` measured 1.5-2.3x slower than these dense dots on
-XLA:CPU, docs/benchmarks.md). Shapes depend on L and R only: loading an adapter into a slot changes
+needs (a sort by slot and `lax.ragged_dot` measured slower than these dense dots on
+XLA:CPU: docs/bench-log/2026-11-22..27-structured-spec-lora-kv-manager.md). Shapes depend on L and R only: loading an adapter into a slot changes
 values, never a shape, so nothing recompiles. Which projections there are, and their
 parts' widths, come from the parameter declaration (jaxllm.models.params.declare).
 With `kernel="pallas"` (the `pallas` linear backend) the products run through the
@@ -136,17 +135,17 @@ class LoRAInputs:
     which implementation multiplies (`kernel`: xla or pallas)."""
 
     weights: LoRAWeights
-    slots: Int[Array, "T"]
+    slots: Int[Array, " T"]
     onehot: Float[Array, "T L"]
     active: Bool[Array, ""]
     kernel: str = struct.field(pytree_node=False, default="xla")
 
     @classmethod
-    def make(cls, weights: LoRAWeights, slots: Int[Array, "T"], dtype, kernel: str = "xla") -> "LoRAInputs":
+    def make(cls, weights: LoRAWeights, slots: Int[Array, " T"], dtype, kernel: str = "xla") -> LoRAInputs:
         levels = jnp.arange(1, weights.num_slots + 1, dtype=slots.dtype)
         return cls(weights, slots, (slots[:, None] == levels).astype(dtype), (slots > 0).any(), kernel)
 
-    def layer(self, i: int) -> "LayerLoRA":
+    def layer(self, i: int) -> LayerLoRA:
         return LayerLoRA(self.weights.layers[i], self.slots, self.onehot, self.active, self.kernel)
 
 
@@ -165,12 +164,12 @@ class LayerLoRA:
         product; `y` as it is when no token of the step has one."""
         proj = self.projections[field]
         if self.kernel == "pallas":
-            delta = lambda: pallas_lora_delta(x, proj, self.slots)  # noqa: E731
+            delta = lambda: pallas_lora_delta(x, proj, self.slots)
         else:
-            delta = lambda: lora_delta(x, proj, self.onehot)  # noqa: E731
+            delta = lambda: lora_delta(x, proj, self.onehot)
         return jax.lax.cond(self.active, lambda y: y + delta().astype(y.dtype), lambda y: y, y)
 
-    def take(self, rows: Int[Array, "S"]) -> "LayerLoRA":
+    def take(self, rows: Int[Array, " S"]) -> LayerLoRA:
         """The same adapters for the tokens at `rows` alone (a step's sample rows)."""
         return dataclasses.replace(self, slots=self.slots[rows], onehot=self.onehot[rows])
 
@@ -186,7 +185,7 @@ def lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, onehot: Float[Array
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
 
 
-def pallas_lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, slots: Int[Array, "T"]) -> Float[Array, "T N"]:
+def pallas_lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, slots: Int[Array, " T"]) -> Float[Array, "T N"]:
     """lora_delta through the Pallas kernels (pallas_kernels.lora; interpret mode off GPU)."""
     from pallas_kernels.lora import lora_expand, lora_shrink
 

@@ -19,15 +19,23 @@ import dataclasses
 import functools
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import OutputRows, compute_logits, forward_hidden, forward_rows
 from jaxllm.models.lora import LoRAInputs, lora_partition_specs
-from jaxllm.models.params import (QUANT_FORMATS, TENSOR_PARALLEL_RULES, ModelParams, declarations, kv_replicas,
-                                  partition_specs, shard_major)
+from jaxllm.models.params import (
+    QUANT_FORMATS,
+    TENSOR_PARALLEL_RULES,
+    ModelParams,
+    declarations,
+    kv_replicas,
+    partition_specs,
+    shard_major,
+)
 
 TP_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head

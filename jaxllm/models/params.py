@@ -95,7 +95,7 @@ class PackedWeight:
     # kernels are built with AVX512_BF16, or (False) by the float tiles; the same sums either way
     # (jaxllm/cpu_kernels/dense.cc), the faster chosen at start-up (jaxllm.worker.autotune)
     bf16_dot: bool = struct.field(pytree_node=False, default=True)
-    perm: Int[Array, "K"] | None = None  # QuantizedWeight's (activation order)
+    perm: Int[Array, " K"] | None = None  # QuantizedWeight's (activation order)
 
     @property
     def in_features(self) -> int:
@@ -133,7 +133,7 @@ class QuantizedWeight:
     activations: str = struct.field(pytree_node=False, default="float")
     # A checkpoint quantized in activation order (GPTQ's desc_act): its rows (inputs) sorted
     # so that each group's are consecutive; x @ w is then x[..., perm] @ q (jaxllm.models.linear)
-    perm: Int[Array, "K"] | None = None
+    perm: Int[Array, " K"] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -149,10 +149,10 @@ class QuantizedWeight:
         """The transpose, its groups along the other axis (a tied embedding [V, D],
         grouped along D, as the output projection [D, V], grouped along its inputs);
         abstract arrays too."""
-        flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T  # noqa: E731
+        flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
         return self.map_arrays(flip).replace(group_axis=1 - self.group_axis)
 
-    def take_rows(self, rows: Int[Array, "T"]) -> QuantizedWeight:
+    def take_rows(self, rows: Int[Array, " T"]) -> QuantizedWeight:
         """Rows of an embedding grouped along its last axis (a lookup)."""
         return self.map_arrays(lambda a: a[rows])
 
@@ -176,17 +176,17 @@ Weight = Float[Array, "K N"] | PackedWeight | QuantizedWeight
 
 @struct.dataclass
 class LayerParams:
-    attn_norm: Float[Array, "D"]
+    attn_norm: Float[Array, " D"]
     wqkv: Weight  # [D, QKV] columns: q (H*hd) | k (Hkv*hd) | v (Hkv*hd)
-    bqkv: Float[Array, "QKV"] | None  # Qwen2 / attention_bias
-    q_norm: Float[Array, "hd"] | None  # Qwen3
-    k_norm: Float[Array, "hd"] | None  # Qwen3
+    bqkv: Float[Array, " QKV"] | None  # Qwen2 / attention_bias
+    q_norm: Float[Array, " hd"] | None  # Qwen3
+    k_norm: Float[Array, " hd"] | None  # Qwen3
     wo: Weight  # [H*hd, D]
-    attn_post_norm: Float[Array, "D"] | None  # Gemma: the attention's output normed before the residual add
-    mlp_norm: Float[Array, "D"]
+    attn_post_norm: Float[Array, " D"] | None  # Gemma: the attention's output normed before the residual add
+    mlp_norm: Float[Array, " D"]
     w_gate_up: Weight | Float[Array, "E D F2"]  # [D, 2F] columns: gate (F) | up (F); MoE: [E, D, 2F] per expert
     w_down: Weight | Float[Array, "E F D"]  # [F, D]; MoE: [E, F, D]
-    mlp_post_norm: Float[Array, "D"] | None  # Gemma: the MLP's output normed before the residual add
+    mlp_post_norm: Float[Array, " D"] | None  # Gemma: the MLP's output normed before the residual add
     router: Weight | None = None  # MoE: [D, E], the router's logits
     shared_gate_up: Weight | None = None  # Qwen2-MoE: the shared expert's [D, 2Fs]
     shared_down: Weight | None = None  # Qwen2-MoE: [Fs, D]
@@ -197,7 +197,7 @@ class LayerParams:
 class ModelParams:
     embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight  # packed: a tied table in its head's layout
     layers: tuple[LayerParams, ...]
-    final_norm: Float[Array, "D"]
+    final_norm: Float[Array, " D"]
     lm_head: Weight | None  # [D, V]; None when tied to `embed` (then `embed` is packed where the head is)
 
 
@@ -275,8 +275,8 @@ def _declare(cfg: ModelConfig) -> ModelParams:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         q_k_v = ((attn + "q_proj.{}", cfg.q_size), (attn + "k_proj.{}", cfg.kv_size), (attn + "v_proj.{}", cfg.kv_size))
-        named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)  # noqa: E731
-        norm = lambda name: ParamDecl((d,), ("embed",), ((p + name, d),))  # noqa: E731
+        named = lambda parts, what: tuple((name.format(what), n) for name, n in parts)
+        norm = lambda name: ParamDecl((d,), ("embed",), ((p + name, d),))
         sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is the attention's output norm
         gate_up = ((mlp + "gate_proj.weight", f), (mlp + "up_proj.weight", f))
         mlp_decls = _moe_decls(cfg, i) if cfg.is_moe(i) else dict(

@@ -53,8 +53,17 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Int32
 
 from jaxllm.config import QUANTIZATIONS, ModelConfig
-from jaxllm.models.params import (GROUPED_FORMATS, QUANT_FORMATS, ModelParams, ParamDecl, QuantFormat, QuantizedWeight,
-                                  declare, map_declared, stack_experts)
+from jaxllm.models.params import (
+    GROUPED_FORMATS,
+    QUANT_FORMATS,
+    ModelParams,
+    ParamDecl,
+    QuantFormat,
+    QuantizedWeight,
+    declare,
+    map_declared,
+    stack_experts,
+)
 
 INT8_MAX = 127
 ACTIVATION_MAX = {"int8": 127, "int16": 32767}  # activation_quantization: largest value
@@ -198,7 +207,7 @@ def quantized_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight) -> F
 
 
 def grouped_quantized_activation_matmul(x: Float[Array, "M K"], w: QuantizedWeight,
-                                        group_sizes: Int32[Array, "E"]) -> Float[Array, "M N"]:
+                                        group_sizes: Int32[Array, " E"]) -> Float[Array, "M N"]:
     """A mixture of experts' quantized_activation_matmul: x's rows sorted by expert,
     `group_sizes[e]` of them times expert e's [K, N] (rows past the sum get zeros, as
     jax.lax.ragged_dot). Computes every expert for every row (the oracle, and the `xla`
@@ -218,7 +227,7 @@ def block_parts(blocks: np.ndarray, fmt: QuantFormat, rows: int, cols: int) -> Q
     has them, in the file's (HF) orientation."""
     header = 4 if fmt.mins else 2  # float16 scale (and min) before the values
     blocks = np.asarray(blocks, np.uint8).reshape(-1, header + fmt.group * fmt.bits // 8)
-    halves = lambda a: a.copy().view(np.float16).reshape(rows, cols // fmt.group)  # noqa: E731
+    halves = lambda a: a.copy().view(np.float16).reshape(rows, cols // fmt.group)
     if fmt.bits == 8:
         q = blocks[:, header:].copy().view(np.int8)
     else:

@@ -3,9 +3,8 @@ linear frequency scaling."""
 
 from __future__ import annotations
 
-import typing
-
 import math
+import typing
 
 import jax.numpy as jnp
 import numpy as np

@@ -14,20 +14,20 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 @struct.dataclass
 class SamplingMetadata:
-    temperature: Float[Array, "S"]  # 0 = greedy
-    top_k: Int[Array, "S"]  # 0 = off
-    top_p: Float[Array, "S"]
-    min_p: Float[Array, "S"]
-    presence_penalty: Float[Array, "S"]
-    frequency_penalty: Float[Array, "S"]
-    repetition_penalty: Float[Array, "S"]
+    temperature: Float[Array, " S"]  # 0 = greedy
+    top_k: Int[Array, " S"]  # 0 = off
+    top_p: Float[Array, " S"]
+    min_p: Float[Array, " S"]
+    presence_penalty: Float[Array, " S"]
+    frequency_penalty: Float[Array, " S"]
+    repetition_penalty: Float[Array, " S"]
     seeds: UInt32[Array, "S 2"]  # the request's 64-bit seed as two 32-bit halves
-    output_index: Int[Array, "S"]  # index of the token being sampled among the outputs
+    output_index: Int[Array, " S"]  # index of the token being sampled among the outputs
     bias_token_ids: Int[Array, "S NB"]  # logit_bias (and -inf for stop tokens under min_tokens)
     bias_values: Float[Array, "S NB"]  # 0 in unused entries
-    history_rows: Int[Array, "S"]  # rows of the token history (for penalties)
-    num_prompt_tokens: Int[Array, "S"]
-    num_known_tokens: Int[Array, "S"]  # tokens in the history row after this step's inputs
+    history_rows: Int[Array, " S"]  # rows of the token history (for penalties)
+    num_prompt_tokens: Int[Array, " S"]
+    num_known_tokens: Int[Array, " S"]  # tokens in the history row after this step's inputs
     # structured outputs: bit t % 32 of word t // 32 allows token t (all ones: unconstrained)
     token_bitmask: Int[Array, "S W"]
     all_greedy: Bool[Array, ""]
@@ -43,9 +43,9 @@ class SamplingMetadata:
 
 @struct.dataclass
 class SamplerOutput:
-    token_ids: Int[Array, "S"]
+    token_ids: Int[Array, " S"]
     # Logprobs of the raw model distribution (zeros unless any_logprobs).
-    sampled_logprob: Float[Array, "S"]
-    sampled_rank: Int[Array, "S"]  # 1 = most likely
+    sampled_logprob: Float[Array, " S"]
+    sampled_rank: Int[Array, " S"]  # 1 = most likely
     top_token_ids: Int[Array, "S K"]
     top_logprobs: Float[Array, "S K"]

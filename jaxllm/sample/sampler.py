@@ -84,7 +84,7 @@ def apply_min_p(logits: Float[Array, "S V"], md: SamplingMetadata) -> Float[Arra
     return jnp.where(probs < threshold, _NEG_INF, logits)
 
 
-def row_uniforms(md: SamplingMetadata) -> Float[Array, "S"]:
+def row_uniforms(md: SamplingMetadata) -> Float[Array, " S"]:
     """One uniform in (0, 1] per row from (seed, output index)."""
 
     def one(seed, index):
@@ -94,7 +94,7 @@ def row_uniforms(md: SamplingMetadata) -> Float[Array, "S"]:
     return jax.vmap(one)(md.seeds, md.output_index)
 
 
-def draw(logits: Float[Array, "S V"], md: SamplingMetadata) -> Int[Array, "S"]:
+def draw(logits: Float[Array, "S V"], md: SamplingMetadata) -> Int[Array, " S"]:
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
     logits = logits / temperature
     logits = jax.lax.cond(md.any_top_k_top_p, apply_top_k_top_p, lambda x, _: x, logits, md)
@@ -109,11 +109,11 @@ def num_top_logprobs(vocab_size: int) -> int:
     return min(MAX_LOGPROBS, vocab_size)
 
 
-ScoresFn = Callable[[Float[Array, "S V"], Int[Array, "S"]],
-                    tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S K"], Float[Array, "S K"]]]
+ScoresFn = Callable[[Float[Array, "S V"], Int[Array, " S"]],
+                    tuple[Float[Array, " S"], Int[Array, " S"], Int[Array, "S K"], Float[Array, "S K"]]]
 
 
-def compute_logprobs(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]):
+def compute_logprobs(logits: Float[Array, "S V"], token_ids: Int[Array, " S"]):
     """Per row: the log-probability of token_ids and its rank (1 = most likely), and
     the top num_top_logprobs tokens with their log-probabilities (a ScoresFn). A row
     whose token id is negative is not meant to be scored: its values are unspecified."""
@@ -134,10 +134,10 @@ def _no_logprobs(logits, token_ids):
     )
 
 
-ArgmaxFn = Callable[[Float[Array, "S V"]], Int[Array, "S"]]
+ArgmaxFn = Callable[[Float[Array, "S V"]], Int[Array, " S"]]
 
 
-def argmax(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
+def argmax(logits: Float[Array, "S V"]) -> Int[Array, " S"]:
     """jnp.argmax over the last axis (the first index of the maximum) as top_k(1),
     which keeps ties in index order. After the lm_head on XLA:CPU: 4.5 ms at 64x49152,
     against 7 ms for argmax's variadic reduce and 16 ms for a max + first-index min
@@ -145,7 +145,7 @@ def argmax(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
-def argmax_cpu(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
+def argmax_cpu(logits: Float[Array, "S V"]) -> Int[Array, " S"]:
     """The same as `argmax` (NaN counts as the maximum, as in jnp.argmax), as the C++
     custom call of jaxllm/cpu_kernels/argmax.cc: both threads, one read of the logits
     (64x49152 in well under 1 ms). XLA:CPU, float32; the model runner uses it with the
@@ -156,7 +156,7 @@ def argmax_cpu(logits: Float[Array, "S V"]) -> Int[Array, "S"]:
     return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))(logits)
 
 
-def token_scores_cpu(logits: Float[Array, "S V"], targets: Int[Array, "S"]):
+def token_scores_cpu(logits: Float[Array, "S V"], targets: Int[Array, " S"]):
     """compute_logprobs as the C++ custom call of jaxllm/cpu_kernels/token_scores.cc
     (rows with a negative target are skipped: zeros). One read of each row on every
     thread instead of log_softmax, top_k and a rank count one after another (~200 ms
@@ -190,7 +190,7 @@ def _processed(logits: Float[Array, "S V"], history: Int[Array, "R L"], md: Samp
     return jax.lax.cond(md.any_penalties, apply_penalties, lambda x, h, m: x, logits, history, md)
 
 
-def _tokens(logits: Float[Array, "S V"], md: SamplingMetadata, argmax_fn: ArgmaxFn) -> Int[Array, "S"]:
+def _tokens(logits: Float[Array, "S V"], md: SamplingMetadata, argmax_fn: ArgmaxFn) -> Int[Array, " S"]:
     greedy = argmax_fn(logits)
     drawn = jax.lax.cond(md.all_greedy, lambda x, m: greedy, draw, logits, md)
     return jnp.where(md.temperature > 0, drawn, greedy)

@@ -23,7 +23,7 @@ class NgramProposer:
                              f"{min_n}, {max_n}, {short_k}, {k}")
         self.min_n, self.max_n, self.k, self.short_k = min_n, max_n, k, short_k
 
-    def propose(self, tokens: Int[np.ndarray, "L"]) -> Int[np.ndarray, "P"]:
+    def propose(self, tokens: Int[np.ndarray, " L"]) -> Int[np.ndarray, " P"]:
         """k draft tokens following the latest earlier occurrence of the longest suffix
         of `tokens` (from max_n down to min_n tokens) that occurred before; none without
         one; short_k tokens where the match is shorter than max_n. Where the tokens after

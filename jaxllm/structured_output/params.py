@@ -50,9 +50,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs.{name}: must be a string, got {type(value).__name__}")
-        if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
 
     @property
     def kind(self) -> str:

@@ -102,7 +102,7 @@ class StepShapes:
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, speculative: bool = False,
-             decode_steps: int = 1) -> "StepShapes":
+             decode_steps: int = 1) -> StepShapes:
         counts = token_buckets(max_num_batched_tokens, speculative=speculative)
         return cls(tuple(counts), tuple(step_buckets(counts, max_num_seqs, speculative)),
                    tuple(loop_buckets(counts, max_num_seqs, decode_steps)))

@@ -49,7 +49,7 @@ def _digest(obj) -> str:
 
 
 class CompilationManager:
-    def __init__(self, runner: "ModelRunner", cache_dir: Path | None) -> None:
+    def __init__(self, runner: ModelRunner, cache_dir: Path | None) -> None:
         """The executables of `runner`'s step shapes, kept under `cache_dir` (None:
         compiled every start)."""
         self.runner = runner

@@ -49,9 +49,9 @@ STOP_WIDTH = 8  # stop token ids per row the device checks (EOS and the first st
 class DecodeLimits:
     """Per sequence row (padded to the bucket), what ends its loop."""
 
-    max_steps: Int[Array, "S"]  # steps the row may take: the KV slots it holds (0: padding)
+    max_steps: Int[Array, " S"]  # steps the row may take: the KV slots it holds (0: padding)
     stop_token_ids: Int[Array, "S NS"]  # tokens that end it (-1: none), counted once
-    min_tokens: Int[Array, "S"]  # outputs before a stop token ends it
+    min_tokens: Int[Array, " S"]  # outputs before a stop token ends it
     num_steps: Int[Array, ""]  # the loop's bound (at most the compiled number of steps)
 
 
@@ -66,11 +66,11 @@ class LoopInputs:
 @struct.dataclass
 class LoopOutput:
     sampled: SamplerOutput  # each field [K, S, ...]: iteration j's samples at [j]
-    num_tokens: Int[Array, "S"]  # the samples each row counts: its first num_tokens iterations
+    num_tokens: Int[Array, " S"]  # the samples each row counts: its first num_tokens iterations
     num_steps: Int[Array, ""]  # the iterations the loop ran
 
 
-def advance(inputs: StepInputs, tokens: Int[Array, "S"], alive: Bool[Array, "S"], block_size: int,
+def advance(inputs: StepInputs, tokens: Int[Array, " S"], alive: Bool[Array, " S"], block_size: int,
             unused_row: int) -> StepInputs:
     """The next decode step's inputs: each live row's sampled token at its next
     position, its K/V slot read from its block table; rows not alive stay where they
@@ -99,7 +99,7 @@ def advance(inputs: StepInputs, tokens: Int[Array, "S"], alive: Bool[Array, "S"]
     )
 
 
-def stops(limits: DecodeLimits, output_index: Int[Array, "S"], tokens: Int[Array, "S"]) -> Bool[Array, "S"]:
+def stops(limits: DecodeLimits, output_index: Int[Array, " S"], tokens: Int[Array, " S"]) -> Bool[Array, " S"]:
     """Rows whose output `output_index` (0: the first) ends them: one of their stop
     tokens, once min_tokens outputs exist (with it)."""
     hit = (tokens[:, None] == limits.stop_token_ids).any(axis=-1)
@@ -147,7 +147,7 @@ def decode_loop(params: ModelParams, rope: RopeTable, kv_caches: tuple[KVCache, 
 
 
 def packed_decode_loop(params: ModelParams, rope: RopeTable, kv_caches: tuple[KVCache, ...],
-                       history: Int[Array, "R L"], packed: Int[Array, "P"], token_bitmask: Int[Array, "S W"],
+                       history: Int[Array, "R L"], packed: Int[Array, " P"], token_bitmask: Int[Array, "S W"],
                        lora: LoRAWeights | None = None, *, layout: PackLayout, **kwargs):
     """`decode_loop` on its inputs as the host sends them (jaxllm.worker.packing)."""
     return decode_loop(params, rope, kv_caches, history, layout.unpack(packed, (token_bitmask,)), lora, **kwargs)

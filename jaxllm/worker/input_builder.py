@@ -37,33 +37,33 @@ class StepRows:
     """One step's scheduled rows and tokens on the host, before padding to a bucket:
     what `InputBuilder.pad_inputs` turns into StepInputs (S rows, T tokens)."""
 
-    rows: Int[np.ndarray, "S"]  # the input batch's row of each scheduled request
-    input_ids: Int[np.ndarray, "T"]
-    positions: Int[np.ndarray, "T"]
-    tok_rows: Int[np.ndarray, "T"]  # the row each token belongs to
+    rows: Int[np.ndarray, " S"]  # the input batch's row of each scheduled request
+    input_ids: Int[np.ndarray, " T"]
+    positions: Int[np.ndarray, " T"]
+    tok_rows: Int[np.ndarray, " T"]  # the row each token belongs to
     slots: Int[np.ndarray, "G T"]  # KV cache slot each token's K/V goes to, per KV cache group
-    qsl: Int[np.ndarray, "S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
-    seq_lens: Int[np.ndarray, "S"]  # tokens of each row whose K/V exists after the step
-    targets: Int[np.ndarray, "T"]  # the prompt token each position scores, -1 for none
-    samples: Bool[np.ndarray, "S"]  # which rows sample a token this step
-    num_drafts: Int[np.ndarray, "S"]  # draft tokens each row verifies (its last ones)
+    qsl: Int[np.ndarray, " S+1"]  # query_start_loc: row i's tokens are qsl[i]:qsl[i + 1]
+    seq_lens: Int[np.ndarray, " S"]  # tokens of each row whose K/V exists after the step
+    targets: Int[np.ndarray, " T"]  # the prompt token each position scores, -1 for none
+    samples: Bool[np.ndarray, " S"]  # which rows sample a token this step
+    num_drafts: Int[np.ndarray, " S"]  # draft tokens each row verifies (its last ones)
     # sample rows: one per row, and one per draft (each position of a drafted row samples)
-    logit_rows: Int[np.ndarray, "R"]  # the token whose logits each sample row takes
-    sample_seq: Int[np.ndarray, "R"]  # the row (0..S-1) each sample row belongs to
-    output_index: Int[np.ndarray, "R"]  # which output token each sample row draws (its uniform)
+    logit_rows: Int[np.ndarray, " R"]  # the token whose logits each sample row takes
+    sample_seq: Int[np.ndarray, " R"]  # the row (0..S-1) each sample row belongs to
+    output_index: Int[np.ndarray, " R"]  # which output token each sample row draws (its uniform)
     # structured outputs: each sample row's allowed tokens as bits (all ones where
     # unconstrained); None when no row is constrained
     token_bitmask: Int[np.ndarray, "R W"] | None = None
-    lora_slots: Int[np.ndarray, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
+    lora_slots: Int[np.ndarray, " T"] | None = None  # each token's adapter slot (0: none); None without LoRA
     # tokens whose ids the host does not know yet (async scheduling: sampled by the step in
     # flight); None: every id is known
-    from_history: Bool[np.ndarray, "T"] | None = None
+    from_history: Bool[np.ndarray, " T"] | None = None
     # several decode steps in one call: the steps each row may take (the KV slots the
     # scheduler gave it); None: one step
-    decode_steps: Int[np.ndarray, "S"] | None = None
+    decode_steps: Int[np.ndarray, " S"] | None = None
 
     @classmethod
-    def empty(cls, num_kv_groups: int = 1) -> "StepRows":
+    def empty(cls, num_kv_groups: int = 1) -> StepRows:
         """No rows: pads to a whole bucket of padding (for compiling)."""
         i = np.zeros(0, np.int32)
         return cls(i, i, i, i, np.zeros((num_kv_groups, 0), np.int32), np.zeros(1, np.int32), i, i,
@@ -155,7 +155,7 @@ class InputBuilder:
                                 self.num_scheduler_steps)
         return PreparedStep(req_ids, host, shape, self.pad_inputs(shape, host))
 
-    def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, "S"] | None:
+    def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, " S"] | None:
         """The steps each row takes where the scheduler hands over several (None: one)."""
         if not sched.decode_steps:
             return None
@@ -164,8 +164,8 @@ class InputBuilder:
                              f"num_scheduler_steps={self.num_scheduler_steps}")
         return np.fromiter((sched.decode_steps[r] for r in req_ids), np.int32, len(req_ids))
 
-    def _write_drafts(self, req_ids: list[str], rows: Int[np.ndarray, "S"], drafts: dict[str, list[int]]
-                      ) -> Int[np.ndarray, "S"]:
+    def _write_drafts(self, req_ids: list[str], rows: Int[np.ndarray, " S"], drafts: dict[str, list[int]]
+                      ) -> Int[np.ndarray, " S"]:
         """Write each row's draft tokens after its known tokens (where its inputs are
         read from); how many each row has."""
         num_drafts = np.zeros(len(rows), np.int32)
@@ -220,7 +220,7 @@ class InputBuilder:
                 np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
         )
 
-    def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, "R"]:
+    def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, " R"]:
         """Where each sample row's token goes in the history (at its next position):
         under async scheduling its row where it samples (the next step may read it
         there), else the unused row (nothing read there)."""

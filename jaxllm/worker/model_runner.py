@@ -28,10 +28,16 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
-from jaxllm.models.linear import (auto_activation_quantization, bf16_tiles, in_dtype, layout_params, linear_candidates,
-                                  quantized_activations)
-from jaxllm.models.quant import param_bytes
+from jaxllm.models.linear import (
+    auto_activation_quantization,
+    bf16_tiles,
+    in_dtype,
+    layout_params,
+    linear_candidates,
+    quantized_activations,
+)
 from jaxllm.models.params import ModelParams, ParamDecl, declare
+from jaxllm.models.quant import param_bytes
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.spec_decode.config import SpeculativeConfig
@@ -105,8 +111,8 @@ class DispatchedStep:
     dispatched: float  # and once the call returned
     # each row's logprobs / prompt_logprobs setting when dispatched (its row may hold
     # another request by the time the results are recorded)
-    logprobs: Int[np.ndarray, "S"]
-    prompt_logprobs: Int[np.ndarray, "S"]
+    logprobs: Int[np.ndarray, " S"]
+    prompt_logprobs: Int[np.ndarray, " S"]
     num_removed: int  # InputBatch.num_removed then: while it is unchanged, every row holds its request
 
 
@@ -130,7 +136,7 @@ class RunnerConfig:
     "int8" ("int16"): the projections kept in blocks multiply int8 (int16) inputs
     (jaxllm.models.linear.quantized_activations); a model with none is refused. "auto":
     int16 where the cpu kernel multiplies those in integer dot products, else float
-    (jaxllm.models.linear.auto_activation_quantization); "none" or None: float.
+    (jaxllm.models.linear.auto_activation_quantization); "none": float.
     `hybrid_kv_cache`: a model mixing sliding and full layers keeps a block table per KV
     cache group (jaxllm.kv_cache_groups), as the engine's HybridKVCacheManager allocates
     them. `async_scheduling`: a step may be dispatched before the one before it is
@@ -154,7 +160,7 @@ class RunnerConfig:
     cache_dir: Path | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
-    activation_quantization: str | None = None
+    activation_quantization: str = "none"  # EngineConfig's, None already read as "none" there
     hybrid_kv_cache: bool = True
     async_scheduling: bool = False
     num_scheduler_steps: int = 1
@@ -236,13 +242,13 @@ class ModelRunner:
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles)
 
-    def _activation_quantization(self, requested: str | None, params: ModelParams) -> str | None:
-        """What the projections kept in blocks multiply: `requested` ("none" and None:
-        float), or what "auto" means for these weights on this plan's backends."""
+    def _activation_quantization(self, requested: str, params: ModelParams) -> str | None:
+        """What the projections kept in blocks multiply (None: float): `requested`, or
+        what "auto" means for these weights on this plan's backends."""
         if requested == "auto":
             return auto_activation_quantization(params, self.plan.backends("linear"), self.plan.head,
                                                 self.param_dtype)
-        if requested in (None, "none"):
+        if requested == "none":
             return None
         if "pallas" in self.plan.backends("linear"):
             raise ValueError("activation_quantization: not with linear_backend 'pallas' (its kernel multiplies "
@@ -435,7 +441,7 @@ class ModelRunner:
         without waiting. The buffer (and a constrained step's bitmask) is the step's one
         transfer, allowed here alone (the tests run the hot path under
         jax.transfer_guard("disallow")) and converted by the call itself, which costs
-        less than an explicit jax.device_put (docs/benchmarks.md)."""
+        less than an explicit jax.device_put (docs/bench-log/2026-11-22..29-cpu-serving.md)."""
         packed, separate = self.compilation.layouts[step.shape].pack(step.inputs)
         with jax.transfer_guard_host_to_device("allow"):
             return self._run(step, packed, separate)
@@ -480,24 +486,24 @@ class ModelRunner:
         self._account(step, flight.started, flight.dispatched, t2)
         return result
 
-    def _record_loop(self, flight: DispatchedStep, ids: Int[np.ndarray, "K S"], counts: Int[np.ndarray, "N"]
+    def _record_loop(self, flight: DispatchedStep, ids: Int[np.ndarray, "K S"], counts: Int[np.ndarray, " N"]
                      ) -> ModelRunnerOutput:
         """Record a decode loop's tokens: row i's are ids[:counts[i], i]. Under async
         scheduling the rows counted them at dispatch (`_advance_rows`), and only the
         rows still holding their requests take their ids."""
         b, host = self.input_batch, flight.step.host
-        n, s = len(host.rows), ids.shape[1]
+        n, width = len(host.rows), ids.shape[1]  # the step's rows; the bucket's sequences
         if self.async_scheduling:
             owned = self._owned(flight, np.arange(n))
             b.record_known(host.rows[owned], host.seq_lens[owned], ids[:, :n][:, owned], counts[owned])
         else:
             b.record_loop(host.rows, host.seq_lens, ids[:, :n], counts)
         tokens = [col[:c] for col, c in zip(ids[:, :n].T.tolist(), counts.tolist())]
-        kept = ([i + s * np.arange(c) for i, c in enumerate(counts)] if flight.step.step_inputs.sampling.any_logprobs
+        kept = ([i + width * np.arange(c) for i, c in enumerate(counts)] if flight.step.step_inputs.sampling.any_logprobs
                 else None)  # sample rows of ids.reshape(-1), for the logprobs
         return self._results(flight, ids.reshape(-1), kept, tokens)
 
-    def _owned(self, flight: DispatchedStep, idx: Int[np.ndarray, "N"]) -> Bool[np.ndarray, "N"]:
+    def _owned(self, flight: DispatchedStep, idx: Int[np.ndarray, " N"]) -> Bool[np.ndarray, " N"]:
         """Which of the step's rows `idx` still hold the requests they held at dispatch."""
         b, step = self.input_batch, flight.step
         if b.num_removed == flight.num_removed:  # no request left: the rows are as they were
@@ -508,7 +514,7 @@ class ModelRunner:
         """The step's bucket-shaped inputs from the rows' host state (jaxllm.worker.input_builder)."""
         return self.inputs.prepare_step(sched, bitmask)
 
-    def _verify(self, host: StepRows, sampled: Int[np.ndarray, "R"]) -> list[Int[np.ndarray, "N"]]:
+    def _verify(self, host: StepRows, sampled: Int[np.ndarray, " R"]) -> list[Int[np.ndarray, " N"]]:
         """Per row, the sample rows whose tokens it gains: none if it does not sample;
         else its drafts while the target's token at each position equals the draft
         there, then the target's token at the first that differs (or after the last).
@@ -583,7 +589,7 @@ class ModelRunner:
             raise ValueError("set_proposer: the runner was built without a speculative_config")
         self.proposer = proposer
 
-    def rewind(self, req_id: str, num_computed: int, tokens: Int[np.ndarray, "N"]) -> None:
+    def rewind(self, req_id: str, num_computed: int, tokens: Int[np.ndarray, " N"]) -> None:
         """A draft model's runner: the request's K/V counts as computed up to
         `num_computed` (the draft tokens it sampled after that are forgotten) and
         `tokens` follow there, as known."""
@@ -593,7 +599,7 @@ class ModelRunner:
         b.token_ids[row, num_computed:num_computed + len(tokens)] = tokens
         b.num_tokens[row] = b.num_known[row] = num_computed + len(tokens)
 
-    def _account(self, step: "PreparedStep", t0: float, t1: float, t2: float, num_model_steps: int = 1) -> None:
+    def _account(self, step: PreparedStep, t0: float, t1: float, t2: float, num_model_steps: int = 1) -> None:
         st = self.stats
         st.num_steps += 1
         st.num_model_steps += num_model_steps

@@ -42,7 +42,7 @@ class PackLayout:
     size: int
 
     @classmethod
-    def of(cls, inputs, separate: tuple[str, ...] = ()) -> "PackLayout":
+    def of(cls, inputs, separate: tuple[str, ...] = ()) -> PackLayout:
         """The layout of `inputs` (arrays or ShapeDtypeStructs); a leaf whose field
         name is in `separate` is left out."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(inputs)

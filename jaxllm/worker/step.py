@@ -35,22 +35,22 @@ SEPARATE_INPUTS = ("token_bitmask",)
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
 @struct.dataclass
 class StepInputs:
-    input_ids: Int[Array, "T"]
-    positions: Int[Array, "T"]
-    history_rows: Int[Array, "T"]  # token history row of each token (padding: an unused row)
+    input_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    history_rows: Int[Array, " T"]  # token history row of each token (padding: an unused row)
     # tokens the host does not know yet (async scheduling: sampled by the step before, which
     # wrote them into the history): read from the history at their row and position
-    from_history: Bool[Array, "T"]
+    from_history: Bool[Array, " T"]
     attn: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV cache group where there are several
-    logits_indices: Int[Array, "S"]  # the row of each sequence's last token
+    logits_indices: Int[Array, " R"]  # each sample row's token (a sequence's last; a drafted one's last 1 + k)
     # the history row each sample row's token goes to, at its sequence's next position (an
     # unused row where the row samples nothing: a prompt's chunk before its last, padding)
-    sampled_history_rows: Int[Array, "S"]
+    sampled_history_rows: Int[Array, " R"]
     num_logit_rows: Int[Array, ""]  # how many of logits_indices are real (the rest pad the bucket)
     sampling: SamplingMetadata
-    prompt_logprob_targets: Int[Array, "T"]  # next prompt token to score at each row, -1 if none
+    prompt_logprob_targets: Int[Array, " T"]  # next prompt token to score at each row, -1 if none
     any_prompt_logprobs: Bool[Array, ""]
-    lora_slots: Int[Array, "T"] | None = None  # each token's adapter slot (0: none); None without LoRA
+    lora_slots: Int[Array, " T"] | None = None  # each token's adapter slot (0: none); None without LoRA
 
 
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
@@ -58,8 +58,8 @@ class StepInputs:
 class PromptLogprobs:
     """Per token row: logprob and rank of the next prompt token, and the top-k."""
 
-    logprob: Float[Array, "T"]
-    rank: Int[Array, "T"]
+    logprob: Float[Array, " T"]
+    rank: Int[Array, " T"]
     top_token_ids: Int[Array, "T K"]
     top_logprobs: Float[Array, "T K"]
 
@@ -71,7 +71,7 @@ class StepOutput:
     prompt_logprobs: PromptLogprobs
 
 
-def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, "T"], cfg: ModelConfig,
+def prompt_logprobs(params: ModelParams, hidden: Float[Array, "T D"], targets: Int[Array, " T"], cfg: ModelConfig,
                     scores_fn: ScoresFn = compute_logprobs, logits_fn=compute_logits) -> PromptLogprobs:
     """Rows with a negative target are not scored (their values are unspecified)."""
     return PromptLogprobs(*scores_fn(logits_fn(params, hidden, cfg), targets))
@@ -85,8 +85,8 @@ def _no_prompt_logprobs(params, hidden, targets, cfg):
     )
 
 
-def set_tokens(history: Int[Array, "R L"], rows: Int[Array, "N"], positions: Int[Array, "N"],
-               tokens: Int[Array, "N"]) -> Int[Array, "R L"]:
+def set_tokens(history: Int[Array, "R L"], rows: Int[Array, " N"], positions: Int[Array, " N"],
+               tokens: Int[Array, " N"]) -> Int[Array, "R L"]:
     """history[rows, positions] = tokens, out-of-range rows dropped. A lone token as two,
     the second out of range: XLA makes a one-element scatter a dynamic-update-slice, and
     copied the whole history around it (twice a one-token step), as it did the KV cache
@@ -142,7 +142,7 @@ def model_step(
 
 
 def packed_step(params: ModelParams, rope: RopeTable, kv_caches: tuple[KVCache, ...], history: Int[Array, "R L"],
-                packed: Int[Array, "P"], token_bitmask: Int[Array, "S W"], lora: LoRAWeights | None = None, *,
+                packed: Int[Array, " P"], token_bitmask: Int[Array, "S W"], lora: LoRAWeights | None = None, *,
                 layout: PackLayout, **kwargs) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     """`model_step` on its inputs as the host sends them: one int32 buffer of `layout`
     and the token bitmask (one transfer a step where ~40 arrays were ~40)."""

@@ -45,7 +45,6 @@ from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import check_prompt
 from jaxllm.sampling_params import SamplingParams
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -148,7 +147,7 @@ def guarded(handler: Callable) -> Callable:
             return error_response(503, str(e))
         except jinja2.TemplateError as e:  # the chat template refused the messages
             return error_response(400, f"messages: the chat template failed: {e}", param="messages")
-        except Exception as e:  # noqa: BLE001 - every error leaves as an OpenAI error body
+        except Exception as e:
             logger.exception("error handling %s %s", request.method, request.url.path)
             return error_response(500, f"internal error: {type(e).__name__}: {e}")
     return endpoint

@@ -18,14 +18,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     @classmethod
-    def from_value_error(cls, error: ValueError) -> "APIError":
+    def from_value_error(cls, error: ValueError) -> APIError:
         """jaxllm's ValueErrors start with the field name: "field: problem"."""
         message = str(error)
         param = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
         return cls(400, message, param=param)
 
     @classmethod
-    def from_validation_error(cls, error: ValidationError) -> "APIError":
+    def from_validation_error(cls, error: ValidationError) -> APIError:
         first = error.errors()[0]
         param = ".".join(str(x) for x in first["loc"]) or None
         if first["type"] == "extra_forbidden":

@@ -179,10 +179,13 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 generates nothing; it is only meaningful with echo=true, to return "
                              "the prompt (with logprobs: its log-probabilities) without generating")
-        # echo with logprobs returns the prompt's logprobs too, with as many alternatives
+        # echo with logprobs returns the prompt's logprobs too, with as many alternatives;
+        # with max_tokens 0 the engine scores the prompt whatever the response shows of it
         prompt_logprobs = self.prompt_logprobs
         if self.echo_logprobs:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        elif self.max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 

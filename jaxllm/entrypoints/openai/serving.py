@@ -14,6 +14,7 @@ from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.output_processor import RequestOutputKind
 from jaxllm.entrypoints.openai.errors import APIError
 from jaxllm.entrypoints.openai.tools import ToolMode, ToolStream
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 
@@ -72,7 +73,7 @@ async def merged(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
             async for output in engine.generate(job.request_id, job.prompt_ids, params, output_kind=kind,
                                                 lora_request=job.lora_request):
                 queue.put_nowait((job, output))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:
             queue.put_nowait((job, e))
         finally:
             queue.put_nowait((job, None))
