@@ -66,17 +66,17 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     tp_model = models / ("llama-3.2-1b" if gpu else "llama")
     # float32 at full matmul precision on both sides: the check is of the sharding, and
     # bfloat16 (or TF32) rounding in another summation order could flip a greedy token
-    tp_code = (f"import tests.multidevice as m; m.tp_engine_matches({str(tp_model)!r}, '{tp}', 'auto', 'float32')"
-               if gpu else f"import tests.multidevice as m; print(m.run('tp_engine_matches', {str(tp_model)!r}, "
+    tp_code = (f"import tests.support.multidevice as m; m.tp_engine_matches({str(tp_model)!r}, '{tp}', 'auto', 'float32')"
+               if gpu else f"import tests.support.multidevice as m; print(m.run('tp_engine_matches', {str(tp_model)!r}, "
                            f"'2', devices=2))")
     # on a GPU the slow engine-step replay too, not the full grid (~1.5 s of compile a case)
     dump = os.environ.get("GPU_CHECK_DUMP", "")  # a folder for the first differing attention call's inputs
-    kernel_tests = pytest + ["tests/test_pallas_ragged_paged_attention.py"] + (
+    kernel_tests = pytest + ["tests/kernels/test_pallas_ragged_paged_attention.py"] + (
         ["-m", "", "-k", "not full_grid"] if gpu else ["-k", "matches_reference"])
     small = models / ("llama-3.2-1b" if gpu else "llama")
     full = str(models / "llama-3.2-1b-full")
-    tokens_code = f"import tests.multidevice as m; m.platform_tokens_match({str(small)!r})"
-    q8_0_code = (f"import tests.multidevice as m; "
+    tokens_code = f"import tests.support.multidevice as m; m.platform_tokens_match({str(small)!r})"
+    q8_0_code = (f"import tests.support.multidevice as m; "
                  f"m.platform_tokens_match({str(small)!r}, quantization='q8_0', attention='xla')")
     throughput = ([py, "scripts/bench_throughput.py", "--skip-startup", "--skip-hf", "--attention-backend", "pallas",
                    "--model", full, "--compare-async", "--compare-decode-steps", "1"] if gpu else
@@ -97,17 +97,17 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
         Check("bench_batch1.py: batch-1 decode against the weights' read floor (llama-3.2-1b shapes)",
               [py, "scripts/bench_batch1.py", "--model", full, "--decode-steps", "1,8"] if gpu else None,
               "the CPU's is in make bench (SmolLM2)", timeout=180, pick=("num_scheduler_steps",), full_model=gpu),
-        Check("engine: pallas == xla, greedy tokens (float32)", pytest + ["tests/test_pallas_engine.py", "-m", ""],
+        Check("engine: pallas == xla, greedy tokens (float32)", pytest + ["tests/kernels/test_pallas_engine.py", "-m", ""],
               env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout=180),  # else XLA's float32 dot is TF32
         Check("pallas quantized matmul vs reference, and as linear_backend='pallas' through the engine",
-              pytest + ["tests/test_pallas_quantized_matmul.py", "-m", ""],
+              pytest + ["tests/kernels/test_pallas_quantized_matmul.py", "-m", ""],
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1", "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
               timeout=240),
         Check(("GPU (pallas)" if gpu else "default platform (pallas)") + " == CPU (xla): tokens, logprobs",
               [py, "-c", tokens_code], timeout=240, pick=("ok",)),
         Check("GPU == CPU with Q8_0 weights (XLA's dot on int8 values)",
               [py, "-c", q8_0_code] if gpu else None,
-              "the CPU runs it in tests/test_quant.py", timeout=240, pick=("ok",)),
+              "the CPU runs it in tests/models/test_quant.py", timeout=240, pick=("ok",)),
         Check("bench_throughput.py" + (" (bfloat16, llama-3.2-1b shapes, pallas)" if gpu else " (CPU, 16 requests)"),
               throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap", "async",
                                              "jaxllm, num_scheduler_steps"),
@@ -116,10 +116,10 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]
               if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
               pick=("|", "  fastest")),
-        Check("pallas LoRA (shrink/expand) vs reference", pytest + ["tests/test_pallas_lora.py"],
+        Check("pallas LoRA (shrink/expand) vs reference", pytest + ["tests/kernels/test_pallas_lora.py"],
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=180),
         Check("engine's attention calls replayed: kernel == reference",
-              [py, "-c", f"import tests.multidevice as m; m.pallas_engine_calls_match({str(models / 'llama')!r}, "
+              [py, "-c", f"import tests.support.multidevice as m; m.pallas_engine_calls_match({str(models / 'llama')!r}, "
                          f"dump={dump!r})"],
               timeout=180, pick=("ok",)),
         Check("pallas kernels vs reference" + ("" if gpu else " (interpret mode)"), kernel_tests,
@@ -127,12 +127,12 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
         Check("bench_kernels.py (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
               "needs CUDA: in interpret mode it would time the interpreter", timeout=180),
-        Check("pallas kernels lower for CUDA", pytest + ["tests/test_pallas_lowering.py"], timeout=180),
+        Check("pallas kernels lower for CUDA", pytest + ["tests/kernels/test_pallas_lowering.py"], timeout=180),
         Check(f"tensor parallel {tp} == 1 device" + ("" if gpu else " (simulated CPU devices)"),
               [py, "-c", tp_code] if tp > 1 else None, "one GPU: nothing to shard over",
               env={"JAX_DEFAULT_MATMUL_PRECISION": "highest"}, timeout=300),
         Check("tensor-parallel forward lowers for 8 GPUs",
-              None if gpu else pytest + ["tests/test_tensor_parallel.py", "-k", "lowers"],
+              None if gpu else pytest + ["tests/models/test_tensor_parallel.py", "-k", "lowers"],
               "a CPU check (simulated devices): the default test suite runs it", timeout=180),
     ]
 

@@ -1,8 +1,7 @@
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
+import make_test_model  # scripts/ is on sys.path: pyproject.toml's [tool.pytest.ini_options] pythonpath
 import pytest
 from jaxtyping import install_import_hook
 
@@ -15,22 +14,11 @@ install_import_hook(["jaxllm.models.llama", "jaxllm.models.moe", "jaxllm.models.
                      "pallas_kernels"],
                     "beartype.beartype")
 
-ROOT = Path(__file__).resolve().parents[1]
+# The helpers the tests share (tests/support/) assert as the tests do: pytest rewrites
+# their asserts too, so a failure shows the values. Before anything imports them.
+pytest.register_assert_rewrite("tests.support")
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-make_test_model = _load_script("make_test_model")
-bench_structured = _load_script("bench_structured")  # its varied JSON schemas
-ARCHITECTURES = list(make_test_model.ARCHITECTURES)
-MOE = [name for name, spec in make_test_model.ARCHITECTURES.items() if make_test_model.moe_layers(spec, 1)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
@@ -45,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def test_models_dir(tmp_path_factory) -> Path:
     """Tiny random-weight HF folders, one per architecture, built once per session."""
+    from tests.support.models import ARCHITECTURES
+
     out = tmp_path_factory.mktemp("test_models")
     for name in ARCHITECTURES:
         make_test_model.write_model(out, name)

@@ -141,7 +141,7 @@ def dequantize(w: QuantizedWeight) -> Float[Array, "*E K N"] | Float[np.ndarray,
     """The float matrix `w` stands for (the oracle of the quantized matmul): each
     value times its scale, rounded once, plus its min where it has one, rounded again,
     as gguf's dequantization computes them (XLA:CPU does not contract the two into one
-    multiply-add: tests/test_quant.py compares the jitted result with gguf's); then
+    multiply-add: tests/models/test_quant.py compares the jitted result with gguf's); then
     rounded to `w.float_dtype` (bfloat16 in a bfloat16 model)."""
     if not w.group:
         return w.q.astype(jnp.float32) * w.scale[..., None, :]  # [.., N] per column of [.., K, N]

@@ -1,0 +1,163 @@
+"""The cpu backend (C++ custom call) against the plain-softmax reference: decodes,
+prefill chunks longer than a row tile, kv lengths around tile and block edges, sliding
+windows, soft caps, GQA groups of 1..8 query heads (chunks of 4 and remainders), head
+dims 16..128, block sizes smaller and larger than the 16-token key tile, padding
+tokens and sequences, shuffled block tables; and how backends are chosen."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.attention import backends, cpu
+from jaxllm.cpu_kernels import build
+from pallas_kernels import ragged_paged_attention_reference
+from tests.support.attention import make_batch, shared_prefix_batch
+
+CASES = {
+    "decode_only": [(1, 1), (1, 15), (1, 16), (1, 17), (1, 300)],
+    "prefill_only": [(70, 70), (5, 5), (33, 33)],
+    "mixed_chunked": [(1, 40), (45, 200), (1, 129), (2, 2), (31, 31), (1, 128), (64, 190)],
+}
+# (num_kv_heads, group, head_dim)
+HEADS = [(2, 3, 32), (3, 3, 64), (1, 8, 128), (4, 1, 16), (2, 7, 64), (1, 2, 256)]
+
+
+def _check(args, valid, atol=2e-5, **kw):
+    got = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))(*args))
+    want = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    np.testing.assert_allclose(got[:valid], want[:valid], atol=atol, rtol=0)
+    np.testing.assert_array_equal(got[valid:], 0)  # padding rows
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("block_size", [16, 4, 48])
+def test_matches_reference(heads, block_size):
+    hkv, group, head_dim = heads
+    rng = np.random.default_rng(block_size + 10 * group)
+    seqs = [s for case in CASES.values() for s in case]
+    args, valid = make_batch(rng, seqs, block_size=block_size, num_kv_heads=hkv, group=group, head_dim=head_dim)
+    _check(args, valid, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 20, 100])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+    rng = np.random.default_rng(sliding_window)
+    seqs = CASES["mixed_chunked"] + CASES["decode_only"]
+    args, valid = make_batch(rng, seqs, block_size=8, num_kv_heads=2, group=3, head_dim=64)
+    _check(args, valid, sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def test_large_scores_stay_finite_and_close():
+    """Scores of +-hundreds: the online softmax's running max keeps exp in range (float32
+    rounding of scores that large differs from the reference's by ~1e-5 relative)."""
+    rng = np.random.default_rng(3)
+    args, valid = make_batch(rng, [(1, 200), (40, 90)], block_size=16, num_kv_heads=1, group=4, head_dim=64)
+    q = args[0] * 30.0
+    _check((q, *args[1:]), valid, atol=2e-4, sm_scale=1.0)
+
+
+def test_num_seqs_zero_and_empty_sequences():
+    rng = np.random.default_rng(4)
+    args, _ = make_batch(rng, [(3, 10), (0, 5), (1, 7)], block_size=16, num_kv_heads=2, group=2, head_dim=32)
+    _check(args, int(args[5][3]), sm_scale=0.5)  # a sequence with no new tokens in the middle
+    q, k, v, kv_lens, tables, qsl, _ = args
+    got = cpu.ragged_paged_attention_cpu(q, k, v, kv_lens, tables, qsl, jnp.int32(0), sm_scale=0.5)
+    np.testing.assert_array_equal(np.asarray(got), 0)
+
+
+def test_backend_candidates(caplog):
+    """auto on a CPU: both, the kernel first (the runner measures them); an explicit
+    name: itself, or a ValueError saying why it cannot run."""
+    assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.float32) == ["cpu", "xla"]
+    assert backends.attention_candidates("xla", head_dim=64, dtype=jnp.float32) == ["xla"]
+    assert backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32) == ["cpu"]
+    with caplog.at_level(logging.WARNING, logger="jaxllm.attention.backends"):
+        assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.bfloat16) == ["xla"]
+    assert "needs float32" in caplog.text
+    with pytest.raises(ValueError, match="head_dim"):
+        backends.attention_candidates("cpu", head_dim=80, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="unknown 'cuda'"):
+        backends.attention_candidates("cuda", head_dim=64, dtype=jnp.float32)
+
+
+def test_auto_falls_back_to_xla_when_the_kernels_cannot_build(monkeypatch, caplog):
+    def no_build():
+        raise cpu.KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(cpu, "load_kernels", no_build)
+    with caplog.at_level(logging.WARNING, logger="jaxllm.attention.backends"):
+        assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.float32) == ["xla"]
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+        backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.KernelBuildError, match="no C\\+\\+ compiler"):
+        build._compiler()
+
+
+def test_a_failed_build_reports_the_compiler_error(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.cc"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCES", (bad,))
+    with pytest.raises(build.KernelBuildError, match="bad.cc"):
+        build._compile(build._compiler(), jax.ffi.include_dir(), tmp_path / "bad.so")
+    assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
+
+
+@pytest.mark.parametrize("block_size,prefix_blocks", [(16, 8), (4, 37), (32, 3)])
+@pytest.mark.parametrize("sliding_window", [None, 50])
+def test_common_prefix_pass_matches_reference(block_size, prefix_blocks, sliding_window):
+    """The common prefix attended once for all rows (decodes and prefill chunks) then
+    merged with each sequence's own keys gives what attending to everything does."""
+    p = prefix_blocks * block_size
+    seqs = [(1, p + 1), (1, p + 40), (20, p + 20), (1, p + 130), (45, p + 100), (1, p + 64)]
+    rng = np.random.default_rng(prefix_blocks)
+    args, valid = shared_prefix_batch(rng, prefix_blocks, seqs, block_size=block_size, num_kv_heads=2, group=3,
+                                      head_dim=64)
+    kw = dict(sm_scale=0.2, sliding_window=sliding_window)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(prefix_blocks), **kw))(
+        *args)
+    want = ragged_paged_attention_reference(*args, **kw)
+    np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got)[valid:], 0)
+
+
+def test_common_prefix_blocks_from_tables():
+    from jaxllm.attention.metadata import common_prefix_blocks
+
+    tables = np.array([[5, 6, 7, 8, 0], [5, 6, 7, 9, 0], [5, 6, 7, 8, 1]])
+    assert common_prefix_blocks(tables, np.array([64, 64, 64]), 16) == 3
+    assert common_prefix_blocks(tables, np.array([64, 40, 64]), 16) == 2  # not yet computed in one of them
+    assert common_prefix_blocks(tables[:1], np.array([64]), 16) == 0  # a single sequence shares with nobody
+    assert common_prefix_blocks(np.array([[1, 2], [3, 2]]), np.array([32, 32]), 16) == 0
+
+
+def test_common_prefix_hint_is_used():
+    """Negative control: with tables that do NOT share their first blocks, a false hint
+    changes the result (sequence 0's blocks are read for everyone), so the tests above
+    do exercise the common prefix pass."""
+    seqs = [(1, 200), (1, 150), (30, 180)]
+    args, valid = make_batch(np.random.default_rng(9), seqs, block_size=16, num_kv_heads=2, group=3, head_dim=64)
+    want = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.2))[:valid]
+    honest = cpu.ragged_paged_attention_cpu(*args, sm_scale=0.2, common_prefix_blocks=jnp.int32(0))
+    false = cpu.ragged_paged_attention_cpu(*args, sm_scale=0.2, common_prefix_blocks=jnp.int32(8))
+    np.testing.assert_allclose(np.asarray(honest)[:valid], want, atol=2e-5, rtol=0)
+    assert np.abs(np.asarray(false)[:valid] - want).max() > 1e-2
+
+
+def test_auto_on_a_gpu_is_the_pallas_kernel(monkeypatch):
+    """On a GPU `auto` means the Pallas kernels (their differing tokens on the H100 were
+    bfloat16 rounding: docs/kernels.md), and the CPU kernel is refused with the reason."""
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert backends.attention_candidates("auto", head_dim=64, dtype=jnp.bfloat16) == ["pallas"]
+    assert backends.attention_candidates("xla", head_dim=64, dtype=jnp.bfloat16) == ["xla"]
+    with pytest.raises(ValueError, match="CPU platform only"):
+        backends.attention_candidates("cpu", head_dim=64, dtype=jnp.float32)

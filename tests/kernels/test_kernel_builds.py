@@ -1,0 +1,94 @@
+"""The C++ kernels' correctness tests under the other x86-64 builds: AVX2 + FMA
+(-march=x86-64-v3, the register file of an AVX2-only CPU: 8-lane vectors) and the
+SSE2 baseline (-march=x86-64: 4-lane vectors, the code path NEON builds take), each in
+a subprocess (the library is loaded once per process). The native build runs the same
+tests in the main run."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = [
+    "tests/kernels/test_cpu_attention.py::test_matches_reference",
+    "tests/kernels/test_cpu_attention.py::test_sliding_window_and_soft_cap",
+    "tests/kernels/test_cpu_attention.py::test_common_prefix_pass_matches_reference",
+    "tests/kernels/test_kv_cache_dtypes.py::test_cpu_and_xla_read_each_format",
+    "tests/kernels/test_kv_cache_dtypes.py::test_cpu_common_prefix_pass_reads_each_format",
+    "tests/kernels/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
+    "tests/models/test_linear.py::test_dense_kernel_matches_numpy",
+    "tests/models/test_linear.py::test_both_bfloat16_paths_give_the_same_sums",
+    "tests/models/test_activation_quantization.py::test_kernel_matches_the_reference",
+    "tests/models/test_activation_quantization.py::test_grouped_kernel_matches_the_reference",
+    "tests/models/test_linear.py::test_grouped_kernel_matches_ragged_dot",
+    "tests/models/test_linear.py::test_a_row_count_leaves_the_padding_rows_zero",
+    "tests/models/test_linear.py::test_grouped_kernel_over_quantized_experts",
+    "tests/models/test_quant.py::test_the_gguf_int8_container_holds_every_weight_exactly",
+    "tests/models/test_linear.py::test_vector_lanes_match_the_build",
+    "tests/sample/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",
+    "tests/sample/test_sampler.py::test_token_scores_kernel_matches_the_jnp_scores",
+]
+
+
+# The default run's AVX2 check (~40 s of the ~85 s of all of TESTS): every kernel family
+# once (float32 and int8-family panels, int8 activations, the grouped kernel, attention
+# with windows and the shared-prefix pass, widening, argmax); every test under both builds
+# in the slow run.
+QUICK = [
+    "tests/models/test_linear.py::test_vector_lanes_match_the_build",
+    "tests/models/test_linear.py::test_dense_kernel_matches_numpy",
+    "tests/models/test_linear.py::test_both_bfloat16_paths_give_the_same_sums",
+    "tests/models/test_activation_quantization.py::test_kernel_matches_the_reference",
+    "tests/models/test_linear.py::test_grouped_kernel_over_quantized_experts",
+    "tests/kernels/test_cpu_attention.py::test_sliding_window_and_soft_cap",
+    "tests/kernels/test_cpu_attention.py::test_common_prefix_pass_matches_reference",
+    "tests/kernels/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
+    "tests/sample/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",
+]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+@pytest.mark.parametrize("march,tests", [
+    pytest.param("x86-64-v3", QUICK, id="x86-64-v3"),  # AVX2 + FMA
+    pytest.param("x86-64-v3", TESTS, id="x86-64-v3-all", marks=pytest.mark.slow),
+    pytest.param("x86-64", TESTS, id="x86-64", marks=pytest.mark.slow),  # SSE2
+])
+def test_kernel_tests_pass_under_the_build(march, tests):
+    env = {**os.environ, "JAXLLM_CPU_MARCH": march}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
+    """pytest's workers (or a server's processes) that start together wait for one build
+    instead of each compiling the library (~45 CPU-seconds each): a lock around the
+    build, and the file looked for again under it. Threads stand in for processes (each
+    opens the lock file itself, so flock excludes them as it does processes)."""
+    import threading
+    import time
+
+    from jaxllm.cpu_kernels import build
+
+    builds = []
+
+    def fake_compile(compiler, include_dir, path):
+        builds.append(path)
+        time.sleep(0.3)
+        path.write_bytes(b"library")
+        return path
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(build.library_path.__wrapped__())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(found) == 3 and len(set(found)) == 1 and found[0].read_bytes() == b"library"

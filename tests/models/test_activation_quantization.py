@@ -1,0 +1,272 @@
+"""int8 and int16 activations (EngineConfig.activation_quantization="int8" / "int16", and
+"auto", the default: int16 on the cpu kernel): the inputs of block-quantized projections
+quantized per 32 to int8 (int16) and multiplied in integers. The jnp reference
+(jaxllm.models.quant.quantized_activation_matmul) against the float64 product of the quantized inputs and the dequantized weights; the `cpu`
+kernel's integer dot products (jaxllm/cpu_kernels/dense.cc, *_x8 and *_x16;
+tests/kernels/test_kernel_builds.py runs them under the AVX2 and SSE2 builds too) against that
+reference; the engine through either backend."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.config import EngineConfig
+from jaxllm.loaders import load_model
+from jaxllm.models.linear import grouped_linear, linear, pack_weight, quantized_activations, unpack_weight
+from jaxllm.models.params import QUANT_FORMATS, QuantizedWeight, stack_experts
+from jaxllm.models.quant import (
+    activation_quantization_ready,
+    dequantize,
+    quantize_activations,
+    quantize_grouped,
+    quantize_int8,
+    quantize_weight,
+    quantized_activation_matmul,
+)
+
+FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
+ACTIVATIONS = ["int8", "int16"]
+LARGEST = {"int8": 127, "int16": 32767}
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
+
+
+def _quantized(fmt: str, k: int, n: int, seed: int = 0, activations: str = "int8") -> QuantizedWeight:
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    return quantize_weight(w, fmt).map_arrays(jnp.asarray).replace(activations=activations)
+
+
+@pytest.mark.parametrize("dtype", ACTIVATIONS)
+def test_activations_are_rounded_to_their_block_s_scale(dtype):
+    """Each block of 32 inputs: scale max|x| / 127 (int16: / 32767), the largest value at
+    +-127 (+-32767), every value within half a step of x / scale, the sum of the values;
+    a block of zeros gets scale 0 and zeros."""
+    top = LARGEST[dtype]
+    scales = np.array([1, 1e-3, 50], np.float32)[:, None]
+    x = np.random.default_rng(1).standard_normal((3, 96)).astype(np.float32) * scales
+    x[1, 32:64] = 0
+    q, d, s = (np.asarray(a) for a in quantize_activations(jnp.asarray(x), dtype))
+    assert q.dtype == np.dtype(dtype)
+    blocks = x.reshape(3, 3, 32)
+    np.testing.assert_array_equal(d, np.abs(blocks).max(-1) * (np.float32(1) / np.float32(top)))
+    assert d[1, 1] == 0 and not q[1, 1].any()
+    assert (np.abs(q).max(-1)[d > 0] == top).all()
+    assert (np.abs(q * d[..., None] - blocks) <= d[..., None] * 0.5001).all()
+    np.testing.assert_array_equal(s, q.astype(np.int32).sum(-1))
+
+
+@pytest.mark.parametrize("dtype", ACTIVATIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_reference_is_the_product_of_the_quantized_inputs(fmt, dtype):
+    """quantized_activation_matmul = (q_x * d_x) @ dequantize(w) in float64, to float32
+    rounding: integer sums exact, then the block's scales (and Q4_1's mins times the
+    block's sum); and within the inputs' rounding of the float product: 2% of the
+    largest output for int8, 0.01% for int16 (its steps 258 times finer)."""
+    w = _quantized(fmt, 256, 80, activations=dtype)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 256)).astype(np.float32))
+    q, d, _ = quantize_activations(x, dtype)
+    xq = (np.asarray(q, np.float64) * np.asarray(d, np.float64)[..., None]).reshape(5, 256)
+    exact = xq @ np.asarray(dequantize(w), np.float64)
+    got = np.asarray(jax.jit(quantized_activation_matmul)(x, w))
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+    floats = np.asarray(x, np.float64) @ np.asarray(dequantize(w), np.float64)
+    tolerance = {"int8": 0.02, "int16": 1e-4}[dtype]
+    np.testing.assert_allclose(got, floats, rtol=0, atol=tolerance * np.abs(floats).max())
+
+
+# K a multiple of every format's group (int4's 128)
+@pytest.mark.parametrize("m,k,n", [(1, 128, 32), (5, 256, 40), (13, 640, 960), (97, 1536, 576), (200, 128, 33)])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ACTIVATIONS)
+def test_kernel_matches_the_reference(m, k, n, fmt, dtype):
+    """The dot layout (4-bit: [N/32, K/8, 32, 4] uint8; int8: [N/32, K/4, 32, 4]) holds
+    the weight (unpacked, it is the same matrix), and the kernel's integer dot products
+    give the reference's sums over row counts around its tiles and blocks and widths
+    that are not whole panels (only the order of the float additions differs)."""
+    fmt_ = QUANT_FORMATS[fmt]
+    w = _quantized(fmt, k, n, seed=m, activations=dtype)
+    packed = pack_weight(w)
+    per_row = 8 if fmt_.bits == 4 else 4
+    assert packed.panels.shape == (-(-n // 32), k // per_row, 32, 4) and packed.in_features == k
+    assert packed.panels.dtype == (jnp.uint8 if fmt_.bits == 4 else jnp.int8)
+    np.testing.assert_array_equal(np.asarray(unpack_weight(packed)), np.asarray(dequantize(w)))
+    x = jnp.asarray(np.random.default_rng(m + k).standard_normal((m, k)).astype(np.float32))
+    ref = np.asarray(jax.jit(quantized_activation_matmul)(x, w))
+    got = np.asarray(jax.jit(linear)(x, packed))
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w)), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype", ACTIVATIONS)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0"])
+def test_grouped_kernel_matches_the_reference(fmt, dtype):
+    """A mixture of experts' projection with int8 (int16) activations: each expert's rows
+    (x sorted by expert, an expert with none, rows past the groups zero) through the
+    grouped kernel give the reference's, which is each expert's
+    quantized_activation_matmul of its own rows."""
+    experts = stack_experts([_quantized(fmt, 128, 40, seed=e, activations=dtype) for e in range(4)])
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((26, 128)).astype(np.float32))
+    sizes = jnp.asarray([3, 0, 13, 7], jnp.int32)
+    ref = np.asarray(jax.jit(grouped_linear)(x, experts, sizes))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for e in range(4):
+        rows = slice(int(starts[e]), int(starts[e + 1]))
+        np.testing.assert_allclose(ref[rows], np.asarray(quantized_activation_matmul(x[rows], experts.expert(e))),
+                                   rtol=0, atol=1e-6 * np.abs(ref).max())
+    assert not ref[23:].any()
+    got = np.asarray(jax.jit(grouped_linear)(x, pack_weight(experts), sizes))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+def test_which_weights_take_int8_activations():
+    """Blocks of 32 inputs or a multiple (Q8_0, Q4_0, Q4_1, int4), experts too; not int8
+    with scales per column, nor the gguf_int8 container (16 inputs)."""
+    w = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32)
+    assert all(activation_quantization_ready(_quantized(f, 128, 64)) for f in FORMATS)
+    assert not activation_quantization_ready(quantize_int8(w))
+    container = quantize_grouped(w, QUANT_FORMATS["int4_g32"]).replace(group=16, bits=8)
+    assert not activation_quantization_ready(container)
+    experts = _quantized("q4_1", 128, 64).map_arrays(lambda a: jnp.stack([a, a]))
+    assert activation_quantization_ready(experts)
+    with pytest.raises(ValueError, match="int8/int16 activations: a .K, N. weight kept in blocks"):
+        quantized_activation_matmul(jnp.ones((1, 128)), quantize_int8(w))
+
+
+def test_marking_a_model_s_projections(test_models_dir):
+    """quantized_activations marks each projection of a q4_1 model and the tied head's
+    embedding (its lookups unchanged), abstract params too, and packs them so."""
+    from jaxllm.models.linear import pack_params
+
+    model = load_model(test_models_dir / "llama", "float32", quantization="q4_1")
+    marked, count = quantized_activations(model.params)
+    projections = sum(isinstance(w, QuantizedWeight) for lp in model.params.layers
+                      for w in jax.tree.leaves(lp, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    assert count == projections and marked.layers[0].w_down.activations == "int8"
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
+    _, abstract_count = quantized_activations(abstract)
+    assert abstract_count == count
+    marked16, count16 = quantized_activations(model.params, "int16")
+    assert count16 == count and marked16.layers[0].w_down.activations == "int16"
+    with pytest.raises(ValueError, match="'int4' is not one of int8, int16"):
+        quantized_activations(model.params, "int4")
+    packed = pack_params(marked)
+    assert packed.layers[0].wqkv.activations == "int8" and packed.layers[0].wqkv.panels.ndim == 4
+
+
+def _engine(path, **options):
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    llm = LLM(str(path), **(SMALL | options))
+    tokens, logprobs = [], []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        tokens += o.outputs[0].token_ids
+        logprobs += [lp.logprob for step in o.outputs[0].logprobs + o.prompt_logprobs[1:] for lp in step.values()]
+    return llm, tokens, np.array(logprobs)
+
+
+def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
+    """A Q4_1 GGUF (the default SmolLM2's format; its embedding Q8_0, the tied head) with
+    int8 activations: the kernel gives the tokens of the jnp reference (the `xla`
+    backend) and its logprobs to float rounding; the start-up line says how many
+    projections take int8 (that they differ from float activations: the kernel tests). (The two backends' float sums
+    differ in their last bits, and now and then that moves an input across a rounding
+    boundary of its int8 step: a position's logprobs then differ by ~1e-2 (0.13 once on an
+    Intel Xeon, where XLA's sums take another path), so all but a few must agree to 2e-4
+    and none may differ by more than 0.25.)"""
+    import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+    llm, tokens, logprobs = _engine(path, activation_quantization="int8", linear_backend="cpu")
+    _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int8", linear_backend="xla")
+    assert tokens == ref_tokens
+    close = np.abs(logprobs - ref_logprobs) <= 2e-4
+    assert close.mean() > 0.95, np.abs(logprobs - ref_logprobs).max()
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=0.25)
+    assert "int8 activations into" in llm.llm_engine.core.runner.describe_weights()
+
+
+def test_the_engine_with_int16_activations(test_models_dir, tmp_path):
+    """A Q8_0 GGUF with int16 activations: the kernel gives the tokens of the jnp
+    reference (the `xla` backend) and of float activations (the same file, the kernel
+    multiplying in float32), and logprobs within 2e-3 of both. (On this random model the
+    two backends' float sums, 7e-6 apart in float, move an input across an int16 step now
+    and then: up to 8e-4 apart; float activations are 1e-3 away, int8 ones 0.28.)"""
+    import make_test_model
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q8_0")
+    llm, tokens, logprobs = _engine(path, activation_quantization="int16", linear_backend="cpu")
+    _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int16", linear_backend="xla")
+    _, float_tokens, float_logprobs = _engine(path, linear_backend="cpu", activation_quantization="none")
+    assert tokens == ref_tokens == float_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
+    assert "int16 activations into" in llm.llm_engine.core.runner.describe_weights()
+    assert llm.llm_engine.core.runner.weights["cpu"].layers[0].wqkv.activations == "int16"
+
+
+def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tmp_path):
+    """The default, activation_quantization "auto": a Q4_1 GGUF on the cpu kernel (built
+    with AVX2 or AVX512_VNNI here) multiplies int16 activations, the very numbers of an
+    explicit "int16", and says so at start-up; under XLA's dot, for a bfloat16 model, and
+    for a float model (nothing kept in blocks) it multiplies in float, as "none" does."""
+    import make_test_model
+
+    from jaxllm import cpu_kernels
+    from jaxllm.models.linear import auto_activation_quantization
+
+    assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+    llm, tokens, logprobs = _engine(path)
+    _, tokens16, logprobs16 = _engine(path, activation_quantization="int16")
+    assert tokens == tokens16
+    np.testing.assert_array_equal(logprobs, logprobs16)
+    runner = llm.llm_engine.core.runner
+    assert runner.activation_quantization == "int16"
+    assert "int16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
+    _, _, float_logprobs = _engine(path, activation_quantization="none")
+    assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
+    xla, _, xla_logprobs = _engine(path, linear_backend="xla")
+    _, _, xla_float = _engine(path, linear_backend="xla", activation_quantization=None)
+    assert xla.llm_engine.core.runner.activation_quantization is None
+    np.testing.assert_array_equal(xla_logprobs, xla_float)
+    assert runner.weights["cpu"].layers[0].wqkv.activations == "int16"
+    model = load_model(path, "float32")
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.float32) == "int16"
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.bfloat16) is None
+    assert auto_activation_quantization(model.params, ["cpu", "xla"], "cpu", jnp.float32) is None
+    assert auto_activation_quantization(model.params, ["cpu"], "xla", jnp.float32) is None
+    assert auto_activation_quantization(load_model(test_models_dir / "llama", "float32").params, ["cpu"], "cpu",
+                                        jnp.float32) is None
+    assert EngineConfig().activation_quantization == "auto"
+    assert EngineConfig(activation_quantization=None).activation_quantization == "none"
+
+
+@pytest.mark.slow  # the grouped kernel's own test runs by default
+def test_a_mixture_of_experts_with_int8_activations(test_models_dir):
+    """Qwen3-MoE quantized to q4_1 at load with int8 activations: the experts through the
+    grouped kernel give the tokens of the reference (every expert for every row, the
+    `xla` backend) and, but for the odd rounding-boundary position, its logprobs."""
+    path = test_models_dir / "qwen3_moe"
+    llm, tokens, logprobs = _engine(path, quantization="q4_1", activation_quantization="int8", linear_backend="cpu")
+    _, ref_tokens, ref_logprobs = _engine(path, quantization="q4_1", activation_quantization="int8",
+                                          linear_backend="xla")
+    assert tokens == ref_tokens
+    assert (np.abs(logprobs - ref_logprobs) <= 2e-4).mean() > 0.95
+    layer = llm.llm_engine.core.runner.weights["cpu"].layers[0]
+    assert layer.w_gate_up.activations == "int8" and layer.w_gate_up.experts > 0
+
+
+def test_activation_quantization_is_refused_where_it_cannot_apply(test_models_dir):
+    """A float model (no projection kept in blocks), the pallas backend, and an unknown
+    name are refused, saying why."""
+    for dtype in ACTIVATIONS:
+        with pytest.raises(ValueError, match=f"activation_quantization '{dtype}': the model has no projection kept"):
+            LLM(str(test_models_dir / "llama"), activation_quantization=dtype, **SMALL)
+    with pytest.raises(ValueError, match="not with linear_backend 'pallas'"):
+        LLM(str(test_models_dir / "llama"), activation_quantization="int8", quantization="q4_1",
+            linear_backend="pallas", **SMALL)
+    with pytest.raises(ValueError, match="activation_quantization: unknown 'int4'"):
+        EngineConfig(activation_quantization="int4")

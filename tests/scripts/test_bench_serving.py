@@ -1,0 +1,105 @@
+"""scripts/bench_serving.py's --compare-launch, with the servers and the HTTP runs faked:
+the two launches in order with their flags, the same requests to both, the ratio of
+the first's output throughput to the second's; combinations it cannot compare refused."""
+
+import json
+import sys
+
+import bench_serving
+import pytest
+
+
+class FakeServer:
+    launched: list[str] = []
+
+    def __init__(self, args: str, log_path=None) -> None:
+        self.args, self.url, self.startup_s = args, f"http://fake/{len(FakeServer.launched)}", 0.0
+        FakeServer.launched.append(args)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def model(self) -> str:
+        return "m"
+
+
+@pytest.fixture
+def faked(monkeypatch):
+    FakeServer.launched = []
+    seen = []
+
+    async def benchmark(url, model, requests, *, max_concurrency, request_rate, seed=0):
+        seen.append([(r.prompt, r.output_len) for r in requests])
+        return {"output_token_throughput": 300.0 if url.endswith("/0") else 150.0}
+
+    monkeypatch.setattr(bench_serving, "LaunchedServer", FakeServer)
+    monkeypatch.setattr(bench_serving, "benchmark", benchmark)
+    monkeypatch.setattr(bench_serving, "print_summary", lambda title, run: None)
+    monkeypatch.setattr(bench_serving, "plot", lambda results, prefix: [])
+    return seen
+
+
+def test_compare_launch_runs_both_on_the_same_requests(faked, monkeypatch, tmp_path):
+    out = tmp_path / "serving"
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--launch", "--model a.gguf", "--compare-launch",
+                                      "--model a.gguf --quantization none", "--dataset", "random",
+                                      "--num-prompts", "3", "--random-input-len", "5", "--random-output-len", "4",
+                                      "--max-concurrency", "1", "--out", str(out)])
+    bench_serving.main()
+    assert FakeServer.launched == ["--model a.gguf", "--model a.gguf --quantization none"]
+    assert len(faked) == 2 and faked[0] == faked[1] and len(faked[0]) == 3
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["output_throughput_vs_compare_launch"] == 2.0
+    assert list(results["runs"]) == ["random concurrency=1", "--compare-launch '--model a.gguf --quantization none'"]
+
+
+@pytest.mark.parametrize("other", [["--concurrency-sweep", "1,2"], ["--base-url", "http://x"],
+                                   ["--compare-prefix-caching"]])
+def test_compare_launch_refuses_what_it_cannot_compare(faked, monkeypatch, capsys, other):
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--compare-launch", "--x 1", *other])
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main()
+    assert e.value.code == 2
+    assert "--compare-launch compares two launched servers" in capsys.readouterr().err
+    assert FakeServer.launched == []
+
+
+def test_joined_launch_keeps_dash_values():
+    assert bench_serving._joined_launch(["--launch", "--async-scheduling", "--compare-launch", "--dtype x",
+                                         "--out", "o"]) == [
+        "--launch=--async-scheduling", "--compare-launch=--dtype x", "--out", "o"]
+
+
+class FakeLlamaServer(FakeServer):
+    loaded: list[str] = []
+
+    def __init__(self, binary: str, gguf: str, slots: int, log_path=None) -> None:
+        super().__init__("llama-server")
+        FakeLlamaServer.loaded.append(gguf)
+
+
+def test_llama_server_loads_the_default_model_s_file_unless_told(faked, monkeypatch, capsys, tmp_path):
+    """Without --llama-gguf, llama-server loads the file jaxllm serves by default (the
+    same model on both); where --launch names its own --model, the GGUF must be named,
+    and the run stops before launching anything."""
+    import jaxllm.loaders
+
+    FakeLlamaServer.loaded = []
+    monkeypatch.setattr(bench_serving, "LaunchedLlamaServer", FakeLlamaServer)
+    monkeypatch.setattr(jaxllm.loaders, "default_model_path", lambda: tmp_path / "default.gguf")
+    common = ["--llama-server", "/bin/llama-server", "--dataset", "random", "--num-prompts", "2",
+              "--random-input-len", "5", "--random-output-len", "4", "--out", str(tmp_path / "s")]
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", *common])
+    bench_serving.main()
+    assert FakeLlamaServer.loaded == [str(tmp_path / "default.gguf")]
+    assert FakeServer.launched == ["llama-server", ""]
+
+    FakeServer.launched = []
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--launch", "--model x.gguf", *common])
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main()
+    assert e.value.code == 2 and "--llama-server needs --llama-gguf" in capsys.readouterr().err
+    assert FakeServer.launched == [] and len(FakeLlamaServer.loaded) == 1

@@ -1,0 +1,45 @@
+"""Engines on the tiny test models (scripts/make_test_model.py) and what the tests check
+on them: the engine tests' standard LLM, no leaked blocks or compilations, and one
+engine's numbers of two fixed prompts."""
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+
+KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
+
+
+def make_llm(test_models_dir, **options):
+    config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
+                  kv_cache_memory=64 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu",
+                  progress=False)  # nothing measured at start-up (tests/worker/test_autotune.py covers `auto`)
+    return LLM(str(test_models_dir / "llama"), **(config | options))
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    core = llm.llm_engine.core
+    assert not core.has_unfinished_requests()
+    assert core.kv_cache_manager.num_used_blocks == 0
+    assert core.runner.num_compilations_after_warmup == 0
+    core.step()  # an empty step delivers the last finished ids to the runner
+    assert len(core.runner.input_batch) == 0
+
+
+# engines with few step shapes and no attention measurement: the tests are of the weights
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
+
+
+def engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:
+    """Greedy tokens, sample and prompt logprobs (top 3 / 2) of two fixed prompts through
+    LLM: what a kept-blocks engine must reproduce bit for bit (activations in float: the
+    default "auto" multiplies int16 ones on the cpu kernel)."""
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, dtype=dtype,
+              activation_quantization="none", **SMALL)
+    values = []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
+        values += o.outputs[0].token_ids + [lp.logprob for step in steps for lp in step.values()]
+    return np.array(values)

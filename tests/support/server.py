@@ -1,0 +1,54 @@
+"""`python -m jaxllm.serve` on 127.0.0.1 in a subprocess, for the tests that drive a
+real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, cache_dir: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "jaxllm.serve", "--model", str(model), "--port", str(self.port),
+                "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                "--kv-cache-memory", "4MiB", "--compilation-cache-dir", str(cache_dir), *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.log = open(cache_dir / f"server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"JAXLLM_API_KEY": ""})
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            if "jaxllm ready" in self.output():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"server did not start:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)

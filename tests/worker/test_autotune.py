@@ -1,0 +1,253 @@
+"""Backends chosen by measurement (jaxllm.worker.autotune): the per-bucket choice from
+given times, the stored plan reused, and an engine whose buckets run different
+backends giving the tokens a single-backend engine gives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.models.params import PackedWeight
+from jaxllm.worker import autotune
+from jaxllm.worker.autotune import BackendPlan, StepBackends, measured_buckets, plan_backends
+from tests.support.llm import make_llm
+
+AUTO = dict(attention_backend="auto", linear_backend="auto")  # make_llm names its backends
+
+BUCKETS = [(4, 4), (8, 8), (16, 8), (32, 8)]
+
+
+def fake_times(kind, backend, t, s):
+    """cpu attention always faster; cpu linear faster below 16 rows, xla from there."""
+    if kind == "attention":
+        return {"cpu": 1.0, "xla": 2.0}[backend] * t
+    return t * (1.0 if backend == "cpu" else 1.5 if t < 16 else 0.5)
+
+
+def test_each_bucket_gets_the_faster_backend():
+    plan = plan_backends(BUCKETS, ["cpu", "xla"], ["cpu", "xla"], fake_times)
+    assert [c.attention for c in plan.choices] == ["cpu"] * 4
+    assert [c.linear for c in plan.choices] == ["cpu", "cpu", "xla", "xla"]
+    assert plan.backends("linear") == ["cpu", "xla"] and plan.source == "measured"
+    assert plan.describe("attention") == "cpu (2.00-2.00x xla) [measured]"
+    assert plan.describe("linear") == "cpu at T=4-8 (1.50-1.50x xla), xla at T=16-32 (2.00-2.00x cpu) [measured]"
+    again = BackendPlan.from_json(plan.to_json())
+    assert again.choices == plan.choices and again.seconds == plan.seconds and again.source == "stored"
+
+
+def test_unmeasured_buckets_follow_the_nearest_smaller_measured_one():
+    buckets = [(t, 8) for t in (4, 8, 16, 32, 64, 128)]
+    assert measured_buckets(buckets) == [(4, 8), (16, 8), (64, 8), (128, 8)]
+    calls = []
+
+    def measure(kind, backend, t, s):
+        calls.append((kind, backend, t))
+        return 1.0 if (backend == "xla") == (t >= 64) else 2.0
+
+    plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure)
+    assert {t for k, _, t in calls if k == "linear"} == {4, 16, 64, 128}
+    assert {k for k, _, _ in calls} == {"linear", "head"}
+    assert [c.linear for c in plan.choices] == ["cpu", "cpu", "cpu", "cpu", "xla", "xla"]
+    assert plan.describe("attention") == "xla"
+    # the output projection: measured once, at the largest bucket, where the kernel runs some bucket
+    assert [(b, t) for k, b, t in calls if k == "head"] == [("cpu", 128)] * 2 + [("xla", 128)] * 2
+    assert plan.head == "xla" and plan.describe_head() == "xla (2.00x cpu at 128 rows, 2.00x at 8)"
+    assert BackendPlan.from_json(plan.to_json()).head == "xla"
+    all_xla = plan_backends(buckets, ["xla"], ["cpu", "xla"], lambda k, b, t, s: 1.0 if b == "xla" else 2.0)
+    assert all_xla.head == "cpu" and "head" not in all_xla.seconds  # no bucket runs the kernel: nothing to lay out
+
+
+@pytest.mark.parametrize("sampling, scoring, head", [
+    ((1.0, 1.04), (10.0, 8.0), "xla"),   # XLA ties the sampling rows and wins the scoring ones
+    ((1.0, 1.10), (10.0, 8.0), "cpu"),   # XLA loses the sampling rows by more than 5%
+    ((1.0, 1.00), (10.0, 10.5), "cpu"),  # XLA slower in all
+])
+def test_the_output_projection_layout(sampling, scoring, head):
+    times = {8: dict(zip(("cpu", "xla"), sampling)), 128: dict(zip(("cpu", "xla"), scoring))}
+
+    def measure(kind, backend, t, s):
+        return times[s][backend] if kind == "head" else (1.0 if backend == "cpu" else 2.0)
+
+    buckets = [(t, 8) for t in (4, 8, 16, 32, 64, 128)]
+    assert plan_backends(buckets, ["xla"], ["cpu", "xla"], measure).head == head
+
+
+def test_linear_backends_mix_only_for_a_real_gain():
+    """A mixed plan keeps two copies of the weights: only worth it for >= 5% in total."""
+    def slight(kind, backend, t, s):  # xla 3% faster at the two largest buckets
+        return t * (0.97 if backend == "xla" and t >= 16 else 1.0)
+
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], slight)
+    assert {c.linear for c in plan.choices} == {"xla"}  # one layout: the faster in total
+
+    def mostly_xla(kind, backend, t, s):  # cpu faster only at the smallest bucket, slightly
+        return t * (0.9 if backend == "xla" else 1.0) if t > 4 else (0.99 if backend == "cpu" else 1.0)
+
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], mostly_xla)
+    assert {c.linear for c in plan.choices} == {"xla"}
+
+
+def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
+    plan = plan_backends(BUCKETS, ["cpu", "xla"], ["xla"], lambda k, b, t, s: 1.0 if b == "cpu" else 0.99)
+    assert {c.attention for c in plan.choices} == {"cpu"}  # 1% faster: within the tie margin
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu"], None)
+    assert plan.choices == (StepBackends("xla", "cpu"),) * 4 and plan.source == "fixed" and plan.seconds == {}
+
+
+def test_the_bfloat16_tiles_are_chosen_per_bucket():
+    """Where the kernels hold both bfloat16 paths (the same sums): the kernel's
+    projections timed with each at the sampled buckets, each bucket taking the faster
+    (vdpbf16ps, the first, unless the float tiles beat it by more than TIE); the
+    kernel's time in the cpu/xla choice is that of its tiles (not measured again), and
+    the output projection is measured with the largest bucket's tiles."""
+    buckets = [(t, 8) for t in (1, 2, 4, 8, 16, 32)]  # measured: 1, 4, 16, 32
+    calls = []
+
+    def measure(kind, backend, t, s):
+        calls.append((kind, backend, t))
+        if backend == "cpu/float":  # slower at one row, 1.5x from 4, a tie at 32
+            return t * (1.2 if t == 1 else 0.99 if t == 32 else 0.6)
+        return t * (1.0 if backend == "cpu" else 0.8 if kind == "linear" else 2.0)
+
+    plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure, bf16_tiles=["dot", "float"])
+    assert sorted(b for k, b, _ in calls if k == "linear") == ["cpu"] * 4 + ["cpu/float"] * 4 + ["xla"] * 4
+    assert [c.bf16_tiles for c in plan.choices] == ["dot", "dot", "float", "float", "float", "dot"]
+    # the kernel's time, its tiles': 0.6 t against XLA's 0.8 t where it takes the float tiles
+    assert [c.linear for c in plan.choices] == ["xla", "xla", "cpu", "cpu", "cpu", "xla"]
+    assert plan.seconds["linear"]["cpu"] == {1: 1.0, 4: 2.4, 16: 9.6, 32: 32.0}
+    assert plan.describe("bf16_tiles") == ("dot at T=1-2 (1.20-1.20x float), float at T=4-16 (1.67-1.67x dot), "
+                                           "dot at T=32-32 (0.99-0.99x float) [measured]")
+    assert {b for k, b, _ in calls if k == "head"} == {"cpu", "xla"}  # the largest bucket's tiles: dot
+    again = BackendPlan.from_json(plan.to_json())
+    assert again.choices == plan.choices and again.seconds == plan.seconds
+    # the kernel alone (linear_backend="cpu"): the tiles are still measured
+    alone = plan_backends(buckets, ["xla"], ["cpu"], measure, bf16_tiles=["dot", "float"])
+    assert [c.bf16_tiles for c in alone.choices] == [c.bf16_tiles for c in plan.choices]
+    assert alone.source == "measured" and "linear" not in alone.seconds
+    assert {c.bf16_tiles for c in plan_backends(buckets, ["xla"], ["cpu"], measure).choices} == {"dot"}
+
+
+def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_path, monkeypatch):
+    """A bfloat16 model whose plan gives the float tiles to its larger buckets: their
+    steps' packed weights carry it, the start-up line says it, and the tokens and
+    logprobs are those of an engine on the default tiles (the same sums; on a build
+    without vdpbf16ps both are the float tiles)."""
+    from jaxllm import cpu_kernels
+
+    class FakeTimer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):  # the float tiles faster from 4 rows
+            return {"cpu": 2.0, "cpu/float": 1.0 if t >= 4 else 3.0}.get(backend, 4.0)
+
+    monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (4, 13)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    small = dict(dtype="bfloat16", max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8)  # 3 buckets
+    chosen = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **small)
+    runner = chosen.llm_engine.core.runner
+    assert runner.plan.buckets == (1, 4, 8)  # measured at 1 and 8: 4 takes 1's pick
+    assert [c.bf16_tiles for c in runner.plan.choices] == ["dot", "dot", "float"]
+
+    def packed(choice):
+        return [w for w in jax.tree.leaves(runner.weights_of(choice), is_leaf=lambda x: isinstance(x, PackedWeight))
+                if isinstance(w, PackedWeight)]
+
+    assert all(w.bf16_dot for w in packed(runner.plan.for_bucket(1)))
+    assert packed(runner.plan.for_bucket(8)) and not any(w.bf16_dot for w in packed(runner.plan.for_bucket(8)))
+    assert "bfloat16 sums dot at T=1-4 (1.50-1.50x float), float at T=8-8 (2.00-2.00x dot)" in \
+        chosen.llm_engine.core.describe()
+    got = chosen.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)  # one candidate: the default tiles, fixed
+    default = make_llm(test_models_dir, **small)
+    assert default.llm_engine.core.runner.plan.source == "fixed"
+    want = default.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{i: x.logprob for i, x in d.items()} for d in a.outputs[0].logprobs] == \
+            [{i: x.logprob for i, x in d.items()} for d in b.outputs[0].logprobs]
+
+
+def test_the_step_timer_measures_real_steps(test_models_dir):
+    """The times are positive and grow with the bucket, for every candidate."""
+    from jaxllm.loaders import load_model
+
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    timer = autotune.StepTimer(model.config, np.float32, block_size=16, max_model_len=128)
+    for kind in ("attention", "linear"):
+        for backend in ("cpu", "xla"):
+            small, large = timer(kind, backend, 4, 4), timer(kind, backend, 256, 8)
+            assert 0 < small < large
+    for backend in ("cpu", "xla"):  # the output projection: by its rows
+        assert 0 < timer("head", backend, 256, 4) < timer("head", backend, 256, 256)
+
+
+def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test_models_dir):
+    """As the runner runs bfloat16 weights on a CPU (jaxllm.platform.activation_dtype):
+    the weights it times are bfloat16, the hidden states and caches float32."""
+    from jaxllm.loaders import load_model
+
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    timer = autotune.StepTimer(model.config, jnp.bfloat16, block_size=16, max_model_len=128,
+                               activation_dtype=jnp.float32)
+    assert timer("attention", "cpu", 4, 4) > 0 and timer("linear", "xla", 4, 4) > 0 and timer("head", "xla", 0, 8) > 0
+    layers, head = timer._weights["xla"]
+    assert layers[0][0].dtype == jnp.bfloat16 and head.dtype == jnp.bfloat16
+    assert timer._filled((2, 3)).dtype == jnp.float32
+
+
+def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
+    """A plan where small buckets use the kernels and large ones XLA: the runner keeps
+    both weight layouts, and the tokens and logprobs equal an all-xla engine's. The
+    plan is stored: a second engine with the same cache directory measures nothing."""
+    measured = []
+
+    class FakeTimer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):
+            measured.append((kind, backend, t))
+            return (1.0 if backend == "cpu" else 2.0) if t < 16 else (2.0 if backend == "cpu" else 1.0)
+
+    monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
+    runner = mixed.llm_engine.core.runner
+    assert measured and runner.plan.source == "measured"
+    assert {c.linear for c in runner.plan.choices} == {"cpu", "xla"}
+    assert runner.plan.for_bucket(4) == StepBackends("cpu", "cpu")
+    assert runner.plan.for_bucket(32) == StepBackends("xla", "xla")
+    assert isinstance(runner.weights["cpu"].layers[0].wqkv, PackedWeight)
+    assert not isinstance(runner.weights["xla"].layers[0].wqkv, PackedWeight)
+    assert runner.plan.head == "xla" and runner.weights["cpu"].lm_head is None  # tied, the table left unpacked
+    assert not isinstance(runner.weights["cpu"].embed, PackedWeight)
+    # measured at 1, 8 and 32 (every other bucket and the largest): 16 takes 8's pick
+    assert "linear cpu at T=1-16 (2.00-2.00x xla), xla at T=32-32" in mixed.llm_engine.core.describe()
+    got = mixed.generate(prompts, params, use_tqdm=False)
+    want = make_llm(test_models_dir, attention_backend="xla", linear_backend="xla").generate(prompts, params,
+                                                                                             use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            np.testing.assert_allclose([x.logprob for x in la.values()], [x.logprob for x in lb.values()], atol=1e-4)
+
+    measured.clear()
+    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
+    assert not measured and again.llm_engine.core.runner.plan.source == "stored"
+    assert again.llm_engine.core.runner.plan.choices == runner.plan.choices
+
+
+@pytest.mark.parametrize("options", [{"attention_backend": "cpu", "linear_backend": "xla"}])
+def test_explicit_backends_are_not_measured(test_models_dir, tmp_path, monkeypatch, options):
+    monkeypatch.setattr(autotune, "StepTimer", None)  # would fail if called
+    llm = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **options)
+    plan = llm.llm_engine.core.runner.plan
+    assert plan.source == "fixed" and set(plan.choices) == {StepBackends("cpu", "xla")}
+    assert "attention cpu; linear xla" in llm.llm_engine.core.describe()
