@@ -344,7 +344,10 @@ def plot(results: dict, out_prefix: Path) -> list[str]:
         fig.savefig(path, dpi=120)
         written.append(str(path))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, run in results["runs"].items():
+    runs = {f"jaxllm, {name}": run for name, run in results["runs"].items()}
+    if results.get("baseline"):  # llama-server on the same requests, the same run
+        runs["llama.cpp llama-server"] = results["baseline"]
+    for name, run in runs.items():
         for ax, key, label in ((axes[0], "ttft_values_s", "TTFT (s)"), (axes[1], "e2e_values_s", "end-to-end (s)")):
             values = np.sort(run[key])
             if len(values):
@@ -353,7 +356,7 @@ def plot(results: dict, out_prefix: Path) -> list[str]:
             ax.set_ylabel("fraction of requests")
     axes[0].set_title("TTFT CDF")
     axes[1].set_title("latency CDF")
-    if results["runs"]:
+    if runs:
         axes[1].legend(fontsize=7)
     path = out_prefix.with_name(out_prefix.name + "_latency_cdf.png")
     fig.tight_layout()
