@@ -1,10 +1,11 @@
 """Dense projections, and the weight layout each linear backend multiplies.
 
-`linear(x, w)` is `x @ w` for a plain [in, out] weight (XLA's dot) and the C++ custom
-call of jaxllm/cpu_kernels/dense.cc for a PackedWeight (jaxllm.models.params): the same
+`linear(x, w)` is `x @ w` as `w`'s stored layout is multiplied (jaxllm.models.formats:
+one class per layout): XLA's dot for a plain [in, out] weight, and the C++ custom call
+of jaxllm/cpu_kernels/dense.cc for a PackedWeight (jaxllm.models.params): the same
 [in, out] matrix cut into panels of 32 columns, [out/32, in, 32], the last panel
-zero-padded. The model code is the same for both; the model runner packs the weights
-once, at load, when its backend is `cpu`.
+zero-padded. The model code is the same for all; the model runner packs the weights
+once, at load, when its backend is `cpu` (`pack_weight`, here).
 
 Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
@@ -34,39 +35,16 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
+from jaxllm.models.formats import format_of
 from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     activation_quantization_ready,
     dequantize,
-    grouped_quantized_activation_matmul,
-    quantized_activation_matmul,
 )
 from jaxllm.platform import backend_candidates
 
 logger = logging.getLogger(__name__)
-
-TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
-TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
-TARGET_GROUPED = {jnp.dtype(jnp.float32): "jaxllm_grouped_dense_f32",  # experts' panels stacked, rows by expert
-                  jnp.dtype(jnp.bfloat16): "jaxllm_grouped_dense_bf16"}
-# quantized experts, by (panel dtype, grouped, mins): int8 per column, Q8_0, Q4_0, Q4_1 (and int4),
-# gguf_int8
-TARGET_GROUPED_QUANTIZED = {("int8", False, False): "jaxllm_grouped_dense_i8",
-                            ("int8", True, False): "jaxllm_grouped_dense_q8_0",
-                            ("uint8", True, False): "jaxllm_grouped_dense_q4_0",
-                            ("uint8", True, True): "jaxllm_grouped_dense_q4_1",
-                            ("int8", True, True): "jaxllm_grouped_dense_q8_mins"}  # a mixed GGUF's experts
-TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
-TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
-TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
-TARGET_Q4_1 = "jaxllm_dense_q4_1"  # 4-bit panels, scales and mins as Q8_0's scales
-TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (or 2^n) inputs: mixed GGUF
-# int8 (int16) activations, panels in the dot layout, by (activations, panel dtype, mins): Q4_0, Q4_1 (int4), Q8_0
-_X_FORMATS = {("uint8", False): "q4_0", ("uint8", True): "q4_1", ("int8", False): "q8_0"}
-TARGET_X8 = {(acts, dtype, mins): f"jaxllm_dense_{fmt}_x{acts[3:]}" for acts in ACTIVATION_MAX
-             for (dtype, mins), fmt in _X_FORMATS.items()}
-TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
 def pack_weight(w: Shaped[Array, "*E K N"] | Shaped[np.ndarray, "*E K N"] | jax.ShapeDtypeStruct | QuantizedWeight
@@ -190,77 +168,15 @@ def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"
 
 def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, rows: Int[Array, ""] | None = None
            ) -> Float[Array, "... N"]:
-    """x @ w, by the backend `w`'s layout says (packed weights return float32: x is
-    multiplied in float32, or rounded to bfloat16 for bfloat16 panels).
-    A plain weight of another dtype than `x` (bfloat16 weights under float32
-    activations: jaxllm.platform.activation_dtype) multiplies `x` rounded to the
-    weight's dtype, accumulating and returning `x`'s dtype (or `preferred_element_type`).
-    A QuantizedWeight multiplies its int8 values (exact in any float dtype) and scales
-    the output columns (jaxllm.models.quant); grouped ones (GGUF blocks) are dequantized
-    first, and one of a bfloat16 model (`float_dtype`) multiplies as the model's plain
-    bfloat16 weights would (the kernel: its `bf16` attribute).
-
-    `rows` (packed weights, x [T, K]): only x's first `rows` rows are multiplied, the
-    rest of y is zeros: a step's real tokens, its bucket's padding after them (the
-    grouped kernel over one expert of `rows` rows: the same sums as the dense call's).
-    Other weights compute every row. A weight in activation order (`perm`: its rows
-    sorted by group) multiplies x's inputs in that order."""
+    """x @ w, as `w`'s stored layout is multiplied (jaxllm.models.formats: a plain
+    array by XLA's dot, a QuantizedWeight by its integer values and scales, packed
+    panels by the C++ custom calls, returning float32). `rows` (packed weights, x
+    [T, K]): only x's first `rows` rows are multiplied, the rest of y is zeros; other
+    layouts compute every row. A weight in activation order (`perm`: its rows sorted by
+    group) multiplies x's inputs in that order."""
     if isinstance(w, (QuantizedWeight, PackedWeight)) and w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    if isinstance(w, QuantizedWeight):
-        if w.kernel == "pallas":
-            return _pallas_linear(x, w, preferred_element_type)
-        if w.activations != "float":
-            y = quantized_activation_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
-            return y.astype(preferred_element_type or jnp.float32)
-        if w.group and w.float_dtype != "float32":  # the plain weight it stands for
-            return linear(x, dequantize(w), preferred_element_type)
-        if w.group:  # a scale per block of inputs: dequantized first (the kernel does it in registers)
-            return jnp.matmul(x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
-        y = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=preferred_element_type or x.dtype)
-        return y * w.scale.astype(y.dtype)
-    if not isinstance(w, PackedWeight):
-        if w.dtype != x.dtype:
-            out = preferred_element_type or x.dtype
-            return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=out)
-        return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
-    cpu_kernels.load_kernels()  # registers the custom calls (once)
-    if rows is not None and x.ndim == 2 and not w.experts:
-        return grouped_linear(x, one_expert(w), jnp.reshape(rows, (1,)))
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((x2.shape[0], w.out_features), jnp.float32)
-    if w.activations != "float":
-        return _x8_call(TARGET_X8, x2, w, out).reshape(*lead, w.out_features)
-    # grouped panels: x and the dequantized weights rounded to bfloat16 (`bf16`), by the tiles `bf16_dot` says
-    bf16 = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot)
-    if w.mins is not None:
-        target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins, **bf16).reshape(*lead, w.out_features)
-    if w.scale is not None and w.group:
-        target = TARGET_Q4_0 if w.panels.dtype == jnp.uint8 else TARGET_Q8_0
-        return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, **bf16).reshape(*lead, w.out_features)
-    if w.scale is not None:
-        return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale).reshape(*lead, w.out_features)
-    if w.panels.dtype == jnp.bfloat16:
-        return jax.ffi.ffi_call(TARGET_BF16, out)(x2.astype(jnp.float32), w.panels, bf16_dot=w.bf16_dot
-                                                  ).reshape(*lead, w.out_features)
-    return jax.ffi.ffi_call(TARGET, out)(x2.astype(jnp.float32), w.panels).reshape(*lead, w.out_features)
-
-
-def one_expert(w: PackedWeight) -> PackedWeight:
-    """A dense packed weight as a mixture of one expert (a leading axis of 1: a
-    reshape, no copy), for the grouped kernel's row count."""
-    lead = lambda a: None if a is None else a[None]
-    return w.replace(panels=w.panels[None], scale=lead(w.scale), mins=lead(w.mins), experts=1)
-
-
-def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):
-    """x (float32) times dot-layout panels through the int8- (int16-) activation handler
-    of `targets` their format picks (a mixture's: `extra` = the group sizes)."""
-    mins = () if w.mins is None else (w.mins,)
-    target = targets[(w.activations, jnp.dtype(w.panels.dtype).name, w.mins is not None)]
-    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
+    return format_of(w).matmul(x, w, preferred_element_type, rows)
 
 
 def packed_rows(w: PackedWeight, rows: Int[Array, " T"]) -> Float[Array, "T K"]:
@@ -304,39 +220,9 @@ def all_reduce(x: Float[Array, ...], axis: str | None) -> Float[Array, ...]:
 def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeight | QuantizedWeight,
                    group_sizes: Int[Array, " E"]) -> Float[Array, "M N"]:
     """A mixture of experts' projection: `x`'s rows sorted by expert, `group_sizes[e]`
-    of them for expert e, each group times its expert's [K, N] (float32 results): the
-    dense kernel over each group's rows for packed weights (the work follows the rows),
-    `jax.lax.ragged_dot` for plain ones (a grouped matmul on a GPU; XLA:CPU computes
-    every expert for every row)."""
-    if isinstance(w, PackedWeight):
-        cpu_kernels.load_kernels()
-        out = jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
-        x, sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
-        if w.activations != "float":
-            return _x8_call(TARGET_GROUPED_X8, x, w, out, sizes)
-        if w.scale is None:
-            attrs = dict(bf16_dot=w.bf16_dot) if w.panels.dtype == jnp.bfloat16 else {}
-            return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes, **attrs)
-        target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]
-        scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
-        attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot) if w.group else {}
-        return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
-    if isinstance(w, QuantizedWeight) and w.activations != "float":
-        return grouped_quantized_activation_matmul(x, w, group_sizes.astype(jnp.int32))
-    if isinstance(w, QuantizedWeight):  # experts dequantized (the kernel converts them panel by panel)
-        w = dequantize(w)
-    return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
-
-
-def _pallas_linear(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
-                   ) -> Float[Array, "... N"]:
-    """x @ w through the Pallas weight-only matmul (interpret mode off GPU)."""
-    from pallas_kernels.quantized_matmul import quantized_matmul
-
-    lead = x.shape[:-1]
-    y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
-                         out_dtype=preferred_element_type, interpret=jax.default_backend() != "gpu")
-    return y.reshape(*lead, w.shape[1])
+    of them for expert e, each group times its expert's [K, N] (float32 results), as
+    `w`'s layout is multiplied (jaxllm.models.formats)."""
+    return format_of(w).grouped_matmul(x, w, group_sizes)
 
 
 def pallas_params(params: PyTree) -> PyTree:

@@ -449,3 +449,26 @@ def test_grouped_kernel_over_quantized_experts(weights):
             in_bf16 = pack_weight(q.replace(float_dtype="bfloat16"))
             np.testing.assert_array_equal(np.asarray(grouped(x, in_bf16, sizes)),
                                           np.asarray(grouped(x, pack_weight(floats.astype(jnp.bfloat16)), sizes)))
+
+
+def test_each_stored_layout_has_one_format():
+    """jaxllm.models.formats: every layout a projection is held in (plain, int8 per
+    column, int4 / int8 by groups and GGUF's blocks, marked for Pallas, packed panels,
+    a mixture's stacked experts) is held by exactly one format class, the one linear()
+    dispatches to; and linear() multiplies each as its dequantized matrix would (int8
+    per column to float rounding: its scales multiply the output)."""
+    from jaxllm.models import formats
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    int8, q4_1 = quantize_weight(w, "int8"), quantize_blocks(w, QUANT_FORMATS["q4_1"])
+    cases = {formats.Dense: [w, jnp.stack([w, w])], formats.ChannelInt8: [int8],
+             formats.Blocks: [q4_1, quantize_weight(w, "int4_g32")], formats.PallasTiles: [q4_1.replace(kernel="pallas")],
+             formats.Panels: [pack_weight(w), pack_weight(q4_1)]}
+    for fmt, weights in cases.items():
+        for weight in weights:
+            assert [f for f in formats.FORMATS if f.holds(weight)] == [fmt], (fmt, weight)
+    np.testing.assert_allclose(linear(x, q4_1), x @ dequantize(q4_1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(linear(x, pack_weight(q4_1)), x @ dequantize(q4_1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(linear(x, int8), x @ dequantize(int8), rtol=1e-5, atol=1e-5)
