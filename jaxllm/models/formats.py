@@ -2,7 +2,7 @@
 
 A projection's weight is held in one of five layouts (jaxllm.models.params); each class
 here says how `x @ w` is computed for it, dense and for a mixture of experts' rows grouped
-by expert:
+by expert, and (the layouts the `cpu` backend packs) how it becomes panels:
 
 - `Dense`: a plain [in, out] array (any float dtype); XLA's dot.
 - `ChannelInt8`: int8 values, a float scale per output column (QuantizedWeight, group 0).
@@ -13,8 +13,8 @@ by expert:
 - `Panels`: the `cpu` backend's packed panels (PackedWeight), multiplied by the C++
   custom calls of jaxllm/cpu_kernels/dense.cc.
 
-`format_of(w)` looks the class up; jaxllm.models.linear.linear and grouped_linear are a
-dispatch to it. A new layout is a new class here (and its packing), not a new branch in
+`format_of(w)` looks the class up; jaxllm.models.linear's linear, grouped_linear,
+pack_weight, unpack_weight and packed_rows are a dispatch to it. A new layout is a new class here (and its packing), not a new branch in
 every helper.
 """
 
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, Float, Int, Shaped
 
 from jaxllm import cpu_kernels
-from jaxllm.models.params import PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.params import PANEL, PackedWeight, QuantizedWeight
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     dequantize,
@@ -77,6 +78,31 @@ class Dense:
         for every row)."""
         return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
 
+    @staticmethod
+    def pack(w: Shaped[Array, "*E K N"] | Shaped[np.ndarray, "*E K N"] | jax.ShapeDtypeStruct) -> PackedWeight:
+        """Panels of PANEL columns, [out/PANEL, in, PANEL], the last zero-padded (bfloat16:
+        input pairs side by side, [out/PANEL, in/2, PANEL, 2]); a mixture's experts each
+        packed and stacked; abstract panels for an abstract `w`."""
+        if len(w.shape) == 3:  # a mixture of experts' [E, K, N]: each expert's panels, stacked
+            if isinstance(w, jax.ShapeDtypeStruct):
+                one = Dense.pack(jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
+                stacked = jax.ShapeDtypeStruct((w.shape[0], *one.panels.shape), w.dtype)
+                return one.replace(panels=stacked, experts=w.shape[0])
+            packed = [Dense.pack(w[e]) for e in range(w.shape[0])]
+            return packed[0].replace(panels=jnp.stack([p.panels for p in packed]), experts=w.shape[0])
+        k, n = w.shape
+        pairs = jnp.dtype(w.dtype) == jnp.bfloat16
+        if isinstance(w, jax.ShapeDtypeStruct):
+            shape = (-(-n // PANEL), -(-k // 2), PANEL, 2) if pairs else (-(-n // PANEL), k, PANEL)
+            return PackedWeight(jax.ShapeDtypeStruct(shape, w.dtype), n)
+        a = np.asarray(w)
+        if n % PANEL or (pairs and k % 2):
+            a = np.pad(a, ((0, k % 2 if pairs else 0), (0, -n % PANEL)))
+        if pairs:  # [K, N] -> [N/32, K/2, 32, 2]: the two inputs of a pair side by side (vdpbf16ps)
+            return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
+                                                                 .transpose(2, 0, 3, 1))), n)
+        return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
+
 
 class _Quantized:
     """A QuantizedWeight (weight-only: jaxllm.models.quant): multiplied with its inputs
@@ -99,6 +125,12 @@ class _Quantized:
         if w.activations != "float":
             return grouped_quantized_activation_matmul(x, w, group_sizes.astype(jnp.int32))
         return Dense.grouped_matmul(x, dequantize(w), group_sizes)
+
+    @staticmethod
+    def pack(w: QuantizedWeight) -> PackedWeight:
+        """Integer panels (4-bit values two to a byte), the scales and mins zero-padded to
+        their columns; a mixture's experts each packed and stacked."""
+        return _pack_quantized_experts(w) if len(w.shape) == 3 else _pack_quantized(w)
 
 
 class ChannelInt8(_Quantized):
@@ -212,13 +244,73 @@ class Panels:
         attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot) if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
 
+    @staticmethod
+    def unpack(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:
+        """The [in, out] matrix back, dequantized (tests and debugging); a mixture of
+        experts' [E, in, out]."""
+        if w.experts:
+            expert = lambda a, e: None if a is None else a[e]
+            return jnp.stack([Panels.unpack(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
+                                                      mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
+        panels = w.panels
+        if w.activations != "float" and panels.dtype == jnp.int8:  # the dot layout [P, K/4, 32, 4] -> [P, K, 32]
+            panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
+        elif w.activations != "float":  # the dot layout [P, K/8, 32, 4] -> [P, K, 16]
+            lo_hi = jnp.stack([panels & 0x0F, panels >> 4], axis=2).transpose(0, 1, 2, 4, 3)  # [P, K/8, 2, 4, 32]
+            v = lo_hi.reshape(panels.shape[0], -1, PANEL)
+            panels = (v[..., : PANEL // 2] | (v[..., PANEL // 2:] << 4)).astype(jnp.uint8)
+        elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
+            panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
+        if panels.dtype == jnp.uint8:  # 4-bit: the nibbles back as values (minus 8 without mins)
+            panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=-1).astype(jnp.int8)
+            panels = panels if w.mins is not None else panels - 8
+        matrix = panels.transpose(1, 0, 2).reshape(w.in_features, -1)
+        if w.scale is not None and w.group:
+            by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)
+            mins = None if w.mins is None else by_group(w.mins)
+            matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins, float_dtype=w.float_dtype))
+        elif w.scale is not None:
+            matrix = matrix.astype(jnp.float32) * w.scale
+        return matrix[:, : w.out_features]
+
+    @staticmethod
+    def take_rows(w: PackedWeight, rows: Int[Array, " T"]) -> Float[Array, "T K"]:
+        """Rows `rows` of the [out, in] matrix a packed output projection transposes: the
+        embedding rows of a tied model, looked up from its packed head (one copy of the
+        table). Each row is the value the unpacked table's lookup gives (a quantized one's
+        dequantized as `dequantize(take_rows)` does), gathered from whichever layout."""
+        panel, col = rows // PANEL, rows % PANEL
+        panels = w.panels
+        if w.activations != "float" and panels.dtype == jnp.int8:  # [P, K/4, 32, 4]
+            q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
+        elif w.activations != "float":  # [P, K/8, 32, 4]: byte j holds inputs 8i + j (low) and 8i + 4 + j (high)
+            b = panels[panel, :, col, :]
+            q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(rows.shape[0], -1)
+        elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2]
+            q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
+        elif panels.dtype == jnp.uint8:  # [P, K, 16]: column c in byte c % 16, low half for c < 16
+            b = panels[panel, :, col % (PANEL // 2)]
+            q = jnp.where((col < PANEL // 2)[:, None], b & 0x0F, b >> 4)
+        else:
+            q = panels[panel, :, col]
+        if w.scale is None:
+            return q
+        if panels.dtype == jnp.uint8:
+            q = q.astype(jnp.int8) - (0 if w.mins is not None else 8)  # Q4_0's stored nibble is the value + 8
+        if not w.group:  # per column of the head: per row of the table
+            return q.astype(jnp.float32) * w.scale[rows][:, None]
+        mins = None if w.mins is None else w.mins[panel, :, col]
+        table = QuantizedWeight(q.astype(jnp.int8), w.scale[panel, :, col], w.group, mins, group_axis=1,
+                                float_dtype=w.float_dtype)
+        return dequantize(table)
+
 
 FORMATS = (Dense, ChannelInt8, Blocks, PallasTiles, Panels)
 
 
-def format_of(w: Weight | Float[Array, "E K N"]):
-    """The class of `w`'s stored layout (exactly one holds it); a mixture of experts'
-    weights are [E, K, N]."""
+def format_of(w):
+    """The class of `w`'s stored layout (exactly one holds it): arrays, numpy arrays and
+    abstract ones (jax.ShapeDtypeStruct) too; a mixture of experts' weights are [E, K, N]."""
     return next(f for f in FORMATS if f.holds(w))
 
 
@@ -235,3 +327,63 @@ def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.Sh
     mins = () if w.mins is None else (w.mins,)
     target = targets[(w.activations, jnp.dtype(w.panels.dtype).name, w.mins is not None)]
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
+
+
+def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:
+    """A mixture of experts' quantized [E, K, N]: each expert packed, stacked."""
+    e = w.shape[0]
+    if isinstance(w.q, jax.ShapeDtypeStruct):
+        one = _pack_quantized(w.map_arrays(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
+        stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)
+        return one.replace(panels=stacked(one.panels), scale=stacked(one.scale), mins=stacked(one.mins), experts=e)
+    packed = [_pack_quantized(w.expert(i)) for i in range(e)]
+
+    def stack(name: str):
+        return None if getattr(packed[0], name) is None else jnp.stack([getattr(p, name) for p in packed])
+
+    return packed[0].replace(panels=stack("panels"), scale=stack("scale"), mins=stack("mins"), experts=e)
+
+
+def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
+    values = Dense.pack(w.q)
+    p = values.panels.shape[0]
+    groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
+    if w.bits == 4:
+        values = values.replace(panels=_nibble_panels(values.panels, offset=0 if w.mins is not None else 8,
+                                                      dot=w.activations != "float"))
+    elif w.activations != "float":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
+        k = values.panels.shape[1]
+        if isinstance(values.panels, jax.ShapeDtypeStruct):
+            values = values.replace(panels=jax.ShapeDtypeStruct((p, k // 4, PANEL, 4), jnp.int8))
+        else:
+            v = np.asarray(values.panels).reshape(p, k // 4, 4, PANEL)
+            values = values.replace(panels=jnp.asarray(np.ascontiguousarray(v.transpose(0, 1, 3, 2))))
+
+    def padded(scale):
+        if isinstance(scale, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((p, *groups, PANEL) if groups else (p * PANEL,), scale.dtype)
+        scale = np.asarray(scale)
+        scale = np.pad(scale, [(0, 0)] * len(groups) + [(0, p * PANEL - scale.shape[-1])])
+        if groups:  # [G, P * 32] -> [P, G, 32]: a panel's scales next to its values
+            scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
+        return jnp.asarray(scale)
+
+    return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins),
+                          float_dtype=w.float_dtype, activations=w.activations, perm=w.perm)
+
+
+def _nibble_panels(panels, offset: int, dot: bool):
+    """4-bit values' panels [P, K, 32] (int8, plus `offset`: Q4_0's 8) two to a byte:
+    [P, K, 16], byte j holding column j low and column j + 16 high; or with `dot` (int8
+    or int16 activations) [P, K/8, 32, 4], byte j of column c at inputs 8i.. holding input 8i + j
+    low and 8i + 4 + j high (the 4 inputs an integer dot product sums per 32-bit lane).
+    Abstract panels too."""
+    p, k, _ = panels.shape
+    if isinstance(panels, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((p, k // 8, PANEL, 4) if dot else (p, k, PANEL // 2), jnp.uint8)
+    nibbles = np.asarray(panels).astype(np.uint8) + np.uint8(offset)
+    if dot:  # [P, K/8, 2 (low, high), 4, 32] -> [P, K/8, 32, 4]
+        v = nibbles.reshape(p, k // 8, 2, 4, PANEL)
+        return jnp.asarray(np.ascontiguousarray((v[:, :, 0] | (v[:, :, 1] << 4)).transpose(0, 1, 3, 2)))
+    half = PANEL // 2
+    return jnp.asarray((nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4))

@@ -35,12 +35,11 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
-from jaxllm.models.formats import format_of
-from jaxllm.models.params import PANEL, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.formats import Panels, format_of
+from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     activation_quantization_ready,
-    dequantize,
 )
 from jaxllm.platform import backend_candidates
 
@@ -49,121 +48,16 @@ logger = logging.getLogger(__name__)
 
 def pack_weight(w: Shaped[Array, "*E K N"] | Shaped[np.ndarray, "*E K N"] | jax.ShapeDtypeStruct | QuantizedWeight
                 ) -> PackedWeight:
-    """`w` as panels; an abstract `w` (jax.ShapeDtypeStruct) gives abstract panels, a
-    QuantizedWeight integer panels (4-bit values two to a byte) and its scales and mins
-    zero-padded to their columns. Packed with numpy on the host (the backend runs on
-    the CPU platform, where that is a view of the array): SmolLM2's weights in ~1.4 s,
-    against 2.7-4.5 s for the same jnp ops run eagerly."""
-    if isinstance(w, QuantizedWeight):
-        return _pack_quantized_experts(w) if len(w.shape) == 3 else _pack_quantized(w)
-    if len(w.shape) == 3:  # a mixture of experts' [E, K, N]: each expert's panels, stacked
-        if isinstance(w, jax.ShapeDtypeStruct):
-            one = pack_weight(jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
-            stacked = jax.ShapeDtypeStruct((w.shape[0], *one.panels.shape), w.dtype)
-            return one.replace(panels=stacked, experts=w.shape[0])
-        packed = [pack_weight(w[e]) for e in range(w.shape[0])]
-        return packed[0].replace(panels=jnp.stack([p.panels for p in packed]), experts=w.shape[0])
-    k, n = w.shape
-    pairs = jnp.dtype(w.dtype) == jnp.bfloat16
-    if isinstance(w, jax.ShapeDtypeStruct):
-        shape = (-(-n // PANEL), -(-k // 2), PANEL, 2) if pairs else (-(-n // PANEL), k, PANEL)
-        return PackedWeight(jax.ShapeDtypeStruct(shape, w.dtype), n)
-    a = np.asarray(w)
-    if n % PANEL or (pairs and k % 2):
-        a = np.pad(a, ((0, k % 2 if pairs else 0), (0, -n % PANEL)))
-    if pairs:  # [K, N] -> [N/32, K/2, 32, 2]: the two inputs of a pair side by side (vdpbf16ps)
-        return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
-                                                             .transpose(2, 0, 3, 1))), n)
-    return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
-
-
-def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:
-    """A mixture of experts' quantized [E, K, N]: each expert packed, stacked."""
-    e = w.shape[0]
-    if isinstance(w.q, jax.ShapeDtypeStruct):
-        one = _pack_quantized(w.map_arrays(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
-        stacked = lambda a: None if a is None else jax.ShapeDtypeStruct((e, *a.shape), a.dtype)
-        return one.replace(panels=stacked(one.panels), scale=stacked(one.scale), mins=stacked(one.mins), experts=e)
-    packed = [_pack_quantized(w.expert(i)) for i in range(e)]
-
-    def stack(name: str):
-        return None if getattr(packed[0], name) is None else jnp.stack([getattr(p, name) for p in packed])
-
-    return packed[0].replace(panels=stack("panels"), scale=stack("scale"), mins=stack("mins"), experts=e)
-
-
-def _pack_quantized(w: QuantizedWeight) -> PackedWeight:
-    values = pack_weight(w.q)
-    p = values.panels.shape[0]
-    groups = w.scale.shape[:-1]  # () per column, (K / group,) per block of inputs
-    if w.bits == 4:
-        values = values.replace(panels=_nibble_panels(values.panels, offset=0 if w.mins is not None else 8,
-                                                      dot=w.activations != "float"))
-    elif w.activations != "float":  # [P, K, 32] -> [P, K/4, 32, 4]: input 4i + j as byte j of its column
-        k = values.panels.shape[1]
-        if isinstance(values.panels, jax.ShapeDtypeStruct):
-            values = values.replace(panels=jax.ShapeDtypeStruct((p, k // 4, PANEL, 4), jnp.int8))
-        else:
-            v = np.asarray(values.panels).reshape(p, k // 4, 4, PANEL)
-            values = values.replace(panels=jnp.asarray(np.ascontiguousarray(v.transpose(0, 1, 3, 2))))
-
-    def padded(scale):
-        if isinstance(scale, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct((p, *groups, PANEL) if groups else (p * PANEL,), scale.dtype)
-        scale = np.asarray(scale)
-        scale = np.pad(scale, [(0, 0)] * len(groups) + [(0, p * PANEL - scale.shape[-1])])
-        if groups:  # [G, P * 32] -> [P, G, 32]: a panel's scales next to its values
-            scale = np.ascontiguousarray(scale.reshape(groups[0], p, PANEL).transpose(1, 0, 2))
-        return jnp.asarray(scale)
-
-    return values.replace(scale=padded(w.scale), group=w.group, mins=None if w.mins is None else padded(w.mins),
-                          float_dtype=w.float_dtype, activations=w.activations, perm=w.perm)
-
-
-def _nibble_panels(panels, offset: int, dot: bool):
-    """4-bit values' panels [P, K, 32] (int8, plus `offset`: Q4_0's 8) two to a byte:
-    [P, K, 16], byte j holding column j low and column j + 16 high; or with `dot` (int8
-    or int16 activations) [P, K/8, 32, 4], byte j of column c at inputs 8i.. holding input 8i + j
-    low and 8i + 4 + j high (the 4 inputs an integer dot product sums per 32-bit lane).
-    Abstract panels too."""
-    p, k, _ = panels.shape
-    if isinstance(panels, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((p, k // 8, PANEL, 4) if dot else (p, k, PANEL // 2), jnp.uint8)
-    nibbles = np.asarray(panels).astype(np.uint8) + np.uint8(offset)
-    if dot:  # [P, K/8, 2 (low, high), 4, 32] -> [P, K/8, 32, 4]
-        v = nibbles.reshape(p, k // 8, 2, 4, PANEL)
-        return jnp.asarray(np.ascontiguousarray((v[:, :, 0] | (v[:, :, 1] << 4)).transpose(0, 1, 3, 2)))
-    half = PANEL // 2
-    return jnp.asarray((nibbles[..., :half] & 0x0F) | (nibbles[..., half:] << 4))
+    """`w` as the `cpu` backend's panels, as its format packs (jaxllm.models.formats); an
+    abstract `w` (jax.ShapeDtypeStruct) gives abstract panels. Packed with numpy on the
+    host (the backend runs on the CPU platform, where that is a view of the array)."""
+    return format_of(w).pack(w)
 
 
 def unpack_weight(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:
     """The [in, out] matrix back, dequantized (tests and debugging); a mixture of
     experts' [E, in, out]."""
-    if w.experts:
-        expert = lambda a, e: None if a is None else a[e]
-        return jnp.stack([unpack_weight(w.replace(panels=w.panels[e], scale=expert(w.scale, e),
-                                                  mins=expert(w.mins, e), experts=0)) for e in range(w.experts)])
-    panels = w.panels
-    if w.activations != "float" and panels.dtype == jnp.int8:  # the dot layout [P, K/4, 32, 4] -> [P, K, 32]
-        panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
-    elif w.activations != "float":  # the dot layout [P, K/8, 32, 4] -> [P, K, 16]
-        lo_hi = jnp.stack([panels & 0x0F, panels >> 4], axis=2).transpose(0, 1, 2, 4, 3)  # [P, K/8, 2, 4, 32]
-        v = lo_hi.reshape(panels.shape[0], -1, PANEL)
-        panels = (v[..., : PANEL // 2] | (v[..., PANEL // 2:] << 4)).astype(jnp.uint8)
-    elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2] -> [P, K (even), 32]
-        panels = panels.transpose(0, 1, 3, 2).reshape(panels.shape[0], -1, PANEL)
-    if panels.dtype == jnp.uint8:  # 4-bit: the nibbles back as values (minus 8 without mins)
-        panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=-1).astype(jnp.int8)
-        panels = panels if w.mins is not None else panels - 8
-    matrix = panels.transpose(1, 0, 2).reshape(w.in_features, -1)
-    if w.scale is not None and w.group:
-        by_group = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], -1)
-        mins = None if w.mins is None else by_group(w.mins)
-        matrix = dequantize(QuantizedWeight(matrix, by_group(w.scale), w.group, mins, float_dtype=w.float_dtype))
-    elif w.scale is not None:
-        matrix = matrix.astype(jnp.float32) * w.scale
-    return matrix[:, : w.out_features]
+    return Panels.unpack(w)
 
 
 def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, rows: Int[Array, ""] | None = None
@@ -180,35 +74,9 @@ def linear(x: Float[Array, "... K"], w: Weight, preferred_element_type=None, row
 
 
 def packed_rows(w: PackedWeight, rows: Int[Array, " T"]) -> Float[Array, "T K"]:
-    """Rows `rows` of the [out, in] matrix a packed output projection transposes: the
-    embedding rows of a tied model, looked up from its packed head (the runner then holds
-    one copy of the table). Each row is the value the unpacked table's lookup gives
-    (a quantized one's dequantized as `dequantize(take_rows)` does), gathered column by
-    column from whichever layout the head is packed in."""
-    panel, col = rows // PANEL, rows % PANEL
-    panels = w.panels
-    if w.activations != "float" and panels.dtype == jnp.int8:  # [P, K/4, 32, 4]
-        q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
-    elif w.activations != "float":  # [P, K/8, 32, 4]: byte j holds inputs 8i + j (low) and 8i + 4 + j (high)
-        b = panels[panel, :, col, :]
-        q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(rows.shape[0], -1)
-    elif panels.ndim == 4:  # bfloat16 pairs [P, K/2, 32, 2]
-        q = panels[panel, :, col, :].reshape(rows.shape[0], -1)
-    elif panels.dtype == jnp.uint8:  # [P, K, 16]: column c in byte c % 16, low half for c < 16
-        b = panels[panel, :, col % (PANEL // 2)]
-        q = jnp.where((col < PANEL // 2)[:, None], b & 0x0F, b >> 4)
-    else:
-        q = panels[panel, :, col]
-    if w.scale is None:
-        return q
-    if panels.dtype == jnp.uint8:
-        q = q.astype(jnp.int8) - (0 if w.mins is not None else 8)  # Q4_0's stored nibble is the value + 8
-    if not w.group:  # per column of the head: per row of the table
-        return q.astype(jnp.float32) * w.scale[rows][:, None]
-    mins = None if w.mins is None else w.mins[panel, :, col]
-    table = QuantizedWeight(q.astype(jnp.int8), w.scale[panel, :, col], w.group, mins, group_axis=1,
-                            float_dtype=w.float_dtype)
-    return dequantize(table)
+    """Rows `rows` of the [out, in] matrix a packed output projection transposes (the
+    embedding rows of a tied model: jaxllm.models.formats.Panels.take_rows)."""
+    return Panels.take_rows(w, rows)
 
 
 def all_reduce(x: Float[Array, ...], axis: str | None) -> Float[Array, ...]:
