@@ -56,7 +56,7 @@ MAX_ENTRIES = 256  # oldest entries beyond this are deleted when one is stored
 # of a segmentation fault in jax 0.11.2's serialize_executable.persistent_load with two
 # warm-up threads deserializing at once, and again later with this lock held, one thread
 # deserializing alone (CPU, 2026-11-29): the lock does not remove that crash, whose cause
-# is not known yet (a stored executable that cannot be loaded back is one suspect).
+# inside jaxlib is not known; both were the pattern _LOADED below now avoids.
 _DESERIALIZING = threading.Lock()
 # Executables this process stored or loaded, while a runner holds them (file and devices
 # -> Compiled): a second engine of the same configuration in the process (the tests make

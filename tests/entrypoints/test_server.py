@@ -252,6 +252,11 @@ def test_echo_logprobs_score_the_prompt(server, offline):
     assert choice["text"] == text and choice["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
     assert_echo_scores(choice["logprobs"], ids, offline_scores(offline, ids, 1, max_tokens=0), 1)
+    # without logprobs: the engine still scores the prompt (max_tokens 0 needs it), the response shows none
+    r = post(server, "/v1/completions", {"prompt": [ids], "max_tokens": 0, "echo": True})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["text"] == text and choice["logprobs"] is None
+    assert "prompt_logprobs" not in choice
     r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "echo" in r.json()["error"]["message"]

@@ -120,24 +120,20 @@ def test_penalties_and_logit_bias_match_numpy():
                   bias_token_ids=[[1, 5], [2, 2], [0, 0]], bias_values=[[3.0, -2.0], [1.0, 0.5], [0.0, 0.0]])
     md = metadata(s, temperature=[0.0] * s, **params)
     out = _sample(jnp.asarray(logits), history, md)
+    refs = []
     for i in range(s):
         bias = {}
         for t, v in zip(params["bias_token_ids"][i], params["bias_values"][i]):
             bias[t] = bias.get(t, 0.0) + v
-        ref = numpy_reference(logits[i], history[i], params["num_prompt_tokens"][i], params["num_known_tokens"][i],
-                              params["presence_penalty"][i], params["frequency_penalty"][i],
-                              params["repetition_penalty"][i], bias)
+        refs.append(numpy_reference(logits[i], history[i], params["num_prompt_tokens"][i],
+                                    params["num_known_tokens"][i], params["presence_penalty"][i],
+                                    params["frequency_penalty"][i], params["repetition_penalty"][i], bias))
+    for i, ref in enumerate(refs):
         assert int(out.token_ids[i]) == int(np.argmax(ref))
     # the processed logits themselves: compare through a greedy pick on each shifted token
     from jaxllm.sample.sampler import apply_logit_bias, apply_penalties
     got = np.asarray(apply_penalties(apply_logit_bias(jnp.asarray(logits), md), jnp.asarray(history), md))
-    for i in range(s):
-        bias = {}
-        for t, v in zip(params["bias_token_ids"][i], params["bias_values"][i]):
-            bias[t] = bias.get(t, 0.0) + v
-        ref = numpy_reference(logits[i], history[i], params["num_prompt_tokens"][i], params["num_known_tokens"][i],
-                              params["presence_penalty"][i], params["frequency_penalty"][i],
-                              params["repetition_penalty"][i], bias)
+    for i, ref in enumerate(refs):
         np.testing.assert_allclose(got[i], ref, rtol=1e-6, atol=1e-6)
 
 
