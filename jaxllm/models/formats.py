@@ -13,9 +13,13 @@ by expert, and (the layouts the `cpu` backend packs) how it becomes panels:
 - `Panels`: the `cpu` backend's packed panels (PackedWeight), multiplied by the C++
   custom calls of jaxllm/cpu_kernels/dense.cc.
 
-`format_of(w)` looks the class up; jaxllm.models.linear's linear, grouped_linear,
-pack_weight, unpack_weight and packed_rows are a dispatch to it. A new layout is a new class here (and its packing), not a new branch in
-every helper.
+`format_of(w)` looks the class of a held weight up; jaxllm.models.linear's linear,
+grouped_linear, pack_weight, unpack_weight and packed_rows are a dispatch to it.
+`declared_format(decl)` looks up the class a parameter's declaration (ParamDecl) loads
+in (Dense, ChannelInt8 or Blocks), which says how it is sharded (`partition_spec`:
+jaxllm.models.parallel) and described (`describe`: the engine's start-up line); the
+backends' own layouts (PallasTiles, Panels) are made from it. A new layout is a new
+class here, not a new branch in every helper.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, Shaped
 
 from jaxllm import cpu_kernels
-from jaxllm.models.params import PANEL, PackedWeight, QuantizedWeight
+from jaxllm.models.params import PANEL, QUANT_FORMATS, PackedWeight, ParamDecl, QuantizedWeight, quantized_layout
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     dequantize,
@@ -71,6 +76,15 @@ class Dense:
         if w.dtype != x.dtype:
             return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=preferred_element_type or x.dtype)
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+
+    @staticmethod
+    def partition_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+        """Each logical axis mapped to a mesh axis by `rules` (unnamed: replicated)."""
+        return _axes_spec(decl.axes, rules)
+
+    @staticmethod
+    def describe(decl: ParamDecl) -> str:
+        return "float"
 
     @staticmethod
     def grouped_matmul(x: Float[Array, "M K"], w, group_sizes: Int[Array, " E"]) -> Float[Array, "M N"]:
@@ -132,6 +146,17 @@ class _Quantized:
         their columns; a mixture's experts each packed and stacked."""
         return _pack_quantized_experts(w) if len(w.shape) == 3 else _pack_quantized(w)
 
+    @classmethod
+    def partition_spec(cls, decl: ParamDecl, rules: dict[str, str]) -> QuantizedWeight:
+        """A QuantizedWeight of PartitionSpecs: the values as a float weight's, the scales
+        (and mins) split with the axis they run along (`scale_spec`)."""
+        if decl.act_order:  # the inputs' permutation crosses any split of them
+            raise ValueError(f"{decl.hf[0][0]}: a checkpoint quantized in activation order (desc_act) is not "
+                             f"sharded for tensor parallelism; quantization='none' dequantizes it at load")
+        whole, scale = _axes_spec(decl.axes, rules), cls.scale_spec(decl, rules)
+        return QuantizedWeight(whole, scale, mins=scale if QUANT_FORMATS[decl.quant].mins else None,
+                               **quantized_layout(decl))
+
 
 class ChannelInt8(_Quantized):
     """int8 values, a float scale per output column: the int8 values (exact in any float
@@ -140,6 +165,19 @@ class ChannelInt8(_Quantized):
     @staticmethod
     def holds(w) -> bool:
         return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and not w.group
+
+    @staticmethod
+    def declared(decl: ParamDecl) -> bool:
+        return bool(decl.quant) and not QUANT_FORMATS[decl.quant].group
+
+    @staticmethod
+    def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+        """[.., N]: a mixture's experts, then the columns."""
+        return _axes_spec((*decl.axes[:-2], decl.axes[-1]), rules)
+
+    @staticmethod
+    def describe(decl: ParamDecl) -> str:
+        return f"{decl.quant} per column"
 
     @staticmethod
     def float_matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
@@ -157,6 +195,20 @@ class Blocks(_Quantized):
     @staticmethod
     def holds(w) -> bool:
         return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and bool(w.group)
+
+    @staticmethod
+    def declared(decl: ParamDecl) -> bool:
+        return bool(decl.quant) and bool(QUANT_FORMATS[decl.quant].group)
+
+    @staticmethod
+    def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+        """[K / group, N] ([V, D / group]): the groups split with their axis, as the values
+        do (jaxllm.models.parallel refuses a split inside a group)."""
+        return _axes_spec(decl.axes, rules)
+
+    @staticmethod
+    def describe(decl: ParamDecl) -> str:
+        return f"{decl.quant} in blocks of {QUANT_FORMATS[decl.quant].group}"
 
     @staticmethod
     def float_matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None
@@ -312,6 +364,17 @@ def format_of(w):
     """The class of `w`'s stored layout (exactly one holds it): arrays, numpy arrays and
     abstract ones (jax.ShapeDtypeStruct) too; a mixture of experts' weights are [E, K, N]."""
     return next(f for f in FORMATS if f.holds(w))
+
+
+def declared_format(decl: ParamDecl) -> type[Dense | ChannelInt8 | Blocks]:
+    """The class of the layout `decl` is loaded in: Dense unless it is declared quantized
+    (then by its QUANT_FORMATS entry). A backend's own layouts (PallasTiles, Panels) are
+    made from it by the model runner (jaxllm.worker.model_runner.layout_params)."""
+    return ChannelInt8 if ChannelInt8.declared(decl) else Blocks if Blocks.declared(decl) else Dense
+
+
+def _axes_spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:
+    return P(*(rules.get(a) for a in axes))
 
 
 def one_expert(w: PackedWeight) -> PackedWeight:

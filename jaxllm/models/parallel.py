@@ -1,7 +1,7 @@
 """Tensor parallelism: the model's forward over a device mesh, Megatron's way.
 
 The mesh has one axis, `TP_AXIS`, of `tensor_parallel_size` devices. Parameters are
-sharded as their declaration's logical axes say (jaxllm.models.params.partition_specs:
+sharded as their declaration's logical axes say (partition_specs, by each parameter's format:
 q/k/v and gate/up by output column, whole heads per shard; the attention output and down
 projections by input row; embedding and output projection by vocabulary), the KV cache
 by KV head, everything else (step inputs, metadata, rope table) replicated. Where the
@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
 from jaxllm.config import ModelConfig
+from jaxllm.models.formats import declared_format
 from jaxllm.models.llama import OutputRows, compute_logits, forward_hidden, forward_rows
 from jaxllm.models.lora import LoRAInputs, lora_partition_specs
 from jaxllm.models.params import (
@@ -32,8 +33,9 @@ from jaxllm.models.params import (
     TENSOR_PARALLEL_RULES,
     ModelParams,
     declarations,
+    declare,
     kv_replicas,
-    partition_specs,
+    map_declared,
     shard_major,
 )
 
@@ -99,6 +101,13 @@ def cache_kv_heads(cfg: ModelConfig, size: int) -> int:
     """KV heads the sharded KV cache holds over the mesh: the model's, times their
     replicas when the shards outnumber them."""
     return cfg.num_kv_heads * kv_replicas(cfg, size)
+
+
+def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RULES) -> ModelParams:
+    """A PartitionSpec per parameter, as its declared format shards it (jaxllm.models.
+    formats: each logical axis mapped to a mesh axis by `rules`, unnamed ones replicated;
+    a quantized weight's scales split with the axis they run along)."""
+    return map_declared(lambda d: declared_format(d).partition_spec(d, rules), declare(cfg))
 
 
 def make_mesh(size: int) -> Mesh:

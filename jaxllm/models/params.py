@@ -382,27 +382,6 @@ def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
 TENSOR_PARALLEL_RULES = {"vocab": "model", "qkv": "model", "heads": "model", "mlp": "model"}
 
 
-def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RULES) -> ModelParams:
-    """A PartitionSpec per parameter: each logical axis mapped to a mesh axis by
-    `rules` (unnamed: replicated)."""
-    from jax.sharding import PartitionSpec
-
-    def spec(decl: ParamDecl):
-        whole = PartitionSpec(*(rules.get(a) for a in decl.axes))
-        if not decl.quant:
-            return whole
-        fmt = QUANT_FORMATS[decl.quant]
-        if decl.act_order:  # the inputs' permutation crosses any split of them
-            raise ValueError(f"{decl.hf[0][0]}: a checkpoint quantized in activation order (desc_act) is not "
-                             f"sharded for tensor parallelism; quantization='none' dequantizes it at load")
-        if fmt.group:  # [K / group, N] ([V, D / group]): the groups split with their axis, as the values do
-            return QuantizedWeight(whole, whole, mins=whole if fmt.mins else None, **quantized_layout(decl))
-        per_column = (*decl.axes[:-2], decl.axes[-1])  # [.., N]: a mixture's experts, then the columns
-        return QuantizedWeight(whole, PartitionSpec(*(rules.get(a) for a in per_column)), **quantized_layout(decl))
-
-    return map_declared(spec, declare(cfg))
-
-
 def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:
     """jax.tree.map over a declaration (ParamDecl leaves) and pytrees of its structure."""
     return jax.tree.map(fn, decls, *rest, is_leaf=lambda x: isinstance(x, ParamDecl))

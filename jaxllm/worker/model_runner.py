@@ -28,6 +28,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel
+from jaxllm.models.formats import declared_format
 from jaxllm.models.linear import (
     auto_activation_quantization,
     bf16_tiles,
@@ -92,12 +93,13 @@ def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
 
 
 def _projection_formats(cfg: ModelConfig) -> str:
-    """The projections' quantization: one format, or a mixed GGUF's count of each."""
-    if not cfg.tensor_quantization:
-        return cfg.quantization or "not quantized"
+    """The projections' formats as declared (jaxllm.models.formats): one, or a mixed
+    GGUF's count of each."""
     decls = declare(cfg)
-    counts = collections.Counter(d.quant for d in jax.tree.leaves((decls.layers, decls.lm_head),
-                                                                  is_leaf=lambda x: isinstance(x, ParamDecl)) if d.quant)
+    counts = collections.Counter(declared_format(d).describe(d) for d in jax.tree.leaves(
+        (decls.layers, decls.lm_head), is_leaf=lambda x: isinstance(x, ParamDecl)) if len(d.shape) > 1)
+    if len(counts) == 1:
+        return next(iter(counts))
     return f"{cfg.quantization}: " + ", ".join(f"{n} {fmt}" for fmt, n in counts.most_common())
 
 

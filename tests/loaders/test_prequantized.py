@@ -263,7 +263,7 @@ def test_a_checkpoint_in_activation_order_is_kept_with_its_inputs_order(test_mod
     inputs taken in it: the same products as the float32 checkpoint of its weights,
     summed in another order (logprobs to float32 rounding, greedy tokens equal), through the
     kernel (and XLA, slow). Refused for tensor parallelism (the order crosses any split)."""
-    from jaxllm.models.params import partition_specs
+    from jaxllm.models.parallel import partition_specs
 
     qc, exact = make_test_model.write_prequantized(test_models_dir / "qwen2", tmp_path, method, 64, act_order=True)
     model = load_model(qc, "float32")

@@ -188,30 +188,15 @@ def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
     assert "int8 activations into" in llm.llm_engine.core.runner.describe_weights()
 
 
-def test_the_engine_with_int16_activations(test_models_dir, tmp_path):
-    """A Q8_0 GGUF with int16 activations: the kernel gives the tokens of the jnp
-    reference (the `xla` backend) and of float activations (the same file, the kernel
-    multiplying in float32), and logprobs within 2e-3 of both. (On this random model the
-    two backends' float sums, 7e-6 apart in float, move an input across an int16 step now
-    and then: up to 8e-4 apart; float activations are 1e-3 away, int8 ones 0.28.)"""
-    import make_test_model
-
-    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q8_0")
-    llm, tokens, logprobs = _engine(path, activation_quantization="int16", linear_backend="cpu")
-    _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int16", linear_backend="xla")
-    _, float_tokens, float_logprobs = _engine(path, linear_backend="cpu", activation_quantization="none")
-    assert tokens == ref_tokens == float_tokens
-    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-3)
-    np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
-    assert "int16 activations into" in llm.llm_engine.core.runner.describe_weights()
-    assert llm.llm_engine.core.runner.weights["cpu"].layers[0].wqkv.activations == "int16"
-
-
 def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tmp_path):
     """The default, activation_quantization "auto": a Q4_1 GGUF on the cpu kernel (built
-    with AVX2 or AVX512_VNNI here) multiplies int16 activations, the very numbers of an
-    explicit "int16", and says so at start-up; under XLA's dot, for a bfloat16 model, and
-    for a float model (nothing kept in blocks) it multiplies in float, as "none" does."""
+    with AVX2 or AVX512_VNNI here) multiplies int16 activations and says so at start-up;
+    it gives the tokens of the jnp reference of int16 activations (the `xla` backend)
+    and of float activations (the kernel multiplying in float32), its logprobs within
+    2e-3 of both and not equal to float's. (On this random model the two backends' float
+    sums, 7e-6 apart, move an input across an int16 step now and then: up to 8e-4 apart;
+    float activations are 1e-3 away, int8 ones 0.28.) Under XLA's dot, for a bfloat16
+    model, and for a float model (nothing kept in blocks) "auto" is float."""
     import make_test_model
 
     from jaxllm import cpu_kernels
@@ -220,19 +205,19 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path)
-    _, tokens16, logprobs16 = _engine(path, activation_quantization="int16")
-    assert tokens == tokens16
-    np.testing.assert_array_equal(logprobs, logprobs16)
+    _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="int16", linear_backend="xla")
+    _, float_tokens, float_logprobs = _engine(path, activation_quantization="none")
+    assert tokens == ref_tokens == float_tokens
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
+    assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
     runner = llm.llm_engine.core.runner
     assert runner.activation_quantization == "int16"
     assert "int16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
-    _, _, float_logprobs = _engine(path, activation_quantization="none")
-    assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
-    xla, _, xla_logprobs = _engine(path, linear_backend="xla")
-    _, _, xla_float = _engine(path, linear_backend="xla", activation_quantization=None)
-    assert xla.llm_engine.core.runner.activation_quantization is None
-    np.testing.assert_array_equal(xla_logprobs, xla_float)
     assert runner.weights["cpu"].layers[0].wqkv.activations == "int16"
+    xla = LLM(str(path), **(SMALL | dict(linear_backend="xla")))
+    assert xla.llm_engine.core.runner.activation_quantization is None
+    assert xla.llm_engine.core.runner.weights["xla"].layers[0].wqkv.activations == "float"
     model = load_model(path, "float32")
     assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.float32) == "int16"
     assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.bfloat16) is None

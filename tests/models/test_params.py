@@ -3,6 +3,8 @@ written independently of it (scripts/make_test_model.py), and what is derived fr
 abstract shapes, HF names and shapes, loading and exporting (shard-major fusing for
 tensor parallelism), packing, PartitionSpecs."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -11,14 +13,17 @@ from safetensors.numpy import load_file
 
 from jaxllm.loaders import load_model
 from jaxllm.loaders.weights import build_params, hf_tensor_shapes, params_to_hf_tensors
+from jaxllm.models.formats import Blocks, ChannelInt8, Dense, declared_format
 from jaxllm.models.linear import pack_params
+from jaxllm.models.parallel import partition_specs
 from jaxllm.models.params import (
+    QUANT_FORMATS,
     PackedWeight,
     ParamDecl,
     abstract_params,
     declarations,
+    declare,
     fuse,
-    partition_specs,
     shard_major,
     unfuse,
 )
@@ -108,6 +113,24 @@ def test_partition_specs_follow_megatron(test_models_dir):
     assert layer.attn_norm == P(None) and layer.mlp_norm == P(None) and specs.final_norm == P(None)
     assert specs.embed == P("model", None) and specs.lm_head == P(None, "model")
     assert len(specs.layers) == cfg.num_layers
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4_1"])
+def test_a_quantized_projection_is_sharded_and_described_by_its_format(test_models_dir, quantization):
+    """formats.declared_format: per column, the int8 scales split with the columns
+    (replicated on a row-parallel projection); in blocks, scales and mins with the values."""
+    cfg = dataclasses.replace(load_model(test_models_dir / "qwen2", dtype="float32").config,
+                              quantization=quantization)
+    layer = declare(cfg).layers[0]
+    specs = partition_specs(cfg).layers[0]
+    if quantization == "int8":
+        assert declared_format(layer.wo) is ChannelInt8 and declared_format(layer.wo).describe(layer.wo) == "int8 per column"
+        assert specs.wqkv.scale == P("model") and specs.wo.scale == P(None) and specs.wo.mins is None
+    else:
+        assert declared_format(layer.wo) is Blocks and declared_format(layer.wo).describe(layer.wo) == "q4_1 in blocks of 32"
+        assert specs.wqkv.scale == specs.wqkv.mins == P(None, "model") and specs.wo.scale == P("model", None)
+    assert specs.wo.q == P("model", None) and specs.wo.group == QUANT_FORMATS[quantization].group
+    assert declared_format(layer.attn_norm) is Dense and specs.attn_norm == P(None)
 
 
 def test_packing_packs_every_projection_and_nothing_else(test_models_dir):

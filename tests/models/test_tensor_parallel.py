@@ -114,8 +114,8 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     from jaxllm.attention.kv_cache import KVCache
     from jaxllm.attention.metadata import AttentionMetadata
     from jaxllm.config import ModelConfig
-    from jaxllm.models.parallel import TP_AXIS, ShardedModel, kv_cache_specs
-    from jaxllm.models.params import abstract_params, partition_specs
+    from jaxllm.models.parallel import TP_AXIS, ShardedModel, kv_cache_specs, partition_specs
+    from jaxllm.models.params import abstract_params
     from jaxllm.models.rope import rope_table
     from pallas_kernels.cuda_lowering import cuda_mesh, has_triton_call
 
