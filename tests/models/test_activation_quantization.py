@@ -167,6 +167,7 @@ def _engine(path, **options):
     return llm, tokens, np.array(logprobs)
 
 
+@pytest.mark.slow  # the kernel tests above check int8 activations by default, the auto test below the engine's path
 def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
     """A Q4_1 GGUF (the default SmolLM2's format; its embedding Q8_0, the tied head) with
     int8 activations: the kernel gives the tokens of the jnp reference (the `xla`

@@ -25,8 +25,10 @@ def assert_no_leaks(llm: LLM) -> None:
     assert len(core.runner.input_batch) == 0
 
 
-# engines with few step shapes and no attention measurement: the tests are of the weights
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
+# engines with few step shapes (six: 1, 4, 8 and 16 tokens, decode loops of 1 and 4 sequences;
+# a longer prompt is chunked) and no attention measurement: the tests are of the weights, and
+# each compiled shape costs about a second of the test budget
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, attention_backend="cpu", progress=False)
 
 
 def engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:
