@@ -30,8 +30,10 @@ default `auto` takes int16 on the cpu kernel), so `q4_1+a16` is what the default
     .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8,q4_1+a16
 
 `--dtype bfloat16` runs every format as a bfloat16 model (the kept blocks multiplied in
-bfloat16: each weight rounded, x rounded, float32 sums; the KV cache bfloat16 under `auto`):
+bfloat16: each weight rounded, x rounded, float32 sums; the KV cache bfloat16 under `auto`);
+`@dtype` after a format runs that one so (against a float32 first format, in one run):
     .venv/bin/python scripts/bench_quant.py --formats q4_1 --dtype bfloat16
+    .venv/bin/python scripts/bench_quant.py --formats none@float32,q4_1+a16@float32,q4_1@bfloat16
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def source(model: str | None, fmt: str) -> tuple[str | None, str | None]:
 
 
 def measure(model: str | None, fmt: str, items: list[dict], dtype: str = "auto") -> dict:
-    weights, _, kv_cache_dtype = fmt.partition("/")
+    fmt_only, _, own_dtype = fmt.partition("@")
+    dtype = own_dtype or dtype
+    weights, _, kv_cache_dtype = fmt_only.partition("/")
     weights, _, activations = weights.partition("+")
     if activations not in ("", "a8", "a16"):
         raise SystemExit(f"{fmt}: after '+' only a8 or a16 (int8 or int16 activations)")
@@ -115,7 +119,7 @@ def main() -> None:
     p.add_argument("--formats", default="none,int8,q8_0,q4_1")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--isa", choices=sorted(ISAS), default="native", help="avx2: as on an AVX2-only CPU")
-    p.add_argument("--dtype", default="auto", help="the model's dtype for every format (auto: float32 on a CPU)")
+    p.add_argument("--dtype", default="auto", help="the model's dtype for every format without its own @dtype")
     args = p.parse_args()
     if not reexec(args.isa):
         return

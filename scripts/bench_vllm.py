@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""jaxllm against vLLM's own CPU build, side by side in one run (issue 59).
+
+The same requests (the standard dataset's first 64 at 32 clients by default) on each
+server, one after the other, the same client (scripts/bench_serving.py):
+
+- vLLM CPU in float32, then jaxllm in float32 exactly (`--dtype float32 --quantization
+  none --activation-quantization none`): equal precision;
+- vLLM CPU in bfloat16 (its default for SmolLM2, a bfloat16 checkpoint), then jaxllm
+  `--dtype bfloat16 --quantization none`: equal precision;
+- jaxllm `--dtype bfloat16` (the embedded file's Q4_1 blocks kept, multiplied in
+  bfloat16, a bfloat16 KV cache), against the same;
+- jaxllm's defaults (the embedded Q4_1 file), against vLLM's default (bfloat16).
+
+vLLM reads HF folders, not GGUF: both serve the embedded SmolLM2 exported as one
+(`build/smollm2-hf`, the float32 weights jaxllm's `--quantization none` holds). vLLM
+runs from its own venv (scripts/build_vllm_cpu.sh); where it will not install, this
+prints why and measures jaxllm alone.
+
+Each run's arithmetic rate (the layers' multiply-adds of every prompt and output token,
+the output projection's of every output token, attention's over the context, per second;
+a prefix-cache hit counts as served) is printed beside the peak of its
+precision, measured in the same run before the servers start (`peak_gflops`: a 512 x
+2048 x 2048 product, float32 and bfloat16 by the faster of XLA's dot and jaxllm's cpu
+kernel, the defaults' Q4_1 blocks with int16 activations by the kernel).
+
+    python scripts/bench_vllm.py --out bench_results/vllm_standard
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from bench_eval import export_hf_folder
+from bench_serving import LaunchedServer, benchmark, print_summary, standard_dataset
+from isa_build import describe
+
+ROOT = Path(__file__).resolve().parents[1]
+JAXLLM_FLOAT32 = "--dtype float32 --quantization none --activation-quantization none"
+JAXLLM_BFLOAT16 = "--dtype bfloat16 --quantization none"
+# (label, server, flags, precision); a jaxllm run is compared with the vLLM run of its precision
+RUNS = (("vLLM CPU, float32", "vllm", "float32", "float32"),
+        ("jaxllm, float32 (vLLM's precision)", "jaxllm", JAXLLM_FLOAT32, "float32"),
+        ("vLLM CPU, bfloat16 (its default here)", "vllm", "bfloat16", "bfloat16"),
+        ("jaxllm, bfloat16 (vLLM's precision)", "jaxllm", JAXLLM_BFLOAT16, "bfloat16"),
+        ("jaxllm --dtype bfloat16 (Q4_1 blocks kept)", "jaxllm", "--dtype bfloat16", "bfloat16"),
+        ("jaxllm defaults", "jaxllm", "", "default"))
+
+
+class LaunchedVllmServer(LaunchedServer):
+    """vLLM's OpenAI server from its venv, on both cores, `dtype`, 2 GiB of KV cache."""
+
+    def __init__(self, python: str, folder: Path, dtype: str, max_num_seqs: int, log_path: Path) -> None:
+        super().__init__("", log_path)
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
+                    "--port", str(self.port), "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs)]
+
+    def __enter__(self) -> LaunchedServer:
+        print("launching:", " ".join(self.cmd), flush=True)
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+        start = time.perf_counter()
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while not _healthy(self.url):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} (see {self.log_path})")
+            time.sleep(0.5)
+        self.startup_s = time.perf_counter() - start
+        print(f"vLLM ready in {self.startup_s:.1f} s", flush=True)
+        return self
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def vllm_python(venv: str) -> str | None:
+    """The vLLM venv's python (built by scripts/build_vllm_cpu.sh), or None, saying why."""
+    proc = subprocess.run([str(ROOT / "scripts" / "build_vllm_cpu.sh"), venv], capture_output=True, text=True)
+    if proc.returncode:
+        print(f"vLLM's CPU build is skipped: {proc.stderr.strip()}", flush=True)
+        return None
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def model_flops_per_token(folder: Path) -> tuple[float, float, float]:
+    """(the layers' projections' FLOPs per token, the output projection's, attention's per
+    token per token of context) of the HF folder's model: 2 per multiply-add."""
+    cfg = json.loads((folder / "config.json").read_text())
+    d, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim") or d // heads
+    per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * f
+    return 2 * layers * per_layer, 2 * d * cfg["vocab_size"], 2 * 2 * layers * heads * hd  # q.k and p.v
+
+
+def workload_flops(requests, flops: tuple[float, float, float]) -> float:
+    """The FLOPs of serving `requests`: every prompt and output token through the layers
+    (a prefix-cache hit is not subtracted: the rate is per token served), the output
+    projection once per output token, attention over each token's context."""
+    layers, head, attention = flops
+    total = 0.0
+    for req in requests:
+        n = len(req.prompt) + req.output_len
+        total += n * layers + req.output_len * head + attention * n * (n + 1) / 2
+    return total
+
+
+def peak_gflops() -> dict[str, float]:
+    """Per precision, the best rate of a 512 x 2048 x 2048 product (GFLOP/s, the median of
+    5 after a warm-up): float32 and bfloat16 by XLA's dot or jaxllm's cpu kernel, whichever
+    is faster; the defaults' Q4_1 blocks with int16 activations by the kernel."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.models.linear import linear, pack_weight
+    from jaxllm.models.quant import quantize_weight
+
+    m, k, n = 512, 2048, 2048
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32) / 45
+    xla = jax.jit(lambda x, w: jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32))
+    kernel = jax.jit(lambda x, p: linear(x, p))
+    candidates = {name: [(xla, jnp.asarray(w, name)), (kernel, pack_weight(jnp.asarray(w, name)))]
+                  for name in ("float32", "bfloat16")}
+    candidates["default"] = [(kernel, pack_weight(quantize_weight(w, "q4_1").replace(activations="int16")))]
+    return {name: max(2 * m * k * n / _median_seconds(fn, x, arg) / 1e9 for fn, arg in pairs)
+            for name, pairs in candidates.items()}
+
+
+def _median_seconds(fn, *args) -> float:
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--vllm-venv", default=str(ROOT / "build" / "vllm-cpu"))
+    p.add_argument("--hf-folder", type=Path, default=ROOT / "build" / "smollm2-hf")
+    p.add_argument("--out", default="bench_results/vllm_standard", help="prefix of the JSON file and logs")
+    args = p.parse_args()
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(describe("native"), flush=True)
+    folder = export_hf_folder(args.hf_folder, None)
+    requests = standard_dataset()[:args.num_prompts]
+    flops = model_flops_per_token(folder)
+    peaks = peak_gflops()
+    print("peak GFLOP/s (a 512 x 2048 x 2048 dot):", {k: round(v) for k, v in peaks.items()}, flush=True)
+    python = vllm_python(args.vllm_venv)
+    results: dict = {"build": describe("native"), "peak_gflops": peaks, "runs": {}}
+    for i, (label, server, flags, precision) in enumerate(RUNS):
+        if server == "vllm" and python is None:
+            continue
+        log = out.with_name(f"{out.name}_{i}_{server}.log")
+        launched = (LaunchedVllmServer(python, folder, flags, args.max_concurrency, log) if server == "vllm"
+                    else LaunchedServer(flags, log))
+        with launched:
+            model = launched.model()
+            run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=args.max_concurrency,
+                                        request_rate=float("inf")))
+        run |= {"server": server, "flags": flags, "precision": precision,
+                "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9}
+        results["runs"][label] = run
+        print_summary(label, run)
+    print_table(results)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    print("wrote", out.with_suffix(".json"))
+
+
+def print_table(results: dict) -> None:
+    runs, peaks = results["runs"], results["peak_gflops"]
+    vllm = {r["precision"]: r for r in runs.values() if r["server"] == "vllm"}
+    vllm["default"] = vllm.get("bfloat16")
+    print(f"\n{'server':<42} {'output tok/s':>12} {'TPOT p50':>9} {'TTFT p50':>9} {'vs vLLM':>8} {'GFLOP/s':>8}"
+          f" {'of peak':>8}")
+    for label, run in runs.items():
+        base = vllm.get(run["precision"]) if run["server"] == "jaxllm" else run
+        ratio = f"{run['output_token_throughput'] / base['output_token_throughput']:.2f}x" if base else "-"
+        peak = peaks[run["precision"]]
+        print(f"{label:<42} {run['output_token_throughput']:>12.1f} {run['tpot_ms']['p50']:>7.0f}ms "
+              f"{run['ttft_ms']['p50']:>7.0f}ms {ratio:>8} {run['gflops']:>8.0f} {run['gflops'] / peak:>7.0%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""scripts/bench_vllm.py: its FLOP count against the parameter declaration, and, with the
+servers, the HTTP runs and the peak faked, the runs in order, each jaxllm run compared
+with vLLM's of its precision, and vLLM skipped (saying why) where it will not install."""
+
+import json
+import sys
+
+import bench_vllm
+import numpy as np
+import pytest
+from bench_serving import BenchRequest
+
+from jaxllm.loaders import load_model
+from jaxllm.models.params import declarations
+
+
+def test_flops_per_token_are_twice_the_projections_weights(test_models_dir):
+    """The layers' matrices and the output projection's, counted from jaxllm's declaration
+    (a tied head is the embedding's table)."""
+    for name in ("llama", "qwen2"):
+        cfg = load_model(test_models_dir / name, dtype="float32").config
+        layers = sum(int(np.prod(d.shape)) for d in declarations(cfg)
+                     if len(d.shape) == 2 and "vocab" not in d.axes)
+        layers_flops, head, attention = bench_vllm.model_flops_per_token(test_models_dir / name)
+        assert (layers_flops, head) == (2 * layers, 2 * cfg.vocab_size * cfg.hidden_size)
+        assert attention == 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+
+
+class FakeServer:
+    launched: list[tuple[str, str]] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.url = f"http://fake/{len(FakeServer.launched)}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def model(self) -> str:
+        return "m"
+
+
+@pytest.fixture
+def faked(monkeypatch, test_models_dir):
+    FakeServer.launched = []
+    rates = iter([100.0, 150.0, 200.0, 300.0, 320.0, 260.0])
+
+    class Jaxllm(FakeServer):
+        def __init__(self, flags, log_path=None):
+            super().__init__()
+            FakeServer.launched.append(("jaxllm", flags))
+
+    class Vllm(FakeServer):
+        def __init__(self, python, folder, dtype, max_num_seqs, log_path):
+            super().__init__()
+            FakeServer.launched.append(("vllm", dtype))
+
+    async def benchmark(url, model, requests, *, max_concurrency, request_rate):
+        return {"output_token_throughput": next(rates), "duration_s": 10.0, "tpot_ms": {"p50": 1.0},
+                "ttft_ms": {"p50": 2.0}}
+
+    monkeypatch.setattr(bench_vllm, "LaunchedServer", Jaxllm)
+    monkeypatch.setattr(bench_vllm, "LaunchedVllmServer", Vllm)
+    monkeypatch.setattr(bench_vllm, "benchmark", benchmark)
+    monkeypatch.setattr(bench_vllm, "print_summary", lambda title, run: None)
+    monkeypatch.setattr(bench_vllm, "peak_gflops", lambda: {"float32": 1.0, "bfloat16": 2.0, "default": 4.0})
+    monkeypatch.setattr(bench_vllm, "export_hf_folder", lambda folder, model: test_models_dir / "llama")
+
+
+def test_each_jaxllm_run_is_compared_with_vllm_at_its_precision(faked, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench_vllm, "vllm_python", lambda venv: "python")
+    out = tmp_path / "vllm"
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--num-prompts", "3", "--out", str(out)])
+    bench_vllm.main()
+    assert FakeServer.launched == [("vllm", "float32"), ("jaxllm", bench_vllm.JAXLLM_FLOAT32), ("vllm", "bfloat16"),
+                                   ("jaxllm", bench_vllm.JAXLLM_BFLOAT16), ("jaxllm", "--dtype bfloat16"), ("jaxllm", "")]
+    table = capsys.readouterr().out
+    ratios = [line.split()[-3] for line in table.splitlines() if line.startswith(("vLLM CPU", "jaxllm"))][-6:]
+    assert ratios == ["1.00x", "1.50x", "1.00x", "1.50x", "1.60x", "1.30x"]  # defaults against vLLM's bfloat16
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert [r["precision"] for r in runs.values()] == ["float32", "float32", "bfloat16", "bfloat16", "bfloat16",
+                                                      "default"]
+
+
+def test_vllm_that_does_not_install_is_skipped(faked, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_vllm, "vllm_python", lambda venv: None)
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--num-prompts", "3", "--out", str(tmp_path / "v")])
+    bench_vllm.main()
+    assert [server for server, _ in FakeServer.launched] == ["jaxllm"] * 4
+
+
+def test_the_workload_counts_every_token_and_its_context():
+    flops = bench_vllm.workload_flops([BenchRequest([1, 2, 3], 2)], (10.0, 100.0, 1.0))
+    assert flops == 5 * 10.0 + 2 * 100.0 + 15  # 5 tokens through the layers, 2 through the head; contexts 1 + ... + 5
