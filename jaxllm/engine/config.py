@@ -53,8 +53,10 @@ def _option(default, help: str, choices: tuple[str, ...] | None = None,
 class EngineConfig:
     model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded "
                                       "SmolLM2-135M-Instruct)")
-    dtype: str = _option("auto", "weights and activations: auto is float32 on a CPU, bfloat16 on a GPU; bfloat16 on a "
-                                 "CPU keeps float32 activations (docs/quantization.md)", DTYPE_NAMES)
+    dtype: str = _option("auto", "weights and activations: auto is bfloat16 on a GPU; on a CPU, a bfloat16 or float16 "
+                                 "checkpoint's bfloat16 where the CPU multiplies it natively (AVX512_BF16), else "
+                                 "float32; bfloat16 on a CPU keeps float32 activations (docs/quantization.md)",
+                         DTYPE_NAMES)
     quantization: str | None = _option(None, "projection weights: as stored by default; none dequantizes them to dtype; "
                                              "a format quantizes a float checkpoint at load, a checkpoint method checks "
                                              "it is stored so (docs/quantization.md)", QUANTIZATIONS)

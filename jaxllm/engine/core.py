@@ -27,13 +27,14 @@ from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
+from jaxllm.loaders.dtype import choose_dtype
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
-from jaxllm.platform import compilation_cache_path, resolve_dtype
+from jaxllm.platform import compilation_cache_path
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
@@ -199,7 +200,7 @@ class EngineCore:
             pool = concurrent.futures.ThreadPoolExecutor(1, "model-load")
             loading = pool.submit(load)
             pool.shutdown(wait=False)  # the thread ends when the load does
-            params = abstract_params(cfg, resolve_dtype(config.dtype))
+            params = abstract_params(cfg, choose_dtype(config.dtype, cfg.checkpoint_dtype)[0])
         else:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
@@ -412,8 +413,9 @@ class EngineCore:
 
     def describe(self) -> str:
         c = self.cache
+        dtype, why = choose_dtype(self.config.dtype, self.runner.config.checkpoint_dtype)
         return (
-            f"KV cache ({self.runner.kv_format.name}): {c.describe()}; "
+            f"dtype {dtype.name} ({why}); KV cache ({self.runner.kv_format.name}): {c.describe()}; "
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes"
             + (f" and {len(self.runner.loop_buckets)} decode loops of {self.runner.num_scheduler_steps} steps"

@@ -18,13 +18,13 @@ import numpy as np
 from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, save_checkpoint
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
+from jaxllm.loaders.dtype import checkpoint_dtype, choose_dtype
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names, tensor_reader
 from jaxllm.loaders.prequantized import held_config, read_quantization
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams, QuantizedWeight, declare, map_declared
 from jaxllm.models.quant import check_quantization, dequantize, quantize_params, quantized_config
-from jaxllm.platform import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     start = time.perf_counter()
     path = model_path(model)
     quantization = _as_stored(path, quantization)
-    compute_dtype = resolve_dtype(dtype)
+    compute_dtype, _ = choose_dtype(dtype, checkpoint_dtype(path))
     folder = _folder_to_read(path, compute_dtype, conversion_cache_dir, quantization)
     if folder is not None:
         cfg, params, tokenizer = _load_folder(folder, compute_dtype, chat_template, on_host, quantization)
@@ -90,7 +90,7 @@ def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto
     load its compiled executables, which need only shapes, while the weights load."""
     path = model_path(model)
     quantization = _as_stored(path, quantization)
-    folder = _folder_to_read(path, resolve_dtype(dtype), conversion_cache_dir, quantization)
+    folder = _folder_to_read(path, choose_dtype(dtype, checkpoint_dtype(path))[0], conversion_cache_dir, quantization)
     if folder is None or not (folder / "config.json").is_file():
         return None
     cfg = _folder_config(folder, quantization)  # a GGUF's kept blocks, GPTQ / AWQ groups: quantized as stored

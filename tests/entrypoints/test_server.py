@@ -68,7 +68,8 @@ def wait_idle(server: Server, timeout: float = 30) -> None:
 
 def test_startup_output(server):
     out = server.output()
-    assert re.search(r"model llama loaded in [\d.]+ s; KV cache \(float32\): \d+ blocks of 16 tokens = \d+ tokens", out)
+    assert re.search(r"model llama loaded in [\d.]+ s; dtype float32 \(auto: the checkpoint's float32\); "
+                     r"KV cache \(float32\): \d+ blocks of 16 tokens = \d+ tokens", out)
     assert "compiling buckets" in out
     assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
 
@@ -601,8 +602,9 @@ def test_64_streaming_clients_with_disconnects(server):
 
 
 def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
+    # the step shapes of test_dead_engine_core's server (single decode steps), which then loads them
     s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "0", "--max-model-len", "1024",
-               api_key=None)
+               "--num-scheduler-steps", "1", api_key=None)
     try:
         async def run():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:

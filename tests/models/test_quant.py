@@ -138,7 +138,7 @@ def test_the_quantized_engine_equals_the_float_engine_on_fake_quantized_weights(
         llm = LLM(str(path), quantization=quantization, **SMALL)
         runs[key] = llm.generate(prompts, params, use_tqdm=False)
         if quantization:
-            assert "weights" in llm.llm_engine.core.describe() and f"({quant})" in llm.llm_engine.core.describe()
+            assert "weights" in llm.llm_engine.core.describe() and f"({quant} " in llm.llm_engine.core.describe()
     for other in (quant, f"{quant}-original"):
         for a, b in zip(runs["float"], runs[other]):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, other
