@@ -373,6 +373,7 @@ def test_engine_prefix_hits_in_every_group(test_models_dir):
     assert outs[False] == outs[True]
 
 
+@pytest.mark.slow  # 34 s cold; the hybrid manager's hits on recorded prompt rows: its unit tests, by default
 def test_engine_prompt_scoring_reuses_whole_blocks(test_models_dir):
     """Requests scoring their prompts (lm-eval's loglikelihood) sharing a prefix: the
     hybrid cache reuses whole blocks whose prompt rows the full group recorded, and the

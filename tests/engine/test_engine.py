@@ -426,7 +426,8 @@ def test_warm_restart_loads_every_executable(test_models_dir, tmp_path):
 import json
 from jaxllm import LLM, SamplingParams
 llm = LLM({str(test_models_dir / "llama")!r}, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-          kv_cache_memory={32 * KV_BYTES_PER_BLOCK}, compilation_cache_dir={str(tmp_path)!r}, progress=False)
+          kv_cache_memory={32 * KV_BYTES_PER_BLOCK}, compilation_cache_dir={str(tmp_path)!r}, progress=False,
+          attention_backend="cpu", linear_backend="cpu")  # nothing measured: the test is of the executables
 runner = llm.llm_engine.core.runner
 out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
 print(json.dumps({{"buckets": len(runner.buckets) + len(runner.loop_buckets), "loaded": runner.num_loaded_executables,
