@@ -1,5 +1,6 @@
-"""What the JAX platform is and what follows from it: the default compute dtype and
-where compiled executables are kept."""
+"""What the JAX platform is and what follows from it: the activations' dtype, the
+backends that can run, and where compiled executables are kept (the weights' dtype
+`auto`: jaxllm.loaders.dtype)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import DTYPE_NAMES
-
-DTYPES = {name: jnp.dtype(name) for name in DTYPE_NAMES if name != "auto"}
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxllm" / "xla"
 
 
@@ -53,15 +51,6 @@ def backend_candidates(option: str, name: str, choices: Sequence[str], preferenc
     if not available:
         raise ValueError(f"{option}: no backend can run here")
     return available
-
-
-def resolve_dtype(dtype: str | None) -> jnp.dtype:
-    """'auto' -> float32 on CPU (XLA:CPU is fastest there) and bfloat16 on accelerators."""
-    if dtype in (None, "auto"):
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: unsupported {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
-    return jnp.dtype(DTYPES[dtype])
 
 
 def activation_dtype(param_dtype) -> jnp.dtype:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import cpu_kernels
-from jaxllm.platform import resolve_dtype
+from jaxllm.config import DTYPE_NAMES
 
 HALF_DTYPES = ("bfloat16", "float16")
 
@@ -37,7 +37,9 @@ def choose_dtype(dtype: str | None, stored: str) -> tuple[jnp.dtype, str]:
     """The compute dtype for `dtype` (an EngineConfig name) and a checkpoint stored in
     `stored`, and why (for the start-up line)."""
     if dtype not in (None, "auto"):
-        return resolve_dtype(dtype), "as asked"
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype: unsupported {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
+        return jnp.dtype(dtype), "as asked"
     if jax.default_backend() != "cpu":
         return jnp.dtype(jnp.bfloat16), "auto: bfloat16 on an accelerator"
     if stored not in HALF_DTYPES:

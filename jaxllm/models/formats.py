@@ -167,10 +167,6 @@ class ChannelInt8(_Quantized):
         return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and not w.group
 
     @staticmethod
-    def declared(decl: ParamDecl) -> bool:
-        return bool(decl.quant) and not QUANT_FORMATS[decl.quant].group
-
-    @staticmethod
     def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
         """[.., N]: a mixture's experts, then the columns."""
         return _axes_spec((*decl.axes[:-2], decl.axes[-1]), rules)
@@ -195,10 +191,6 @@ class Blocks(_Quantized):
     @staticmethod
     def holds(w) -> bool:
         return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and bool(w.group)
-
-    @staticmethod
-    def declared(decl: ParamDecl) -> bool:
-        return bool(decl.quant) and bool(QUANT_FORMATS[decl.quant].group)
 
     @staticmethod
     def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
@@ -370,7 +362,9 @@ def declared_format(decl: ParamDecl) -> type[Dense | ChannelInt8 | Blocks]:
     """The class of the layout `decl` is loaded in: Dense unless it is declared quantized
     (then by its QUANT_FORMATS entry). A backend's own layouts (PallasTiles, Panels) are
     made from it by the model runner (jaxllm.worker.model_runner.layout_params)."""
-    return ChannelInt8 if ChannelInt8.declared(decl) else Blocks if Blocks.declared(decl) else Dense
+    if not decl.quant:
+        return Dense
+    return Blocks if QUANT_FORMATS[decl.quant].group else ChannelInt8
 
 
 def _axes_spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:

@@ -21,6 +21,8 @@ def test_auto_takes_a_half_checkpoint_s_bfloat16_only_where_the_cpu_multiplies_i
     assert choose_dtype("auto", "float32") == (jnp.float32, "auto: the checkpoint's float32")
     assert choose_dtype("float32", "bfloat16") == (jnp.float32, "as asked")
     assert choose_dtype("bfloat16", "float32") == (jnp.bfloat16, "as asked")
+    with pytest.raises(ValueError, match="dtype: unsupported 'float64'; choose one of auto, float32, bfloat16"):
+        choose_dtype("float64", "float32")
     why = choose_dtype("auto", "bfloat16")[1]
     assert ("multiplies bfloat16 natively" in why) == native and ("no native bfloat16" in why) == (not native)
 
