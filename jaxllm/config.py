@@ -38,7 +38,7 @@ QUANTIZATIONS = (None, "none", "int8", "int4", "int4_g32", "int4_g64", "int8_g12
                  "q4_0", "q4_1", "gguf_int8",
                  *CHECKPOINT_METHODS)
 # The KV cache's element type (jaxllm.attention.kv_cache.KV_CACHE_FORMATS): "auto" is the
-# model's dtype; "int8" keeps a float32 scale per token and KV head; "fp8" is
+# model's dtype, or bfloat16 where activations are quantized (choose_kv_cache_format); "int8" keeps a float32 scale per token and KV head; "fp8" is
 # "fp8_e4m3" (vLLM's names), saturated at +-448, no scale.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 # The inputs of projections kept in blocks (jaxllm.models.quant): "none" (EngineConfig

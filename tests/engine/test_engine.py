@@ -485,7 +485,7 @@ def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_ca
     core = llm.llm_engine.core
     ratio = {"int8": 4 * 32 / (32 + 4), "bfloat16": 2, "fp8": 4}[kv_cache_dtype]  # head_dim 32
     assert core.cache.num_blocks == int(25 * ratio)
-    assert f"KV cache ({core.runner.kv_format.name})" in core.describe()
+    assert f"KV cache ({core.runner.kv_format.name}, as asked)" in core.describe()
     cached = llm.generate(prompts, params, use_tqdm=False)
     plain = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, kv_cache_dtype=kv_cache_dtype,
                      enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)

@@ -69,7 +69,7 @@ def wait_idle(server: Server, timeout: float = 30) -> None:
 def test_startup_output(server):
     out = server.output()
     assert re.search(r"model llama loaded in [\d.]+ s; dtype float32 \(auto: the checkpoint's float32\); "
-                     r"KV cache \(float32\): \d+ blocks of 16 tokens = \d+ tokens", out)
+                     r"KV cache \(float32, auto: the model's dtype\): \d+ blocks of 16 tokens = \d+ tokens", out)
     assert "compiling buckets" in out
     assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
 

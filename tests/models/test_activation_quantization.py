@@ -197,7 +197,8 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     random model, int8 ones 0.28; the kernel against the jnp reference of int16
     activations: test_kernel_matches_the_reference). Under XLA's dot, for a bfloat16
     model, and for a float model (nothing kept in blocks) "auto" is float (the choice
-    itself: auto_activation_quantization)."""
+    itself: auto_activation_quantization). Both keep a float32 KV cache (with int16
+    activations it is bfloat16 by default: test_kv_cache_dtype_auto)."""
     import make_test_model
 
     from jaxllm import cpu_kernels
@@ -205,7 +206,7 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
 
     assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
-    llm, tokens, logprobs = _engine(path)
+    llm, tokens, logprobs = _engine(path, kv_cache_dtype="float32")
     _, float_tokens, float_logprobs = _engine(path, activation_quantization="none")
     assert tokens == float_tokens
     np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
@@ -251,3 +252,46 @@ def test_activation_quantization_is_refused_where_it_cannot_apply(test_models_di
             linear_backend="pallas", **SMALL)
     with pytest.raises(ValueError, match="activation_quantization: unknown 'int4'"):
         EngineConfig(activation_quantization="int4")
+
+
+def test_kv_cache_dtype_auto(test_models_dir, tmp_path):
+    """kv_cache_dtype "auto" is the model's dtype (as vLLM's), except bfloat16 for a
+    float32 model whose projections are kept in blocks of 32 multiplying quantized
+    activations: the defaults of a GGUF file on this CPU. Float activations
+    (`activation_quantization none`), XLA's dot, a dequantized or float checkpoint, a
+    bfloat16 model and an explicit dtype keep what they had; read from abstract params,
+    before anything is measured or compiled. The engine sizes its cache and runs its
+    runner in the format chosen, and its start-up line says why."""
+    import jax.numpy as jnp
+    import make_test_model
+
+    from jaxllm.attention.kv_cache import choose_kv_cache_format
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.core import EngineCore
+    from jaxllm.loaders import load_model
+    from jaxllm.models.linear import rounds_activations
+    from jaxllm.models.params import abstract_params
+
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+
+    def chosen(kv="auto", activations="auto", linear="auto", quantization=None, dtype=jnp.float32):
+        params = abstract_params(load_model(str(path), "float32", quantization=quantization).config, dtype)
+        fmt, why = choose_kv_cache_format(kv, params.final_norm.dtype, rounds_activations(params, activations, linear))
+        return fmt.name, why
+
+    assert chosen() == ("bfloat16", "auto: the projections' blocks and activations round more")
+    assert chosen(activations="int8", linear="cpu")[0] == "bfloat16"
+    assert chosen(activations="none") == ("float32", "auto: the model's dtype")
+    assert chosen(activations=None)[0] == "float32"
+    assert chosen(linear="xla")[0] == "float32"
+    assert chosen(quantization="none")[0] == "float32"  # dequantized: nothing kept in blocks
+    assert chosen(dtype=jnp.bfloat16)[0] == "bfloat16"  # the model's dtype anyway
+    assert chosen(kv="float32") == ("float32", "as asked")
+    assert chosen(kv="int8")[0] == "int8"
+    core = EngineCore(EngineConfig(model=str(path), attention_backend="cpu", linear_backend="cpu", max_model_len=256,
+                                   kv_cache_memory="8MiB", compilation_cache_dir=str(tmp_path / "xla")), warm_up=False)
+    assert core.runner.kv_format.name == "bfloat16" and core.runner.activation_quantization == "int16"
+    assert core.cache.num_blocks == (8 << 20) // (16 * 2 * 2 * core.runner.config.num_layers * core.runner.config.num_kv_heads
+                                               * core.runner.config.head_dim)
+    assert "KV cache (bfloat16, auto: the projections' blocks and activations round more)" in core.describe()
+    core.close()

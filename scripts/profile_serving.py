@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Where a served workload's time goes, per step kind and per part of the step (issue 59).
+
+Runs the standard workload (scripts/bench_serving.py's prompts U[32, 512], outputs
+U[16, 256]; the first `--num-prompts`) offline through one engine that admits
+`--max-num-seqs` at a time, as that many closed-loop clients would (bench_throughput
+measured the same rate as the served run: 444 against 463 tok/s on a Zen 5). Then,
+for each step shape the workload ran, it calls that shape's executable alone on the
+last step of it the workload scheduled, under JAX's profiler, and splits the device
+time by the model's named scopes (jaxllm/models/llama.py: qkv_proj, attention,
+kv_write, o_proj, mlp, logits, ...; what no scope names, such as the sampler and the
+norms, is "other"), reading each thunk's scope from the compiled step's HLO metadata.
+
+Printed: per shape, the calls the workload made, their wall time per call, and the
+parts of one call run alone; then the workload's seconds by part (each shape's parts
+times its calls) and the host's share (wall minus the device time of the calls alone).
+
+    .venv/bin/python scripts/profile_serving.py
+    .venv/bin/python scripts/profile_serving.py --engine-args "--kv-cache-dtype bfloat16" --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+SCOPES = ("qkv_proj", "rope", "kv_write", "attention", "o_proj", "mlp", "moe", "logits")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Each instruction of an optimized HLO module to the first named scope in its
+    metadata's op_name (a fusion's own metadata is that of its root); "other" if none."""
+    scopes = {}
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", re.M)
+    for name, op_name in pattern.findall(hlo_text):
+        parts = op_name.split("/")
+        scopes[name] = next((s for p in parts for s in SCOPES if p == s), "other")
+    return scopes
+
+
+def thunk_seconds(trace_dir: str) -> dict[str, float]:
+    """Seconds per HLO op (the thunks' `hlo_op`) in the perfetto trace under `trace_dir`."""
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    data = json.load(gzip.open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    out: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        op = e.get("args", {}).get("hlo_op")
+        if e.get("ph") == "X" and op and not e["name"].startswith("end:"):
+            out[op] += e["dur"] * 1e-6
+    return out
+
+
+def profile_shape(runner, step, reps: int) -> dict[str, float]:
+    """Seconds per call of `step`'s executable alone, by scope (and "total")."""
+    import jax
+
+    runner.time_step_alone(step, 2)  # warm
+    scopes = op_scopes(runner.compilation.get(step.shape).as_text())
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        start = time.perf_counter()
+        runner.time_step_alone(step, reps)
+        total = (time.perf_counter() - start) / reps
+        jax.profiler.stop_trace()
+        per_op = thunk_seconds(d)
+    parts: dict[str, float] = collections.defaultdict(float)
+    for op, s in per_op.items():
+        parts[scopes.get(op, "other")] += s / reps
+    parts["total"] = total
+    return dict(parts)
+
+
+def run(args) -> dict:
+    from bench_serving import standard_dataset
+
+    from jaxllm import LLM, SamplingParams
+
+    overrides = engine_overrides(args.engine_args)
+    llm = LLM(**{"max_num_seqs": args.max_num_seqs, **overrides})
+    core = llm.llm_engine.core
+    runner = core.runner
+    last: dict = {}
+    dispatch = runner.dispatch
+
+    def recording(sched, *a, **k):
+        flight = dispatch(sched, *a, **k)
+        if flight is not None:
+            last[flight.step.shape] = flight.step
+        return flight
+
+    runner.dispatch = recording
+    reqs = standard_dataset(args.num_prompts)
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]
+    runner.stats = type(runner.stats)()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    runner.dispatch = dispatch
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    st = runner.stats
+    shapes = []
+    for shape, step in sorted(last.items(), key=lambda kv: tuple(kv[0])):
+        key = (shape.tokens, shape.seqs) + ((shape.decode_steps,) if shape.decode_steps > 1 else ())
+        calls, seconds = st.steps_per_bucket.get(key, 0), st.seconds_per_bucket.get(key, 0.0)
+        parts = profile_shape(runner, step, args.reps)
+        shapes.append({"shape": "x".join(map(str, key)), "calls": calls, "wall_ms": 1e3 * seconds / max(calls, 1),
+                       "alone_ms": {k: 1e3 * v for k, v in parts.items()}})
+    totals: dict[str, float] = collections.defaultdict(float)
+    for s in shapes:
+        for k, v in s["alone_ms"].items():
+            totals[k] += v * s["calls"] / 1e3
+    return {"engine": core.describe(), "engine_args": args.engine_args, "wall_s": wall,
+            "output_tokens": out_tokens, "output_tok_s": out_tokens / wall, "shapes": shapes,
+            "workload_seconds": dict(totals), "host_s": wall - totals["total"]}
+
+
+def engine_overrides(text: str) -> dict:
+    """`--kv-cache-dtype bfloat16 --dtype bfloat16` to {"kv_cache_dtype": "bfloat16", ...},
+    through the server's own option parser."""
+    from jaxllm.engine.config import add_cli_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    ns, defaults = vars(p.parse_args(shlex.split(text))), vars(p.parse_args([]))
+    return {k: v for k, v in ns.items() if v != defaults[k]}
+
+
+def print_report(r: dict) -> None:
+    cols = ["total", *SCOPES, "other"]
+    cols = [c for c in cols if c == "total" or any(c in s["alone_ms"] for s in r["shapes"])]
+    print(r["engine"])
+    print(f"\nworkload: {r['output_tokens']} output tokens in {r['wall_s']:.1f} s = {r['output_tok_s']:.1f} tok/s")
+    print(f"\n{'shape':>10} {'calls':>5} {'wall ms':>8} | alone ms: " + " ".join(f"{c:>9}" for c in cols))
+    for s in r["shapes"]:
+        print(f"{s['shape']:>10} {s['calls']:5d} {s['wall_ms']:8.1f} |           "
+              + " ".join(f"{s['alone_ms'].get(c, 0.0):9.2f}" for c in cols))
+    w = r["workload_seconds"]
+    print(f"\nworkload seconds: wall {r['wall_s']:.2f}; host and gaps {r['host_s']:.2f}; "
+          + "; ".join(f"{c} {w.get(c, 0.0):.2f} ({w.get(c, 0.0) / r['wall_s']:.0%})" for c in cols))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-args", default="", help="engine options as `python -m jaxllm.serve` takes them")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="the clients: requests running at once")
+    p.add_argument("--reps", type=int, default=5, help="calls of each step shape under the profiler")
+    p.add_argument("--out", default=None, help="also write the report as JSON")
+    args = p.parse_args()
+    report = run(args)
+    print_report(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

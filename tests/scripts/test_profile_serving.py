@@ -1,0 +1,40 @@
+"""scripts/profile_serving.py: the profiler's thunks split by the model's named scopes
+(read from a compiled function's HLO metadata and JAX's own perfetto trace), and the
+engine options parsed by the server's parser."""
+
+import jax
+import jax.numpy as jnp
+import profile_serving
+
+
+def _scoped(x, w):
+    with jax.named_scope("layer0"):
+        with jax.named_scope("mlp"):
+            y = jax.lax.optimization_barrier(jnp.tanh(x @ w))  # not fused with what follows
+        with jax.named_scope("attention"):
+            y = jax.nn.softmax(y @ w.T, axis=-1)
+    return y.sum()
+
+
+def test_thunks_are_split_by_scope(tmp_path):
+    """Each thunk the profiler records maps to the scope it was traced under (a fusion
+    to its root's: XLA may fuse across scopes, hence the barrier here) and is an
+    instruction of the module."""
+    x, w = jnp.ones((256, 256)), jnp.ones((256, 256)) / 256
+    fn = jax.jit(_scoped)
+    compiled = fn.lower(x, w).compile()
+    scopes = profile_serving.op_scopes(compiled.as_text())
+    assert {"mlp", "attention"} <= set(scopes.values())
+    compiled(x, w).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path), create_perfetto_trace=True)
+    compiled(x, w).block_until_ready()
+    jax.profiler.stop_trace()
+    per_op = profile_serving.thunk_seconds(str(tmp_path))
+    assert per_op and set(per_op) <= set(scopes)
+    assert {scopes[op] for op in per_op} >= {"mlp", "attention"}
+
+
+def test_engine_args_parse_as_the_server_does():
+    assert profile_serving.engine_overrides("--kv-cache-dtype bfloat16 --max-num-seqs 8") == {
+        "kv_cache_dtype": "bfloat16", "max_num_seqs": 8}
+    assert profile_serving.engine_overrides("") == {}
