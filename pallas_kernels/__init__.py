@@ -7,6 +7,9 @@ Public API (see docs/kernels.md):
   interpret=False, k_scale=None, v_scale=None)`` -> ``[T, num_q_heads, head_dim]``:
   mixed prefill + decode attention over the paged KV cache in one launch (a cache of
   float32, bfloat16, float16, float8_e4m3fn, or int8 with its scales).
+* ``ragged_paged_attention_mgpu(...)``: the same on Mosaic GPU for Hopper (bfloat16 /
+  float16 over a cache of their dtype; ``ragged_paged_attention_mgpu.unsupported``
+  says why not otherwise; ``interpret`` takes Mosaic GPU's ``InterpretGPUParams``).
 * ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, interpret=False)``
   -> ``(k_cache, v_cache)``: scatter the new tokens' K/V into the cache.
 * ``quantized_matmul(x, q, scale, mins=None, *, group=0, interpret=False)`` ->
@@ -21,6 +24,7 @@ Public API (see docs/kernels.md):
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
 from pallas_kernels.reference import (
     ragged_paged_attention_reference,
     write_kv_cache_reference,
@@ -30,6 +34,7 @@ __all__ = [
     "quantized_matmul",
     "quantized_matmul_reference",
     "ragged_paged_attention",
+    "ragged_paged_attention_mgpu",
     "ragged_paged_attention_reference",
     "write_kv_cache",
     "write_kv_cache_reference",

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Benchmark the Pallas kernels against their jnp references.
 
-On a GPU: times ``ragged_paged_attention`` (decode, mixed and prefill workloads) and
-``write_kv_cache``, the XLA reference where it fits in memory, and reports achieved
-HBM bandwidth (and TFLOP/s for prefill) against the peaks given on the command line
-(defaults: H100 SXM, 3.35 TB/s and 989 dense bf16 TFLOP/s).
+On a GPU: times the attention kernels (``ragged_paged_attention``, Triton, and on a
+Hopper ``ragged_paged_attention_mgpu``, Mosaic GPU, where it serves the dtype: decode,
+mixed and prefill workloads, `--sweep` adding decodes of 64 and 256 sequences of 1k and
+8k tokens) and ``write_kv_cache``, the XLA reference where it fits in memory, and
+reports achieved HBM bandwidth (and TFLOP/s for prefill) against the peaks given on the
+command line (defaults: H100 SXM, 3.35 TB/s and 989 dense bf16 TFLOP/s) and against the
+card's copy rate measured first (a 4 GiB array copied).
 
 On CPU: runs the same workloads, scaled down, in interpret mode and reports
 correctness (max abs error vs the reference) only -- interpret-mode timings say
@@ -31,6 +34,8 @@ from pallas_kernels import (
     write_kv_cache,
     write_kv_cache_reference,
 )
+from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
+from pallas_kernels.target import targets_hopper
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "llama-3.1-8b": (32, 8, 128),
@@ -47,8 +52,10 @@ class Workload:
     kv_lens: list[int]
 
 
-def workloads(batch: int, ctx: int, chunk: int) -> list[Workload]:
-    return [
+def workloads(batch: int, ctx: int, chunk: int, sweep: bool = False) -> list[Workload]:
+    swept = [Workload(f"decode {b}x{c}", [1] * b, [c] * b) for b in (64, 256) for c in (1024, 8192)
+             if (b, c) != (batch, ctx)] if sweep else []
+    return swept + [
         Workload(f"decode {batch}x{ctx}", [1] * batch, [ctx] * batch),
         Workload(f"mixed: {chunk}-token chunk @ctx {ctx // 2} + {batch - 1} decodes @{ctx}",
                  [chunk] + [1] * (batch - 1), [ctx // 2 + chunk] + [ctx] * (batch - 1)),
@@ -95,6 +102,27 @@ def attention_flops(w: Workload, hq, d) -> int:
     return total
 
 
+def copy_rate_tbs(gib: float = 4.0) -> float:
+    """The card's measured copy rate: bytes read and written per second copying an array."""
+    x = jnp.zeros((int(gib * (1 << 30)) // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1)
+    t = timeit(copy, x, iters=10)
+    return 2 * x.nbytes / t / 1e12
+
+
+def kernels(model_dims, bs: int, dtype, interpret: bool, sm_scale: float) -> dict:
+    """name -> jitted attention: Triton always; Mosaic GPU on a Hopper (or interpreted)
+    where it serves the configuration, else its reason printed."""
+    hq, hkv, d = model_dims
+    out = {"triton": jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, interpret=interpret))}
+    why = unsupported(dtype, dtype, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs)
+    if why is None and (interpret or targets_hopper()):
+        out["mosaic"] = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, sm_scale=sm_scale, interpret=interpret))
+    else:
+        print(f"mosaic gpu kernel skipped: {why or 'not a Hopper'}")
+    return out
+
+
 def timeit(fn, *args, iters: int) -> float:
     jax.block_until_ready(fn(*args))  # compile + warm-up
     t0 = time.perf_counter()
@@ -111,8 +139,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=None)
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also decodes of 64 and 256 sequences of 1k and 8k tokens")
     ap.add_argument("--peak-bw-tbs", type=float, default=3.35, help="HBM TB/s (H100: 3.35)")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="dense bf16 tensor-core TFLOP/s (H100 SXM: 989)")
@@ -135,35 +164,41 @@ def main() -> None:
         print("CPU: interpret mode, correctness only (timings are meaningless here)")
 
     rng = np.random.default_rng(0)
-    attn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=d ** -0.5,
-                                                     interpret=interpret))
+    attns = kernels((hq, hkv, d), bs, dtype, interpret, d ** -0.5)
     ref = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=d ** -0.5))
-    for w in workloads(batch, ctx, chunk):
+    copy_tbs = copy_rate_tbs() if on_gpu else None
+    if copy_tbs:
+        print(f"measured copy rate: {copy_tbs:.2f} TB/s ({100 * copy_tbs / args.peak_bw_tbs:.0f}% of the nominal "
+              f"{args.peak_bw_tbs} TB/s)")
+    for w in workloads(batch, ctx, chunk, args.sweep):
         inputs = build_inputs(w, hq, hkv, d, bs, dtype, rng)
         T = inputs[0].shape[0]
         gathered_gb = T * inputs[4].shape[1] * bs * hkv * d * 4 * 2 / 1e9
-        out = attn(*inputs)
-        line = f"[{w.name}] T={T}"
+        print(f"[{w.name}] T={T}")
+        want = None
         if gathered_gb <= args.ref_limit_gb:
-            f32 = [x.astype(jnp.float32) for x in inputs[:3]]
-            want = ref(*f32, *inputs[3:])
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
-            line += f" max|err| vs reference={err:.2e}"
-        else:
-            line += f" reference skipped (~{gathered_gb:.0f} GB gathered)"
-        if on_gpu:
-            t = timeit(attn, *inputs, iters=args.iters)
-            nbytes = attention_bytes(w, hq, hkv, d, dtype.itemsize)
-            flops = attention_flops(w, hq, d)
-            bw = nbytes / t / 1e12
-            tf = flops / t / 1e12
-            line += (f"\n    pallas: {t * 1e3:.3f} ms  {bw:.2f} TB/s "
-                     f"({100 * bw / args.peak_bw_tbs:.0f}% of HBM)  {tf:.1f} TFLOP/s "
-                     f"({100 * tf / args.peak_tflops:.1f}% of tensor-core peak)")
-            if gathered_gb <= args.ref_limit_gb:
-                tr = timeit(ref, *inputs, iters=max(1, args.iters // 4))
-                line += f"\n    xla reference: {tr * 1e3:.3f} ms ({tr / t:.1f}x the kernel)"
-        print(line)
+            want = ref(*[x.astype(jnp.float32) for x in inputs[:3]], *inputs[3:])
+        times = {}
+        for name, attn in attns.items():
+            out = attn(*inputs)
+            line = f"    {name}:"
+            if want is not None:
+                line += f" max|err| vs reference={float(jnp.max(jnp.abs(out.astype(jnp.float32) - want))):.2e}"
+            else:
+                line += f" reference skipped (~{gathered_gb:.0f} GB gathered)"
+            if on_gpu:
+                t = times[name] = timeit(attn, *inputs, iters=args.iters)
+                bw = attention_bytes(w, hq, hkv, d, dtype.itemsize) / t / 1e12
+                tf = attention_flops(w, hq, d) / t / 1e12
+                line += (f"  {t * 1e3:.3f} ms  {bw:.2f} TB/s ({100 * bw / args.peak_bw_tbs:.0f}% of HBM, "
+                         f"{100 * bw / copy_tbs:.0f}% of the copy rate)  {tf:.1f} TFLOP/s "
+                         f"({100 * tf / args.peak_tflops:.1f}% of tensor-core peak)")
+            print(line)
+        if len(times) == 2:
+            print(f"    mosaic / triton: {times['triton'] / times['mosaic']:.2f}x faster")
+        if on_gpu and want is not None:
+            tr = timeit(ref, *inputs, iters=max(1, args.iters // 4))
+            print(f"    xla reference: {tr * 1e3:.3f} ms")
 
     # KV cache write: T new tokens scattered into shuffled slots.
     T = batch

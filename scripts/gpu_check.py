@@ -91,6 +91,13 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     # most telling first, each with a time limit (a device lease is short): what has not yet
     # run natively or is measured on every run first; what passed on the H200 (2026-11-27) later
     return [
+        Check("mosaic gpu attention vs reference" + (" (natively)" if gpu else " (its interpreter)"),
+              pytest + ["tests/kernels/test_mosaic_attention.py", "-m", ""],
+              env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
+        Check("bench_kernels.py --sweep: mosaic gpu and triton attention (llama-3.1-8b shapes)",
+              [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b", "--sweep", "--peak-bw-tbs", "4.8"]
+              if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
+              pick=("measured copy rate", "[", "    ")),
         Check("bench_host.py: host work and device idle per decode step" + (" (llama-3.2-1b shapes, bfloat16)"
                                                                             if gpu else " (CPU, tiny model)"),
               host, timeout=300, pick=("layers/seqs", "llama-3.2-1b-full/", "1L/"), full_model=gpu),
@@ -124,9 +131,6 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               timeout=180, pick=("ok",)),
         Check("pallas kernels vs reference" + ("" if gpu else " (interpret mode)"), kernel_tests,
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
-        Check("bench_kernels.py (llama-3.1-8b shapes)",
-              [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b"] if gpu else None,
-              "needs CUDA: in interpret mode it would time the interpreter", timeout=180),
         Check("pallas kernels lower for CUDA", pytest + ["tests/kernels/test_pallas_lowering.py"], timeout=180),
         Check(f"tensor parallel {tp} == 1 device" + ("" if gpu else " (simulated CPU devices)"),
               [py, "-c", tp_code] if tp > 1 else None, "one GPU: nothing to shard over",

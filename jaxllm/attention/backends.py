@@ -119,15 +119,25 @@ def _cpu_backend_unavailable(head_dim: int, dtype, cache_dtype) -> str | None:
 
 
 def _pallas_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cache_dtype="", **kwargs):
-    """The Pallas kernels (interpret mode off GPU); they do not use the common-prefix
-    hint, and read caches of their element type (a cache of bits, on the CPU, is viewed
-    as it: a copy, in interpret mode only)."""
+    """The Pallas kernels: on a Hopper GPU the Mosaic GPU kernel where it serves the
+    configuration (bfloat16 / float16 queries over a cache of their dtype, head_dim a
+    multiple of 64: pallas_kernels.ragged_paged_attention_mgpu.unsupported), else the
+    Triton one (interpret mode where no GPU is the target). They do not use the common-prefix hint, and
+    read caches of their element type (a cache of bits, on the CPU, is viewed as it: a
+    copy, in interpret mode only)."""
     import pallas_kernels
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
+    from pallas_kernels.target import targets_gpu, targets_hopper
 
     del common_prefix_blocks
     k_cache, v_cache = as_elements(k_cache, cache_dtype), as_elements(v_cache, cache_dtype)
-    return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, *args,
-                                                 interpret=jax.default_backend() != "gpu", **kwargs)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if targets_hopper() and kwargs.get("k_scale") is None and unsupported(
+            q.dtype, k_cache.dtype, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size) is None:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("k_scale", "v_scale")}
+        return ragged_paged_attention_mgpu(q, k_cache, v_cache, *args, **kwargs)
+    return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
 
 
 def get_attention_fn(name: str) -> AttentionFn:
