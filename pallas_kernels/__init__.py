@@ -16,6 +16,8 @@ Public API (see docs/kernels.md):
   ``[M, N]``: x times a weight held as int8 values and float32 scales (per column, or
   per 32 inputs with optional mins: GGUF's Q8_0 / Q4_0 / Q4_1), dequantized in the
   kernel; ``quantized_matmul_reference`` is its oracle.
+* ``quantized_matmul_mgpu(x, q_t, scale, mins=None, *, group=0)``: the same on Mosaic GPU
+  for Hopper, the values held transposed ``[N, K]`` (bfloat16 / float16 x).
 * ``ragged_paged_attention_reference`` / ``write_kv_cache_reference``: the same
   signatures in plain jnp (the oracles; also usable as the XLA backend for small
   shapes).
@@ -23,6 +25,7 @@ Public API (see docs/kernels.md):
 
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
+from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
 from pallas_kernels.reference import (
@@ -32,6 +35,7 @@ from pallas_kernels.reference import (
 
 __all__ = [
     "quantized_matmul",
+    "quantized_matmul_mgpu",
     "quantized_matmul_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_mgpu",

@@ -1,5 +1,6 @@
-"""Times the Pallas weight-only quantized matmul (pallas_kernels/quantized_matmul.py)
-against XLA on the same weights: a bfloat16 ``jnp.dot`` (the unquantized baseline) and
+"""Times the Pallas weight-only quantized matmuls (pallas_kernels/quantized_matmul.py,
+Triton; on a Hopper also pallas_kernels/quantized_matmul_mgpu.py, Mosaic GPU, its values
+held transposed) against XLA on the same weights: a bfloat16 ``jnp.dot`` (the unquantized baseline) and
 jaxllm's XLA path for the quantized weight (`linear`: dequantize, then dot), at
 Llama-3.1-8B's projection shapes, bfloat16 activations, M = 1 .. 256 rows. Prints
 microseconds per call, the weight bytes each path reads per microsecond (GB/s, to set
@@ -27,6 +28,8 @@ import numpy as np
 from jaxllm.models.linear import linear
 from jaxllm.models.quant import quantize_weight
 from pallas_kernels.quantized_matmul import quantized_matmul
+from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu, unsupported
+from pallas_kernels.target import targets_hopper
 
 SWEEP = [dict(block_n=bn, split_k=sk, num_stages=st) for bn in (64, 128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)]
 SHAPES = {"gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096), "o 4096x4096": (4096, 4096)}
@@ -71,11 +74,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the kernel's configurations (SWEEP)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
-    shapes = {"small 256x96": (256, 96)} if args.small else SHAPES
+    shapes = {"small 256x128": (256, 128)} if args.small else SHAPES
+    mosaic_here = targets_hopper() or not gpu  # interpreted off GPU
     iters = args.iters if gpu else 1
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})" + ("" if gpu else ": interpret mode"))
-    print("| shape | format | M | bf16 dot us | XLA dequant us | pallas us | pallas GB/s | vs bf16 | vs XLA |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | format | M | bf16 dot us | XLA dequant us | pallas us | pallas GB/s | vs bf16 | vs XLA "
+          "| mosaic us | mosaic GB/s | mosaic vs bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for label, (k, n) in shapes.items():
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -84,13 +89,21 @@ def main() -> None:
             qw = jax.tree.map(jnp.asarray, quantize_weight(w, fmt))
             kern = jax.jit(lambda x, qw: quantized_matmul(x, qw.q, qw.scale, qw.mins, group=qw.group,
                                                           interpret=not gpu))
+            q_t = qw.q.T.copy()  # the Mosaic GPU kernel's layout, made before the timing
+            mgpu = jax.jit(lambda x, q_t, s, mins, g=qw.group: quantized_matmul_mgpu(x, q_t, s, mins, group=g,
+                                                                                    interpret=not gpu))
             for m in (int(r) for r in args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
                 t_dot = timed(jax.jit(jnp.dot), x, w16, iters=iters)
                 t_xla = timed(jax.jit(linear), x, qw, iters=iters)
                 t_k = timed(kern, x, qw, iters=iters)
+                mosaic = "- | - | -"
+                if mosaic_here and unsupported(x.dtype, n=n, k=k, group=qw.group) is None:
+                    t_m = timed(mgpu, x, q_t, qw.scale, qw.mins, iters=iters)
+                    mosaic = f"{t_m:.1f} | {weight_bytes(qw) / t_m / 1e3:.0f} | {t_dot / t_m:.2f}x"
                 print(f"| {label} | {fmt} | {m} | {t_dot:.1f} | {t_xla:.1f} | {t_k:.1f} | "
-                      f"{weight_bytes(qw) / t_k / 1e3:.0f} | {t_dot / t_k:.2f}x | {t_xla / t_k:.2f}x |", flush=True)
+                      f"{weight_bytes(qw) / t_k / 1e3:.0f} | {t_dot / t_k:.2f}x | {t_xla / t_k:.2f}x | {mosaic} |",
+                      flush=True)
                 if args.sweep:
                     print(f"  fastest: {sweep(x, qw, gpu, iters)}", flush=True)
 

@@ -91,13 +91,19 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     # most telling first, each with a time limit (a device lease is short): what has not yet
     # run natively or is measured on every run first; what passed on the H200 (2026-11-27) later
     return [
-        Check("mosaic gpu attention vs reference" + (" (natively)" if gpu else " (its interpreter)"),
-              pytest + ["tests/kernels/test_mosaic_attention.py", "-m", ""],
+        Check("mosaic gpu attention and quantized matmul vs reference" + (" (natively)" if gpu else
+                                                                          " (its interpreter)"),
+              pytest + ["tests/kernels/test_mosaic_attention.py", "tests/kernels/test_mosaic_quantized_matmul.py",
+                        "-m", ""],
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
         Check("bench_kernels.py --sweep: mosaic gpu and triton attention (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b", "--sweep", "--peak-bw-tbs", "4.8"]
               if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
               pick=("measured copy rate", "[", "    ")),
+        Check("bench_quantized_matmul.py --sweep (llama-3.1-8b projections, one row; triton and mosaic gpu)",
+              [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]
+              if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
+              pick=("|", "  fastest")),
         Check("bench_host.py: host work and device idle per decode step" + (" (llama-3.2-1b shapes, bfloat16)"
                                                                             if gpu else " (CPU, tiny model)"),
               host, timeout=300, pick=("layers/seqs", "llama-3.2-1b-full/", "1L/"), full_model=gpu),
@@ -119,10 +125,6 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
               throughput, timeout=300, pick=("jaxllm:", "MFU", "steps:", "time:", "host gap", "async",
                                              "jaxllm, num_scheduler_steps"),
               full_model=gpu),
-        Check("bench_quantized_matmul.py --sweep (llama-3.1-8b projections, one row)",
-              [py, "scripts/bench_quantized_matmul.py", "--sweep", "--rows", "1", "--formats", "int8,q4_1"]
-              if gpu else None, "needs CUDA: in interpret mode it would time the interpreter", timeout=300,
-              pick=("|", "  fastest")),
         Check("pallas LoRA (shrink/expand) vs reference", pytest + ["tests/kernels/test_pallas_lora.py"],
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=180),
         Check("engine's attention calls replayed: kernel == reference",

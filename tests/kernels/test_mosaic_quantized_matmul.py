@@ -1,0 +1,103 @@
+"""The Mosaic GPU weight-only quantized matmul (pallas_kernels.quantized_matmul_mgpu) in
+Mosaic GPU's interpreter on the CPU, against an oracle of what it computes: per column,
+the integer values times x summed in float32, then scaled; grouped, each weight's value
+dequantized in float32 and rounded to x's 16-bit type, times x, summed in float32 (the
+Triton kernel's arithmetic); every format jaxllm holds (int8 per column, grouped int8
+and int4, GGUF's Q8_0 / Q4_0 / Q4_1), one token and several blocks of tokens, K over
+more steps than the ring's slots, split-K; race detection on for a reduced set; and
+lowered for CUDA at Llama-3.1-8B's decode and prefill shapes."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.models.quant import quantize_weight
+from pallas_kernels.cuda_lowering import lower_for_cuda
+from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu, unsupported
+
+NATIVE = os.environ.get("JAXLLM_PALLAS_INTERPRET", "1") == "0"  # scripts/gpu_check.py on a Hopper
+K, N = 256, 128
+
+
+def interpret(races: bool = False):
+    return False if NATIVE else plgpu.InterpretGPUParams(detect_races=races)
+
+
+def quantized(fmt: str, k: int = K, n: int = N, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) / np.sqrt(k)
+    return jax.tree.map(jnp.asarray, quantize_weight(w, fmt))
+
+
+def oracle(x, qw):
+    """float32 sums of x's exact values against the weights the kernel multiplies."""
+    x32, q = x.astype(jnp.float32), qw.q.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    if not qw.group:
+        return jnp.matmul(x32, q, precision=hi) * qw.scale.astype(jnp.float32)
+    w = q * jnp.repeat(qw.scale.astype(jnp.float32), qw.group, axis=0)
+    if qw.mins is not None:
+        w = w + jnp.repeat(qw.mins.astype(jnp.float32), qw.group, axis=0)
+    return jnp.matmul(x32, w.astype(x.dtype).astype(jnp.float32), precision=hi)
+
+
+def run(fmt, m, dtype=jnp.bfloat16, races=False, **kw):
+    qw = quantized(fmt)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, K)), dtype)
+    got = quantized_matmul_mgpu(x, qw.q.T, qw.scale, qw.mins, group=qw.group, interpret=interpret(races), **kw)
+    assert got.shape == (m, N) and got.dtype == x.dtype
+    want = oracle(x, qw)
+    # the sums agree to float32 rounding; the output is rounded once to x's type
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7, atol=1e-3 * float(jnp.abs(want).max()))
+    return got
+
+
+FORMATS = ["int8", "int8_g32", "int4_g32", "int4", "q8_0", "q4_0", "q4_1"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_against_the_oracle(fmt):
+    """One token (a decode: 15 padding rows) and 37 (one block of 48)."""
+    for m in (1, 37):
+        run(fmt, m)
+
+
+@pytest.mark.parametrize("fmt,m,kw", [("int8", 130, {"stages": 2}), ("q4_1", 20, {"split_k": 4}),
+                                      ("int8", 3, {"split_k": 2, "block_m": 32})],
+                         ids=["3-blocks-of-tokens", "split-k-4", "split-k-2-float16"])
+def test_blocks_of_tokens_and_split_k(fmt, m, kw):
+    run(fmt, m, dtype=jnp.float16 if "block_m" in kw else jnp.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_no_races_and_no_reads_out_of_bounds(fmt):
+    if NATIVE:
+        pytest.skip("the interpreter's checks")
+    run(fmt, 5, races=True, split_k=2)
+
+
+def test_unsupported_shapes_say_why():
+    assert unsupported(jnp.bfloat16, n=4096, k=4096, group=32) is None
+    assert "float32" in unsupported(jnp.float32, n=4096, k=4096, group=0)
+    assert "80 output columns" in unsupported(jnp.bfloat16, n=80, k=4096, group=0)
+    assert "groups of 24" in unsupported(jnp.bfloat16, n=128, k=4800, group=24)
+    qw = quantized("int8")
+    with pytest.raises(ValueError, match="split_k=3 must divide"):
+        quantized_matmul_mgpu(jnp.ones((1, K), jnp.bfloat16), qw.q.T, qw.scale, split_k=3)
+
+
+@pytest.mark.parametrize("fmt,group,m,k,n,split", [("int8", 0, 1, 4096, 14336, 1), ("q4_1", 32, 1, 14336, 4096, 4),
+                                                   ("int4", 128, 512, 4096, 6144, 1)],
+                         ids=["gate-up-decode", "down-decode-split-4", "qkv-prefill-int4"])
+def test_lowers_for_cuda(fmt, group, m, k, n, split):
+    sd = jax.ShapeDtypeStruct
+    scale = sd((k // group, n) if group else (n,), jnp.float32)
+    mins = [scale] if fmt == "q4_1" else []
+    lowered = lower_for_cuda(lambda *a: quantized_matmul_mgpu(*a, group=group, split_k=split),
+                             sd((m, k), jnp.bfloat16), sd((n, k), jnp.int8), scale, *mins)
+    assert "mosaic_gpu" in lowered.as_text()
