@@ -61,8 +61,11 @@ def activation_dtype(param_dtype) -> jnp.dtype:
     float32 and back, so a step all in bfloat16 is slower than float32, while bfloat16
     weights with float32 activations (each projection's input rounded to bfloat16 and
     accumulated in float32) are faster (docs/bench-log/2026-11-24..27-evaluation.md). The
-    cpu attention kernel then runs as for a float32 model."""
-    if jax.default_backend() == "cpu":
+    cpu attention kernel then runs as for a float32 model. A step lowered for a GPU on
+    a CPU (under an abstract mesh of GPUs: pallas_kernels.target) is the GPU's."""
+    from pallas_kernels.target import targets_gpu
+
+    if jax.default_backend() == "cpu" and not targets_gpu():
         return jnp.dtype(jnp.float32)
     return jnp.dtype(param_dtype)
 

@@ -1,6 +1,6 @@
 """Weight formats: one class per stored layout of a projection, with how it is multiplied.
 
-A projection's weight is held in one of five layouts (jaxllm.models.params); each class
+A projection's weight is held in one of six layouts (jaxllm.models.params); each class
 here says how `x @ w` is computed for it, dense and for a mixture of experts' rows grouped
 by expert, and (the layouts the `cpu` backend packs) how it becomes panels:
 
@@ -10,6 +10,8 @@ by expert, and (the layouts the `cpu` backend packs) how it becomes panels:
   groups, GGUF's Q8_0 / Q4_0 / Q4_1 blocks and a mixed GGUF's gguf_int8
   (QuantizedWeight, group > 0).
 - `PallasTiles`: a quantized weight marked for the Pallas weight-only matmul.
+- `MosaicTiles`: one held for the Mosaic GPU weight-only matmul on a Hopper (values
+  transposed).
 - `Panels`: the `cpu` backend's packed panels (PackedWeight), multiplied by the C++
   custom calls of jaxllm/cpu_kernels/dense.cc.
 
@@ -164,7 +166,7 @@ class ChannelInt8(_Quantized):
 
     @staticmethod
     def holds(w) -> bool:
-        return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and not w.group
+        return isinstance(w, QuantizedWeight) and not w.kernel and not w.group
 
     @staticmethod
     def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
@@ -190,7 +192,7 @@ class Blocks(_Quantized):
 
     @staticmethod
     def holds(w) -> bool:
-        return isinstance(w, QuantizedWeight) and w.kernel != "pallas" and bool(w.group)
+        return isinstance(w, QuantizedWeight) and not w.kernel and bool(w.group)
 
     @staticmethod
     def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
@@ -223,11 +225,33 @@ class PallasTiles(_Quantized):
     def matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
                ) -> Float[Array, "... N"]:
         from pallas_kernels.quantized_matmul import quantized_matmul
+        from pallas_kernels.target import targets_gpu
 
         lead = x.shape[:-1]
         y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
-                             out_dtype=preferred_element_type, interpret=jax.default_backend() != "gpu")
+                             out_dtype=preferred_element_type, interpret=not targets_gpu())
         return y.reshape(*lead, w.shape[1])
+
+
+class MosaicTiles(_Quantized):
+    """A quantized weight held for the Mosaic GPU weight-only matmul on a Hopper
+    (jaxllm.models.linear.mosaic_weight): its values transposed, [N, K] (K-major, as the
+    kernel's TMA reads a tile of output rows), scales and mins as they were."""
+
+    @staticmethod
+    def holds(w) -> bool:
+        return isinstance(w, QuantizedWeight) and w.kernel == "mosaic"
+
+    @staticmethod
+    def matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
+               ) -> Float[Array, "... N"]:
+        from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
+        from pallas_kernels.target import targets_gpu
+
+        lead = x.shape[:-1]
+        y = quantized_matmul_mgpu(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
+                                  out_dtype=preferred_element_type, interpret=not targets_gpu())
+        return y.reshape(*lead, w.q.shape[0])
 
 
 class Panels:
@@ -349,7 +373,7 @@ class Panels:
         return dequantize(table)
 
 
-FORMATS = (Dense, ChannelInt8, Blocks, PallasTiles, Panels)
+FORMATS = (Dense, ChannelInt8, Blocks, PallasTiles, MosaicTiles, Panels)
 
 
 def format_of(w):

@@ -93,11 +93,38 @@ def grouped_linear(x: Float[Array, "M K"], w: Float[Array, "E K N"] | PackedWeig
     return format_of(w).grouped_matmul(x, w, group_sizes)
 
 
-def pallas_params(params: PyTree) -> PyTree:
+def pallas_params(params: PyTree, activation_dtype=None) -> PyTree:
     """The `pallas` backend's layout: every quantized projection marked for the Pallas
     kernel (the arrays as they are), in ModelParams or any pytree of weights; abstract
-    params too."""
-    return _marked(params, QuantizedWeight, kernel="pallas")
+    params too. Compiled for a Hopper with 16-bit activations (`activation_dtype`), a
+    ModelParams' layer projections and output projection that the Mosaic GPU kernel
+    multiplies are held for it instead (`mosaic_weight`)."""
+    marked = _marked(params, QuantizedWeight, kernel="pallas")
+    if activation_dtype is None or not isinstance(marked, ModelParams):
+        return marked
+    from pallas_kernels.target import targets_hopper
+
+    if not targets_hopper():
+        return marked
+    held = lambda w: mosaic_weight(w, activation_dtype) if isinstance(w, QuantizedWeight) else w
+    is_leaf = lambda x: isinstance(x, QuantizedWeight)
+    return marked.replace(layers=jax.tree.map(held, marked.layers, is_leaf=is_leaf),
+                          lm_head=jax.tree.map(held, marked.lm_head, is_leaf=is_leaf))
+
+
+def mosaic_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
+    """`w` held for the Mosaic GPU matmul (pallas_kernels.quantized_matmul_mgpu: its
+    values transposed to [N, K], marked "mosaic": jaxllm.models.formats.MosaicTiles)
+    where that kernel multiplies it: one [K, N] matrix grouped along its inputs, float
+    activations of `activation_dtype` (16-bit), N a multiple of 64; else as it was."""
+    from pallas_kernels.quantized_matmul_mgpu import unsupported
+
+    k, n = w.shape[-2:]
+    if (len(w.shape) != 2 or w.group_axis or w.perm is not None or w.activations != "float"
+            or unsupported(activation_dtype, n=n, k=k, group=w.group) is not None):
+        return w
+    flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
+    return w.replace(q=flip(w.q), kernel="mosaic")
 
 
 def _marked(params: PyTree, kind: type, where=lambda w: True, **fields) -> PyTree:
@@ -191,12 +218,13 @@ def bf16_tiles(params: PyTree, dot: bool) -> PyTree:
     return _marked(params, PackedWeight, bf16_dot=dot)
 
 
-def layout_params(backend: str, params: ModelParams, pack_head: bool = True) -> ModelParams:
-    """`params` in the layout of a linear backend: packed (`cpu`), marked (`pallas`),
-    or as they are (`xla`)."""
+def layout_params(backend: str, params: ModelParams, pack_head: bool = True, activation_dtype=None) -> ModelParams:
+    """`params` in the layout of a linear backend: packed (`cpu`), marked (`pallas`; on
+    a Hopper partly held for the Mosaic GPU kernel, given the `activation_dtype`), or
+    as they are (`xla`)."""
     if backend == "cpu":
         return pack_params(params, pack_head=pack_head)
-    return pallas_params(params) if backend == "pallas" else params
+    return pallas_params(params, activation_dtype) if backend == "pallas" else params
 
 
 def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:

@@ -188,8 +188,9 @@ def lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, onehot: Float[Array
 def pallas_lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, slots: Int[Array, " T"]) -> Float[Array, "T N"]:
     """lora_delta through the Pallas kernels (pallas_kernels.lora; interpret mode off GPU)."""
     from pallas_kernels.lora import lora_expand, lora_shrink
+    from pallas_kernels.target import targets_gpu
 
-    interpret = jax.default_backend() != "gpu"
+    interpret = not targets_gpu()
     shrunk = lora_shrink(x, proj.a, slots, interpret=interpret)
     outs = [lora_expand(shrunk[:, p].astype(b.dtype), b, slots, out_dtype=x.dtype, interpret=interpret)
             for p, b in enumerate(proj.b)]

@@ -330,7 +330,8 @@ class ModelRunner:
                                  "or leave activations in float")
         if self.mesh is not None:  # plain weights only (linear_candidates)
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
-        return {b: layout_params(b, params, pack_head=self.plan.head == "cpu") for b in self.plan.backends("linear")}
+        return {b: layout_params(b, params, pack_head=self.plan.head == "cpu", activation_dtype=activation_dtype(
+            self.param_dtype)) for b in self.plan.backends("linear")}
 
     def describe_weights(self) -> str:
         """The parameters' bytes per device as held (every layout the plan keeps), and

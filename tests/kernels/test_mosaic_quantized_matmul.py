@@ -101,3 +101,82 @@ def test_lowers_for_cuda(fmt, group, m, k, n, split):
     lowered = lower_for_cuda(lambda *a: quantized_matmul_mgpu(*a, group=group, split_k=split),
                              sd((m, k), jnp.bfloat16), sd((n, k), jnp.int8), scale, *mins)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
+    """`pallas_params` with 16-bit activations, compiled for a Hopper: the layers' and
+    the output projection's quantized weights it serves are transposed and marked
+    "mosaic" (formats.MosaicTiles), and `linear` on them computes the Triton-marked
+    weight's product (interpreted here); off a Hopper, for float32 activations and for
+    a shape it refuses (N not a multiple of 64), they stay the Triton kernel's."""
+    from jaxllm.models.formats import MosaicTiles, PallasTiles, format_of
+    from jaxllm.models.linear import linear, pallas_params
+    from jaxllm.models.params import ModelParams
+    import pallas_kernels.target
+    from pallas_kernels.cuda_lowering import cuda_target
+
+    qw, odd = quantized("q4_1"), quantized("q4_1", n=96)
+    params = ModelParams(embed=jnp.ones((8, K)), layers=[{"wo": qw, "odd": odd}], final_norm=jnp.ones(K), lm_head=qw)
+    off_hopper = pallas_params(params, jnp.bfloat16)  # no GPU target here
+    with cuda_target("NVIDIA A100-SXM4-80GB"):
+        assert not pallas_kernels.target.targets_hopper()
+    with cuda_target("NVIDIA H100 80GB HBM3"):
+        assert pallas_kernels.target.targets_hopper()
+    monkeypatch.setattr(pallas_kernels.target, "targets_hopper", lambda: True)  # concrete arrays: no abstract mesh
+    held = pallas_params(params, jnp.bfloat16)
+    as_float32 = pallas_params(params, jnp.float32)
+    assert format_of(held.layers[0]["wo"]) is MosaicTiles and format_of(held.lm_head) is MosaicTiles
+    assert held.layers[0]["wo"].q.shape == (N, K) and held.layers[0]["wo"].scale.shape == qw.scale.shape
+    assert format_of(held.layers[0]["odd"]) is PallasTiles
+    for other in (as_float32, off_hopper):
+        assert {format_of(w) for w in (other.layers[0]["wo"], other.lm_head)} == {PallasTiles}
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 3, K)), jnp.bfloat16)
+    got = linear(x, held.layers[0]["wo"], preferred_element_type=jnp.float32)
+    want = linear(x, off_hopper.layers[0]["wo"], preferred_element_type=jnp.float32)
+    assert got.shape == (2, 3, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,mosaic", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA A100-SXM4-80GB", False)])
+def test_a_quantized_model_step_lowers_for_cuda(kind, mosaic):
+    """A bfloat16 Llama with Q4_1 projections in the pallas layout, its forward and
+    logits lowered for CUDA: on a Hopper every projection and attention call is a Mosaic
+    GPU kernel and nothing is Triton; on an A100 everything is Triton. (The step's
+    activations are bfloat16 under a GPU target: jaxllm.platform.activation_dtype.)"""
+    import dataclasses
+
+    from jaxllm.attention.backends import get_attention_fn
+    from jaxllm.attention.kv_cache import KVCache
+    from jaxllm.attention.metadata import AttentionMetadata
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.linear import pallas_params
+    from jaxllm.models.llama import compute_logits, forward_hidden
+    from jaxllm.models.params import abstract_params
+    from jaxllm.models.rope import rope_table
+    from pallas_kernels.cuda_lowering import cuda_target, has_triton_call
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=False)
+    cfg = dataclasses.replace(cfg, quantization="q4_1")
+    sd, t, s = jax.ShapeDtypeStruct, 16, 4
+    i32 = lambda *shape: sd(shape, jnp.int32)
+    cache = sd((64, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    md = AttentionMetadata(i32(t), i32(s, 8), i32(s), i32(s + 1), i32(), i32())
+
+    def step(params, rope, caches, ids, positions, md):
+        hidden, caches = forward_hidden(params, rope, caches, ids, positions, md, cfg=cfg,
+                                        attention_fn=get_attention_fn("pallas"))
+        return compute_logits(params, hidden[:s], cfg), caches
+
+    rope = jax.tree.map(lambda a: sd(a.shape, a.dtype), rope_table(cfg.rope, cfg.head_dim, 2048))
+    with cuda_target(kind):
+        params = pallas_params(abstract_params(cfg, jnp.bfloat16), jnp.bfloat16)
+        text = jax.jit(step).trace(params, rope,
+                                   (KVCache(cache, cache),) * cfg.num_layers, i32(t), i32(t), md
+                                   ).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = text.count('custom_call @mosaic_gpu_v2') + text.count('call_target_name = "mosaic_gpu_v2"')
+    # one per distinct kernel (the layers' calls of one shape share a function): attention,
+    # q/k/v, o, gate/up, down and the output projection
+    assert kernels == (6 if mosaic else 0), kernels
+    assert has_triton_call(text) != mosaic
