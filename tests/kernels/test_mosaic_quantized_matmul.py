@@ -109,10 +109,10 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
     "mosaic" (formats.MosaicTiles), and `linear` on them computes the Triton-marked
     weight's product (interpreted here); off a Hopper, for float32 activations and for
     a shape it refuses (N not a multiple of 64), they stay the Triton kernel's."""
+    import pallas_kernels.target
     from jaxllm.models.formats import MosaicTiles, PallasTiles, format_of
     from jaxllm.models.linear import linear, pallas_params
     from jaxllm.models.params import ModelParams
-    import pallas_kernels.target
     from pallas_kernels.cuda_lowering import cuda_target
 
     qw, odd = quantized("q4_1"), quantized("q4_1", n=96)
