@@ -12,6 +12,7 @@ Public API (see docs/kernels.md):
   says why not otherwise; ``interpret`` takes Mosaic GPU's ``InterpretGPUParams``).
 * ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, interpret=False)``
   -> ``(k_cache, v_cache)``: scatter the new tokens' K/V into the cache.
+* ``write_kv_cache_mgpu(...)``: the same on Mosaic GPU (a cache of the new K/V's dtype).
 * ``quantized_matmul(x, q, scale, mins=None, *, group=0, interpret=False)`` ->
   ``[M, N]``: x times a weight held as int8 values and float32 scales (per column, or
   per 32 inputs with optional mins: GGUF's Q8_0 / Q4_0 / Q4_1), dequantized in the
@@ -24,6 +25,7 @@ Public API (see docs/kernels.md):
 """
 
 from pallas_kernels.kv_cache_write import write_kv_cache
+from pallas_kernels.kv_cache_write_mgpu import write_kv_cache_mgpu
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -41,5 +43,6 @@ __all__ = [
     "ragged_paged_attention_mgpu",
     "ragged_paged_attention_reference",
     "write_kv_cache",
+    "write_kv_cache_mgpu",
     "write_kv_cache_reference",
 ]

@@ -4,7 +4,8 @@
 On a GPU: times the attention kernels (``ragged_paged_attention``, Triton, and on a
 Hopper ``ragged_paged_attention_mgpu``, Mosaic GPU, where it serves the dtype: decode,
 mixed and prefill workloads, `--sweep` adding decodes of 64 and 256 sequences of 1k and
-8k tokens) and ``write_kv_cache``, the XLA reference where it fits in memory, and
+8k tokens) and the KV cache writes (XLA's scatter, the engine's; Triton; Mosaic GPU), the
+XLA reference where it fits in memory, and
 reports achieved HBM bandwidth (and TFLOP/s for prefill) against the peaks given on the
 command line (defaults: H100 SXM, 3.35 TB/s and 989 dense bf16 TFLOP/s) and against the
 card's copy rate measured first (a 4 GiB array copied).
@@ -34,6 +35,7 @@ from pallas_kernels import (
     write_kv_cache,
     write_kv_cache_reference,
 )
+from pallas_kernels.kv_cache_write_mgpu import write_kv_cache_mgpu
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
 from pallas_kernels.target import targets_hopper
 
@@ -200,22 +202,25 @@ def main() -> None:
             tr = timeit(ref, *inputs, iters=max(1, args.iters // 4))
             print(f"    xla reference: {tr * 1e3:.3f} ms")
 
-    # KV cache write: T new tokens scattered into shuffled slots.
-    T = batch
-    kc = jnp.zeros((T // bs + 2 + T, bs, hkv, d), dtype)
-    slots = jnp.asarray(rng.permutation(np.arange(bs, kc.shape[0] * bs))[:T], jnp.int32)
-    new = jax.random.normal(jax.random.PRNGKey(1), (T, hkv, d), jnp.float32).astype(dtype)
-    wr = jax.jit(lambda *a: write_kv_cache(*a, interpret=interpret))
-    got = wr(new, new, kc, kc, slots)
-    want = write_kv_cache_reference(new, new, kc, kc, slots)
-    ok = all(bool(jnp.array_equal(g[1:], w_[1:])) for g, w_ in zip(got, want))
-    line = f"[write_kv_cache T={T}] matches reference: {ok}"
-    if on_gpu:
-        t = timeit(wr, new, new, kc, kc, slots, iters=args.iters)
-        nbytes = 2 * 2 * T * hkv * d * dtype.itemsize
-        line += f"\n    pallas: {t * 1e6:.1f} us  {nbytes / t / 1e9:.1f} GB/s"
-    print(line)
-
+    # KV cache write: T new tokens scattered into shuffled slots, by each write there is
+    # (the engine's is XLA's scatter: jaxllm.attention.kv_cache; the kernels are candidates)
+    for T in sorted({batch, 2048 if on_gpu else 2 * batch}):
+        kc = jnp.zeros((T // bs + 2 + T, bs, hkv, d), dtype)
+        slots = jnp.asarray(rng.permutation(np.arange(bs, kc.shape[0] * bs))[:T], jnp.int32)
+        new = jax.random.normal(jax.random.PRNGKey(1), (T, hkv, d), jnp.float32).astype(dtype)
+        want = write_kv_cache_reference(new, new, kc, kc, slots)
+        writes = {"xla scatter": jax.jit(write_kv_cache_reference),
+                  "triton": jax.jit(lambda *a: write_kv_cache(*a, interpret=interpret))}
+        if interpret or targets_hopper():
+            writes["mosaic"] = jax.jit(lambda *a: write_kv_cache_mgpu(*a, interpret=interpret))
+        print(f"[write_kv_cache T={T}]")
+        for name, wr in writes.items():
+            ok = all(bool(jnp.array_equal(g[1:], w_[1:])) for g, w_ in zip(wr(new, new, kc, kc, slots), want))
+            line = f"    {name}: matches reference: {ok}"
+            if on_gpu:
+                t = timeit(wr, new, new, kc, kc, slots, iters=args.iters)
+                line += f"  {t * 1e6:.1f} us  {2 * 2 * T * hkv * d * dtype.itemsize / t / 1e9:.1f} GB/s"
+            print(line)
 
 if __name__ == "__main__":
     main()

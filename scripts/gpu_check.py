@@ -91,10 +91,10 @@ def checks(backend: str, num_devices: int, models: Path) -> list[Check]:
     # most telling first, each with a time limit (a device lease is short): what has not yet
     # run natively or is measured on every run first; what passed on the H200 (2026-11-27) later
     return [
-        Check("mosaic gpu attention and quantized matmul vs reference" + (" (natively)" if gpu else
+        Check("mosaic gpu attention, quantized matmul and KV write vs reference" + (" (natively)" if gpu else
                                                                           " (its interpreter)"),
               pytest + ["tests/kernels/test_mosaic_attention.py", "tests/kernels/test_mosaic_quantized_matmul.py",
-                        "-m", ""],
+                        "tests/kernels/test_mosaic_kv_cache_write.py", "-m", ""],
               env={"JAXLLM_PALLAS_INTERPRET": "0" if gpu else "1"}, timeout=240),
         Check("bench_kernels.py --sweep: mosaic gpu and triton attention (llama-3.1-8b shapes)",
               [py, "scripts/bench_kernels.py", "--model", "llama-3.1-8b", "--sweep", "--peak-bw-tbs", "4.8"]

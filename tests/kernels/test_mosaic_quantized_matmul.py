@@ -57,7 +57,9 @@ def run(fmt, m, dtype=jnp.bfloat16, races=False, **kw):
     return got
 
 
-FORMATS = ["int8", "int8_g32", "int4_g32", "int4", "q8_0", "q4_0", "q4_1"]
+# per column, groups of 128 (int4: GPTQ's), GGUF's three; the slow run the rest
+FORMATS = ["int8", pytest.param("int8_g32", marks=pytest.mark.slow), pytest.param("int4_g32", marks=pytest.mark.slow),
+           "int4", pytest.param("q8_0", marks=pytest.mark.slow), "q4_0", "q4_1"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

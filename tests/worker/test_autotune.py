@@ -173,17 +173,23 @@ def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_pa
 
 
 def test_the_step_timer_measures_real_steps(test_models_dir):
-    """The times are positive and grow with the bucket, for every candidate."""
+    """The times are positive and grow with the bucket, for every candidate. (Times on
+    a shared machine: a pair out of order is measured again, up to three times; a
+    parallel test's busy moment once made a 4-token step's best of many calls 6x a
+    256-token one's.)"""
     from jaxllm.loaders import load_model
 
     model = load_model(test_models_dir / "llama", dtype="float32")
     timer = autotune.StepTimer(model.config, np.float32, block_size=16, max_model_len=128)
+
+    def grows(small, large) -> bool:
+        return any(0 < small() < large() for _ in range(3))
+
     for kind in ("attention", "linear"):
         for backend in ("cpu", "xla"):
-            small, large = timer(kind, backend, 4, 4), timer(kind, backend, 256, 8)
-            assert 0 < small < large
+            assert grows(lambda: timer(kind, backend, 4, 4), lambda: timer(kind, backend, 256, 8))  # noqa: B023
     for backend in ("cpu", "xla"):  # the output projection: by its rows
-        assert 0 < timer("head", backend, 256, 4) < timer("head", backend, 256, 256)
+        assert grows(lambda: timer("head", backend, 256, 4), lambda: timer("head", backend, 256, 256))  # noqa: B023
 
 
 def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test_models_dir):
