@@ -215,43 +215,41 @@ class Blocks(_Quantized):
 class PallasTiles(_Quantized):
     """A quantized weight marked for the `pallas` backend: the Pallas weight-only matmul
     (pallas_kernels.quantized_matmul: int8 tiles dequantized in the kernel; interpret
-    mode off GPU)."""
+    mode where no GPU is the target)."""
 
-    @staticmethod
-    def holds(w) -> bool:
-        return isinstance(w, QuantizedWeight) and w.kernel == "pallas"
+    kernel = "pallas"
 
-    @staticmethod
-    def matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
+    @classmethod
+    def holds(cls, w) -> bool:
+        return isinstance(w, QuantizedWeight) and w.kernel == cls.kernel
+
+    @classmethod
+    def matmul(cls, x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
                ) -> Float[Array, "... N"]:
-        from pallas_kernels.quantized_matmul import quantized_matmul
         from pallas_kernels.target import targets_gpu
 
-        lead = x.shape[:-1]
-        y = quantized_matmul(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
-                             out_dtype=preferred_element_type, interpret=not targets_gpu())
-        return y.reshape(*lead, w.shape[1])
+        y = cls.call(x.reshape(-1, x.shape[-1]), w, out_dtype=preferred_element_type, interpret=not targets_gpu())
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def call(x: Float[Array, "M K"], w: QuantizedWeight, **kw) -> Float[Array, "M N"]:
+        from pallas_kernels.quantized_matmul import quantized_matmul
+
+        return quantized_matmul(x, w.q, w.scale, w.mins, group=w.group, **kw)
 
 
-class MosaicTiles(_Quantized):
+class MosaicTiles(PallasTiles):
     """A quantized weight held for the Mosaic GPU weight-only matmul on a Hopper
     (jaxllm.models.linear.mosaic_weight): its values transposed, [N, K] (K-major, as the
     kernel's TMA reads a tile of output rows), scales and mins as they were."""
 
-    @staticmethod
-    def holds(w) -> bool:
-        return isinstance(w, QuantizedWeight) and w.kernel == "mosaic"
+    kernel = "mosaic"
 
     @staticmethod
-    def matmul(x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
-               ) -> Float[Array, "... N"]:
+    def call(x: Float[Array, "M K"], w: QuantizedWeight, **kw) -> Float[Array, "M N"]:
         from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
-        from pallas_kernels.target import targets_gpu
 
-        lead = x.shape[:-1]
-        y = quantized_matmul_mgpu(x.reshape(-1, x.shape[-1]), w.q, w.scale, w.mins, group=w.group,
-                                  out_dtype=preferred_element_type, interpret=not targets_gpu())
-        return y.reshape(*lead, w.q.shape[0])
+        return quantized_matmul_mgpu(x, w.q, w.scale, w.mins, group=w.group, **kw)
 
 
 class Panels:
