@@ -158,9 +158,11 @@ def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
     return dataclasses.replace(model, config=cfg, params=quantize_params(cfg, model.params))
 
 
-def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_format: KVCacheFormat) -> RunnerConfig:
+def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_format: KVCacheFormat,
+                  before_measuring=None) -> RunnerConfig:
     """The model runner's configuration: the engine's options it needs, and the KV
-    cache planned for them (of `kv_format`, what kv_cache_dtype gave)."""
+    cache planned for them (of `kv_format`, what kv_cache_dtype gave); `before_measuring`
+    runs before any start-up measurement."""
     return RunnerConfig(
         num_blocks=cache.num_blocks,
         block_size=config.block_size,
@@ -178,6 +180,7 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
         num_scheduler_steps=config.decode_steps,
         speculative_config=config.speculative_config,
         lora_config=config.lora_config,
+        before_measuring=before_measuring,
     )
 
 
@@ -225,7 +228,9 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             num_scheduler_steps=config.decode_steps,
         )
-        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format))
+        # the weights' loading thread done before any measurement (it would share the cores)
+        quiet = None if loading is None else loading.exception
+        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet))
         if config.async_scheduling is None and config.async_scheduling_blocked:
             logger.info("async scheduling off: %s", config.async_scheduling_blocked)
         # async scheduling: the step dispatched and not yet collected, with its schedule

@@ -413,12 +413,16 @@ def backend_plan(
     activation_dtype=None,
     kv_format: KVCacheFormat | None = None,
     bf16_tiles: Sequence[str] | None = None,
+    before_measuring: Callable[[], object] | None = None,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
     shapes and dtypes (`dtype`: the weights'; `activation_dtype`, default `dtype`),
     buckets and kernel build, or measured now (and stored). `bf16_tiles`: the kernel's
-    bfloat16 tiles to choose from (default: `bf16_tile_candidates`)."""
+    bfloat16 tiles to choose from (default: `bf16_tile_candidates`). `before_measuring`
+    is called first when it measures: the engine waits there for its weights' loading
+    thread, which would otherwise share the cores with the timed calls (a start once
+    stored a plan giving 8-16-token steps to XLA's attention, 8x slower there)."""
     tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(dtype, linear)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
@@ -438,6 +442,8 @@ def backend_plan(
                 return plan
         except (ValueError, KeyError, TypeError) as e:
             logger.warning("ignoring an unreadable stored backend plan (%s)", e)
+    if before_measuring is not None:
+        before_measuring()
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
                       activation_dtype=activation_dtype, kv_format=kv_format)

@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -168,6 +169,9 @@ class RunnerConfig:
     num_scheduler_steps: int = 1
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
+    # called before the backends are measured (never when a stored plan serves): the
+    # engine waits there for the weights it loads on a thread
+    before_measuring: Callable[[], object] | None = None
 
 
 class ModelRunner:
@@ -242,7 +246,8 @@ class ModelRunner:
                             [(t, seq_bucket(self.max_num_seqs, t)) for t in self.shapes.token_counts], attention,
                             linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
-                            store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles)
+                            store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles,
+                            before_measuring=self.runner_config.before_measuring)
 
     def _activation_quantization(self, requested: str, params: ModelParams) -> str | None:
         """What the projections kept in blocks multiply (None: float): `requested`, or

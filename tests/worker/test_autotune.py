@@ -2,12 +2,15 @@
 given times, the stored plan reused, and an engine whose buckets run different
 backends giving the tokens a single-backend engine gives."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxllm import SamplingParams
+from jaxllm.engine import core as core_module
 from jaxllm.models.params import PackedWeight
 from jaxllm.worker import autotune
 from jaxllm.worker.autotune import BackendPlan, StepBackends, measured_buckets, plan_backends
@@ -209,12 +212,22 @@ def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test
 def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
     """A plan where small buckets use the kernels and large ones XLA: the runner keeps
     both weight layouts, and the tokens and logprobs equal an all-xla engine's. The
-    plan is stored: a second engine with the same cache directory measures nothing."""
-    measured = []
+    plan is measured once the weights' loading thread is done, and stored: a second
+    engine with the same cache directory measures nothing."""
+    measured, loaded, loaded_when_measured = [], [], []
+    load_model = core_module.load_model
+
+    def loading(*args, **kwargs):  # the engine's weights, loaded on its thread (slowly: the test can fail)
+        model = load_model(*args, **kwargs)
+        time.sleep(1.0)
+        loaded.append(True)
+        return model
+
+    monkeypatch.setattr(core_module, "load_model", loading)
 
     class FakeTimer:
         def __init__(self, *args, **kwargs):
-            pass
+            loaded_when_measured.append(bool(loaded))
 
         def __call__(self, kind, backend, t, s):
             measured.append((kind, backend, t))
@@ -227,6 +240,7 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
     mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
     runner = mixed.llm_engine.core.runner
     assert measured and runner.plan.source == "measured"
+    assert loaded_when_measured == [True]  # the weights' loading thread had finished: nothing shared the cores
     assert {c.linear for c in runner.plan.choices} == {"cpu", "xla"}
     assert runner.plan.for_bucket(4) == StepBackends("cpu", "cpu")
     assert runner.plan.for_bucket(32) == StepBackends("xla", "xla")
