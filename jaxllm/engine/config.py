@@ -94,7 +94,10 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(None, "LoRA adapters kept read on the host (default: max_loras)")
     seed: int = _option(0, "seed of the engine's draws (requests without a seed)")
     attention_backend: str = _option("auto", "attention kernels (auto: the fastest that runs here)", ATTENTION_BACKENDS)
-    linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear)", LINEAR_BACKENDS)
+    linear_backend: str = _option("auto", "projection kernels (jaxllm.models.linear); auto takes the faster at "
+                                          "start-up of the C++ kernel and XLA's dot on a CPU (the kernel alone for "
+                                          "quantized weights), of XLA's dot and the Pallas weight-only matmul for "
+                                          "quantized weights on a GPU", LINEAR_BACKENDS)
     chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
     compilation_cache_dir: str | None = _option(None, "where compiled steps and converted models are kept "
                                                       "(default ~/.cache/jaxllm/xla)")

@@ -102,14 +102,19 @@ def pallas_params(params: PyTree, activation_dtype=None) -> PyTree:
     marked = _marked(params, QuantizedWeight, kernel="pallas")
     if activation_dtype is None or not isinstance(marked, ModelParams):
         return marked
-    from pallas_kernels.target import targets_hopper
-
-    if not targets_hopper():
-        return marked
-    held = lambda w: mosaic_weight(w, activation_dtype) if isinstance(w, QuantizedWeight) else w
+    held = lambda w: pallas_weight(w, activation_dtype) if isinstance(w, QuantizedWeight) else w
     is_leaf = lambda x: isinstance(x, QuantizedWeight)
     return marked.replace(layers=jax.tree.map(held, marked.layers, is_leaf=is_leaf),
                           lm_head=jax.tree.map(held, marked.lm_head, is_leaf=is_leaf))
+
+
+def pallas_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
+    """One projection in the `pallas` layout: marked for the Triton kernel, or compiled
+    for a Hopper held for the Mosaic GPU one where it serves it (`mosaic_weight`)."""
+    from pallas_kernels.target import targets_hopper
+
+    w = w.replace(kernel="pallas")
+    return mosaic_weight(w, activation_dtype) if targets_hopper() else w
 
 
 def mosaic_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
@@ -263,8 +268,13 @@ def linear_candidates(name: str, dtype, tensor_parallel: bool = False, quantized
     CPU: `auto` is the kernel alone where it builds, unmeasured: XLA's dot converts the
     whole int8 matrix to float32 on every call, 4x the bytes the kernel reads (batch-1
     decode of SmolLM2 at 0.35x float32, where the kernel gives 1.8x); measuring by the
-    summed step time chose it anyway under the AVX2 build, for its lead at 512 rows."""
-    preference = ["cpu", "xla"] if jax.default_backend() == "cpu" else ["xla"]
+    summed step time chose it anyway under the AVX2 build, for its lead at 512 rows.
+    `quantized` on a GPU (one device): `auto` is XLA's dot and the Pallas weight-only
+    matmul, measured by the runner (the Mosaic GPU kernel on a Hopper: mosaic_weight);
+    XLA's where they tie."""
+    platform = jax.default_backend()
+    preference = {"cpu": ["cpu", "xla"], "gpu": ["xla", "pallas"] if quantized and not tensor_parallel
+                  else ["xla"]}.get(platform, ["xla"])
 
     def unavailable(backend: str) -> str | None:
         if backend == "pallas":

@@ -47,7 +47,7 @@ import numpy as np
 from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
-from jaxllm.models.params import PackedWeight, abstract_params
+from jaxllm.models.params import PackedWeight, QuantizedWeight, abstract_params
 
 logger = logging.getLogger(__name__)
 
@@ -298,8 +298,9 @@ class StepTimer:
 
     def _filled(self, shape, dtype=None) -> jax.Array:
         """An array of `shape` (the values do not change the times; filling is cheap),
-        of the activations' dtype unless given."""
-        return jnp.full(shape, 0.01, dtype or self.activation_dtype)
+        of the activations' dtype unless given (integer values: ones)."""
+        dtype = jnp.dtype(dtype or self.activation_dtype)
+        return jnp.full(shape, 1 if jnp.issubdtype(dtype, jnp.integer) else 0.01, dtype)
 
     def _linear_weights(self, backend: str):
         if backend not in self._weights:
@@ -307,16 +308,19 @@ class StepTimer:
         return self._weights[backend]
 
     def _make_linear_weights(self, backend: str):
-        from jaxllm.models.linear import pack_weight
+        from jaxllm.models.linear import pack_weight, pallas_weight
 
         p = abstract_params(self.cfg, self.dtype)
         layer = p.layers[0]
-        # a MoE layer's experts: [E, in, out] each, grouped matmuls (uniform routing)
-        shapes = [layer.wqkv.shape, layer.wo.shape, layer.w_gate_up.shape, layer.w_down.shape]
-        per_layer = sum(int(np.prod(s)) for s in shapes) * self.dtype.itemsize
+        # a MoE layer's experts: [E, in, out] each, grouped matmuls (uniform routing);
+        # a quantized model's projections as it holds them (values, scales, mins)
+        weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+        per_layer = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights))
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
-        layout = pack_weight if backend == "cpu" else (lambda w: w)
-        layers = [[layout(self._filled(shape, self.dtype)) for shape in shapes] for _ in range(copies)]
+        filled = lambda w: jax.tree.map(lambda a: self._filled(a.shape, a.dtype), w)
+        layout = {"cpu": pack_weight, "pallas": lambda w: pallas_weight(w, self.activation_dtype)
+                  if isinstance(w, QuantizedWeight) else w}.get(backend, lambda w: w)
+        layers = [[layout(filled(w)) for w in weights] for _ in range(copies)]
         d, v = self.cfg.hidden_size, self.cfg.vocab_size
         if backend == "cpu":
             head = pack_weight(self._filled((d, v), self.dtype))

@@ -271,3 +271,36 @@ def test_explicit_backends_are_not_measured(test_models_dir, tmp_path, monkeypat
     plan = llm.llm_engine.core.runner.plan
     assert plan.source == "fixed" and set(plan.choices) == {StepBackends("cpu", "xla")}
     assert "attention cpu; linear xla" in llm.llm_engine.core.describe()
+
+
+def test_a_quantized_model_is_measured_as_it_is_held(test_models_dir, monkeypatch):
+    """On a GPU (one device), `auto` with quantized weights measures XLA's dot against
+    the Pallas weight-only matmul (XLA's on a tie); the step timer builds the weights in
+    the model's format and each backend's layout: as loaded for xla, marked for the
+    Triton kernel, and on a Hopper with bfloat16 activations held K-major for the
+    Mosaic GPU one. Elsewhere (and under tensor parallelism) nothing changes."""
+    import pallas_kernels.target
+    from jaxllm.loaders import load_model
+    from jaxllm.models.formats import MosaicTiles, PallasTiles, format_of
+    from jaxllm.models.linear import linear_candidates
+    from jaxllm.models.params import QuantizedWeight
+
+    assert linear_candidates("auto", jnp.float32, quantized=True) == ["cpu"]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert linear_candidates("auto", jnp.bfloat16, quantized=True) == ["xla", "pallas"]
+    assert linear_candidates("auto", jnp.bfloat16) == ["xla"]
+    assert linear_candidates("auto", jnp.bfloat16, tensor_parallel=True, quantized=True) == ["xla"]
+    monkeypatch.undo()
+
+    cfg = load_model(test_models_dir / "llama", dtype="float32", quantization="q4_1").config
+    timer = autotune.StepTimer(cfg, jnp.bfloat16, block_size=16, max_model_len=128)
+    xla, pallas = timer._linear_weights("xla")[0][0], timer._linear_weights("pallas")[0][0]
+    assert all(isinstance(w, QuantizedWeight) and w.group == 32 and not w.kernel for w in xla)
+    assert {format_of(w) for w in pallas} == {PallasTiles}
+    assert timer("linear", "xla", 4, 4) > 0
+    monkeypatch.setattr(pallas_kernels.target, "targets_hopper", lambda: True)
+    hopper = autotune.StepTimer(cfg, jnp.bfloat16, block_size=16, max_model_len=128)._linear_weights("pallas")[0][0]
+    for held, loaded in zip(hopper, xla, strict=True):  # what the kernel serves: N a multiple of 64
+        k, n = loaded.shape
+        assert (format_of(held), held.shape) == ((MosaicTiles, (n, k)) if n % 64 == 0 else (PallasTiles, (k, n)))
+    assert any(format_of(w) is MosaicTiles for w in hopper)
