@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Float, Int
 
 __all__ = ["quantized_matmul_mgpu", "unsupported", "COLS"]
 
@@ -42,15 +42,23 @@ COLS = 64  # output columns per block: one warpgroup's wgmma M
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def unsupported(dtype, *, n: int, k: int, group: int, block_k: int | None = None) -> str | None:
+def step_size(group: int, bits: int = 8) -> int:
+    """Inputs per K step: 64 per column; else the group, or as many groups as make a
+    value tile's row 32 bytes (the narrowest swizzle: int4 in groups of 32 takes two)."""
+    if not group:
+        return 64
+    return group * max(1, -(-256 // (group * bits)))
+
+
+def unsupported(dtype, *, n: int, k: int, group: int, block_k: int | None = None, bits: int = 8) -> str | None:
     """Why this kernel cannot multiply such a weight (None: it can)."""
-    block_k = block_k or (group or 64)
+    block_k = block_k or step_size(group, bits)
     if jnp.dtype(dtype) not in DTYPES:
         return f"activations of {jnp.dtype(dtype).name} (bfloat16 or float16 only)"
     if n % COLS:
         return f"{n} output columns (a multiple of {COLS} only)"
-    if group and (group % 16 or group > 256 or block_k != group):
-        return f"groups of {group} (a multiple of 16 up to 256, one a step)"
+    if group and (group % 16 or group > 256 or block_k % group):
+        return f"groups of {group} (a multiple of 16 up to 256, whole ones a step)"
     if block_k % 16 or k % block_k:
         return f"K={k} in steps of {block_k}"
     return None
@@ -60,6 +68,7 @@ def unsupported(dtype, *, n: int, k: int, group: int, block_k: int | None = None
 class _Static:
     block_m: int
     block_k: int
+    groups: int  # groups per step (grouped formats)
     steps: int  # K steps per block (its share of K under split-K)
     stages: int
     group: int
@@ -68,7 +77,7 @@ class _Static:
 
 
 def _transforms(dtype, cols: int) -> tuple:
-    bits = jnp.dtype(dtype).itemsize * 8
+    bits = 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(cols * bits, "quantized matmul")
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
@@ -88,10 +97,11 @@ def _kernel(x_ref, q_ref, s_ref, *refs, st: _Static):
         ks = pl.ds((first + step) * st.block_k, st.block_k)
         plgpu.copy_gmem_to_smem(q_ref.at[cols, ks], q_smem.at[slot], bars.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, st.block_m), ks], x_smem.at[slot], bars.at[slot])
-        if st.group:  # the step's group's scales (and mins), through shared memory
-            plgpu.copy_gmem_to_smem(s_ref.at[first + step, cols], s_smem.at[slot, 0], bars.at[slot])
+        for g in range(st.groups if st.group else 0):  # the step's groups' scales (and mins), via shared memory
+            row = (first + step) * st.groups + g
+            plgpu.copy_gmem_to_smem(s_ref.at[row, cols], s_smem.at[slot, g], bars.at[slot])
             if st.has_mins:
-                plgpu.copy_gmem_to_smem(mins_ref.at[first + step, cols], s_smem.at[slot, 1], bars.at[slot])
+                plgpu.copy_gmem_to_smem(mins_ref.at[row, cols], s_smem.at[slot, st.groups + g], bars.at[slot])
 
     if not st.group:  # the columns' scales: one copy, waited for at the end
         plgpu.copy_gmem_to_smem(s_ref.at[cols], s_smem.at[0, 0], col_bar.at[0])
@@ -101,14 +111,16 @@ def _kernel(x_ref, q_ref, s_ref, *refs, st: _Static):
     def step(i, acc):
         slot = lax.rem(i, st.stages)
         plgpu.barrier_wait(bars.at[slot])
-        w = plgpu.load(q_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(w_smem.dtype)
-        w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)  # int8 exact in 16 bits, each row a column of W
-        if st.group:  # the step's group: a scale (and min) per row, in float32, rounded once
-            shape = (COLS, st.block_k)
-            scale = plgpu.load(s_smem.at[slot, 0], layout=row_vector)
-            w = w.astype(jnp.float32) * lax.broadcast_in_dim(scale, shape, [0])
+        if q_smem.dtype == jnp.int4:  # two values a byte: widened in two steps
+            w = plgpu.load(q_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA_UPCAST_2X).astype(w_smem.dtype)
+        else:
+            w = plgpu.load(q_smem.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(w_smem.dtype)
+        w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)  # exact in 16 bits, each row a column of W
+        if st.group:  # each group's scale (and min) per row, in float32, rounded once
+            w = w.astype(jnp.float32) * _per_group(s_smem.at[slot], 0, st)
             if st.has_mins:
-                w = w + lax.broadcast_in_dim(plgpu.load(s_smem.at[slot, 1], layout=row_vector), shape, [0])
+                w = w + _per_group(s_smem.at[slot], st.groups, st)
         w_smem[...] = w.astype(w_smem.dtype)
         plgpu.commit_smem()
 
@@ -132,6 +144,20 @@ def _kernel(x_ref, q_ref, s_ref, *refs, st: _Static):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _per_group(rows_ref, first: int, st: _Static) -> jax.Array:
+    """[64, block_k] of the step's groups' per-row values (rows `first` + g of
+    `rows_ref`), each over its group's columns."""
+    shape = (COLS, st.block_k)
+    row = lambda g: lax.broadcast_in_dim(plgpu.load(rows_ref.at[first + g], layout=plgpu.Layout.WGMMA.reduce(1)),
+                                         shape, [0])
+    out = row(0)
+    if st.groups > 1:
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        for g in range(1, st.groups):
+            out = jnp.where(cols >= g * st.group, row(g), out)
+    return out
+
+
 def default_block_m(m: int) -> int:
     """Tokens per block: M rounded up to 16, at most 128."""
     return min(128, -(-m // 16) * 16)
@@ -139,7 +165,7 @@ def default_block_m(m: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("group", "block_m", "split_k", "stages", "out_dtype", "interpret"))
 def quantized_matmul_mgpu(
-    x: Float[Array, "M K"], q_t: Int8[Array, "N K"], scale: Float[Array, " N"] | Float[Array, "G N"],
+    x: Float[Array, "M K"], q_t: Int[Array, "N K"], scale: Float[Array, " N"] | Float[Array, "G N"],
     mins: Float[Array, "G N"] | None = None, *, group: int = 0, block_m: int | None = None, split_k: int = 1,
     stages: int = 3, out_dtype=None, interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "M N"]:
@@ -151,10 +177,11 @@ def quantized_matmul_mgpu(
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     (m, k), n = x.shape, q_t.shape[0]
-    block_k = group or 64
-    if q_t.shape != (n, k) or q_t.dtype != jnp.int8:
-        raise ValueError(f"quantized_matmul_mgpu: q_t must be int8 [N, K={k}], got {q_t.dtype} {q_t.shape}")
-    why = unsupported(x.dtype, n=n, k=k, group=group)
+    bits = 4 if q_t.dtype == jnp.int4 else 8
+    block_k = step_size(group, bits)
+    if q_t.shape != (n, k) or q_t.dtype not in (jnp.int8, jnp.int4):
+        raise ValueError(f"quantized_matmul_mgpu: q_t must be int8 or int4 [N, K={k}], got {q_t.dtype} {q_t.shape}")
+    why = unsupported(x.dtype, n=n, k=k, group=group, bits=bits)
     if why is not None:
         raise ValueError(f"quantized_matmul_mgpu: not for {why}")
     expected = (k // group, n) if group else (n,)
@@ -167,7 +194,8 @@ def quantized_matmul_mgpu(
     block_m = block_m or default_block_m(m)
     m_pad = -(-m // block_m) * block_m
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    st = _Static(block_m, block_k, steps // split_k, stages, group, mins is not None, split_k > 1)
+    st = _Static(block_m, block_k, block_k // group if group else 1, steps // split_k, stages, group, mins is not None,
+                 split_k > 1)
     part = jnp.float32 if split_k > 1 else out_dtype
     out_shape = (split_k, n, m_pad) if split_k > 1 else (n, m_pad)
     args = [jnp.pad(x, ((0, m_pad - m), (0, 0))), q_t, scale.astype(jnp.float32)]
@@ -179,13 +207,13 @@ def quantized_matmul_mgpu(
         grid=(n // COLS, m_pad // block_m, split_k),
         grid_names=("n", "m", "s"),
         scratch_types=[
-            plgpu.SMEM((stages, COLS, block_k), jnp.int8, transforms=_transforms(jnp.int8, block_k)),
+            plgpu.SMEM((stages, COLS, block_k), q_t.dtype, transforms=_transforms(q_t.dtype, block_k)),
             plgpu.SMEM((stages, block_m, block_k), x.dtype, transforms=_transforms(x.dtype, block_k)),
             plgpu.SMEM((COLS, block_k), x.dtype, transforms=_transforms(x.dtype, block_k)),
             plgpu.SMEM((COLS, block_m), part, transforms=_transforms(part, block_m)),
-            plgpu.SMEM((stages, 2, COLS), jnp.float32),  # scales and mins per step (per column: [0, 0])
+            plgpu.SMEM((stages, 2 * st.groups, COLS), jnp.float32),  # a step's scales, then mins (per column: [0, 0])
             # per slot: the value tile, the x tile, the scales, the mins; and the columns' scales
-            plgpu.Barrier(num_arrivals=2 + bool(group) + (mins is not None), num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2 + (st.groups * (1 + (mins is not None)) if group else 0), num_barriers=stages),
             plgpu.Barrier(num_barriers=1),
         ],
         interpret=interpret,

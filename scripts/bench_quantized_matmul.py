@@ -1,6 +1,6 @@
 """Times the Pallas weight-only quantized matmuls (pallas_kernels/quantized_matmul.py,
-Triton; on a Hopper also pallas_kernels/quantized_matmul_mgpu.py, Mosaic GPU, its values
-held transposed) against XLA on the same weights: a bfloat16 ``jnp.dot`` (the unquantized baseline) and
+Triton; on a Hopper also pallas_kernels/quantized_matmul_mgpu.py, Mosaic GPU, in the
+engine's layout for it: values transposed, 4-bit ones two to a byte) against XLA on the same weights: a bfloat16 ``jnp.dot`` (the unquantized baseline) and
 jaxllm's XLA path for the quantized weight (`linear`: dequantize, then dot), at
 Llama-3.1-8B's projection shapes, bfloat16 activations, M = 1 .. 256 rows. Prints
 microseconds per call, the weight bytes each path reads per microsecond (GB/s, to set
@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.linear import linear
+from jaxllm.models.linear import linear, mosaic_weight
 from jaxllm.models.quant import quantize_weight
 from pallas_kernels.quantized_matmul import quantized_matmul
-from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu, unsupported
+from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
 from pallas_kernels.target import targets_hopper
 
 SWEEP = [dict(block_n=bn, split_k=sk, num_stages=st) for bn in (64, 128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)]
@@ -48,7 +48,9 @@ def timed(f, *args, iters: int) -> float:
 
 
 def weight_bytes(qw) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in (qw.q, qw.scale, qw.mins) if a is not None)
+    """The bytes a weight is read as: 4-bit values held as int4 count half a byte."""
+    values = qw.q.size // 2 if qw.q.dtype == jnp.int4 else qw.q.size * qw.q.dtype.itemsize
+    return values + sum(a.size * a.dtype.itemsize for a in (qw.scale, qw.mins) if a is not None)
 
 
 def sweep(x, qw, gpu: bool, iters: int, best: int = 3) -> str:
@@ -89,18 +91,18 @@ def main() -> None:
             qw = jax.tree.map(jnp.asarray, quantize_weight(w, fmt))
             kern = jax.jit(lambda x, qw: quantized_matmul(x, qw.q, qw.scale, qw.mins, group=qw.group,
                                                           interpret=not gpu))
-            q_t = qw.q.T.copy()  # the Mosaic GPU kernel's layout, made before the timing
-            mgpu = jax.jit(lambda x, q_t, s, mins, g=qw.group: quantized_matmul_mgpu(x, q_t, s, mins, group=g,
-                                                                                    interpret=not gpu))
+            held = mosaic_weight(qw.replace(kernel="pallas"), jnp.bfloat16)  # the engine's layout (4-bit: int4)
+            mgpu = jax.jit(lambda x, w: quantized_matmul_mgpu(x, w.q, w.scale, w.mins, group=w.group,
+                                                             interpret=not gpu))
             for m in (int(r) for r in args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
                 t_dot = timed(jax.jit(jnp.dot), x, w16, iters=iters)
                 t_xla = timed(jax.jit(linear), x, qw, iters=iters)
                 t_k = timed(kern, x, qw, iters=iters)
                 mosaic = "- | - | -"
-                if mosaic_here and unsupported(x.dtype, n=n, k=k, group=qw.group) is None:
-                    t_m = timed(mgpu, x, q_t, qw.scale, qw.mins, iters=iters)
-                    mosaic = f"{t_m:.1f} | {weight_bytes(qw) / t_m / 1e3:.0f} | {t_dot / t_m:.2f}x"
+                if mosaic_here and held.kernel == "mosaic":
+                    t_m = timed(mgpu, x, held, iters=iters)
+                    mosaic = f"{t_m:.1f} | {weight_bytes(held) / t_m / 1e3:.0f} | {t_dot / t_m:.2f}x"
                 print(f"| {label} | {fmt} | {m} | {t_dot:.1f} | {t_xla:.1f} | {t_k:.1f} | "
                       f"{weight_bytes(qw) / t_k / 1e3:.0f} | {t_dot / t_k:.2f}x | {t_xla / t_k:.2f}x | {mosaic} |",
                       flush=True)

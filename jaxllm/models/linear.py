@@ -121,15 +121,34 @@ def mosaic_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
     """`w` held for the Mosaic GPU matmul (pallas_kernels.quantized_matmul_mgpu: its
     values transposed to [N, K], marked "mosaic": jaxllm.models.formats.MosaicTiles)
     where that kernel multiplies it: one [K, N] matrix grouped along its inputs, float
-    activations of `activation_dtype` (16-bit), N a multiple of 64; else as it was."""
+    activations of `activation_dtype` (16-bit), N a multiple of 64, 4-bit values two to
+    a byte (`_int4`); else as it was."""
     from pallas_kernels.quantized_matmul_mgpu import unsupported
 
     k, n = w.shape[-2:]
     if (len(w.shape) != 2 or w.group_axis or w.perm is not None or w.activations != "float"
-            or unsupported(activation_dtype, n=n, k=k, group=w.group) is not None):
+            or unsupported(activation_dtype, n=n, k=k, group=w.group, bits=w.bits) is not None):
         return w
     flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
-    return w.replace(q=flip(w.q), kernel="mosaic")
+    w = w.replace(q=flip(w.q), kernel="mosaic")
+    return _int4(w) if w.bits == 4 else w
+
+
+def _int4(w: QuantizedWeight) -> QuantizedWeight:
+    """4-bit values held two to a byte (int4: the kernel reads half the bytes), signed:
+    a format storing q in [0, 15] with mins (Q4_1, GPTQ's int4) holds q - 8, its mins
+    taking the 8 scales (Q4_0's values are q - 8 already); abstract arrays too."""
+    def as_int4(a, shift: int):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, jnp.int4)
+        return (a - shift).astype(jnp.int4)
+
+    if w.mins is None:
+        return w.replace(q=as_int4(w.q, 0))
+    if isinstance(w.mins, jax.ShapeDtypeStruct):
+        return w.replace(q=as_int4(w.q, 0), mins=jax.ShapeDtypeStruct(w.mins.shape, jnp.float32))
+    mins = w.mins.astype(jnp.float32) + 8 * w.scale.astype(jnp.float32)
+    return w.replace(q=as_int4(w.q, 8), mins=mins)
 
 
 def _marked(params: PyTree, kind: type, where=lambda w: True, **fields) -> PyTree:

@@ -69,6 +69,23 @@ def test_every_format_against_the_oracle(fmt):
         run(fmt, m)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "int4_g32", "int4"])
+def test_4_bit_values_are_held_two_to_a_byte(fmt):
+    """The engine's Mosaic layout of a 4-bit format (jaxllm.models.linear.mosaic_weight):
+    int4 values, q - 8 where the format stores q with mins (which take the 8 scales),
+    groups of 32 two to a step (a 32-byte tile row); the products those of the weight
+    as loaded, within the 16-bit rounding of each dequantized value."""
+    from jaxllm.models.linear import linear, mosaic_weight
+
+    qw = quantized(fmt)
+    held = mosaic_weight(qw.replace(kernel="pallas"), jnp.bfloat16)
+    assert held.kernel == "mosaic" and held.q.dtype == jnp.int4 and held.q.shape == (N, K)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((7, K)), jnp.bfloat16)
+    got = linear(x, held, preferred_element_type=jnp.float32)
+    want = oracle(x, qw)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2 ** -7, atol=2e-3 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("fmt,m,kw", [("int8", 130, {"stages": 2}), ("q4_1", 20, {"split_k": 4}),
                                       ("int8", 3, {"split_k": 2, "block_m": 32})],
                          ids=["3-blocks-of-tokens", "split-k-4", "split-k-2-float16"])
@@ -95,13 +112,14 @@ def test_unsupported_shapes_say_why():
 
 @pytest.mark.parametrize("fmt,group,m,k,n,split", [("int8", 0, 1, 4096, 14336, 1), ("q4_1", 32, 1, 14336, 4096, 4),
                                                    ("int4", 128, 512, 4096, 6144, 1)],
-                         ids=["gate-up-decode", "down-decode-split-4", "qkv-prefill-int4"])
+                         ids=["gate-up-decode", "down-decode-split-4-int4", "qkv-prefill-int4"])
 def test_lowers_for_cuda(fmt, group, m, k, n, split):
     sd = jax.ShapeDtypeStruct
     scale = sd((k // group, n) if group else (n,), jnp.float32)
-    mins = [scale] if fmt == "q4_1" else []
+    mins = [scale] if fmt != "int8" else []
+    values = sd((n, k), jnp.int8 if fmt == "int8" else jnp.int4)  # 4-bit: two a byte
     lowered = lower_for_cuda(lambda *a: quantized_matmul_mgpu(*a, group=group, split_k=split),
-                             sd((m, k), jnp.bfloat16), sd((n, k), jnp.int8), scale, *mins)
+                             sd((m, k), jnp.bfloat16), values, scale, *mins)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -128,7 +146,8 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
     held = pallas_params(params, jnp.bfloat16)
     as_float32 = pallas_params(params, jnp.float32)
     assert format_of(held.layers[0]["wo"]) is MosaicTiles and format_of(held.lm_head) is MosaicTiles
-    assert held.layers[0]["wo"].q.shape == (N, K) and held.layers[0]["wo"].scale.shape == qw.scale.shape
+    assert held.layers[0]["wo"].q.shape == (N, K) and held.layers[0]["wo"].q.dtype == jnp.int4  # two a byte
+    assert held.layers[0]["wo"].scale.shape == qw.scale.shape
     assert format_of(held.layers[0]["odd"]) is PallasTiles
     for other in (as_float32, off_hopper):
         assert {format_of(w) for w in (other.layers[0]["wo"], other.lm_head)} == {PallasTiles}
