@@ -133,11 +133,9 @@ def test_unsupported_configurations_say_why():
 SERVED = [c for c in ENGINE_CONFIGS if not unsupported(c.dtype, c.kv_dtype, num_q_heads=c.num_q_heads,
                                                        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                                        block_size=c.block_size)]
-DEFAULT_LOWERED = ("llama-3.1-8b", "gemma-2-2b")  # GQA 4; window, soft cap, head_dim 256
 
 
-@pytest.mark.parametrize("cfg", [c if c.name in DEFAULT_LOWERED else pytest.param(c, marks=SLOW) for c in SERVED],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", SERVED, ids=lambda c: c.name)
 def test_lowers_for_cuda(cfg):
     """Pallas -> Mosaic GPU (layout inference, the kernel module embedded in the
     custom call) for every engine configuration it serves, both buckets."""
