@@ -219,7 +219,7 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
 
     def loading(*args, **kwargs):  # the engine's weights, loaded on its thread (slowly: the test can fail)
         model = load_model(*args, **kwargs)
-        time.sleep(1.0)
+        time.sleep(0.5)
         loaded.append(True)
         return model
 
