@@ -62,9 +62,7 @@ def activation_dtype(param_dtype) -> jnp.dtype:
     weights with float32 activations (each projection's input rounded to bfloat16 and
     accumulated in float32) are faster (docs/bench-log/2026-11-24..27-evaluation.md). The
     cpu attention kernel then runs as for a float32 model. A step lowered for a GPU on
-    a CPU (under an abstract mesh of GPUs: pallas_kernels.target) is the GPU's."""
-    from pallas_kernels.target import targets_gpu
-
+    a CPU (under an abstract mesh of GPUs: `targets_gpu`) is the GPU's."""
     if jax.default_backend() == "cpu" and not targets_gpu():
         return jnp.dtype(jnp.float32)
     return jnp.dtype(param_dtype)
@@ -99,3 +97,31 @@ def host_cpu() -> str:
             key, value = (s.strip() for s in line.split(":", 1))
             fields.setdefault(key, value)
     return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
+
+
+# Compute capability 9.x: wgmma is Hopper's (Blackwell multiplies by tcgen05 instead).
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def _abstract_gpu():
+    """The GPU an abstract mesh of GPUs in context names (lowering for CUDA on a machine
+    without one: pallas_kernels.cuda_lowering.cuda_target), else None."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device if device is not None and device.platform == "gpu" else None
+
+
+def targets_gpu() -> bool:
+    """Whether what is traced now compiles for a GPU: this platform's, or an abstract
+    mesh's (the Pallas kernels run in an interpreter otherwise)."""
+    return _abstract_gpu() is not None or jax.default_backend() == "gpu"
+
+
+def targets_hopper() -> bool:
+    """Whether the GPU compiled for is a Hopper (compute capability 9.x): the device's,
+    or the abstract mesh's device kind."""
+    device = _abstract_gpu()
+    if device is not None:
+        return any(kind in device.device_kind for kind in HOPPER_KINDS)
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "0")).startswith("9.")

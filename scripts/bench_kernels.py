@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.platform import targets_hopper
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -37,7 +38,6 @@ from pallas_kernels import (
 )
 from pallas_kernels.kv_cache_write_mgpu import write_kv_cache_mgpu
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
-from pallas_kernels.target import targets_hopper
 
 MODELS = {  # name: (num_q_heads, num_kv_heads, head_dim)
     "llama-3.1-8b": (32, 8, 128),

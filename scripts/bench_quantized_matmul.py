@@ -27,9 +27,9 @@ import numpy as np
 
 from jaxllm.models.linear import linear, mosaic_weight
 from jaxllm.models.quant import quantize_weight
+from jaxllm.platform import targets_hopper
 from pallas_kernels.quantized_matmul import quantized_matmul
 from pallas_kernels.quantized_matmul_mgpu import quantized_matmul_mgpu
-from pallas_kernels.target import targets_hopper
 
 SWEEP = [dict(block_n=bn, split_k=sk, num_stages=st) for bn in (64, 128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)]
 SHAPES = {"gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096), "o 4096x4096": (4096, 4096)}

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int, Shaped
 from jaxllm.attention.kv_cache import as_elements
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ATTENTION_BACKENDS
-from jaxllm.platform import backend_candidates
+from jaxllm.platform import backend_candidates, targets_gpu, targets_hopper
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,6 @@ def _pallas_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cac
     copy, in interpret mode only)."""
     import pallas_kernels
     from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
-    from pallas_kernels.target import targets_gpu, targets_hopper
 
     del common_prefix_blocks
     k_cache, v_cache = as_elements(k_cache, cache_dtype), as_elements(v_cache, cache_dtype)

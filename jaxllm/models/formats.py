@@ -40,6 +40,7 @@ from jaxllm.models.quant import (
     grouped_quantized_activation_matmul,
     quantized_activation_matmul,
 )
+from jaxllm.platform import targets_gpu
 
 TARGET = "jaxllm_dense_f32"  # registered by jaxllm.cpu_kernels.load_kernels
 TARGET_BF16 = "jaxllm_dense_bf16"  # bfloat16 panels of input pairs; x rounded to bfloat16, float32 sums
@@ -226,7 +227,6 @@ class PallasTiles(_Quantized):
     @classmethod
     def matmul(cls, x: Float[Array, "... K"], w: QuantizedWeight, preferred_element_type=None, rows=None
                ) -> Float[Array, "... N"]:
-        from pallas_kernels.target import targets_gpu
 
         y = cls.call(x.reshape(-1, x.shape[-1]), w, out_dtype=preferred_element_type, interpret=not targets_gpu())
         return y.reshape(*x.shape[:-1], y.shape[-1])

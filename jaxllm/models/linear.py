@@ -111,7 +111,7 @@ def pallas_params(params: PyTree, activation_dtype=None) -> PyTree:
 def pallas_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
     """One projection in the `pallas` layout: marked for the Triton kernel, or compiled
     for a Hopper held for the Mosaic GPU one where it serves it (`mosaic_weight`)."""
-    from pallas_kernels.target import targets_hopper
+    from jaxllm.platform import targets_hopper
 
     w = w.replace(kernel="pallas")
     return mosaic_weight(w, activation_dtype) if targets_hopper() else w

@@ -29,6 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import TENSOR_PARALLEL_RULES, ParamDecl, declare, kv_replicas
+from jaxllm.platform import targets_gpu
 
 # the projections an adapter may target, by LayerParams field
 TARGET_FIELDS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -188,7 +189,6 @@ def lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, onehot: Float[Array
 def pallas_lora_delta(x: Float[Array, "T D"], proj: LoRAProjection, slots: Int[Array, " T"]) -> Float[Array, "T N"]:
     """lora_delta through the Pallas kernels (pallas_kernels.lora; interpret mode off GPU)."""
     from pallas_kernels.lora import lora_expand, lora_shrink
-    from pallas_kernels.target import targets_gpu
 
     interpret = not targets_gpu()
     shrunk = lora_shrink(x, proj.a, slots, interpret=interpret)

@@ -23,6 +23,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.attention.backends import get_attention_fn
+from jaxllm.platform import targets_gpu, targets_hopper
 from pallas_kernels.cuda_lowering import (
     DEFAULT_BUCKETS,
     ENGINE_CONFIGS,
@@ -32,7 +33,6 @@ from pallas_kernels.cuda_lowering import (
     lower_for_cuda,
 )
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
-from pallas_kernels.target import targets_gpu, targets_hopper
 from tests.kernels.test_pallas_ragged_paged_attention import make_batch, oracle, seq_specs
 
 # The interpreter, unless JAXLLM_PALLAS_INTERPRET=0 (scripts/gpu_check.py on a Hopper).

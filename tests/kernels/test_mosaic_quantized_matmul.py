@@ -129,7 +129,7 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
     "mosaic" (formats.MosaicTiles), and `linear` on them computes the Triton-marked
     weight's product (interpreted here); off a Hopper, for float32 activations and for
     a shape it refuses (N not a multiple of 64), they stay the Triton kernel's."""
-    import pallas_kernels.target
+    import jaxllm.platform
     from jaxllm.models.formats import MosaicTiles, PallasTiles, format_of
     from jaxllm.models.linear import linear, pallas_params
     from jaxllm.models.params import ModelParams
@@ -139,10 +139,10 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
     params = ModelParams(embed=jnp.ones((8, K)), layers=[{"wo": qw, "odd": odd}], final_norm=jnp.ones(K), lm_head=qw)
     off_hopper = pallas_params(params, jnp.bfloat16)  # no GPU target here
     with cuda_target("NVIDIA A100-SXM4-80GB"):
-        assert not pallas_kernels.target.targets_hopper()
+        assert not jaxllm.platform.targets_hopper()
     with cuda_target("NVIDIA H100 80GB HBM3"):
-        assert pallas_kernels.target.targets_hopper()
-    monkeypatch.setattr(pallas_kernels.target, "targets_hopper", lambda: True)  # concrete arrays: no abstract mesh
+        assert jaxllm.platform.targets_hopper()
+    monkeypatch.setattr(jaxllm.platform, "targets_hopper", lambda: True)  # concrete arrays: no abstract mesh
     held = pallas_params(params, jnp.bfloat16)
     as_float32 = pallas_params(params, jnp.float32)
     assert format_of(held.layers[0]["wo"]) is MosaicTiles and format_of(held.lm_head) is MosaicTiles

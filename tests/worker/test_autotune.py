@@ -279,7 +279,7 @@ def test_a_quantized_model_is_measured_as_it_is_held(test_models_dir, monkeypatc
     the model's format and each backend's layout: as loaded for xla, marked for the
     Triton kernel, and on a Hopper with bfloat16 activations held K-major for the
     Mosaic GPU one. Elsewhere (and under tensor parallelism) nothing changes."""
-    import pallas_kernels.target
+    import jaxllm.platform
     from jaxllm.loaders import load_model
     from jaxllm.models.formats import MosaicTiles, PallasTiles, format_of
     from jaxllm.models.linear import linear_candidates
@@ -298,7 +298,7 @@ def test_a_quantized_model_is_measured_as_it_is_held(test_models_dir, monkeypatc
     assert all(isinstance(w, QuantizedWeight) and w.group == 32 and not w.kernel for w in xla)
     assert {format_of(w) for w in pallas} == {PallasTiles}
     assert timer("linear", "xla", 4, 4) > 0
-    monkeypatch.setattr(pallas_kernels.target, "targets_hopper", lambda: True)
+    monkeypatch.setattr(jaxllm.platform, "targets_hopper", lambda: True)
     hopper = autotune.StepTimer(cfg, jnp.bfloat16, block_size=16, max_model_len=128)._linear_weights("pallas")[0][0]
     for held, loaded in zip(hopper, xla, strict=True):  # what the kernel serves: N a multiple of 64
         k, n = loaded.shape
