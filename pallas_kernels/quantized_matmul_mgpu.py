@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention_mgpu import smem_transforms
+
 __all__ = ["quantized_matmul_mgpu", "unsupported", "COLS"]
 
 COLS = 64  # output columns per block: one warpgroup's wgmma M
@@ -74,12 +76,6 @@ class _Static:
     group: int
     has_mins: bool
     split: bool  # partial sums out
-
-
-def _transforms(dtype, cols: int) -> tuple:
-    bits = 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits, "quantized matmul")
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(x_ref, q_ref, s_ref, *refs, st: _Static):
@@ -207,10 +203,10 @@ def quantized_matmul_mgpu(
         grid=(n // COLS, m_pad // block_m, split_k),
         grid_names=("n", "m", "s"),
         scratch_types=[
-            plgpu.SMEM((stages, COLS, block_k), q_t.dtype, transforms=_transforms(q_t.dtype, block_k)),
-            plgpu.SMEM((stages, block_m, block_k), x.dtype, transforms=_transforms(x.dtype, block_k)),
-            plgpu.SMEM((COLS, block_k), x.dtype, transforms=_transforms(x.dtype, block_k)),
-            plgpu.SMEM((COLS, block_m), part, transforms=_transforms(part, block_m)),
+            plgpu.SMEM((stages, COLS, block_k), q_t.dtype, transforms=smem_transforms(q_t.dtype, block_k)),
+            plgpu.SMEM((stages, block_m, block_k), x.dtype, transforms=smem_transforms(x.dtype, block_k)),
+            plgpu.SMEM((COLS, block_k), x.dtype, transforms=smem_transforms(x.dtype, block_k)),
+            plgpu.SMEM((COLS, block_m), part, transforms=smem_transforms(part, block_m)),
             plgpu.SMEM((stages, 2 * st.groups, COLS), jnp.float32),  # a step's scales, then mins (per column: [0, 0])
             # per slot: the value tile, the x tile, the scales, the mins; and the columns' scales
             plgpu.Barrier(num_arrivals=2 + (st.groups * (1 + (mins is not None)) if group else 0), num_barriers=stages),

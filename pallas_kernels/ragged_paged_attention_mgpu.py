@@ -43,24 +43,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels.ragged_paged_attention import ragged_work_items
+from pallas_kernels.ragged_paged_attention import MASK_VALUE, _next_pow2, ragged_work_items
 
-__all__ = ["ragged_paged_attention_mgpu", "unsupported", "ROWS"]
+__all__ = ["ragged_paged_attention_mgpu", "unsupported", "smem_transforms", "ROWS"]
 
 ROWS = 64  # query rows per work item: one warpgroup's wgmma M
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 META = 8  # int32 fields per work item (the row layout of `_work_meta`)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def unsupported(q_dtype, cache_dtype, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -125,10 +119,11 @@ def _work_meta(query_start_loc, kv_lens, num_seqs, *, num_tokens: int, block_q: 
     return jnp.stack([jnp.broadcast_to(jnp.asarray(f, jnp.int32), seq.shape) for f in fields], axis=1)
 
 
-def _transforms(dtype, cols: int) -> tuple:
-    """Shared-memory tiling and swizzle for a [rows, cols] wgmma operand."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits, "attention")
+def smem_transforms(dtype, cols: int) -> tuple:
+    """Shared-memory tiling and swizzle for a [rows, cols] tile of `dtype` (a wgmma
+    operand, or a TMA box into one; int4 counts half a byte)."""
+    bits = 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits, "shared-memory tile")
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -276,7 +271,7 @@ def ragged_paged_attention_mgpu(
     rows = q.reshape(T, Hkv, group, D).transpose(1, 0, 2, 3)
     rows = jnp.pad(rows, ((0, 0), (0, ROWS // g_pad), (0, g_pad - group), (0, 0))).reshape(Hkv, -1, D)
     items = rows[:, meta[:, 1:2] + jnp.arange(ROWS)]  # [Hkv, W, 64, D]: each item's rows, whole boxes for TMA
-    tiling = _transforms(q.dtype, D)
+    tiling = smem_transforms(q.dtype, D)
     out = plgpu.kernel(
         functools.partial(_kernel, st=st),
         out_type=jax.ShapeDtypeStruct((Hkv, W, ROWS, D), q.dtype),
@@ -286,7 +281,7 @@ def ragged_paged_attention_mgpu(
             plgpu.SMEM((ROWS, D), q.dtype, transforms=tiling),
             plgpu.SMEM((stages, block_kv, D), q.dtype, transforms=tiling),
             plgpu.SMEM((stages, block_kv, D), q.dtype, transforms=tiling),
-            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=_transforms(q.dtype, block_kv)),
+            plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=smem_transforms(q.dtype, block_kv)),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages * st.pages),
             plgpu.Barrier(num_barriers=stages * st.pages),
