@@ -8,22 +8,16 @@ import sys
 import bench_serving
 import pytest
 
+from tests.support import server
 
-class FakeServer:
+
+class FakeServer(server.FakeServer):
     launched: list[str] = []
 
     def __init__(self, args: str, log_path=None) -> None:
-        self.args, self.url, self.startup_s = args, f"http://fake/{len(FakeServer.launched)}", 0.0
+        super().__init__()
+        self.args = args
         FakeServer.launched.append(args)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def model(self) -> str:
-        return "m"
 
 
 @pytest.fixture

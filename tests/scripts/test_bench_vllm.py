@@ -12,6 +12,7 @@ from bench_serving import BenchRequest
 
 from jaxllm.loaders import load_model
 from jaxllm.models.params import declarations
+from tests.support import server
 
 
 def test_flops_per_token_are_twice_the_projections_weights(test_models_dir):
@@ -26,26 +27,14 @@ def test_flops_per_token_are_twice_the_projections_weights(test_models_dir):
         assert attention == 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
 
 
-class FakeServer:
+class FakeServer(server.FakeServer):
     launched: list[tuple[str, str]] = []
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.url = f"http://fake/{len(FakeServer.launched)}"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def model(self) -> str:
-        return "m"
 
 
 @pytest.fixture
 def faked(monkeypatch, test_models_dir):
     FakeServer.launched = []
-    rates = iter([100.0, 150.0, 200.0, 300.0, 320.0, 260.0])
+    rates = iter([100.0, 150.0, 200.0, 300.0, 320.0, 260.0, 280.0])
 
     class Jaxllm(FakeServer):
         def __init__(self, flags, log_path=None):
@@ -82,6 +71,21 @@ def test_each_jaxllm_run_is_compared_with_vllm_at_its_precision(faked, monkeypat
     runs = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert [r["precision"] for r in runs.values()] == ["float32", "float32", "bfloat16", "bfloat16", "bfloat16",
                                                       "default"]
+
+
+def test_also_adds_a_jaxllm_run_compared_with_vllms_default(faked, monkeypatch, tmp_path, capsys):
+    """`--also FLAGS`: one more jaxllm server after the others (an A/B of a candidate
+    default in the same run), its row compared with vLLM's default (bfloat16)."""
+    monkeypatch.setattr(bench_vllm, "vllm_python", lambda venv: "python")
+    out = tmp_path / "vllm"
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--num-prompts", "3", "--out", str(out),
+                                      "--also", "--kv-cache-dtype float32"])
+    bench_vllm.main()
+    assert FakeServer.launched[-2:] == [("jaxllm", ""), ("jaxllm", "--kv-cache-dtype float32")]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("jaxllm --kv-cache-dtype"))
+    assert row.split()[-3] == "1.40x"  # 280 against vLLM's bfloat16 200
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert runs["jaxllm --kv-cache-dtype float32"]["precision"] == "default"
 
 
 def test_vllm_that_does_not_install_is_skipped(faked, monkeypatch, tmp_path):

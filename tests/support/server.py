@@ -52,3 +52,23 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(60)
+
+
+class FakeServer:
+    """A benchmark script's launched server, faked: a URL per launch so far, a model
+    name, nothing run. `launched`, reset by each test on its subclass, records what the
+    subclass's constructor appends."""
+
+    launched: list = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.url, self.startup_s = f"http://fake/{len(type(self).launched)}", 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def model(self) -> str:
+        return "m"
