@@ -3,8 +3,8 @@
 
 Runs the standard workload (scripts/bench_serving.py's prompts U[32, 512], outputs
 U[16, 256]; the first `--num-prompts`) offline through one engine that admits
-`--max-num-seqs` at a time, as that many closed-loop clients would (bench_throughput
-measured the same rate as the served run: 444 against 463 tok/s on a Zen 5). Then,
+`--max-num-seqs` at a time, as that many closed-loop clients would (offline and served
+rates agree: docs/bench-log/2026-11-29-against-vllm.md). Then,
 for each step shape the workload ran, it calls that shape's executable alone on the
 last step of it the workload scheduled, under JAX's profiler, and splits the device
 time by the model's named scopes (jaxllm/models/llama.py: qkv_proj, attention,

@@ -425,8 +425,8 @@ def backend_plan(
     buckets and kernel build, or measured now (and stored). `bf16_tiles`: the kernel's
     bfloat16 tiles to choose from (default: `bf16_tile_candidates`). `before_measuring`
     is called first when it measures: the engine waits there for its weights' loading
-    thread, which would otherwise share the cores with the timed calls (a start once
-    stored a plan giving 8-16-token steps to XLA's attention, 8x slower there)."""
+    thread, which would otherwise share the cores with the timed calls and could store
+    a plan of the wrong backends (docs/bench-log/2026-11-29-against-vllm.md)."""
     tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(dtype, linear)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
