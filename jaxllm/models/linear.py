@@ -131,7 +131,15 @@ def mosaic_weight(w: QuantizedWeight, activation_dtype) -> QuantizedWeight:
         return w
     flip = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.T
     w = w.replace(q=flip(w.q), kernel="mosaic")
-    return _int4(w) if w.bits == 4 else w
+    w = _int4(w) if w.bits == 4 else w
+    # scales and mins as the kernel reads them, float32, converted once here rather than
+    # by every step (a GGUF's are float16)
+    return w.replace(scale=_float32(w.scale), mins=None if w.mins is None else _float32(w.mins))
+
+
+def _float32(a):
+    """`a` as float32; abstract arrays too."""
+    return jax.ShapeDtypeStruct(a.shape, jnp.float32) if isinstance(a, jax.ShapeDtypeStruct) else a.astype(jnp.float32)
 
 
 def _int4(w: QuantizedWeight) -> QuantizedWeight:
@@ -143,12 +151,9 @@ def _int4(w: QuantizedWeight) -> QuantizedWeight:
             return jax.ShapeDtypeStruct(a.shape, jnp.int4)
         return (a - shift).astype(jnp.int4)
 
-    if w.mins is None:
+    if w.mins is None or isinstance(w.mins, jax.ShapeDtypeStruct):  # Q4_0; or abstract: no values to shift
         return w.replace(q=as_int4(w.q, 0))
-    if isinstance(w.mins, jax.ShapeDtypeStruct):
-        return w.replace(q=as_int4(w.q, 0), mins=jax.ShapeDtypeStruct(w.mins.shape, jnp.float32))
-    mins = w.mins.astype(jnp.float32) + 8 * w.scale.astype(jnp.float32)
-    return w.replace(q=as_int4(w.q, 8), mins=mins)
+    return w.replace(q=as_int4(w.q, 8), mins=_float32(w.mins) + 8 * _float32(w.scale))
 
 
 def _marked(params: PyTree, kind: type, where=lambda w: True, **fields) -> PyTree:

@@ -148,6 +148,7 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
     assert format_of(held.layers[0]["wo"]) is MosaicTiles and format_of(held.lm_head) is MosaicTiles
     assert held.layers[0]["wo"].q.shape == (N, K) and held.layers[0]["wo"].q.dtype == jnp.int4  # two a byte
     assert held.layers[0]["wo"].scale.shape == qw.scale.shape
+    assert held.layers[0]["wo"].scale.dtype == held.layers[0]["wo"].mins.dtype == jnp.float32  # converted once, at load
     assert format_of(held.layers[0]["odd"]) is PallasTiles
     for other in (as_float32, off_hopper):
         assert {format_of(w) for w in (other.layers[0]["wo"], other.lm_head)} == {PallasTiles}
