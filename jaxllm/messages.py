@@ -74,6 +74,18 @@ class LogprobsLists:
 
 
 @dataclasses.dataclass
+class BeamSequence:
+    """One sequence a beam search returns: its generated token ids (a stop token that
+    ended it last), their summed logprob and its rank's score."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+
+
+@dataclasses.dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -82,6 +94,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    beams: list[BeamSequence] | None = None  # a finished beam search: its sequences, best first
 
     @property
     def finished(self) -> bool:
@@ -158,3 +171,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = dataclasses.field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # beam search: each beam's best continuations this step, (token ids, logprobs) best first
+    beam_candidates: dict[str, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)

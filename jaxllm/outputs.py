@@ -1,4 +1,5 @@
-"""What a user gets back: RequestOutput with one CompletionOutput per sample (n)."""
+"""What a user gets back: RequestOutput with one CompletionOutput per sample (n);
+BeamSearchOutput from LLM.beam_search."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One sequence of a beam search, vLLM's fields: `tokens` and `text` are the whole
+    sequence (the prompt's, then the generated ones; `output_token_ids` and
+    `output_text` are the generated part alone), `cum_logprob` the generated tokens'
+    summed logprob."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    output_token_ids: list[int]
+    output_text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A beam search's result: its beam_width best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -11,9 +11,13 @@ from typing import Any
 
 from jaxllm.structured_output.params import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 MAX_LOGPROBS = 20  # top alternatives returned per token (OpenAI allows 20)
+# Beam search: each beam's row ranks its best `width + stop tokens` continuations on the
+# device, out of a fixed top-k of this many (jaxllm.sample.sampler.beam_candidates)
+BEAM_CANDIDATES = 32
+MAX_BEAM_WIDTH = BEAM_CANDIDATES // 2
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI allows 300)
 MAX_STOP_TOKEN_IDS = 64
 _EPS = 1e-5
@@ -43,6 +47,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
+    # beam search (vLLM v0's names): n is the beam width; the n best sequences come back,
+    # ranked by cum_logprob / len ** length_penalty (len: the generated tokens)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +135,41 @@ class SamplingParams:
                     fail("logit_bias", f"bias for token {token} must be in [-100, 100], got {bias}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        if not isinstance(self.use_beam_search, bool):
+            fail("use_beam_search", f"must be true or false, got {self.use_beam_search!r}")
+        number("length_penalty", self.length_penalty)
+        if self.use_beam_search:
+            self._validate_beam_search(fail)
+        elif self.length_penalty != 1.0:
+            fail("length_penalty", "only applies to beam search (use_beam_search)")
+
+    def _validate_beam_search(self, fail) -> None:
+        """What beam search refuses: sampling (it keeps the likeliest sequences), what
+        it cannot rank by (penalties over a beam's own tokens, a grammar's state), and
+        widths past what one step ranks on the device."""
+        if self.n > MAX_BEAM_WIDTH:
+            fail("n", f"the beam width must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {self.n}")
+        why = "beam search keeps the most likely sequences; it does not sample (leave it at its default)"
+        if self.temperature != 0:
+            fail("temperature", f"must be 0 with use_beam_search: {why}")
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
+            if getattr(self, name) != off:
+                fail(name, f"must be {off} with use_beam_search: {why}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                fail(name, "is not supported with use_beam_search")
+        if self.repetition_penalty != 1:
+            fail("repetition_penalty", "is not supported with use_beam_search")
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+            if getattr(self, name) is not None:
+                fail(name, "is not supported with use_beam_search")
+        if self.stop:
+            fail("stop", "stop strings are not supported with use_beam_search; use stop_token_ids")
+        if self.max_tokens == 0:
+            fail("max_tokens", "must be at least 1 with use_beam_search")
+        if self.n + len(set(self.stop_token_ids)) + 1 > BEAM_CANDIDATES:
+            fail("stop_token_ids", f"with use_beam_search the beam width plus the stop tokens (and EOS) must be at "
+                                   f"most {BEAM_CANDIDATES}, got n={self.n} and {len(self.stop_token_ids)} stop tokens")
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model or are too costly for every copy: token ids in
@@ -139,6 +182,13 @@ class SamplingParams:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{name}: token id {t} is out of range [0, {vocab_size})")
 
+    def check_beam_width(self, max_num_seqs: int) -> None:
+        """A beam search's width against the sequences an engine runs at once (its
+        beams run together); ValueError naming n."""
+        if self.use_beam_search and self.n > max_num_seqs:
+            raise ValueError(f"n: a beam width of {self.n} needs {self.n} sequences at once, more than this engine "
+                             f"runs (max_num_seqs={max_num_seqs})")
+
     # --------------------------------------------------------------- derived
 
     @property
@@ -149,5 +199,44 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def num_beam_candidates(self) -> int:
+        """Beam search: the continuations each beam ranks per step (0 without): enough
+        that the width best which end no sequence are among them, whatever stop tokens
+        take the top places (transformers keeps (1 + stop tokens) x width overall)."""
+        return self.n + len(set(self.stop_token_ids)) + 1 if self.use_beam_search else 0
+
     def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters, vLLM's names: the `beam_width` most likely
+    sequences of at most `max_tokens` tokens, ranked by cum_logprob / len **
+    `length_penalty`. `temperature` must be 0 (beam search does not sample)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.to_sampling_params()  # every check, naming the field (beam_width as itself)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width: must be a positive integer, got {self.beam_width!r}")
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width: must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        return SamplingParams(
+            n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+            temperature=self.temperature, length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            stop_token_ids=list(self.stop_token_ids), min_tokens=self.min_tokens, logit_bias=self.logit_bias)

@@ -140,6 +140,17 @@ class HybridKVCacheManager(PoolUsage):
             m.save_computed_blocks(request, num_new_computed_tokens, h)  # new blocks could evict them
         return tuple(m.allocate_new_blocks(request, num_new_computed_tokens + num_new_tokens) for m, _ in groups)
 
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks allocate_slots takes for a running request's `num_new_tokens` (at most)."""
+        return sum(m.num_blocks_needed(request, num_new_tokens) for m in self.managers)
+
+    def fork_blocks_needed(self, parent: Request) -> int:
+        return sum(m.fork_blocks_needed(parent) for m in self.managers)
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """KVCacheManager.fork in every group (a sliding group shares its null blocks)."""
+        return [c for m in self.managers for c in m.fork(parent, child)]
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         return [b for m in self.managers for b in m.cache_blocks(request, num_computed_tokens)]
 

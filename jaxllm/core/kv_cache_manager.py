@@ -511,6 +511,28 @@ class KVCacheManager(PoolUsage):
         if blocks:
             self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
+    def fork_blocks_needed(self, parent: Request) -> int:
+        """Free blocks :meth:`fork` takes: one where the parent's last computed block is partial."""
+        return 1 if parent.num_computed_tokens % self.block_size else 0
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """Give `child` (a beam forked from `parent`, holding no blocks) the parent's
+        K/V: its full blocks shared (one more reference each), its partial last block
+        as a copy in a new block. Returns the (source, destination) copy to make before
+        the next step. The pool must have :meth:`fork_blocks_needed` free blocks."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        table = blocks[:num_full]
+        self.block_pool.touch(b for b in table if not b.is_null)
+        copies = []
+        if partial:
+            new = self.block_pool.get_new_blocks(1)[0]
+            copies.append((blocks[num_full].block_id, new.block_id))
+            table = table + [new]
+        self.req_to_blocks[child.request_id] = list(table)
+        self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0), num_full)
+        return copies
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks in token order (empty if it holds none); do not mutate."""
         return self.req_to_blocks.get(request_id, [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.core.prompt_scores import PromptScores
@@ -12,6 +13,9 @@ from jaxllm.core.structured_output import StructuredOutputRequest
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.core.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,11 @@ class Request:
             the scheduler schedules them after its last known token and drops them.
         num_output_placeholders: tokens sampled by steps still running (async
             scheduling): counted as the request's, their ids not yet known.
+        beam: the beam search group of a beam (None for other requests).
+        new_to_runner: a beam forked from another: the runner gets it whole (all its
+            tokens and its block table) at its next schedule.
+        chosen_token: a beam that continues as itself: the token the group chose for
+            it, which replaces the one its row sampled (sent with its next schedule).
     """
 
     request_id: str
@@ -72,6 +81,9 @@ class Request:
     structured: StructuredOutputRequest | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     num_output_placeholders: int = 0
+    beam: BeamGroup | None = None
+    new_to_runner: bool = False
+    chosen_token: int | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:

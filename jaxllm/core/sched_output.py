@@ -33,6 +33,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[list[int], ...]  # blocks allocated this step, one list per KV cache group
     num_computed_tokens: int  # before this step
+    # beam search: the token the request's beam group chose after its last step, in place
+    # of the one its row sampled (None: keep the sampled one)
+    last_token_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -44,7 +47,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: set[str]  # preempted this step: drop their state (they come back as new)
     # (source, destination) blocks whose K/V to copy before the step: a new request's
-    # first block takes the tokens it shares with an earlier one's (copy-on-write)
+    # first block takes the tokens it shares with an earlier one's, a forked beam its
+    # parent's partial last block (copy-on-write)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # speculative decoding: the draft tokens each request computes after its last known
     # token this step (counted in num_scheduled_tokens), to be verified by the target

@@ -12,10 +12,13 @@ the prefix cache).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable
 
+from jaxllm.core.beam_search import BeamGroup, Choice
 from jaxllm.core.block_contents import common_prefix
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
@@ -79,23 +82,42 @@ class Scheduler:
         self._cached_this_step: list = []  # blocks the last schedule() entered into the prefix cache
         self._block_copies: list[tuple[int, int]] = []  # (source, destination) of this step's tails
         self._grammar_failures: list[EngineCoreOutput] = []  # aborted for their grammar, reported next update
+        self.beam_groups: dict[str, BeamGroup] = {}  # beam search requests, by the user request's id
+        self._fork_copies: dict[str, list[tuple[int, int]]] = {}  # forked beams' tail copies, not yet made
         self.spec_stats = SpecDecodingStats()
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never fit in the KV cache."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.beam_groups:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.kv_cache_manager.check_fits(request, request.max_kv_tokens)
+        self.kv_cache_manager.check_fits(request, self.max_kv_tokens(request))
+        if request.sampling_params.use_beam_search:
+            request.beam = self.beam_groups[request.request_id] = BeamGroup(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def max_kv_tokens(self, request: Request) -> int:
+        """The most tokens whose K/V the request holds at once: a beam search's beams
+        share the prompt's blocks, each holding its own generated tokens (and a block's
+        worth of a copied tail)."""
+        if not request.sampling_params.use_beam_search:
+            return request.max_kv_tokens
+        per_beam = request.max_tokens + self.kv_cache_manager.block_size
+        return request.max_kv_tokens + (request.sampling_params.n - 1) * per_beam
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []
         for req_id in request_ids:
+            group = self.beam_groups.pop(req_id, None)
+            if group is not None:
+                for beam in group.beams:
+                    self._drop_beam(beam)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT))
+                continue
             request = self.requests.get(req_id)
-            if request is None:
+            if request is None or request.beam is not None:  # a beam: aborted with its group
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -111,7 +133,8 @@ class Scheduler:
     # ----------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        self._cached_this_step, self._block_copies = [], []
+        self._cached_this_step = []
+        self._block_copies = [c for copies in self._fork_copies.values() for c in copies]
         scoring_waits = self.kv_cache_manager.enable_caching and any(
             r.prompt_scores is not None for r in self.waiting)
         self._in_flight = {} if scoring_waits else None
@@ -123,12 +146,16 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         num_steps, decode_steps = self._num_decode_steps(), {}
 
-        i = 0
+        i, group_with_room = 0, None
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._waits_for_its_tokens(request):
+            if self._waits_for_its_tokens(request) or (request.beam is not None and request.beam.waits(request)):
                 i += 1
                 continue
+            if request.beam is not None and request.beam is not group_with_room:
+                group_with_room = request.beam
+                if not self._room_for_beams(request.beam, i, budget, preempted):
+                    continue  # the group itself was preempted (it was the tail)
             drafts, request.spec_token_ids = request.spec_token_ids, []
             known = request.num_tokens + request.num_output_placeholders  # with the tokens of steps in flight
             num_new = min(known + len(drafts) - request.num_computed_tokens, budget)
@@ -140,10 +167,13 @@ class Scheduler:
             num_drafts = request.num_computed_tokens + num_new - known  # what the budget left of them
             if num_drafts > 0:
                 spec_tokens[request.request_id] = drafts[:num_drafts]
-            cached_reqs.append(
-                CachedRequestData(request.request_id, self.kv_cache_manager.new_block_ids(new_blocks),
-                                  request.num_computed_tokens)
-            )
+            if request.new_to_runner:  # a forked beam: the runner gets it whole
+                new_reqs.append(self._new_request_data(request))
+            else:
+                cached_reqs.append(CachedRequestData(
+                    request.request_id, self.kv_cache_manager.new_block_ids(new_blocks), request.num_computed_tokens,
+                    last_token_id=request.chosen_token))
+            request.new_to_runner, request.chosen_token = False, None
             self._advance(request, num_new, num_scheduled)
             if num_steps > 1:
                 decode_steps[request.request_id] = steps
@@ -153,8 +183,11 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: the pool is under pressure.
         deferred: list[Request] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._seats_taken()
+        while not preempted and self.waiting and budget > 0 and seats < self.max_num_seqs:
             request = self.waiting[0]
+            if request.beam is not None and not self._beams_fit(request, seats):
+                break
             if request.num_output_placeholders:  # preempted while a step ran: its token comes first
                 deferred.append(self.waiting.popleft())
                 continue
@@ -175,6 +208,7 @@ class Scheduler:
                 break
             new_reqs.append(admitted)
             budget -= num_scheduled[request.request_id]
+            seats = self._seats_taken()
         self.waiting.extendleft(reversed(deferred))
         written, self._in_flight = self._in_flight, None
 
@@ -190,6 +224,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             decode_steps=decode_steps,
         )
+        if not sched.is_empty:
+            self._fork_copies = {}  # made before this step (an empty step writes nothing: they wait)
         if written and not sched.is_empty:
             self._unrecorded[id(sched)] = written
             while len(self._unrecorded) > 2:  # at most one step runs ahead: an older one was dropped
@@ -209,7 +245,7 @@ class Scheduler:
             return 1
         for request in running:
             known = request.num_tokens + request.num_output_placeholders
-            if (request.spec_token_ids or request.structured is not None
+            if (request.spec_token_ids or request.structured is not None or request.beam is not None
                     or known - request.num_computed_tokens != 1 or self._waits_for_its_tokens(request)):
                 return 1
             below = request.sampling_params.min_tokens - request.num_output_tokens - request.num_output_placeholders
@@ -295,20 +331,25 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         if scores is not None:
             scores.fill(prefix.records, request.all_token_ids, request.num_prompt_tokens, kv.block_size, num_hit_tokens)
-        new = NewRequestData(
+        new = self._new_request_data(request)
+        self._advance(request, num_new, num_scheduled)
+        return new
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """What the runner needs of a request it does not hold (before this step's tokens)."""
+        scores = request.prompt_scores
+        return NewRequestData(
             req_id=request.request_id,
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
             seed=request.seed,
             eos_token_id=request.eos_token_id,
-            block_ids=kv.group_block_ids(request.request_id),
-            num_computed_tokens=num_hit_tokens,
+            block_ids=self.kv_cache_manager.group_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
             num_prompt_scored=0 if scores is None else len(scores.rows),
             lora_request=request.lora_request,
         )
-        self._advance(request, num_new, num_scheduled)
-        return new
 
     def _scored_prefix(self, request: Request):
         """For a request scoring its prompt: the part of a reusable prefix whose
@@ -355,11 +396,129 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()
+            if request in self._preempt_tail(preempted):
+                return None
+
+    def _preempt_tail(self, preempted: set[str]) -> list[Request]:
+        """Preempt the tail of `running`: its last request, or the whole beam group it
+        belongs to (a group's running beams are contiguous, and recomputed together).
+        Returns the preempted requests."""
+        victims = [self.running.pop()]
+        group = victims[0].beam
+        while group is not None and self.running and self.running[-1].beam is group:
+            victims.append(self.running.pop())
+        for victim in victims:  # the last first: the group keeps its order at the head of the queue
             self._preempt(victim)
             preempted.add(victim.request_id)
-            if victim is request:
-                return None
+        return victims
+
+    # ------------------------------------------------------------- beam search
+
+    def _seats_taken(self) -> int:
+        """Sequences the running batch holds: one per request, and a beam search's width
+        from the moment its prompt runs (its beams fork later)."""
+        groups = {id(r.beam): r.beam.width for r in self.running if r.beam is not None}
+        return sum(r.beam is None for r in self.running) + sum(groups.values())
+
+    def _beams_fit(self, request: Request, seats: int) -> bool:
+        """Whether the beam at the head of the queue may be admitted: its group's width
+        fits the batch (unless the group runs already), and a preempted group's beams
+        (contiguous at the head) fit the free blocks all together, so none waits
+        holding blocks for another that cannot come."""
+        group = request.beam
+        if not any(r.beam is group for r in self.running) and seats + group.width > self.max_num_seqs:
+            return False
+        if not request.num_output_tokens:
+            return True
+        kv = self.kv_cache_manager
+        members = list(itertools.takewhile(lambda r: r.beam is group, self.waiting))
+        needed = sum(-(-r.num_tokens // kv.block_size) for r in members) * kv.num_groups
+        return needed <= kv.num_free_blocks
+
+    def _room_for_beams(self, group: BeamGroup, start: int, budget: int, preempted: set[str]) -> bool:
+        """Before scheduling the first of a group's running beams (contiguous from
+        `running[start]`): preempt from the tail until the pool holds every scheduled
+        beam's new blocks, so none of them is preempted after another was scheduled.
+        False if the group itself was preempted."""
+        kv = self.kv_cache_manager
+        needed = 0
+        for beam in itertools.takewhile(lambda r: r.beam is group, self.running[start:]):
+            if not group.waits(beam) and budget > 0:
+                num_new = min(beam.num_tokens - beam.num_computed_tokens, budget)
+                needed += kv.num_blocks_needed(beam, num_new)
+                budget -= num_new
+        while needed > kv.num_free_blocks:
+            if self._preempt_tail(preempted)[0].beam is group:
+                return False
+        return True
+
+    def _drop_beam(self, beam: Request) -> None:
+        """A beam no candidate continues (or of a finished or aborted group): its blocks
+        go back, the runner forgets it."""
+        if beam.status is RequestStatus.RUNNING:
+            self.running.remove(beam)
+        elif beam in self.waiting:
+            self.waiting.remove(beam)
+        self._fork_copies.pop(beam.request_id, None)
+        self._finish(beam, FinishReason.ABORT)
+
+    def _decide_beams(self, group: BeamGroup) -> EngineCoreOutput | None:
+        """Every live beam of `group` has reported: keep the best continuations (forking
+        beams), or finish the search (its output)."""
+        choices = group.decide(self.max_model_len)
+        if choices:
+            self._continue_beams(group, choices)
+            return None
+        for beam in list(group.beams):
+            self._drop_beam(beam)
+        del self.beam_groups[group.request_id]
+        best = group.finished[0]
+        return EngineCoreOutput(group.request_id, [], finish_reason=best.finish_reason, stop_reason=best.stop_reason,
+                                num_cached_tokens=max(group.num_cached_tokens, 0), beams=group.result())
+
+    def _continue_beams(self, group: BeamGroup, choices: list[Choice]) -> None:
+        """The group's next beams: a parent's first child continues as the parent itself
+        (the chosen token replaces its sampled one); a further child is a fork sharing
+        the parent's full blocks, with a copy of its partial last one. Beams no child
+        continues are dropped. When the pool cannot hold the forks' copies the whole
+        group is preempted (recomputed later; the prefix cache keeps what it shares)."""
+        kv, old = self.kv_cache_manager, group.beams
+        start = self.running.index(old[0])
+        continued: set[str] = set()
+        beams: list[tuple[Request, Choice, bool]] = []  # (beam, its choice, forked)
+        for choice in choices:
+            parent = choice.parent
+            if parent.request_id in continued:
+                child = dataclasses.replace(
+                    parent, request_id=group.next_beam_id(), output_token_ids=list(parent.output_token_ids),
+                    block_hashes=list(parent.block_hashes), spec_token_ids=[], chosen_token=None)
+                self.requests[child.request_id] = child
+                beams.append((child, choice, True))
+            else:
+                continued.add(parent.request_id)
+                beams.append((parent, choice, False))
+        for beam in old:
+            if beam.request_id not in continued:
+                self._drop_beam(beam)
+        fits = sum(kv.fork_blocks_needed(c.parent) for _, c, forked in beams if forked) <= kv.num_free_blocks
+        for beam, choice, forked in beams:
+            if forked and fits:
+                self._fork_copies[beam.request_id] = kv.fork(choice.parent, beam)
+                beam.new_to_runner = True
+        for beam, choice, forked in beams:
+            beam.append_output_token_ids(choice.token)
+            beam.chosen_token = None if forked else choice.token
+            if not forked:
+                self.running.remove(beam)
+        group.beams = [beam for beam, _, _ in beams]
+        group.cum_logprobs = {beam.request_id: choice.cum_logprob for beam, choice, _ in beams}
+        start = min(start, len(self.running))
+        self.running[start:start] = group.beams
+        if not fits:
+            for beam in reversed(group.beams):  # the last first: the group keeps its order at the head
+                self.running.remove(beam)
+                self._preempt(beam)  # a fork holds no blocks yet: it only resets
+                self.finished_req_ids.add(beam.request_id)  # the runner drops what it holds of it
 
     def _advance(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
         """Count this step's tokens as computed now (the step always runs before the
@@ -379,6 +538,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if request.beam is not None:  # it samples again once recomputed; the runner gets it whole
+            request.beam.reported.pop(request.request_id, None)
+            request.new_to_runner, request.chosen_token = False, None
+            self._fork_copies.pop(request.request_id, None)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.warning(
@@ -413,6 +576,13 @@ class Scheduler:
                 request.num_output_placeholders = max(0, request.num_output_placeholders - steps)
             num_computed = sched.num_scheduled_tokens[req_id] - self._reject_drafts(
                 request, sched.scheduled_spec_decode_tokens.get(req_id), tokens)
+            if request.beam is not None:
+                self._record_contents(request, num_computed, starts[req_id] + num_computed)
+                if tokens:  # it sampled: its candidates, the group decides once all are in
+                    request.beam.report(request, *result.beam_candidates[req_id])
+                    if request.beam.ready and (output := self._decide_beams(request.beam)) is not None:
+                        outputs.append(output)
+                continue
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
             if not tokens or request.max_tokens == 0:
                 self._record_contents(request, num_computed, starts[req_id] + num_computed)

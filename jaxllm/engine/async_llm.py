@@ -22,7 +22,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.input_processor import InputProcessor, Prompt
-from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
+from jaxllm.engine.output_processor import OutputProcessor, RequestOutputKind, core_requests
 from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, SchedulerStats
@@ -111,8 +111,7 @@ class AsyncLLM:
                                                           add_special_tokens=add_special_tokens)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        children = [request] if params.n == 1 else fan_out(request, params.n)
-        parent = None if params.n == 1 else ParentRequest.from_request(request)
+        children, parent = core_requests(request)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         for index, child in enumerate(children):

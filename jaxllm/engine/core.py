@@ -314,9 +314,19 @@ class EngineCore:
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
+        if params.use_beam_search:
+            self.check_beam_search(params)
         request = Request.from_engine_core_request(req, max_tokens, seed % 2**64)
-        self.kv_cache_manager.check_fits(request, request.max_kv_tokens)
+        self.kv_cache_manager.check_fits(request, self.scheduler.max_kv_tokens(request))
         return request
+
+    def check_beam_search(self, params) -> None:
+        """What this engine cannot run of a beam search (ValueError naming the field)."""
+        params.check_beam_width(self.config.max_num_seqs)
+        if self.config.speculative_config is not None:
+            raise ValueError("use_beam_search: not supported with speculative decoding (speculative_config)")
+        if params.num_beam_candidates > self.model.config.vocab_size:
+            raise ValueError(f"n: a beam width of {params.n} ranks more candidates than the vocabulary has")
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Read and check an adapter (kept on the host for the requests naming it);
@@ -394,8 +404,9 @@ class EngineCore:
 
     def _tokens_needed(self) -> bool:
         """Whether the next schedule needs the ids of the step in flight: a request
-        under a grammar samples with a bitmask made from its tokens so far."""
-        return any(r.structured is not None for r in self.scheduler.requests.values())
+        under a grammar samples with a bitmask made from its tokens so far; a beam
+        search decides its next beams from the step's candidates."""
+        return bool(self.scheduler.beam_groups) or any(r.structured is not None for r in self.scheduler.requests.values())
 
     def _collect(self) -> EngineCoreOutputs:
         """Wait for the step in flight; its requests' outputs (aborted if it fails)."""

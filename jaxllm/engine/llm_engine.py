@@ -10,7 +10,7 @@ from __future__ import annotations
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore, eos_token_id
 from jaxllm.engine.input_processor import InputProcessor, Prompt
-from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, fan_out
+from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, core_requests
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.outputs import RequestOutput
@@ -53,12 +53,8 @@ class LLMEngine:
                 raise ValueError(f"{e} (request {index} of {len(items)})") from None
         children: list[tuple[EngineCoreRequest, str | None, ParentRequest | None, int]] = []
         for request, text in prepared:
-            n = request.sampling_params.n
-            if n == 1:
-                children.append((request, text, None, 0))
-            else:
-                parent = ParentRequest.from_request(request)
-                children += [(child, text, parent, i) for i, child in enumerate(fan_out(request, n))]
+            core, parent = core_requests(request)
+            children += [(child, text, parent, i) for i, child in enumerate(core)]
         self.core.add_requests([child for child, _, _, _ in children])
         for child, text, parent, index in children:
             self.output_processor.add_request(child, text, output_kind, parent=parent, index=index)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jaxllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -69,6 +70,15 @@ def fan_out(request: EngineCoreRequest, n: int) -> list[EngineCoreRequest]:
         child_id = f"{request.request_id}-{i}"
         children.append(dataclasses.replace(request, request_id=child_id, sampling_params=child_params))
     return children
+
+
+def core_requests(request: EngineCoreRequest) -> tuple[list[EngineCoreRequest], ParentRequest | None]:
+    """The core requests a user request runs as, and their parent: itself (n = 1, or a
+    beam search, whose beams the core runs as one group), else its n children."""
+    params = request.sampling_params
+    if params.n == 1 or params.use_beam_search:
+        return [request], None
+    return fan_out(request, params.n), ParentRequest.from_request(request)
 
 
 def _wrap_seed(seed: int) -> int:
@@ -203,6 +213,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: LogprobsState
     metrics: RequestMetrics  # the parent's, shared, when there is one
+    params: SamplingParams | None = None
     num_cached_tokens: int = 0
     num_tokens_sent: int = 0  # DELTA: token ids already sent
 
@@ -273,6 +284,7 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params),
             logprobs=LogprobsState.from_request(self.tokenizer, request),
             metrics=parent.metrics if parent is not None else RequestMetrics(arrival_time=request.arrival_time),
+            params=request.sampling_params,
         )
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
@@ -288,6 +300,9 @@ class OutputProcessor:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
             state.num_cached_tokens = output.num_cached_tokens
+            if output.beams is not None:
+                processed.request_outputs.append(self._emit_beams(state, output, now))
+                continue
             num_before = len(state.detokenizer.token_ids)
             stop_string = state.detokenizer.update(output.new_token_ids, output.finish_reason is FinishReason.STOP)
             kept = len(state.detokenizer.token_ids) - num_before  # fewer where a stop string ended them
@@ -323,6 +338,28 @@ class OutputProcessor:
                 if request_output is not None:
                     request_outputs.append(request_output)
         return request_outputs
+
+    def _emit_beams(self, state: RequestState, output: EngineCoreOutput, now: float) -> RequestOutput:
+        """A finished beam search: one completion per sequence, best first."""
+        del self.request_states[state.request_id]
+        params = state.params
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(beam.token_ids, skip_special_tokens=params.skip_special_tokens)
+                if params.detokenize else "",
+                token_ids=list(beam.token_ids),
+                cumulative_logprob=beam.cum_logprob,
+                finish_reason=str(beam.finish_reason),
+                stop_reason=beam.stop_reason,
+            )
+            for i, beam in enumerate(output.beams)
+        ]
+        state.metrics.first_token_time = state.metrics.first_token_time or now
+        state.metrics.last_token_time = state.metrics.finished_time = now
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                             outputs=completions, finished=True, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics)
 
     def _emit(
         self, state: RequestState, finish_reason: FinishReason | None, stop_reason: int | str | None, now: float

@@ -9,8 +9,8 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.input_processor import Message, Prompt
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -62,6 +62,39 @@ class LLM:
                    for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Message | Sequence[Prompt] | Sequence[list[Message]],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` most likely sequences of each prompt, best first
+        (vLLM's `LLM.beam_search`). A prompt is text, token ids, or a conversation
+        (a list of chat messages, rendered with the model's chat template). The beams
+        run in the engine: one request each, forking by copy-on-write KV blocks."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
+        render = self.llm_engine.input_processor.render_chat
+        texts, special = [], []
+        for p in prompts:
+            is_chat = _is_conversation(p)
+            texts.append(render(p) if is_chat else p)
+            special.append(not is_chat)
+        outputs = []
+        sampling = params.to_sampling_params()
+        for add_special in (True, False):  # chat renders carry their special tokens already
+            idx = [i for i, s in enumerate(special) if s is add_special]
+            if idx:
+                loras = lora_request if lora_request is None or isinstance(lora_request, LoRARequest) \
+                    else [lora_request[i] for i in idx]
+                got = self._run([texts[i] for i in idx], sampling, use_tqdm, add_special_tokens=add_special,
+                                lora_request=loras)
+                outputs += list(zip(idx, got))
+        return [_beam_output(out) for _, out in sorted(outputs, key=lambda x: x[0])]
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
         self.llm_engine.core.add_lora(lora_request)
@@ -100,3 +133,24 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _beam_output(output: RequestOutput) -> BeamSearchOutput:
+    prompt_ids, prompt = output.prompt_token_ids, output.prompt or ""
+    return BeamSearchOutput([
+        BeamSearchSequence(tokens=prompt_ids + c.token_ids, text=prompt + c.text, cum_logprob=c.cumulative_logprob,
+                           output_token_ids=c.token_ids, output_text=c.text, finish_reason=c.finish_reason,
+                           stop_reason=c.stop_reason)
+        for c in output.outputs])
+
+
+def _is_conversation(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def _is_one_prompt(prompts) -> bool:
+    """A single prompt (text, token ids, {"prompt_token_ids": ...} or a conversation)
+    rather than a list of them."""
+    if isinstance(prompts, (str, dict)) or _is_conversation(prompts):
+        return True
+    return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)

@@ -39,6 +39,8 @@ class SamplingMetadata:
     # Any nonzero bias entry (logit_bias, or stop tokens held back by min_tokens); when
     # False the bias scatter (and the copy of the logits it forces) is skipped.
     any_logit_bias: Bool[Array, ""] = True
+    # Any beam search row: each row's best continuations are ranked (SamplerOutput.beam_*)
+    any_beam: Bool[Array, ""] = False
 
 
 @struct.dataclass
@@ -49,3 +51,7 @@ class SamplerOutput:
     sampled_rank: Int[Array, " S"]  # 1 = most likely
     top_token_ids: Int[Array, "S K"]
     top_logprobs: Float[Array, "S K"]
+    # beam search (zeros unless any_beam): each row's best continuations by log_softmax of
+    # the raw logits plus the logit bias, transformers' order (jaxllm.core.beam_search)
+    beam_token_ids: Int[Array, "S B"]
+    beam_logprobs: Float[Array, "S B"]

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxllm.cpu_kernels import load_kernels
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sampling_params import BEAM_CANDIDATES, MAX_LOGPROBS
 
 _NEG_INF = float("-inf")
 ARGMAX_TARGET = "jaxllm_argmax_f32"  # registered by jaxllm.cpu_kernels.load_kernels
@@ -135,6 +135,26 @@ def _no_logprobs(logits, token_ids):
     )
 
 
+def beam_candidates(logits: Float[Array, "S V"], md: SamplingMetadata) -> tuple[Int[Array, "S B"], Float[Array, "S B"]]:
+    """Beam search: each row's BEAM_CANDIDATES best tokens by log-probability, the logit
+    bias (min_tokens' stop-token suppression with it) added after the log_softmax as
+    transformers' logits processors are, and those log-probabilities. The host ranks
+    a beam's first width + stop tokens of them (SamplingParams.num_beam_candidates)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.lax.cond(md.any_logit_bias, apply_logit_bias, lambda x, m: x, logprobs, md)
+    values, ids = jax.lax.top_k(logprobs, num_beam_candidates(logits.shape[1]))
+    return ids.astype(jnp.int32), values
+
+
+def num_beam_candidates(vocab_size: int) -> int:
+    return min(BEAM_CANDIDATES, vocab_size)
+
+
+def _no_beam_candidates(logits, md):
+    shape = (logits.shape[0], num_beam_candidates(logits.shape[1]))
+    return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+
 ArgmaxFn = Callable[[Float[Array, "S V"]], Int[Array, " S"]]
 
 
@@ -183,7 +203,8 @@ def sample(
     token_ids = jax.lax.cond(any_processing, lambda x, h, m, u: _tokens(_processed(x, h, m), m, u, argmax_fn),
                              lambda x, h, m, u: _tokens(x, m, u, argmax_fn), logits, history, md, uniforms)
     lp = jax.lax.cond(md.any_logprobs, compute_logprobs, _no_logprobs, logits, token_ids)
-    return SamplerOutput(token_ids, *lp)
+    beams = jax.lax.cond(md.any_beam, beam_candidates, _no_beam_candidates, logits, md)
+    return SamplerOutput(token_ids, *lp, *beams)
 
 
 def _processed(logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata) -> Float[Array, "S V"]:

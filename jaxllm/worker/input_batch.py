@@ -53,6 +53,7 @@ class InputBatch:
         self.prompt_logprobs = np.full(r, -1, np.int32)
         self.prompt_scored = np.zeros(r, np.int32)  # prompt positions scored already (by the scheduler's count)
         self.lora_slot = np.zeros(r, np.int32)  # the adapter's device slot (0: none; jaxllm.worker.lora_manager)
+        self.beam_candidates = np.zeros(r, np.int32)  # beam search: continuations ranked per step (0: none)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -82,6 +83,7 @@ class InputBatch:
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.prompt_scored[row] = req.num_prompt_scored
         self.min_tokens[row] = p.min_tokens
+        self.beam_candidates[row] = p.num_beam_candidates
 
         self.bias_token_ids[row] = 0
         self.bias_values[row] = 0.0
@@ -128,7 +130,10 @@ class InputBatch:
             self.remove_request(req_id)
         added = [(self.add_request(req), req) for req in sched.scheduled_new_reqs]
         for req in sched.scheduled_cached_reqs:
-            self.append_blocks(self.row_of[req.req_id], req.new_block_ids)
+            row = self.row_of[req.req_id]
+            self.append_blocks(row, req.new_block_ids)
+            if req.last_token_id is not None:  # a beam's chosen token, in place of its sampled one
+                self.token_ids[row, self.num_tokens[row] - 1] = req.last_token_id
         return left, added
 
     def count_in_flight(self, rows: np.ndarray, samples: np.ndarray, seq_lens: np.ndarray,

@@ -298,6 +298,7 @@ class InputBuilder:
             any_penalties=np.bool_((real & ((presence != 0) | (frequency != 0) | (repetition != 1.0))).any()),
             any_logprobs=np.bool_((real & (gather(b.logprobs, -1) >= 0)).any()),
             any_logit_bias=np.bool_((bias_values != 0).any()),
+            any_beam=np.bool_((real & (gather(b.beam_candidates, 0) > 0)).any()),
         )
 
     def _bitmask(self, s: int, rows: np.ndarray | None):

@@ -384,11 +384,17 @@ class ModelRunner:
         return (self.lora.abstract if abstract else self.lora.weights,)
 
     def apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
-        """Copy the K/V of whole blocks (source, destination), all sources read first."""
-        c = smallest_at_least(self.compilation.copy_buckets, len(copies))
-        pairs = np.zeros((2, c), np.int32)
-        pairs[:, :len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2).T
-        self.kv_caches = self.compilation.copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
+        """Copy the K/V of whole blocks (source, destination), all sources of a call read
+        first; more copies than the largest bucket (forked beams of several KV cache
+        groups) in calls of that many, in order (the scheduler lists forks' copies, whose
+        sources may be handed out again this step, before admissions')."""
+        largest = self.compilation.copy_buckets[-1]
+        for start in range(0, len(copies), largest):
+            chunk = copies[start:start + largest]
+            c = smallest_at_least(self.compilation.copy_buckets, len(chunk))
+            pairs = np.zeros((2, c), np.int32)
+            pairs[:, :len(chunk)] = np.asarray(chunk, np.int32).reshape(-1, 2).T
+            self.kv_caches = self.compilation.copy_executable(c)(self.kv_caches, pairs[0], pairs[1])
 
     @property
     def buckets(self) -> tuple[StepShape, ...]:
@@ -565,6 +571,8 @@ class ModelRunner:
         result = ModelRunnerOutput(step.req_ids, tokens if tokens is not None else [sampled[k].tolist() for k in kept])
         if step.step_inputs.sampling.any_logprobs:
             self._collect_logprobs(result, out, flight.logprobs, kept)
+        if step.step_inputs.sampling.any_beam:
+            self._collect_beam_candidates(result, out, host.rows, kept)
         if step.step_inputs.any_prompt_logprobs:
             self._collect_prompt_logprobs(result, out, flight.prompt_logprobs, host.qsl, host.targets)
         return result
@@ -639,6 +647,17 @@ class ModelRunner:
                 logprobs=[[float(o.sampled_logprob[j])] + o.top_logprobs[j, :k].tolist() for j in idx],
                 ranks=[int(o.sampled_rank[j]) for j in idx],
             )
+
+    def _collect_beam_candidates(self, result: ModelRunnerOutput, out: StepOutput, rows, kept) -> None:
+        """Each beam row that sampled: its best continuations, as many as its beam
+        search ranks (jaxllm.core.beam_search)."""
+        with jax.transfer_guard_device_to_host("allow"):
+            ids, logprobs = jax.device_get((out.sampled.beam_token_ids, out.sampled.beam_logprobs))
+        ks = self.input_batch.beam_candidates[rows]
+        for req_id, k, idx in zip(result.req_ids, ks, kept):
+            if k > 0 and len(idx):
+                j = idx[-1]
+                result.beam_candidates[req_id] = (ids[j, :k].tolist(), logprobs[j, :k].tolist())
 
     def _collect_prompt_logprobs(self, result: ModelRunnerOutput, out: StepOutput, ks, qsl, targets) -> None:
         o = jax.device_get(out.prompt_logprobs)

@@ -207,6 +207,7 @@ class Handlers:
         """`params` after the checks that need the model (token ids in range, a
         structured output's grammar compiled), so a bad one is a 400 before anything runs."""
         params.validate_for_model(self.engine.ready.vocab_size)
+        params.check_beam_width(self.settings.max_num_seqs)
         return params
 
     def prepare(self, prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:

@@ -95,6 +95,10 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # beam search (vLLM's extras): n is the beam width; the n best sequences come back,
+    # best first (a stream sends them when the search ends)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its
     # older guided_* fields (one of them)
     response_format: ResponseFormat | None = None
@@ -130,9 +134,10 @@ class _SamplingFields(BaseModel):
                 logit_bias = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias: keys must be token ids") from None
+        default_temperature = 0.0 if self.use_beam_search else 1.0  # beam search does not sample
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=default_temperature if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
@@ -151,6 +156,8 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint or self._constraint(),
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
         )
 
 
