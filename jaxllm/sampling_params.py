@@ -163,8 +163,6 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
             if getattr(self, name) is not None:
                 fail(name, "is not supported with use_beam_search")
-        if self.stop:
-            fail("stop", "stop strings are not supported with use_beam_search; use stop_token_ids")
         if self.max_tokens == 0:
             fail("max_tokens", "must be at least 1 with use_beam_search")
         if self.n + len(set(self.stop_token_ids)) + 1 > BEAM_CANDIDATES:
@@ -224,6 +222,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
 
@@ -239,4 +238,5 @@ class BeamSearchParams:
             n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
             temperature=self.temperature, length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            stop_token_ids=list(self.stop_token_ids), min_tokens=self.min_tokens, logit_bias=self.logit_bias)
+            stop_token_ids=list(self.stop_token_ids), stop=list(self.stop), min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias)

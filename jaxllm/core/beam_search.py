@@ -7,7 +7,8 @@ keeps the `width` best continuations by cumulative logprob, as transformers' bea
 does (`GenerationMixin._beam_search`, early_stopping=False):
 
 - the candidates are ranked by the beam's cumulative logprob plus the token's;
-- of the `width` best, those that end a sequence (a stop token, or the length limit)
+- of the `width` best, those that end a sequence (a stop token, a stop string, or the
+  length limit)
   become finished hypotheses scored cum_logprob / n ** length_penalty, n the generated
   tokens with the one that ended it; the `width` best hypotheses are kept;
 - the `width` best candidates that end nothing are the next step's beams;
@@ -24,12 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxllm.messages import BeamSequence, FinishReason
+from jaxllm.stop_strings import find_stop
 
 if TYPE_CHECKING:
     from jaxllm.core.request import Request
+
+# token ids, skip_special_tokens -> text (the tokenizer's decode)
+Decode = Callable[[list[int], bool], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +69,15 @@ class BeamGroup:
         finished: the best hypotheses so far, best first (at most `width`).
     """
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, decode: Decode | None = None) -> None:
+        """`decode`: the text of token ids, for stop strings (needed when the request has any)."""
         params = request.sampling_params
+        if params.stop and decode is None:
+            raise ValueError("stop: stop strings need the tokenizer's decode")
+        self.stop_strings = list(params.stop)
+        self.skip_special_tokens = params.skip_special_tokens
+        self._decode = decode
+        self._texts: dict[str, str] = {}  # live beam id -> its generated text (stop strings)
         self.request_id = request.request_id
         self.width = params.n
         self.length_penalty = params.length_penalty
@@ -111,9 +124,23 @@ class BeamGroup:
         n = beam.num_output_tokens + 1
         if candidate.token in self.stops and n > self.min_tokens:
             return FinishReason.STOP, self.stops[candidate.token]
+        if self.stop_strings and n >= self.min_tokens:
+            stop = self._stop_string(beam, candidate.token)
+            if stop is not None:
+                return FinishReason.STOP, stop
         if n >= limit:
             return FinishReason.LENGTH, None
         return None
+
+    def _stop_string(self, beam: Request, token: int) -> str | None:
+        """The stop string `token` completes after `beam`'s text (one ending in the
+        token's text; the frontend's detokenizer cuts the returned text there)."""
+        before = self._texts.get(beam.request_id)
+        if before is None:
+            before = self._texts[beam.request_id] = self._decode(beam.output_token_ids, self.skip_special_tokens)
+        text = self._decode(beam.output_token_ids + [token], self.skip_special_tokens)
+        found = find_stop(text, len(before), self.stop_strings)
+        return None if found is None else found[0]
 
     def candidates(self) -> list[Candidate]:
         """Every reported continuation, best first (ties: earlier beam, better rank)."""
@@ -132,16 +159,22 @@ class BeamGroup:
         limit = min(head.max_tokens, max_model_len - head.num_prompt_tokens)
         n = head.num_output_tokens + 1  # the generated tokens with this step's
         ranked = self.candidates()
+        ends = {}  # candidate -> how it ends (None: it does not)
         new = []
         for c in ranked[:self.width]:
-            end = self._ends(c, limit)
+            end = ends[c] = self._ends(c, limit)
             if end is not None:
                 parent = self.beams[c.parent]
                 new.append(BeamSequence(parent.output_token_ids + [c.token], c.cum_logprob,
                                         self._score(c.cum_logprob, n), *end))
         self.finished = sorted(self.finished + new, key=lambda h: -h.score)[:self.width]
-        live = [c for c in ranked if self._ends(c, limit) is None][:self.width]
-        self.reported = {}
+        live = []
+        for c in ranked:
+            if len(live) == self.width:
+                break
+            if (ends[c] if c in ends else self._ends(c, limit)) is None:
+                live.append(c)
+        self.reported, self._texts = {}, {}
         if not live:
             return []
         if len(self.finished) == self.width and self._score(live[0].cum_logprob, n) <= self.finished[-1].score:

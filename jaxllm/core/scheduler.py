@@ -18,7 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from jaxllm.core.beam_search import BeamGroup, Choice
+from jaxllm.core.beam_search import BeamGroup, Choice, Decode
 from jaxllm.core.block_contents import common_prefix
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
@@ -55,14 +55,17 @@ class Scheduler:
         max_model_len: int,
         max_loras: int = 0,
         num_scheduler_steps: int = 1,
+        decode: Decode | None = None,
     ) -> None:
         """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
         in the running batch (the model runner's device slots); a request whose
         adapter finds no room waits, and those behind it go ahead.
         `num_scheduler_steps` > 1: when every running request decodes and none could
         be admitted, a step hands the runner up to that many decode steps at once
-        (`_num_decode_steps`; the model runner's decode loop)."""
+        (`_num_decode_steps`; the model runner's decode loop). `decode`: the
+        tokenizer's, for beam searches with stop strings."""
         self.kv_cache_manager = kv_cache_manager
+        self.decode = decode
         self.num_scheduler_steps = num_scheduler_steps
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -94,18 +97,16 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.kv_cache_manager.check_fits(request, self.max_kv_tokens(request))
         if request.sampling_params.use_beam_search:
-            request.beam = self.beam_groups[request.request_id] = BeamGroup(request)
+            request.beam = self.beam_groups[request.request_id] = BeamGroup(request, self.decode)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def max_kv_tokens(self, request: Request) -> int:
-        """The most tokens whose K/V the request holds at once: a beam search's beams
-        share the prompt's blocks, each holding its own generated tokens (and a block's
-        worth of a copied tail)."""
-        if not request.sampling_params.use_beam_search:
-            return request.max_kv_tokens
-        per_beam = request.max_tokens + self.kv_cache_manager.block_size
-        return request.max_kv_tokens + (request.sampling_params.n - 1) * per_beam
+        """The most tokens whose K/V the request may need at once: a beam search's
+        width times a sequence's, as a preempted group is recomputed beam by beam (its
+        beams share blocks only through the prefix cache then), so it always fits an
+        empty pool again."""
+        return request.max_kv_tokens * (request.sampling_params.n if request.sampling_params.use_beam_search else 1)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []
@@ -184,9 +185,9 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is under pressure.
         deferred: list[Request] = []
         seats = self._seats_taken()
-        while not preempted and self.waiting and budget > 0 and seats < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
-            if request.beam is not None and not self._beams_fit(request, seats):
+            if seats + self._seats_needed(request) > self.max_num_seqs or not self._beams_fit(request):
                 break
             if request.num_output_placeholders:  # preempted while a step ran: its token comes first
                 deferred.append(self.waiting.popleft())
@@ -420,15 +421,19 @@ class Scheduler:
         groups = {id(r.beam): r.beam.width for r in self.running if r.beam is not None}
         return sum(r.beam is None for r in self.running) + sum(groups.values())
 
-    def _beams_fit(self, request: Request, seats: int) -> bool:
-        """Whether the beam at the head of the queue may be admitted: its group's width
-        fits the batch (unless the group runs already), and a preempted group's beams
-        (contiguous at the head) fit the free blocks all together, so none waits
-        holding blocks for another that cannot come."""
+    def _seats_needed(self, request: Request) -> int:
+        """Seats admitting `request` takes: one, a beam search's width, none for a beam
+        of a group that runs already (its seats are taken)."""
+        if request.beam is None:
+            return 1
+        return 0 if any(r.beam is request.beam for r in self.running) else request.beam.width
+
+    def _beams_fit(self, request: Request) -> bool:
+        """Whether the request at the head of the queue may be admitted as far as its
+        beams go: a preempted group's beams (contiguous at the head) must fit the free
+        blocks all together, so none waits holding blocks for another that cannot come."""
         group = request.beam
-        if not any(r.beam is group for r in self.running) and seats + group.width > self.max_num_seqs:
-            return False
-        if not request.num_output_tokens:
+        if group is None or not request.num_output_tokens:
             return True
         kv = self.kv_cache_manager
         members = list(itertools.takewhile(lambda r: r.beam is group, self.waiting))

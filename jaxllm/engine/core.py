@@ -227,6 +227,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             max_loras=config.max_loras if config.enable_lora else 0,
             num_scheduler_steps=config.decode_steps,
+            decode=self._decode,
         )
         # the weights' loading thread done before any measurement (it would share the cores)
         quiet = None if loading is None else loading.exception
@@ -257,6 +258,10 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             self.model.tokenizer, vocab_size=self.model.config.vocab_size,
             eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """The tokenizer's text of `token_ids` (a beam search's stop strings)."""
+        return self.model.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def _load_draft(config: EngineConfig, target: ModelConfig, cache_dir: Path) -> LoadedModel | None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from tokenizers.decoders import DecodeStream
 
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.stop_strings import find_stop, partial_stop_len
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -78,13 +79,13 @@ class IncrementalDetokenizer:
                     return stop
         self.token_ids.extend(new_token_ids[len(to_decode) :])
         if self._stop and not self._include_stop_str:
-            self._held = _partial_stop_len(self.output_text, self._stop)
+            self._held = partial_stop_len(self.output_text, self._stop)
         return None
 
     def _check_stop(self, check_from: int) -> str | None:
         """The stop string ending after `check_from` in the text, if any: the text is
         truncated at it."""
-        match = _find_stop(self.output_text, check_from, self._stop)
+        match = find_stop(self.output_text, check_from, self._stop)
         if match is None:
             return None
         stop, start = match
@@ -133,25 +134,3 @@ def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_spec
         else:
             break
     return context
-
-
-def _find_stop(text: str, check_from: int, stops: list[str]) -> tuple[str, int] | None:
-    """The stop string occurrence that ends first among those ending after index
-    `check_from` of text (earlier text was searched before), as (stop, start)."""
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
-    for stop in stops:
-        start = text.find(stop, max(0, check_from - len(stop) + 1))
-        if start != -1 and (best is None or (start + len(stop), start) < best[:2]):
-            best = (start + len(stop), start, stop)
-    return None if best is None else (best[2], best[1])
-
-
-def _partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of text that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest

@@ -342,19 +342,16 @@ class OutputProcessor:
     def _emit_beams(self, state: RequestState, output: EngineCoreOutput, now: float) -> RequestOutput:
         """A finished beam search: one completion per sequence, best first."""
         del self.request_states[state.request_id]
-        params = state.params
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(beam.token_ids, skip_special_tokens=params.skip_special_tokens)
-                if params.detokenize else "",
-                token_ids=list(beam.token_ids),
-                cumulative_logprob=beam.cum_logprob,
-                finish_reason=str(beam.finish_reason),
-                stop_reason=beam.stop_reason,
-            )
-            for i, beam in enumerate(output.beams)
-        ]
+        completions = []
+        for i, beam in enumerate(output.beams):
+            # each sequence's text as a request's (stop token's and string's text cut unless
+            # include_stop_str_in_output)
+            text = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params)
+            text.update(beam.token_ids, beam.finish_reason is FinishReason.STOP and not isinstance(beam.stop_reason, str))
+            completions.append(CompletionOutput(
+                index=i, text=text.get_next_output_text(finished=True, delta=False), token_ids=list(beam.token_ids),
+                cumulative_logprob=beam.cum_logprob, finish_reason=str(beam.finish_reason),
+                stop_reason=beam.stop_reason))
         state.metrics.first_token_time = state.metrics.first_token_time or now
         state.metrics.last_token_time = state.metrics.finished_time = now
         return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,

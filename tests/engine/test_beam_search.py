@@ -86,6 +86,34 @@ def test_beams_are_transformers_beams(test_models_dir, arch, prompts):
     assert_no_leaks(llm)
 
 
+def test_stop_strings_end_beams_as_in_transformers(test_models_dir, prompts):
+    """A stop string ends the beam whose token completes it (transformers'
+    StopStringCriteria: the sequence keeps that token); the returned text stops before
+    it, or with it under include_stop_str_in_output."""
+    llm = make_llm(test_models_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(test_models_dir / "llama")
+    free = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(4, 12, ignore_eos=True))
+    text = free[1].sequences[1].output_text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].isalpha())
+    for include in (False, True):
+        params = BeamSearchParams(4, 12, stop=(stop,), include_stop_str_in_output=include)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        stopped = 0
+        for prompt, out in zip(prompts, outs):
+            want = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, do_sample=False,
+                               max_new_tokens=12, stop_strings=[stop], tokenizer=tok, eos_token_id=EOS,
+                               pad_token_id=0)[:, len(prompt):].tolist()
+            for seq, w in zip(out.sequences, want):
+                n = len(seq.output_token_ids)  # transformers fills a finished sequence with EOS (pad_token_id 0 is falsy)
+                assert seq.output_token_ids == w[:n] and all(t == EOS for t in w[n:])
+                if seq.stop_reason == stop:
+                    stopped += 1
+                    assert seq.output_text.endswith(stop) if include else stop not in seq.output_text
+        assert stopped
+    assert_no_leaks(llm)
+
+
 def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir):
     """Four beams of a 1,000-token prompt hold its blocks once: after the first fork the
     pool holds the prompt's full blocks and one partial block per beam; after the search,
@@ -120,10 +148,11 @@ def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir):
 def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts):
     """A pool too small for every group at once preempts whole groups; the beams are
     those of an engine that never preempts (and transformers')."""
-    llm = make_llm(test_models_dir, kv_cache_memory=24 * KV_BYTES_PER_BLOCK, max_num_seqs=16)
+    llm = make_llm(test_models_dir, kv_cache_memory=24 * KV_BYTES_PER_BLOCK, async_scheduling=False,
+                   max_model_len=128, max_num_seqs=12)  # three groups at once, where two fit
     hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32)
     many = prompts + [p[::-1] for p in prompts]
-    assert_same_as_hf(hf, llm, many, BeamSearchParams(4, 24, ignore_eos=False))
+    assert_same_as_hf(hf, llm, many, BeamSearchParams(4, 32))
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
 
@@ -141,7 +170,7 @@ def test_bad_beam_requests_are_refused_before_anything_is_queued(test_models_dir
     with pytest.raises(ValueError, match="^n: a beam width of 9 needs 9 sequences"):  # max_num_seqs 8
         llm.beam_search(["hi", "there"], BeamSearchParams(9, 4))
     for fields, name in [(dict(logprobs=2), "logprobs"), (dict(presence_penalty=1.0), "presence_penalty"),
-                         (dict(stop=["x"]), "stop"), (dict(top_p=0.5), "top_p")]:
+                         (dict(structured_outputs={"regex": "a+"}), "structured_outputs"), (dict(top_p=0.5), "top_p")]:
         with pytest.raises(ValueError, match=f"^{name}:"):
             SamplingParams(n=2, use_beam_search=True, temperature=0, **fields)
     with pytest.raises(ValueError, match="^length_penalty:"):

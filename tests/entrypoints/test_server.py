@@ -314,6 +314,70 @@ def test_prompt_logprobs_field(server, offline):
     assert r.status_code == 200
 
 
+def stream_choices(server, path: str, body: dict) -> dict[int, dict]:
+    """A streamed response's chunks merged per choice index: text (or chat content),
+    finish_reason."""
+    with httpx.stream("POST", f"{server.url}{path}", json=body | {"stream": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    merged: dict[int, dict] = {}
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            m = merged.setdefault(c["index"], {"text": "", "finish_reason": None})
+            m["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            m["finish_reason"] = c["finish_reason"] or m["finish_reason"]
+    return merged
+
+
+def test_beam_search_on_both_endpoints(server, offline):
+    """use_beam_search with n as the width (vLLM's extras): n choices, best first, the
+    offline engine's beams; usage counts the returned sequences; a stream sends them
+    when the search ends."""
+    from jaxllm.sampling_params import BeamSearchParams
+
+    text = "The quick brown fox"
+    want = offline.beam_search(text, BeamSearchParams(3, 6, length_penalty=0.5))[0].sequences
+    body = {"prompt": text, "use_beam_search": True, "n": 3, "max_tokens": 6, "length_penalty": 0.5}
+    wait_idle(server)
+    finished, generated = (metric(server, f"jaxllm:{m}_total") for m in ("request_success", "generation_tokens"))
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [s.output_text for s in want]
+    assert [c["finish_reason"] for c in choices] == [s.finish_reason for s in want]
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == sum(len(s.output_token_ids) for s in want)
+    assert metric(server, "jaxllm:request_success_total") == finished + 1  # one request, its returned tokens
+    assert metric(server, "jaxllm:generation_tokens_total") == generated + usage["completion_tokens"]
+    streamed = stream_choices(server, "/v1/completions", body)
+    assert [streamed[i]["text"] for i in range(3)] == [s.output_text for s in want]
+    messages = [{"role": "user", "content": "Name a color."}]
+    want = offline.beam_search(messages, BeamSearchParams(2, 5))[0].sequences
+    body = {"messages": messages, "use_beam_search": True, "n": 2, "max_tokens": 5}
+    r = post(server, "/v1/chat/completions", body)
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [s.output_text for s in want]
+    streamed = stream_choices(server, "/v1/chat/completions", body)
+    assert [streamed[i]["text"] for i in range(2)] == [s.output_text for s in want]
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"use_beam_search": True, "n": 2, "temperature": 0.8}, "temperature"),
+    ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "n": 12}, "n"),  # more than the server's max_num_seqs (8)
+    ({"use_beam_search": True, "n": 17}, "n"),  # more than a beam search ranks
+    ({"use_beam_search": True, "n": 2, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"length_penalty": 2.0}, "length_penalty"),
+    ({"use_beam_search": {"on": True}}, "use_beam_search"),
+])
+def test_bad_beam_searches_are_400(server, body, param):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
 def test_tokenizer_info_round_trips(server, test_models_dir, tmp_path):
     """What lm-eval's tokenizer_backend=remote reads: enough to rebuild the tokenizer
     from its vocabulary file alone (special tokens, chat template)."""

@@ -105,6 +105,30 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm, adapters):
     assert alone["a1"] != alone[None] and alone["a2"] != alone[None]
 
 
+def test_beam_search_under_adapters(llm, adapters, test_models_dir):
+    """Beams under an adapter (mixed with the base model's in one call) are HF + PEFT's
+    beam search, and not the base model's."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.sampling_params import BeamSearchParams
+
+    prompts = prompt_ids(2, 5)
+    params = BeamSearchParams(3, 8, ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts * 2], params,
+                           lora_request=[adapters["a1"]] * 2 + [None] * 2)
+    core = llm.llm_engine.core
+    assert not core.has_unfinished_requests() and core.kv_cache_manager.num_used_blocks == 0
+    base = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32).eval()
+    base.generation_config.eos_token_id = None  # EOS ignored, as the engine was told
+    model = peft.PeftModel.from_pretrained(base, adapters["a1"].lora_path).eval()
+    for ids, out in zip(prompts, outs[:2]):
+        want = model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
+                              max_new_tokens=8, pad_token_id=0)[:, len(ids):].tolist()
+        assert [s.output_token_ids for s in out.sequences] == want
+    assert [[s.output_token_ids for s in o.sequences] for o in outs[:2]] != \
+        [[s.output_token_ids for s in o.sequences] for o in outs[2:]]
+
+
 def test_more_adapters_than_slots_wait_for_one(test_models_dir, adapters):
     """One device slot, two adapters and the base model asked at once, with seeded
     sampling: each request waits for the slot rather than failing, and gets what it
