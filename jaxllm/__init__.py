@@ -15,11 +15,13 @@ import logging as _logging
 _logging.getLogger("jax._src.xla_bridge").setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "LoRARequest"]
 
 _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
     "SamplingParams": "jaxllm.sampling_params",
+    "BeamSearchParams": "jaxllm.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "EngineConfig": "jaxllm.engine.config",

@@ -33,7 +33,7 @@ def _random_inputs(rng, t=8, s=4, mb=5, w=3, groups=1) -> StepInputs:
         history_rows=i32(s), num_prompt_tokens=i32(s), num_known_tokens=i32(s), token_bitmask=i32(s, w),
         all_greedy=np.bool_(True), any_top_k_top_p=np.bool_(False), any_min_p=np.bool_(True),
         any_penalties=np.bool_(False), any_logprobs=np.bool_(True), any_token_bitmask=np.bool_(False),
-        any_logit_bias=np.bool_(True))
+        any_logit_bias=np.bool_(True), any_beam=np.bool_(False))
     return StepInputs(input_ids=i32(t), positions=i32(t), history_rows=i32(t), from_history=b(t),
                       attn=attn[0] if groups == 1 else attn, logits_indices=i32(s), sampled_history_rows=i32(s),
                       num_logit_rows=np.int32(2), sampling=sampling, prompt_logprob_targets=i32(t),
