@@ -187,7 +187,8 @@ class Scheduler:
         seats = self._seats_taken()
         while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
-            if seats + self._seats_needed(request) > self.max_num_seqs or not self._beams_fit(request):
+            seats_needed = self._seats_needed(request)
+            if seats + seats_needed > self.max_num_seqs or not self._beams_fit(request):
                 break
             if request.num_output_placeholders:  # preempted while a step ran: its token comes first
                 deferred.append(self.waiting.popleft())
@@ -209,7 +210,7 @@ class Scheduler:
                 break
             new_reqs.append(admitted)
             budget -= num_scheduled[request.request_id]
-            seats = self._seats_taken()
+            seats += seats_needed
         self.waiting.extendleft(reversed(deferred))
         written, self._in_flight = self._in_flight, None
 

@@ -77,23 +77,15 @@ class LLM:
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
         if _is_one_prompt(prompts):
             prompts = [prompts]
-        render = self.llm_engine.input_processor.render_chat
-        texts, special = [], []
+        processor = self.llm_engine.input_processor
+        inputs, rendered = [], []  # a conversation as its template's tokens (they carry their special tokens)
         for p in prompts:
-            is_chat = _is_conversation(p)
-            texts.append(render(p) if is_chat else p)
-            special.append(not is_chat)
-        outputs = []
-        sampling = params.to_sampling_params()
-        for add_special in (True, False):  # chat renders carry their special tokens already
-            idx = [i for i, s in enumerate(special) if s is add_special]
-            if idx:
-                loras = lora_request if lora_request is None or isinstance(lora_request, LoRARequest) \
-                    else [lora_request[i] for i in idx]
-                got = self._run([texts[i] for i in idx], sampling, use_tqdm, add_special_tokens=add_special,
-                                lora_request=loras)
-                outputs += list(zip(idx, got))
-        return [_beam_output(out) for _, out in sorted(outputs, key=lambda x: x[0])]
+            text = processor.render_chat(p) if _is_conversation(p) else None
+            inputs.append(p if text is None else {"prompt_token_ids": processor.tokenize(text, False)[1]})
+            rendered.append(text)
+        outputs = self._run(inputs, params.to_sampling_params(), use_tqdm, add_special_tokens=True,
+                            lora_request=lora_request)
+        return [_beam_output(out, text) for out, text in zip(outputs, rendered)]
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
@@ -135,8 +127,9 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def _beam_output(output: RequestOutput) -> BeamSearchOutput:
-    prompt_ids, prompt = output.prompt_token_ids, output.prompt or ""
+def _beam_output(output: RequestOutput, rendered: str | None) -> BeamSearchOutput:
+    """vLLM's shape of a beam search's result (`rendered`: a conversation's prompt text)."""
+    prompt_ids, prompt = output.prompt_token_ids, output.prompt or rendered or ""
     return BeamSearchOutput([
         BeamSearchSequence(tokens=prompt_ids + c.token_ids, text=prompt + c.text, cum_logprob=c.cumulative_logprob,
                            output_token_ids=c.token_ids, output_text=c.text, finish_reason=c.finish_reason,

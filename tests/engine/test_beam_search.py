@@ -19,6 +19,9 @@ from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
 
 SLOW_CASES = ("mistral", "qwen2", "gemma3")
 EOS = 2  # the test models' EOS
+# (length_penalty, min_tokens) with a stop token inside the beams: three by default, three more slow
+GRID = [(0.5, 0), (1.0, 3), (2.0, 0)]
+MORE = [(0.5, 3), (1.0, 0), (2.0, 3)]
 
 
 def hf_beams(hf, prompt: list[int], width: int, max_tokens: int, length_penalty: float = 1.0,
@@ -65,33 +68,48 @@ def prompts() -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, 500, n)] for n in (5, 40)]  # 40: a chunked prefill (32 a step)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma3"])
-def test_beams_are_transformers_beams(test_models_dir, arch, prompts):
-    """Widths 1/2/4/8, length penalties 0.5/1/2, a stop token inside the beams (with
-    min_tokens holding it back too): HF's sequences, order and scores."""
-    llm = make_llm(test_models_dir) if arch == "llama" else LLM(
-        str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-        attention_backend="cpu", progress=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / arch, dtype=torch.float32)
-    for width in (1, 2, 4, 8):
-        assert_same_as_hf(hf, llm, prompts, BeamSearchParams(width, 10))
+@pytest.fixture(scope="module")
+def llm(test_models_dir) -> LLM:
+    return make_llm(test_models_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(test_models_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32)
+
+
+def assert_stop_token_grid(hf, llm: LLM, prompts, grid) -> None:
     stop = frequent_token(llm, prompts)
     stopped = 0
-    for length_penalty in (0.5, 1.0, 2.0):
-        for min_tokens in (0, 3):
-            params = BeamSearchParams(4, 10, length_penalty=length_penalty, stop_token_ids=(stop,),
-                                      min_tokens=min_tokens)
-            stopped += assert_same_as_hf(hf, llm, prompts, params)
+    for length_penalty, min_tokens in grid:
+        params = BeamSearchParams(4, 10, length_penalty=length_penalty, stop_token_ids=(stop,), min_tokens=min_tokens)
+        stopped += assert_same_as_hf(hf, llm, prompts, params)
     assert stopped > 0  # the stop token did end beams
     assert_no_leaks(llm)
 
 
-def test_stop_strings_end_beams_as_in_transformers(test_models_dir, prompts):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma3"])
+def test_beams_are_transformers_beams(test_models_dir, arch, prompts, llm, hf):
+    """Widths 1/2/4/8, length penalties 0.5/1/2, a stop token inside the beams (with
+    min_tokens holding it back too): HF's sequences, order and scores."""
+    if arch != "llama":
+        llm = LLM(str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+                  attention_backend="cpu", progress=False)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / arch, dtype=torch.float32)
+    for width in (1, 2, 4, 8):
+        assert_same_as_hf(hf, llm, prompts, BeamSearchParams(width, 10))
+    assert_stop_token_grid(hf, llm, prompts, GRID)
+
+
+@pytest.mark.slow
+def test_more_length_penalties_with_min_tokens(llm, hf, prompts):
+    assert_stop_token_grid(hf, llm, prompts, MORE)
+
+
+def test_stop_strings_end_beams_as_in_transformers(test_models_dir, prompts, llm, hf):
     """A stop string ends the beam whose token completes it (transformers'
     StopStringCriteria: the sequence keeps that token); the returned text stops before
     it, or with it under include_stop_str_in_output."""
-    llm = make_llm(test_models_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(test_models_dir / "llama")
     free = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(4, 12, ignore_eos=True))
     text = free[1].sequences[1].output_text
@@ -145,20 +163,18 @@ def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir):
     assert_no_leaks(llm)
 
 
-def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts):
+def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts, hf):
     """A pool too small for every group at once preempts whole groups; the beams are
     those of an engine that never preempts (and transformers')."""
     llm = make_llm(test_models_dir, kv_cache_memory=24 * KV_BYTES_PER_BLOCK, async_scheduling=False,
                    max_model_len=128, max_num_seqs=12)  # three groups at once, where two fit
-    hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32)
     many = prompts + [p[::-1] for p in prompts]
     assert_same_as_hf(hf, llm, many, BeamSearchParams(4, 32))
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
 
 
-def test_bad_beam_requests_are_refused_before_anything_is_queued(test_models_dir):
-    llm = make_llm(test_models_dir)
+def test_bad_beam_requests_are_refused_before_anything_is_queued(llm):
     bad = [
         (dict(beam_width=0, max_tokens=4), "beam_width"),
         (dict(beam_width=17, max_tokens=4), "beam_width"),
@@ -179,10 +195,9 @@ def test_bad_beam_requests_are_refused_before_anything_is_queued(test_models_dir
     assert_no_leaks(llm)
 
 
-def test_beam_search_takes_text_and_conversations(test_models_dir):
+def test_beam_search_takes_text_and_conversations(llm):
     """A prompt as text, token ids or a conversation (the chat template's render), in
     the order given; `tokens` and `text` are the whole sequence, as in vLLM."""
-    llm = make_llm(test_models_dir)
     tok = llm.get_tokenizer()
     conversation = [{"role": "user", "content": "hello"}]
     params = BeamSearchParams(2, 4, ignore_eos=True)
