@@ -132,27 +132,29 @@ def test_stop_strings_end_beams_as_in_transformers(test_models_dir, prompts, llm
     assert_no_leaks(llm)
 
 
-def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir):
-    """Four beams of a 1,000-token prompt hold its blocks once: after the first fork the
-    pool holds the prompt's full blocks and one partial block per beam; after the search,
-    and after an abort mid-way, nothing."""
-    llm = make_llm(test_models_dir, max_model_len=1024, kv_cache_memory=400 * KV_BYTES_PER_BLOCK,
-                   enable_prefix_caching=False)
+@pytest.mark.parametrize("prompt_len", [200, pytest.param(1000, marks=pytest.mark.slow)])
+def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir, llm, prompt_len):
+    """Four beams of a long prompt (1,000 tokens in the slow run) hold its blocks once:
+    after the first fork the pool holds the prompt's full blocks and one partial block
+    per beam; after the search, and after an abort mid-way, nothing."""
+    if prompt_len > 200:
+        llm = make_llm(test_models_dir, max_model_len=1024, kv_cache_memory=400 * KV_BYTES_PER_BLOCK)
     engine, kv = llm.llm_engine, llm.llm_engine.core.kv_cache_manager
-    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 1000)]
-    engine.add_requests([("a", {"prompt_token_ids": prompt}, BeamSearchParams(4, 8, ignore_eos=True).to_sampling_params())])
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, prompt_len)]
+    params = BeamSearchParams(4, 8, ignore_eos=True).to_sampling_params()
+    engine.add_requests([("a", {"prompt_token_ids": prompt}, params)])
     group = engine.core.scheduler.beam_groups["a"]
     while len(group.beams) == 1:
         engine.step()
-    num_full, partial = divmod(1000, 16)
+    num_full, partial = divmod(prompt_len, 16)
     assert partial and len(group.beams) == 4
-    assert kv.num_used_blocks == num_full + 4  # not 4 x 63
+    assert kv.num_used_blocks == num_full + 4  # not 4 x the prompt's
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert len(outputs) == 1 and len(outputs[0].outputs) == 4
     assert_no_leaks(llm)
-    engine.add_requests([("b", {"prompt_token_ids": prompt}, BeamSearchParams(4, 8, ignore_eos=True).to_sampling_params())])
+    engine.add_requests([("b", {"prompt_token_ids": prompt}, params)])
     while len(engine.core.scheduler.beam_groups["b"].beams) == 1:
         engine.step()
     engine.step()
