@@ -36,6 +36,7 @@ from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
@@ -325,7 +326,7 @@ class EngineCore:
         self.kv_cache_manager.check_fits(request, self.scheduler.max_kv_tokens(request))
         return request
 
-    def check_beam_search(self, params) -> None:
+    def check_beam_search(self, params: SamplingParams) -> None:
         """What this engine cannot run of a beam search (ValueError naming the field)."""
         params.check_beam_width(self.config.max_num_seqs)
         if self.config.speculative_config is not None:
