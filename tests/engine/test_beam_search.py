@@ -167,12 +167,26 @@ def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir, llm, promp
 
 def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts, hf):
     """A pool too small for every group at once preempts whole groups; the beams are
-    those of an engine that never preempts (and transformers')."""
+    those of an engine that never preempts (and transformers'), alone and among sampled
+    requests sharing their steps."""
     llm = make_llm(test_models_dir, kv_cache_memory=24 * KV_BYTES_PER_BLOCK, async_scheduling=False,
                    max_model_len=128, max_num_seqs=12)  # three groups at once, where two fit
     many = prompts + [p[::-1] for p in prompts]
-    assert_same_as_hf(hf, llm, many, BeamSearchParams(4, 32))
+    params = BeamSearchParams(4, 32)
+    assert_same_as_hf(hf, llm, many, params)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    # the same beam searches among sampled requests (n = 2, min_tokens) in the same steps
+    alone = [[s.output_token_ids for s in o.sequences] for o in llm.beam_search(
+        [{"prompt_token_ids": p} for p in many], params)]
+    engine = llm.llm_engine
+    engine.add_requests([(f"b{i}", {"prompt_token_ids": p}, params.to_sampling_params()) for i, p in enumerate(many)]
+                        + [(f"s{i}", {"prompt_token_ids": p}, SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=24,
+                                                                           min_tokens=3)) for i, p in enumerate(many)])
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert [[c.token_ids for c in done[f"b{i}"].outputs] for i in range(len(many))] == alone
+    assert all(len(done[f"s{i}"].outputs) == 2 for i in range(len(many)))
     assert_no_leaks(llm)
 
 
