@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from bench_eval import export_hf_folder
 from bench_serving import standard_dataset
-from bench_vllm import vllm_python
+from bench_vllm import vllm_env, vllm_python
 from isa_build import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,8 +98,7 @@ def run_vllm(python: str, folder: Path, prompts: list[list[int]], width: int, ma
              log: Path):
     args = json.dumps({"folder": str(folder), "prompts": prompts, "width": width, "max_tokens": max_tokens,
                        "max_num_seqs": max_num_seqs})
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT, args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([python, "-c", VLLM_SCRIPT, args], capture_output=True, text=True, env=vllm_env())
     log.write_text(proc.stdout + proc.stderr)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:

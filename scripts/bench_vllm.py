@@ -65,7 +65,7 @@ class LaunchedVllmServer(LaunchedServer):
 
     def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
-        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+        env = vllm_env()
         start = time.perf_counter()
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -76,6 +76,11 @@ class LaunchedVllmServer(LaunchedServer):
         self.startup_s = time.perf_counter() - start
         print(f"vLLM ready in {self.startup_s:.1f} s", flush=True)
         return self
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM CPU's environment here: 2 GiB of KV cache, its OpenMP threads on every core."""
+    return os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
 
 
 def _healthy(url: str) -> bool:

@@ -419,6 +419,8 @@ class Scheduler:
     def _seats_taken(self) -> int:
         """Sequences the running batch holds: one per request, and a beam search's width
         from the moment its prompt runs (its beams fork later)."""
+        if not self.beam_groups:
+            return len(self.running)
         groups = {id(r.beam): r.beam.width for r in self.running if r.beam is not None}
         return sum(r.beam is None for r in self.running) + sum(groups.values())
 

@@ -41,7 +41,7 @@ class LLM:
         """Generate for a prompt (string or token ids) or a list of them; outputs come
         back in the order of the prompts. `lora_request`: the adapter every prompt runs
         under, or one (or None: the base model) per prompt (enable_lora)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm, add_special_tokens=True, lora_request=lora_request)
 

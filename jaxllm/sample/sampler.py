@@ -5,7 +5,8 @@ Order as in vLLM: the structured-output token bitmask, logit bias, penalties
 tokens), greedy argmax, or temperature, top-k / top-p, min-p and a draw. The draw is an inverse-CDF lookup with one uniform per row
 from the request's seed and output index, so a seeded request draws the same tokens
 whatever it is batched with (and costs one cumsum instead of V Gumbel samples).
-Logprobs are of the raw model distribution.
+Logprobs are of the raw model distribution. A step with beam search rows also ranks
+each row's best continuations (`beam_candidates`: log_softmax plus the logit bias).
 """
 
 from __future__ import annotations

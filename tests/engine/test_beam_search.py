@@ -225,4 +225,8 @@ def test_beam_search_takes_text_and_conversations(llm):
         assert [s.output_token_ids for s in out.sequences] == [s.output_token_ids for s in want.sequences]
         assert all(s.tokens[:len(prompt_ids)] == prompt_ids for s in out.sequences)
     assert text.sequences[0].text == "one two" + text.sequences[0].output_text
+    # generate takes one {"prompt_token_ids": ...} prompt alone too (the same check of one prompt)
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    assert [o.outputs[0].token_ids for o in llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7]], greedy, use_tqdm=False)]
     assert_no_leaks(llm)
