@@ -1,4 +1,5 @@
-"""ModelConfig: the architecture hyper-parameters of a Llama-family model.
+"""ModelConfig: the architecture hyper-parameters of a Llama-family model or a BERT
+encoder.
 
 Read from an HF ``config.json`` (transformers 4 form: ``rope_theta``, ``rope_scaling``,
 ``torch_dtype``; transformers 5 form: ``rope_parameters``, ``dtype``) or from GGUF
@@ -47,6 +48,12 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8
 # half int8's integer rate); "auto" is int16 where the CPU kernel has integer dot products
 # for them (jaxllm.models.linear.auto_activation_quantization), else none.
 ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int16")
+# What the engine serves (vLLM's --runner): generated tokens, or pooled hidden states
+# (embeddings); auto is pooling for an encoder, generate otherwise. --convert (vLLM's):
+# how a generative checkpoint is served by the pooling runner (embed: its last hidden
+# states pooled; auto: embed where the runner is pooling; none: refused there).
+RUNNER_TYPES = ("auto", "generate", "pooling")
+CONVERT_TYPES = ("auto", "none", "embed")
 
 # HF architecture name -> model_type. One forward (jaxllm/models/llama.py) serves all of
 # them; the differences are flags on ModelConfig (qkv bias, q/k norm, sliding windows,
@@ -61,12 +68,16 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "BertModel": "bert",
 }
+# Encoders (bidirectional attention, no KV cache, served for pooling only: jaxllm/models/bert.py).
+ENCODER_TYPES = ("bert",)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Mixture of Experts: the MLP of (some) layers is a router over experts (models/moe.py).
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# The MLP's activation: SwiGLU (silu) or GeGLU with the tanh approximation (Gemma).
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# The MLP's activation: SwiGLU (silu) or GeGLU with the tanh approximation (Gemma); BERT's
+# plain MLP the exact (erf) GELU.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 # Per-layer attention kinds (HF's `layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -94,7 +105,9 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of one decoder-only transformer of the Llama family."""
+    """Hyper-parameters of one decoder-only transformer of the Llama family, or of a
+    BERT encoder (`is_encoder`: LayerNorms with `rms_norm_eps` as their epsilon,
+    learned absolute positions, `type_vocab_size` token types)."""
 
     architecture: str
     vocab_size: int
@@ -105,7 +118,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the norms' epsilon (BERT's layer_norm_eps)
     rope: RopeConfig = RopeConfig()
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama's `attention_bias`
@@ -126,6 +139,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # MoE: the top-k probabilities renormalized to sum to 1 (Mixtral: always)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert's width (0: none), sigmoid-gated
     dense_layers: tuple[int, ...] = ()  # MoE: layers whose MLP is dense (Qwen's mlp_only_layers, sparse step)
+    type_vocab_size: int = 0  # BERT: token type (segment) embeddings
     checkpoint_dtype: str = "float32"
     quantization: str | None = None  # the projections as the engine holds them: None (as loaded), or a QUANTIZATIONS name
     embed_quantization: str | None = None  # the embedding (and a tied output projection): a GGUF's kept blocks, or None
@@ -178,6 +192,12 @@ class ModelConfig:
         return kv_cache_groups([self.layer_window(i) for i in range(self.num_layers)], hybrid)
 
     @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT): every token attends to its whole sequence,
+        nothing is generated, no KV cache is kept (served for pooling only)."""
+        return self.model_type in ENCODER_TYPES
+
+    @property
     def sm_scale(self) -> float:
         """The attention scores' scale."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -217,7 +237,7 @@ class ModelConfig:
             head_dim = hf.get("head_dim") or hidden_size // num_heads
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
+            fields = dict(
                 architecture=architecture,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden_size,
@@ -236,8 +256,8 @@ class ModelConfig:
                                           for k, v in hf.get("jaxllm_tensor_quantization", {}).items()),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **_hf_family_fields(hf, model_type, source),
             )
+            return cls(**fields | _hf_family_fields(hf, model_type, source))  # the family's own fields win
         except KeyError as e:
             raise UnsupportedModelError(f"{source}: missing required field {e.args[0]!r}") from None
 
@@ -349,6 +369,11 @@ class ModelConfig:
                        max_window_layers=self.layer_types.index("sliding_attention"))
         if self.model_type in GEMMA_TYPES:
             out.update(self._gemma_hf_fields())
+        if self.is_encoder:
+            out.update(layer_norm_eps=self.rms_norm_eps, type_vocab_size=self.type_vocab_size,
+                       position_embedding_type="absolute")
+            for key in ("num_key_value_heads", "head_dim", "rope_parameters", "rms_norm_eps", "tie_word_embeddings"):
+                del out[key]
         return out
 
     def _moe_hf_fields(self) -> dict[str, Any]:
@@ -427,6 +452,8 @@ def _hf_architecture(hf: Mapping[str, Any], source: str) -> str:
 
 def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The ModelConfig fields in which the families differ, from an HF config."""
+    if model_type in ENCODER_TYPES:
+        return _hf_bert_fields(hf, source)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     bias = model_type in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False))
     fields: dict[str, Any] = dict(hidden_act=act, qkv_bias=bias,
@@ -457,6 +484,18 @@ def _hf_family_fields(hf: Mapping[str, Any], model_type: str, source: str) -> di
         final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
     )
     return fields
+
+
+def _hf_bert_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A BERT encoder's fields: LayerNorm epsilon, token types, the GELU; refused where
+    it is not the absolute-position BertModel jaxllm runs."""
+    kind = hf.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise UnsupportedModelError(f"{source}: position_embedding_type {kind!r} is not supported (absolute only)")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise UnsupportedModelError(f"{source}: a BERT decoder (is_decoder, add_cross_attention) is not supported")
+    return dict(hidden_act=hf.get("hidden_act", "gelu"), rms_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+                type_vocab_size=int(hf.get("type_vocab_size", 2)), tie_word_embeddings=False)
 
 
 def _gguf_moe_fields(arch: str, get) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Plain data shared by the engine frontend (`engine/`), the engine core (`core/`) and
 the model runner (`worker/`): requests as the core receives them, what it sends back,
 finish reasons, logprob rows, scheduler statistics, and a step's results. The bottom of
-the package: it imports nothing of jaxllm but `sampling_params` and `lora.request`
-(plain data both), and everything cheap to serialize, so the core can live in its own
+the package: it imports nothing of jaxllm but `sampling_params`, `pooling_params` and
+`lora.request` (plain data all), and everything cheap to serialize, so the core can live in its own
 process."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import enum
 
 from jaxllm.lora.request import LoRARequest
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -23,13 +24,17 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-def check_prompt(token_ids: list[int], *, vocab_size: int, max_model_len: int) -> None:
+def check_prompt(token_ids: list[int], *, vocab_size: int, max_model_len: int, generates: bool = True) -> None:
     """The checks every prompt passes, wherever it enters (the engine frontend, the
-    server before it answers, the core); ValueError naming the field."""
+    server before it answers, the core); ValueError naming the field. A prompt that
+    `generates` needs room for a token after it; one that is pooled does not."""
     n = len(token_ids)
     if n == 0:
         raise ValueError("prompt: must not be empty")
-    if n >= max_model_len:
+    if not generates and n > max_model_len:
+        raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens, but the input has "
+                         f"{n} tokens; shorten it or set truncate_prompt_tokens")
+    if generates and n >= max_model_len:
         raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens, "
                          f"but the prompt has {n} tokens (no room to generate)")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -46,12 +51,18 @@ class EngineCoreRequest:
     arrival_time: float
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    # a pooling request (embeddings): its prompt is computed and pooled, nothing generated
+    # (its sampling_params are not read: jaxllm.engine.input_processor.POOLING_SAMPLING)
+    pooling_params: PoolingParams | None = None
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """ValueError (naming the field) if the model cannot serve the request."""
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(self.sampling_params).__name__}")
-        check_prompt(self.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
+        if self.pooling_params is not None and not isinstance(self.pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params: expected PoolingParams, got {type(self.pooling_params).__name__}")
+        check_prompt(self.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len,
+                     generates=self.pooling_params is None)
         if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
             raise ValueError(f"lora_request: expected LoRARequest, got {type(self.lora_request).__name__}")
         self.sampling_params.validate_for_model(vocab_size)
@@ -86,6 +97,16 @@ class BeamSequence:
 
 
 @dataclasses.dataclass
+class PooledData:
+    """A pooling request's result: float32 values (little-endian bytes, so the core
+    needs no numpy to pass them on) of `shape`: [D] for one vector, [tokens, D] for one
+    per token."""
+
+    shape: list[int]
+    data: bytes
+
+
+@dataclasses.dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -95,6 +116,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     beams: list[BeamSequence] | None = None  # a finished beam search: its sequences, best first
+    pooled: PooledData | None = None  # a finished pooling request: its vector(s)
 
     @property
     def finished(self) -> bool:
@@ -173,3 +195,5 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # beam search: each beam's best continuations this step, (token ids, logprobs) best first
     beam_candidates: dict[str, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
+    # pooling requests (all their prompt computed this step): their pooled vector(s)
+    pooled: dict[str, PooledData] = dataclasses.field(default_factory=dict)

@@ -1,9 +1,12 @@
 """What a user gets back: RequestOutput with one CompletionOutput per sample (n);
-BeamSearchOutput from LLM.beam_search."""
+BeamSearchOutput from LLM.beam_search; PoolingRequestOutput (and its embedding and
+score forms) from a pooling model."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -75,3 +78,63 @@ class BeamSearchOutput:
     """A beam search's result: its beam_width best sequences, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's): `data`, float32, [D] for one vector (the
+    pooled hidden state, or the embedding cut and normalized as asked), [tokens, D]
+    for one per token."""
+
+    data: np.ndarray
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result per prompt (vLLM's): `outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """LLM.score's result per pair (vLLM's): `outputs.score`, the cosine similarity of
+    the two texts' embeddings; `prompt_token_ids` the two inputs' tokens, one after the
+    other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

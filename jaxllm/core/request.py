@@ -12,6 +12,7 @@ from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.core.structured_output import StructuredOutputRequest
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest, FinishReason
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class Request:
             tokens and its block table) at its next schedule.
         chosen_token: a beam that continues as itself: the token the group chose for
             it, which replaces the one its row sampled (sent with its next schedule).
+        pooling_params: a pooling request's (embeddings): its whole prompt is computed
+            in one step and pooled, and it finishes there.
     """
 
     request_id: str
@@ -84,6 +87,7 @@ class Request:
     beam: BeamGroup | None = None
     new_to_runner: bool = False
     chosen_token: int | None = None
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:
@@ -101,6 +105,7 @@ class Request:
             else PromptScores(req.sampling_params.prompt_logprobs),
             structured=None if req.sampling_params.structured_outputs is None
             else StructuredOutputRequest(req.sampling_params.structured_outputs),
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.lora.request import LoRARequest
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
     num_prompt_scored: int = 0  # prompt logprobs: positions scored already (score from here on)
     lora_request: LoRARequest | None = None  # the adapter it runs under
+    pooling_params: PoolingParams | None = None  # a pooling request: pool its hidden states
 
 
 @dataclasses.dataclass

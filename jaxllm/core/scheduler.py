@@ -321,6 +321,8 @@ class Scheduler:
             return _WAIT
         num_hit_tokens = prefix.num_tokens
         num_new = min(request.num_tokens - num_hit_tokens, budget)
+        if request.pooling_params is not None and num_new < request.num_tokens - num_hit_tokens:
+            return None  # pooled whole, in one step (an encoder's attention sees the whole sequence)
         new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, prefix.hits, prefix.num_tail_tokens)
         if new_blocks is None:
             return None
@@ -351,6 +353,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             num_prompt_scored=0 if scores is None else len(scores.rows),
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def _scored_prefix(self, request: Request):
@@ -590,6 +593,11 @@ class Scheduler:
                     request.beam.report(request, *result.beam_candidates[req_id])
                     if request.beam.ready and (output := self._decide_beams(request.beam)) is not None:
                         outputs.append(output)
+                continue
+            if req_id in result.pooled:  # a pooling request: done in the step that computed it
+                self.running.remove(request)
+                self._finish(request, FinishReason.STOP)
+                outputs.append(dataclasses.replace(self._output(request, [], None), pooled=result.pooled[req_id]))
                 continue
             prompt_logprobs = self._update_prompt_scores(request, result.prompt_logprobs.get(req_id))
             if not tokens or request.max_tokens == 0:

@@ -13,12 +13,16 @@ import typing
 from jaxllm.config import (
     ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
+    CONVERT_TYPES,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     QUANTIZATIONS,
+    RUNNER_TYPES,
+    ModelConfig,
 )
 from jaxllm.lora.request import LoRAConfig
+from jaxllm.pooling_params import PoolerConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -53,6 +57,15 @@ def _option(default, help: str, choices: tuple[str, ...] | None = None,
 class EngineConfig:
     model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded "
                                       "SmolLM2-135M-Instruct)")
+    runner: str = _option("auto", "generate tokens, or pool hidden states into embeddings (/v1/embeddings, /pooling, "
+                                  "/score, /rerank); auto is pooling for an encoder (BertModel), else generate",
+                          RUNNER_TYPES)
+    convert: str = _option("auto", "how the pooling runner serves a generative checkpoint: embed (its last hidden "
+                                   "states pooled); auto is embed under --runner pooling", CONVERT_TYPES)
+    pooler_config: PoolerConfig | str | dict | None = _option(
+        None, "the pooling runner's pooler, as vLLM's JSON: {\"pooling_type\": \"MEAN\", \"normalize\": true} "
+              "(pooling_type LAST, MEAN, CLS or ALL); unset fields are the model's: a sentence-transformers folder's "
+              "modules, else CLS for an encoder and LAST for a decoder, normalized")
     dtype: str = _option("auto", "weights and activations: auto is bfloat16 on a GPU; on a CPU, a bfloat16 or float16 "
                                  "checkpoint's bfloat16 where the CPU multiplies it natively (AVX512_BF16), else "
                                  "float32; bfloat16 on a CPU keeps float32 activations (docs/quantization.md)",
@@ -132,12 +145,27 @@ class EngineConfig:
         if self.enable_lora and self.num_processes > 1:
             raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.runner == "generate" and self.pooler_config is not None:
+            raise ValueError("pooler_config: only with the pooling runner (--runner pooling)")
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
         if self.async_scheduling and self.async_scheduling_blocked:
             raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
+
+    def runner_type(self, model: ModelConfig) -> str:
+        """The runner this engine serves `model` with: generate or pooling (ValueError
+        where the model cannot be served so)."""
+        runner = self.runner if self.runner != "auto" else "pooling" if model.is_encoder else "generate"
+        if runner == "generate" and model.is_encoder:
+            raise ValueError(f"runner: {model.architecture} is an encoder, which generates nothing; serve it with "
+                             "--runner pooling (the default for it)")
+        if runner == "pooling" and not model.is_encoder and self.convert == "none":
+            raise ValueError(f"convert: none keeps {model.architecture} generative; the pooling runner serves it "
+                             "with --convert embed")
+        return runner
 
     @property
     def async_scheduling_blocked(self) -> str | None:

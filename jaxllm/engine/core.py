@@ -28,6 +28,7 @@ from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMO
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.loaders.dtype import choose_dtype
+from jaxllm.loaders.pooling import model_pooler
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.models.linear import rounds_activations
@@ -36,10 +37,12 @@ from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path
+from jaxllm.pooling_params import PoolerConfig
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
+from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +212,28 @@ class EngineCore:
         else:
             self.model = _quantized(model, config.quantization) if model is not None else load()
             cfg, params = self.model.config, self.model.params
+        self.pooler: PoolerConfig | None = None  # the pooling runner's
+        self._rng = np.random.default_rng(config.seed)
+        # async scheduling: the step dispatched and not yet collected, with its schedule
+        self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
+        if config.runner_type(cfg) == "pooling":
+            self._start_pooling(config, cfg, params, loading, warm_up)
+        else:
+            self._start_generate(config, cfg, params, loading, cache_dir, warm_up, progress)
+        # The runner holds the weights from here (packed copies for linear_backend cpu):
+        # this reference would keep a second copy alive.
+        self.model = dataclasses.replace(self.model, params=None)
+        # process 0 of several sends each step to the others (jaxllm.engine.multihost)
+        self._step_sender = (multihost.StepSender(config.coordinator_address, config.num_processes - 1)
+                             if config.num_processes > 1 and config.process_id == 0 else None)
+        self.structured_outputs = StructuredOutputManager(
+            self.model.tokenizer, vocab_size=self.model.config.vocab_size,
+            eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
+
+    def _start_generate(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
+                        warm_up: bool, progress: bool) -> None:
+        """The KV cache, scheduler and model runner of a generating engine; `params`
+        abstract while `loading` (a future) reads the weights."""
         check_tensor_parallel(cfg, config.tensor_parallel_size)
         if config.enable_lora:  # refuses a model (or split) adapters cannot serve, before anything is built
             lora_partition_specs(cfg, config.tensor_parallel_size)
@@ -233,13 +258,11 @@ class EngineCore:
         # the weights' loading thread done before any measurement (it would share the cores)
         quiet = None if loading is None else loading.exception
         self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet))
+        self.runs_async = config.runs_async
         if config.async_scheduling is None and config.async_scheduling_blocked:
             logger.info("async scheduling off: %s", config.async_scheduling_blocked)
-        # async scheduling: the step dispatched and not yet collected, with its schedule
-        self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
         if draft is not None:
             self.runner.set_proposer(self._draft_proposer(config, draft, cache_dir))
-        self._rng = np.random.default_rng(config.seed)
         if loading is not None:  # laid out for the linear backend (packing ~1.5 s) on a thread too
             layout_pool = concurrent.futures.ThreadPoolExecutor(1, "model-layout")
             laid_out = layout_pool.submit(lambda: self.runner.layout_params(loading.result().params))
@@ -250,15 +273,40 @@ class EngineCore:
             if self.model.config != cfg:
                 raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
             self.runner.set_params(laid_out.result())
-        # The runner holds the weights from here (packed copies for linear_backend cpu):
-        # this reference would keep a second copy alive.
-        self.model = dataclasses.replace(self.model, params=None)
-        # process 0 of several sends each step to the others (jaxllm.engine.multihost)
-        self._step_sender = (multihost.StepSender(config.coordinator_address, config.num_processes - 1)
-                             if config.num_processes > 1 and config.process_id == 0 else None)
-        self.structured_outputs = StructuredOutputManager(
-            self.model.tokenizer, vocab_size=self.model.config.vocab_size,
-            eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
+
+    def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, warm_up: bool) -> None:
+        """The scheduler and pooling runner of an engine serving embeddings. An encoder
+        keeps no KV cache: its block pool only counts each step's tokens, and a prompt
+        is pooled whole in one step (the step's budget is at least max_model_len)."""
+        refused = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                         ("num_processes > 1", config.num_processes > 1),
+                                         ("enable_lora", config.enable_lora),
+                                         ("speculative_config", config.speculative_config is not None)) if on]
+        if refused:
+            raise ValueError(f"runner: pooling is not yet served with {', '.join(refused)}")
+        if config.async_scheduling:
+            raise ValueError("async_scheduling: a pooling step samples nothing the next one waits for; leave it unset")
+        if loading is not None:  # the start-up measurement needs the weights
+            self.model = loading.result()
+        model_pooler_config, trained_len = model_pooler(self.model.path, cfg)
+        self.pooler = config.pooler_config.over(model_pooler_config) if config.pooler_config else model_pooler_config
+        self.max_model_len = config.max_model_len or trained_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's {cfg.max_position_embeddings} "
+                             "positions")
+        budget = max(config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-budget // config.block_size) + config.max_num_seqs + 1
+        self.cache = CacheLayout(blocks, config.block_size, self.max_model_len, cfg.kv_cache_groups(False), budget)
+        self.kv_cache_why = "none kept: an encoder"
+        self.kv_cache_manager = KVCacheManager(blocks, config.block_size, enable_caching=False)
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=budget, max_model_len=self.max_model_len)
+        self.runner = PoolingRunner(cfg, params, PoolingRunnerConfig(
+            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend))
+        self.runs_async = False
+        self.warmup_seconds = self.runner.warm_up(self.model.params) if warm_up else 0.0
+        if not warm_up:
+            self.runner.set_params(self.model.params)
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         """The tokenizer's text of `token_ids` (a beam search's stop strings)."""
@@ -314,6 +362,7 @@ class EngineCore:
     def make_request(self, req: EngineCoreRequest) -> Request:
         """The scheduler's Request for `req`, after every check that can reject it."""
         req.validate(vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
+        self.check_runner(req)
         params, n = req.sampling_params, len(req.prompt_token_ids)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -325,6 +374,20 @@ class EngineCore:
         request = Request.from_engine_core_request(req, max_tokens, seed % 2**64)
         self.kv_cache_manager.check_fits(request, self.scheduler.max_kv_tokens(request))
         return request
+
+    def check_runner(self, req: EngineCoreRequest) -> None:
+        """A request this engine's runner serves: pooling requests where it pools (with
+        parameters the model supports), generation where it generates; ValueError
+        saying how to start the other."""
+        name = self.config.model or "the model"
+        if self.pooler is None and req.pooling_params is not None:
+            raise ValueError(f"pooling_params: {name} is served for generation; embeddings need a server started "
+                             "with --runner pooling")
+        if self.pooler is not None and req.pooling_params is None:
+            raise ValueError(f"sampling_params: {name} is served for pooling (--runner pooling): it returns "
+                             "embeddings, not generated text; start it with --runner generate to generate")
+        if req.pooling_params is not None:
+            req.pooling_params.check_for_model(self.pooler, self.model.config.hidden_size)
 
     def check_beam_search(self, params: SamplingParams) -> None:
         """What this engine cannot run of a beam search (ValueError naming the field)."""
@@ -362,7 +425,7 @@ class EngineCore:
         aborted and the prefix cache forgets the blocks it was to fill, then the error
         propagates (the engine stays usable). Under async scheduling, the outputs of
         the step before (`_step_async`)."""
-        if self.config.runs_async:
+        if self.runs_async:
             return self._step_async()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
@@ -437,6 +500,11 @@ class EngineCore:
         multihost.follow(self, self.config.coordinator_address)
 
     def describe(self) -> str:
+        if self.pooler is not None:
+            p = self.pooler
+            return (f"runner pooling ({p.pooling_type}{', normalized' if p.normalize else ''}); "
+                    f"max_model_len={self.max_model_len}; {len(self.runner.token_buckets)} step shapes of up to "
+                    f"{self.scheduler.max_num_batched_tokens} tokens; {self.runner.describe_backends()}")
         c = self.cache
         dtype, why = choose_dtype(self.config.dtype, self.runner.config.checkpoint_dtype)
         return (
@@ -446,6 +514,6 @@ class EngineCore:
             + (f" and {len(self.runner.loop_buckets)} decode loops of {self.runner.num_scheduler_steps} steps"
                if self.runner.loop_buckets else "") + "; "
             f"{self.runner.describe_backends()}"
-            + ("; async scheduling" if self.config.runs_async else "")
+            + ("; async scheduling" if self.runs_async else "")
         )
 

@@ -1,5 +1,5 @@
 """The frontend's input side: prompts (text, token ids, chat messages) and
-SamplingParams in, validated EngineCoreRequests out."""
+SamplingParams (or PoolingParams) in, validated EngineCoreRequests out."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from typing import Any
 
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+# A pooling request's SamplingParams: never read to sample (the scheduler finishes it with
+# its pooled vector in the step that computes its prompt); one token keeps its KV need at
+# the prompt's (jaxllm.core.request.Request.max_kv_tokens)
+POOLING_SAMPLING = SamplingParams(max_tokens=1)
 Message = dict[str, Any]
 
 
@@ -50,14 +55,37 @@ class InputProcessor:
             tools=tools,
         )
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+    def truncated(self, prompt: Prompt, params: PoolingParams, add_special_tokens: bool = True
+                  ) -> tuple[str | None, list[int]]:
+        """A pooling prompt's (text, token ids), its first `truncate_prompt_tokens` kept
+        (-1: max_model_len): a text's by the tokenizer, which keeps its special tokens
+        ([CLS] ... [SEP]; as sentence-transformers truncates), token ids as they come."""
+        limit = params.truncate_prompt_tokens
+        if limit is None:
+            return self.tokenize(prompt, add_special_tokens)
+        limit = self.max_model_len if limit == -1 else limit
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens, truncation=True, max_length=limit)
+            return prompt, list(ids["input_ids"])
+        text, ids = self.tokenize(prompt, add_special_tokens)
+        return text, ids[:limit]
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
                      arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                      ) -> tuple[EngineCoreRequest, str | None]:
-        text, ids = self.tokenize(prompt, add_special_tokens)
+        """The core's request for `prompt` (a pooling one where `params` is
+        PoolingParams: it generates nothing), validated."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            text, ids = self.truncated(prompt, pooling, add_special_tokens)
+            params = POOLING_SAMPLING
+        else:
+            text, ids = self.tokenize(prompt, add_special_tokens)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
+            pooling_params=pooling,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,

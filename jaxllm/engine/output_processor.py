@@ -27,9 +27,20 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
-from jaxllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from jaxllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +62,7 @@ class RequestOutputKind(enum.Enum):
 class ProcessedOutputs:
     """What one process_outputs call produced."""
 
-    request_outputs: list[RequestOutput]  # ready for the user, in arrival order
+    request_outputs: list[RequestOutput | PoolingRequestOutput]  # ready for the user, in arrival order
     reqs_to_abort: list[str]  # core request ids finished here by a stop string: abort them in the core
 
 
@@ -303,6 +314,9 @@ class OutputProcessor:
             if output.beams is not None:
                 processed.request_outputs.append(self._emit_beams(state, output, now))
                 continue
+            if output.pooled is not None:
+                processed.request_outputs.append(self._emit_pooled(state, output, now))
+                continue
             num_before = len(state.detokenizer.token_ids)
             stop_string = state.detokenizer.update(output.new_token_ids, output.finish_reason is FinishReason.STOP)
             kept = len(state.detokenizer.token_ids) - num_before  # fewer where a stop string ended them
@@ -357,6 +371,14 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=completions, finished=True, num_cached_tokens=state.num_cached_tokens,
                              metrics=state.metrics)
+
+    def _emit_pooled(self, state: RequestState, output: EngineCoreOutput, now: float) -> PoolingRequestOutput:
+        """A finished pooling request: its vector(s) as a float32 array."""
+        del self.request_states[state.request_id]
+        state.metrics.first_token_time = state.metrics.last_token_time = state.metrics.finished_time = now
+        data = np.frombuffer(output.pooled.data, "<f4").reshape(output.pooled.shape)
+        return PoolingRequestOutput(state.request_id, PoolingOutput(data), state.prompt_token_ids, True, state.prompt,
+                                    state.metrics)
 
     def _emit(
         self, state: RequestState, finish_reason: FinishReason | None, stop_reason: int | str | None, now: float

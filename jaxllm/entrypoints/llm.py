@@ -1,15 +1,28 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(...)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `.chat(...)`,
+`.beam_search(...)`; for a pooling model `.embed(...)`, `.encode(...)`, `.score(...)`."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
+
+import numpy as np
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.input_processor import Message, Prompt
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -87,6 +100,81 @@ class LLM:
                             lora_request=lora_request)
         return [_beam_output(out, text) for out, text in zip(outputs, rendered)]
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in their order (vLLM's
+        `LLM.embed`; a pooling model: `runner="pooling"`, the default for an encoder).
+        Normalized as the model's pooler says unless `PoolingParams(normalize=...)`;
+        `dimensions` cuts a matryoshka model's; `truncate_prompt_tokens` keeps a long
+        prompt's first tokens (-1: max_model_len) where it would be an error."""
+        outputs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling_task: str = "encode",
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled hidden states of each prompt (vLLM's `LLM.encode`):
+        `outputs.data`, a float32 array, the pooler's vector not normalized
+        (`pooling_task` "encode"), the embedding ("embed"), or one per token
+        ("token_embed", a model served with pooling_type ALL)."""
+        return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The similarity of text pairs (vLLM's `LLM.score` of an embedding model: the
+        cosine of their embeddings): one text against each of `data_2`, or
+        `data_1[i]` against `data_2[i]`."""
+        first, second = _score_pairs(data_1, data_2)
+        unique = list(dict.fromkeys(first + second))
+        embedded = self._pool(unique, None, "embed", truncate_prompt_tokens, use_tqdm)
+        by_text = {text: out for text, out in zip(unique, embedded, strict=True)}
+        results = []
+        for i, (a, b) in enumerate(zip(first, second, strict=True)):
+            u, v = by_text[a].outputs.data, by_text[b].outputs.data
+            cosine = float(np.dot(u, v) / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
+            results.append(ScoringRequestOutput(str(i), ScoringOutput(cosine),
+                                                by_text[a].prompt_token_ids + by_text[b].prompt_token_ids))
+        return results
+
+    def _pool(self, prompts, pooling_params, task: str, truncate_prompt_tokens: int | None, use_tqdm: bool
+              ) -> list[PoolingRequestOutput]:
+        """Run prompts as pooling requests of `task` (each PoolingParams given keeps
+        its own fields; `truncate_prompt_tokens` where it sets none)."""
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"pooling_params: {len(pooling_params)} given for {len(prompts)} prompts")
+        params = []
+        for p in pooling_params:
+            p = p if p is not None else PoolingParams(task=task)
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"pooling_params: expected PoolingParams, got {type(p).__name__}")
+            if truncate_prompt_tokens is not None and p.truncate_prompt_tokens is None:
+                p = dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+            params.append(p)
+        return self._run(prompts, params, use_tqdm, add_special_tokens=True, desc="embedding")
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
         self.llm_engine.core.add_lora(lora_request)
@@ -98,12 +186,14 @@ class LLM:
         return self.llm_engine.core.list_loras()
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, add_special_tokens: bool,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, desc: str = "generating") -> list:
+        """Run the prompts, one params each (SamplingParams, or PoolingParams for a
+        pooling model); their finished outputs in order."""
         from tqdm import tqdm
 
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(
@@ -118,7 +208,7 @@ class LLM:
         engine.add_requests(list(zip(ids, prompts, sampling_params)), add_special_tokens=add_special_tokens,
                             lora_requests=list(lora_request))
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm, unit="req") as bar:
+        with tqdm(total=len(prompts), desc=desc, disable=not use_tqdm, unit="req") as bar:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -147,3 +237,18 @@ def _is_one_prompt(prompts) -> bool:
     if isinstance(prompts, (str, dict)) or _is_conversation(prompts):
         return True
     return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
+    """vLLM's pairing: one text against each of the others, or N against N."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("data_1, data_2: must not be empty")
+    if not all(isinstance(t, str) for t in first + second):
+        raise ValueError("data_1, data_2: texts (strings)")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"data_1, data_2: {len(first)} texts against {len(second)}; give one, or as many as data_2")
+    return first, second

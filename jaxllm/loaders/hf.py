@@ -119,10 +119,20 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
         where = str(folder / (INDEX_FILE if files else SINGLE_FILE))
+        if cfg.is_encoder:
+            source = _unprefixed(source, tensor_names(folder), "bert.")
         quant = read_quantization(folder)
         if quant is not None:
             source = quantized_source(quant, source, tensor_names(folder), held_names(cfg))
         return build_params(cfg, source, dtype, where, on_host=on_host)
+
+
+def _unprefixed(source, names: set[str], prefix: str):
+    """`source` reading the declaration's names where the checkpoint prefixes them (a
+    BERT saved from a task model, BertForMaskedLM's "bert.embeddings...")."""
+    if not any(name.startswith(prefix) for name in names):
+        return source
+    return lambda name: source(prefix + name)
 
 
 def load_hf_tokenizer(folder: str | Path, chat_template: str | None = None):
