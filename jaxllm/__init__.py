@@ -4,6 +4,9 @@
     llm = LLM()  # the embedded SmolLM2-135M-Instruct
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text)
 
+    embedder = LLM("all-MiniLM-L6-v2")  # an encoder: served for pooling (embeddings)
+    print(embedder.embed("Hello world")[0].outputs.embedding[:4])
+
 Exports are resolved lazily, so the plain-Python parts (the scheduler, the KV cache
 manager) can be imported without loading JAX.
 """
@@ -15,13 +18,17 @@ import logging as _logging
 _logging.getLogger("jax._src.xla_bridge").setLevel(_logging.ERROR)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "PoolingRequestOutput", "ScoringRequestOutput", "EngineConfig", "LoRARequest"]
 
 _EXPORTS = {
     "LLM": "jaxllm.entrypoints.llm",
     "SamplingParams": "jaxllm.sampling_params",
     "BeamSearchParams": "jaxllm.sampling_params",
+    "PoolingParams": "jaxllm.pooling_params",
+    "EmbeddingRequestOutput": "jaxllm.outputs",
+    "PoolingRequestOutput": "jaxllm.outputs",
+    "ScoringRequestOutput": "jaxllm.outputs",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "EngineConfig": "jaxllm.engine.config",

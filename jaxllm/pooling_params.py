@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 # How a sequence's hidden states become its vector: the last token's (decoders), their
 # mean, the first token's ([CLS]), or every token's (ALL: one vector per token).

@@ -11,6 +11,7 @@ rope_parameters, dtype). Uses numpy + safetensors + tokenizers only.
 
     python scripts/make_test_model.py OUT_DIR [--arch llama,qwen2]
     python scripts/make_test_model.py OUT_DIR --arch llama-3.1-8b     # 16 GB of bfloat16
+    python scripts/make_test_model.py OUT_DIR --arch bert             # a BERT encoder (embeddings)
 """
 
 from __future__ import annotations
@@ -299,6 +300,80 @@ def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, 
     (folder / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     )
+    return folder
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_wordpiece(vocab_size: int = 400) -> Tokenizer:
+    """A BERT-style tokenizer: lower-cased WordPiece, [CLS] ... [SEP] around each text."""
+    from tokenizers import normalizers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
+    return tok
+
+
+def write_bert(out: Path, name: str = "bert", seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
+               intermediate: int = 128, max_position_embeddings: int = 128, pooling: str | None = None,
+               normalize: bool = True, max_seq_length: int | None = None, matryoshka: bool = False) -> Path:
+    """A tiny random-weight HF BertModel folder (BertModel's tensor names, a WordPiece
+    tokenizer). `pooling` ("mean", "cls", "lasttoken") makes it a sentence-transformers
+    folder too: modules.json with that Pooling module (and Normalize where `normalize`),
+    sentence_bert_config.json's `max_seq_length`; `matryoshka`: config.json says
+    is_matryoshka."""
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_wordpiece()
+    vocab = tok.get_vocab_size()
+    config = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": vocab, "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": intermediate,
+              "hidden_act": "gelu", "max_position_embeddings": max_position_embeddings, "type_vocab_size": 2,
+              "layer_norm_eps": 1e-12, "pad_token_id": 0, "position_embedding_type": "absolute",
+              "torch_dtype": "float32"} | ({"is_matryoshka": True} if matryoshka else {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    mat = lambda o, i: (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+    vec = lambda n, scale=0.1: (rng.standard_normal(n) * scale).astype(np.float32)
+    weights = {"embeddings.word_embeddings.weight": mat(vocab, hidden) * 4,
+               "embeddings.position_embeddings.weight": mat(max_position_embeddings, hidden) * 4,
+               "embeddings.token_type_embeddings.weight": mat(2, hidden) * 4,
+               "embeddings.LayerNorm.weight": 1 + vec(hidden), "embeddings.LayerNorm.bias": vec(hidden)}
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for part in ("query", "key", "value"):
+            weights[p + f"attention.self.{part}.weight"] = mat(hidden, hidden)
+            weights[p + f"attention.self.{part}.bias"] = vec(hidden)
+        for name_, (o, n) in {"attention.output.dense": (hidden, hidden), "intermediate.dense": (intermediate, hidden),
+                              "output.dense": (hidden, intermediate)}.items():
+            weights[p + name_ + ".weight"], weights[p + name_ + ".bias"] = mat(o, n), vec(o)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            weights[p + norm + ".weight"], weights[p + norm + ".bias"] = 1 + vec(hidden), vec(hidden)
+    save_weights(folder, weights, 1)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+        "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": max_position_embeddings}, indent=2))
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        modes = {f"pooling_mode_{m}": m == pooling for m in ("cls_token", "mean_tokens", "max_tokens",
+                                                                "mean_sqrt_len_tokens", "lasttoken")}
+        modes["pooling_mode_cls_token"], modes["pooling_mode_mean_tokens"] = pooling == "cls", pooling == "mean"
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden} | modes))
+        (folder / "sentence_bert_config.json").write_text(json.dumps(
+            {"max_seq_length": max_seq_length or max_position_embeddings, "do_lower_case": False}))
     return folder
 
 
@@ -692,7 +767,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--arch", default=",".join(ARCHITECTURES),
-                        help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}")
+                        help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}, bert")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
     parser.add_argument("--quantize", choices=("gptq", "awq", "compressed-tensors", *SCALED_SCHEMES), default=None,
@@ -704,6 +779,9 @@ def main() -> None:
                                                                            "bits per weight")
     args = parser.parse_args()
     for name in args.arch.split(","):
+        if name == "bert":
+            print(write_bert(args.out, seed=args.seed, layers=args.layers or 2, pooling="mean"))
+            continue
         folder = write_model(args.out, name, seed=args.seed, layers=args.layers)
         print(folder)
         if args.quantize in SCALED_SCHEMES:

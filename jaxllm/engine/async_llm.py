@@ -27,7 +27,8 @@ from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.metrics import EngineMetrics
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -96,15 +97,15 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         add_special_tokens: bool = True,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (under `lora_request`'s adapter); ValueError
-        before anything is queued if the request is invalid, EngineDeadError if the
-        core dies meanwhile."""
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """Stream the request's outputs (under `lora_request`'s adapter; a pooling
+        request's one PoolingRequestOutput); ValueError before anything is queued if
+        the request is invalid, EngineDeadError if the core dies meanwhile."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         request, text = self.input_processor.make_request(request_id, prompt, params, lora_request=lora_request,
@@ -202,7 +203,8 @@ class AsyncLLM:
             self.client.send(wire.ABORT, processed.reqs_to_abort)
         for output in processed.request_outputs:
             # DELTA outputs carry new tokens, FINAL_ONLY all of them once: either way the sum
-            num = self._num_generated.get(output.request_id, 0) + sum(len(c.token_ids) for c in output.outputs)
+            generated = 0 if isinstance(output, PoolingRequestOutput) else sum(len(c.token_ids) for c in output.outputs)
+            num = self._num_generated.get(output.request_id, 0) + generated
             if output.finished:
                 self._num_generated.pop(output.request_id, None)
                 self.metrics.observe_finished(output, num)

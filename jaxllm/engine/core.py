@@ -217,7 +217,7 @@ class EngineCore:
         # async scheduling: the step dispatched and not yet collected, with its schedule
         self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
         if config.runner_type(cfg) == "pooling":
-            self._start_pooling(config, cfg, params, loading, warm_up)
+            self._start_pooling(config, cfg, params, loading, cache_dir, warm_up)
         else:
             self._start_generate(config, cfg, params, loading, cache_dir, warm_up, progress)
         # The runner holds the weights from here (packed copies for linear_backend cpu):
@@ -274,7 +274,8 @@ class EngineCore:
                 raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
             self.runner.set_params(laid_out.result())
 
-    def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, warm_up: bool) -> None:
+    def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
+                       warm_up: bool) -> None:
         """The scheduler and pooling runner of an engine serving embeddings. An encoder
         keeps no KV cache: its block pool only counts each step's tokens, and a prompt
         is pooled whole in one step (the step's budget is at least max_model_len)."""
@@ -302,7 +303,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget, max_model_len=self.max_model_len)
         self.runner = PoolingRunner(cfg, params, PoolingRunnerConfig(
-            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend))
+            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend, cache_dir))
         self.runs_async = False
         self.warmup_seconds = self.runner.warm_up(self.model.params) if warm_up else 0.0
         if not warm_up:

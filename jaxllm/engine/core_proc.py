@@ -58,6 +58,9 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
             block_size=core.cache.block_size,
             load_seconds=model.load_seconds,
             warmup_seconds=core.warmup_seconds,
+            runner="generate" if core.pooler is None else "pooling",
+            pooler=core.pooler,
+            hidden_size=model.config.hidden_size,
         )
         conn.send_bytes(wire.encode(wire.READY, ready))
         EngineCoreLoop(core, conn).run()

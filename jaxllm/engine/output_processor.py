@@ -375,7 +375,7 @@ class OutputProcessor:
     def _emit_pooled(self, state: RequestState, output: EngineCoreOutput, now: float) -> PoolingRequestOutput:
         """A finished pooling request: its vector(s) as a float32 array."""
         del self.request_states[state.request_id]
-        state.metrics.first_token_time = state.metrics.last_token_time = state.metrics.finished_time = now
+        state.metrics.finished_time = now  # no token: no first-token time
         data = np.frombuffer(output.pooled.data, "<f4").reshape(output.pooled.shape)
         return PoolingRequestOutput(state.request_id, PoolingOutput(data), state.prompt_token_ids, True, state.prompt,
                                     state.metrics)

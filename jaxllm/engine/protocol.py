@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.lora.request import LoRARequest
+from jaxllm.pooling_params import PoolerConfig
 
 
 class EngineCoreStartError(RuntimeError):
@@ -25,6 +26,9 @@ class EngineCoreReady:
     block_size: int
     load_seconds: float
     warmup_seconds: float
+    runner: str = "generate"  # or "pooling" (embeddings)
+    pooler: PoolerConfig | None = None  # the pooling runner's
+    hidden_size: int = 0
 
 
 @dataclasses.dataclass

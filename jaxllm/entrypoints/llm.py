@@ -7,11 +7,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-import numpy as np
-
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.input_processor import Message, Prompt
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.entrypoints.scoring import cosine, score_pairs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import (
     BeamSearchOutput,
@@ -142,17 +141,12 @@ class LLM:
         """The similarity of text pairs (vLLM's `LLM.score` of an embedding model: the
         cosine of their embeddings): one text against each of `data_2`, or
         `data_1[i]` against `data_2[i]`."""
-        first, second = _score_pairs(data_1, data_2)
+        first, second = score_pairs(data_1, data_2, ("data_1", "data_2"))
         unique = list(dict.fromkeys(first + second))
-        embedded = self._pool(unique, None, "embed", truncate_prompt_tokens, use_tqdm)
-        by_text = {text: out for text, out in zip(unique, embedded, strict=True)}
-        results = []
-        for i, (a, b) in enumerate(zip(first, second, strict=True)):
-            u, v = by_text[a].outputs.data, by_text[b].outputs.data
-            cosine = float(np.dot(u, v) / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
-            results.append(ScoringRequestOutput(str(i), ScoringOutput(cosine),
-                                                by_text[a].prompt_token_ids + by_text[b].prompt_token_ids))
-        return results
+        by_text = dict(zip(unique, self._pool(unique, None, "embed", truncate_prompt_tokens, use_tqdm), strict=True))
+        return [ScoringRequestOutput(str(i), ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
+                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+                for i, (a, b) in enumerate(zip(first, second, strict=True))]
 
     def _pool(self, prompts, pooling_params, task: str, truncate_prompt_tokens: int | None, use_tqdm: bool
               ) -> list[PoolingRequestOutput]:
@@ -238,17 +232,3 @@ def _is_one_prompt(prompts) -> bool:
         return True
     return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
 
-
-def _score_pairs(data_1, data_2) -> tuple[list[str], list[str]]:
-    """vLLM's pairing: one text against each of the others, or N against N."""
-    first = [data_1] if isinstance(data_1, str) else list(data_1)
-    second = [data_2] if isinstance(data_2, str) else list(data_2)
-    if not first or not second:
-        raise ValueError("data_1, data_2: must not be empty")
-    if not all(isinstance(t, str) for t in first + second):
-        raise ValueError("data_1, data_2: texts (strings)")
-    if len(first) == 1:
-        first = first * len(second)
-    if len(first) != len(second):
-        raise ValueError(f"data_1, data_2: {len(first)} texts against {len(second)}; give one, or as many as data_2")
-    return first, second

@@ -253,13 +253,13 @@ ACT_ORDER = "act_order"  # a tensor_quantization format's suffix: the projection
 
 def declare(cfg: ModelConfig) -> ModelParams:
     """Every parameter of a model of `cfg`, as a ModelParams of ParamDecl leaves (an
-    encoder's: jaxllm.models.bert.BertParams); each quantized projection in
+    encoder's: jaxllm.models.bert_params.BertParams); each quantized projection in
     `cfg.quantization`'s format, or in the one `cfg.tensor_quantization` gives it (by
     its first HF tensor's name; "none": as stored)."""
     if cfg.is_encoder:
-        from jaxllm.models import bert  # it builds on this module
+        from jaxllm.models import bert_params  # it builds on this module
 
-        return bert.declare(cfg)
+        return bert_params.declare(cfg)
     decls = _declare(cfg)
     if not cfg.tensor_quantization:
         return decls

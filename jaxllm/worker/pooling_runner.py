@@ -13,10 +13,12 @@ L2-normalized where it asks (float32, as sentence-transformers' Normalize).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,12 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import NewRequestData, SchedulerOutput
 from jaxllm.messages import ModelRunnerOutput, PooledData
 from jaxllm.models import bert
+from jaxllm.models.bert_params import BertLayerParams, BertParams
 from jaxllm.models.linear import linear_candidates, pack_weight
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.worker.buckets import seq_bucket, token_buckets
+from jaxllm.worker.compilation import CompilationManager, shapes_and_dtypes
+from jaxllm.worker.executable_cache import ExecutableStore, store_directory
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,7 @@ class PoolingRunnerConfig:
     max_model_len: int
     pooler: PoolerConfig
     linear_backend: str = "auto"
+    cache_dir: Path | None = None  # the executable store's (jaxllm.worker.executable_cache); None: compiled each start
 
 
 def pool(hidden: Float[Array, "T D"], seg: Int[Array, " T"], starts: Int[Array, " S"], lens: Int[Array, " S"],
@@ -58,7 +64,7 @@ def pool(hidden: Float[Array, "T D"], seg: Int[Array, " T"], starts: Int[Array, 
     return sums / jnp.maximum(lens, 1)[:, None].astype(jnp.float32)
 
 
-def pooling_step(params: bert.BertParams, token_ids: Int[Array, " T"], positions: Int[Array, " T"],
+def pooling_step(params: BertParams, token_ids: Int[Array, " T"], positions: Int[Array, " T"],
                  seg: Int[Array, " T"], starts: Int[Array, " S"], lens: Int[Array, " S"], num_tokens: Int[Array, ""],
                  *, cfg: ModelConfig, pooling_type: str, max_len: int) -> Float[Array, "S D"] | Float[Array, "T D"]:
     """One step: the encoder over a flat batch of whole sequences, pooled."""
@@ -66,9 +72,9 @@ def pooling_step(params: bert.BertParams, token_ids: Int[Array, " T"], positions
     return pool(hidden, seg, starts, lens, pooling_type)
 
 
-def pack_bert(params: bert.BertParams) -> bert.BertParams:
+def pack_bert(params: BertParams) -> BertParams:
     """The encoder's projections packed for the `cpu` linear backend (abstract params too)."""
-    def pack_layer(lp: bert.BertLayerParams) -> bert.BertLayerParams:
+    def pack_layer(lp: BertLayerParams) -> BertLayerParams:
         return lp.replace(**{name: pack_weight(getattr(lp, name)) for name in ("wqkv", "wo", "w_in", "w_out")})
 
     return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers))
@@ -85,7 +91,7 @@ class _StepArrays:
 
 
 class PoolingRunner:
-    def __init__(self, cfg: ModelConfig, params: bert.BertParams, rc: PoolingRunnerConfig) -> None:
+    def __init__(self, cfg: ModelConfig, params: BertParams, rc: PoolingRunnerConfig) -> None:
         """`params` as loaded (or abstract: set_params gives the weights later)."""
         if not cfg.is_encoder:
             raise ValueError(f"runner pooling: {cfg.architecture} is a decoder; serving decoders as embedders is not "
@@ -100,25 +106,37 @@ class PoolingRunner:
         self.params = None if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else params
         self._compiled: dict[tuple[str, int], object] = {}
         self.measured: dict[str, float] = {}  # seconds per step of the largest bucket, by backend (auto)
+        self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
 
     # ----------------------------------------------------------------- weights
 
-    def layout_params(self, params: bert.BertParams, backend: str | None = None) -> bert.BertParams:
+    def layout_params(self, params: BertParams, backend: str | None = None) -> BertParams:
         return pack_bert(params) if (backend or self.backend) == "cpu" else params
 
-    def set_params(self, params: bert.BertParams) -> None:
+    def set_params(self, params: BertParams) -> None:
         """The loaded weights, as loaded (laid out here for the chosen backend)."""
         self._loaded = params
         self.params = self.layout_params(params)
 
     def describe_backends(self) -> str:
         timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in self.measured.items())
-        return f"linear {self.backend}" + (f" (the largest step: {timed})" if timed else "")
+        why = f" (the largest step: {timed})" if timed else " (measured on an earlier start)" if len(
+            self.backends) > 1 else ""
+        return f"linear {self.backend}{why}; {self.num_loaded_executables} executables loaded"
 
     # ------------------------------------------------------------- compilation
 
+    def _store(self, backend: str) -> ExecutableStore:
+        """Where the executables of `backend` are kept, keyed by what they are compiled from."""
+        abstract = self.layout_params(self._abstract, backend)
+        return ExecutableStore(store_directory(self.rc.cache_dir), "pooling_step", self.config, backend,
+                               self.rc.pooler.pooling_type, self.max_len, self.rc.max_num_seqs,
+                               shapes_and_dtypes(abstract), jax.tree.structure(abstract),
+                               devices=[jax.local_devices()[0]])
+
     def _executable(self, backend: str, tokens: int):
+        """The executable of bucket `tokens` (loaded from the store, else compiled and stored)."""
         key = (backend, tokens)
         if key not in self._compiled:
             seqs = seq_bucket(self.rc.max_num_seqs, tokens)
@@ -126,26 +144,33 @@ class PoolingRunner:
                                      max_len=self.max_len)
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
             abstract = self.layout_params(self._abstract, backend)
-            self._compiled[key] = jax.jit(step).trace(
-                abstract, i32(tokens), i32(tokens), i32(tokens), i32(seqs), i32(seqs), i32()).lower().compile()
+            lower = lambda: jax.jit(step).trace(abstract, i32(tokens), i32(tokens), i32(tokens), i32(seqs), i32(seqs),
+                                                i32()).lower()
+            self._compiled[key], loaded = CompilationManager._load_or_compile(self._store(backend), f"t{tokens}-s{seqs}",
+                                                                              lower)
+            self.num_loaded_executables += loaded
         return self._compiled[key]
 
-    def warm_up(self, loaded: bert.BertParams | None = None) -> float:
-        """Compile every bucket; with two linear backends (`auto` on a CPU) time both on
-        the largest bucket first and keep the faster. `loaded`: the weights (for the
-        measurement) when they were not given at construction. Returns seconds."""
+    def warm_up(self, loaded: BertParams | None = None) -> float:
+        """Load or compile every bucket (two at a time); with two linear backends
+        (`auto` on a CPU) first the faster of them on the largest bucket, measured once
+        and kept with the executables. `loaded`: the weights (for the measurement) when
+        they were not given at construction. Returns seconds."""
         start = time.perf_counter()
         loaded = loaded if loaded is not None else self.params
         if len(self.backends) > 1 and loaded is not None:
-            self.backend = self._measure(loaded)
-        for tokens in self.token_buckets:
-            self._executable(self.backend, tokens)
+            plan_store = self._store("+".join(self.backends))  # the candidates' measurement
+            plan = plan_store.load_text("backend")
+            self.backend = plan if plan in self.backends else self._measure(loaded)
+            plan_store.save_text("backend", self.backend)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda t: self._executable(self.backend, t), self.token_buckets))
         self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.backend}
         if loaded is not None:
             self.params = self.layout_params(loaded)
         return time.perf_counter() - start
 
-    def _measure(self, loaded: bert.BertParams) -> str:
+    def _measure(self, loaded: BertParams) -> str:
         """The faster backend on the largest bucket full of maximal sequences."""
         tokens = self.token_buckets[-1]
         n = max(1, tokens // self.max_len)

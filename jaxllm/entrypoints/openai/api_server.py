@@ -1,8 +1,9 @@
 """The Starlette app of the OpenAI-compatible server.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
-/v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/models, /tokenizer_info,
-/health, /version, /metrics. A request's `model` names the base model or a LoRA
+Routes: POST /v1/completions, /v1/chat/completions (a generating server), /v1/embeddings,
+/pooling, /score and /v1/score, /rerank, /v1/rerank and /v2/rerank (a pooling server:
+`--runner pooling`), /tokenize, /detokenize, /v1/load_lora_adapter,
+/v1/unload_lora_adapter; GET /v1/models, /tokenizer_info, /health, /version, /metrics. A request's `model` names the base model or a LoRA
 adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter).
 With an API key, every /v1 route and /tokenize, /detokenize, /tokenizer_info need
 `Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error
@@ -31,18 +32,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxllm.entrypoints.openai import serving, tools
+from jaxllm.entrypoints.openai import pooling, serving, tools
 from jaxllm.entrypoints.openai.errors import APIError, error_response
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from jaxllm.entrypoints.scoring import score_pairs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import check_prompt
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -225,7 +232,22 @@ class Handlers:
 
     # --------------------------------------------------------- endpoints
 
+    def require_runner(self, runner: str, endpoint: str) -> None:
+        """A 400 for an endpoint the server's runner does not serve, saying how to
+        start a server that does."""
+        served = self.engine.ready.runner
+        if served == runner:
+            return
+        if runner == "pooling":
+            raise APIError(400, f"{endpoint}: {self.settings.model_name} is served for generation (--runner "
+                                "generate); embeddings, scores and rerank need a server started with --runner pooling "
+                                "(an encoder such as all-MiniLM-L6-v2 is pooled by default)", param="model")
+        raise APIError(400, f"{endpoint}: {self.settings.model_name} is served for pooling (--runner pooling): it "
+                            "answers /v1/embeddings, /pooling, /score and /rerank; start the server with --runner "
+                            "generate to generate text", param="model")
+
     async def completions(self, request: Request) -> Response:
+        self.require_runner("generate", "/v1/completions")
         body: CompletionRequest = await self.parse(request, CompletionRequest)
         params = self.checked(body.to_sampling_params())
         prompts = body.prompts()
@@ -245,6 +267,7 @@ class Handlers:
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
 
     async def chat_completions(self, request: Request) -> Response:
+        self.require_runner("generate", "/v1/chat/completions")
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         params = self.checked(body.to_sampling_params(default_max_tokens=None))
         tool_mode = self.tool_mode(body)
@@ -261,6 +284,68 @@ class Handlers:
                                 num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode)
 
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
+
+    async def embeddings(self, request: Request) -> Response:
+        self.require_runner("pooling", "/v1/embeddings")
+        return await self._pooled(request, EmbeddingRequest, "embd", "embedding")
+
+    async def pooling(self, request: Request) -> Response:
+        self.require_runner("pooling", "/pooling")
+        return await self._pooled(request, PoolingRequest, "pool", "pooling")
+
+    async def _pooled(self, request: Request, kind: type[EmbeddingRequest], prefix: str, item: str) -> Response:
+        body: EmbeddingRequest = await self.parse(request, kind)
+        pooling.check_encoding_format(body.encoding_format)
+        params = body.pooling_params(body.task) if isinstance(body, PoolingRequest) else body.pooling_params()
+        inputs = body.inputs()
+        self.admit(len(inputs))
+        token_ids = pooling.prepare(self.engine, inputs, params, body.add_special_tokens)
+        rid = serving.new_id(prefix)
+
+        async def run():
+            outputs = await pooling.pool(self.engine, rid, token_ids, params)
+            return pooling.embeddings_body(rid, self.model_name(body.model), outputs, body.encoding_format, item)
+
+        return await respond(await until_disconnect(request, run))
+
+    async def score(self, request: Request) -> Response:
+        self.require_runner("pooling", "/score")
+        body: ScoreRequest = await self.parse(request, ScoreRequest)
+        first, second = score_pairs(body.text_1, body.text_2)
+        self.admit(len(set(first) | set(second)))
+        rid = serving.new_id("score")
+        params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
+
+        async def run():
+            scores, outputs = await pooling.similarities(self.engine, rid, first, second, params)
+            return {"id": rid, "object": "list", "created": int(time.time()), "model": self.model_name(body.model),
+                    "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                    "usage": pooling.usage(outputs)}
+
+        return await respond(await until_disconnect(request, run))
+
+    async def rerank(self, request: Request) -> Response:
+        self.require_runner("pooling", "/rerank")
+        body: RerankRequest = await self.parse(request, RerankRequest)
+        if not body.documents:
+            raise APIError(400, "documents: must not be empty", param="documents")
+        self.admit(len(set(body.documents)) + 1)
+        rid = serving.new_id("rerank")
+        params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
+        doc_params = (params if body.max_tokens_per_doc is None
+                      else PoolingParams(truncate_prompt_tokens=body.max_tokens_per_doc))
+
+        async def run():
+            scores, outputs = await pooling.similarities(self.engine, rid, [body.query] * len(body.documents),
+                                                         body.documents, params, doc_params)
+            ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
+            results = [{"index": i, "relevance_score": scores[i]}
+                       | ({"document": {"text": body.documents[i]}} if body.return_documents else {})
+                       for i in ranked]
+            return {"id": rid, "model": self.model_name(body.model), "results": results,
+                    "usage": {"total_tokens": pooling.usage(outputs)["total_tokens"]}}
+
+        return await respond(await until_disconnect(request, run))
 
     def tool_mode(self, body: ChatCompletionRequest) -> tools.ToolMode | None:
         """How the answer's tool calls are found (None: no tools in play)."""
@@ -360,6 +445,10 @@ class Handlers:
             Route("/v1/completions", guarded(h.completions), methods=["POST"]),
             Route("/v1/chat/completions", guarded(h.chat_completions), methods=["POST"]),
             Route("/v1/models", guarded(h.models), methods=["GET"]),
+            Route("/v1/embeddings", guarded(h.embeddings), methods=["POST"]),
+            Route("/pooling", guarded(h.pooling), methods=["POST"]),
+            *(Route(path, guarded(h.score), methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, guarded(h.rerank), methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/load_lora_adapter", guarded(h.load_lora_adapter), methods=["POST"]),
             Route("/v1/unload_lora_adapter", guarded(h.unload_lora_adapter), methods=["POST"]),
             Route("/tokenize", guarded(h.tokenize), methods=["POST"]),

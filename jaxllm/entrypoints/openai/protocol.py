@@ -1,5 +1,6 @@
-"""Request bodies of the OpenAI API as jaxllm accepts them (pydantic models), and
-their translation into SamplingParams.
+"""Request bodies of the OpenAI API (and vLLM's pooling, score and rerank endpoints) as
+jaxllm accepts them (pydantic models), and their translation into SamplingParams or
+PoolingParams.
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored: a
 client asking for something jaxllm does not do (tools, ...) learns it at once.
@@ -7,11 +8,13 @@ client asking for something jaxllm does not do (tools, ...) learns it at once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.entrypoints.openai import tools
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
@@ -336,3 +339,84 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+# ------------------------------------------------------------------ pooling
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class _PoolingFields(BaseModel):
+    """What the pooling endpoints share (OpenAI's embeddings fields, vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: str = "float"  # "float" or "base64" (little-endian float32s); checked by the handler
+    dimensions: int | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or token ids (OpenAI's four forms of `input`); 400s for
+        an empty list, an empty string or an empty token list, as OpenAI answers them."""
+        value = self.input
+        if isinstance(value, str):
+            items: list = [value]
+        elif not value:
+            raise ValueError("input: must not be empty")
+        elif all(isinstance(v, int) for v in value):
+            items = [list(value)]
+        else:
+            items = list(value)
+        for i, item in enumerate(items):
+            if not item:
+                raise ValueError(f"input: item {i} is empty (an empty string or token list cannot be embedded)")
+        return items
+
+    def pooling_params(self, task: str) -> PoolingParams:
+        return PoolingParams(task=task, dimensions=self.dimensions, truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+class EmbeddingRequest(_PoolingFields):
+    """OpenAI's POST /v1/embeddings (with vLLM's truncate_prompt_tokens and
+    add_special_tokens)."""
+
+    normalize: bool | None = None  # vLLM's: the model's pooler by default
+
+    def pooling_params(self, task: str = "embed") -> PoolingParams:
+        return dataclasses.replace(super().pooling_params(task), normalize=self.normalize)
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's POST /pooling: the pooler's output, by default as LLM.encode gives it
+    (not normalized); `task` "embed" (the embedding) or "token_embed" (one per token)."""
+
+    task: str = "encode"
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's POST /score (and /v1/score): text_1 against each of text_2, or pairwise."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class RerankRequest(BaseModel):
+    """POST /rerank, /v1/rerank (Jina's shape), /v2/rerank (Cohere's): the documents
+    by their relevance to the query, best first."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    max_tokens_per_doc: int | None = None  # Cohere v2's: taken as truncate_prompt_tokens for the documents
+    user: str | None = None
