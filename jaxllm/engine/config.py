@@ -58,10 +58,11 @@ class EngineConfig:
     model: str | None = _option(None, "HF folder, GGUF file or converted checkpoint (default: the embedded "
                                       "SmolLM2-135M-Instruct)")
     runner: str = _option("auto", "generate tokens, or pool hidden states into embeddings (/v1/embeddings, /pooling, "
-                                  "/score, /rerank); auto is pooling for an encoder (BertModel), else generate",
-                          RUNNER_TYPES)
-    convert: str = _option("auto", "how the pooling runner serves a generative checkpoint: embed (its last hidden "
-                                   "states pooled); auto is embed under --runner pooling", CONVERT_TYPES)
+                                  "/score, /rerank); auto is pooling for an encoder (BertModel) or a "
+                                  "sentence-transformers folder, else generate", RUNNER_TYPES)
+    convert: str = _option("auto", "how the pooling runner serves a generative checkpoint: embed (its final-normed "
+                                   "hidden states pooled, LAST by default); auto is embed under --runner pooling; none "
+                                   "refuses it", CONVERT_TYPES)
     pooler_config: PoolerConfig | str | dict | None = _option(
         None, "the pooling runner's pooler, as vLLM's JSON: {\"pooling_type\": \"MEAN\", \"normalize\": true} "
               "(pooling_type LAST, MEAN, CLS or ALL); unset fields are the model's: a sentence-transformers folder's "
@@ -155,10 +156,12 @@ class EngineConfig:
         if self.async_scheduling and self.async_scheduling_blocked:
             raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
 
-    def runner_type(self, model: ModelConfig) -> str:
-        """The runner this engine serves `model` with: generate or pooling (ValueError
-        where the model cannot be served so)."""
-        runner = self.runner if self.runner != "auto" else "pooling" if model.is_encoder else "generate"
+    def runner_type(self, model: ModelConfig, embedder: bool = False) -> str:
+        """The runner this engine serves `model` with: generate or pooling (`auto`: pooling
+        for an encoder, or a model its folder says is an `embedder`: a
+        sentence-transformers folder); ValueError where the model cannot be served so."""
+        auto = "pooling" if model.is_encoder or (embedder and self.convert != "none") else "generate"
+        runner = self.runner if self.runner != "auto" else auto
         if runner == "generate" and model.is_encoder:
             raise ValueError(f"runner: {model.architecture} is an encoder, which generates nothing; serve it with "
                              "--runner pooling (the default for it)")

@@ -28,7 +28,8 @@ from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMO
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.loaders.dtype import choose_dtype
-from jaxllm.loaders.pooling import model_pooler
+from jaxllm.loaders.default_model import model_path
+from jaxllm.loaders.pooling import is_sentence_transformers, model_pooler
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.models.linear import rounds_activations
@@ -216,7 +217,8 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         # async scheduling: the step dispatched and not yet collected, with its schedule
         self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
-        if config.runner_type(cfg) == "pooling":
+        path = self.model.path if model is not None else model_path(config.model)
+        if config.runner_type(cfg, is_sentence_transformers(path)) == "pooling":
             self._start_pooling(config, cfg, params, loading, cache_dir, warm_up)
         else:
             self._start_generate(config, cfg, params, loading, cache_dir, warm_up, progress)
@@ -298,12 +300,13 @@ class EngineCore:
         budget = max(config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-budget // config.block_size) + config.max_num_seqs + 1
         self.cache = CacheLayout(blocks, config.block_size, self.max_model_len, cfg.kv_cache_groups(False), budget)
-        self.kv_cache_why = "none kept: an encoder"
+        self.kv_cache_why = "none kept between steps"
         self.kv_cache_manager = KVCacheManager(blocks, config.block_size, enable_caching=False)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget, max_model_len=self.max_model_len)
         self.runner = PoolingRunner(cfg, params, PoolingRunnerConfig(
-            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend, cache_dir))
+            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend, config.block_size,
+            cache_dir))
         self.runs_async = False
         self.warmup_seconds = self.runner.warm_up(self.model.params) if warm_up else 0.0
         if not warm_up:

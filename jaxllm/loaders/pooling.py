@@ -21,6 +21,12 @@ _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tok
 _MODULE = "sentence_transformers.models."
 
 
+def is_sentence_transformers(path: Path) -> bool:
+    """Whether `path` is a sentence-transformers folder (an embedding model, whatever
+    its architecture: gte-Qwen2 and Qwen3-Embedding are Qwen2/3ForCausalLM)."""
+    return path.is_dir() and (path / "modules.json").is_file()
+
+
 def model_pooler(path: Path, cfg: ModelConfig) -> tuple[PoolerConfig, int | None]:
     """The model's pooler and, where a sentence-transformers folder gives one, the
     sequence length it was trained for (max_seq_length)."""

@@ -4,11 +4,15 @@ cache kept.
 
 The scheduler hands it new requests only (a pooling request is admitted with its whole
 prompt and finishes in that step). Their tokens go into one flat batch padded to a
-token bucket (jaxllm.worker.buckets), compiled for every bucket at start-up; the
-encoder's forward (jaxllm.models.bert) gives every token's hidden state and the step
-pools them on the device (`pool`: each sequence's mean, first or last token, or every
-token for ALL). On the host each request's vector is cut to its `dimensions` and
-L2-normalized where it asks (float32, as sentence-transformers' Normalize).
+token bucket (jaxllm.worker.buckets), compiled for every bucket at start-up (or loaded
+from the executable store). An encoder's forward (jaxllm.models.bert) attends within
+each sequence; a decoder served as an embedder (`--convert embed`: Qwen3-Embedding,
+gte-Qwen2, e5-mistral's way) runs its family's forward (jaxllm.models.llama) through a
+paged cache it holds for the step only, causal as in generation, and its final norm.
+The step pools every token's hidden state on the device (`pool`: each sequence's mean,
+first or last token, or every token for ALL); on the host each request's vector is cut
+to its `dimensions` and L2-normalized where it asks (float32, as sentence-transformers'
+Normalize).
 """
 
 from __future__ import annotations
@@ -18,19 +22,27 @@ import dataclasses
 import functools
 import logging
 import time
+import typing
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jaxtyping import Array, Float, Int
 
+from jaxllm.attention.backends import AttentionFn, attention_candidates, get_attention_fn
+from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, kv_cache_format
+from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import NewRequestData, SchedulerOutput
 from jaxllm.messages import ModelRunnerOutput, PooledData
-from jaxllm.models import bert
+from jaxllm.models import bert, llama
 from jaxllm.models.bert_params import BertLayerParams, BertParams
-from jaxllm.models.linear import linear_candidates, pack_weight
+from jaxllm.models.linear import layout_params, linear_candidates, pack_weight
+from jaxllm.models.params import ModelParams
+from jaxllm.models.rope import RopeTable, model_rope_table
+from jaxllm.platform import activation_dtype
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.worker.buckets import seq_bucket, token_buckets
 from jaxllm.worker.compilation import CompilationManager, shapes_and_dtypes
@@ -46,6 +58,7 @@ class PoolingRunnerConfig:
     max_model_len: int
     pooler: PoolerConfig
     linear_backend: str = "auto"
+    block_size: int = 16  # a decoder's step cache's blocks
     cache_dir: Path | None = None  # the executable store's (jaxllm.worker.executable_cache); None: compiled each start
 
 
@@ -64,12 +77,48 @@ def pool(hidden: Float[Array, "T D"], seg: Int[Array, " T"], starts: Int[Array, 
     return sums / jnp.maximum(lens, 1)[:, None].astype(jnp.float32)
 
 
-def pooling_step(params: BertParams, token_ids: Int[Array, " T"], positions: Int[Array, " T"],
-                 seg: Int[Array, " T"], starts: Int[Array, " S"], lens: Int[Array, " S"], num_tokens: Int[Array, ""],
-                 *, cfg: ModelConfig, pooling_type: str, max_len: int) -> Float[Array, "S D"] | Float[Array, "T D"]:
-    """One step: the encoder over a flat batch of whole sequences, pooled."""
-    hidden = bert.forward(params, cfg, token_ids, positions, jnp.zeros_like(token_ids), seg, num_tokens, max_len)
-    return pool(hidden, seg, starts, lens, pooling_type)
+@typing.no_type_check  # a pytree of host arrays (numpy) or abstract ones
+@struct.dataclass
+class PoolingInputs:
+    """One step's flat batch of whole sequences, padded to a bucket of T tokens and S
+    sequence rows: each token's id, position (from 0 in its sequence) and sequence
+    (`seg`; padding tokens in the index S of their own); each sequence's first token
+    and length; and for a decoder, which attends through a paged cache it keeps for
+    the step only, where each token's K/V goes and each sequence's blocks."""
+
+    token_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    seg: Int[Array, " T"]
+    starts: Int[Array, " S"]
+    lens: Int[Array, " S"]
+    query_start_loc: Int[Array, " S+1"]
+    slots: Int[Array, " T"]
+    block_tables: Int[Array, "S MB"]
+    num_seqs: Int[Array, ""]
+    num_tokens: Int[Array, ""]
+
+
+def encoder_step(params: BertParams, x: PoolingInputs, *, cfg: ModelConfig, pooling_type: str, max_len: int
+                 ) -> Float[Array, "S D"] | Float[Array, "T D"]:
+    """One step of an encoder: its last hidden states, pooled."""
+    hidden = bert.forward(params, cfg, x.token_ids, x.positions, jnp.zeros_like(x.token_ids), x.seg, x.num_tokens,
+                          max_len)
+    return pool(hidden, x.seg, x.starts, x.lens, pooling_type)
+
+
+def decoder_step(params: ModelParams, rope: RopeTable, caches: tuple[KVCache, ...], x: PoolingInputs, *,
+                 cfg: ModelConfig, attention_fn: AttentionFn, pooling_type: str
+                 ) -> tuple[Float[Array, "S D"] | Float[Array, "T D"], tuple[KVCache, ...]]:
+    """One step of a decoder served as an embedder: every prompt prefilled through the
+    family's forward (causal attention through the step's own cache blocks), its
+    final-normed hidden states pooled (as transformers' `AutoModel` gives them)."""
+    md = AttentionMetadata(slot_mapping=x.slots, block_tables=x.block_tables, seq_lens=x.lens,
+                           query_start_loc=x.query_start_loc, num_seqs=x.num_seqs,
+                           common_prefix_blocks=jnp.zeros((), jnp.int32))
+    hidden, caches = llama.forward_hidden(params, rope, caches, x.token_ids, x.positions, md, cfg=cfg,
+                                          attention_fn=attention_fn)
+    normed = llama.rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    return pool(normed, x.seg, x.starts, x.lens, pooling_type), caches
 
 
 def pack_bert(params: BertParams) -> BertParams:
@@ -80,27 +129,23 @@ def pack_bert(params: BertParams) -> BertParams:
     return params.replace(layers=tuple(pack_layer(lp) for lp in params.layers))
 
 
-@dataclasses.dataclass
-class _StepArrays:
-    token_ids: np.ndarray
-    positions: np.ndarray
-    seg: np.ndarray
-    starts: np.ndarray
-    lens: np.ndarray
-    num_tokens: int
+def layout(params: BertParams | ModelParams, backend: str) -> BertParams | ModelParams:
+    """A pooling model's weights as `backend` multiplies them: a decoder's without its
+    output projection (nothing is sampled; a tied table stays the lookups' table)."""
+    if isinstance(params, BertParams):
+        return pack_bert(params) if backend == "cpu" else params
+    return layout_params(backend, params.replace(lm_head=None), pack_head=False)
 
 
 class PoolingRunner:
-    def __init__(self, cfg: ModelConfig, params: BertParams, rc: PoolingRunnerConfig) -> None:
-        """`params` as loaded (or abstract: set_params gives the weights later)."""
-        if not cfg.is_encoder:
-            raise ValueError(f"runner pooling: {cfg.architecture} is a decoder; serving decoders as embedders is not "
-                             "built yet (encoders: BertModel)")
+    def __init__(self, cfg: ModelConfig, params: BertParams | ModelParams, rc: PoolingRunnerConfig) -> None:
+        """`params` as loaded (or abstract: warm_up or set_params gives the weights)."""
         self.config, self.rc = cfg, rc
-        self.dtype = jax.tree.leaves(params)[0].dtype
+        float_leaf = params.embed_norm if isinstance(params, BertParams) else params.final_norm
+        self.dtype = float_leaf.dtype
         self.token_buckets = token_buckets(rc.max_num_batched_tokens)
         self.max_len = min(rc.max_model_len, rc.max_num_batched_tokens)
-        self.backends = linear_candidates(rc.linear_backend, self.dtype)
+        self.backends = linear_candidates(rc.linear_backend, self.dtype, quantized=cfg.quantization is not None)
         self.backend = self.backends[0]
         self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.params = None if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else params
@@ -108,22 +153,23 @@ class PoolingRunner:
         self.measured: dict[str, float] = {}  # seconds per step of the largest bucket, by backend (auto)
         self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
+        self.decoder = None if cfg.is_encoder else _DecoderState.make(cfg, rc, self.dtype)
 
     # ----------------------------------------------------------------- weights
 
-    def layout_params(self, params: BertParams, backend: str | None = None) -> BertParams:
-        return pack_bert(params) if (backend or self.backend) == "cpu" else params
+    def layout_params(self, params, backend: str | None = None):
+        return layout(params, backend or self.backend)
 
-    def set_params(self, params: BertParams) -> None:
+    def set_params(self, params) -> None:
         """The loaded weights, as loaded (laid out here for the chosen backend)."""
-        self._loaded = params
         self.params = self.layout_params(params)
 
     def describe_backends(self) -> str:
         timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in self.measured.items())
         why = f" (the largest step: {timed})" if timed else " (measured on an earlier start)" if len(
             self.backends) > 1 else ""
-        return f"linear {self.backend}{why}; {self.num_loaded_executables} executables loaded"
+        attention = "" if self.decoder is None else f"attention {self.decoder.attention}; "
+        return f"{attention}linear {self.backend}{why}; {self.num_loaded_executables} executables loaded"
 
     # ------------------------------------------------------------- compilation
 
@@ -131,7 +177,8 @@ class PoolingRunner:
         """Where the executables of `backend` are kept, keyed by what they are compiled from."""
         abstract = self.layout_params(self._abstract, backend)
         return ExecutableStore(store_directory(self.rc.cache_dir), "pooling_step", self.config, backend,
-                               self.rc.pooler.pooling_type, self.max_len, self.rc.max_num_seqs,
+                               self.rc.pooler.pooling_type, self.max_len, self.rc.max_num_seqs, self.rc.block_size,
+                               None if self.decoder is None else self.decoder.attention,
                                shapes_and_dtypes(abstract), jax.tree.structure(abstract),
                                devices=[jax.local_devices()[0]])
 
@@ -140,18 +187,24 @@ class PoolingRunner:
         key = (backend, tokens)
         if key not in self._compiled:
             seqs = seq_bucket(self.rc.max_num_seqs, tokens)
-            step = functools.partial(pooling_step, cfg=self.config, pooling_type=self.rc.pooler.pooling_type,
-                                     max_len=self.max_len)
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-            abstract = self.layout_params(self._abstract, backend)
-            lower = lambda: jax.jit(step).trace(abstract, i32(tokens), i32(tokens), i32(tokens), i32(seqs), i32(seqs),
-                                                i32()).lower()
+            inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._inputs([], tokens))
+            params = self.layout_params(self._abstract, backend)
+            kind = self.rc.pooler.pooling_type
+            if self.decoder is None:
+                step = functools.partial(encoder_step, cfg=self.config, pooling_type=kind, max_len=self.max_len)
+                lower = lambda: jax.jit(step).trace(params, inputs).lower()
+            else:
+                d = self.decoder
+                step = functools.partial(decoder_step, cfg=self.config, attention_fn=get_attention_fn(d.attention),
+                                         pooling_type=kind)
+                lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, d.rope, d.abstract_caches,
+                                                                         inputs).lower()
             self._compiled[key], loaded = CompilationManager._load_or_compile(self._store(backend), f"t{tokens}-s{seqs}",
                                                                               lower)
             self.num_loaded_executables += loaded
         return self._compiled[key]
 
-    def warm_up(self, loaded: BertParams | None = None) -> float:
+    def warm_up(self, loaded=None) -> float:
         """Load or compile every bucket (two at a time); with two linear backends
         (`auto` on a CPU) first the faster of them on the largest bucket, measured once
         and kept with the executables. `loaded`: the weights (for the measurement) when
@@ -163,49 +216,65 @@ class PoolingRunner:
             plan = plan_store.load_text("backend")
             self.backend = plan if plan in self.backends else self._measure(loaded)
             plan_store.save_text("backend", self.backend)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda t: self._executable(self.backend, t), self.token_buckets))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool_:
+            list(pool_.map(lambda t: self._executable(self.backend, t), self.token_buckets))
         self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.backend}
         if loaded is not None:
             self.params = self.layout_params(loaded)
         return time.perf_counter() - start
 
-    def _measure(self, loaded: BertParams) -> str:
+    def _measure(self, loaded) -> str:
         """The faster backend on the largest bucket full of maximal sequences."""
         tokens = self.token_buckets[-1]
         n = max(1, tokens // self.max_len)
-        arrays = self._arrays([[101] * (tokens // n)] * n, tokens)
+        inputs = self._inputs([[1] * (tokens // n)] * n, tokens)
         for backend in self.backends:
             params, run = self.layout_params(loaded, backend), self._executable(backend, tokens)
-            jax.block_until_ready(self._call(run, params, arrays))
             times = []
-            for _ in range(3):
+            for _ in range(4):  # the first call warms up
                 t = time.perf_counter()
-                jax.block_until_ready(self._call(run, params, arrays))
+                jax.block_until_ready(self._call(run, params, inputs))
                 times.append(time.perf_counter() - t)
-            self.measured[backend] = min(times)
+            self.measured[backend] = min(times[1:])
         return min(self.measured, key=self.measured.get)
 
     # -------------------------------------------------------------------- step
 
-    def _arrays(self, sequences: list[list[int]], tokens: int) -> _StepArrays:
-        seqs = seq_bucket(self.rc.max_num_seqs, tokens)
+    def _inputs(self, sequences: list[list[int]], tokens: int) -> PoolingInputs:
+        """The step's PoolingInputs (numpy) for `sequences`, padded to `tokens`; a
+        decoder's sequences each take whole blocks of its step cache, one after the
+        other from block 1 (block 0 takes the padding tokens' writes)."""
+        seqs, n = seq_bucket(self.rc.max_num_seqs, tokens), len(sequences)
         lens = np.zeros(seqs, np.int32)
-        lens[:len(sequences)] = [len(s) for s in sequences]
-        starts = np.zeros(seqs, np.int32)
-        starts[1:len(sequences)] = np.cumsum(lens[:len(sequences) - 1])
-        n = int(lens.sum())
+        lens[:n] = [len(s) for s in sequences]
+        query_start_loc = np.zeros(seqs + 1, np.int32)
+        query_start_loc[1:] = np.cumsum(lens)
+        starts = query_start_loc[:-1].copy()
+        total = int(query_start_loc[-1])
         token_ids = np.zeros(tokens, np.int32)
-        token_ids[:n] = np.concatenate(sequences) if sequences else []
+        token_ids[:total] = np.concatenate(sequences) if sequences else []
         seg = np.full(tokens, seqs, np.int32)  # padding: a segment of its own
-        seg[:n] = np.repeat(np.arange(len(sequences), dtype=np.int32), lens[:len(sequences)])
+        seg[:total] = np.repeat(np.arange(n, dtype=np.int32), lens[:n])
         positions = np.zeros(tokens, np.int32)
-        positions[:n] = np.arange(n, dtype=np.int32) - np.repeat(starts[:len(sequences)], lens[:len(sequences)])
-        return _StepArrays(token_ids, positions, seg, starts, lens, n)
+        positions[:total] = np.arange(total, dtype=np.int32) - np.repeat(starts[:n], lens[:n])
+        bs = self.rc.block_size
+        blocks = -(-lens // bs)
+        first_block = 1 + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int32)
+        table_width = -(-self.max_len // bs)
+        block_tables = np.zeros((seqs, table_width), np.int32)
+        columns = np.arange(table_width, dtype=np.int32)
+        block_tables[:] = np.where(columns[None, :] < blocks[:, None], first_block[:, None] + columns[None, :], 0)
+        slots = np.zeros(tokens, np.int32)
+        slots[:total] = block_tables[seg[:total], positions[:total] // bs] * bs + positions[:total] % bs
+        return PoolingInputs(token_ids, positions, seg, starts, lens, query_start_loc, slots, block_tables,
+                             np.int32(n), np.int32(total))
 
-    @staticmethod
-    def _call(run, params, a: _StepArrays):
-        return run(params, a.token_ids, a.positions, a.seg, a.starts, a.lens, np.int32(a.num_tokens))
+    def _call(self, run, params, inputs: PoolingInputs):
+        """Run an executable; a decoder's step cache comes back (donated) for the next."""
+        if self.decoder is None:
+            return run(params, inputs)
+        out, self.decoder.caches = run(params, self.decoder.rope, self.decoder.caches, inputs)
+        return out
 
     def execute_model(self, sched: SchedulerOutput, bitmask=None) -> ModelRunnerOutput:
         """Pool the step's requests (all new, each with its whole prompt)."""
@@ -217,11 +286,11 @@ class PoolingRunner:
             return ModelRunnerOutput([], [])
         total = sum(len(r.token_ids) for r in reqs)
         tokens = next(b for b in self.token_buckets if b >= total)
-        arrays = self._arrays([r.token_ids for r in reqs], tokens)
-        out = np.asarray(self._call(self._executable(self.backend, tokens), self.params, arrays))
+        inputs = self._inputs([r.token_ids for r in reqs], tokens)
+        out = np.asarray(self._call(self._executable(self.backend, tokens), self.params, inputs))
         every_token = self.rc.pooler.pooling_type == "ALL"
         pooled = {r.req_id: self._finish(r, out[start:start + n] if every_token else out[i])
-                  for i, (r, start, n) in enumerate(zip(reqs, arrays.starts, arrays.lens, strict=False))}
+                  for i, (r, start, n) in enumerate(zip(reqs, inputs.starts, inputs.lens, strict=False))}
         return ModelRunnerOutput([r.req_id for r in reqs], [[] for _ in reqs], pooled=pooled)
 
     def _finish(self, req: NewRequestData, vec: np.ndarray) -> PooledData:
@@ -234,3 +303,25 @@ class PoolingRunner:
             vec = vec / np.maximum(np.linalg.norm(vec, axis=-1, keepdims=True), np.float32(1e-12))
         vec = np.ascontiguousarray(vec, np.float32)
         return PooledData(list(vec.shape), vec.tobytes())
+
+
+@dataclasses.dataclass
+class _DecoderState:
+    """What a decoder's pooling steps keep: its attention backend, RoPE table, and a
+    paged KV cache for one step's tokens (blocks for the budget and a partial block per
+    sequence, and the null block), donated and handed back each step."""
+
+    attention: str
+    rope: RopeTable
+    abstract_caches: tuple[KVCache, ...]
+    caches: tuple[KVCache, ...]
+
+    @classmethod
+    def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype) -> _DecoderState:
+        fmt = kv_cache_format("auto", dtype)
+        attention = attention_candidates("auto", head_dim=cfg.head_dim, dtype=activation_dtype(dtype),
+                                         cache_dtype=fmt.dtype)[0]
+        num_blocks = 1 + -(-rc.max_num_batched_tokens // rc.block_size) + rc.max_num_seqs
+        abstract = cache_shapes(fmt, cfg.num_layers, num_blocks, rc.block_size, cfg.num_kv_heads, cfg.head_dim)
+        rope = model_rope_table(cfg, min(rc.max_model_len, rc.max_num_batched_tokens))
+        return cls(attention, rope, abstract, allocate_kv_caches(abstract))

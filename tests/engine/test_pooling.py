@@ -141,3 +141,80 @@ def test_runner_choices_are_refused_with_the_fix(bert_folder, test_models_dir, t
               max_num_batched_tokens=64, progress=False)
     with pytest.raises(ValueError, match="^pooling_params: .*served for generation.*--runner pooling"):
         llm.embed("hi", use_tqdm=False)
+
+
+# ----------------------------------------------------------------- decoder embedders
+
+@pytest.mark.parametrize("arch,pooler", [("qwen3", None), ("llama", {"pooling_type": "MEAN"}),
+                                         ("gemma3", {"pooling_type": "LAST", "normalize": False})])
+def test_decoder_embedders_equal_hf_hidden_states(test_models_dir, arch, pooler, tmp_path):
+    """A decoder served for pooling (--runner pooling, --convert embed by default): its
+    final-normed hidden states pooled, against transformers' AutoModel (a Qwen3-shaped
+    model as Qwen3-Embedding is served: the last token, normalized)."""
+    import torch
+    from transformers import AutoModel
+
+    folder = test_models_dir / arch
+    llm = LLM(str(folder), runner="pooling", pooler_config=pooler, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=128, compilation_cache_dir=str(tmp_path), progress=False)
+    pooler = llm.llm_engine.core.pooler
+    texts = ["Instruct: find the capital\nQuery: France", "Hello world! How are you today? " * 3, "one"]
+    outputs = llm.embed(texts, use_tqdm=False)
+    hf = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    for out in outputs:
+        with torch.no_grad():
+            h = hf(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].numpy()
+        want = h.mean(0) if pooler.pooling_type == "MEAN" else h[-1]
+        want = want / np.linalg.norm(want) if pooler.normalize else want
+        got = np.asarray(out.outputs.embedding)
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_smollm2_as_an_embedder_equals_hf_on_its_weights(tmp_path):
+    """The default model's file (Q4_1 blocks kept) served for pooling: its last token's
+    normalized hidden state against transformers' LlamaModel on the same weights
+    dequantized. SmolLM2's hidden states are not trained embeddings: the path is the point."""
+    import torch
+    from transformers import AutoModel
+
+    from jaxllm.loaders import load_model
+    from jaxllm.loaders.hf import save_hf_folder
+
+    llm = LLM(runner="pooling", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+              compilation_cache_dir=str(tmp_path / "xla"), progress=False)
+    assert llm.llm_engine.core.pooler.pooling_type == "LAST"
+    texts = ["The capital of France is Paris.", "def fibonacci(n):"]
+    got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    model = load_model(None)
+    folder = save_hf_folder(tmp_path / "hf", model.config, model.params, model.tokenizer)
+    hf = AutoModel.from_pretrained(folder).eval()
+    for text, vec in zip(texts, got, strict=True):
+        with torch.no_grad():
+            h = hf(torch.tensor([model.tokenizer.encode(text)])).last_hidden_state[0, -1].numpy()
+        assert cosines(vec, h) >= 0.99999
+
+
+@pytest.mark.slow  # ~1-2 min: Gemma 3 270M's 262k vocabulary exported for transformers
+def test_gemma3_270m_as_an_embedder_equals_hf_on_its_weights(tmp_path):
+    """Gemma 3 270M (Q4_K_M, its blocks kept; sliding and full layers) served for
+    pooling: the last token's normalized hidden state against transformers' on the same
+    weights dequantized (float32; Gemma's residual stream drifts in float32: cosine)."""
+    import torch
+    from transformers import AutoModel
+
+    from jaxllm.loaders import load_model
+    from jaxllm.loaders.hf import save_hf_folder
+
+    llm = LLM("gemma-3-270m", runner="pooling", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+              compilation_cache_dir=str(tmp_path / "xla"), progress=False)
+    texts = ["The capital of France is Paris.", " ".join(f"item {i} weighs {i * 7 % 31} grams" for i in range(20))]
+    got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    model = load_model("gemma-3-270m")
+    folder = save_hf_folder(tmp_path / "hf", model.config, model.params, model.tokenizer)
+    del model
+    hf = AutoModel.from_pretrained(folder).eval()
+    tok = llm.get_tokenizer()
+    for text, vec in zip(texts, got, strict=True):
+        with torch.no_grad():
+            h = hf(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1].numpy()
+        assert cosines(vec, h) >= 0.9999
