@@ -172,7 +172,7 @@ def serve(label: str, server, path: str, model: str, texts: list[str], clients: 
         with server:
             asyncio.run(drive(server.url, path, model, texts[:clients], clients))  # warm-up
             seconds, vectors = asyncio.run(drive(server.url, path, model, texts, clients))
-    except Exception as e:  # noqa: BLE001 (a baseline that will not serve is reported, not fatal)
+    except Exception as e:
         print(f"{label}: did not serve ({type(e).__name__}: {e})", flush=True)
         return {"error": f"{type(e).__name__}: {e}"}
     result = {"seconds": seconds, "texts_per_s": len(texts) / seconds, "min_cosine": min_cosine(vectors, oracle),

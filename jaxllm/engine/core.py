@@ -27,8 +27,8 @@ from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
-from jaxllm.loaders.dtype import choose_dtype
 from jaxllm.loaders.default_model import model_path
+from jaxllm.loaders.dtype import choose_dtype
 from jaxllm.loaders.pooling import is_sentence_transformers, model_pooler
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
