@@ -202,6 +202,13 @@ class Scheduler:
             if not self._lora_fits(request):
                 deferred.append(self.waiting.popleft())  # its adapter waits for a slot: the others go on
                 continue
+            if request.pooling_params is not None and request.num_tokens > budget:
+                # pooled whole in one step: it keeps its place for the next step, and shorter
+                # ones behind it fill this one (each finishes in its step; a few are looked at)
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.max_num_seqs:
+                    break
+                continue
             admitted = self._admit(request, budget, num_scheduled)
             if admitted is _WAIT:
                 deferred.append(self.waiting.popleft())

@@ -287,6 +287,12 @@ class EngineCore:
                                          ("speculative_config", config.speculative_config is not None)) if on]
         if refused:
             raise ValueError(f"runner: pooling is not yet served with {', '.join(refused)}")
+        if config.activation_quantization not in ("auto", "none"):
+            raise ValueError(f"activation_quantization: {config.activation_quantization} is not yet applied by the "
+                             "pooling runner (its projections multiply float activations); leave it auto")
+        if cfg.is_encoder and config.quantization not in (None, "none"):
+            raise ValueError(f"quantization: {config.quantization} is not yet applied to encoders (BERT's weights are "
+                             "held as loaded)")
         if config.async_scheduling:
             raise ValueError("async_scheduling: a pooling step samples nothing the next one waits for; leave it unset")
         if loading is not None:  # the start-up measurement needs the weights

@@ -16,7 +16,7 @@ Prompt = str | Sequence[int]
 # A pooling request's SamplingParams: never read to sample (the scheduler finishes it with
 # its pooled vector in the step that computes its prompt); one token keeps its KV need at
 # the prompt's (jaxllm.core.request.Request.max_kv_tokens)
-POOLING_SAMPLING = SamplingParams(max_tokens=1)
+POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)  # nothing to detokenize
 Message = dict[str, Any]
 
 

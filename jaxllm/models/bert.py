@@ -18,6 +18,9 @@ from jaxllm.models.bert_params import BertLayerParams, BertParams
 from jaxllm.models.linear import linear
 
 QUERY_TILE = 64  # queries per tile of segment_attention (a divisor of every token bucket from 64 up)
+# The key windows a tile may attend over, below the largest it may need: each tile takes the
+# smallest holding its sequences (what it saves: docs/benchmarks.md, "Embeddings")
+KEY_WINDOWS = (128, 192, 256, 320)
 
 
 def layer_norm(x: Float[Array, "T D"], weight: Float[Array, " D"], bias: Float[Array, " D"], eps: float
@@ -32,39 +35,54 @@ def layer_norm(x: Float[Array, "T D"], weight: Float[Array, " D"], bias: Float[A
 
 
 def key_window(num_tokens: int, max_len: int) -> int:
-    """The keys a tile of QUERY_TILE queries may need: its queries' sequences reach
+    """The most keys a tile of QUERY_TILE queries may need: its queries' sequences reach
     at most max_len - 1 tokens before its first and after its last query (rounded up to
     8; the whole step when that is smaller)."""
     window = QUERY_TILE + 2 * (max_len - 1)
     return min(num_tokens, -(-window // 8) * 8)
 
 
+def key_windows(num_tokens: int, max_len: int) -> tuple[int, ...]:
+    """The key windows a tile may take, smallest first: KEY_WINDOWS below the largest it
+    may need (`key_window`), and that one."""
+    largest = key_window(num_tokens, max_len)
+    return tuple(sorted({w for w in KEY_WINDOWS if w < largest} | {largest}))
+
+
 def segment_attention(q: Float[Array, "T H hd"], k: Float[Array, "T H hd"], v: Float[Array, "T H hd"],
                       seg: Int[Array, " T"], sm_scale: float, max_len: int, causal: bool = False
                       ) -> Float[Array, "T H hd"]:
     """Attention of each token to the tokens of its own sequence (`seg`: its sequence
-    index; padding tokens share one index of their own), all of them or (`causal`) those
-    up to it. The step's queries go in tiles of QUERY_TILE, each against the window of
-    `key_window` keys around it (a sequence is at most `max_len` tokens), so the cost
-    follows the tokens times the window, not the step's tokens squared."""
+    index, ascending through the step; padding tokens share one index of their own), all
+    of them or (`causal`) those up to it. The queries go in tiles of QUERY_TILE, each
+    against the smallest of `key_windows` that holds the keys of its sequences (from the
+    first query's sequence's start to the last's end; a sequence is at most `max_len`
+    tokens), so the cost follows the lengths, not the step's tokens squared: a step of
+    texts of ~130 tokens attends over a few hundred keys a query, not all of them."""
     t = q.shape[0]
     tile = min(t, QUERY_TILE)
-    window = key_window(t, max_len)
+    windows = key_windows(t, max_len)
     idx = jnp.arange(t, dtype=jnp.int32)
 
-    def one_tile(start):
+    def attend(start, first, window: int):
         qs = jax.lax.dynamic_slice_in_dim(q, start, tile)
-        # keys from where the tile's first sequence can start, kept inside the step
-        ks = jnp.clip(start - (max_len - 1), 0, t - window)
+        ks = jnp.clip(first, 0, t - window)  # kept inside the step
         kt, vt = (jax.lax.dynamic_slice_in_dim(a, ks, window) for a in (k, v))
         q_seg, k_seg = jax.lax.dynamic_slice_in_dim(seg, start, tile), jax.lax.dynamic_slice_in_dim(seg, ks, window)
         mask = q_seg[:, None] == k_seg[None, :]
         if causal:
             mask &= jax.lax.dynamic_slice_in_dim(idx, ks, window)[None, :] <= (start + jnp.arange(tile))[:, None]
         scores = jnp.einsum("qhd,khd->hqk", qs.astype(jnp.float32), kt.astype(jnp.float32)) * sm_scale
-        scores = jnp.where(mask[None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
+        probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
         return jnp.einsum("hqk,khd->qhd", probs, vt.astype(jnp.float32)).astype(q.dtype)
+
+    def one_tile(start):
+        q_seg = jax.lax.dynamic_slice_in_dim(seg, start, tile)
+        first = jnp.searchsorted(seg, q_seg[0], side="left").astype(jnp.int32)
+        end = jnp.searchsorted(seg, q_seg[-1], side="right").astype(jnp.int32)
+        which = jnp.searchsorted(jnp.asarray(windows, jnp.int32), end - first, side="left")
+        branches = [lambda start, first, w=w: attend(start, first, w) for w in windows]
+        return jax.lax.switch(which, branches, start, first)
 
     starts = jnp.arange(0, t, tile, dtype=jnp.int32)
     return jax.lax.map(one_tile, starts).reshape(q.shape)

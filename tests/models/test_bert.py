@@ -24,14 +24,15 @@ def folder(tmp_path_factory):
 
 def flat_batch(seqs: list[list[int]], tokens: int):
     """The pooling runner's flat batch of `seqs`, padded to `tokens`."""
-    return PoolingRunner._arrays(_FakeRunner(len(seqs) + 3), seqs, tokens)
+    return PoolingRunner._inputs(_FakeRunner(len(seqs) + 3), seqs, tokens)
 
 
 class _FakeRunner:
     """What PoolingRunner._arrays reads of its runner."""
 
     def __init__(self, max_num_seqs: int):
-        self.rc = PoolingRunnerConfig(max_num_seqs, 1 << 16, 1 << 16, PoolerConfig("MEAN"))
+        self.rc = PoolingRunnerConfig(max_num_seqs, 1 << 12, 1 << 12, PoolerConfig("MEAN"))
+        self.max_len = self.rc.max_model_len
 
 
 def reference_attention(q, k, v, seg, causal=False):
@@ -44,8 +45,9 @@ def reference_attention(q, k, v, seg, causal=False):
 
 @pytest.mark.parametrize("lengths,tokens,max_len", [
     ([5, 3, 9], 32, 16),  # one tile
-    ([60, 17, 100, 3, 64, 31, 88], 448, 100),  # tiles of 64 against a window narrower than the step
+    ([60, 17, 100, 3, 64, 31, 88], 448, 100),  # tiles of 64 against windows narrower than the step
     ([1] * 40, 64, 8),
+    ([256, 250, 9, 200, 300, 12, 1000], 2048, 1000),  # every window, the largest too
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_segment_attention_equals_masked_attention(lengths, tokens, max_len, causal):
@@ -57,8 +59,7 @@ def test_segment_attention_equals_masked_attention(lengths, tokens, max_len, cau
     want = reference_attention(q, k, v, seg, causal)
     n = sum(lengths)
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-6, rtol=1e-5)
-    if tokens > bert.key_window(tokens, max_len):
-        assert bert.key_window(tokens, max_len) < tokens  # the tiled path ran
+    assert len(bert.key_windows(tokens, max_len)) > 1 or tokens <= 128  # windows to choose from
 
 
 @pytest.mark.parametrize("linear", ["xla", "cpu"])
