@@ -59,12 +59,14 @@ def ragged_paged_attention_cpu(
     k_scale: Float[Array, "N B Hkv"] | None = None,
     v_scale: Float[Array, "N B Hkv"] | None = None,
     cache_dtype: str = "",
+    causal: bool = True,
 ) -> Float[Array, "T H hd"]:
     """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
     every sequence, are attended once for all query rows (a matrix product per KV head),
     the rest per sequence, merged through the online softmax's state. `k_scale`,
     `v_scale`: an int8 cache's scales (jaxllm.attention.kv_cache); `cache_dtype`: the
-    element type whose bits the caches hold ("": their dtype)."""
+    element type whose bits the caches hold ("": their dtype). `causal` False: every
+    query sees every key of its sequence (an encoder's attention; no sliding window)."""
     load_kernels()
     cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
     reason = unsupported(q.shape[-1], q.dtype, cache_dtype)
@@ -83,4 +85,5 @@ def ragged_paged_attention_cpu(
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         cache_dtype=cache_dtype.name,
+        causal=np.int32(causal),
     )

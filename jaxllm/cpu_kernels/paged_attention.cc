@@ -2,7 +2,8 @@
 //
 // Same semantics as pallas_kernels.ragged_paged_attention (see docs/kernels.md): a flat
 // ragged batch of query rows (prefill chunks and decodes mixed), each sequence reading
-// its K/V through its block table, causal, optional sliding window and logit soft cap.
+// its K/V through its block table, causal, optional sliding window and logit soft cap; or
+// bidirectional (`causal` 0: every row sees its whole sequence, as an encoder's do).
 //
 // Why a custom call on CPU: XLA:CPU cannot fuse a gather into a dot, so the jnp path
 // copies every K/V block it reads into a buffer before its dots and reads the cache
@@ -262,6 +263,7 @@ struct Problem {
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
+  bool causal;  // false: every row sees every key of its sequence (an encoder: BERT), no window
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
   // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
@@ -629,7 +631,9 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t q_len = pb.qsl[s + 1] - pb.qsl[s];
   const int64_t kv_len = std::min<int64_t>(pb.kv_lens[s], pb.max_blocks * BS);
   const int64_t qpos0 = kv_len - q_len + (it.row0 - pb.qsl[s]);
-  const int64_t kv_end = qpos0 + rows;  // exclusive: the last row's position + 1
+  // exclusive: the last row's position + 1 (bidirectional: the sequence's end, every
+  // row then seeing all of it as the last position would)
+  const int64_t kv_end = pb.causal ? qpos0 + rows : kv_len;
   int64_t k_first = pb.prefix_tokens;  // the common prefix pass did the keys before it
   if (pb.window > 0) k_first = std::max<int64_t>(k_first, qpos0 - pb.window + 1);
   const bool many = nq >= kManyQueries;
@@ -648,7 +652,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
           std::memcpy(sc.o.data() + (h * nq_padded + r * group + g) * D, pb.prefix_o + from * D, D * sizeof(float));
         }
   sc.row_pos.resize(rows);
-  for (int r = 0; r < rows; ++r) sc.row_pos[r] = static_cast<int32_t>(qpos0 + r);
+  for (int r = 0; r < rows; ++r) sc.row_pos[r] = static_cast<int32_t>(pb.causal ? qpos0 + r : kv_len - 1);
   if (static_cast<int64_t>(sc.zeros.size()) < token_stride) sc.zeros.assign(token_stride, 0.f);
   if (many) {
     sc.kt.resize(D * kChunk);
@@ -700,7 +704,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
     }
     // Rows whose position is before the chunk see none of it (causal).
-    const int r_first = static_cast<int>(std::max<int64_t>(0, t0 - qpos0));
+    const int r_first = pb.causal ? static_cast<int>(std::max<int64_t>(0, t0 - qpos0)) : 0;
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int t = 0; t < ntiles * kTile; ++t) {
         kh[t] = krow[t] + h * D;  // the zeros row is token_stride long too
@@ -719,7 +723,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         continue;
       }
       for (int r = r_first; r < rows; ++r) {
-        const int64_t qpos = qpos0 + r;
+        const int64_t qpos = sc.row_pos[r];
         if (pb.window > 0 && t0 + ntok - 1 <= qpos - pb.window) continue;
         M vis[kTiles];
         visible_chunk(t0, ntok, ntiles, qpos, pb.window, vis);
@@ -852,7 +856,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> common_prefix_blocks, ffi::ResultBuffer<ffi::F32> out,
                                 float sm_scale, int32_t sliding_window, float soft_cap,
-                                std::string_view cache_dtype) {
+                                std::string_view cache_dtype, int32_t causal) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -867,7 +871,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
              v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
              query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
-             sliding_window, soft_cap, 0, nullptr, nullptr, nullptr};
+             sliding_window, soft_cap, causal != 0, 0, nullptr, nullptr, nullptr};
+  if (!pb.causal && pb.window > 0)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: a sliding window needs causal attention");
   if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim or head counts do not match");
   ItemFn item_fn;
@@ -896,10 +902,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
       continue;
     }
     if (end > begin) min_computed = std::min(min_computed, kv - (end - begin));
-    for (int64_t r = begin; r < end; ++r) row_pos[r] = static_cast<int32_t>(kv - (end - r));
+    for (int64_t r = begin; r < end; ++r) row_pos[r] = static_cast<int32_t>(pb.causal ? kv - (end - r) : kv - 1);
     for (int64_t r = begin; r < end; r += kRowTile) {
       const int32_t rows = static_cast<int32_t>(std::min<int64_t>(kRowTile, end - r));
-      const int64_t last_pos = kv - (end - begin) + (r - begin) + rows;
+      const int64_t last_pos = pb.causal ? kv - (end - begin) + (r - begin) + rows : kv;
       items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), rows, rows * last_pos});
     }
   }
@@ -980,4 +986,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<std::string_view>("cache_dtype"));
+                                  .Attr<std::string_view>("cache_dtype")
+                                  .Attr<int32_t>("causal"));  // 0: bidirectional (an encoder)

@@ -3,8 +3,10 @@ built on it): the parameter declaration and the forward over a flat ragged batch
 
 An encoder attends bidirectionally inside each sequence and keeps no KV cache: a step
 holds whole sequences, packed one after the other as the engine's steps are (no
-padding between them), and `segment_attention` lets each token see the tokens of its
-own sequence only. The parameters are declared in jaxllm.models.bert_params.
+padding between them), and each token sees the tokens of its own sequence only: on a
+CPU through the C++ paged-attention kernel run bidirectionally over a cache the step
+writes and drops (the `cpu` attention backend), elsewhere through `segment_attention`
+(XLA). The parameters are declared in jaxllm.models.bert_params.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxllm.attention.cpu import ragged_paged_attention_cpu
+from jaxllm.attention.kv_cache import KVCache, write_kv_cache
+from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.bert_params import BertLayerParams, BertParams
 from jaxllm.models.linear import linear
@@ -88,27 +93,48 @@ def segment_attention(q: Float[Array, "T H hd"], k: Float[Array, "T H hd"], v: F
     return jax.lax.map(one_tile, starts).reshape(q.shape)
 
 
+def attention(q: Float[Array, "T H hd"], k: Float[Array, "T H hd"], v: Float[Array, "T H hd"], seg: Int[Array, " T"],
+              cfg: ModelConfig, max_len: int, cache: KVCache | None, md: AttentionMetadata | None
+              ) -> tuple[Float[Array, "T H hd"], KVCache | None]:
+    """Each token's attention over its own sequence: `segment_attention` (XLA), or with
+    a step cache (the `cpu` backend) the C++ kernel, bidirectional, reading the K/V
+    written into the step's blocks (`md`)."""
+    if cache is None:
+        return segment_attention(q, k, v, seg, cfg.sm_scale, max_len), None
+    cache = write_kv_cache(cache, k, v, md.slot_mapping)
+    out = ragged_paged_attention_cpu(q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc,
+                                     md.num_seqs, sm_scale=cfg.sm_scale, cache_dtype=cache.dtype, causal=False)
+    return out.astype(q.dtype), cache
+
+
 def encoder_layer(lp: BertLayerParams, x: Float[Array, "T D"], seg: Int[Array, " T"], num_tokens: Int[Array, ""],
-                  cfg: ModelConfig, max_len: int) -> Float[Array, "T D"]:
+                  cfg: ModelConfig, max_len: int, cache: KVCache | None = None, md: AttentionMetadata | None = None
+                  ) -> tuple[Float[Array, "T D"], KVCache | None]:
     """One post-norm BERT layer: self-attention, add, LayerNorm; GELU MLP, add, LayerNorm."""
     t, h, hd = x.shape[0], cfg.num_heads, cfg.head_dim
     qkv = linear(x, lp.wqkv, rows=num_tokens) + lp.bqkv
     q, k, v = (a.reshape(t, h, hd) for a in jnp.split(qkv, 3, axis=-1))
-    attn = segment_attention(q, k, v, seg, cfg.sm_scale, max_len).reshape(t, h * hd)
+    attn, cache = attention(q, k, v, seg, cfg, max_len, cache, md)
+    attn = attn.reshape(t, h * hd)
     x = layer_norm(x + linear(attn, lp.wo, rows=num_tokens) + lp.bo, lp.attn_norm, lp.attn_norm_bias, cfg.rms_norm_eps)
     inner = jax.nn.gelu(linear(x, lp.w_in, rows=num_tokens) + lp.b_in, approximate=cfg.hidden_act != "gelu")
     out = linear(inner, lp.w_out, rows=num_tokens) + lp.b_out
-    return layer_norm(x + out, lp.mlp_norm, lp.mlp_norm_bias, cfg.rms_norm_eps)
+    return layer_norm(x + out, lp.mlp_norm, lp.mlp_norm_bias, cfg.rms_norm_eps), cache
 
 
 def forward(params: BertParams, cfg: ModelConfig, token_ids: Int[Array, " T"], positions: Int[Array, " T"],
-            token_types: Int[Array, " T"], seg: Int[Array, " T"], num_tokens: Int[Array, ""], max_len: int
-            ) -> Float[Array, "T D"]:
+            token_types: Int[Array, " T"], seg: Int[Array, " T"], num_tokens: Int[Array, ""], max_len: int,
+            caches: tuple[KVCache, ...] | None = None, md: AttentionMetadata | None = None
+            ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...] | None]:
     """The last layer's hidden states of every token of a flat batch of whole sequences
     (`seg`: each token's sequence; positions from 0 in each; the first `num_tokens`
-    tokens real, the rest padding in a sequence index of its own)."""
+    tokens real, the rest padding in a sequence index of its own), and the step caches
+    (`caches`, one per layer, with `md` where each sequence's blocks are: the `cpu`
+    attention kernel's; None: XLA's segment_attention)."""
     x = params.embed[token_ids] + params.positions[positions] + params.token_types[token_types]
     x = layer_norm(x, params.embed_norm, params.embed_norm_bias, cfg.rms_norm_eps)
-    for lp in params.layers:
-        x = encoder_layer(lp, x, seg, num_tokens, cfg, max_len)
-    return x
+    new_caches = []
+    for i, lp in enumerate(params.layers):
+        x, cache = encoder_layer(lp, x, seg, num_tokens, cfg, max_len, None if caches is None else caches[i], md)
+        new_caches.append(cache)
+    return x, None if caches is None else tuple(new_caches)

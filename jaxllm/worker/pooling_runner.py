@@ -1,6 +1,6 @@
 """The model runner of a pooling engine (`runner="pooling"`): each step computes whole
 prompts and returns one vector per request (or one per token), no sampling, no KV
-cache kept.
+cache kept between steps.
 
 The scheduler hands it new requests only (a pooling request is admitted with its whole
 prompt and finishes in that step). Their tokens go into one flat batch padded to a
@@ -58,7 +58,7 @@ class PoolingRunnerConfig:
     max_model_len: int
     pooler: PoolerConfig
     linear_backend: str = "auto"
-    block_size: int = 16  # a decoder's step cache's blocks
+    block_size: int = 16  # the step cache's blocks
     cache_dir: Path | None = None  # the executable store's (jaxllm.worker.executable_cache); None: compiled each start
 
 
@@ -83,8 +83,9 @@ class PoolingInputs:
     """One step's flat batch of whole sequences, padded to a bucket of T tokens and S
     sequence rows: each token's id, position (from 0 in its sequence) and sequence
     (`seg`; padding tokens in the index S of their own); each sequence's first token
-    and length; and for a decoder, which attends through a paged cache it keeps for
-    the step only, where each token's K/V goes and each sequence's blocks."""
+    and length; and for attention through a paged cache kept for the step only (a
+    decoder's, an encoder's on the cpu kernel), where each token's K/V goes and each
+    sequence's blocks."""
 
     token_ids: Int[Array, " T"]
     positions: Int[Array, " T"]
@@ -98,12 +99,21 @@ class PoolingInputs:
     num_tokens: Int[Array, ""]
 
 
-def encoder_step(params: BertParams, x: PoolingInputs, *, cfg: ModelConfig, pooling_type: str, max_len: int
-                 ) -> Float[Array, "S D"] | Float[Array, "T D"]:
-    """One step of an encoder: its last hidden states, pooled."""
-    hidden = bert.forward(params, cfg, x.token_ids, x.positions, jnp.zeros_like(x.token_ids), x.seg, x.num_tokens,
-                          max_len)
-    return pool(hidden, x.seg, x.starts, x.lens, pooling_type)
+def metadata(x: PoolingInputs) -> AttentionMetadata:
+    """The step's attention metadata: each sequence's tokens new, its blocks its own."""
+    return AttentionMetadata(slot_mapping=x.slots, block_tables=x.block_tables, seq_lens=x.lens,
+                             query_start_loc=x.query_start_loc, num_seqs=x.num_seqs,
+                             common_prefix_blocks=jnp.zeros((), jnp.int32))
+
+
+def encoder_step(params: BertParams, caches: tuple[KVCache, ...] | None, x: PoolingInputs, *, cfg: ModelConfig,
+                 pooling_type: str, max_len: int
+                 ) -> tuple[Float[Array, "S D"] | Float[Array, "T D"], tuple[KVCache, ...] | None]:
+    """One step of an encoder: its last hidden states, pooled (the step caches of the
+    `cpu` attention kernel, or None: XLA's)."""
+    hidden, caches = bert.forward(params, cfg, x.token_ids, x.positions, jnp.zeros_like(x.token_ids), x.seg,
+                                  x.num_tokens, max_len, caches, None if caches is None else metadata(x))
+    return pool(hidden, x.seg, x.starts, x.lens, pooling_type), caches
 
 
 def decoder_step(params: ModelParams, rope: RopeTable, caches: tuple[KVCache, ...], x: PoolingInputs, *,
@@ -112,10 +122,7 @@ def decoder_step(params: ModelParams, rope: RopeTable, caches: tuple[KVCache, ..
     """One step of a decoder served as an embedder: every prompt prefilled through the
     family's forward (causal attention through the step's own cache blocks), its
     final-normed hidden states pooled (as transformers' `AutoModel` gives them)."""
-    md = AttentionMetadata(slot_mapping=x.slots, block_tables=x.block_tables, seq_lens=x.lens,
-                           query_start_loc=x.query_start_loc, num_seqs=x.num_seqs,
-                           common_prefix_blocks=jnp.zeros((), jnp.int32))
-    hidden, caches = llama.forward_hidden(params, rope, caches, x.token_ids, x.positions, md, cfg=cfg,
+    hidden, caches = llama.forward_hidden(params, rope, caches, x.token_ids, x.positions, metadata(x), cfg=cfg,
                                           attention_fn=attention_fn)
     normed = llama.rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return pool(normed, x.seg, x.starts, x.lens, pooling_type), caches
@@ -153,7 +160,7 @@ class PoolingRunner:
         self.measured: dict[str, float] = {}  # seconds per step of the largest bucket, by backend (auto)
         self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
-        self.decoder = None if cfg.is_encoder else _DecoderState.make(cfg, rc, self.dtype)
+        self.step_cache = _StepCache.make(cfg, rc, self.dtype)
 
     # ----------------------------------------------------------------- weights
 
@@ -168,8 +175,8 @@ class PoolingRunner:
         timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in self.measured.items())
         why = f" (the largest step: {timed})" if timed else " (measured on an earlier start)" if len(
             self.backends) > 1 else ""
-        attention = "" if self.decoder is None else f"attention {self.decoder.attention}; "
-        return f"{attention}linear {self.backend}{why}; {self.num_loaded_executables} executables loaded"
+        return (f"attention {self.step_cache.attention}; linear {self.backend}{why}; {self.num_loaded_executables} "
+                "executables loaded")
 
     # ------------------------------------------------------------- compilation
 
@@ -178,7 +185,7 @@ class PoolingRunner:
         abstract = self.layout_params(self._abstract, backend)
         return ExecutableStore(store_directory(self.rc.cache_dir), "pooling_step", self.config, backend,
                                self.rc.pooler.pooling_type, self.max_len, self.rc.max_num_seqs, self.rc.block_size,
-                               None if self.decoder is None else self.decoder.attention,
+                               self.step_cache.attention,
                                shapes_and_dtypes(abstract), jax.tree.structure(abstract),
                                devices=[jax.local_devices()[0]])
 
@@ -190,14 +197,14 @@ class PoolingRunner:
             inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._inputs([], tokens))
             params = self.layout_params(self._abstract, backend)
             kind = self.rc.pooler.pooling_type
-            if self.decoder is None:
+            c = self.step_cache
+            if self.config.is_encoder:
                 step = functools.partial(encoder_step, cfg=self.config, pooling_type=kind, max_len=self.max_len)
-                lower = lambda: jax.jit(step).trace(params, inputs).lower()
+                lower = lambda: jax.jit(step, donate_argnums=(1,)).trace(params, c.abstract_caches, inputs).lower()
             else:
-                d = self.decoder
-                step = functools.partial(decoder_step, cfg=self.config, attention_fn=get_attention_fn(d.attention),
+                step = functools.partial(decoder_step, cfg=self.config, attention_fn=get_attention_fn(c.attention),
                                          pooling_type=kind)
-                lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, d.rope, d.abstract_caches,
+                lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, c.rope, c.abstract_caches,
                                                                          inputs).lower()
             self._compiled[key], loaded = CompilationManager._load_or_compile(self._store(backend), f"t{tokens}-s{seqs}",
                                                                               lower)
@@ -242,7 +249,7 @@ class PoolingRunner:
 
     def _inputs(self, sequences: list[list[int]], tokens: int) -> PoolingInputs:
         """The step's PoolingInputs (numpy) for `sequences`, padded to `tokens`; a
-        decoder's sequences each take whole blocks of its step cache, one after the
+        sequences each take whole blocks of the step cache, one after the
         other from block 1 (block 0 takes the padding tokens' writes)."""
         seqs, n = seq_bucket(self.rc.max_num_seqs, tokens), len(sequences)
         lens = np.zeros(seqs, np.int32)
@@ -270,10 +277,12 @@ class PoolingRunner:
                              np.int32(n), np.int32(total))
 
     def _call(self, run, params, inputs: PoolingInputs):
-        """Run an executable; a decoder's step cache comes back (donated) for the next."""
-        if self.decoder is None:
-            return run(params, inputs)
-        out, self.decoder.caches = run(params, self.decoder.rope, self.decoder.caches, inputs)
+        """Run an executable; the step cache comes back (donated) for the next."""
+        c = self.step_cache
+        if self.config.is_encoder:
+            out, c.caches = run(params, c.caches, inputs)
+        else:
+            out, c.caches = run(params, c.rope, c.caches, inputs)
         return out
 
     def execute_model(self, sched: SchedulerOutput, bitmask=None) -> ModelRunnerOutput:
@@ -306,22 +315,26 @@ class PoolingRunner:
 
 
 @dataclasses.dataclass
-class _DecoderState:
-    """What a decoder's pooling steps keep: its attention backend, RoPE table, and a
-    paged KV cache for one step's tokens (blocks for the budget and a partial block per
-    sequence, and the null block), donated and handed back each step."""
+class _StepCache:
+    """What the steps keep between them: the attention backend, a decoder's RoPE
+    table, and the paged KV cache of one step's tokens (blocks for the budget, a partial
+    block per sequence, the null block; donated and handed back each step), which an
+    encoder needs only for the `cpu` kernel (XLA's segment_attention reads K/V as they
+    are computed: None)."""
 
     attention: str
-    rope: RopeTable
-    abstract_caches: tuple[KVCache, ...]
-    caches: tuple[KVCache, ...]
+    rope: RopeTable | None
+    abstract_caches: tuple[KVCache, ...] | None
+    caches: tuple[KVCache, ...] | None
 
     @classmethod
-    def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype) -> _DecoderState:
+    def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype) -> _StepCache:
         fmt = kv_cache_format("auto", dtype)
         attention = attention_candidates("auto", head_dim=cfg.head_dim, dtype=activation_dtype(dtype),
                                          cache_dtype=fmt.dtype)[0]
+        if cfg.is_encoder and attention != "cpu":
+            return cls(attention, None, None, None)
         num_blocks = 1 + -(-rc.max_num_batched_tokens // rc.block_size) + rc.max_num_seqs
         abstract = cache_shapes(fmt, cfg.num_layers, num_blocks, rc.block_size, cfg.num_kv_heads, cfg.head_dim)
-        rope = model_rope_table(cfg, min(rc.max_model_len, rc.max_num_batched_tokens))
+        rope = None if cfg.is_encoder else model_rope_table(cfg, min(rc.max_model_len, rc.max_num_batched_tokens))
         return cls(attention, rope, abstract, allocate_kv_caches(abstract))

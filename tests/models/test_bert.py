@@ -10,11 +10,13 @@ import make_test_model
 import numpy as np
 import pytest
 
+from jaxllm.attention.kv_cache import allocate_kv_caches, cache_shapes, kv_cache_format, write_kv_cache
 from jaxllm.config import ModelConfig, UnsupportedModelError
 from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer
 from jaxllm.models import bert
+from jaxllm.models.params import ParamDecl, declare
 from jaxllm.pooling_params import PoolerConfig
-from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig, pack_bert, pool
+from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig, metadata, pack_bert, pool
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +64,47 @@ def test_segment_attention_equals_masked_attention(lengths, tokens, max_len, cau
     assert len(bert.key_windows(tokens, max_len)) > 1 or tokens <= 128  # windows to choose from
 
 
-@pytest.mark.parametrize("linear", ["xla", "cpu"])
-def test_hidden_states_equal_hf_bert(folder, linear):
+def step_caches(cfg: ModelConfig, tokens: int, max_num_seqs: int, block_size: int = 16):
+    """A step cache for the cpu attention kernel (as the pooling runner makes one)."""
+    fmt = kv_cache_format("auto", jnp.float32)
+    blocks = 1 + tokens // block_size + max_num_seqs
+    return allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim))
+
+
+@pytest.mark.parametrize("lengths,tokens", [([5, 3, 9], 32), ([60, 17, 100, 3, 64, 31, 88], 448), ([1] * 40, 64)])
+def test_cpu_kernel_bidirectional_equals_segment_attention(lengths, tokens):
+    """The C++ kernel with causal off, through a step cache, against the jnp oracle."""
+    from jaxllm.attention.cpu import ragged_paged_attention_cpu
+
+    rng = np.random.default_rng(2)
+    a = flat_batch([[1] * n for n in lengths], tokens)
+    q, k, v = (jnp.asarray(rng.standard_normal((tokens, 4, 32)), jnp.float32) for _ in range(3))
+    cache = step_caches(ModelConfig("BertModel", 8, 128, 8, 1, 4, 4, 32, 512), tokens, len(lengths) + 3)[0]
+    cache = write_kv_cache(cache, k, v, jnp.asarray(a.slots))
+    got = ragged_paged_attention_cpu(q, cache.k, cache.v, jnp.asarray(a.lens), jnp.asarray(a.block_tables),
+                                     jnp.asarray(a.query_start_loc), jnp.asarray(a.num_seqs), sm_scale=32 ** -0.5,
+                                     causal=False)
+    n = sum(lengths)
+    want = reference_attention(q, k, v, jnp.asarray(a.seg))
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-6, rtol=1e-5)
+
+
+def test_encoder_lowers_for_cuda(folder):
+    """On a GPU the encoder attends through segment_attention (XLA): it lowers for CUDA."""
+    cfg = ModelConfig.from_hf_folder(folder)
+    params = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, jnp.bfloat16), declare(cfg),
+                          is_leaf=lambda x: isinstance(x, ParamDecl))
+    i32 = jax.ShapeDtypeStruct((256,), jnp.int32)
+    fn = lambda p, ids, seg: bert.forward(p, cfg, ids, ids, ids, seg, jnp.int32(256), 128)[0]
+    text = jax.jit(fn).trace(params, i32, i32).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo" in text or "func.func" in text
+
+
+@pytest.mark.parametrize("linear,attention", [("xla", "xla"), ("cpu", "xla"), ("cpu", "cpu")])
+def test_hidden_states_equal_hf_bert(folder, linear, attention):
     """Every token's last hidden state against BertModel's on the same sequences, one
-    batch of several lengths, to 1e-5."""
+    batch of several lengths, to 1e-5: XLA's segment attention, or the C++ kernel
+    bidirectional through a step cache."""
     torch = pytest.importorskip("torch")
     from transformers import BertModel
 
@@ -78,9 +117,12 @@ def test_hidden_states_equal_hf_bert(folder, linear):
     texts = ["The quick brown fox jumps over the lazy dog.", "Hello world!", "one two three four five six " * 5]
     seqs = [tok(t)["input_ids"] for t in texts]
     a = flat_batch(seqs, 128)
-    hidden = jax.jit(bert.forward, static_argnums=(1, 7))(params, cfg, a.token_ids, a.positions,
-                                                           np.zeros_like(a.token_ids), a.seg, np.int32(a.num_tokens),
-                                                           cfg.max_position_embeddings)
+    caches = step_caches(cfg, 128, len(seqs) + 3) if attention == "cpu" else None
+    md = metadata(jax.tree.map(jnp.asarray, a)) if attention == "cpu" else None
+    hidden, _ = jax.jit(bert.forward, static_argnums=(1, 7))(params, cfg, a.token_ids, a.positions,
+                                                              np.zeros_like(a.token_ids), a.seg,
+                                                              np.int32(a.num_tokens), cfg.max_position_embeddings,
+                                                              caches, md)
     hf = BertModel.from_pretrained(folder, attn_implementation="eager").eval()
     for seq, start in zip(seqs, a.starts, strict=False):
         with torch.no_grad():
