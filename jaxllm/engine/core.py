@@ -311,8 +311,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget, max_model_len=self.max_model_len)
         self.runner = PoolingRunner(cfg, params, PoolingRunnerConfig(
-            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend, config.block_size,
-            cache_dir))
+            config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend,
+            config.attention_backend, config.block_size, cache_dir))
         self.runs_async = False
         self.warmup_seconds = self.runner.warm_up(self.model.params) if warm_up else 0.0
         if not warm_up:

@@ -58,6 +58,7 @@ class PoolingRunnerConfig:
     max_model_len: int
     pooler: PoolerConfig
     linear_backend: str = "auto"
+    attention_backend: str = "auto"  # auto: the cpu kernel where it builds, else XLA's (not measured)
     block_size: int = 16  # the step cache's blocks
     cache_dir: Path | None = None  # the executable store's (jaxllm.worker.executable_cache); None: compiled each start
 
@@ -330,7 +331,7 @@ class _StepCache:
     @classmethod
     def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype) -> _StepCache:
         fmt = kv_cache_format("auto", dtype)
-        attention = attention_candidates("auto", head_dim=cfg.head_dim, dtype=activation_dtype(dtype),
+        attention = attention_candidates(rc.attention_backend, head_dim=cfg.head_dim, dtype=activation_dtype(dtype),
                                          cache_dtype=fmt.dtype)[0]
         if cfg.is_encoder and attention != "cpu":
             return cls(attention, None, None, None)
