@@ -126,6 +126,7 @@ bench: bench-isa bench-quant
 	  --out bench_results/serving_batch1
 	$(PY) scripts/bench_vllm.py --out bench_results/vllm_standard
 	$(PY) scripts/bench_beam_search.py --out bench_results/beam_search
+	$(PY) scripts/bench_embeddings.py --out bench_results/embeddings
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --max-concurrency 32 --out bench_results/shared_prefix
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --out bench_results/shared_prefix_burst
 	$(PY) scripts/bench_serving.py --launch "" --dataset standard --num-prompts 64 \

@@ -19,7 +19,7 @@ unpacks (jaxllm.loaders.default_model.all_minilm_l6_v2_path):
 Every system's vectors are checked against sentence-transformers' (the minimum cosine
 is printed beside its speed).
 
-    python scripts/bench_embeddings.py --out bench_results/embeddings
+    python scripts/bench_embeddings.py --out bench_results/embeddings   # -> bench_results/embeddings.json
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def main() -> None:
         served["vllm-cpu"] = serve("vLLM CPU", server, "/v1/embeddings", str(folder), texts, args.clients, oracle)
     results["served"] = served
     print_table(results)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    out_dir.with_suffix(".json").write_text(json.dumps(results, indent=2))  # beside the folder of vectors and logs
 
 
 def print_table(results: dict) -> None:
