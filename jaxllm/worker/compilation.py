@@ -44,6 +44,19 @@ def shapes_and_dtypes(tree):
     return jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
 
 
+def load_or_compile(store: ExecutableStore, name: str, lower):
+    """The executable `store` keeps under `name`, else `lower()` compiled (and stored);
+    and whether it was loaded."""
+    compiled = store.load(name)
+    if compiled is not None:
+        return compiled, True
+    with persistent_cache_hits() as hits:
+        compiled = lower().compile()
+    if not hits():  # JAX's cache returns executables that cannot be serialized again
+        store.save(name, compiled)
+    return compiled, False
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
@@ -149,7 +162,7 @@ class CompilationManager:
         name = (f"loop{k}-" if k > 1 else "") + f"t{t}-s{s}-" + _digest((layout.slots, str(layout.treedef)))
         bitmask = jax.ShapeDtypeStruct((r, runner.bitmask_width), jnp.int32)
         choice = runner.plan.for_bucket(t)
-        compiled, loaded = self._load_or_compile(
+        compiled, loaded = load_or_compile(
             self._stores[choice], name,
             lambda: jax.jit(self._step_function(shape, layout), donate_argnums=(2, 3),
                             **self._step_shardings()).lower(runner.weights_of(choice), runner.rope,
@@ -159,18 +172,7 @@ class CompilationManager:
         self._compiled[shape] = compiled
         return compiled, loaded
 
-    @staticmethod
-    def _load_or_compile(store: ExecutableStore, name: str, lower):
-        """The executable `store` keeps under `name`, else `lower()` compiled (and
-        stored); and whether it was loaded."""
-        compiled = store.load(name)
-        if compiled is not None:
-            return compiled, True
-        with persistent_cache_hits() as hits:
-            compiled = lower().compile()
-        if not hits():  # JAX's cache returns executables that cannot be serialized again
-            store.save(name, compiled)
-        return compiled, False
+
 
     def get(self, shape: StepShape):
         """The executable of `shape` (compiled now, and counted as a bug, if warm-up did not)."""
@@ -188,7 +190,7 @@ class CompilationManager:
         compiled = self._compiled_copies.get(c)
         if compiled is None:
             pairs = jax.ShapeDtypeStruct((c,), jnp.int32)
-            compiled, _ = self._load_or_compile(
+            compiled, _ = load_or_compile(
                 self._copy_store, f"copy-c{c}",
                 lambda: self._copy_blocks.lower(self.runner._abstract_caches, pairs, pairs))
             self._compiled_copies[c] = compiled

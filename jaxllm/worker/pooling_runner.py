@@ -45,7 +45,7 @@ from jaxllm.models.rope import RopeTable, model_rope_table
 from jaxllm.platform import activation_dtype
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.worker.buckets import seq_bucket, token_buckets
-from jaxllm.worker.compilation import CompilationManager, shapes_and_dtypes
+from jaxllm.worker.compilation import load_or_compile, shapes_and_dtypes
 from jaxllm.worker.executable_cache import ExecutableStore, store_directory
 
 logger = logging.getLogger(__name__)
@@ -207,8 +207,7 @@ class PoolingRunner:
                                          pooling_type=kind)
                 lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, c.rope, c.abstract_caches,
                                                                          inputs).lower()
-            self._compiled[key], loaded = CompilationManager._load_or_compile(self._store(backend), f"t{tokens}-s{seqs}",
-                                                                              lower)
+            self._compiled[key], loaded = load_or_compile(self._store(backend), f"t{tokens}-s{seqs}", lower)
             self.num_loaded_executables += loaded
         return self._compiled[key]
 

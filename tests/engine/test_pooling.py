@@ -130,17 +130,16 @@ def test_poolers_equal_numpy_over_hf(bert_folder, pooler, tmp_path):
             llm.embed("hi", PoolingParams(dimensions=65), use_tqdm=False)
 
 
-def test_runner_choices_are_refused_with_the_fix(bert_folder, test_models_dir, tmp_path):
+def test_runner_choices_are_refused_with_the_fix(bert_folder, tmp_path):
+    """(An embedding request to a generating engine: tests/entrypoints/test_server.py.)"""
     with pytest.raises(ValueError, match="^runner: BertModel is an encoder.*--runner pooling"):
         LLM(str(bert_folder), runner="generate", compilation_cache_dir=str(tmp_path), progress=False)
     with pytest.raises(ValueError, match="^pooler_config: unknown pooling_type 'MAX'"):
         LLM(str(bert_folder), pooler_config='{"pooling_type": "max"}')
     with pytest.raises(ValueError, match="^pooler_config: only with the pooling runner"):
         LLM(str(bert_folder), runner="generate", pooler_config={"pooling_type": "CLS"})
-    llm = LLM(str(test_models_dir / "llama"), compilation_cache_dir=str(tmp_path), max_num_seqs=4,
-              max_num_batched_tokens=64, progress=False)
-    with pytest.raises(ValueError, match="^pooling_params: .*served for generation.*--runner pooling"):
-        llm.embed("hi", use_tqdm=False)
+    with pytest.raises(ValueError, match="^runner: pooling is not yet served with tensor_parallel_size > 1"):
+        LLM(str(bert_folder), tensor_parallel_size=2, compilation_cache_dir=str(tmp_path), progress=False)
 
 
 # ----------------------------------------------------------------- decoder embedders
@@ -170,6 +169,7 @@ def test_decoder_embedders_equal_hf_hidden_states(test_models_dir, arch, pooler,
         np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.slow  # ~30 s; the default run covers decoder embedders with the random models above
 def test_smollm2_as_an_embedder_equals_hf_on_its_weights(tmp_path):
     """The default model's file (Q4_1 blocks kept) served for pooling: its last token's
     normalized hidden state against transformers' LlamaModel on the same weights

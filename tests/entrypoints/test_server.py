@@ -378,6 +378,14 @@ def test_bad_beam_searches_are_400(server, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling", "/score", "/rerank"])
+def test_a_generating_server_answers_pooling_endpoints_with_how_to_start_one(server, path):
+    body = {"/score": {"text_1": "a", "text_2": "b"}, "/rerank": {"query": "a", "documents": ["b"]}}.get(
+        path, {"input": "hello"})
+    r = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], r.text
+
+
 def test_tokenizer_info_round_trips(server, test_models_dir, tmp_path):
     """What lm-eval's tokenizer_backend=remote reads: enough to rebuild the tokenizer
     from its vocabulary file alone (special tokens, chat template)."""
