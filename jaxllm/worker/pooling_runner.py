@@ -58,7 +58,7 @@ class PoolingRunnerConfig:
     max_model_len: int
     pooler: PoolerConfig
     linear_backend: str = "auto"
-    attention_backend: str = "auto"  # auto: the cpu kernel where it builds, else XLA's (not measured)
+    attention_backend: str = "auto"  # auto: the faster of the cpu kernel and XLA's, measured with the linear backend
     block_size: int = 16  # the step cache's blocks
     cache_dir: Path | None = None  # the executable store's (jaxllm.worker.executable_cache); None: compiled each start
 
@@ -153,15 +153,28 @@ class PoolingRunner:
         self.dtype = float_leaf.dtype
         self.token_buckets = token_buckets(rc.max_num_batched_tokens)
         self.max_len = min(rc.max_model_len, rc.max_num_batched_tokens)
-        self.backends = linear_candidates(rc.linear_backend, self.dtype, quantized=cfg.quantization is not None)
-        self.backend = self.backends[0]
+        linears = linear_candidates(rc.linear_backend, self.dtype, quantized=cfg.quantization is not None)
+        attentions = attention_candidates(rc.attention_backend, head_dim=cfg.head_dim,
+                                          dtype=activation_dtype(self.dtype),
+                                          cache_dtype=kv_cache_format("auto", self.dtype).dtype)
+        self.plans = [Plan(a, linear) for a in attentions for linear in linears]  # the candidates, preferred first
+        self.plan = self.plans[0]
         self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.params = None if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else params
-        self._compiled: dict[tuple[str, int], object] = {}
-        self.measured: dict[str, float] = {}  # seconds per step of the largest bucket, by backend (auto)
+        self._compiled: dict[tuple[Plan, int], object] = {}
+        self.measured: dict[Plan, float] = {}  # seconds per step of the largest bucket, by plan (auto)
         self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
-        self.step_cache = _StepCache.make(cfg, rc, self.dtype)
+        self._caches = {a: _StepCache.make(cfg, rc, self.dtype, a) for a in attentions}
+
+    @property
+    def step_cache(self) -> _StepCache:
+        return self._caches[self.plan.attention]
+
+    @property
+    def backend(self) -> str:
+        """The linear backend the steps run."""
+        return self.plan.linear
 
     # ----------------------------------------------------------------- weights
 
@@ -173,32 +186,31 @@ class PoolingRunner:
         self.params = self.layout_params(params)
 
     def describe_backends(self) -> str:
-        timed = ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in self.measured.items())
-        why = f" (the largest step: {timed})" if timed else " (measured on an earlier start)" if len(
-            self.backends) > 1 else ""
-        return (f"attention {self.step_cache.attention}; linear {self.backend}{why}; {self.num_loaded_executables} "
-                "executables loaded")
+        timed = ", ".join(f"{p.attention}/{p.linear} {t * 1e3:.1f} ms" for p, t in self.measured.items())
+        why = f" (the largest step, attention/linear: {timed})" if timed else " (measured on an earlier start)" if len(
+            self.plans) > 1 else ""
+        return f"{self.plan}{why}; {self.num_loaded_executables} executables loaded"
 
     # ------------------------------------------------------------- compilation
 
-    def _store(self, backend: str) -> ExecutableStore:
-        """Where the executables of `backend` are kept, keyed by what they are compiled from."""
-        abstract = self.layout_params(self._abstract, backend)
-        return ExecutableStore(store_directory(self.rc.cache_dir), "pooling_step", self.config, backend,
+    def _store(self, plan: Plan | str) -> ExecutableStore:
+        """Where the executables of `plan` are kept (or a record, by name), keyed by what
+        they are compiled from."""
+        abstract = self.layout_params(self._abstract, plan.linear if isinstance(plan, Plan) else "")
+        return ExecutableStore(store_directory(self.rc.cache_dir), "pooling_step", self.config, plan,
                                self.rc.pooler.pooling_type, self.max_len, self.rc.max_num_seqs, self.rc.block_size,
-                               self.step_cache.attention,
                                shapes_and_dtypes(abstract), jax.tree.structure(abstract),
                                devices=[jax.local_devices()[0]])
 
-    def _executable(self, backend: str, tokens: int):
+    def _executable(self, plan: Plan, tokens: int):
         """The executable of bucket `tokens` (loaded from the store, else compiled and stored)."""
-        key = (backend, tokens)
+        key = (plan, tokens)
         if key not in self._compiled:
             seqs = seq_bucket(self.rc.max_num_seqs, tokens)
             inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._inputs([], tokens))
-            params = self.layout_params(self._abstract, backend)
+            params = self.layout_params(self._abstract, plan.linear)
             kind = self.rc.pooler.pooling_type
-            c = self.step_cache
+            c = self._caches[plan.attention]
             if self.config.is_encoder:
                 step = functools.partial(encoder_step, cfg=self.config, pooling_type=kind, max_len=self.max_len)
                 lower = lambda: jax.jit(step, donate_argnums=(1,)).trace(params, c.abstract_caches, inputs).lower()
@@ -207,42 +219,44 @@ class PoolingRunner:
                                          pooling_type=kind)
                 lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, c.rope, c.abstract_caches,
                                                                          inputs).lower()
-            self._compiled[key], loaded = load_or_compile(self._store(backend), f"t{tokens}-s{seqs}", lower)
+            self._compiled[key], loaded = load_or_compile(self._store(plan), f"t{tokens}-s{seqs}", lower)
             self.num_loaded_executables += loaded
         return self._compiled[key]
 
     def warm_up(self, loaded=None) -> float:
-        """Load or compile every bucket (two at a time); with two linear backends
-        (`auto` on a CPU) first the faster of them on the largest bucket, measured once
-        and kept with the executables. `loaded`: the weights (for the measurement) when
-        they were not given at construction. Returns seconds."""
+        """Load or compile every bucket (two at a time); where `auto` leaves several
+        attention or linear backends (a CPU: the C++ kernels and XLA), first the fastest
+        pair on the largest bucket, measured once and kept with the executables.
+        `loaded`: the weights (for the measurement) when they were not given at
+        construction. Returns seconds."""
         start = time.perf_counter()
         loaded = loaded if loaded is not None else self.params
-        if len(self.backends) > 1 and loaded is not None:
-            plan_store = self._store("+".join(self.backends))  # the candidates' measurement
-            plan = plan_store.load_text("backend")
-            self.backend = plan if plan in self.backends else self._measure(loaded)
-            plan_store.save_text("backend", self.backend)
+        if len(self.plans) > 1 and loaded is not None:
+            record = self._store("plan of " + " ".join(map(str, self.plans)))
+            stored = {str(p): p for p in self.plans}.get(record.load_text("plan") or "")
+            self.plan = stored or self._measure(loaded)
+            record.save_text("plan", str(self.plan))
         with concurrent.futures.ThreadPoolExecutor(2) as pool_:
-            list(pool_.map(lambda t: self._executable(self.backend, t), self.token_buckets))
-        self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.backend}
+            list(pool_.map(lambda t: self._executable(self.plan, t), self.token_buckets))
+        self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.plan}
+        self._caches = {self.plan.attention: self.step_cache}  # the others' memory freed
         if loaded is not None:
             self.params = self.layout_params(loaded)
         return time.perf_counter() - start
 
-    def _measure(self, loaded) -> str:
-        """The faster backend on the largest bucket full of maximal sequences."""
+    def _measure(self, loaded) -> Plan:
+        """The fastest plan on the largest bucket full of maximal sequences."""
         tokens = self.token_buckets[-1]
         n = max(1, tokens // self.max_len)
-        inputs = self._inputs([[1] * (tokens // n)] * n, tokens)
-        for backend in self.backends:
-            params, run = self.layout_params(loaded, backend), self._executable(backend, tokens)
+        inputs = self._inputs([[1] * min(self.max_len, tokens // n)] * n, tokens)
+        for plan in self.plans:
+            params, run = self.layout_params(loaded, plan.linear), self._executable(plan, tokens)
             times = []
             for _ in range(4):  # the first call warms up
                 t = time.perf_counter()
-                jax.block_until_ready(self._call(run, params, inputs))
+                jax.block_until_ready(self._call(run, params, inputs, self._caches[plan.attention]))
                 times.append(time.perf_counter() - t)
-            self.measured[backend] = min(times[1:])
+            self.measured[plan] = min(times[1:])
         return min(self.measured, key=self.measured.get)
 
     # -------------------------------------------------------------------- step
@@ -276,9 +290,9 @@ class PoolingRunner:
         return PoolingInputs(token_ids, positions, seg, starts, lens, query_start_loc, slots, block_tables,
                              np.int32(n), np.int32(total))
 
-    def _call(self, run, params, inputs: PoolingInputs):
+    def _call(self, run, params, inputs: PoolingInputs, cache: _StepCache | None = None):
         """Run an executable; the step cache comes back (donated) for the next."""
-        c = self.step_cache
+        c = cache or self.step_cache
         if self.config.is_encoder:
             out, c.caches = run(params, c.caches, inputs)
         else:
@@ -296,7 +310,7 @@ class PoolingRunner:
         total = sum(len(r.token_ids) for r in reqs)
         tokens = next(b for b in self.token_buckets if b >= total)
         inputs = self._inputs([r.token_ids for r in reqs], tokens)
-        out = np.asarray(self._call(self._executable(self.backend, tokens), self.params, inputs))
+        out = np.asarray(self._call(self._executable(self.plan, tokens), self.params, inputs))
         every_token = self.rc.pooler.pooling_type == "ALL"
         pooled = {r.req_id: self._finish(r, out[start:start + n] if every_token else out[i])
                   for i, (r, start, n) in enumerate(zip(reqs, inputs.starts, inputs.lens, strict=False))}
@@ -314,6 +328,16 @@ class PoolingRunner:
         return PooledData(list(vec.shape), vec.tobytes())
 
 
+class Plan(typing.NamedTuple):
+    """The backends a pooling step runs: its attention and its projections."""
+
+    attention: str
+    linear: str
+
+    def __str__(self) -> str:
+        return f"attention {self.attention}, linear {self.linear}"
+
+
 @dataclasses.dataclass
 class _StepCache:
     """What the steps keep between them: the attention backend, a decoder's RoPE
@@ -328,10 +352,8 @@ class _StepCache:
     caches: tuple[KVCache, ...] | None
 
     @classmethod
-    def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype) -> _StepCache:
+    def make(cls, cfg: ModelConfig, rc: PoolingRunnerConfig, dtype, attention: str) -> _StepCache:
         fmt = kv_cache_format("auto", dtype)
-        attention = attention_candidates(rc.attention_backend, head_dim=cfg.head_dim, dtype=activation_dtype(dtype),
-                                         cache_dtype=fmt.dtype)[0]
         if cfg.is_encoder and attention != "cpu":
             return cls(attention, None, None, None)
         num_blocks = 1 + -(-rc.max_num_batched_tokens // rc.block_size) + rc.max_num_seqs
