@@ -100,6 +100,12 @@ def test_score_and_rerank_in_vllms_shapes(server, oracle):
     assert len(bare["results"]) == len(DOCS) and "document" not in bare["results"][0]
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling", "/score", "/rerank", "/v2/rerank"])
+def test_an_api_key_guards_every_pooling_endpoint(server, path):
+    r = httpx.post(f"{server.url}{path}", json={"input": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_pooling_and_tokenize(server, oracle):
     body = post(server, "/pooling", {"input": [DOCS[0]]}).json()  # the pooled state as LLM.encode gives it
     assert body["data"][0]["object"] == "pooling"

@@ -5,8 +5,8 @@ Routes: POST /v1/completions, /v1/chat/completions (a generating server), /v1/em
 `--runner pooling`), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter; GET /v1/models, /tokenizer_info, /health, /version, /metrics. A request's `model` names the base model or a LoRA
 adapter loaded (at start-up: --lora-modules; at run time: /v1/load_lora_adapter).
-With an API key, every /v1 route and /tokenize, /detokenize, /tokenizer_info need
-`Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error
+With an API key, every /v1 and /v2 route, /pooling, /score, /rerank, /tokenize,
+/detokenize and /tokenizer_info need `Authorization: Bearer <key>`; /health, /version and /metrics stay open. Every error
 has the OpenAI shape; after any of them the server keeps serving.
 """
 
@@ -62,7 +62,8 @@ class ServerSettings:
     max_waiting_requests: int = 256  # beyond max_num_seqs running: more waiting gets 503
     max_num_seqs: int = 64
     max_request_bytes: int = 16 * 2**20
-    protected_prefixes: tuple[str, ...] = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+    protected_prefixes: tuple[str, ...] = ("/v1", "/v2", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize",
+                                           "/tokenizer_info")
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
 
