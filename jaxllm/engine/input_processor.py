@@ -63,6 +63,9 @@ class InputProcessor:
         limit = params.truncate_prompt_tokens
         if limit is None:
             return self.tokenize(prompt, add_special_tokens)
+        if limit > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {limit} is more than this model's maximum context length "
+                             f"({self.max_model_len} tokens); use -1 for that")
         limit = self.max_model_len if limit == -1 else limit
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens, truncation=True, max_length=limit)

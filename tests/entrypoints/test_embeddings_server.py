@@ -125,6 +125,7 @@ def test_pooling_and_tokenize(server, oracle):
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": "hi", "colour": "red"}, "colour"),
     ("/v1/embeddings", {"input": [[1, 999999]]}, "input"),
+    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 300}, "truncate_prompt_tokens"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
     ("/rerank", {"query": "q", "documents": []}, "documents"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
