@@ -10,7 +10,8 @@ request's: its task, `dimensions` (matryoshka truncation), `normalize` and
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from jaxllm.json_options import json_object
 
 # How a sequence's hidden states become its vector: the last token's (decoders), their
 # mean, the first token's ([CLS]), or every token's (ALL: one vector per token).
@@ -42,17 +43,7 @@ class PoolerConfig:
         itself; None stays None (the model's own)."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config: expected a JSON object, got {value!r}")
-        unknown = sorted(set(value) - {"pooling_type", "normalize", "dimensions"})
-        if unknown:
-            raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)} (pooling_type, normalize, "
-                             "dimensions)")
+        value = json_object(value, "pooler_config", (f.name for f in dataclasses.fields(cls)))
         kind, normalize, dims = value.get("pooling_type"), value.get("normalize"), value.get("dimensions")
         return cls(None if kind is None else str(kind).upper(), None if normalize is None else bool(normalize),
                    None if dims is None else tuple(int(d) for d in dims))

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from bench_serving import LaunchedServer
-from bench_vllm import LaunchedVllmServer, vllm_python
+from bench_vllm import LaunchedVenvServer, LaunchedVllmServer, venv_python, vllm_python
 from isa_build import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,43 +129,19 @@ async def drive(url: str, path: str, model: str, texts: list[str], clients: int)
     return seconds, np.array(vectors, np.float32)
 
 
-class LaunchedInfinity(LaunchedServer):
+class LaunchedInfinity(LaunchedVenvServer):
     """infinity-emb's server from its venv, serving the folder with torch on the CPU."""
 
-    def __init__(self, venv_python: str, folder: Path, log_path: Path) -> None:
-        super().__init__("", log_path)
-        self.name = folder.name
-        self.cmd = [str(Path(venv_python).parent / "infinity_emb"), "v2", "--model-id", str(folder), "--port",
-                    str(self.port), "--host", "127.0.0.1", "--engine", "torch", "--device", "cpu",
-                    "--served-model-name", self.name]
+    name = "infinity-emb"
 
-    def __enter__(self) -> LaunchedServer:
-        print("launching:", " ".join(self.cmd), flush=True)
+    def __init__(self, venv_python: str, folder: Path, log_path: Path) -> None:
         env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
                             "DO_NOT_TRACK": "1"}
-        start = time.perf_counter()
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"infinity-emb exited with {self.proc.returncode} (see {self.log_path})")
-            time.sleep(0.5)
-        self.startup_s = time.perf_counter() - start
-        print(f"infinity-emb ready in {self.startup_s:.1f} s", flush=True)
-        return self
-
-
-def infinity_python(venv: str) -> str | None:
-    proc = subprocess.run([str(ROOT / "scripts" / "build_infinity_emb.sh"), venv], capture_output=True, text=True)
-    if proc.returncode:
-        print(f"infinity-emb is skipped: {proc.stderr.strip()}", flush=True)
-        return None
-    return proc.stdout.strip().splitlines()[-1]
+        super().__init__([], env, log_path)
+        self.model = folder.name
+        self.cmd = [str(Path(venv_python).parent / "infinity_emb"), "v2", "--model-id", str(folder), "--port",
+                    str(self.port), "--host", "127.0.0.1", "--engine", "torch", "--device", "cpu",
+                    "--served-model-name", self.model]
 
 
 def serve(label: str, server, path: str, model: str, texts: list[str], clients: int, oracle: np.ndarray) -> dict:
@@ -227,9 +203,10 @@ def main() -> None:
         server = LaunchedServer(f"--model {shlex.quote(str(folder))} --served-model-name minilm {args.jaxllm_args}",
                                 out_dir / "jaxllm-server.log")
         served["jaxllm"] = serve("jaxllm server", server, "/v1/embeddings", "minilm", texts, args.clients, oracle)
-    if "infinity" not in skip and (python := infinity_python(args.infinity_venv)) is not None:
+    if "infinity" not in skip and (python := venv_python("build_infinity_emb.sh", args.infinity_venv,
+                                                         "infinity-emb")) is not None:
         server = LaunchedInfinity(python, folder, out_dir / "infinity.log")
-        served["infinity-emb"] = serve("infinity-emb", server, "/embeddings", server.name, texts, args.clients, oracle)
+        served["infinity-emb"] = serve("infinity-emb", server, "/embeddings", server.model, texts, args.clients, oracle)
     if "vllm" not in skip and (python := vllm_python(args.vllm_venv)) is not None:
         server = LaunchedVllmServer(python, folder, "float32", 64, out_dir / "vllm.log")
         server.cmd[server.cmd.index("--max-model-len") + 1] = "256"

@@ -55,27 +55,39 @@ RUNS = (("vLLM CPU, float32", "vllm", "float32", "float32"),
         ("jaxllm defaults", "jaxllm", "", "default"))
 
 
-class LaunchedVllmServer(LaunchedServer):
-    """vLLM's OpenAI server from its venv, on both cores, `dtype`, 2 GiB of KV cache."""
+class LaunchedVenvServer(LaunchedServer):
+    """A baseline's HTTP server run from its own venv (`cmd`, with `env`), its output to
+    `log_path`, ready when GET /health answers 200; `name` says whose it is."""
 
-    def __init__(self, python: str, folder: Path, dtype: str, max_num_seqs: int, log_path: Path) -> None:
+    name = "server"
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
         super().__init__("", log_path)
-        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
-                    "--port", str(self.port), "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs)]
+        self.cmd, self.env = cmd, env
 
     def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
-        env = vllm_env()
         start = time.perf_counter()
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         while not _healthy(self.url):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} (see {self.log_path})")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (see {self.log_path})")
             time.sleep(0.5)
         self.startup_s = time.perf_counter() - start
-        print(f"vLLM ready in {self.startup_s:.1f} s", flush=True)
+        print(f"{self.name} ready in {self.startup_s:.1f} s", flush=True)
         return self
+
+
+class LaunchedVllmServer(LaunchedVenvServer):
+    """vLLM's OpenAI server from its venv, on both cores, `dtype`, 2 GiB of KV cache."""
+
+    name = "vLLM"
+
+    def __init__(self, python: str, folder: Path, dtype: str, max_num_seqs: int, log_path: Path) -> None:
+        super().__init__([], vllm_env(), log_path)
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
+                    "--port", str(self.port), "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs)]
 
 
 def vllm_env() -> dict[str, str]:
@@ -90,13 +102,19 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def vllm_python(venv: str) -> str | None:
-    """The vLLM venv's python (built by scripts/build_vllm_cpu.sh), or None, saying why."""
-    proc = subprocess.run([str(ROOT / "scripts" / "build_vllm_cpu.sh"), venv], capture_output=True, text=True)
+def venv_python(build_script: str, venv: str, what: str) -> str | None:
+    """The python of a baseline's venv, built by `scripts/<build_script>` (which prints
+    it, or says why it cannot build), or None, saying `what` is skipped and why."""
+    proc = subprocess.run([str(ROOT / "scripts" / build_script), venv], capture_output=True, text=True)
     if proc.returncode:
-        print(f"vLLM's CPU build is skipped: {proc.stderr.strip()}", flush=True)
+        print(f"{what} is skipped: {proc.stderr.strip()}", flush=True)
         return None
     return proc.stdout.strip().splitlines()[-1]
+
+
+def vllm_python(venv: str) -> str | None:
+    """The vLLM venv's python (built by scripts/build_vllm_cpu.sh), or None, saying why."""
+    return venv_python("build_vllm_cpu.sh", venv, "vLLM's CPU build")
 
 
 def model_flops_per_token(folder: Path) -> tuple[float, float, float]:

@@ -4,9 +4,10 @@ validated in one place."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from jaxllm.json_options import json_object
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
@@ -73,17 +74,7 @@ class SpeculativeConfig:
         None. Unknown fields are named."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e})") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config: expected an object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        value = json_object(value, "speculative_config", (f.name for f in dataclasses.fields(cls)))
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: `method` and `num_speculative_tokens` are required")
         return cls(**value)

@@ -139,6 +139,10 @@ def test_runner_choices_are_refused_with_the_fix(bert_folder, tmp_path):
         LLM(str(bert_folder), runner="generate", compilation_cache_dir=str(tmp_path), progress=False)
     with pytest.raises(ValueError, match="^pooler_config: unknown pooling_type 'MAX'"):
         LLM(str(bert_folder), pooler_config='{"pooling_type": "max"}')
+    with pytest.raises(ValueError, match="^pooler_config: unknown field.*kind; known: dimensions, normalize"):
+        LLM(str(bert_folder), pooler_config='{"kind": "MEAN"}')
+    with pytest.raises(ValueError, match="^pooler_config: not JSON"):
+        LLM(str(bert_folder), pooler_config="{MEAN")
     with pytest.raises(ValueError, match="^pooler_config: only with the pooling runner"):
         LLM(str(bert_folder), runner="generate", pooler_config={"pooling_type": "CLS"})
     with pytest.raises(ValueError, match="^runner: pooling is not yet served with tensor_parallel_size > 1"):

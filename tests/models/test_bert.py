@@ -97,7 +97,8 @@ def test_encoder_lowers_for_cuda(folder):
     i32 = jax.ShapeDtypeStruct((256,), jnp.int32)
     fn = lambda p, ids, seg: bert.forward(p, cfg, ids, ids, ids, seg, jnp.int32(256), 128)[0]
     text = jax.jit(fn).trace(params, i32, i32).lower(lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo" in text or "func.func" in text
+    assert "func.func public @main" in text and "stablehlo.dot_general" in text
+    assert "jaxllm_ragged_paged_attention" not in text  # no CPU custom call on the GPU path
 
 
 @pytest.mark.parametrize("linear,attention", [("xla", "xla"), ("cpu", "xla"), ("cpu", "cpu")])
