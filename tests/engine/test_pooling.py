@@ -113,7 +113,8 @@ def test_poolers_equal_numpy_over_hf(bert_folder, pooler, tmp_path):
     """The folder's MEAN (sentence-transformers modules), or --pooler-config's CLS, LAST
     and ALL, each from HF BertModel's hidden states; max_model_len from max_seq_length."""
     llm = LLM(str(bert_folder), runner="pooling", pooler_config=pooler, max_num_batched_tokens=64,
-              max_num_seqs=8, compilation_cache_dir=str(tmp_path), linear_backend="xla", progress=False)
+              max_num_seqs=8, compilation_cache_dir=str(tmp_path), linear_backend="xla", attention_backend="cpu",
+              progress=False)  # backends named: nothing measured (the MiniLM engine above measures)
     core = llm.llm_engine.core
     assert core.max_model_len == 48
     kind = core.pooler.pooling_type
@@ -162,7 +163,8 @@ def test_decoder_embedders_equal_hf_hidden_states(test_models_dir, arch, pooler,
 
     folder = test_models_dir / arch
     llm = LLM(str(folder), runner="pooling", pooler_config=pooler, max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=128, compilation_cache_dir=str(tmp_path), progress=False)
+              max_num_batched_tokens=128, compilation_cache_dir=str(tmp_path), linear_backend="cpu",
+              attention_backend="cpu", progress=False)
     pooler = llm.llm_engine.core.pooler
     texts = ["Instruct: find the capital\nQuery: France", "Hello world! How are you today? " * 3, "one"]
     outputs = llm.embed(texts, use_tqdm=False)

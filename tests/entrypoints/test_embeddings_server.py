@@ -25,7 +25,8 @@ def folder():
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    s = Server(folder, tmp_path_factory.mktemp("embeddings"), "--served-model-name", "minilm")
+    s = Server(folder, tmp_path_factory.mktemp("embeddings"), "--served-model-name", "minilm",
+               "--attention-backend", "cpu", "--linear-backend", "cpu")  # named: nothing measured at start-up
     yield s
     s.stop()
 
@@ -48,6 +49,7 @@ def cosines(a, b) -> np.ndarray:
 
 def test_startup_says_pooling(server):
     assert "runner pooling (MEAN, normalized); max_model_len=256" in server.output()
+    assert "attention cpu, linear cpu;" in server.output()
 
 
 def test_openai_client_embeddings_equal_sentence_transformers(server, oracle):
