@@ -178,6 +178,8 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     replica_stats: list[SchedulerStats] | None = None  # per data-parallel replica (jaxllm.engine.dp_client)
+    # per replica, seconds since it last reported (outputs or its idle heartbeat): a stuck one's grows
+    replica_report_ages: list[float] | None = None
 
 
 @dataclasses.dataclass

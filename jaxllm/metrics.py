@@ -59,7 +59,9 @@ class EngineMetrics:
             for name, doc in (("num_requests_running", "Requests running, per data-parallel replica."),
                               ("num_requests_waiting", "Requests waiting, per data-parallel replica."),
                               ("kv_cache_usage_perc", "KV cache usage (0-1), per data-parallel replica."),
-                              ("prefix_cache_queries", "Prompt tokens looked up, per data-parallel replica."))
+                              ("prefix_cache_queries", "Prompt tokens looked up, per data-parallel replica."),
+                              ("seconds_since_report", "Seconds since the data-parallel replica last reported "
+                                                       "(each step, or each second while idle): its health."))
         }
         self._model_name = model_name
         self._max_loras = max_loras
@@ -68,12 +70,15 @@ class EngineMetrics:
             ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=self.registry) if max_loras else None
 
-    def observe_stats(self, stats: SchedulerStats, replicas: list[SchedulerStats] | None = None) -> None:
-        """The engine's stats (all replicas together), and each replica's if several."""
+    def observe_stats(self, stats: SchedulerStats, replicas: list[SchedulerStats] | None = None,
+                      ages: list[float] | None = None) -> None:
+        """The engine's stats (all replicas together), and each replica's if several
+        (with the seconds since each last reported)."""
         for i, r in enumerate(replicas or []):
             for name, value in (("num_requests_running", r.num_running), ("num_requests_waiting", r.num_waiting),
                                 ("kv_cache_usage_perc", r.kv_cache_usage),
-                                ("prefix_cache_queries", r.prefix_cache_queries)):
+                                ("prefix_cache_queries", r.prefix_cache_queries),
+                                ("seconds_since_report", ages[i] if ages else 0.0)):
                 self._replica_gauges[name].labels(self._model_name, str(i)).set(value)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

@@ -179,25 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(level)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # uvicorn installs its own once serving
     try:
-        if args.process_id != 0:
-            follow(args)
-        else:
-            asyncio.run(serve(args))
+        asyncio.run(serve(args))
     except KeyboardInterrupt:
         pass
     except EngineCoreStartError as e:  # its message (a bad model or checkpoint: no traceback), once
         sys.exit(f"error: {e}")
-
-
-def follow(args: argparse.Namespace) -> None:
-    """A process other than 0 of an engine spanning several (--num-processes): no HTTP;
-    load, compile, then run the steps process 0 sends (jaxllm.engine.multihost)."""
-    from jaxllm.engine.core import EngineCore
-
-    core = EngineCore(engine_config(args), progress=True)
-    print(f"jaxllm process {args.process_id} of {args.num_processes} ready; following process 0 at "
-          f"{args.coordinator_address}", flush=True)
-    core.follow()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ file (`RESULTS.errors.jsonl` unless `--errors` says otherwise) as
 `{"line": 7, "id": "q7", "error": "temperature: must be non-negative, got -1"}`; the
 other lines still run. The errors file holds the latest run's errors only.
 
+`--ray-replicas N` runs the chunks over a Ray cluster instead (RAY_ADDRESS, or `ray
+start` on this node; else a local one): Ray Data's `map_batches` with N engines, one per
+actor, each on its own tensor x pipeline parallel GPUs; the rest is the same.
+
 Requests run in chunks of `--chunk-size` through `LLM.generate` / `LLM.chat`, and each
 chunk's results are appended and flushed as soon as it finishes, so an interrupted run
 keeps what finished. Rerunning on the same output file skips the ids already there and
@@ -53,6 +57,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pickle
 import re
 import sys
 import time
@@ -338,6 +343,73 @@ def run(
     return new_results, stats
 
 
+class EngineActor:
+    """One engine of a Ray Data run (`--ray-replicas`): a batch of pickled requests in,
+    each one's result record or rejection out (`map_batches`' callable class)."""
+
+    def __init__(self, model: str | None, options: dict[str, Any]) -> None:
+        self.llm = LLM(model, progress=False, **options)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        chunk = [pickle.loads(raw) for raw in batch["request"]]
+        outcomes = generate_chunk(self.llm, chunk)
+        return {"request": list(batch["request"]),
+                "record": ["" if isinstance(o, str) else json.dumps(result_record(r, o), ensure_ascii=False)
+                           for r, o in zip(chunk, outcomes)],
+                "error": [o if isinstance(o, str) else "" for o in outcomes]}
+
+
+def run_on_ray(
+    model: str | None,
+    options: dict[str, Any],
+    pending: list[EvalRequest],
+    output: Path,
+    chunk_size: int,
+    replicas: int,
+    on_error: Callable[[LineError], None],
+    progress: bool = True,
+) -> tuple[dict[RequestId, dict[str, Any]], RunStats]:
+    """`run` over a Ray cluster (RAY_ADDRESS, `ray start` on this node, else a local
+    one): Ray Data's map_batches with `replicas` engines, one per actor (each on
+    tensor x pipeline parallel GPUs where the cluster has GPUs), chunks of `chunk_size`
+    requests; results appended and flushed as each chunk arrives, so a rerun resumes."""
+    import ray
+
+    from jaxllm.engine.ray_executor import connect
+
+    connect(ray)
+    if __name__ != "__main__":  # imported: its classes and functions go to the actors by value (as __main__'s do)
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    devices = max(1, options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1))
+    gpus = devices if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    rows = [{"request": ray.cloudpickle.dumps(r)} for r in pending]
+    results = ray.data.from_items(rows).map_batches(
+        EngineActor, batch_size=chunk_size, concurrency=replicas, num_cpus=1, num_gpus=gpus,
+        fn_constructor_kwargs={"model": model, "options": options})
+    stats = RunStats()
+    new_results: dict[RequestId, dict[str, Any]] = {}
+    start = time.perf_counter()
+    with output.open("a", encoding="utf-8") as f, tqdm(
+        total=len(pending), unit="req", desc=f"batch eval ({replicas} engines on Ray)", disable=not progress
+    ) as bar:
+        for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
+            for raw, line, error in zip(batch["request"], batch["record"], batch["error"]):
+                request = pickle.loads(raw)
+                if error:
+                    on_error(LineError(request.line, request.id, str(error)))
+                    continue
+                f.write(line + "\n")
+                record = new_results[request.id] = json.loads(line)
+                stats.requests += 1
+                stats.prompt_tokens += record["prompt_tokens"]
+                stats.completion_tokens += record["completion_tokens"]
+            f.flush()
+            stats.generate_seconds = time.perf_counter() - start
+            bar.update(len(batch["request"]))
+    return new_results, stats
+
+
 # -------------------------------------------------------------------------- score
 
 
@@ -386,10 +458,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=int, help="only the first N valid requests of the input")
     parser.add_argument("--score", action="store_true", help="report accuracy against the lines' 'expected' answers")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--ray-replicas", type=int, default=0,
+                        help="run on a Ray cluster with Ray Data, this many engines (one per actor; "
+                             "default 0: one engine in this process)")
     add_engine_options(parser)
     args = parser.parse_args(argv)
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error("--chunk-size: must be positive")
+    if args.ray_replicas < 0:
+        parser.error("--ray-replicas: must be non-negative")
     if args.max_requests is not None and args.max_requests < 0:
         parser.error("--max-requests: must be non-negative")
     if not isinstance(args.sampling_params, dict):
@@ -439,7 +516,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = load_results(args.output)
     pending = [r for r in requests if r.id not in results]
     stats = RunStats()
-    if pending:
+    if pending and args.ray_replicas:
+        options = engine_options(args)
+        chunk_size = args.chunk_size or 4 * EngineConfig(model=args.model, **options).max_num_seqs
+        new_results, stats = run_on_ray(args.model, options, pending, args.output, chunk_size, args.ray_replicas,
+                                        report, args.progress)
+        results |= new_results
+    elif pending:
         start = time.perf_counter()
         llm = LLM(args.model, progress=args.progress, **engine_options(args))
         startup_seconds = time.perf_counter() - start

@@ -69,7 +69,8 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str, hang_timeout: float = 60.0) -> AsyncLLM:
-        client = CoreClient(config) if config.data_parallel_size == 1 else DataParallelClient(config)
+        local_one = config.data_parallel_size == 1 and config.data_parallel_backend == "mp"
+        client = CoreClient(config) if local_one else DataParallelClient(config)
         try:
             ready = await asyncio.get_running_loop().run_in_executor(None, client.wait_ready)
         except BaseException:
@@ -197,7 +198,7 @@ class AsyncLLM:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:
             self.stats = outputs.stats
-            self.metrics.observe_stats(outputs.stats, outputs.replica_stats)
+            self.metrics.observe_stats(outputs.stats, outputs.replica_stats, outputs.replica_report_ages)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.client.send(wire.ABORT, processed.reqs_to_abort)

@@ -118,12 +118,21 @@ class EngineConfig:
     served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
     tensor_parallel_size: int = _option(1, "devices to shard the model over, by heads (tensor parallelism)",
                                         aliases=("-tp",))
-    data_parallel_size: int = _option(1, "engine replicas, each on its own tensor_parallel_size devices "
+    pipeline_parallel_size: int = _option(1, "stages to split the model's layers into, each on its own "
+                                             "tensor_parallel_size devices, micro-batches flowing through them "
+                                             "(pipeline parallelism)", aliases=("-pp",))
+    data_parallel_size: int = _option(1, "engine replicas, each on its own tensor_parallel_size x "
+                                         "pipeline_parallel_size devices "
                                          "(the server routes requests between them)", aliases=("-dp",))
-    coordinator_address: str | None = _option(None, "host:port of process 0, when one engine spans several "
-                                                    "processes or hosts (jax.distributed)")
-    num_processes: int = _option(1, "processes (hosts) the engine spans; the same command on each")
-    process_id: int = _option(0, "this process's index: 0 schedules (and serves), the others follow its steps")
+    data_parallel_backend: str = _option(
+        "mp", "where data-parallel replicas run: mp, processes on this host; ray, actors on any node of the Ray "
+              "cluster", ("mp", "ray"))
+    distributed_executor_backend: str = _option(
+        "mp", "what runs an engine's processes: mp, this process alone (one host); ray, one process per node of "
+              "the Ray cluster (num_processes of them), placed and supervised by Ray", ("mp", "ray"))
+    num_processes: int = _option(1, "processes (hosts) one engine spans, each driving its node's share of the "
+                                    "tensor_parallel_size x pipeline_parallel_size devices (needs "
+                                    "distributed_executor_backend ray)")
 
     def __post_init__(self) -> None:
         if self.activation_quantization is None:  # what None meant before "auto" was the default
@@ -133,7 +142,7 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(map(str, choices))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size", "num_processes", "num_scheduler_steps"):
+                     "pipeline_parallel_size", "data_parallel_size", "num_processes", "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -145,14 +154,18 @@ class EngineConfig:
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them, with or without enable_lora
         if self.enable_lora and self.num_processes > 1:
             raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: not yet with pipeline_parallel_size > 1 (the adapters' slots are not split "
+                             "by stage); use tensor_parallel_size")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.runner == "generate" and self.pooler_config is not None:
             raise ValueError("pooler_config: only with the pooling runner (--runner pooling)")
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not yet with num_processes > 1 (one engine spans the hosts)")
-        if not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"process_id: {self.process_id} is not in 0..{self.num_processes - 1}")
+        if self.num_processes > 1 and self.distributed_executor_backend != "ray":
+            raise ValueError("num_processes: an engine over several processes is placed by Ray; add "
+                             "--distributed-executor-backend ray (and `ray start` on each node)")
         if self.async_scheduling and self.async_scheduling_blocked:
             raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
 
@@ -190,6 +203,11 @@ class EngineConfig:
         """Whether steps overlap: async_scheduling, or by default where nothing blocks it."""
         return self.async_scheduling is not False and self.async_scheduling_blocked is None
 
+
+    @property
+    def devices_per_engine(self) -> int:
+        """The devices one engine (one replica) runs on: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def lora_config(self) -> LoRAConfig | None:

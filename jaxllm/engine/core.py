@@ -23,8 +23,8 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.engine import multihost
 from jaxllm.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_DEVICE_MEMORY_FRACTION, EngineConfig, parse_memory
+from jaxllm.engine.ray_executor import Placement, RayExecutor, initialize, wait_for_workers
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.loaders.default_model import model_path
@@ -36,6 +36,7 @@ from jaxllm.models.linear import rounds_activations
 from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import abstract_params
+from jaxllm.models.pipeline import StagePlan, cache_slots, check_pipeline_parallel
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path
 from jaxllm.pooling_params import PoolerConfig
@@ -111,10 +112,11 @@ class CacheLayout:
 
 
 def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, shard: ModelConfig | None = None,
-               extra_block_bytes: int = 0) -> CacheLayout:
+               extra_block_bytes: int = 0, stages: StagePlan | None = None) -> CacheLayout:
     """The KV cache's blocks: as many as `kv_cache_memory` holds on one device in format
-    `fmt`, whose share of the KV heads is `shard`'s (default: the whole model's), each
-    with `extra_block_bytes` beside it (a draft model's block of the same tokens)."""
+    `fmt`, whose share of the KV heads is `shard`'s (default: the whole model's) and
+    whose layers are its pipeline stage's (`stages`; default: all), each with
+    `extra_block_bytes` beside it (a draft model's block of the same tokens)."""
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
@@ -123,7 +125,8 @@ def plan_cache(config: EngineConfig, model: ModelConfig, fmt: KVCacheFormat, sha
         )
     heads = shard or model
     groups = model.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
-    block_bytes = config.block_size * fmt.token_bytes(groups.group_size, heads.num_kv_heads, heads.head_dim)
+    slots = groups.group_size if stages is None else cache_slots(stages, groups).count
+    block_bytes = config.block_size * fmt.token_bytes(slots, heads.num_kv_heads, heads.head_dim)
     num_blocks = kv_cache_bytes(config.kv_cache_memory) // (block_bytes + extra_block_bytes)
     layout = CacheLayout(num_blocks, config.block_size, max_model_len, groups, config.max_num_batched_tokens)
     if groups.peak_blocks(max_model_len, config.block_size, config.max_num_batched_tokens) > num_blocks - 1:
@@ -178,6 +181,7 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
         linear_backend=config.linear_backend,
         cache_dir=cache_dir,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
         kv_cache_dtype=kv_format.name,
         activation_quantization=config.activation_quantization,
         hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
@@ -191,13 +195,15 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
-                 progress: bool = True) -> None:
+                 progress: bool = True, placement: Placement | None = None) -> None:
+        """`placement`: this core is a process other than 0 of an engine over several
+        (a Ray worker: jaxllm.engine.ray_executor); process 0 places the others itself."""
         self.config = config
-        multihost.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        self.executor = self._start_processes(config, placement)
         cache_dir = compilation_cache_path(config.compilation_cache_dir)
         load = lambda: load_model(config.model, config.dtype, resolve_chat_template(config.chat_template),
                                   conversion_cache_dir=cache_dir / "converted-models",
-                                  on_host=config.tensor_parallel_size > 1,  # placed shard by shard
+                                  on_host=config.devices_per_engine > 1,  # placed shard by shard
                                   quantization=config.quantization)
         # When the config can be read without the weights (an HF folder, or a GGUF
         # converted on an earlier start), the weights load on a thread while the step
@@ -225,9 +231,8 @@ class EngineCore:
         # The runner holds the weights from here (packed copies for linear_backend cpu):
         # this reference would keep a second copy alive.
         self.model = dataclasses.replace(self.model, params=None)
-        # process 0 of several sends each step to the others (jaxllm.engine.multihost)
-        self._step_sender = (multihost.StepSender(config.coordinator_address, config.num_processes - 1)
-                             if config.num_processes > 1 and config.process_id == 0 else None)
+        if self.executor is not None:
+            wait_for_workers(self.executor)
         self.structured_outputs = StructuredOutputManager(
             self.model.tokenizer, vocab_size=self.model.config.vocab_size,
             eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
@@ -237,15 +242,16 @@ class EngineCore:
         """The KV cache, scheduler and model runner of a generating engine; `params`
         abstract while `loading` (a future) reads the weights."""
         check_tensor_parallel(cfg, config.tensor_parallel_size)
+        stages = check_pipeline_parallel(cfg, config.pipeline_parallel_size, config.tensor_parallel_size)
         if config.enable_lora:  # refuses a model (or split) adapters cannot serve, before anything is built
             lora_partition_specs(cfg, config.tensor_parallel_size)
         kv_format, self.kv_cache_why = choose_kv_cache_format(
             config.kv_cache_dtype, params.final_norm.dtype,
             rounds_activations(params, config.activation_quantization, config.linear_backend))
         draft = self._load_draft(config, cfg, cache_dir)
-        # kv_cache_memory is per device: the blocks are sized by one shard's KV heads
+        # kv_cache_memory is per device: the blocks are sized by one shard's KV heads, in its stage's layers
         self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size),
-                                0 if draft is None else draft_block_bytes(config, draft))
+                                0 if draft is None else draft_block_bytes(config, draft), stages)
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = make_kv_cache_manager(config, self.cache)
         self.scheduler = Scheduler(
@@ -282,6 +288,7 @@ class EngineCore:
         keeps no KV cache: its block pool only counts each step's tokens, and a prompt
         is pooled whole in one step (the step's budget is at least max_model_len)."""
         refused = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                         ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
                                          ("num_processes > 1", config.num_processes > 1),
                                          ("enable_lora", config.enable_lora),
                                          ("speculative_config", config.speculative_config is not None)) if on]
@@ -329,9 +336,9 @@ class EngineCore:
         spec = config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        if config.tensor_parallel_size > 1 or config.num_processes > 1:
+        if config.devices_per_engine > 1 or config.num_processes > 1:
             raise ValueError("speculative_config: a draft model runs on one device (tensor_parallel_size 1, "
-                             "num_processes 1) for now")
+                             "pipeline_parallel_size 1, num_processes 1) for now")
         draft = load_model(spec.model, config.dtype, conversion_cache_dir=cache_dir / "converted-models")
         if draft.config.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.config.vocab_size} tokens) "
@@ -442,8 +449,8 @@ class EngineCore:
             self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
             bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
-            if self._step_sender is not None:
-                self._step_sender.send((sched, bitmask))
+            if self.executor is not None:  # every process runs the step (jaxllm.engine.ray_executor)
+                self.executor.send(sched, bitmask)
             result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
@@ -498,16 +505,26 @@ class EngineCore:
             raise
         return self.scheduler.update_from_output(sched, result)
 
-    def close(self) -> None:
-        """Tell the processes following this one to stop (multi-process engines)."""
-        if self._step_sender is not None:
-            self._step_sender.close()
-            self._step_sender = None
+    @staticmethod
+    def _start_processes(config: EngineConfig, placement: Placement | None) -> RayExecutor | None:
+        """jax.distributed over the engine's processes, before JAX starts a backend: as
+        `placement` says (a worker), or (process 0 of several) after placing the others
+        on Ray; the executor that sends them the steps (None: one process)."""
+        if placement is not None:
+            initialize(placement)
+            return None
+        if config.num_processes == 1:
+            return None
+        executor = RayExecutor(config)
+        initialize(executor.placement)
+        executor.close_at_exit()
+        return executor
 
-    def follow(self) -> None:
-        """A process other than 0 of a multi-process engine: run the steps process 0
-        sends until it stops."""
-        multihost.follow(self, self.config.coordinator_address)
+    def close(self) -> None:
+        """Stop the other processes of a multi-process engine."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
 
     def describe(self) -> str:
         if self.pooler is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -32,7 +33,8 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
     not there, a checkpoint it cannot hold, an option the model refuses: FileNotFoundError,
     ValueError) is sent as its message alone, its traceback logged at debug level; any
     other failure with its traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread (ray_replicas)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level(), tag="engine core")
     try:
         core = EngineCore(config, progress=True)

@@ -2,8 +2,10 @@
 one CoreClient (jaxllm.engine.core_client), vLLM's DP engine cores.
 
 Each replica is a whole engine core (its scheduler, KV pool and model runner) in its
-own process, started with only its devices visible: `tensor_parallel_size` consecutive
-GPUs (CUDA_VISIBLE_DEVICES) or, on a CPU, that many simulated devices. The frontend
+own process, started with only its devices visible: tensor x pipeline parallel
+consecutive GPUs (CUDA_VISIBLE_DEVICES) or, on a CPU, that many simulated devices; with
+`data_parallel_backend` ray, in a Ray actor on any node of the cluster
+(jaxllm.engine.ray_replicas). The frontend
 routes each request to the least-loaded replica (requests in flight), except that a
 prompt whose first KV block was last sent to some replica goes there again while that
 replica is not much busier than the least loaded (its prefix is likely cached there);
@@ -19,6 +21,7 @@ import dataclasses
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,24 +29,35 @@ from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.protocol import EngineCoreReady
+from jaxllm.engine.ray_replicas import RayCoreClient
 from jaxllm.messages import EngineCoreOutputs, SchedulerStats
 
 PREFIX_TOKENS = 16  # the prompt tokens that key prefix affinity (one KV block)
 MAX_PREFIXES = 4096  # prefixes remembered (least recently routed dropped first)
 
 
-def replica_env(replica: int, tensor_parallel_size: int, data_parallel_size: int) -> dict[str, str]:
-    """The environment that gives replica `replica` only its own devices."""
+def replica_env(replica: int, devices_per_replica: int, data_parallel_size: int) -> dict[str, str]:
+    """The environment that gives replica `replica` only its own `devices_per_replica`
+    devices (tensor x pipeline parallel)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={tensor_parallel_size}".strip()}
+    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_replica}".strip()}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tensor_parallel_size)]
-    if len(gpus) < data_parallel_size * tensor_parallel_size:
-        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
-                         f"needs {data_parallel_size * tensor_parallel_size} devices; CUDA_VISIBLE_DEVICES has "
-                         f"{len(gpus)}")
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[replica * tensor_parallel_size:(replica + 1) * tensor_parallel_size])
+    needed = data_parallel_size * devices_per_replica
+    gpus = visible.split(",") if visible else [str(i) for i in range(needed)]
+    if len(gpus) < needed:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x {devices_per_replica} devices per replica "
+                         f"(tensor x pipeline parallel) needs {needed} devices; CUDA_VISIBLE_DEVICES has {len(gpus)}")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[replica * devices_per_replica:(replica + 1) * devices_per_replica])
     return env
+
+
+def _replica(config: EngineConfig, index: int) -> CoreClient | RayCoreClient:
+    """Replica `index`: a local process with its devices, or (data_parallel_backend ray)
+    an actor wherever Ray places it."""
+    if config.data_parallel_backend == "ray":
+        return RayCoreClient(config, f"jaxllm-replica-{os.getpid()}-{index}", config.devices_per_engine)
+    env = replica_env(index, config.devices_per_engine, config.data_parallel_size)
+    return CoreClient(config, env=env, name=f"jaxllm-engine-core-{index}")
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
@@ -59,14 +73,14 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 class DataParallelClient:
     def __init__(self, config: EngineConfig) -> None:
-        dp, tp = config.data_parallel_size, config.tensor_parallel_size
-        envs = [replica_env(i, tp, dp) for i in range(dp)]
-        self.clients = [CoreClient(config, env=env, name=f"jaxllm-engine-core-{i}") for i, env in enumerate(envs)]
+        dp = config.data_parallel_size
+        self.clients = [_replica(config, i) for i in range(dp)]
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}  # core request id -> replica
         self._in_flight = [0] * dp
         self._prefixes: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
         self._stats = [SchedulerStats() for _ in range(dp)]
+        self._reported = [time.monotonic()] * dp  # when each replica last sent outputs (or its heartbeat)
 
     # -------------------------------------------------- CoreClient's interface
 
@@ -137,9 +151,11 @@ class DataParallelClient:
                 for output in payload.outputs:
                     if output.finished and self._owner.pop(output.request_id, None) is not None:
                         self._in_flight[replica] -= 1
+                self._reported[replica] = time.monotonic()
                 if payload.stats is not None:
                     self._stats[replica] = payload.stats
-                    payload = EngineCoreOutputs(payload.outputs, sum_stats(self._stats), list(self._stats))
+                    ages = [self._reported[replica] - t for t in self._reported]
+                    payload = EngineCoreOutputs(payload.outputs, sum_stats(self._stats), list(self._stats), ages)
         elif kind == wire.REJECTED:
             with self._lock:
                 if self._owner.pop(payload.request_id, None) is not None:

@@ -31,9 +31,9 @@ class LLM:
     Options are EngineConfig's fields (dtype, quantization, max_model_len, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     async_scheduling, seed, attention_backend, linear_backend, chat_template, compilation_cache_dir,
-    tensor_parallel_size, enable_lora / max_loras / max_lora_rank / max_cpu_loras,
-    and coordinator_address / num_processes / process_id for an engine over several
-    processes; data_parallel_size is the server's).
+    tensor_parallel_size, pipeline_parallel_size, enable_lora / max_loras / max_lora_rank /
+    max_cpu_loras, and distributed_executor_backend="ray" with num_processes for an
+    engine over several hosts; data_parallel_size is the server's).
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **options) -> None:

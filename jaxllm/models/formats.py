@@ -33,7 +33,15 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, Shaped
 
 from jaxllm import cpu_kernels
-from jaxllm.models.params import PANEL, QUANT_FORMATS, PackedWeight, ParamDecl, QuantizedWeight, quantized_layout
+from jaxllm.models.params import (
+    PANEL,
+    QUANT_FORMATS,
+    PackedWeight,
+    ParamDecl,
+    QuantizedWeight,
+    ShardingRules,
+    quantized_layout,
+)
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     dequantize,
@@ -81,7 +89,7 @@ class Dense:
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
 
     @staticmethod
-    def partition_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+    def partition_spec(decl: ParamDecl, rules: ShardingRules) -> P:
         """Each logical axis mapped to a mesh axis by `rules` (unnamed: replicated)."""
         return _axes_spec(decl.axes, rules)
 
@@ -150,7 +158,7 @@ class _Quantized:
         return _pack_quantized_experts(w) if len(w.shape) == 3 else _pack_quantized(w)
 
     @classmethod
-    def partition_spec(cls, decl: ParamDecl, rules: dict[str, str]) -> QuantizedWeight:
+    def partition_spec(cls, decl: ParamDecl, rules: ShardingRules) -> QuantizedWeight:
         """A QuantizedWeight of PartitionSpecs: the values as a float weight's, the scales
         (and mins) split with the axis they run along (`scale_spec`)."""
         if decl.act_order:  # the inputs' permutation crosses any split of them
@@ -170,7 +178,7 @@ class ChannelInt8(_Quantized):
         return isinstance(w, QuantizedWeight) and not w.kernel and not w.group
 
     @staticmethod
-    def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+    def scale_spec(decl: ParamDecl, rules: ShardingRules) -> P:
         """[.., N]: a mixture's experts, then the columns."""
         return _axes_spec((*decl.axes[:-2], decl.axes[-1]), rules)
 
@@ -196,7 +204,7 @@ class Blocks(_Quantized):
         return isinstance(w, QuantizedWeight) and not w.kernel and bool(w.group)
 
     @staticmethod
-    def scale_spec(decl: ParamDecl, rules: dict[str, str]) -> P:
+    def scale_spec(decl: ParamDecl, rules: ShardingRules) -> P:
         """[K / group, N] ([V, D / group]): the groups split with their axis, as the values
         do (jaxllm.models.parallel refuses a split inside a group)."""
         return _axes_spec(decl.axes, rules)
@@ -389,7 +397,7 @@ def declared_format(decl: ParamDecl) -> type[Dense | ChannelInt8 | Blocks]:
     return Blocks if QUANT_FORMATS[decl.quant].group else ChannelInt8
 
 
-def _axes_spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:
+def _axes_spec(axes: tuple[str | None, ...], rules: ShardingRules) -> P:
     return P(*(rules.get(a) for a in axes))
 
 

@@ -79,7 +79,10 @@ def packed_rows(w: PackedWeight, rows: Int[Array, " T"]) -> Float[Array, "T K"]:
     return Panels.take_rows(w, rows)
 
 
-def all_reduce(x: Float[Array, ...], axis: str | None) -> Float[Array, ...]:
+MeshAxes = str | tuple[str, ...] | None  # the mesh axis (or axes) a value is split over; None: not split
+
+
+def all_reduce(x: Float[Array, ...], axis: MeshAxes) -> Float[Array, ...]:
     """The sum over the shards of `axis` of a row-parallel projection's partial results
     (None: not sharded, `x` itself)."""
     return x if axis is None else jax.lax.psum(x, axis)

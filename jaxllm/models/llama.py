@@ -30,7 +30,7 @@ from jaxllm.attention.kv_cache import KVCache, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
-from jaxllm.models.linear import all_reduce, linear, packed_rows
+from jaxllm.models.linear import MeshAxes, all_reduce, linear, packed_rows
 from jaxllm.models.lora import LayerLoRA, LoRAInputs
 from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight
@@ -49,7 +49,7 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, o
 
 
 def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, input_ids: Int[Array, " T"],
-                 axis: str | None) -> Float[Array, "T D"]:
+                 axis: MeshAxes) -> Float[Array, "T D"]:
     """Embedding rows of `input_ids` (a quantized embedding's rows dequantized: the
     values a dequantized table holds; a tied table packed as the output projection read
     from its panels); sharded by vocabulary over `axis`, each shard contributes the rows
@@ -112,7 +112,7 @@ def self_attention(
 
 
 def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], cfg: ModelConfig,
-                     axis: str | None = None, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
+                     axis: MeshAxes = None, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
                      ) -> Float[Array, "T D"]:
     """The attention sublayer's output projection of the heads' outputs `o`, (Gemma) its
     output norm, and the residual `x` added. `rows`: the real rows (the rest pad)."""
@@ -131,7 +131,7 @@ def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows
     return y if lora is None else lora.add(field, x, y)
 
 
-def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: str | None = None,
+def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: MeshAxes = None,
               moe: bool = False, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
               ) -> Float[Array, "T D"]:
     """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU, or (`moe`) a
@@ -151,7 +151,7 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: s
 
 
 def compute_logits(
-    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: str | None = None,
+    params: ModelParams, hidden: Float[Array, "S D"], cfg: ModelConfig, axis: MeshAxes = None,
     rows: Int[Array, ""] | None = None,
 ) -> Float[Array, "S V"]:
     """float32 logits over the whole vocabulary (gathered from the shards of `axis`).
@@ -162,7 +162,7 @@ def compute_logits(
         return _logits(params, rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cfg, axis, rows)
 
 
-def _logits(params: ModelParams, h: Float[Array, "S D"], cfg: ModelConfig, axis: str | None,
+def _logits(params: ModelParams, h: Float[Array, "S D"], cfg: ModelConfig, axis: MeshAxes,
             rows: Int[Array, ""] | None) -> Float[Array, "S V"]:
     embed = params.embed
     if params.lm_head is None and isinstance(embed, PackedWeight):  # tied, packed in the table's place
@@ -210,7 +210,7 @@ def forward_hidden(
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
-    axis: str | None = None,
+    axis: MeshAxes = None,
     lora: LoRAInputs | None = None,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
@@ -235,7 +235,7 @@ def forward_rows(
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
-    axis: str | None = None,
+    axis: MeshAxes = None,
     lora: LoRAInputs | None = None,
 ) -> tuple[HiddenRows, tuple[KVCache, ...]]:
     """forward_hidden for a step that reads the rows `out` names: the last layer writes
@@ -247,36 +247,60 @@ def forward_rows(
     return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, out)
 
 
-def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig, attention_fn: AttentionFn,
-            axis: str | None, lora: LoRAInputs | None, out: OutputRows | None):
-    """forward_hidden's layers; with `out`, forward_rows' last one."""
+def embed_input(params: ModelParams, input_ids: Int[Array, " T"], cfg: ModelConfig, axis: MeshAxes
+                ) -> Float[Array, "T D"]:
+    """The tokens' embeddings as the first layer takes them: Gemma's scaled by
+    sqrt(hidden) in the embedding's dtype (as HF computes it), in the activation dtype.
+    `axis`: the mesh axis (or axes) the vocabulary is sharded over."""
     x = embed_tokens(params.embed, input_ids, axis)
-    if cfg.scale_embeddings:  # Gemma: times sqrt(hidden) in the embedding's dtype, as HF computes it
+    if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
-    x = x.astype(activation_dtype(params.final_norm.dtype))
+    return x.astype(activation_dtype(params.final_norm.dtype))
+
+
+def rope_rows(rope: RopeTable, positions: Int[Array, " T"]) -> tuple[tuple, tuple]:
+    """(cos, sin) of `positions` for the full layers and for the sliding ones (Gemma 3's
+    own RoPE; the same pair elsewhere)."""
     full = rope.cos[positions], rope.sin[positions]
-    # Gemma 3: the sliding layers have a RoPE of their own
-    local = full if rope.local_cos is None else (rope.local_cos[positions], rope.local_sin[positions])
+    return full, full if rope.local_cos is None else (rope.local_cos[positions], rope.local_sin[positions])
+
+
+def decoder_layer(i: int, lp: LayerParams, x: Float[Array, "T D"], ropes: tuple[tuple, tuple], cache: KVCache,
+                  md: AttentionMetadata, cfg: ModelConfig, attention_fn: AttentionFn, axis: MeshAxes,
+                  lora: LayerLoRA | None) -> tuple[Float[Array, "T D"], KVCache]:
+    """Layer `i` (its kind, window and RoPE from `cfg`) over `x`: attention through
+    `cache` (the layer's slot) and `md` (its group's), then the MLP."""
+    o, cache = self_attention(lp, x, *ropes[cfg.is_sliding(i)], cache, md, cfg, attention_fn, cfg.layer_window(i),
+                              lora)
+    return _finish_layer(lp, x, o, md.num_tokens, lora, cfg=cfg, axis=axis, moe=cfg.is_moe(i)), cache
+
+
+def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig, attention_fn: AttentionFn,
+            axis: MeshAxes, lora: LoRAInputs | None, out: OutputRows | None):
+    """forward_hidden's layers; with `out`, forward_rows' last one."""
+    x = embed_input(params, input_ids, cfg, axis)
+    ropes = rope_rows(rope, positions)
     groups = cfg.kv_cache_groups(hybrid=isinstance(md, tuple))
     mds = md if isinstance(md, tuple) else (md,)
     if len(mds) != groups.num_groups or len(kv_caches) != groups.group_size:
         raise ValueError(f"{len(mds)} attention metadata and {len(kv_caches)} caches for {groups}")
     caches = list(kv_caches)
+    last = len(params.layers) - 1
     for i, lp in enumerate(params.layers):
-        slot, cos_sin = groups.slot_of(i), local if cfg.is_sliding(i) else full
-        layer_lora, md_i = None if lora is None else lora.layer(i), mds[groups.group_of(i)]
+        slot, md_i = groups.slot_of(i), mds[groups.group_of(i)]
+        layer_lora = None if lora is None else lora.layer(i)
         with jax.named_scope(f"layer{i}"):  # a profile reads layer{i}/attention, layer{i}/mlp, ...
-            o, caches[slot] = self_attention(lp, x, *cos_sin, caches[slot], md_i, cfg, attention_fn,
-                                             cfg.layer_window(i), layer_lora)
-            finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
-            if out is not None and i == len(params.layers) - 1:
+            if out is not None and i == last:
+                o, caches[slot] = self_attention(lp, x, *ropes[cfg.is_sliding(i)], caches[slot], md_i, cfg,
+                                                 attention_fn, cfg.layer_window(i), layer_lora)
+                finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
                 return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
-            x = finish(x, o, md_i.num_tokens, layer_lora)
+            x, caches[slot] = decoder_layer(i, lp, x, ropes, caches[slot], md_i, cfg, attention_fn, axis, layer_lora)
     return x, tuple(caches)
 
 
 def _finish_layer(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], rows: Int[Array, ""],
-                  lora: LayerLoRA | None, *, cfg: ModelConfig, axis: str | None, moe: bool) -> Float[Array, "T D"]:
+                  lora: LayerLoRA | None, *, cfg: ModelConfig, axis: MeshAxes, moe: bool) -> Float[Array, "T D"]:
     """A layer after its attention: the output projection, the residual, the MLP."""
     x = attention_output(lp, x, o, cfg, axis, lora, rows)
     return mlp_block(lp, x, cfg, axis, moe=moe, lora=lora, rows=rows)

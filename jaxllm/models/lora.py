@@ -28,7 +28,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.params import TENSOR_PARALLEL_RULES, ParamDecl, declare, kv_replicas
+from jaxllm.models.params import TENSOR_PARALLEL_RULES, ParamDecl, ShardingRules, declare, kv_replicas
 from jaxllm.platform import targets_gpu
 
 # the projections an adapter may target, by LayerParams field
@@ -91,7 +91,7 @@ def abstract_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype) -> LoR
     return LoRAWeights(tuple(per_layer))
 
 
-def lora_partition_specs(cfg: ModelConfig, shards: int, rules: dict[str, str] = TENSOR_PARALLEL_RULES
+def lora_partition_specs(cfg: ModelConfig, shards: int, rules: ShardingRules = TENSOR_PARALLEL_RULES
                          ) -> LoRAWeights:
     """The slots' PartitionSpecs under tensor parallelism, from the base weights' axes:
     A split like its projection's inputs (row-parallel o / down: each shard's partial

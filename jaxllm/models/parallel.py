@@ -32,6 +32,7 @@ from jaxllm.models.params import (
     QUANT_FORMATS,
     TENSOR_PARALLEL_RULES,
     ModelParams,
+    ShardingRules,
     declarations,
     declare,
     kv_replicas,
@@ -103,7 +104,7 @@ def cache_kv_heads(cfg: ModelConfig, size: int) -> int:
     return cfg.num_kv_heads * kv_replicas(cfg, size)
 
 
-def partition_specs(cfg: ModelConfig, rules: dict[str, str] = TENSOR_PARALLEL_RULES) -> ModelParams:
+def partition_specs(cfg: ModelConfig, rules: ShardingRules = TENSOR_PARALLEL_RULES) -> ModelParams:
     """A PartitionSpec per parameter, as its declared format shards it (jaxllm.models.
     formats: each logical axis mapped to a mesh axis by `rules`, unnamed ones replicated;
     a quantized weight's scales split with the axis they run along)."""

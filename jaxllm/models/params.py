@@ -384,7 +384,9 @@ def quantized_abstract(decl: ParamDecl) -> QuantizedWeight:
 # Tensor parallelism over a mesh axis named "model" (Megatron's layout): q/k/v and
 # gate/up column-parallel, the attention output and down projections row-parallel, the
 # embedding and output projection split by vocabulary; norms replicated.
-TENSOR_PARALLEL_RULES = {"vocab": "model", "qkv": "model", "heads": "model", "mlp": "model"}
+# a logical axis -> the mesh axis (or axes, major first) it is split over
+ShardingRules = dict[str, str | tuple[str, ...]]
+TENSOR_PARALLEL_RULES: ShardingRules = {"vocab": "model", "qkv": "model", "heads": "model", "mlp": "model"}
 
 
 def map_declared(fn, decls: ModelParams, *rest: ModelParams) -> ModelParams:

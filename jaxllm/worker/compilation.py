@@ -68,7 +68,8 @@ class CompilationManager:
         self.runner = runner
         self._steps = self._step_functions()
         # a step's block copies (at most one per admitted request), padded to a bucket
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,),
+        self._copy_blocks = jax.jit(functools.partial(copy_blocks, staged=runner.pipeline_parallel_size > 1),
+                                    donate_argnums=(0,),
                                     **({"out_shardings": runner._cache_shardings()} if runner.mesh else {}))
         self.copy_buckets = sorted({min(8, runner.max_num_seqs), runner.max_num_seqs})
         self._compiled_copies: dict[int, object] = {}
@@ -113,7 +114,7 @@ class CompilationManager:
             return {}
         rep, caches = parallel.replicated(r.mesh), r._cache_shardings()
         lora = () if r.lora is None else (r.lora.shardings,)
-        return {"in_shardings": (parallel.param_shardings(r.config, r.mesh), rep, caches, rep, rep, rep, *lora),
+        return {"in_shardings": (r.param_shardings(), rep, caches, rep, rep, rep, *lora),
                 "out_shardings": (caches, rep, rep)}
 
     def _step_store(self, directory: Path | None, choice: StepBackends) -> ExecutableStore:
@@ -132,7 +133,8 @@ class CompilationManager:
     def _mesh_key(self) -> str:
         """What the executables depend on of the mesh (none: one device)."""
         r = self.runner
-        return "" if r.mesh is None else f"tp{r.tensor_parallel_size}-" + ",".join(map(str, self._devices()))
+        stages = f"pp{r.pipeline_parallel_size}-" if r.pipeline_parallel_size > 1 else ""
+        return "" if r.mesh is None else f"tp{r.tensor_parallel_size}-{stages}" + ",".join(map(str, self._devices()))
 
     def warm_up(self, progress: bool = True) -> float:
         """Load or compile every shape (two at a time) and the block copies; returns the

@@ -28,7 +28,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
-from jaxllm.models import parallel
+from jaxllm.models import parallel, pipeline
 from jaxllm.models.formats import declared_format
 from jaxllm.models.linear import (
     auto_activation_quantization,
@@ -134,7 +134,9 @@ class RunnerConfig:
     engine's compilation cache; None: compile and measure every start). With
     `tensor_parallel_size` > 1 the step runs over a mesh of that many devices
     (jaxllm.models.parallel): weights and KV cache sharded, the rest replicated; the
-    backends are measured on one shard's shapes. The KV cache holds `kv_cache_dtype`
+    backends are measured on one shard's shapes. With `pipeline_parallel_size` > 1
+    over a (stage, model) mesh of both sizes (jaxllm.models.pipeline): each stage's
+    layers and KV cache slots on its devices. The KV cache holds `kv_cache_dtype`
     (the engine resolves its auto: jaxllm.attention.kv_cache.choose_kv_cache_format). `activation_quantization`
     "int8" ("int16"): the projections kept in blocks multiply int8 (int16) inputs
     (jaxllm.models.linear.quantized_activations); a model with none is refused. "auto":
@@ -162,6 +164,7 @@ class RunnerConfig:
     linear_backend: str = "auto"
     cache_dir: Path | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     activation_quantization: str = "none"  # EngineConfig's, None already read as "none" there
     hybrid_kv_cache: bool = True
@@ -187,7 +190,10 @@ class ModelRunner:
         self.async_scheduling = async_scheduling
         self.kv_groups = config.kv_cache_groups(rc.hybrid_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
-        self.mesh = parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        self.pipeline_parallel_size = pp = rc.pipeline_parallel_size
+        self.stages = pipeline.StagePlan(config.num_layers, pp)
+        self.mesh = (pipeline.make_mesh(pp, tensor_parallel_size) if pp > 1 else
+                     parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None)
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
         self.kv_format = kv_cache_format(rc.kv_cache_dtype, param_dtype)
@@ -269,9 +275,13 @@ class ModelRunner:
         cfg = self.config
         kv_heads = parallel.cache_kv_heads(cfg, self.tensor_parallel_size)
         shardings = self._cache_shardings()
-        rows, scales = (shardings[0].k, shardings[0].k_scale) if shardings else (None, None)
-        self._abstract_caches = cache_shapes(self.kv_format, self.kv_groups.group_size, num_blocks, self.block_size,
-                                             kv_heads, cfg.head_dim, rows, scales)
+        if self.pipeline_parallel_size > 1:  # each stage's local slots, stacked by stage
+            local = cache_shapes(self.kv_format, len(shardings), num_blocks, self.block_size, kv_heads, cfg.head_dim)
+            self._abstract_caches = pipeline.staged_cache_shapes(local, self.pipeline_parallel_size, shardings[0])
+        else:
+            rows, scales = (shardings[0].k, shardings[0].k_scale) if shardings else (None, None)
+            self._abstract_caches = cache_shapes(self.kv_format, self.kv_groups.group_size, num_blocks,
+                                                 self.block_size, kv_heads, cfg.head_dim, rows, scales)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
             allocate_kv_caches, self._abstract_caches)
@@ -280,7 +290,16 @@ class ModelRunner:
         """The KV caches' shardings over the mesh, per cache array (None: one device)."""
         if self.mesh is None:
             return None
+        if self.pipeline_parallel_size > 1:
+            slots = pipeline.cache_slots(self.stages, self.kv_groups).count
+            return (pipeline.kv_cache_sharding(self.mesh, self.kv_format),) * slots
         return (parallel.kv_cache_sharding(self.mesh, self.kv_format),) * self.kv_groups.group_size
+
+    def param_shardings(self) -> ModelParams:
+        """The weights' shardings over the mesh (by stage, then by head)."""
+        if self.pipeline_parallel_size > 1:
+            return pipeline.param_shardings(self.config, self.mesh)
+        return parallel.param_shardings(self.config, self.mesh)
 
     @property
     def kv_caches(self) -> tuple[KVCache, ...]:
@@ -333,7 +352,9 @@ class ModelRunner:
                                  "projection kept in blocks of 32 "
                                  "inputs (Q4_0, Q4_1, Q8_0, int4); quantize it (quantization q4_1, q8_0, int4...) "
                                  "or leave activations in float")
-        if self.mesh is not None:  # plain weights only (linear_candidates)
+        if self.pipeline_parallel_size > 1:  # plain weights only (linear_candidates)
+            return {"xla": pipeline.place_params(self.config, params, self.mesh)}
+        if self.mesh is not None:
             return {"xla": parallel.place_params(self.config, params, self.mesh)}
         return {b: layout_params(b, params, pack_head=self.plan.head == "cpu", activation_dtype=activation_dtype(
             self.param_dtype)) for b in self.plan.backends("linear")}
@@ -341,13 +362,23 @@ class ModelRunner:
     def describe_weights(self) -> str:
         """The parameters' bytes per device as held (every layout the plan keeps), and
         their quantization."""
-        held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
+        leaves = jax.tree.leaves(self.weights)
+        if self.mesh is not None and all(isinstance(leaf, jax.Array) for leaf in leaves):
+            held = sum(leaf.addressable_shards[0].data.nbytes for leaf in leaves)  # the first device's share
+        else:
+            held = sum(param_bytes(p) for p in self.weights.values()) // max(1, self.tensor_parallel_size)
         cfg = self.config
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
         acts = (f", {self.activation_quantization} activations into {self.quantized_projections} projections"
                 + (" (auto; activation_quantization none: float)" if self._auto_activations else "")
                 if self.activation_quantization else "")
-        return f"{held / 2**20:.0f} MiB ({_projection_formats(cfg)}{embed}{acts})"
+        where = ""
+        if self.pipeline_parallel_size > 1:
+            bounds = ", ".join(f"{a}-{b - 1}" for a, b in self.stages.bounds)
+            where = f" a device; {self.pipeline_parallel_size} stages of layers {bounds}"
+        elif self.mesh is not None:
+            where = " a device"
+        return f"{held / 2**20:.0f} MiB{where} ({_projection_formats(cfg)}{embed}{acts})"
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""

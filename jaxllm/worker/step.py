@@ -20,8 +20,8 @@ from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import OutputRows, compute_logits
 from jaxllm.models.lora import LoRAInputs, LoRAWeights
-from jaxllm.models.parallel import model_functions
 from jaxllm.models.params import ModelParams
+from jaxllm.models.pipeline import model_functions
 from jaxllm.models.rope import RopeTable
 from jaxllm.sample.metadata import SamplerOutput, SamplingMetadata
 from jaxllm.sample.sampler import ArgmaxFn, ScoresFn, argmax, compute_logprobs, num_top_logprobs, sample
@@ -113,7 +113,8 @@ def model_step(
     lora_kernel: str = "xla",
 ) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     """One engine step; with a `mesh`, the model tensor-parallel over it
-    (jaxllm.models.parallel) and the sampling on the gathered logits. `lora`: the
+    (jaxllm.models.parallel), or pipelined over its stages (jaxllm.models.pipeline), and
+    the sampling on the gathered logits. `lora`: the
     adapters' device slots, each token applying the one `inputs.lora_slots` names."""
     forward, logits_fn = model_functions(cfg, attention_fn, mesh)
     extra = {}

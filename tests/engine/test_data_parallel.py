@@ -49,12 +49,12 @@ def test_dp2_tp2_through_the_server_equals_one_device(test_models_dir, tmp_path,
 def test_each_replica_sees_only_its_devices(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=8")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    env = replica_env(1, tensor_parallel_size=2, data_parallel_size=2)
+    env = replica_env(1, devices_per_replica=2, data_parallel_size=2)
     assert env == {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2",
                    "CUDA_VISIBLE_DEVICES": "2,3"}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     with pytest.raises(ValueError, match="needs 4 devices; CUDA_VISIBLE_DEVICES has 3"):
-        replica_env(0, tensor_parallel_size=2, data_parallel_size=2)
+        replica_env(0, devices_per_replica=2, data_parallel_size=2)
 
 
 def test_replica_stats_add_up():

@@ -152,37 +152,3 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     assert has_triton_call(text)
     assert text.count("all_reduce") == 2 * cfg.num_layers + 1 and "all_gather" in text
     assert ("xi8>" in text) == (quantization is not None)
-
-
-@pytest.mark.slow  # 42 s: two processes, each compiling its steps
-def test_two_processes_as_one_engine(test_models_dir):
-    """Two processes on localhost with 2 CPU devices each, jax.distributed between them,
-    TP=4 over all four: process 0 schedules and sends each step, process 1 follows; the
-    greedy tokens equal one device's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from jaxllm import LLM, SamplingParams
-    from tests.support.server import free_port
-
-    folder, port = str(test_models_dir / "llama"), str(free_port())
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(multidevice.ROOT), os.environ.get("PYTHONPATH", "")]))
-
-    def start(role: str) -> subprocess.Popen:
-        code = f"import tests.support.multidevice as m; m.multihost_{role}({folder!r}, {port!r})"
-        return subprocess.Popen([sys.executable, "-c", code], cwd=multidevice.ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-    follower, leader = start("follower"), start("leader")
-    out_leader, _ = leader.communicate(timeout=600)
-    out_follower, _ = follower.communicate(timeout=120)
-    assert leader.returncode == 0 and follower.returncode == 0, out_leader[-3000:] + out_follower[-3000:]
-    assert "follower done" in out_follower
-    served = json.loads(next(ln for ln in out_leader.splitlines() if ln.startswith("TOKENS "))[len("TOKENS "):])
-    llm = LLM(folder, max_model_len=128, progress=False)
-    want = llm.generate([{"prompt_token_ids": p} for p in multidevice.MULTIHOST_PROMPTS],
-                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert served == [o.outputs[0].token_ids for o in want]

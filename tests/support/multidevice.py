@@ -189,36 +189,6 @@ def tp_lora_matches(folder: str, size: str, adapters_dir: str) -> None:
 MULTIHOST_PROMPTS = [[int(t) for t in range(5 + 11 * i, 30 + 11 * i)] for i in range(5)]
 
 
-def _multihost_config(folder: str, port: str, process_id: int):
-    from jaxllm.engine.config import EngineConfig
-
-    return EngineConfig(model=folder, tensor_parallel_size=4, max_model_len=128, max_num_seqs=4,
-                        max_num_batched_tokens=32, kv_cache_memory="4MiB", coordinator_address=f"127.0.0.1:{port}",
-                        num_processes=2, process_id=process_id)
-
-
-def multihost_leader(folder: str, port: str) -> None:
-    """Process 0 of two (2 CPU devices each, TP=4 over both): greedy tokens as JSON."""
-    import dataclasses
-    import json
-
-    from jaxllm import LLM, SamplingParams
-
-    config = dataclasses.asdict(_multihost_config(folder, port, 0))
-    llm = LLM(config.pop("model"), progress=False, **config)
-    outs = llm.generate([{"prompt_token_ids": p} for p in MULTIHOST_PROMPTS],
-                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
-    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
-    llm.llm_engine.core.close()
-
-
-def multihost_follower(folder: str, port: str) -> None:
-    from jaxllm.engine.core import EngineCore
-
-    EngineCore(_multihost_config(folder, port, 1), progress=False).follow()
-    print("follower done", flush=True)
-
-
 def _check_bytes_per_device(cfg, weights, tp: int) -> None:
     """Each device holds 1/tp of every sharded parameter (as laid out: with KV heads
     replicated where they must be) and all of the replicated ones, the norms; nothing
@@ -237,6 +207,114 @@ def _check_bytes_per_device(cfg, weights, tp: int) -> None:
         want += leaf.nbytes if leaf.sharding.is_fully_replicated else leaf.nbytes // tp
     assert len(per_device) == tp and all(b == want for b in per_device.values()), (per_device, want)
     print(f"bytes per device at TP={tp}: {want} of {total} ({norms} replicated)")
+
+
+def pp_logits_match(folder: str, stages: str, shards: str = "1", attention: str = "cpu") -> None:
+    """Pipelined logits (`stages` x `shards` tensor-parallel) equal one device's within
+    1e-5 of their scale: one prefill, chunked prefill, token by token, a mixed step."""
+    import numpy as np
+
+    from jaxllm.attention.backends import get_attention_fn
+    from jaxllm.loaders import load_model
+    from tests.support.paged_driver import PagedDriver
+
+    model = load_model(folder, dtype="float32")
+    ids = model.tokenizer.encode(PROMPT)
+    fn = get_attention_fn(attention)
+    one = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn)
+    pp = PagedDriver(model.config, model.params, block_size=8, attention_fn=fn,
+                     pipeline_parallel_size=int(stages), tensor_parallel_size=int(shards))
+    for chunks in ([len(ids)], [5, 7, 1, len(ids) - 13], [1] * 6):
+        want = one.prompt_logits(ids[:sum(chunks)], chunks)
+        got = pp.prompt_logits(ids[:sum(chunks)], chunks)
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0, err_msg=f"chunks={chunks}")
+    a, b = ids, model.tokenizer.encode("Hello world! How are you today?")
+    outs = []
+    for driver in (one, pp):
+        sa, sb = driver.new_sequence(a), driver.new_sequence(b)
+        (a1,) = driver.step([(sa, len(a) - 1)], all_logits=True)
+        a2, b1 = driver.step([(sa, 1), (sb, len(b))], all_logits=True)
+        outs.append(np.concatenate([a1, a2, b1]))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5 * np.abs(outs[0]).max(), rtol=0)
+    print("ok", folder, stages, shards, attention)
+
+
+def pp_engine_matches(folder: str, pipeline: str, tensor: str = "1", attention: str = "cpu",
+                      async_scheduling: str = "0") -> None:
+    """LLM(pipeline_parallel_size=pipeline, tensor_parallel_size=tensor): greedy tokens
+    and logprobs of a batch (prefix caching on, chunked prefill, a preemption forced by
+    a small KV pool) equal one device's; nothing compiles after warm-up; each device
+    holds its stage's layers (its shard of them) and its share of the vocabulary, and
+    its stage's KV cache slots."""
+    from jaxllm import LLM
+    from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
+    from jaxllm.loaders import load_model
+    from jaxllm.models import pipeline as pl
+    from jaxllm.models.parallel import shard_config
+
+    prompts, params = shared_prefix_batch()
+    loaded = load_model(folder, "float32")
+    cfg = loaded.config
+    pp, tp = int(pipeline), int(tensor)
+
+    def options(pp: int, tp: int) -> dict:  # 10 blocks of 16 per KV cache group on each device
+        groups = cfg.kv_cache_groups()
+        shard, slots = shard_config(cfg, tp), pl.cache_slots(pl.StagePlan(cfg.num_layers, pp), groups).count
+        kv_block = KV_CACHE_FORMATS["float32"].token_bytes(slots, shard.num_kv_heads, shard.head_dim) * 16
+        return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+                    kv_cache_memory=10 * groups.num_groups * kv_block, progress=False, attention_backend=attention,
+                    dtype="float32")
+
+    runs = []
+    for p, t in ((1, 1), (pp, tp)):
+        llm = LLM(folder, pipeline_parallel_size=p, tensor_parallel_size=t,
+                  async_scheduling=p > 1 and async_scheduling == "1", **options(p, t))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        core = llm.llm_engine.core
+        assert core.runner.num_compilations_after_warmup == 0
+        runs.append((outs, core.scheduler.num_preemptions))
+        if p > 1:
+            _check_stage_bytes(cfg, core.runner, loaded.params, pp, tp)
+    (one, preempted), (many, _) = runs
+    assert preempted > 0
+    for a, b in zip(one, many):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    print("ok", folder, pp, tp, runs[0][1], runs[1][1])
+
+
+def _check_stage_bytes(cfg, runner, loaded, pp: int, tp: int) -> None:
+    """Each device holds, of the weights, its stage's layers as loaded (`loaded`; laid
+    out for tp shards), their projections / tp and their norms whole (a shorter stage: zeros in the longest's
+    place), 1 / (pp x tp) of the embedding and output projection and the final norm;
+    of the KV cache, its stage's slots of its KV heads."""
+    import jax
+
+    from jaxllm.models import pipeline as pl
+    from jaxllm.models.params import shard_major
+
+    loaded = shard_major(cfg, loaded, tp)  # K/V heads repeated where the shards outnumber them
+    plan = pl.StagePlan(cfg.num_layers, pp)
+    share = lambda lp: sum(a.nbytes if a.ndim == 1 else a.nbytes // tp for a in jax.tree.leaves(lp))
+    vocab = sum(a.nbytes for a in jax.tree.leaves((loaded.embed, loaded.lm_head))) // (pp * tp)
+    held: dict = {}
+    for leaf in jax.tree.leaves(runner.weights["xla"]):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    for stage, (first, end) in enumerate(plan.bounds):
+        layers = sum(share(loaded.layers[i]) for i in range(first, end))
+        layers += (plan.depth - (end - first)) * share(loaded.layers[0])
+        want = layers + vocab + loaded.final_norm.nbytes
+        for device in runner.mesh.devices[stage]:
+            assert held[device] == want, (stage, device, held[device], want)
+    rows = runner.kv_caches[0].k
+    assert rows.shape[0] == pp and len(rows.sharding.device_set) == pp * tp
+    assert rows.addressable_shards[0].data.shape[3] == max(1, cfg.num_kv_heads // tp)
+    assert len(runner.kv_caches) == pl.cache_slots(plan, runner.kv_groups).count
+    print(f"PP={pp} x TP={tp}: {sorted(set(held.values()))} weight bytes per device; "
+          f"{len(runner.kv_caches)} cache slots per stage")
 
 
 def engine_tokens(folder: str, attention: str, dtype: str, out: str, quantization: str | None = None) -> None:

@@ -17,7 +17,7 @@ from jaxllm.attention.metadata import common_prefix_blocks
 from jaxllm.attention.xla import ragged_paged_attention_xla
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import OutputRows
-from jaxllm.models.parallel import model_functions
+from jaxllm.models.pipeline import model_functions
 from jaxllm.models.rope import model_rope_table
 
 
@@ -63,12 +63,14 @@ class PagedDriver:
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 8, num_blocks: int = 64,
                  max_blocks_per_seq: int = 16, attention_fn=ragged_paged_attention_xla, seed: int = 0,
                  cache_dtype=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                 every_row: bool = False):
+                 every_row: bool = False, pipeline_parallel_size: int = 1):
         """`cache_dtype`: the activations' dtype (default: the params'), the KV cache's
         where `kv_cache_dtype` (a KV_CACHE_DTYPES name) is auto. `every_row`: the last
         layer runs every token's row (make_forward's `every`). `tensor_parallel_size`
         > 1: over a mesh of that many devices, the params (as loaded) laid out and
-        sharded for it, the caches by KV head."""
+        sharded for it, the caches by KV head. `pipeline_parallel_size` > 1: over a
+        (stage, model) mesh (jaxllm.models.pipeline), each stage's layers and caches on
+        its devices."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq, self.every_row = max_blocks_per_seq, every_row
         fmt = kv_cache_format(kv_cache_dtype, cache_dtype or params.final_norm.dtype)
@@ -76,7 +78,18 @@ class PagedDriver:
                                                       cfg.head_dim))
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         mesh = None
-        if tensor_parallel_size > 1:
+        if pipeline_parallel_size > 1:
+            from jaxllm.models import parallel, pipeline
+
+            plan = pipeline.check_pipeline_parallel(cfg, pipeline_parallel_size, tensor_parallel_size)
+            mesh = pipeline.make_mesh(pipeline_parallel_size, tensor_parallel_size)
+            self.params = pipeline.place_params(cfg, params, mesh)
+            heads = parallel.cache_kv_heads(cfg, tensor_parallel_size)
+            slots = pipeline.cache_slots(plan, cfg.kv_cache_groups(hybrid=False))
+            local = cache_shapes(fmt, slots.count, num_blocks, block_size, heads, cfg.head_dim)
+            abstract = pipeline.staged_cache_shapes(local, pipeline_parallel_size, pipeline.kv_cache_sharding(mesh, fmt))
+            self.caches = allocate_kv_caches(abstract)
+        elif tensor_parallel_size > 1:
             from jaxllm.models import parallel
 
             parallel.check_tensor_parallel(cfg, tensor_parallel_size)

@@ -1,0 +1,148 @@
+"""Pipeline parallelism (jaxllm.models.pipeline) over simulated CPU devices against one
+device (each multi-device check in a subprocess: tests/support/multidevice.py), the
+stage split and what it refuses, and the pipelined forward's CUDA lowering."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
+from jaxllm.loaders import load_model
+from jaxllm.models import pipeline
+from jaxllm.models.parallel import TP_AXIS
+from tests.support import multidevice
+
+
+@pytest.fixture(scope="module")
+def seven_layers(tmp_path_factory):
+    """The llama and gemma3 test models with 7 layers: stages of 4 and 3 (or 2, 2, 2, 1),
+    Gemma 3's sliding and full layers at different positions on each stage."""
+    import make_test_model
+
+    out = tmp_path_factory.mktemp("seven_layers")
+    return {name: make_test_model.write_model(out, name, layers=7) for name in ("llama", "gemma3")}
+
+
+@pytest.mark.parametrize("name,stages,shards,attention", [
+    ("gemma3", 4, 1, "cpu"),  # uneven (2, 2, 2, 1), a stage's layer chosen by lax.switch, the last position empty
+    pytest.param("llama", 2, 2, "xla", marks=pytest.mark.slow),
+    pytest.param("gemma3", 2, 2, "pallas", marks=pytest.mark.slow),  # the Pallas kernel in interpret mode
+])
+def test_pipelined_logits_equal_one_device(seven_layers, name, stages, shards, attention):
+    """Prefill, chunked prefill and token by token: every micro-batch cut of a sequence
+    attends to its earlier part through the cache."""
+    multidevice.run("pp_logits_match", str(seven_layers[name]), str(stages), str(shards), attention,
+                    devices=stages * shards)
+
+
+@pytest.mark.parametrize("name,stages,shards,async_scheduling", [
+    ("llama", 2, 1, "1"),
+    pytest.param("llama", 2, 2, "0", marks=pytest.mark.slow),
+    pytest.param("gemma3", 2, 2, "1", marks=pytest.mark.slow),  # the hybrid KV cache: each stage its slots
+])
+def test_pipelined_engine_equals_one_device(test_models_dir, seven_layers, name, stages, shards, async_scheduling):
+    """Through LLM: greedy tokens and logprobs with prefix caching, chunked prefill and
+    preemptions; nothing compiles after warm-up; the bytes of weights and KV cache each
+    device holds (its stage's alone)."""
+    folder = seven_layers[name] if name == "gemma3" else test_models_dir / name
+    multidevice.run("pp_engine_matches", str(folder), str(stages), str(shards), "cpu", async_scheduling,
+                    devices=stages * shards)
+
+
+@pytest.mark.slow
+def test_smollm2_in_two_stages():
+    """The embedded SmolLM2 (30 layers, 15 a stage; its kept Q4_1 blocks) at PP=2:
+    greedy tokens and logprobs equal one device's."""
+    from jaxllm.loaders.default_model import default_model_path
+
+    multidevice.run("pp_engine_matches", str(default_model_path()), "2", "1", "cpu", "1", devices=2, timeout=1200)
+
+
+def test_stages_split_the_layers_and_their_cache_slots(test_models_dir):
+    from jaxllm.kv_cache_groups import kv_cache_groups
+
+    plan = pipeline.StagePlan(7, 3)
+    assert plan.bounds == ((0, 3), (3, 5), (5, 7)) and plan.depth == 3
+    assert [plan.layer(s, 2) for s in range(3)] == [2, None, None]
+    flat = pipeline.cache_slots(plan, kv_cache_groups([None] * 7))
+    assert flat.used == ((0, 1, 2), (3, 4), (5, 6)) and flat.count == 3 and flat.local(1, 4) == 1
+    # Gemma 3's pattern (5 sliding, 1 full) over 12 layers: groups of 2 layers share 2 slots
+    windows = [None if i % 6 == 5 else 512 for i in range(12)]
+    hybrid = pipeline.cache_slots(pipeline.StagePlan(12, 2), kv_cache_groups(windows))
+    assert hybrid.count == 2
+
+
+def test_what_a_split_cannot_serve_is_refused(test_models_dir):
+    cfg = load_model(test_models_dir / "llama", dtype="float32").config  # 2 layers
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's 2 layers"):
+        pipeline.check_pipeline_parallel(cfg, 4, num_devices=8)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 x tensor_parallel_size=2: only 2 devices"):
+        pipeline.check_pipeline_parallel(cfg, 2, 2, num_devices=2)
+    moe = load_model(test_models_dir / "qwen2_moe", dtype="float32").config  # a dense layer, then experts
+    with pytest.raises(ValueError, match="layers 0, 1 would share a stage position but differ"):
+        pipeline.check_pipeline_parallel(moe, 2, num_devices=2)
+    odd = dataclasses.replace(cfg, vocab_size=510)  # 2 x 3 x 5 x 17: 4 shards over 2 stages do not divide it
+    assert pipeline.vocab_axes(odd, 2, 2) == (TP_AXIS,)
+    assert pipeline.vocab_axes(cfg, 2, 2) == pipeline.BOTH
+    with pytest.raises(ValueError, match="enable_lora: not yet with pipeline_parallel_size > 1"):
+        EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
+
+
+def test_the_cli_takes_vllm_s_flag():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = from_cli_args(parser.parse_args(["-pp", "2", "-tp", "4"]))
+    assert config.pipeline_parallel_size == 2 and config.devices_per_engine == 8
+    assert from_cli_args(parser.parse_args(["--pipeline-parallel-size", "3"])).pipeline_parallel_size == 3
+
+
+def test_the_pipelined_forward_lowers_for_2_stages_of_4_gpus():
+    """Over an abstract (stage 2, model 4) mesh of GPUs, the pipelined forward with the
+    Pallas kernel lowers for CUDA: the stages' activations pass by collective-permute,
+    the Triton kernel runs in each stage's layers, the logits are gathered."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec, use_abstract_mesh
+
+    import pallas_kernels
+    from jaxllm.attention.kv_cache import KVCache
+    from jaxllm.attention.metadata import AttentionMetadata
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.llama import OutputRows
+    from jaxllm.models.params import abstract_params
+    from jaxllm.models.rope import rope_table
+    from pallas_kernels.cuda_lowering import CUDA_TARGET, has_triton_call
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                      num_layers=4, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=2048)
+
+    def attention(*args, common_prefix_blocks=None, cache_dtype="", **kwargs):
+        return pallas_kernels.ragged_paged_attention(*args, interpret=False, **kwargs)
+
+    mesh = AbstractMesh((2, 4), pipeline.BOTH,
+                        abstract_device=AbstractDevice(device_kind=CUDA_TARGET, num_cores=None, platform="gpu"))
+
+    def sharded(a, spec=None):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
+
+    model = pipeline.PipelinedModel(cfg, mesh, attention)
+    t, s, blocks = 64, 8, 16
+    rows = pipeline.kv_cache_specs(False).k
+    cache = sharded(jax.ShapeDtypeStruct((2, 128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16), rows)
+    i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
+    md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
+    rope = jax.tree.map(sharded, rope_table(cfg.rope, cfg.head_dim, 2048))
+    plan = pipeline.StagePlan(cfg.num_layers, 2)
+    params = jax.tree.map(sharded, pipeline.stack_stages(abstract_params(cfg, jnp.bfloat16), plan), model.specs)
+    out = OutputRows(i32(s), i32(), sharded(jax.ShapeDtypeStruct((), jnp.bool_)))
+
+    def step(params, rope, caches, ids, positions, md, out):
+        hidden, caches = model.forward_rows(params, rope, caches, ids, positions, md, out)
+        return model.compute_logits(params, hidden.rows), caches
+
+    with use_abstract_mesh(mesh):
+        text = jax.jit(step).trace(params, rope, (KVCache(cache, cache),) * plan.depth, i32(t), i32(t), md,
+                                   out).lower(lowering_platforms=("cuda",)).as_text()
+    assert has_triton_call(text)
+    assert "collective_permute" in text and "all_gather" in text
