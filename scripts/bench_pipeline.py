@@ -39,7 +39,7 @@ def run_one(args) -> dict:
 
     llm = LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, max_model_len=1024,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, progress=False,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, quantization=args.quantization)
     workload = make_workload(args.num_requests, args.seed, llm.llm_engine.core.model.config.vocab_size)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -59,7 +59,8 @@ def spawn(args, tp: int, pp: int) -> dict:
                                                                 os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, __file__, "--child", "--tp", str(tp), "--pp", str(pp), "--num-requests",
            str(args.num_requests), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-           str(args.max_num_batched_tokens), "--seed", str(args.seed), "--attention-backend", args.attention_backend]
+           str(args.max_num_batched_tokens), "--seed", str(args.seed), "--attention-backend", args.attention_backend,
+           "--quantization", args.quantization]
     if args.model:
         cmd += ["--model", args.model]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -76,6 +77,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--attention-backend", default="cpu")
+    p.add_argument("--quantization", default="none",
+                   help="none (default): float weights, as TP and PP both multiply them (XLA's dot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-one", action="store_true", help="skip the one-device run")
     p.add_argument("--out", default=None)

@@ -184,11 +184,8 @@ def write_kv_cache(
 
 
 def copy_blocks(
-    caches: tuple[KVCache, ...], src: Int[Array, " C"], dst: Int[Array, " C"], staged: bool = False
+    caches: tuple[KVCache, ...], src: Int[Array, " C"], dst: Int[Array, " C"]
 ) -> tuple[KVCache, ...]:
     """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer, scales too (all reads
-    before any write; padding pairs copy the null block onto itself). `staged`: the
-    caches have a leading pipeline-stage axis (jaxllm.models.pipeline), blocks the second."""
-    if staged:
-        return tuple(jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), c) for c in caches)
+    before any write; padding pairs copy the null block onto itself)."""
     return tuple(jax.tree.map(lambda a: a.at[dst].set(a[src]), c) for c in caches)  # keeps KVCache.dtype

@@ -514,6 +514,9 @@ class EngineCore:
             initialize(placement)
             return None
         if config.num_processes == 1:
+            if config.distributed_executor_backend == "ray":
+                logger.info("distributed_executor_backend ray, num_processes 1: this process drives this host's "
+                            "devices; Ray has no other process to place")
             return None
         executor = RayExecutor(config)
         initialize(executor.placement)

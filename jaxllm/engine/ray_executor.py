@@ -102,6 +102,8 @@ class RayExecutor:
         n = config.num_processes
         per_host, gpus = _devices_per_process(config, ray)
         bundle = {"GPU": per_host, "CPU": 1} if gpus else {"CPU": 1}
+        if sum(bool(node.get("Alive")) for node in ray.nodes()) < n:  # fail now, not after READY_SECONDS
+            raise RuntimeError(_unplaceable(ray, n, bundle))
         self._pg = placement_group([bundle] * n, strategy="STRICT_SPREAD", name=f"jaxllm-engine-{os.getpid()}")
         try:
             ray.get(self._pg.ready(), timeout=READY_SECONDS)

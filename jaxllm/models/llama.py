@@ -83,11 +83,23 @@ def self_attention(
     the cache, then attends through the block tables, to the last `window` keys where
     the layer slides. Returns the heads' outputs, [T, q_size]. `lora`: each token's
     adapter added to the projections (jaxllm.models.lora)."""
+    q, k, v = qkv_heads(lp, x, cos, sin, cfg, lora, md.num_tokens)
+    with jax.named_scope("kv_write"):
+        cache = write_kv_cache(cache, k, v, md.slot_mapping)
+    return attend(q, cache, md, cfg, attention_fn, window), cache
+
+
+def qkv_heads(lp: LayerParams, x: Float[Array, "T D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"],
+              cfg: ModelConfig, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
+              ) -> tuple[Float[Array, "T H hd"], Float[Array, "T Hkv hd"], Float[Array, "T Hkv hd"]]:
+    """The attention's queries, keys and values by head: normed input, projection (and
+    bias), Qwen3's q/k norms, RoPE. `rows`: the real tokens (the kernel skips the
+    bucket's padding rows)."""
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lp.attn_norm, eps, offset)
     with jax.named_scope("qkv_proj"):
-        qkv = _project(h, lp.wqkv, lora, "wqkv", md.num_tokens)  # the kernel skips the bucket's padding rows
+        qkv = _project(h, lp.wqkv, lora, "wqkv", rows)
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -98,9 +110,13 @@ def self_attention(
         q = rms_norm(q, lp.q_norm, eps, offset)
         k = rms_norm(k, lp.k_norm, eps, offset)
     with jax.named_scope("rope"):
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    with jax.named_scope("kv_write"):
-        cache = write_kv_cache(cache, k, v, md.slot_mapping)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(q: Float[Array, "T H hd"], cache: KVCache, md: AttentionMetadata, cfg: ModelConfig,
+           attention_fn: AttentionFn, window: int | None = None) -> Float[Array, "T Q"]:
+    """The queries' attention through the block tables (the step's K/V already in
+    `cache`), to the last `window` keys where the layer slides: [T, q_size]."""
     with jax.named_scope("attention"):
         o = attention_fn(
             q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
@@ -108,7 +124,7 @@ def self_attention(
             common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
             cache_dtype=cache.dtype,
         )
-    return o.reshape(t, cfg.q_size), cache
+    return o.reshape(q.shape[0], cfg.q_size)
 
 
 def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], cfg: ModelConfig,
@@ -272,7 +288,7 @@ def decoder_layer(i: int, lp: LayerParams, x: Float[Array, "T D"], ropes: tuple[
     `cache` (the layer's slot) and `md` (its group's), then the MLP."""
     o, cache = self_attention(lp, x, *ropes[cfg.is_sliding(i)], cache, md, cfg, attention_fn, cfg.layer_window(i),
                               lora)
-    return _finish_layer(lp, x, o, md.num_tokens, lora, cfg=cfg, axis=axis, moe=cfg.is_moe(i)), cache
+    return finish_layer(lp, x, o, md.num_tokens, lora, cfg=cfg, axis=axis, moe=cfg.is_moe(i)), cache
 
 
 def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig, attention_fn: AttentionFn,
@@ -293,13 +309,13 @@ def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig,
             if out is not None and i == last:
                 o, caches[slot] = self_attention(lp, x, *ropes[cfg.is_sliding(i)], caches[slot], md_i, cfg,
                                                  attention_fn, cfg.layer_window(i), layer_lora)
-                finish = functools.partial(_finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
+                finish = functools.partial(finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
                 return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
             x, caches[slot] = decoder_layer(i, lp, x, ropes, caches[slot], md_i, cfg, attention_fn, axis, layer_lora)
     return x, tuple(caches)
 
 
-def _finish_layer(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], rows: Int[Array, ""],
+def finish_layer(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], rows: Int[Array, ""],
                   lora: LayerLoRA | None, *, cfg: ModelConfig, axis: MeshAxes, moe: bool) -> Float[Array, "T D"]:
     """A layer after its attention: the output projection, the residual, the MLP."""
     x = attention_output(lp, x, o, cfg, axis, lora, rows)

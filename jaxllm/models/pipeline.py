@@ -12,8 +12,9 @@ under `jax.distributed` run it the same way. Where the layers live:
   over `STAGE_AXIS` (`stack_stages`; a stage with fewer layers holds zeros there and
   skips them), each layer's own split (jaxllm.models.params' declarations) after it.
 - The KV cache of a layer lives with its stage: each stage keeps the cache slots its
-  layers use, stacked the same way (`CacheSlots`), so a device holds 1/pp of the
-  model's KV (its heads' share under tensor parallelism).
+  layers use (`CacheSlots`), its blocks a stage's share of each slot array (sharded by
+  stage along the blocks axis), so a device holds 1/pp of the model's KV (its heads'
+  share under tensor parallelism).
 - The embedding and the output projection are split by vocabulary over every device of
   the mesh (stage and model axes together): the lookup and the logits are
   vocabulary-parallel across all of them, and nothing but the norms is held twice
@@ -27,8 +28,9 @@ part attends). At tick t stage s runs micro-batch t - s, so after the first pp -
 every stage is busy; the activations go to the next stage with `ppermute`, and the last
 stage's hidden states are all-reduced to every device, where the logits and the sampler
 run as on one device. A stage idle at a tick (the pipeline filling or draining) skips
-its layers (a per-device `cond`). Layers that differ between stages at one position
-(Gemma's sliding and full layers) are chosen with `lax.switch` on the stage index.
+its projections and MLPs (a per-device `cond`); where the stages' layers at one position
+differ (Gemma's sliding and full layers), the RoPE and the attention are the stage's,
+selected by the stage index (`_Position`: the caches stay out of every conditional).
 """
 
 from __future__ import annotations
@@ -45,11 +47,20 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int
 
 from jaxllm.attention.backends import AttentionFn
-from jaxllm.attention.kv_cache import KVCache, KVCacheFormat
+from jaxllm.attention.kv_cache import KVCache, KVCacheFormat, copy_blocks, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.kv_cache_groups import KVCacheGroups
-from jaxllm.models.llama import HiddenRows, OutputRows, compute_logits, decoder_layer, embed_input, rope_rows
+from jaxllm.models.llama import (
+    HiddenRows,
+    OutputRows,
+    attend,
+    compute_logits,
+    embed_input,
+    finish_layer,
+    qkv_heads,
+    rope_rows,
+)
 from jaxllm.models.parallel import TP_AXIS, check_tensor_parallel, partition_specs, shard_config
 from jaxllm.models.parallel import model_functions as tensor_parallel_functions
 from jaxllm.models.params import TENSOR_PARALLEL_RULES, ModelParams, ParamDecl, declare, shard_major
@@ -128,16 +139,31 @@ def check_pipeline_parallel(cfg: ModelConfig, size: int, tensor_parallel_size: i
     decls = declare(cfg).layers
     for j in range(plan.depth):
         layers = [i for s in range(size) if (i := plan.layer(s, j)) is not None]
-        shapes = {_shapes(decls[i]) for i in layers}
-        if len(shapes) > 1:
-            raise ValueError(f"pipeline_parallel_size={size}: layers {', '.join(map(str, layers))} would share a "
-                             "stage position but differ in their parameters' shapes (a model mixing dense and "
-                             "expert layers); choose another size")
+        named = ", ".join(map(str, layers))
+        if len({_shapes(decls[i]) for i in layers}) > 1:
+            raise ValueError(f"pipeline_parallel_size={size}: layers {named} would share a stage position but differ "
+                             "in their parameters' shapes (a model mixing dense and expert layers); choose another "
+                             "size")
+        if len({_formats(decls[i]) for i in layers}) > 1:
+            raise ValueError(f"pipeline_parallel_size={size}: layers {named} would share a stage position but hold "
+                             "their weights in different formats (a GGUF of mixed block types); quantization none "
+                             "dequantizes them, or choose another size")
     return plan
 
 
+def _is_decl(x) -> bool:
+    return isinstance(x, ParamDecl)
+
+
 def _shapes(layer_decls) -> tuple:
-    return tuple((d.shape, d.quant) for d in jax.tree.leaves(layer_decls, is_leaf=lambda x: isinstance(x, ParamDecl)))
+    """What a layer's parameters must share with the layers stacked with it: shapes."""
+    leaves = tuple(d.shape for d in jax.tree.leaves(layer_decls, is_leaf=_is_decl))
+    return leaves, jax.tree.structure(layer_decls, is_leaf=_is_decl)
+
+
+def _formats(layer_decls) -> tuple:
+    """And formats (a quantized weight's blocks)."""
+    return tuple(d.quant for d in jax.tree.leaves(layer_decls, is_leaf=_is_decl))
 
 
 def make_mesh(pipeline: int, tensor: int) -> Mesh:
@@ -201,8 +227,9 @@ def place_params(cfg: ModelConfig, params: ModelParams, mesh: Mesh) -> ModelPara
 
 
 def kv_cache_specs(scaled: bool, dtype: str = "") -> KVCache:
-    """A local slot's specs, [stages, blocks, block_size, Hkv, hd]: by stage and KV head."""
-    rows, scale = P(STAGE_AXIS, None, None, TP_AXIS, None), P(STAGE_AXIS, None, None, TP_AXIS)
+    """A local slot's specs, [stages x blocks, block_size, Hkv, hd]: each stage its own
+    `blocks` (its layers' K/V of every block id), by KV head inside it."""
+    rows, scale = P(STAGE_AXIS, None, TP_AXIS, None), P(STAGE_AXIS, None, TP_AXIS)
     return KVCache(rows, rows, *((scale, scale) if scaled else (None, None)), dtype)
 
 
@@ -211,12 +238,22 @@ def kv_cache_sharding(mesh: Mesh, fmt: KVCacheFormat) -> KVCache:
 
 
 def staged_cache_shapes(abstract: tuple[KVCache, ...], stages: int, sharding: KVCache) -> tuple[KVCache, ...]:
-    """`cache_shapes`' caches (one per local slot) with a leading stage axis, sharded."""
+    """`cache_shapes`' caches (one per local slot) for every stage, the stages' blocks
+    one after the other along the blocks axis, sharded by stage. (Not a leading stage
+    axis: reshaping it away inside the step let XLA:CPU give a 1-KV-head cache another
+    layout and copy the whole pool back at every step.)"""
     def staged(a, s):
-        return None if a is None else jax.ShapeDtypeStruct((stages,) + a.shape, a.dtype, sharding=s)
+        return None if a is None else jax.ShapeDtypeStruct((stages * a.shape[0],) + a.shape[1:], a.dtype, sharding=s)
 
     return tuple(KVCache(*(staged(getattr(c, f), getattr(sharding, f)) for f in ("k", "v", "k_scale", "v_scale")),
                          c.dtype) for c in abstract)
+
+
+def staged_copy_blocks(mesh: Mesh, caches: tuple[KVCache, ...]):
+    """kv_cache.copy_blocks on each stage's own blocks (block ids are a stage's local
+    ones), for caches like `caches` (abstract or not) over `mesh`."""
+    specs = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in caches)
+    return jax.shard_map(copy_blocks, mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs, check_vma=False)
 
 
 def microbatch_metadata(md: AttentionMetadata, m: Int[Array, ""], size: int) -> AttentionMetadata:
@@ -235,8 +272,8 @@ def microbatch_metadata(md: AttentionMetadata, m: Int[Array, ""], size: int) -> 
 
 def num_microbatches(num_tokens: int, stages: int) -> int:
     """Micro-batches a step of `num_tokens` (its bucket) is cut into: as many as stages
-    (vLLM keeps that many batches in flight), fewer where they would not divide it."""
-    return math.gcd(num_tokens, stages)
+    (vLLM keeps that many batches in flight), or the most up to that which divide it."""
+    return max(m for m in range(1, stages + 1) if num_tokens % m == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +337,9 @@ def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows
     m_count = num_microbatches(t_total, stages)
     size = t_total // m_count
     mds = md if isinstance(md, tuple) else (md,)
-    caches = tuple(jax.tree.map(lambda a: a[0], c) for c in kv_caches)  # this stage's
+    caches = kv_caches  # this stage's blocks
     layers = tuple(jax.tree.map(lambda a: a[0], lp) for lp in params.layers)
-    run = functools.partial(_stage_layers, layers, cfg=cfg, plan=plan, slots=slots, groups=groups,
-                            attention_fn=attention_fn, stage=stage)
+    positions_of = [_Position.make(j, cfg, plan, slots, groups) for j in range(plan.depth)]
     received = jnp.zeros((size, x.shape[1]), x.dtype)
     hidden = jnp.zeros_like(x)
     last = stage == stages - 1
@@ -312,52 +348,81 @@ def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows
         active = (m >= 0) & (m < m_count)
         mc = jnp.clip(m, 0, m_count - 1)
         first_in = jax.lax.dynamic_slice_in_dim(x, min(tick, m_count - 1) * size, size)
-        inputs = jnp.where(stage == 0, first_in, received)
-        pos = jax.lax.dynamic_slice_in_dim(positions, mc * size, size)
+        y = jnp.where(stage == 0, first_in, received)
+        ropes = rope_rows(rope, jax.lax.dynamic_slice_in_dim(positions, mc * size, size))
         mb_mds = tuple(microbatch_metadata(g, mc, size) for g in mds)
-        y, caches = jax.lax.cond(active, lambda a, c, p, g: run(a, c, rope_rows(rope, p), g),
-                                 lambda a, c, p, g: (a, c), inputs, caches, pos, mb_mds)
+        for position, lp in zip(positions_of, layers):
+            with jax.named_scope(f"position{position.j}"):
+                y, caches = position.run(lp, y, caches, ropes, mb_mds, active, stage, cfg=cfg,
+                                         attention_fn=attention_fn)
         hidden = jnp.where(last & active, jax.lax.dynamic_update_slice_in_dim(hidden, y, mc * size, 0), hidden)
         if tick < m_count + stages - 2:
             received = jax.lax.ppermute(y, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
     hidden = jax.lax.psum(jnp.where(last, hidden, 0), STAGE_AXIS)
     rows = HiddenRows(hidden[out.indices], jnp.where(out.every, hidden, 0))
-    return rows, tuple(jax.tree.map(lambda a: a[None], c) for c in caches)
+    return rows, caches
 
 
-def _stage_layers(layers, x, caches, ropes, mds, *, cfg: ModelConfig, plan: StagePlan, slots: CacheSlots,
-                  groups: KVCacheGroups, attention_fn: AttentionFn, stage):
-    """This stage's layers over one micro-batch: at each position the layer every stage
-    runs there, or (where they differ) the stage's own, chosen by `lax.switch`."""
-    caches = list(caches)
-    for j, lp in enumerate(layers):
-        kinds = {}  # one branch per distinct layer kind at this position
-        index = []
-        for s in range(plan.num_stages):
-            i = plan.layer(s, j)
-            key = None if i is None else (cfg.is_sliding(i), cfg.layer_window(i), cfg.is_moe(i), groups.group_of(i),
-                                          slots.local(s, groups.slot_of(i)))
-            index.append(kinds.setdefault(key, (len(kinds), i))[0])
-        branches = [functools.partial(_one_layer, i, lp, mds=mds, ropes=ropes, cfg=cfg, groups=groups,
-                                      slot=None if key is None else key[-1], attention_fn=attention_fn)
-                    for key, (_, i) in kinds.items()]
-        with jax.named_scope(f"position{j}"):
-            if len(branches) == 1:
-                x, caches = branches[0](x, caches)
-            else:
-                x, caches = jax.lax.switch(jnp.asarray(index, jnp.int32)[stage], branches, x, caches)
-    return x, tuple(caches)
+@dataclasses.dataclass(frozen=True)
+class _Position:
+    """Layer position `j` of every stage: each stage's model layer there (None: none)
+    and its kind (RoPE, window, experts, KV cache group, local slot). The caches are
+    never an operand of a `cond` or `switch`: XLA:CPU copied the cache arrays it passed
+    to a conditional, even read-only, at every tick (a step's time grew with the KV
+    pool: 15x slower at 1 GiB for Gemma 3 270M). So the K/V of an idle tick, or of a
+    stage whose layer writes another slot, go to the null block, and the attention runs
+    outside any conditional, once per distinct layer kind at the position."""
+
+    j: int
+    layers: tuple[int | None, ...]
+    kinds: tuple[tuple | None, ...]
+
+    @classmethod
+    def make(cls, j: int, cfg: ModelConfig, plan: StagePlan, slots: CacheSlots, groups: KVCacheGroups) -> _Position:
+        layers = tuple(plan.layer(s, j) for s in range(plan.num_stages))
+        kinds = tuple(None if i is None else (cfg.is_sliding(i), cfg.layer_window(i), cfg.is_moe(i),
+                                              groups.group_of(i), slots.local(s, groups.slot_of(i)))
+                      for s, i in enumerate(layers))
+        return cls(j, layers, kinds)
+
+    def _of_stage(self, values, stage):
+        """values[stage] (a static value where every stage has the same)."""
+        return values[0] if len(set(values)) == 1 else jnp.asarray(values)[stage]
+
+    def run(self, lp, x, caches, ropes, mds, active, stage, *, cfg: ModelConfig, attention_fn: AttentionFn):
+        """This position's layer on the stage's micro-batch `x` where `active`: the
+        projections and MLP under a `cond` (skipped on an idle tick), the K/V writes and
+        the attention outside it (an idle tick writes into the null block and attends
+        for nothing); where the stages' layers differ in kind, each kind's attention,
+        the stage's selected."""
+        here = active & self._of_stage([i is not None for i in self.layers], stage)
+        sliding = self._of_stage([bool(k and k[0]) for k in self.kinds], stage)
+        cos, sin = ropes[sliding] if isinstance(sliding, bool) else (
+            jnp.where(sliding, a, b) for a, b in zip(ropes[1], ropes[0]))
+        rows = mds[0].num_tokens
+        q, k, v = jax.lax.cond(here, lambda x: qkv_heads(lp, x, cos, sin, cfg, None, rows),
+                               lambda x: _no_heads(x, cfg), x)
+        caches = list(caches)
+        null = jnp.arange(x.shape[0], dtype=jnp.int32) % caches[0].k.shape[1]  # offsets in block 0
+        for slot, group in sorted({(kind[4], kind[3]) for kind in self.kinds if kind is not None}):
+            mine = self._of_stage([kind is not None and (kind[4], kind[3]) == (slot, group) for kind in self.kinds],
+                                  stage)
+            caches[slot] = write_kv_cache(caches[slot], k, v, jnp.where(here & mine, mds[group].slot_mapping, null))
+        distinct = sorted({kind for kind in self.kinds if kind is not None})
+        outs = [attend(q, caches[slot], mds[group], cfg, attention_fn, window)
+                for _, window, _, group, slot in distinct]
+        which = self._of_stage([distinct.index(kind) if kind is not None else 0 for kind in self.kinds], stage)
+        o = outs[0] if len(outs) == 1 else jnp.stack(outs)[which]
+        moe = distinct[0][2]  # the same at every stage: their parameters are stacked together
+        x = jax.lax.cond(here, lambda x, o: finish_layer(lp, x, o, rows, None, cfg=cfg, axis=TP_AXIS, moe=moe),
+                         lambda x, o: x, x, o)
+        return x, tuple(caches)
 
 
-def _one_layer(i: int | None, lp, x, caches: list, *, mds, ropes, cfg: ModelConfig, groups: KVCacheGroups,
-               slot: int | None, attention_fn: AttentionFn):
-    """Model layer `i` writing local cache slot `slot` (None: no layer here)."""
-    if i is None:
-        return x, caches
-    caches = list(caches)
-    x, caches[slot] = decoder_layer(i, lp, x, ropes, caches[slot], mds[groups.group_of(i)], cfg, attention_fn,
-                                    TP_AXIS, None)
-    return x, caches
+def _no_heads(x, cfg: ModelConfig):
+    t = x.shape[0]
+    zeros = lambda heads: jnp.zeros((t, heads, cfg.head_dim), x.dtype)
+    return zeros(cfg.num_heads), zeros(cfg.num_kv_heads), zeros(cfg.num_kv_heads)
 
 
 def model_functions(cfg: ModelConfig, attention_fn: AttentionFn, mesh: Mesh | None = None):

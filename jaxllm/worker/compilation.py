@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxllm.attention.backends import get_attention_fn
 from jaxllm.attention.kv_cache import copy_blocks
-from jaxllm.models import parallel
+from jaxllm.models import parallel, pipeline
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.worker.autotune import StepBackends
 from jaxllm.worker.buckets import StepShape
@@ -68,8 +68,9 @@ class CompilationManager:
         self.runner = runner
         self._steps = self._step_functions()
         # a step's block copies (at most one per admitted request), padded to a bucket
-        self._copy_blocks = jax.jit(functools.partial(copy_blocks, staged=runner.pipeline_parallel_size > 1),
-                                    donate_argnums=(0,),
+        copies = (pipeline.staged_copy_blocks(runner.mesh, runner._abstract_caches)
+                  if runner.pipeline_parallel_size > 1 else copy_blocks)  # a stage's block ids are its own
+        self._copy_blocks = jax.jit(copies, donate_argnums=(0,),
                                     **({"out_shardings": runner._cache_shardings()} if runner.mesh else {}))
         self.copy_buckets = sorted({min(8, runner.max_num_seqs), runner.max_num_seqs})
         self._compiled_copies: dict[int, object] = {}

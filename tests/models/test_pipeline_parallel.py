@@ -25,7 +25,7 @@ def seven_layers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,stages,shards,attention", [
-    ("gemma3", 4, 1, "cpu"),  # uneven (2, 2, 2, 1), a stage's layer chosen by lax.switch, the last position empty
+    ("gemma3", 4, 1, "cpu"),  # uneven (2, 2, 2, 1), a stage's layer kind selected by stage, the last position empty
     pytest.param("llama", 2, 2, "xla", marks=pytest.mark.slow),
     pytest.param("gemma3", 2, 2, "pallas", marks=pytest.mark.slow),  # the Pallas kernel in interpret mode
 ])
@@ -129,7 +129,7 @@ def test_the_pipelined_forward_lowers_for_2_stages_of_4_gpus():
     model = pipeline.PipelinedModel(cfg, mesh, attention)
     t, s, blocks = 64, 8, 16
     rows = pipeline.kv_cache_specs(False).k
-    cache = sharded(jax.ShapeDtypeStruct((2, 128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16), rows)
+    cache = sharded(jax.ShapeDtypeStruct((2 * 128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16), rows)
     i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
     md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
     rope = jax.tree.map(sharded, rope_table(cfg.rope, cfg.head_dim, 2048))

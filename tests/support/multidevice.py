@@ -262,8 +262,9 @@ def pp_engine_matches(folder: str, pipeline: str, tensor: str = "1", attention: 
         shard, slots = shard_config(cfg, tp), pl.cache_slots(pl.StagePlan(cfg.num_layers, pp), groups).count
         kv_block = KV_CACHE_FORMATS["float32"].token_bytes(slots, shard.num_kv_heads, shard.head_dim) * 16
         return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                    kv_cache_memory=10 * groups.num_groups * kv_block, progress=False, attention_backend=attention,
-                    dtype="float32")
+                    kv_cache_memory=10 * groups.num_groups * kv_block, kv_cache_dtype="float32", progress=False,
+                    attention_backend=attention, dtype="float32", linear_backend="xla",
+                    activation_quantization="none")  # the stages' arithmetic: XLA's dot of float activations
 
     runs = []
     for p, t in ((1, 1), (pp, tp)):
@@ -309,9 +310,11 @@ def _check_stage_bytes(cfg, runner, loaded, pp: int, tp: int) -> None:
         want = layers + vocab + loaded.final_norm.nbytes
         for device in runner.mesh.devices[stage]:
             assert held[device] == want, (stage, device, held[device], want)
-    rows = runner.kv_caches[0].k
-    assert rows.shape[0] == pp and len(rows.sharding.device_set) == pp * tp
-    assert rows.addressable_shards[0].data.shape[3] == max(1, cfg.num_kv_heads // tp)
+    rows = runner.kv_caches[0].k  # [pp x blocks, block_size, KV heads, head_dim]
+    assert rows.shape[0] == pp * runner.runner_config.num_blocks  # each stage a whole pool of its layers
+    shard = rows.addressable_shards[0].data
+    assert len(rows.sharding.device_set) == pp * tp and shard.shape[0] == rows.shape[0] // pp
+    assert shard.shape[2] == max(1, cfg.num_kv_heads // tp)
     assert len(runner.kv_caches) == pl.cache_slots(plan, runner.kv_groups).count
     print(f"PP={pp} x TP={tp}: {sorted(set(held.values()))} weight bytes per device; "
           f"{len(runner.kv_caches)} cache slots per stage")
