@@ -34,7 +34,8 @@ def test_tensor_parallel_logits_equal_one_device(test_models_dir, name, size, at
                     devices=size)
 
 
-@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.slow), 4])
+@pytest.mark.slow  # by default, test_pipeline_parallel's engine test runs TP 2 (KV heads replicated) in its stages
+@pytest.mark.parametrize("size", [2, 4])
 def test_tensor_parallel_engine_equals_one_device(test_models_dir, size):
     """Through LLM: greedy tokens and logprobs, prefix caching, chunked prefill and
     preemption, no compilation after warm-up; the weights sharded (at 4, over the
