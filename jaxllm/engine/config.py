@@ -203,7 +203,6 @@ class EngineConfig:
         """Whether steps overlap: async_scheduling, or by default where nothing blocks it."""
         return self.async_scheduling is not False and self.async_scheduling_blocked is None
 
-
     @property
     def devices_per_engine(self) -> int:
         """The devices one engine (one replica) runs on: tensor x pipeline parallel."""

@@ -75,7 +75,15 @@ class RayWorker:
         return ray.util.get_node_ip_address(), os.getpid()
 
     def execute(self, sched, bitmask) -> None:
-        self.core.runner.execute_model(sched, bitmask)
+        """Run the step; a step that fails here ends the process (nobody waits for this
+        call's result, and process 0 would wait in the step's collectives): the monitor
+        then stops the engine as for a dead worker."""
+        try:
+            self.core.runner.execute_model(sched, bitmask)
+        except BaseException:
+            logger.critical("the step failed in this worker process; exiting", exc_info=True)
+            logging.shutdown()
+            os._exit(EXIT_CODE)
 
     def shutdown(self) -> None:
         """jax.distributed's shutdown, which every process enters together."""

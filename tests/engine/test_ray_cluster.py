@@ -23,7 +23,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def one_process(test_models_dir):
     """Greedy completions of MULTIHOST_PROMPTS by an engine in this process: (token ids, text)."""
-    llm = LLM(str(test_models_dir / "llama"), **ray_cluster.greedy_options(""))
+    llm = LLM(str(test_models_dir / "llama"), **ray_cluster.greedy_options())
     outs = llm.generate([{"prompt_token_ids": p} for p in MULTIHOST_PROMPTS],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]

@@ -46,7 +46,8 @@ def run_on_cluster(address: str, check: str, *args: str, timeout: float = 600) -
     return proc.stdout
 
 
-def greedy_options(folder: str, **options) -> dict:
+def greedy_options(**options) -> dict:
+    """The small engine the Ray tests compare: greedy tokens of MULTIHOST_PROMPTS."""
     return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory="4MiB",
                 dtype="float32", progress=False, **options)
 
@@ -56,7 +57,7 @@ def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str) -> No
     processes, printed as `TOKENS [...]`; the engine closed at exit (no explicit call)."""
     from jaxllm import LLM, SamplingParams
 
-    llm = LLM(folder, **greedy_options(folder, pipeline_parallel_size=int(pipeline), tensor_parallel_size=int(tensor),
+    llm = LLM(folder, **greedy_options(pipeline_parallel_size=int(pipeline), tensor_parallel_size=int(tensor),
                                        distributed_executor_backend="ray", num_processes=int(processes)))
     core = llm.llm_engine.core
     assert len(core.executor.workers) == int(processes) - 1
