@@ -63,9 +63,14 @@ def spawn(args, tp: int, pp: int) -> dict:
            "--quantization", args.quantization]
     if args.model:
         cmd += ["--model", args.model]
+    return child_result(cmd, env, f"tp={tp} pp={pp}")
+
+
+def child_result(cmd: list[str], env: dict, name: str) -> dict:
+    """The JSON a benchmark's child process prints last (it runs one configuration)."""
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
-        raise SystemExit(f"tp={tp} pp={pp} failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,12 +63,11 @@ def run_one(args) -> dict:
 
 
 def spawn(args, executor: str, env: dict) -> dict:
+    from bench_pipeline import child_result
+
     cmd = [sys.executable, __file__, "--child", "--executor", executor, "--num-requests", str(args.num_requests),
            "--max-num-seqs", str(args.max_num_seqs), "--model", args.model]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(f"{executor} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_result(cmd, env, executor)
 
 
 def main(argv=None) -> None:

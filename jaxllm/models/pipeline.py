@@ -369,7 +369,7 @@ class _Position:
     and its kind (RoPE, window, experts, KV cache group, local slot). The caches are
     never an operand of a `cond` or `switch`: XLA:CPU copied the cache arrays it passed
     to a conditional, even read-only, at every tick (a step's time grew with the KV
-    pool: 15x slower at 1 GiB for Gemma 3 270M). So the K/V of an idle tick, or of a
+    pool: docs/bench-log/2026-11-29-pipeline-ray.md). So the K/V of an idle tick, or of a
     stage whose layer writes another slot, go to the null block, and the attention runs
     outside any conditional, once per distinct layer kind at the position."""
 

@@ -21,29 +21,40 @@ def replica_metric(server: Server, name: str, engine: int) -> float:
     return float(m.group(1))
 
 
+PROMPTS = [[int(t) for t in range(3 + 7 * i, 23 + 7 * i)] for i in range(8)]
+
+
+def served_texts(server: Server, prompts: list[list[int]]) -> list[str]:
+    """Greedy completions (12 tokens) of `prompts` from a server serving "tiny", 8 at once."""
+    def complete(ids):
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer test-key"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(complete, prompts))
+
+
+def offline_texts(folder, prompts: list[list[int]]) -> list[str]:
+    """The same completions from one engine in this process."""
+    llm = LLM(str(folder), max_model_len=256, progress=False)
+    return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                    SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
+
+
 @pytest.mark.slow  # two engine core processes to start and compile: ~50 s
 def test_dp2_tp2_through_the_server_equals_one_device(test_models_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    prompts = [[int(t) for t in range(3 + 7 * i, 23 + 7 * i)] for i in range(8)]
     server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "-tp", "2", "--served-model-name", "tiny")
     try:
-        def complete(ids):
-            body = {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}
-            r = httpx.post(f"{server.url}/v1/completions", json=body,
-                           headers={"Authorization": "Bearer test-key"}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            served = list(pool.map(complete, prompts))
+        served = served_texts(server, PROMPTS)
         queried = [replica_metric(server, "jaxllm:replica_prefix_cache_queries", i) for i in (0, 1)]
         assert all(q > 0 for q in queried), queried  # both replicas scored prompts
     finally:
         server.stop()
-    llm = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False)
-    offline = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                       SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
-    assert served == offline
+    assert served == offline_texts(test_models_dir / "llama", PROMPTS)
 
 
 def test_each_replica_sees_only_its_devices(monkeypatch):

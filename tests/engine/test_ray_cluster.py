@@ -13,6 +13,9 @@ from jaxllm import LLM, SamplingParams
 from tests.support import ray_cluster
 from tests.support.multidevice import MULTIHOST_PROMPTS
 
+# each engine of these tests compiles these shapes alone (several processes start at once on 2 cores)
+FEW_SHAPES = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-scheduler-steps", "1")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -60,7 +63,7 @@ def test_an_engine_over_two_nodes_serves_and_fails_loudly(cluster, test_models_d
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     server = Server(test_models_dir / "llama", tmp_path, "--distributed-executor-backend", "ray",
                     "--num-processes", "2", "--pipeline-parallel-size", "2", "--served-model-name", "tiny",
-                    "--dtype", "float32")
+                    "--dtype", "float32", *FEW_SHAPES)
     try:
         def complete(ids):
             body = {"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -94,38 +97,22 @@ def test_replicas_on_the_cluster_serve_as_one(cluster, test_models_dir, tmp_path
     """-dp 2 --data-parallel-backend ray: a replica actor on each node, the router as
     for local replicas; concurrent greedy completions equal one engine's offline text,
     both replicas took requests, and each reports its health in /metrics."""
-    import concurrent.futures
-
-    import httpx
-
-    from tests.engine.test_data_parallel import replica_metric
+    from tests.engine.test_data_parallel import PROMPTS, offline_texts, replica_metric, served_texts
     from tests.support.server import Server
 
     monkeypatch.setenv("RAY_ADDRESS", cluster)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    prompts = [[int(t) for t in range(3 + 7 * i, 23 + 7 * i)] for i in range(8)]
     server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "--data-parallel-backend", "ray",
                     "--served-model-name", "tiny")
     try:
-        def complete(ids):
-            body = {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}
-            r = httpx.post(f"{server.url}/v1/completions", json=body,
-                           headers={"Authorization": "Bearer test-key"}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            served = list(pool.map(complete, prompts))
+        served = served_texts(server, PROMPTS)
         queried = [replica_metric(server, "jaxllm:replica_prefix_cache_queries", i) for i in (0, 1)]
         assert all(q > 0 for q in queried), queried  # both replicas scored prompts
         ages = [replica_metric(server, "jaxllm:replica_seconds_since_report", i) for i in (0, 1)]
         assert all(0 <= a < 5 for a in ages), ages
     finally:
         server.stop()
-    llm = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False)
-    offline = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                       SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
-    assert served == offline
+    assert served == offline_texts(test_models_dir / "llama", PROMPTS)
 
 
 @pytest.mark.slow  # two engine actors started twice
@@ -148,8 +135,8 @@ def test_batch_eval_on_the_cluster_resumes_and_equals_one_process(cluster, test_
     lines = [{**line, "sampling_params": long_enough} for line in requests(12)]
     lines.append({"id": "long", "prompt": "Hello world " * 200, "sampling_params": {"max_tokens": 2}})
     source = write_jsonl(tmp_path / "in.jsonl", lines)
-    engine = ["--model", str(test_models_dir / "llama"), "--max-model-len", "256", "--max-num-seqs", "4",
-              "--max-num-batched-tokens", "64", "--kv-cache-memory", "4MiB", "--no-progress"]
+    engine = ["--model", str(test_models_dir / "llama"), "--max-model-len", "256", "--kv-cache-memory", "4MiB",
+              "--no-progress", *FEW_SHAPES]
     assert batch_eval.main([str(source), str(tmp_path / "one.jsonl"), *engine]) == 1
     ray_out = tmp_path / "ray.jsonl"
     cmd = [sys.executable, str(ROOT / "scripts" / "batch_eval.py"), str(source), str(ray_out), "--ray-replicas", "2",
@@ -186,8 +173,8 @@ def test_batch_eval_with_an_engine_on_the_cluster(cluster, test_models_dir, tmp_
 
     lines = requests(6) + [{"id": "long", "prompt": "Hello world " * 200, "sampling_params": {"max_tokens": 2}}]
     source = write_jsonl(tmp_path / "in.jsonl", lines)
-    engine = ["--model", str(test_models_dir / "llama"), "--max-model-len", "256", "--max-num-seqs", "4",
-              "--max-num-batched-tokens", "64", "--kv-cache-memory", "4MiB", "--no-progress"]
+    engine = ["--model", str(test_models_dir / "llama"), "--max-model-len", "256", "--kv-cache-memory", "4MiB",
+              "--no-progress", *FEW_SHAPES]
     assert batch_eval.main([str(source), str(tmp_path / "one.jsonl"), *engine]) == 1
     monkeypatch.setenv("RAY_ADDRESS", cluster)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")

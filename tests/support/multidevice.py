@@ -14,14 +14,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(check: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    code = f"import tests.support.multidevice as m; m.{check}(*{list(args)!r})"
+    return run_check("tests.support.multidevice", check, args, {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}, timeout)
+
+
+def run_check(module: str, check: str, args, env: dict[str, str | None], timeout: float) -> str:
+    """`module.check(*args)` in a new process on the CPU platform, with `env` over this
+    process's environment (None: unset); its output (AssertionError with it if it fails)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               **env)
+    env = {k: v for k, v in env.items() if v is not None}
+    code = f"import {module} as m; m.{check}(*{list(args)!r})"
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{check}{tuple(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc.stdout
+
+
+def assert_same_greedy(one, many) -> None:
+    """Two runs' RequestOutputs: the same tokens, each logprob within 1e-4."""
+    for a, b in zip(one, many, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris; one two"
@@ -142,11 +159,7 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
             _check_bytes_per_device(cfg, core.runner.weights["xla"], tp)
     (one, preempted), (many, _) = runs
     assert preempted > 0
-    for a, b in zip(one, many):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in x:
-                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    assert_same_greedy(one, many)
     print("ok", folder, size, attention, runs[0][1], runs[1][1])
 
 
@@ -178,11 +191,7 @@ def tp_lora_matches(folder: str, size: str, adapters_dir: str) -> None:
             q = layer["wqkv"].b[0]
             assert q.addressable_shards[0].data.shape[-1] == q.shape[-1] // tp
     one, many = runs
-    for a, b in zip(one, many):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in x:
-                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    assert_same_greedy(one, many)
     print("ok", folder, size)
 
 
@@ -278,11 +287,7 @@ def pp_engine_matches(folder: str, pipeline: str, tensor: str = "1", attention: 
             _check_stage_bytes(cfg, core.runner, loaded.params, pp, tp)
     (one, preempted), (many, _) = runs
     assert preempted > 0
-    for a, b in zip(one, many):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in x:
-                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    assert_same_greedy(one, many)
     print("ok", folder, pp, tp, runs[0][1], runs[1][1])
 
 

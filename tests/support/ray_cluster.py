@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 
-from tests.support.multidevice import MULTIHOST_PROMPTS, ROOT
+from tests.support.multidevice import MULTIHOST_PROMPTS, run_check
 
 NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
 
@@ -34,21 +31,14 @@ def local_cluster(num_nodes: int = 2, cpus: int = 2):
 
 def run_on_cluster(address: str, check: str, *args: str, timeout: float = 600) -> str:
     """`check(*args)` of this module in a new process attached to the cluster at
-    `address`; its output (AssertionError with it if it fails)."""
-    env = dict(os.environ, RAY_ADDRESS=address, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)  # each process's devices come from its placement
-    code = f"import tests.support.ray_cluster as m; m.{check}(*{list(args)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"{check}{tuple(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc.stdout
+    `address` (its devices from its placement: no XLA_FLAGS)."""
+    return run_check("tests.support.ray_cluster", check, args, {"RAY_ADDRESS": address, "XLA_FLAGS": None}, timeout)
 
 
 def greedy_options(**options) -> dict:
     """The small engine the Ray tests compare: greedy tokens of MULTIHOST_PROMPTS."""
     return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory="4MiB",
+                num_scheduler_steps=1,  # no decode loops to compile: the same tokens
                 dtype="float32", progress=False, **options)
 
 
