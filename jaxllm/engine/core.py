@@ -454,6 +454,8 @@ class EngineCore:
             result = self.runner.execute_model(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
+            if self.executor is not None:  # a lost worker is the cause to report, not the broken collective
+                self.executor.exit_if_a_worker_died()
             raise
         return self.scheduler.update_from_output(sched, result)
 

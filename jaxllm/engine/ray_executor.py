@@ -158,18 +158,27 @@ class RayExecutor:
 
     def _monitor(self) -> None:
         """Exit the process (EXIT_CODE) when a worker's actor ends while the engine runs."""
-        ray = self._ray
-        done, _ = ray.wait(self._watches, num_returns=1)
+        done, _ = self._ray.wait(self._watches, num_returns=1)
+        self._exit_for(done[0])
+
+    def exit_if_a_worker_died(self, timeout: float = 5.0) -> None:
+        """After process 0's step failed: if a worker has ended (waiting up to `timeout`
+        for Ray to notice), exit as the monitor does, naming it (the step's own error is
+        then only the lost peer's connection)."""
+        done, _ = self._ray.wait(self._watches, num_returns=1, timeout=timeout)
+        if done:
+            self._exit_for(done[0])
+
+    def _exit_for(self, watch) -> None:
         if self._closing.is_set():
             return
         try:
-            ray.get(done[0])
+            self._ray.get(watch)
             why = "it returned"
         except Exception as e:  # RayActorError: the process died, or the actor was killed
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        index = self._watches.index(done[0]) + 1
         logger.critical("process %d of the engine (a Ray worker) ended (%s); an engine over several processes "
-                        "cannot go on without it: exiting", index, why)
+                        "cannot go on without it: exiting", self._watches.index(watch) + 1, why)
         logging.shutdown()
         os._exit(EXIT_CODE)
 
