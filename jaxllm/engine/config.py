@@ -154,9 +154,6 @@ class EngineConfig:
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them, with or without enable_lora
         if self.enable_lora and self.num_processes > 1:
             raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
-        if self.enable_lora and self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora: not yet with pipeline_parallel_size > 1 (the adapters' slots are not split "
-                             "by stage); use tensor_parallel_size")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.runner == "generate" and self.pooler_config is not None:

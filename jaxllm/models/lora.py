@@ -78,7 +78,7 @@ class LoRAWeights:
 
     @property
     def num_slots(self) -> int:
-        return self.layers[0]["wqkv"].a.shape[1]
+        return self.layers[0]["wqkv"].a.shape[-3]  # (stage,) inputs, slot, part, rank
 
 
 def abstract_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype) -> LoRAWeights:
@@ -118,10 +118,12 @@ def zeros_like_abstract(abstract: LoRAWeights) -> LoRAWeights:
 
 def set_slot(weights: LoRAWeights, slot: Int[Array, ""], adapter: LoRAWeights) -> LoRAWeights:
     """`weights` with slot `slot` (0-based) holding `adapter` (one slot's arrays: a
-    [D, P, R], each b [R, N])."""
+    [D, P, R], each b [R, N]; both with a leading stage axis where the slots are stacked
+    by pipeline stage, jaxllm.models.pipeline.stack_stages)."""
     def put(w: LoRAProjection, new: LoRAProjection) -> LoRAProjection:
-        return LoRAProjection(w.a.at[:, slot].set(new.a.astype(w.a.dtype)),
-                              tuple(b.at[slot].set(nb.astype(b.dtype)) for b, nb in zip(w.b, new.b, strict=True)))
+        return LoRAProjection(w.a.at[..., slot, :, :].set(new.a.astype(w.a.dtype)),
+                              tuple(b.at[..., slot, :, :].set(nb.astype(b.dtype))
+                                    for b, nb in zip(w.b, new.b, strict=True)))
 
     return LoRAWeights(tuple({k: put(layer[k], new[k]) for k in layer}
                              for layer, new in zip(weights.layers, adapter.layers, strict=True)))
@@ -148,6 +150,12 @@ class LoRAInputs:
 
     def layer(self, i: int) -> LayerLoRA:
         return LayerLoRA(self.weights.layers[i], self.slots, self.onehot, self.active, self.kernel)
+
+    def tokens(self, start: Int[Array, ""], size: int) -> LoRAInputs:
+        """The same adapters for tokens [start, start + size) alone (a micro-batch)."""
+        slots = jax.lax.dynamic_slice_in_dim(self.slots, start, size)
+        return self.replace(slots=slots, onehot=jax.lax.dynamic_slice_in_dim(self.onehot, start, size),
+                            active=(slots > 0).any())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ from jaxllm.models.llama import (
     qkv_heads,
     rope_rows,
 )
+from jaxllm.models.lora import LayerLoRA, LoRAInputs, LoRAWeights, lora_partition_specs
 from jaxllm.models.parallel import TP_AXIS, check_tensor_parallel, partition_specs, shard_config
 from jaxllm.models.parallel import model_functions as tensor_parallel_functions
 from jaxllm.models.params import TENSOR_PARALLEL_RULES, ModelParams, ParamDecl, declare, shard_major
@@ -177,9 +178,10 @@ def stages_of(mesh: Mesh | None) -> int:
     return 1 if mesh is None or STAGE_AXIS not in mesh.axis_names else mesh.shape[STAGE_AXIS]
 
 
-def stack_stages(params: ModelParams, plan: StagePlan) -> ModelParams:
+def stack_stages(params, plan: StagePlan):
     """Per layer position j, every stage's j-th layer stacked along a new leading axis (a
-    shorter stage's: zeros); abstract params (jax.ShapeDtypeStruct) get the shapes."""
+    shorter stage's: zeros); abstract params (jax.ShapeDtypeStruct) get the shapes. Any
+    per-layer tree with `.layers` (ModelParams, LoRAWeights)."""
     def stack(*leaves):
         first = leaves[0]
         if isinstance(first, jax.ShapeDtypeStruct):
@@ -198,14 +200,36 @@ def stack_stages(params: ModelParams, plan: StagePlan) -> ModelParams:
     return params.replace(layers=tuple(layers))
 
 
-def pipeline_specs(cfg: ModelConfig, plan: StagePlan, shards: int) -> ModelParams:
-    """A PartitionSpec per stacked parameter: the layers' by stage, then as their format
-    splits them for tensor parallelism; the vocabulary over both axes."""
-    specs = partition_specs(cfg, {**TENSOR_PARALLEL_RULES, "vocab": vocab_axes(cfg, plan.num_stages, shards)})
+def _staged_specs(specs, plan: StagePlan):
+    """Per-layer PartitionSpecs (ModelParams' or LoRAWeights') for the layers stacked by
+    stage (`stack_stages`): each position's by stage, then its layer's own split."""
     staged = lambda spec: P(STAGE_AXIS, *spec)
     layers = tuple(jax.tree.map(staged, specs.layers[plan.layer(0, j)], is_leaf=lambda x: isinstance(x, P))
                    for j in range(plan.depth))
     return specs.replace(layers=layers)
+
+
+def pipeline_specs(cfg: ModelConfig, plan: StagePlan, shards: int) -> ModelParams:
+    """A PartitionSpec per stacked parameter: the layers' by stage, then as their format
+    splits them for tensor parallelism; the vocabulary over both axes."""
+    return _staged_specs(partition_specs(cfg, {**TENSOR_PARALLEL_RULES,
+                                                "vocab": vocab_axes(cfg, plan.num_stages, shards)}), plan)
+
+
+def lora_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> LoRAWeights:
+    """The adapters' slots' PartitionSpecs over a tensor-parallel or (stage, model) mesh:
+    split as their projections inside a stage (lora.lora_partition_specs), stacked by
+    stage as the layers are (`stage_layers`)."""
+    specs = lora_partition_specs(cfg, mesh.shape[TP_AXIS])
+    stages = stages_of(mesh)
+    return specs if stages == 1 else _staged_specs(specs, StagePlan(cfg.num_layers, stages))
+
+
+def stage_layers(tree, cfg: ModelConfig, mesh: Mesh | None):
+    """Per-layer weights (ModelParams, LoRAWeights; abstract or not) stacked by stage
+    where `mesh` has pipeline stages; as they are otherwise."""
+    stages = stages_of(mesh)
+    return tree if stages == 1 else stack_stages(tree, StagePlan(cfg.num_layers, stages))
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> ModelParams:
@@ -218,9 +242,8 @@ def place_params(cfg: ModelConfig, params: ModelParams, mesh: Mesh) -> ModelPara
     """Params as loaded, laid out shard-major for the stages' tensor parallelism, stacked
     by stage and sharded over `mesh`: each device receives its stage's layers (its
     shard of them) and its share of the vocabulary; abstract ones get the shardings."""
-    plan = StagePlan(cfg.num_layers, stages_of(mesh))
     shardings = param_shardings(cfg, mesh)
-    stacked = stack_stages(shard_major(cfg, params, mesh.shape[TP_AXIS]), plan)
+    stacked = stage_layers(shard_major(cfg, params, mesh.shape[TP_AXIS]), cfg, mesh)
     if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), stacked, shardings)
     return jax.device_put(stacked, shardings)
@@ -305,16 +328,18 @@ class PipelinedModel:
         return dataclasses.replace(shard_config(self.cfg, self.mesh.shape[TP_AXIS]),
                                    vocab_size=self.cfg.vocab_size // held)
 
-    def forward_rows(self, params, rope, kv_caches, input_ids, positions, md, out: OutputRows, lora=None):
-        if lora is not None:
-            raise ValueError("pipeline parallelism does not yet apply LoRA adapters")
+    def forward_rows(self, params, rope, kv_caches, input_ids, positions, md, out: OutputRows,
+                     lora: LoRAInputs | None = None):
+        """`lora`: the adapters' slots stacked by stage (`lora_specs`), the tokens' slots
+        replicated."""
         groups = self.cfg.kv_cache_groups(hybrid=isinstance(md, tuple))
         body = functools.partial(_pipeline, cfg=self.local_cfg, plan=self.plan, slots=cache_slots(self.plan, groups),
                                  groups=groups, attention_fn=self.attention_fn, vocab=self.vocab_axes)
         caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in kv_caches)
         specs = (self.specs, P(), caches, P(), P(), P(), P())
-        return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(P(), caches), check_vma=False)(
-            params, rope, kv_caches, input_ids, positions, md, out)
+        lora_spec = None if lora is None else LoRAInputs(lora_specs(self.cfg, self.mesh), P(), P(), P(), lora.kernel)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=specs + (lora_spec,), out_specs=(P(), caches),
+                             check_vma=False)(params, rope, kv_caches, input_ids, positions, md, out, lora)
 
     def compute_logits(self, params, hidden, cfg=None, rows=None):
         """llama.compute_logits' signature (`cfg` and `rows` ignored): vocabulary-parallel
@@ -325,12 +350,12 @@ class PipelinedModel:
                              )(params, hidden)
 
 
-def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows, *, cfg: ModelConfig,
-              plan: StagePlan, slots: CacheSlots, groups: KVCacheGroups, attention_fn: AttentionFn,
+def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows, lora: LoRAInputs | None, *,
+              cfg: ModelConfig, plan: StagePlan, slots: CacheSlots, groups: KVCacheGroups, attention_fn: AttentionFn,
               vocab: tuple[str, ...]):
     """One device's pipeline (inside shard_map): embed (the vocabulary split over
     `vocab`), the ticks, the last stage's hidden states to every device, the rows `out`
-    names."""
+    names. `lora`: the stage's adapter slots, each micro-batch's tokens' slots."""
     stages, stage = plan.num_stages, jax.lax.axis_index(STAGE_AXIS)
     x = embed_input(params, input_ids, cfg, vocab)
     t_total = x.shape[0]
@@ -339,6 +364,8 @@ def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows
     mds = md if isinstance(md, tuple) else (md,)
     caches = kv_caches  # this stage's blocks
     layers = tuple(jax.tree.map(lambda a: a[0], lp) for lp in params.layers)
+    if lora is not None:
+        lora = lora.replace(weights=jax.tree.map(lambda a: a[0], lora.weights))  # this stage's
     positions_of = [_Position.make(j, cfg, plan, slots, groups) for j in range(plan.depth)]
     received = jnp.zeros((size, x.shape[1]), x.dtype)
     hidden = jnp.zeros_like(x)
@@ -351,9 +378,11 @@ def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows
         y = jnp.where(stage == 0, first_in, received)
         ropes = rope_rows(rope, jax.lax.dynamic_slice_in_dim(positions, mc * size, size))
         mb_mds = tuple(microbatch_metadata(g, mc, size) for g in mds)
+        mb_lora = None if lora is None else lora.tokens(mc * size, size)
         for position, lp in zip(positions_of, layers):
             with jax.named_scope(f"position{position.j}"):
-                y, caches = position.run(lp, y, caches, ropes, mb_mds, active, stage, cfg=cfg,
+                y, caches = position.run(lp, y, caches, ropes, mb_mds, active, stage,
+                                         None if mb_lora is None else mb_lora.layer(position.j), cfg=cfg,
                                          attention_fn=attention_fn)
         hidden = jnp.where(last & active, jax.lax.dynamic_update_slice_in_dim(hidden, y, mc * size, 0), hidden)
         if tick < m_count + stages - 2:
@@ -389,7 +418,8 @@ class _Position:
         """values[stage] (a static value where every stage has the same)."""
         return values[0] if len(set(values)) == 1 else jnp.asarray(values)[stage]
 
-    def run(self, lp, x, caches, ropes, mds, active, stage, *, cfg: ModelConfig, attention_fn: AttentionFn):
+    def run(self, lp, x, caches, ropes, mds, active, stage, lora: LayerLoRA | None, *, cfg: ModelConfig,
+            attention_fn: AttentionFn):
         """This position's layer on the stage's micro-batch `x` where `active`: the
         projections and MLP under a `cond` (skipped on an idle tick), the K/V writes and
         the attention outside it (an idle tick writes into the null block and attends
@@ -400,7 +430,7 @@ class _Position:
         cos, sin = ropes[sliding] if isinstance(sliding, bool) else (
             jnp.where(sliding, a, b) for a, b in zip(ropes[1], ropes[0]))
         rows = mds[0].num_tokens
-        q, k, v = jax.lax.cond(here, lambda x: qkv_heads(lp, x, cos, sin, cfg, None, rows),
+        q, k, v = jax.lax.cond(here, lambda x: qkv_heads(lp, x, cos, sin, cfg, lora, rows),
                                lambda x: _no_heads(x, cfg), x)
         caches = list(caches)
         null = jnp.arange(x.shape[0], dtype=jnp.int32) % caches[0].k.shape[1]  # offsets in block 0
@@ -414,7 +444,7 @@ class _Position:
         which = self._of_stage([distinct.index(kind) if kind is not None else 0 for kind in self.kinds], stage)
         o = outs[0] if len(outs) == 1 else jnp.stack(outs)[which]
         moe = distinct[0][2]  # the same at every stage: their parameters are stacked together
-        x = jax.lax.cond(here, lambda x, o: finish_layer(lp, x, o, rows, None, cfg=cfg, axis=TP_AXIS, moe=moe),
+        x = jax.lax.cond(here, lambda x, o: finish_layer(lp, x, o, rows, lora, cfg=cfg, axis=TP_AXIS, moe=moe),
                          lambda x, o: x, x, o)
         return x, tuple(caches)
 

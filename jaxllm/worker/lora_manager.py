@@ -21,23 +21,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllm.config import ModelConfig
 from jaxllm.lora.peft import load_adapter
 from jaxllm.lora.request import LoRAConfig, LoRARequest
-from jaxllm.models.lora import LoRAWeights, abstract_lora, lora_partition_specs, set_slot, zeros_like_abstract
+from jaxllm.models.lora import LoRAWeights, abstract_lora, set_slot, zeros_like_abstract
+from jaxllm.models.pipeline import lora_specs, stage_layers
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
     def __init__(self, cfg: ModelConfig, config: LoRAConfig, dtype, mesh: Mesh | None = None) -> None:
-        """`mesh`: the slots sharded over it as their projections are (tensor parallelism)."""
+        """`mesh`: the slots sharded over it as their projections are (tensor parallelism),
+        stacked by stage as the layers are (pipeline parallelism)."""
         self.cfg = cfg
         self.config = config
-        abstract = abstract_lora(cfg, config.max_loras, config.max_lora_rank, dtype)
+        self.mesh = mesh
+        abstract = stage_layers(abstract_lora(cfg, config.max_loras, config.max_lora_rank, dtype), cfg, mesh)
         self.weights: LoRAWeights = zeros_like_abstract(abstract)
         if mesh is None:
             self.shardings = None
             self._set_slot = jax.jit(set_slot, donate_argnums=(0,))
         else:
-            specs = lora_partition_specs(cfg, mesh.size)
+            specs = lora_specs(cfg, mesh)
             self.shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
@@ -97,7 +100,7 @@ class LoRAManager:
         slot = self._slot_of.get(lora.lora_int_id)
         if slot is None:
             slot = self._free_slot()
-            host = self.add(lora)
+            host = stage_layers(self.add(lora), self.cfg, self.mesh)
             self.weights = self._set_slot(self.weights, jnp.int32(slot), host)
             self._slot_of[lora.lora_int_id] = slot
         self._slot_of.move_to_end(lora.lora_int_id)

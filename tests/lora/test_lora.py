@@ -224,7 +224,7 @@ def test_tensor_parallel_equals_one_device(test_models_dir, tmp_path):
     tokens and logprobs, two adapters and the base model in one batch."""
     from tests.support import multidevice
 
-    multidevice.run("tp_lora_matches", str(test_models_dir / "llama"), "2", str(tmp_path), devices=2)
+    multidevice.run("lora_matches", str(test_models_dir / "llama"), str(tmp_path), "2", devices=2)
     with pytest.raises(ValueError, match="LoRA kernels need a power of two >= 16, got 8"):
         make_llm(test_models_dir, linear_backend="pallas")
 

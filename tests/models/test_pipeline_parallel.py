@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxllm.engine.config import EngineConfig, add_cli_args, from_cli_args
+from jaxllm.engine.config import add_cli_args, from_cli_args
 from jaxllm.loaders import load_model
 from jaxllm.models import pipeline
 from jaxllm.models.parallel import TP_AXIS
@@ -50,6 +50,15 @@ def test_pipelined_engine_equals_one_device(test_models_dir, seven_layers, name,
                     devices=stages * shards)
 
 
+@pytest.mark.parametrize("stages,shards", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_adapters_in_stages_equal_one_device(seven_layers, tmp_path, stages, shards):
+    """LoRA through LLM over stages (4 and 3 layers: the shorter stage's slots zeros):
+    two adapters and the base model in one batch give one device's tokens and
+    logprobs; each stage holds its layers' slots."""
+    multidevice.run("lora_matches", str(seven_layers["llama"]), str(tmp_path), str(shards), str(stages),
+                    devices=stages * shards)
+
+
 @pytest.mark.slow
 def test_smollm2_in_two_stages():
     """The embedded SmolLM2 (30 layers, 15 a stage; its kept Q4_1 blocks) at PP=2:
@@ -85,8 +94,6 @@ def test_what_a_split_cannot_serve_is_refused(test_models_dir):
     odd = dataclasses.replace(cfg, vocab_size=510)  # 2 x 3 x 5 x 17: 4 shards over 2 stages do not divide it
     assert pipeline.vocab_axes(odd, 2, 2) == (TP_AXIS,)
     assert pipeline.vocab_axes(cfg, 2, 2) == pipeline.BOTH
-    with pytest.raises(ValueError, match="enable_lora: not yet with pipeline_parallel_size > 1"):
-        EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
 
 
 def test_the_cli_takes_vllm_s_flag():

@@ -163,11 +163,11 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
     print("ok", folder, size, attention, runs[0][1], runs[1][1])
 
 
-def tp_lora_matches(folder: str, size: str, adapters_dir: str) -> None:
-    """LLM(tensor_parallel_size=size, enable_lora=True): two adapters and the base model
-    in one batch give one device's tokens and logprobs; each slot's A and B split as
-    their projections (o / down: A by its inputs; q | k | v, gate | up: B by its
-    columns)."""
+def lora_matches(folder: str, adapters_dir: str, tensor: str, pipeline: str = "1") -> None:
+    """LLM(enable_lora=True) over `pipeline` stages of `tensor` shards: two adapters and
+    the base model in one batch give one device's tokens and logprobs; each slot's A and
+    B split as their projections (o / down: A by its inputs; q | k | v, gate | up: B by
+    its columns), stacked by stage as the layers are (each stage its layers' slots)."""
     from jaxllm import LLM, LoRARequest
 
     sys.path.insert(0, str(ROOT / "scripts"))  # a subprocess: no pytest pythonpath here
@@ -178,21 +178,25 @@ def tp_lora_matches(folder: str, size: str, adapters_dir: str) -> None:
              for i in (1, 2)]
     prompts, params = shared_prefix_batch()
     requests = [loras[0], None, loras[1], loras[0], loras[1]]
+    pp, tp = int(pipeline), int(tensor)
     runs = []
-    for tp in (1, int(size)):
-        llm = LLM(folder, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8,
-                  max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False)
+    for p, t in ((1, 1), (pp, tp)):
+        llm = LLM(folder, tensor_parallel_size=t, pipeline_parallel_size=p, enable_lora=True, max_loras=2,
+                  max_lora_rank=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False)
         runs.append(llm.generate(prompts, params, use_tqdm=False, lora_request=requests))
         runner = llm.llm_engine.core.runner
         assert runner.num_compilations_after_warmup == 0
-        if tp > 1:
+        if p * t > 1:
             layer = runner.lora.weights.layers[0]
-            assert layer["wo"].a.addressable_shards[0].data.shape[0] == layer["wo"].a.shape[0] // tp
-            q = layer["wqkv"].b[0]
-            assert q.addressable_shards[0].data.shape[-1] == q.shape[-1] // tp
+            lead = (p,) if p > 1 else ()  # stacked by stage, one stage per device row
+            wo, q = layer["wo"].a, layer["wqkv"].b[0]
+            assert wo.addressable_shards[0].data.shape == (*(1,) * len(lead), wo.shape[len(lead)] // t,
+                                                           *wo.shape[len(lead) + 1:])
+            assert q.addressable_shards[0].data.shape[-1] == q.shape[-1] // t
+            assert wo.shape[:len(lead)] == lead and len(wo.sharding.device_set) == p * t
     one, many = runs
     assert_same_greedy(one, many)
-    print("ok", folder, size)
+    print("ok", folder, pp, tp)
 
 
 MULTIHOST_PROMPTS = [[int(t) for t in range(5 + 11 * i, 30 + 11 * i)] for i in range(5)]
