@@ -127,7 +127,7 @@ bench: bench-isa bench-quant
 	$(PY) scripts/bench_vllm.py --out bench_results/vllm_standard
 	$(PY) scripts/bench_beam_search.py --out bench_results/beam_search
 	$(PY) scripts/bench_embeddings.py --out bench_results/embeddings
-	$(PY) scripts/bench_pipeline.py --model gemma-3-270m --out bench_results/pipeline.json
+	$(PY) scripts/bench_pipeline.py --out bench_results/pipeline.json
 	$(PY) scripts/bench_ray.py --out bench_results/ray.json
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --max-concurrency 32 --out bench_results/shared_prefix
 	$(PY) scripts/bench_serving.py --compare-prefix-caching --out bench_results/shared_prefix_burst

@@ -1,6 +1,6 @@
 """Pipeline parallelism's bubble against tensor parallelism on the same devices.
 
-    python scripts/bench_pipeline.py                   # SmolLM2, 2 simulated CPU devices
+    python scripts/bench_pipeline.py                   # Gemma 3 270M, 2 simulated CPU devices
     python scripts/bench_pipeline.py --devices 4 --num-requests 64 --out bench_results/pipeline.json
 
 Runs the standard workload (prompts U[32, 512], outputs U[16, 256]: bench_throughput's)
@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,24 @@ def run_one(args) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tp": args.tp, "pp": args.pp, "seconds": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
+    result = {"tp": args.tp, "pp": args.pp, "seconds": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
+    return result | (phases(llm, args.max_num_seqs) if args.phases else {})
+
+
+def phases(llm, n: int) -> dict:
+    """Prefill alone (n new prompts of 480 tokens, one output token each: prompt tokens
+    per second) and decode alone (the same prompts again, their prefixes cached, 96
+    output tokens each: output tokens per second)."""
+    from jaxllm import SamplingParams
+
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(100, 20000, 480).tolist()} for _ in range(n)]
+    timed = {}
+    for name, max_tokens in (("prefill", 1), ("decode", 96)):
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0), use_tqdm=False)
+        timed[name] = time.perf_counter() - start
+    return {"prefill_tok_s": n * 480 / timed["prefill"], "decode_tok_s": n * 96 / timed["decode"]}
 
 
 def spawn(args, tp: int, pp: int) -> dict:
@@ -60,7 +79,7 @@ def spawn(args, tp: int, pp: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--tp", str(tp), "--pp", str(pp), "--num-requests",
            str(args.num_requests), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
            str(args.max_num_batched_tokens), "--seed", str(args.seed), "--attention-backend", args.attention_backend,
-           "--quantization", args.quantization]
+           "--quantization", args.quantization] + (["--phases"] if args.phases else [])
     if args.model:
         cmd += ["--model", args.model]
     return child_result(cmd, env, f"tp={tp} pp={pp}")
@@ -76,7 +95,8 @@ def child_result(cmd: list[str], env: dict, name: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default="gemma-3-270m",
+                   help="default: gemma-3-270m (its 4 heads split in 2 and 4; SmolLM2's 9 do not)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -86,6 +106,8 @@ def main(argv=None) -> None:
                    help="none (default): float weights, as TP and PP both multiply them (XLA's dot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-one", action="store_true", help="skip the one-device run")
+    p.add_argument("--phases", action="store_true",
+                   help="also time prefill alone and decode alone (where PP loses against TP)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -101,6 +123,10 @@ def main(argv=None) -> None:
         print(f"{name:>3}: tp={r['tp']} pp={r['pp']}  {r['output_tok_s']:8.1f} output tok/s  ({r['seconds']:.1f} s)")
     ratio = runs["pp"]["output_tok_s"] / runs["tp"]["output_tok_s"]
     print(f"PP {args.devices} / TP {args.devices} on the same devices: {ratio:.2f}x (target >= 0.8x)")
+    if args.phases:
+        for phase in ("prefill", "decode"):
+            tp, pp = runs["tp"][f"{phase}_tok_s"], runs["pp"][f"{phase}_tok_s"]
+            print(f"{phase:>7} alone: TP {tp:8.1f}  PP {pp:8.1f} tok/s  PP / TP {pp / tp:.2f}x")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"runs": runs, "pp_over_tp": ratio, "args": vars(args)}, indent=2))

@@ -152,8 +152,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them, with or without enable_lora
-        if self.enable_lora and self.num_processes > 1:
-            raise ValueError("enable_lora: not yet with num_processes > 1 (an engine over several hosts)")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.runner == "generate" and self.pooler_config is not None:

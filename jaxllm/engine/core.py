@@ -415,15 +415,25 @@ class EngineCore:
             raise ValueError(f"n: a beam width of {params.n} ranks more candidates than the vocabulary has")
 
     def add_lora(self, lora: LoRARequest) -> None:
-        """Read and check an adapter (kept on the host for the requests naming it);
-        ValueError saying what is wrong with it, or that LoRA is off."""
+        """Read and check an adapter (kept on the host for the requests naming it), in
+        every process of the engine; ValueError saying what is wrong with it, or that
+        LoRA is off."""
         if self.runner.lora is None:
             raise ValueError(f"lora_request: {lora.lora_name!r} asked of an engine without LoRA; start it with "
                              "enable_lora=True (--enable-lora)")
+        new = lora.lora_int_id not in self.runner.lora.list_loras()
         self.runner.lora.add(lora)
+        if new and self.executor is not None:  # each worker's runner loads it into the same slots as this one
+            try:
+                self.executor.add_lora(lora)
+            except ValueError:
+                self.runner.lora.remove(lora.lora_int_id)
+                raise
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter; whether it was known."""
+        """Forget an adapter, in every process; whether it was known."""
+        if self.executor is not None:
+            self.executor.remove_lora(lora_int_id)
         return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:

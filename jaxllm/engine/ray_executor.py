@@ -85,6 +85,14 @@ class RayWorker:
             logging.shutdown()
             os._exit(EXIT_CODE)
 
+    def add_lora(self, lora) -> None:
+        """Read and check an adapter here too (its folder at the same path on every
+        node); ValueError to process 0 where it cannot be served."""
+        self.core.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
+
     def shutdown(self) -> None:
         """jax.distributed's shutdown, which every process enters together."""
         import jax
@@ -155,6 +163,20 @@ class RayExecutor:
             worker.execute.remote(sched, bitmask)
         self.sends += 1
         self.send_seconds += time.perf_counter() - start
+
+    def add_lora(self, lora) -> None:
+        """Every worker reads and checks the adapter (after the steps already sent to it);
+        ValueError with the first worker's reason where one cannot."""
+        try:
+            self._ray.get([worker.add_lora.remote(lora) for worker in self.workers])
+        except self._ray.exceptions.RayTaskError as e:
+            raise ValueError(f"{e.cause} (on a worker process)") from None
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every worker forgets the adapter after the steps already sent to it (actor calls
+        run in order), so its slots stay the same as process 0's."""
+        for worker in self.workers:
+            worker.remove_lora.remote(lora_int_id)
 
     def _monitor(self) -> None:
         """Exit the process (EXIT_CODE) when a worker's actor ends while the engine runs."""

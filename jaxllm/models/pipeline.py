@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -392,6 +393,20 @@ def _pipeline(params, rope, kv_caches, input_ids, positions, md, out: OutputRows
     return rows, caches
 
 
+class _Kind(typing.NamedTuple):
+    """A layer as the pipeline's attention sees it (window 0: full)."""
+
+    sliding: bool
+    window: int
+    moe: bool
+    group: int  # its KV cache group
+    slot: int  # its stage's local cache slot
+
+    @property
+    def attention(self) -> tuple[int, int]:
+        return self.window, self.slot
+
+
 @dataclasses.dataclass(frozen=True)
 class _Position:
     """Layer position `j` of every stage: each stage's model layer there (None: none)
@@ -400,23 +415,33 @@ class _Position:
     to a conditional, even read-only, at every tick (a step's time grew with the KV
     pool: docs/bench-log/2026-11-29-pipeline-ray.md). So the K/V of an idle tick, or of a
     stage whose layer writes another slot, go to the null block, and the attention runs
-    outside any conditional, once per distinct layer kind at the position."""
+    outside any conditional, once per distinct (window, slot) at the position, each
+    through the metadata of the stage's layer's KV cache group (Gemma's sliding layers
+    of different groups share one attention)."""
 
     j: int
     layers: tuple[int | None, ...]
-    kinds: tuple[tuple | None, ...]
+    kinds: tuple[_Kind | None, ...]
 
     @classmethod
     def make(cls, j: int, cfg: ModelConfig, plan: StagePlan, slots: CacheSlots, groups: KVCacheGroups) -> _Position:
         layers = tuple(plan.layer(s, j) for s in range(plan.num_stages))
-        kinds = tuple(None if i is None else (cfg.is_sliding(i), cfg.layer_window(i), cfg.is_moe(i),
-                                              groups.group_of(i), slots.local(s, groups.slot_of(i)))
+        kinds = tuple(None if i is None else _Kind(cfg.is_sliding(i), cfg.layer_window(i) or 0, cfg.is_moe(i),
+                                                   groups.group_of(i), slots.local(s, groups.slot_of(i)))
                       for s, i in enumerate(layers))
         return cls(j, layers, kinds)
 
     def _of_stage(self, values, stage):
         """values[stage] (a static value where every stage has the same)."""
         return values[0] if len(set(values)) == 1 else jnp.asarray(values)[stage]
+
+    def _stage_metadata(self, mds, stage) -> AttentionMetadata:
+        """The attention metadata of the stage's layer's KV cache group here (the groups'
+        block tables, lengths and slots selected by stage where the stages' differ)."""
+        group = self._of_stage([kind.group if kind is not None else 0 for kind in self.kinds], stage)
+        if isinstance(group, int):
+            return mds[group]
+        return jax.tree.map(lambda *xs: jnp.stack(xs)[group], *mds)
 
     def run(self, lp, x, caches, ropes, mds, active, stage, lora: LayerLoRA | None, *, cfg: ModelConfig,
             attention_fn: AttentionFn):
@@ -426,7 +451,7 @@ class _Position:
         for nothing); where the stages' layers differ in kind, each kind's attention,
         the stage's selected."""
         here = active & self._of_stage([i is not None for i in self.layers], stage)
-        sliding = self._of_stage([bool(k and k[0]) for k in self.kinds], stage)
+        sliding = self._of_stage([bool(k and k.sliding) for k in self.kinds], stage)
         cos, sin = ropes[sliding] if isinstance(sliding, bool) else (
             jnp.where(sliding, a, b) for a, b in zip(ropes[1], ropes[0]))
         rows = mds[0].num_tokens
@@ -434,16 +459,17 @@ class _Position:
                                lambda x: _no_heads(x, cfg), x)
         caches = list(caches)
         null = jnp.arange(x.shape[0], dtype=jnp.int32) % caches[0].k.shape[1]  # offsets in block 0
-        for slot, group in sorted({(kind[4], kind[3]) for kind in self.kinds if kind is not None}):
-            mine = self._of_stage([kind is not None and (kind[4], kind[3]) == (slot, group) for kind in self.kinds],
-                                  stage)
-            caches[slot] = write_kv_cache(caches[slot], k, v, jnp.where(here & mine, mds[group].slot_mapping, null))
-        distinct = sorted({kind for kind in self.kinds if kind is not None})
-        outs = [attend(q, caches[slot], mds[group], cfg, attention_fn, window)
-                for _, window, _, group, slot in distinct]
-        which = self._of_stage([distinct.index(kind) if kind is not None else 0 for kind in self.kinds], stage)
+        md = self._stage_metadata(mds, stage)
+        for slot in sorted({kind.slot for kind in self.kinds if kind is not None}):
+            mine = self._of_stage([kind is not None and kind.slot == slot for kind in self.kinds], stage)
+            caches[slot] = write_kv_cache(caches[slot], k, v, jnp.where(here & mine, md.slot_mapping, null))
+        # one attention per (window, slot) the stages use here, each through the stage's group's tables
+        distinct = sorted({kind.attention for kind in self.kinds if kind is not None})
+        outs = [attend(q, caches[slot], md, cfg, attention_fn, window or None) for window, slot in distinct]
+        which = self._of_stage([distinct.index(kind.attention) if kind is not None else 0 for kind in self.kinds],
+                               stage)
         o = outs[0] if len(outs) == 1 else jnp.stack(outs)[which]
-        moe = distinct[0][2]  # the same at every stage: their parameters are stacked together
+        moe = next(kind.moe for kind in self.kinds if kind is not None)  # every stage's: their parameters stack
         x = jax.lax.cond(here, lambda x, o: finish_layer(lp, x, o, rows, lora, cfg=cfg, axis=TP_AXIS, moe=moe),
                          lambda x, o: x, x, o)
         return x, tuple(caches)

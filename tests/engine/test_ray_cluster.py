@@ -45,6 +45,18 @@ def test_stages_on_two_nodes_give_one_process_s_tokens(cluster, test_models_dir,
     assert ray_cluster.tokens_of(out) == [ids for ids, _ in one_process]
 
 
+@pytest.mark.slow  # two engines with adapters, one over the nodes
+def test_adapters_on_two_nodes_give_one_process_s_tokens(cluster, test_models_dir, tmp_path):
+    """LoRA over PP 2 with a stage on each node: each process reads the adapters and
+    gives them the same slots, a removal included; the tokens of one process."""
+    folder = str(test_models_dir / "llama")
+    ray_cluster.write_adapters(folder, str(tmp_path))
+    llm = LLM(folder, **ray_cluster.greedy_options(enable_lora=True, max_loras=2, max_lora_rank=8))
+    want = ray_cluster.adapter_rounds(llm, str(tmp_path))
+    out = ray_cluster.run_on_cluster(cluster, "engine_tokens", folder, "2", "1", "2", str(tmp_path))
+    assert ray_cluster.tokens_of(out) == want
+
+
 def test_an_engine_over_two_nodes_serves_and_fails_loudly(cluster, test_models_dir, tmp_path, monkeypatch,
                                                          one_process):
     """The server over two nodes (PP 2, a stage on each): greedy completions give one

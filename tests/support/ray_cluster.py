@@ -42,19 +42,54 @@ def greedy_options(**options) -> dict:
                 dtype="float32", progress=False, **options)
 
 
-def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str) -> None:
+def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str, adapters: str = "") -> None:
     """Greedy tokens of MULTIHOST_PROMPTS through LLM over `processes` Ray-placed
-    processes, printed as `TOKENS [...]`; the engine closed at exit (no explicit call)."""
-    from jaxllm import LLM, SamplingParams
+    processes, printed as `TOKENS [...]` (with `adapters`, a folder of three LoRA
+    adapters: `adapter_rounds`' tokens); the engine closed at exit (no explicit call)."""
+    from jaxllm import LLM
 
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8) if adapters else {}
     llm = LLM(folder, **greedy_options(pipeline_parallel_size=int(pipeline), tensor_parallel_size=int(tensor),
-                                       distributed_executor_backend="ray", num_processes=int(processes)))
+                                       distributed_executor_backend="ray", num_processes=int(processes), **options))
     core = llm.llm_engine.core
     assert len(core.executor.workers) == int(processes) - 1
-    outs = llm.generate([{"prompt_token_ids": p} for p in MULTIHOST_PROMPTS],
-                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    tokens = adapter_rounds(llm, adapters) if adapters else greedy_tokens(llm)
     assert core.runner.num_compilations_after_warmup == 0
-    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    print("TOKENS " + json.dumps(tokens), flush=True)
+
+
+def greedy_tokens(llm, lora_request=None) -> list[list[int]]:
+    from jaxllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in MULTIHOST_PROMPTS],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False,
+                        lora_request=lora_request)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def adapter_rounds(llm, adapters: str) -> list[list[int]]:
+    """Two rounds of MULTIHOST_PROMPTS under adapters a1, none, a2, ...; between them a1
+    removed and its id given to a3 (the slots every process assigns must agree)."""
+    from jaxllm import LoRARequest
+
+    a1, a2, a3 = (LoRARequest(f"a{i}", i, f"{adapters}/a{i}") for i in (1, 2, 3))
+    first = greedy_tokens(llm, [a1, None, a2, a1, a2])
+    assert llm.remove_lora(1)
+    again = LoRARequest("a3", 1, a3.lora_path)
+    return first + greedy_tokens(llm, [again, a2, None, again, a2])
+
+
+def write_adapters(model: str, out: str) -> None:
+    """Three rank-8 LoRA adapters of `model` in out/a1 .. a3."""
+    import sys
+    from pathlib import Path
+
+    from tests.support.multidevice import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_test_model
+    for i in (1, 2, 3):
+        make_test_model.write_lora_adapter(Path(model), Path(out) / f"a{i}", rank=8, seed=i, scale=0.1)
 
 
 def tokens_of(output: str) -> list[list[int]]:
