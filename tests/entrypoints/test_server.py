@@ -519,8 +519,11 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_continues(server):
     chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
     content = "".join(c.delta.content or "" for c in chunks)
     streamed = [d for c in chunks for d in c.delta.tool_calls or []]
-    assert content.strip() == "Sure." and len(streamed) == 1 and chunks[-1].finish_reason == "tool_calls"
-    assert json.loads(streamed[0].function.arguments) == args
+    assert content.strip() == "Sure." and chunks[-1].finish_reason == "tool_calls"
+    # the call as it is generated: its id and name first, then its arguments in pieces
+    assert streamed[0].id and streamed[0].function.name == "get_weather" and len(streamed) > 2
+    assert {d.index for d in streamed} == {0} and all(d.id is None for d in streamed[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in streamed)) == args
     history = [{"role": "user", "content": "Weather?"},
                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_call_id": call.id, "content": "21 degrees and sunny"}]

@@ -64,14 +64,62 @@ def test_tool_stream_deltas_reassemble():
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city": "Rome"}'
     assert named.feed("", "stop") == ({}, "stop")
 
-    auto = tools.ToolStream(tools.ToolMode("auto", tools.HermesParser()))
-    out = [auto.feed(p, None) for p in ["Sure. <to", 'ol_call>{"name": "get_time", ', '"arguments": {}}']]
-    assert [d for d, _ in out] == [{"content": "Sure. "}, {}, {}]
-    delta, reason = auto.feed("</tool_call>", "stop")
-    assert reason == "tool_calls" and delta["tool_calls"][0]["function"]["name"] == "get_time"
     plain = tools.ToolStream(tools.ToolMode("auto", tools.HermesParser()))
     assert plain.feed("a <", None) == ({"content": "a "}, None)
     assert plain.feed("b", "stop") == ({"content": "<b"}, "stop")
+
+
+def join_calls(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined as a client joins them: by index, the id, type and name
+    from the first, the arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        for d in delta.get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"name": None, "arguments": "", "id": None})
+            call["id"] = call["id"] or d.get("id")
+            call["name"] = call["name"] or d["function"].get("name")
+            call["arguments"] += d["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+AUTO_TEXT = ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+REQUIRED_TEXT = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+LLAMA3_TEXT = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}'
+
+
+@pytest.mark.parametrize("mode, text", [
+    (tools.ToolMode("auto", tools.HermesParser()), AUTO_TEXT),
+    (tools.ToolMode("required"), REQUIRED_TEXT),
+    (tools.ToolMode("auto", tools.Llama3JsonParser()), LLAMA3_TEXT),
+])
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_calls_stream_as_they_are_generated(mode, text, size):
+    """Fed `size` characters at a time: each call's name goes out once written, then its
+    arguments in pieces before the output ends; joined, the calls the whole output
+    parses to (names, arguments, one id each), and the content before them."""
+    stream = tools.ToolStream(mode)
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    deltas = [stream.feed(p, None)[0] for p in pieces[:-1]]
+    last, reason = stream.feed(pieces[-1], "stop")
+    calls = join_calls(deltas + [last])
+    message, want_reason = mode.message(text, "stop")
+    assert reason == want_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert all(c["id"] for c in calls) and len({c["id"] for c in calls}) == len(calls)
+    early = join_calls(deltas)  # before the end: both names, and the first call's arguments whole
+    assert [c["name"] for c in early] == ["get_weather", "get_time"]
+    assert json.loads(early[0]["arguments"]) == json.loads(message["tool_calls"][0]["function"]["arguments"])
+    content = "".join(d.get("content", "") for d in deltas + [last])
+    assert content.strip() == (message["content"] or "")
+
+
+def test_a_call_cut_short_stays_as_streamed():
+    stream = tools.ToolStream(tools.ToolMode("required"))
+    first, _ = stream.feed('[{"name": "get_weather", "parameters": {"ci', None)
+    assert join_calls([first]) == [{"name": "get_weather", "arguments": '{"ci', "id": first["tool_calls"][0]["id"]}]
+    assert stream.feed('ty": "Os', "length") == ({}, "length")
 
 
 @pytest.mark.parametrize("body, param", [

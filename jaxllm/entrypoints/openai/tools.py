@@ -11,6 +11,8 @@
 
 Responses carry `message.tool_calls` (ids, names, JSON arguments) and
 `finish_reason: "tool_calls"` (not for a named function: "stop", as vLLM answers).
+Streamed, every call goes out as it is generated, whatever the choice: its id and name
+first, then its arguments' text in pieces, parallel calls each with its `index`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class HermesParser:
         at = text.find(self.start)
         return None if at < 0 else at
 
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of `text` from its first block on, the last as far as it has come."""
+        return [PartialCall.of(objects(body)[0]) for body in self._block.findall(text) if objects(body)]
+
 
 class Llama3JsonParser:
     """Llama 3.x JSON tool calls: the whole output is `{"name": ..., "parameters": ...}`
@@ -114,8 +120,57 @@ class Llama3JsonParser:
         stripped = text.lstrip()
         return len(text) - len(stripped) if stripped.startswith(("{", self.start)) else None
 
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        return [PartialCall.of(o) for o in objects(text.strip().removeprefix(self.start), ";")]
+
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialCall:
+    """A tool call as far as it has been generated: its name once the name's string is
+    closed, its arguments' JSON text so far (`done`: the whole object)."""
+
+    name: str | None
+    arguments: str
+    done: bool
+
+    _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(\s*,\s*"(?:arguments|parameters)"\s*:\s*)?')
+
+    @classmethod
+    def of(cls, text: str) -> PartialCall:
+        """`{"name": ..., "arguments" (or "parameters"): {...}}` as far as `text` goes
+        (the name first, as the formats and the required-call schema write it)."""
+        head = cls._HEAD.match(text)
+        if head is None:
+            return cls(None, "", False)
+        name = json.loads(f'"{head.group(1)}"')
+        if head.group(2) is None:
+            return cls(name, "", False)
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, head.end())
+            return cls(name, text[head.end():end], True)
+        except ValueError:
+            return cls(name, text[head.end():], False)
+
+
+def objects(text: str, separators: str = "") -> list[str]:
+    """The JSON objects of `text` one after another (whitespace and `separators` between
+    them skipped): the complete ones whole, then the last as far as it goes; stops at
+    anything else."""
+    found, i, decoder = [], 0, json.JSONDecoder()
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in separators):
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            return found
+        try:
+            _, end = decoder.raw_decode(text, i)
+        except ValueError:
+            return found + [text[i:]]
+        found.append(text[i:end])
+        i = end
 
 
 def held_back(text: str, marker: str) -> int:
@@ -173,34 +228,53 @@ class ToolMode:
 
 
 class ToolStream:
-    """One streamed choice's deltas under a ToolMode. A named function's arguments
-    stream as they come; "required" sends its calls when the output ends; "auto"
-    streams content until a call starts (holding back what could begin its marker)
-    and sends the calls at the end, as whole tool-call deltas."""
+    """One streamed choice's deltas under a ToolMode, each call as it is generated: its
+    id and name once the name is written, then its arguments' text piece by piece (a
+    named function's from the first token). "auto" streams content until a call starts,
+    holding back what could begin its marker; text the end shows to be no call after all
+    goes out as content then. A call cut short (max_tokens) stays as far as it was
+    streamed, with that finish reason."""
 
     def __init__(self, mode: ToolMode) -> None:
-        self.mode, self.text, self.sent, self.named_started = mode, "", 0, False
+        self.mode, self.text, self.sent = mode, "", 0
+        self.calls: list[tuple[str, int]] = []  # per call started: its id, the arguments' characters sent
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The delta to send for this piece of output, and the finish reason to report."""
         self.text += text
         if isinstance(self.mode.choice, dict):
-            return self._named(text), finish_reason
+            return self._calls([PartialCall(self.mode.choice["function"]["name"], self.text, False)]), finish_reason
         if finish_reason is not None:
             return self._finish(finish_reason)
         if self.mode.forced:
-            return {}, None
+            return self._calls(self._forced_calls()), None
         start = self.mode.parser.call_start(self.text)
-        end = start if start is not None else len(self.text) - held_back(self.text, self.mode.parser.start)
-        return self._content_until(end), None
+        if start is None:
+            return self._content_until(len(self.text) - held_back(self.text, self.mode.parser.start)), None
+        return self._content_until(start) | self._calls(self.mode.parser.partial_calls(self.text[start:])), None
 
-    def _named(self, text: str) -> dict:
-        if not text:
-            return {}
-        if self.named_started:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-        self.named_started = True
-        return {"tool_calls": [ToolCall(self.mode.choice["function"]["name"], text).as_json(0)]}
+    def _forced_calls(self) -> list[PartialCall]:
+        body = self.text.lstrip()
+        return [PartialCall.of(o) for o in objects(body[1:], ",")] if body.startswith("[") else []
+
+    def _calls(self, calls: list[PartialCall]) -> dict:
+        """The tool-call deltas of what `calls` add to what was sent: one entry per call
+        (a new call's with its id, type and name)."""
+        entries = []
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break
+            entry: dict = {"index": index}
+            if index == len(self.calls):
+                self.calls.append((ToolCall(call.name, "").as_json()["id"], 0))
+                entry |= {"id": self.calls[index][0], "type": "function", "function": {"name": call.name}}
+            call_id, sent = self.calls[index]
+            function = entry.setdefault("function", {})
+            function["arguments"] = call.arguments[sent:]
+            self.calls[index] = (call_id, max(sent, len(call.arguments)))
+            if "id" in entry or function["arguments"]:
+                entries.append(entry)
+        return {"tool_calls": entries} if entries else {}
 
     def _content_until(self, end: int) -> dict:
         if end <= self.sent:
@@ -210,8 +284,24 @@ class ToolStream:
         return delta
 
     def _finish(self, finish_reason: str) -> tuple[dict, str | None]:
+        """The end: the rest of each call (its arguments as the whole output parses), or,
+        where the output holds no well-formed call, the held-back text as content."""
         message, reason = self.mode.message(self.text, finish_reason)
-        if "tool_calls" not in message:  # no calls: the rest of the text is content
-            return self._content_until(len(self.text)), reason
+        if "tool_calls" not in message:
+            if self.calls:  # calls cut short (max_tokens): they stay as streamed
+                return {}, reason
+            return self._content_until(len(self.text)), reason  # no calls: the rest of the text is content
         delta = {} if self.mode.forced else self._content_until(self.mode.parser.call_start(self.text))
-        return delta | {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
+        final = [PartialCall(c["function"]["name"], self._arguments_text(i, c), True)
+                 for i, c in enumerate(message["tool_calls"])]
+        return delta | self._calls(final), reason
+
+    def _arguments_text(self, index: int, call: dict) -> str:
+        """A finished call's arguments as streamed so far plus the rest of its raw text
+        (streamed text is the model's own, not re-serialized): the parsed form where the
+        raw one is not known."""
+        partial = (self._forced_calls() if self.mode.forced
+                   else self.mode.parser.partial_calls(self.text[self.mode.parser.call_start(self.text):]))
+        if index < len(partial) and partial[index].done:
+            return partial[index].arguments
+        return call["function"]["arguments"]
