@@ -50,9 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) to load at start-up, as name=path or vLLM's JSON "
                         "'{\"name\": ..., \"path\": ...}'; a request picks one by `model` (needs --enable-lora)")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="chat template variables for every request, under its own chat_template_kwargs: e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
     return p
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse's type: a ValueError becomes its usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,7 +145,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --lora-modules {lora.lora_name}: {e}") from None
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                               max_num_seqs=args.max_num_seqs, max_request_bytes=args.max_request_bytes,
-                              tool_call_parser=args.tool_call_parser, lora_modules=adapters)
+                              tool_call_parser=args.tool_call_parser, lora_modules=adapters,
+                              reasoning_parser=config.reasoning_parser,
+                              default_chat_template_kwargs=args.default_chat_template_kwargs)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
 

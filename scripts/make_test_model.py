@@ -129,18 +129,25 @@ REAL_SHAPES = {
 }
 
 
-def train_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def train_tokenizer(vocab_size: int = 512, extra_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE over CORPUS; `extra_tokens` get ids of their own (after the special
+    ones) and stay in decoded text, as Qwen3's <think> and <tool_call> do."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    if extra_tokens:  # not special: decoding keeps them
+        saved = json.loads(tok.to_str())
+        for added in saved["added_tokens"]:
+            added["special"] = added["content"] in SPECIAL_TOKENS
+        tok = Tokenizer.from_str(json.dumps(saved))
     return tok
 
 
@@ -244,12 +251,16 @@ def save_weights(folder: Path, weights: dict, shards: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+QWEN3_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
 def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, intermediate: int = 256,
-                max_position_embeddings: int = 1024) -> Path:
+                max_position_embeddings: int = 1024, chat_template: str | None = None,
+                extra_tokens: tuple[str, ...] = ()) -> Path:
     spec = ARCHITECTURES.get(name) or REAL_SHAPES[name]
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(extra_tokens=extra_tokens)
     vocab = spec.get("vocab", tok.get_vocab_size())
     intermediate = spec.get("intermediate", intermediate)
     layers = layers or spec.get("layers", 2)  # given, else the real shape's, else 2
@@ -293,14 +304,22 @@ def write_model(out: Path, name: str, seed: int = 0, layers: int | None = None, 
         "add_bos_token": False,
     }
     if spec["form"] == 4:
-        tok_config["chat_template"] = CHAT_TEMPLATE
+        tok_config["chat_template"] = chat_template or CHAT_TEMPLATE
     else:
-        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (folder / "chat_template.jinja").write_text(chat_template or CHAT_TEMPLATE)
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (folder / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     )
     return folder
+
+
+def write_reasoning_model(out: Path, seed: int = 0) -> Path:
+    """The qwen3 test model (random weights) with Qwen3's chat template (thinking,
+    enable_thinking, tools) and its <think>, </think>, <tool_call>, </tool_call> tokens,
+    in out/qwen3."""
+    template = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+    return write_model(out, "qwen3", seed=seed, chat_template=template, extra_tokens=QWEN3_TOKENS)
 
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

@@ -311,7 +311,7 @@ class Scheduler:
         for req_id in sched.num_scheduled_tokens:
             request = self.requests[req_id]
             s, drafts = request.structured, sched.scheduled_spec_decode_tokens.get(req_id, [])
-            if s is not None and s.grammar is not None and request.samples_this_step and not s.grammar.is_terminated:
+            if s is not None and s.grammar is not None and request.samples_this_step and s.grammar.constrains:
                 rows.append((row, s.grammar, drafts))
             row += 1 + len(drafts)
         return rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from jaxllm.reasoning import ThinkingState
 from jaxllm.structured_output.params import StructuredOutputsParams
 
 
@@ -21,8 +22,14 @@ class Grammar(Protocol):
         """Advance by a sampled token; False if the grammar does not allow it."""
 
     @property
-    def is_terminated(self) -> bool:
-        """The grammar has ended (EOS accepted): no further mask is needed."""
+    def constrains(self) -> bool:
+        """The next token is masked: the grammar has not ended (EOS accepted) and the
+        output is not thinking (a reasoning model's, before its answer)."""
+
+    @property
+    def also_allowed(self) -> int | None:
+        """A token the mask must allow beside the grammar's (a think block's opening, at
+        the start of an output that may think first)."""
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, from the start, the grammar would accept in turn (its
@@ -32,6 +39,7 @@ class Grammar(Protocol):
 @dataclasses.dataclass(eq=False)
 class StructuredOutputRequest:
     params: StructuredOutputsParams
+    thinking: ThinkingState | None = None  # with a reasoning parser: the grammar starts after the thinking
     grammar: Grammar | None = None  # set by the compiling thread when ready
     error: str | None = None  # set by the compiling thread when it failed
 

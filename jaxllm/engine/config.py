@@ -23,6 +23,7 @@ from jaxllm.config import (
 )
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.pooling_params import PoolerConfig
+from jaxllm.reasoning import PARSERS as REASONING_PARSERS
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -113,6 +114,10 @@ class EngineConfig:
                                           "quantized weights), of XLA's dot and the Pallas weight-only matmul for "
                                           "quantized weights on a GPU", LINEAR_BACKENDS)
     chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
+    reasoning_parser: str | None = _option(
+        None, "keep a reasoning model's thinking (<think>...</think>) apart from its answer: deepseek_r1 (the output "
+              "starts inside the thinking) or qwen3 (it thinks where the template or the output opens a block); "
+              "structured outputs apply after the thinking", tuple(REASONING_PARSERS))
     compilation_cache_dir: str | None = _option(None, "where compiled steps and converted models are kept "
                                                       "(default ~/.cache/jaxllm/xla)")
     served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
@@ -139,7 +144,8 @@ class EngineConfig:
             object.__setattr__(self, "activation_quantization", "none")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) not in choices and not (f.default is None and
+                                                                        getattr(self, f.name) is None):
                 raise ValueError(f"{f.name}: unknown {getattr(self, f.name)!r}; choose one of {', '.join(map(str, choices))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "pipeline_parallel_size", "data_parallel_size", "num_processes", "num_scheduler_steps"):

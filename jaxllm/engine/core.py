@@ -40,6 +40,8 @@ from jaxllm.models.pipeline import StagePlan, cache_slots, check_pipeline_parall
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path
 from jaxllm.pooling_params import PoolerConfig
+from jaxllm.reasoning import PARSERS as REASONING_PARSERS
+from jaxllm.reasoning import ThinkingState
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -236,6 +238,10 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             self.model.tokenizer, vocab_size=self.model.config.vocab_size,
             eos_token_id=eos_token_id(self.model.tokenizer, self.model.config))
+        # with a reasoning parser, a structured output's grammar starts after the thinking
+        self.reasoning = None if config.reasoning_parser is None else (
+            REASONING_PARSERS[config.reasoning_parser],
+            *REASONING_PARSERS[config.reasoning_parser].token_ids(self.model.tokenizer))
 
     def _start_generate(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
                         warm_up: bool, progress: bool) -> None:
@@ -374,6 +380,8 @@ class EngineCore:
         for request in requests:
             self.scheduler.add_request(request)
             if request.structured is not None:
+                if self.reasoning is not None:
+                    request.structured.thinking = ThinkingState.of_prompt(*self.reasoning, request.prompt_token_ids)
                 self.structured_outputs.submit(request.structured)
 
     def make_request(self, req: EngineCoreRequest) -> Request:

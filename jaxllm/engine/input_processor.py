@@ -20,6 +20,11 @@ POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)  # nothing to 
 Message = dict[str, Any]
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+RENDER_ARGUMENTS = frozenset({"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt", "tools",
+                              "documents", "return_dict", "return_tensors", "continue_final_message"})
+
+
 class InputProcessor:
     def __init__(self, tokenizer, *, eos_token_id: int | None, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -39,20 +44,28 @@ class InputProcessor:
         return None, ids
 
     def render_chat(self, messages: list[Message], *, add_generation_prompt: bool = True,
-                    chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+                    chat_template: str | None = None, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
         """The conversation as the model's chat template renders it (with the tools,
-        OpenAI's `[{"type": "function", "function": {...}}]`, for templates that show them)."""
+        OpenAI's `[{"type": "function", "function": {...}}]`, for templates that show them;
+        `chat_template_kwargs`: the template's own variables, e.g. Qwen3's enable_thinking)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("messages: the model has no chat template; pass chat_template")
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted(set(extra) & RENDER_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the request's own fields "
+                             "set them)")
         return self.tokenizer.apply_chat_template(
             [normalize_message(m) for m in messages],
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            **extra,
         )
 
     def truncated(self, prompt: Prompt, params: PoolingParams, add_special_tokens: bool = True

@@ -65,13 +65,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
-        model's chat template."""
+        model's chat template (`chat_template_kwargs`: its own variables, e.g. Qwen3's
+        enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.llm_engine.input_processor.render_chat
-        prompts = [render(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
-                   for c in conversations]
+        prompts = [render(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                          chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
     def beam_search(

@@ -174,7 +174,7 @@ def make_mesh(pipeline: int, tensor: int) -> Mesh:
     return jax.make_mesh((pipeline, tensor), BOTH, devices=jax.devices()[:pipeline * tensor])
 
 
-def stages_of(mesh: Mesh | None) -> int:
+def stages_of(mesh: Mesh | AbstractMesh | None) -> int:
     """The pipeline stages of `mesh` (1: none, or a tensor-parallel mesh)."""
     return 1 if mesh is None or STAGE_AXIS not in mesh.axis_names else mesh.shape[STAGE_AXIS]
 
@@ -226,7 +226,7 @@ def lora_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> LoRAWeights:
     return specs if stages == 1 else _staged_specs(specs, StagePlan(cfg.num_layers, stages))
 
 
-def stage_layers(tree, cfg: ModelConfig, mesh: Mesh | None):
+def stage_layers(tree, cfg: ModelConfig, mesh: Mesh | AbstractMesh | None):
     """Per-layer weights (ModelParams, LoRAWeights; abstract or not) stacked by stage
     where `mesh` has pipeline stages; as they are otherwise."""
     stages = stages_of(mesh)

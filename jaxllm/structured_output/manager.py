@@ -22,19 +22,26 @@ import numpy as np
 from jaxtyping import Int
 
 from jaxllm.core.structured_output import StructuredOutputRequest
+from jaxllm.reasoning import ThinkingState
 
 logger = logging.getLogger(__name__)
 
 
 class GuidanceGrammar:
-    """One request's matcher (the core's `Grammar`)."""
+    """One request's matcher (the core's `Grammar`); with `thinking`, the tokens of a
+    reasoning model's thinking pass it by (vLLM's structured outputs with a reasoning
+    parser)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None,
+                 thinking: ThinkingState | None = None) -> None:
         self.matcher = matcher
         self.eos_token_id = eos_token_id
+        self.thinking = thinking
         self._terminated = False
 
     def accept_token(self, token: int) -> bool:
+        if self.thinking is not None and self.thinking.accept(token):
+            return True
         if self._terminated or self.matcher.is_stopped():
             self._terminated = True
             return True
@@ -43,10 +50,20 @@ class GuidanceGrammar:
         return self.matcher.consume_token(token)
 
     @property
-    def is_terminated(self) -> bool:
-        return self._terminated
+    def constrains(self) -> bool:
+        return not self._terminated and not (self.thinking is not None and self.thinking.free)
+
+    @property
+    def also_allowed(self) -> int | None:
+        return None if self.thinking is None else self.thinking.also_allowed
 
     def valid_prefix(self, tokens: list[int]) -> int:
+        """While thinking: the drafts before the thinking's end (the end itself is
+        sampled unmasked, the grammar's rows come the step after); at an output's start
+        that may think: none."""
+        if self.thinking is not None and (self.thinking.free or self.thinking.also_allowed is not None):
+            end = self.thinking.end_id
+            return 0 if not self.thinking.free else (tokens.index(end) if end in tokens else len(tokens))
         if self._terminated or self.matcher.is_stopped():
             return 0
         return self.matcher.validate_tokens(tokens)
@@ -94,7 +111,8 @@ class StructuredOutputManager:
 
     def _compile_into(self, state: StructuredOutputRequest) -> None:
         try:
-            state.grammar = GuidanceGrammar(self.matcher_for(state.params.grammar_text()), self.eos_token_id)
+            state.grammar = GuidanceGrammar(self.matcher_for(state.params.grammar_text()), self.eos_token_id,
+                                            state.thinking)
         except Exception as e:  # reported by the scheduler, which aborts the request
             state.error = str(e) or type(e).__name__
 
@@ -133,4 +151,7 @@ class StructuredOutputManager:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, words)
         if drafted:  # (llguidance refuses an empty draft list)
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, words)
+        for row, g, _ in rows:
+            if (token := g.also_allowed) is not None:
+                words[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
         return words

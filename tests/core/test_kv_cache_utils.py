@@ -202,7 +202,7 @@ def test_empty_queue_from_no_blocks():
 STDLIB_OK = {"__future__", "collections", "dataclasses", "enum", "hashlib", "itertools", "logging", "struct", "time", "typing"}
 # Plain-Python modules outside jaxllm.core that the core may use.
 JAXLLM_PLAIN = ("jaxllm.core", "jaxllm.sampling_params", "jaxllm.messages", "jaxllm.structured_output.params", "jaxllm.stop_strings",
-                "jaxllm.kv_cache_groups", "jaxllm.lora.request", "jaxllm.pooling_params")
+                "jaxllm.kv_cache_groups", "jaxllm.lora.request", "jaxllm.pooling_params", "jaxllm.reasoning")
 
 
 @pytest.mark.parametrize("module", sorted(p.name for p in CORE_DIR.glob("*.py")))

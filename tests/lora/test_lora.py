@@ -201,8 +201,6 @@ def test_unsupported_engines_refused(test_models_dir):
     cfg = load_model(test_models_dir / "llama", dtype="float32").config  # 2 KV heads
     with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds the model's 2 KV heads"):
         lora_partition_specs(cfg, 4)
-    with pytest.raises(ValueError, match="not yet with num_processes > 1"):
-        LLM(str(test_models_dir / "llama"), enable_lora=True, num_processes=2, distributed_executor_backend="ray")
 
 
 def test_partition_specs_follow_the_projections(llm):

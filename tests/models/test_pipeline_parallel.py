@@ -50,13 +50,53 @@ def test_pipelined_engine_equals_one_device(test_models_dir, seven_layers, name,
                     devices=stages * shards)
 
 
-@pytest.mark.parametrize("stages,shards", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # two engines with adapters in a subprocess; the layout is checked below by default
+@pytest.mark.parametrize("stages,shards", [(2, 1), (2, 2)])
 def test_adapters_in_stages_equal_one_device(seven_layers, tmp_path, stages, shards):
     """LoRA through LLM over stages (4 and 3 layers: the shorter stage's slots zeros):
     two adapters and the base model in one batch give one device's tokens and
     logprobs; each stage holds its layers' slots."""
     multidevice.run("lora_matches", str(seven_layers["llama"]), str(tmp_path), str(shards), str(stages),
                     devices=stages * shards)
+
+
+def test_adapter_slots_are_stacked_by_stage_and_split_by_projection(seven_layers):
+    """The adapters' slots as the pipeline holds them (no devices: an abstract mesh):
+    per stage position, each stage's layer's A and B stacked along a leading stage axis
+    (the shorter stage's zeros), split inside a stage as the projections are; a
+    micro-batch's tokens keep their own slots."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.models.lora import LoRAInputs, abstract_lora, set_slot, zeros_like_abstract
+
+    cfg = load_model(seven_layers["llama"], dtype="float32").config  # 7 layers: stages of 4 and 3
+    mesh = AbstractMesh((2, 2), pipeline.BOTH)
+    specs = pipeline.lora_specs(cfg, mesh)
+    assert len(specs.layers) == 4
+    assert specs.layers[0]["wo"].a == P(pipeline.STAGE_AXIS, TP_AXIS, None, None, None)
+    assert specs.layers[0]["wqkv"].b == (P(pipeline.STAGE_AXIS, None, None, TP_AXIS),) * 3
+    flat = abstract_lora(cfg, 2, 8, jnp.float32)
+    stacked = pipeline.stage_layers(flat, cfg, mesh)
+    assert stacked.layers[3]["wo"].a.shape == (2,) + flat.layers[0]["wo"].a.shape and stacked.num_slots == 2
+    # an adapter set into slot 1: stage 1's position j holds layer 4 + j's arrays, position 3 of stage 1 zeros
+    rng = np.random.default_rng(0)  # one slot's arrays: each a [D, P, R], each b [R, N]
+    adapter = jax.tree.map(lambda s: rng.standard_normal(s.shape[:1] + s.shape[2:] if len(s.shape) == 4
+                                                         else s.shape[1:]).astype(np.float32), flat)
+    weights = set_slot(zeros_like_abstract(stacked), jnp.int32(1), pipeline.stage_layers(adapter, cfg, mesh))
+    for j in range(4):
+        for s, layer in enumerate((j, 4 + j if j < 3 else None)):
+            got = np.asarray(weights.layers[j]["wo"].a[s, :, 1])
+            want = np.zeros_like(got) if layer is None else adapter.layers[layer]["wo"].a
+            np.testing.assert_array_equal(got, want)
+            assert not np.asarray(weights.layers[j]["wo"].a[s, :, 0]).any()  # slot 0 untouched
+    slots = jnp.array([0, 1, 2, 1, 0, 2])
+    part = LoRAInputs.make(weights, slots, jnp.float32).tokens(jnp.int32(3), 3)
+    assert part.slots.tolist() == [1, 0, 2] and part.onehot.tolist() == [[1, 0], [0, 0], [0, 1]]
+    assert bool(part.active) and not bool(LoRAInputs.make(weights, slots, jnp.float32).tokens(jnp.int32(4), 1).active)
 
 
 @pytest.mark.slow

@@ -16,8 +16,13 @@ NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
 def local_cluster(num_nodes: int = 2, cpus: int = 2):
     """`num_nodes` Ray nodes (`cpus` CPUs each); yields the cluster's address; stopped
     (every raylet and the actors on them) on exit."""
+    import os
+
     from ray.cluster_utils import Cluster
 
+    # Ray's memory monitor kills a worker when the machine is nearly full: here that is the
+    # other tests' doing (the default run's parallel workers), not the engine's
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray's own spelling)
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": cpus, "object_store_memory": NODE_MEMORY})
     try:

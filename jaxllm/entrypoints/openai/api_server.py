@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxllm
+from jaxllm import reasoning
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.openai import pooling, serving, tools
 from jaxllm.entrypoints.openai.errors import APIError, error_response
@@ -66,6 +67,8 @@ class ServerSettings:
                                            "/tokenizer_info")
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
+    reasoning_parser: str | None = None  # the engine's: thinking apart from the answer
+    default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
 class BodySizeLimit:
@@ -273,16 +276,18 @@ class Handlers:
         params = self.checked(body.to_sampling_params(default_max_tokens=None))
         tool_mode = self.tool_mode(body)
         self.admit(params.n)
-        prompt = self.engine.input_processor.render_chat(body.message_dicts(), tools=body.tool_dicts(),
-                                                         add_generation_prompt=body.add_generation_prompt)
+        prompt = self.engine.input_processor.render_chat(
+            body.message_dicts(), tools=body.tool_dicts(), add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        thinking = self.thinking(prompt, body.include_reasoning)
 
         def run():
             return serving.chat(self.engine, job, params, model=self.model_name(body.model), stream=body.stream,
                                 include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
-                                num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode)
+                                num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode, thinking=thinking)
 
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
 
@@ -347,6 +352,18 @@ class Handlers:
                     "usage": {"total_tokens": pooling.usage(outputs)["total_tokens"]}}
 
         return await respond(await until_disconnect(request, run))
+
+    def template_kwargs(self, given: dict | None) -> dict:
+        """A request's chat template variables over the server's defaults."""
+        return (self.settings.default_chat_template_kwargs or {}) | (given or {})
+
+    def thinking(self, prompt: str, include: bool) -> serving.Thinking | None:
+        """How the answer's thinking is told apart (None: the server has no reasoning parser)."""
+        name = self.settings.reasoning_parser
+        if name is None:
+            return None
+        parser = reasoning.PARSERS[name]
+        return serving.Thinking(parser, parser.prompt_state(prompt), include)
 
     def tool_mode(self, body: ChatCompletionRequest) -> tools.ToolMode | None:
         """How the answer's tool calls are found (None: no tools in play)."""
@@ -420,7 +437,8 @@ class Handlers:
         processor = self.engine.input_processor
         if body.messages is not None:
             text = processor.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                         add_generation_prompt=body.add_generation_prompt)
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
             _, ids = processor.tokenize(text, add_special_tokens=False)
         else:
             _, ids = processor.tokenize(body.prompt, body.add_special_tokens)

@@ -264,6 +264,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
+    include_reasoning: bool = True  # with a reasoning parser: return the thinking
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -316,6 +318,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -16,6 +16,8 @@ from jaxllm.entrypoints.openai.errors import APIError
 from jaxllm.entrypoints.openai.tools import ToolMode, ToolStream
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from jaxllm.reasoning import ReasoningParser, ReasoningSplitter
+from jaxllm.reasoning import split as split_reasoning
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -266,11 +268,42 @@ class CompletionStream:
 
 # ---------------------------------------------------------------------- chat
 
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thinking in a chat answer (jaxllm.reasoning): split from the
+    content, returned as `reasoning` (vLLM's name) and `reasoning_content` (its former
+    one, which clients still read) unless the request said include_reasoning false."""
+
+    parser: ReasoningParser
+    prompt_state: str  # ReasoningParser.prompt_state of the rendered prompt
+    include: bool = True
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.parser, self.prompt_state)
+
+    def fields(self, reasoning: str | None) -> dict:
+        return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning and self.include else {}
+
+
+def chat_message(text: str, finish_reason: str | None, tool_mode: ToolMode | None,
+                 thinking: Thinking | None) -> tuple[dict, str | None]:
+    """A finished output's assistant message and finish reason: its thinking apart, the
+    tool calls found in the content (the answer) alone."""
+    reasoning, content = (None, text) if thinking is None else split_reasoning(
+        thinking.parser, text, thinking.prompt_state)
+    if tool_mode is None:
+        message, finish_reason = {"role": "assistant", "content": content}, finish_reason
+    else:
+        message, finish_reason = tool_mode.message(content or "", finish_reason)
+    return message | ({} if thinking is None else thinking.fields(reasoning)), finish_reason
+
+
 async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str, stream: bool,
                include_usage: bool, num_top_logprobs: int, num_prompt_logprobs: int | None = None,
-               tool_mode: ToolMode | None = None) -> dict | AsyncIterator[str]:
+               tool_mode: ToolMode | None = None, thinking: Thinking | None = None) -> dict | AsyncIterator[str]:
     """One chat request's answer; with `tool_mode`, tool calls come out as
-    `message.tool_calls` (streamed as tool-call deltas)."""
+    `message.tool_calls` (streamed as tool-call deltas); with `thinking`, the thinking
+    apart from the content (streamed as reasoning deltas)."""
     rid, created = job.request_id, int(time.time())  # one id end to end: engine, logs, response
 
     def logprobs_of(c: CompletionOutput):
@@ -283,8 +316,7 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for c in output.outputs:
                 usage.add(output, c)
-                message, finish_reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
-                    if tool_mode is None else tool_mode.message(c.text, c.finish_reason)
+                message, finish_reason = chat_message(c.text, c.finish_reason, tool_mode, thinking)
                 choices.append({"index": c.index, "message": message, "logprobs": logprobs_of(c),
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
@@ -299,6 +331,7 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
     async def events() -> AsyncIterator[str]:
         usage, started = Usage(), set()
         tool_streams = {i: ToolStream(tool_mode) for i in range(params.n)} if tool_mode is not None else None
+        splitters = {i: thinking.splitter() for i in range(params.n)} if thinking is not None else None
         try:
             for i in range(params.n):
                 started.add(i)
@@ -310,11 +343,15 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
                     usage.add(output, c)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue  # tokens whose text is held back still carry their logprobs
-                    delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+                    text, reasoning = c.text, ""
+                    if splitters is not None:
+                        reasoning, text = splitters[c.index].feed(c.text, final=c.finish_reason is not None)
+                    delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
                     if tool_streams is not None:
-                        delta, finish_reason = tool_streams[c.index].feed(c.text, c.finish_reason)
-                        if not delta and finish_reason is None and c.logprobs is None:
-                            continue  # text held back for a tool call
+                        delta, finish_reason = tool_streams[c.index].feed(text, c.finish_reason)
+                    delta = (thinking.fields(reasoning) if thinking is not None else {}) | delta
+                    if not delta and finish_reason is None and c.logprobs is None:
+                        continue  # text held back (a tool call's, a marker's) or thinking not returned
                     yield sse(base | {"choices": [{"index": c.index, "delta": delta, "logprobs": logprobs_of(c),
                                                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
             if include_usage:
