@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help="chat template variables for every request, under its own chat_template_kwargs: e.g. "
                         "'{\"enable_thinking\": false}' for Qwen3")
+    p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="responses kept for GET /v1/responses/{id} and previous_response_id (the oldest dropped "
+                        "beyond it, counted in /metrics; 0 keeps none)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
     return p
@@ -147,7 +150,8 @@ async def serve(args: argparse.Namespace) -> None:
                               max_num_seqs=args.max_num_seqs, max_request_bytes=args.max_request_bytes,
                               tool_call_parser=args.tool_call_parser, lora_modules=adapters,
                               reasoning_parser=config.reasoning_parser,
-                              default_chat_template_kwargs=args.default_chat_template_kwargs)
+                              default_chat_template_kwargs=args.default_chat_template_kwargs,
+                              responses_store_size=args.responses_store_size)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
 

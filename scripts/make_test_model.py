@@ -319,7 +319,8 @@ def write_reasoning_model(out: Path, seed: int = 0) -> Path:
     enable_thinking, tools) and its <think>, </think>, <tool_call>, </tool_call> tokens,
     in out/qwen3."""
     template = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
-    return write_model(out, "qwen3", seed=seed, chat_template=template, extra_tokens=QWEN3_TOKENS)
+    return write_model(out, "qwen3", seed=seed, chat_template=template, extra_tokens=QWEN3_TOKENS,
+                       max_position_embeddings=4096)
 
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

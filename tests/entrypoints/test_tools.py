@@ -127,7 +127,7 @@ def test_a_call_cut_short_stays_as_streamed():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"json_object": True}}, "tool_choice"),
 ])
 def test_bad_tool_requests_name_their_field(body, param):
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})

@@ -1,6 +1,7 @@
 """The Starlette app of the OpenAI-compatible server.
 
-Routes: POST /v1/completions, /v1/chat/completions (a generating server), /v1/embeddings,
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (and GET / DELETE
+/v1/responses/{id}: a generating server), /v1/embeddings,
 /pooling, /score and /v1/score, /rerank, /v1/rerank and /v2/rerank (a pooling server:
 `--runner pooling`), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter; GET /v1/models, /tokenizer_info, /health, /version, /metrics. A request's `model` names the base model or a LoRA
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jinja2
+from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxllm
 from jaxllm import reasoning
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxllm.entrypoints.openai import pooling, serving, tools
+from jaxllm.entrypoints.openai import pooling, responses, serving, tools
 from jaxllm.entrypoints.openai.errors import APIError, error_response
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -68,6 +70,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
     reasoning_parser: str | None = None  # the engine's: thinking apart from the answer
+    responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id
     default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
@@ -174,6 +177,10 @@ class Handlers:
         self.loras: dict[str, LoRARequest] = {lora.lora_name: lora for lora in settings.lora_modules}
         self._next_lora_id = max((lora.lora_int_id for lora in settings.lora_modules), default=0) + 1
         self._lora_lock = asyncio.Lock()  # one load or unload at a time
+        evictions = Counter("jaxllm:responses_store_evictions", "Stored responses dropped to keep the store's size "
+                            "(--responses-store-size); a later previous_response_id naming one is a 404.",
+                            registry=engine.metrics.registry if engine is not None else None)
+        self.responses = responses.ResponseStore(settings.responses_store_size, evictions.inc)
 
     # ------------------------------------------------------------ checks
 
@@ -353,6 +360,56 @@ class Handlers:
 
         return await respond(await until_disconnect(request, run))
 
+    async def create_response(self, request: Request) -> Response:
+        """POST /v1/responses (jaxllm.entrypoints.openai.responses)."""
+        self.require_runner("generate", "/v1/responses")
+        body: responses.ResponsesRequest = await self.parse(request, responses.ResponsesRequest)
+        body.check_unsupported()
+        previous = []
+        if body.previous_response_id is not None:
+            stored = self.responses.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            previous = [m for m in stored[1] if m["role"] != "system"]
+        messages = responses.conversation(body, previous)
+        chat_tools = body.function_tools()
+        choice = body.chat_tool_choice(chat_tools)
+        tool_mode = self.tool_mode_for(choice)
+        constraint = tools.constraint(chat_tools, choice, body.parallel_tool_calls)
+        params = self.checked(body.sampling_params(constraint))
+        self.admit(1)
+        prompt = self.engine.input_processor.render_chat([tools.history_message(m) for m in messages],
+                                                         tools=chat_tools or None,
+                                                         chat_template_kwargs=self.template_kwargs(None))
+        ids, _ = self.prepare(prompt, False, params.max_tokens)
+        reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
+                                self.thinking(prompt, True), self.reasoning_end_id(), self.responses, body.tools or [])
+        job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model))
+
+        def run():
+            return responses.respond(self.engine, job, params, reply)
+
+        return await respond(await (run() if body.stream else until_disconnect(request, run)))
+
+    async def get_response(self, request: Request) -> Response:
+        stored = self.responses.get(request.path_params["response_id"])
+        if stored is None:
+            raise APIError(404, f"Response with id '{request.path_params['response_id']}' not found.",
+                           param="response_id", code="response_not_found")
+        return JSONResponse(stored[0])
+
+    async def delete_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not self.responses.delete(response_id):
+            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def reasoning_end_id(self) -> int | None:
+        name = self.settings.reasoning_parser
+        return None if name is None else reasoning.PARSERS[name].token_ids(self.engine.tokenizer)[1]
+
     def template_kwargs(self, given: dict | None) -> dict:
         """A request's chat template variables over the server's defaults."""
         return (self.settings.default_chat_template_kwargs or {}) | (given or {})
@@ -367,7 +424,9 @@ class Handlers:
 
     def tool_mode(self, body: ChatCompletionRequest) -> tools.ToolMode | None:
         """How the answer's tool calls are found (None: no tools in play)."""
-        choice = body.resolved_tool_choice()
+        return self.tool_mode_for(body.resolved_tool_choice())
+
+    def tool_mode_for(self, choice: str | dict) -> tools.ToolMode | None:
         if choice == "none":
             return None
         parser = self.settings.tool_call_parser
@@ -463,6 +522,9 @@ class Handlers:
         return [
             Route("/v1/completions", guarded(h.completions), methods=["POST"]),
             Route("/v1/chat/completions", guarded(h.chat_completions), methods=["POST"]),
+            Route("/v1/responses", guarded(h.create_response), methods=["POST"]),
+            Route("/v1/responses/{response_id}", guarded(h.get_response), methods=["GET"]),
+            Route("/v1/responses/{response_id}", guarded(h.delete_response), methods=["DELETE"]),
             Route("/v1/models", guarded(h.models), methods=["GET"]),
             Route("/v1/embeddings", guarded(h.embeddings), methods=["POST"]),
             Route("/pooling", guarded(h.pooling), methods=["POST"]),

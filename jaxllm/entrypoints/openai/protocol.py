@@ -293,14 +293,16 @@ class ChatCompletionRequest(_SamplingFields):
         return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def _tool_constraint(self) -> StructuredOutputsParams | None:
-        """A required or named tool call's output constraint (the tools' schemas)."""
+        """A required or named tool call's output constraint (the tools' schemas). A
+        response_format beside it formats text answers, which such a turn has none of
+        (agent frameworks send both); a grammar of structured_outputs is refused."""
         choice = self.resolved_tool_choice()
         constraint = tools.constraint(self.tool_dicts() or [], choice, self.parallel_tool_calls)
         if constraint is None:
             return None
-        if self._constraint() is not None:
+        if self.response_format is None and self._constraint() is not None:
             raise ValueError("tool_choice: a required or named tool call cannot be combined with "
-                             "response_format or structured_outputs")
+                             "structured_outputs")
         try:
             constraint.check()
         except ValueError as e:
