@@ -39,6 +39,9 @@ class EngineMetrics:
         self.prefix_queries = counter("jaxllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("jaxllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted (to be recomputed).")
+        self.responses_evicted = counter("jaxllm:responses_store_evictions",
+                                         "Stored responses dropped to keep the store's size (--responses-store-size); "
+                                         "a later previous_response_id naming one is a 404.")
         self.spec_drafts = counter("jaxllm:spec_decode_num_drafts", "Speculative decoding: verifications of drafts.")
         self.spec_draft_tokens = counter("jaxllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens.")
         self.spec_accepted = counter("jaxllm:spec_decode_num_accepted_tokens",

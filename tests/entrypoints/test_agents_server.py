@@ -218,12 +218,19 @@ def test_parse_into_a_pydantic_model(server, ids):
 
 
 def test_a_thinking_cut_short_is_a_reasoning_item(server, ids):
-    r = server.client().responses.create(model="q", input="Think.", temperature=0, max_output_tokens=6,
-                                         extra_body={"logit_bias": {str(ids["think"]): 100}, "ignore_eos": True})
+    """The thinking as a reasoning item (streamed: reasoning_text deltas), the response
+    incomplete where max_output_tokens cut it, its tokens counted as reasoning."""
+    kw = dict(model="q", input="Think.", temperature=0, max_output_tokens=6,
+              extra_body={"logit_bias": {str(ids["think"]): 100}, "ignore_eos": True})
+    r = server.client().responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     (item,) = r.output
     assert item.type == "reasoning" and item.content[0].text == THINK * 5
     assert r.usage.output_tokens_details.reasoning_tokens == 6
+    with server.client().responses.stream(**kw) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THINK * 5
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].text == THINK * 5
 
 
 @pytest.mark.parametrize("body, param", [
@@ -257,10 +264,11 @@ def test_the_store_keeps_its_size_and_counts_evictions(server):
 
 # ------------------------------------------------------------------ real clients
 
-def test_an_openai_agent_runs_its_tools_to_a_final_answer(server, ids):
+def run_agent(url: str, model_name: str, extra_body: dict) -> None:
     """The OpenAI Agents SDK: an agent with two function tools, on its default model (the
     Responses API) and on its chat-completions model; tool_choice required for the
-    first turn (the SDK sets it back to auto after a tool call), as a small model needs."""
+    first turn (the SDK sets it back to auto after a tool call), as a small model needs,
+    and a typed final answer (its schema ends the output)."""
     from typing import Literal
 
     import pydantic
@@ -293,16 +301,40 @@ def test_an_openai_agent_runs_its_tools_to_a_final_answer(server, ids):
         sunny: bool
         time: Literal["12:00", "13:00"]
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="test-key", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0)
     settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=300,
-                             extra_body=quick_thinking(ids))
-    for model in (OpenAIResponsesModel("q", client), OpenAIChatCompletionsModel("q", client)):
+                             extra_body=extra_body)
+    for model in (OpenAIResponsesModel(model_name, client), OpenAIChatCompletionsModel(model_name, client)):
         calls.clear()
         agent = Agent(name="helper", instructions="Use the tools, then answer.", tools=[get_time, get_weather],
                       model=model, model_settings=settings, output_type=Answer)
         result = Runner.run_sync(agent, "What time is it, and is it sunny in Paris?", max_turns=4)
         assert calls and calls[0][0] in ("get_time", "get_weather"), type(model).__name__
         assert isinstance(result.final_output, Answer), type(model).__name__
+
+
+def test_an_openai_agent_runs_its_tools_to_a_final_answer(server, ids):
+    run_agent(server.url, "q", quick_thinking(ids))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    s = Server(None, tmp_path_factory.mktemp("smollm2_agents"), "--max-model-len", "2048", "--kv-cache-memory",
+               "64MiB", "--served-model-name", "smol", "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow  # the real SmolLM2 behind the server
+def test_agents_on_the_real_smollm2(smollm2):
+    """The agent and LangChain runs on the embedded SmolLM2-135M-Instruct (its template
+    shows no tools: required calls are the grammar's)."""
+    run_agent(smollm2.url, "smol", {})
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="smol", base_url=f"{smollm2.url}/v1", api_key="test-key", use_responses_api=True,
+                     temperature=0, max_tokens=64, max_retries=0)
+    assert llm.invoke("What is the capital of France?").text.strip()
 
 
 def test_langchain_chat_openai_on_the_responses_api(server, ids):

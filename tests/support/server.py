@@ -23,10 +23,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, cache_dir: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(self, model: Path | None, cache_dir: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+        """`model` None: the embedded default (SmolLM2-135M-Instruct)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "jaxllm.serve", "--model", str(model), "--port", str(self.port),
+        args = [sys.executable, "-m", "jaxllm.serve", *(["--model", str(model)] if model else []), "--port", str(self.port),
                 "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                 "--kv-cache-memory", "4MiB", "--compilation-cache-dir", str(cache_dir), *extra]
         if api_key:

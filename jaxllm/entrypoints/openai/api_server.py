@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import jinja2
-from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -177,10 +176,8 @@ class Handlers:
         self.loras: dict[str, LoRARequest] = {lora.lora_name: lora for lora in settings.lora_modules}
         self._next_lora_id = max((lora.lora_int_id for lora in settings.lora_modules), default=0) + 1
         self._lora_lock = asyncio.Lock()  # one load or unload at a time
-        evictions = Counter("jaxllm:responses_store_evictions", "Stored responses dropped to keep the store's size "
-                            "(--responses-store-size); a later previous_response_id naming one is a 404.",
-                            registry=engine.metrics.registry if engine is not None else None)
-        self.responses = responses.ResponseStore(settings.responses_store_size, evictions.inc)
+        self.responses = responses.ResponseStore(settings.responses_store_size,
+                                                 lambda: self.engine.metrics.responses_evicted.inc())
 
     # ------------------------------------------------------------ checks
 
