@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.stop_strings import partial_stop_len
+
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningParser:
@@ -55,12 +57,6 @@ PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_thinking=True),
     "qwen3": ReasoningParser("qwen3", starts_thinking=False),
 }
-
-
-def parser_named(name: str) -> ReasoningParser:
-    if name not in PARSERS:
-        raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(PARSERS)}")
-    return PARSERS[name]
 
 
 class ReasoningSplitter:
@@ -98,7 +94,7 @@ class ReasoningSplitter:
                     self.pending = self.pending[at + len(self.parser.end):]
                     self.mode, self.after_marker = "content", True
                     continue
-                keep = 0 if final else _partial_suffix(self.pending, self.parser.end)
+                keep = 0 if final else partial_stop_len(self.pending, [self.parser.end])
                 reasoning += self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -124,14 +120,6 @@ def split(parser: ReasoningParser, text: str, prompt_state: str) -> tuple[str | 
     """A whole output's (reasoning, content), each None where empty."""
     reasoning, content = ReasoningSplitter(parser, prompt_state).feed(text, final=True)
     return reasoning or None, content or None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could begin `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 CLOSED_TAIL = 3  # a closed block ending the prompt: its end marker within its last tokens

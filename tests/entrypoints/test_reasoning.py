@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from jaxllm.reasoning import PARSERS, ReasoningSplitter, ThinkingState, parser_named, split
+from jaxllm.reasoning import PARSERS, ReasoningSplitter, ThinkingState, split
 
 R1, QWEN3 = PARSERS["deepseek_r1"], PARSERS["qwen3"]
 
@@ -82,8 +82,10 @@ def test_thinking_state_follows_the_tokens():
 def test_unknown_parser_and_a_tokenizer_without_the_markers_are_refused(test_models_dir):
     from transformers import AutoTokenizer
 
-    with pytest.raises(ValueError, match="reasoning_parser: 'nope' is not one of deepseek_r1, qwen3"):
-        parser_named("nope")
+    from jaxllm.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="reasoning_parser: unknown 'nope'; choose one of deepseek_r1, qwen3"):
+        EngineConfig(model="m", reasoning_parser="nope")
     plain = AutoTokenizer.from_pretrained(test_models_dir / "llama")
     with pytest.raises(ValueError, match=r"reasoning_parser qwen3: the model's tokenizer has no single token for "
                                          r"'<think>'"):

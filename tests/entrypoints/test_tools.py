@@ -38,12 +38,6 @@ def test_llama3_json_parser():
     assert p.call_start("  {") == 2 and p.call_start("Hi") is None
 
 
-def test_held_back_is_the_longest_marker_prefix_at_the_end():
-    assert tools.held_back("hello <tool", "<tool_call>") == 5
-    assert tools.held_back("hello <", "<tool_call>") == 1
-    assert tools.held_back("hello", "<tool_call>") == 0
-
-
 def test_required_constraint_accepts_exactly_calls_of_the_tools():
     c = tools.constraint([WEATHER, TIME], "required", parallel_tool_calls=False)
     schema = json.loads(c.json)

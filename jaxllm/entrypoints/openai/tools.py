@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 from jaxllm.sampling_params import StructuredOutputsParams
+from jaxllm.stop_strings import partial_stop_len
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -173,15 +174,6 @@ def objects(text: str, separators: str = "") -> list[str]:
         i = end
 
 
-def held_back(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could begin `marker` (streaming holds
-    them back until the next delta shows whether a call starts)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def history_message(message: dict) -> dict:
     """An assistant message's tool_calls as chat templates expect them (arguments as a
     dict, as transformers' templates read them; vLLM does the same)."""
@@ -250,7 +242,8 @@ class ToolStream:
             return self._calls(self._forced_calls()), None
         start = self.mode.parser.call_start(self.text)
         if start is None:
-            return self._content_until(len(self.text) - held_back(self.text, self.mode.parser.start)), None
+            held = partial_stop_len(self.text, [self.mode.parser.start])  # could begin a call's marker
+            return self._content_until(len(self.text) - held), None
         return self._content_until(start) | self._calls(self.mode.parser.partial_calls(self.text[start:])), None
 
     def _forced_calls(self) -> list[PartialCall]:
