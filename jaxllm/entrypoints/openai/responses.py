@@ -399,7 +399,7 @@ class ResponseEvents:
     ids: ItemIds = field(default_factory=ItemIds)
     sequence: int = 0
     output: list[dict] = field(default_factory=list)  # the items added so far (their final form when done)
-    open_item: str | None = None  # "reasoning", "message" or None
+    open_item: str | None = None  # the item being streamed: "reasoning", "message", "call" or None
     texts: dict[str, str] = field(default_factory=lambda: {"reasoning": "", "message": ""})
     call_items: dict[int, int] = field(default_factory=dict)  # call index -> its output index
 
