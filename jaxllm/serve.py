@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -25,7 +26,10 @@ from jaxllm.loaders.default_model import DEFAULT_MODEL_NAME
 from jaxllm.logs import LEVELS, LOG_LEVEL_ENV, configure_logging, log_level
 from jaxllm.lora.request import LoRARequest
 
+logger = logging.getLogger("jaxllm.serve")
+
 API_KEY_ENV = "JAXLLM_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the same routes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses kept for GET /v1/responses/{id} and previous_response_id (the oldest dropped "
                         "beyond it, counted in /metrics; 0 keeps none)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+                   help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404, as vLLM without "
+                        f"${RUNTIME_LORA_ENV}); adapters load only from under --lora-allowed-roots")
+    p.add_argument("--lora-allowed-roots", nargs="+", default=[], metavar="DIR",
+                   help="folders runtime adapters may be loaded from (besides the --lora-modules folders); any "
+                        "other path gets one answer that says nothing of the filesystem")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
     return p
@@ -151,7 +162,12 @@ async def serve(args: argparse.Namespace) -> None:
                               tool_call_parser=args.tool_call_parser, lora_modules=adapters,
                               reasoning_parser=config.reasoning_parser,
                               default_chat_template_kwargs=args.default_chat_template_kwargs,
-                              responses_store_size=args.responses_store_size)
+                              responses_store_size=args.responses_store_size,
+                              runtime_lora_updating=args.allow_runtime_lora_updating,
+                              lora_allowed_roots=tuple(args.lora_allowed_roots))
+    if settings.runtime_lora_updating and not settings.api_key:
+        logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
+                       "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")
     server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
                                            log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
 

@@ -4,6 +4,7 @@ getting the tokens it gets alone, the adapter slots reused when they are fewer t
 adapters, and every refusal naming its reason."""
 
 import re
+from pathlib import Path
 
 import make_test_model
 import numpy as np
@@ -279,8 +280,10 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = {n: run(llm, [prompt], params, None if n is None else adapters[n])[0].outputs[0].text
             for n in (None, "a1", "a2")}
+    roots = str(Path(adapters["a2"].lora_path).parent)
     server = Server(test_models_dir / "llama", tmp_path, "--served-model-name", "tiny", "--enable-lora",
-                    "--max-loras", "1", "--max-lora-rank", "8", "--lora-modules", f"a1={adapters['a1'].lora_path}")
+                    "--max-loras", "1", "--max-lora-rank", "8", "--lora-modules", f"a1={adapters['a1'].lora_path}",
+                    "--allow-runtime-lora-updating", "--lora-allowed-roots", roots)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         client = server.client()
@@ -301,6 +304,10 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
             complete("a2")
         assert post("load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"].lora_path},
                     headers={}).status_code == 401
+        # outside the allowed roots: one answer whether the path exists, is a folder or not
+        refused = [post("load_lora_adapter", {"lora_name": "x", "lora_path": p}).json()["error"]["message"]
+                   for p in ("/etc", "/no/such/dir", f"{roots}/../{Path(roots).name}-sibling", "/etc/passwd")]
+        assert len(set(refused)) == 1 and "lora_path: not under a folder" in refused[0]
         r = post("load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"].lora_path})
         assert r.status_code == 200, r.text
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # one slot: they take turns
@@ -320,6 +327,32 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
         assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
     finally:
         server.stop()
+
+
+def test_runtime_updates_are_off_by_default_and_confined_to_their_roots(tmp_path):
+    """Without --allow-runtime-lora-updating both routes answer 404 before reading the
+    body (vLLM keeps them off likewise); with it, only paths under the allowed roots or
+    the --lora-modules folders are taken (symlinks and `..` resolved first)."""
+    import asyncio
+
+    from jaxllm.entrypoints.openai.api_server import Handlers, ServerSettings
+    from jaxllm.entrypoints.openai.errors import APIError
+
+    handlers = Handlers(None, ServerSettings(model_name="m"))
+    for route in (handlers.load_lora_adapter, handlers.unload_lora_adapter):
+        with pytest.raises(APIError) as off:
+            asyncio.run(route(None))
+        assert off.value.status == 404 and "--allow-runtime-lora-updating" in off.value.message
+    (tmp_path / "roots" / "a").mkdir(parents=True)
+    (tmp_path / "module").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "roots" / "link").symlink_to(tmp_path / "outside")
+    settings = ServerSettings(model_name="m", runtime_lora_updating=True, lora_allowed_roots=(str(tmp_path / "roots"),),
+                              lora_modules=(LoRARequest("mod", 1, str(tmp_path / "module")),))
+    assert settings.lora_path_allowed(str(tmp_path / "roots" / "a"))
+    assert settings.lora_path_allowed(str(tmp_path / "module"))
+    for refused in ("outside", "roots/link", "roots/../outside", "roots-sibling", "module/../outside"):
+        assert not settings.lora_path_allowed(str(tmp_path / refused)), refused
 
 
 def test_an_update_waits_for_every_data_parallel_replica():

@@ -19,6 +19,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -70,6 +71,16 @@ class ServerSettings:
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
     reasoning_parser: str | None = None  # the engine's: thinking apart from the answer
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id
+    runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
+    lora_allowed_roots: tuple[str, ...] = ()  # where runtime adapters may come from (and the lora_modules' folders)
+
+    def lora_roots(self) -> list[str]:
+        """The folders runtime adapters may be loaded from, resolved."""
+        return [os.path.realpath(p) for p in (*self.lora_allowed_roots, *(m.lora_path for m in self.lora_modules))]
+
+    def lora_path_allowed(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        return any(real == root or real.startswith(root + os.sep) for root in self.lora_roots())
     default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
@@ -445,7 +456,11 @@ class Handlers:
     async def load_lora_adapter(self, request: Request) -> Response:
         """Read an adapter into the engine (every replica) under a new name; 400 with
         the reason if it cannot be served."""
+        self.require_runtime_lora()
         body: LoadLoRAAdapterRequest = await self.parse(request, LoadLoRAAdapterRequest)
+        if not self.settings.lora_path_allowed(body.lora_path):  # one answer, whether the path exists or not
+            raise APIError(400, "lora_path: not under a folder adapters may be loaded from (--lora-allowed-roots)",
+                           param="lora_path")
         if not self.engine.config.enable_lora:
             raise APIError(400, "LoRA is not enabled: start the server with --enable-lora", param="lora_name")
         async with self._lora_lock:
@@ -468,6 +483,7 @@ class Handlers:
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         """Forget an adapter; requests running under it finish under it. 404 if unknown."""
+        self.require_runtime_lora()
         body: UnloadLoRAAdapterRequest = await self.parse(request, UnloadLoRAAdapterRequest)
         async with self._lora_lock:
             lora = self.loras.get(body.lora_name)
@@ -477,6 +493,11 @@ class Handlers:
             del self.loras[body.lora_name]
             await self.engine.remove_lora(lora.lora_int_id)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    def require_runtime_lora(self) -> None:
+        if not self.settings.runtime_lora_updating:
+            raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating "
+                                "and --lora-allowed-roots", code="not_found")
 
     async def health(self, request: Request) -> Response:
         if self.engine.is_healthy():
