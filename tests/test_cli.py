@@ -1,0 +1,33 @@
+"""The `jaxllm` command (jaxllm.cli): vLLM's `serve MODEL` shape over jaxllm.serve."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxllm import cli
+
+
+def test_a_leading_model_becomes_the_model_flag():
+    assert cli.serve_argv(["/models/m", "--port", "9000"]) == ["--model", "/models/m", "--port", "9000"]
+    assert cli.serve_argv(["--model", "m", "--port", "1"]) == ["--model", "m", "--port", "1"]
+    assert cli.serve_argv([]) == []
+    with pytest.raises(SystemExit, match="give the model once"):
+        cli.serve_argv(["a", "--model", "b"])
+
+
+def test_help_lists_the_commands_and_an_unknown_one_is_refused(capsys):
+    cli.main(["--help"])
+    assert "serve" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown command 'srve'"):
+        cli.main(["srve"])
+
+
+def test_jaxllm_serve_model_reaches_the_server(tmp_path):
+    """`jaxllm serve MODEL`: the server starts on that model (here one that is not
+    there: its start-up error names it, as `python -m jaxllm.serve --model` does)."""
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run([sys.executable, "-m", "jaxllm.cli", "serve", str(missing), "--port", "0"],
+                         capture_output=True, text=True, timeout=120, env=os.environ | {"JAXLLM_API_KEY": ""})
+    assert run.returncode == 1 and f"{missing}: no such model file or folder" in run.stderr, run.stderr
