@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-allowed-roots", nargs="+", default=[], metavar="DIR",
                    help="folders runtime adapters may be loaded from (besides the --lora-modules folders); any "
                         "other path gets one answer that says nothing of the filesystem")
+    p.add_argument("--allowed-origins", type=json_list, default=[], metavar="JSON",
+                   help="CORS: origins a browser may call from, as vLLM's JSON list ('[\"https://app.example\"]', "
+                        "'[\"*\"]'); empty (the default, unlike vLLM's [\"*\"]): no CORS headers")
+    p.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed methods")
+    p.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
     return p
@@ -77,6 +83,14 @@ def json_object(text: str) -> dict:
     value = json.loads(text)
     if not isinstance(value, dict):
         raise ValueError(f"not a JSON object: {text}")
+    return value
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (argparse's type)."""
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"not a JSON list of strings: {text}")
     return value
 
 
@@ -144,7 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from jaxllm.entrypoints.openai.api_server import CORS, ServerSettings, build_app
 
     start = time.perf_counter()
     config = engine_config(args)
@@ -164,7 +178,9 @@ async def serve(args: argparse.Namespace) -> None:
                               default_chat_template_kwargs=args.default_chat_template_kwargs,
                               responses_store_size=args.responses_store_size,
                               runtime_lora_updating=args.allow_runtime_lora_updating,
-                              lora_allowed_roots=tuple(args.lora_allowed_roots))
+                              lora_allowed_roots=tuple(args.lora_allowed_roots),
+                              cors=CORS(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                        tuple(args.allowed_headers), args.allow_credentials))
     if settings.runtime_lora_updating and not settings.api_key:
         logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
                        "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")

@@ -63,3 +63,21 @@ def test_handlers_admit_by_sequences_without_a_server():
     with pytest.raises(APIError) as dead:
         Handlers(AdmittingEngine(unfinished=0, healthy=False), settings).admit(1)
     assert dead.value.status == 503
+
+
+def test_cors_is_off_unless_origins_are_given():
+    """--allowed-origins: a browser's preflight gets Starlette's CORS headers (before the
+    API key check: a preflight carries none); without it, no CORS header at all."""
+    from starlette.testclient import TestClient
+
+    from jaxllm.entrypoints.openai.api_server import CORS, ServerSettings, build_app
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    on = TestClient(build_app(None, ServerSettings(model_name="m", api_key="k",
+                                                   cors=CORS(allowed_origins=("https://app.example",)))))
+    r = on.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    assert on.post("/v1/chat/completions", json={}).status_code == 401  # the key is still asked for
+    off = TestClient(build_app(None, ServerSettings(model_name="m", api_key="k")))
+    assert "access-control-allow-origin" not in off.options("/v1/chat/completions", headers=preflight).headers

@@ -27,6 +27,7 @@ from typing import Any
 import jinja2
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -59,6 +60,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
+class CORS:
+    """Cross-origin requests from browsers (Starlette's CORSMiddleware); no origins: none."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_name: str
     api_key: str | None = None
@@ -73,6 +84,7 @@ class ServerSettings:
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id
     runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
     lora_allowed_roots: tuple[str, ...] = ()  # where runtime adapters may come from (and the lora_modules' folders)
+    cors: CORS = CORS()
 
     def lora_roots(self) -> list[str]:
         """The folders runtime adapters may be loaded from, resolved."""
@@ -583,4 +595,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
     app.add_exception_handler(405, _method_not_allowed)
     app.add_middleware(APIKeyAuth, settings=settings)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    cors = settings.cors
+    if cors.allowed_origins:  # outermost: a preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
     return app
