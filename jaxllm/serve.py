@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p)  # the engine's options, from EngineConfig's fields
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    p.add_argument("--api-key", default=None, help=f"bearer token every request must carry (default: ${API_KEY_ENV})")
+    p.add_argument("--api-key", action="append", default=None,
+                   help=f"bearer token every request must carry; give it several times to accept any of several "
+                        f"(default: ${API_KEY_ENV})")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs before 503s")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="the largest request body (413 beyond)")
@@ -98,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV)
+    elif len(args.api_key) == 1:
+        args.api_key = args.api_key[0]
+    else:
+        args.api_key = tuple(args.api_key)
     return args
 
 

@@ -81,3 +81,18 @@ def test_cors_is_off_unless_origins_are_given():
     assert on.post("/v1/chat/completions", json={}).status_code == 401  # the key is still asked for
     off = TestClient(build_app(None, ServerSettings(model_name="m", api_key="k")))
     assert "access-control-allow-origin" not in off.options("/v1/chat/completions", headers=preflight).headers
+
+
+def test_several_api_keys_each_open_the_routes():
+    """--api-key given twice: either key passes (a missing route is then a 404, not a
+    401); any other is refused."""
+    from starlette.testclient import TestClient
+
+    from jaxllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from jaxllm.serve import parse_args
+
+    assert parse_args(["--api-key", "k1", "--api-key", "k2"]).api_key == ("k1", "k2")
+    assert parse_args(["--api-key", "k1"]).api_key == "k1"
+    client = TestClient(build_app(None, ServerSettings(model_name="m", api_key=("k1", "k2"))))
+    for key, status in (("k1", 404), ("k2", 404), ("k3", 401), ("", 401)):
+        assert client.post("/v1/no-such-route", headers={"Authorization": f"Bearer {key}"}).status_code == status

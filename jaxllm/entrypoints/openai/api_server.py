@@ -72,7 +72,7 @@ class CORS:
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_name: str
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key, or several (--api-key given more than once)
     max_waiting_requests: int = 256  # beyond max_num_seqs running: more waiting gets 503
     max_num_seqs: int = 64
     max_request_bytes: int = 16 * 2**20
@@ -85,6 +85,9 @@ class ServerSettings:
     runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
     lora_allowed_roots: tuple[str, ...] = ()  # where runtime adapters may come from (and the lora_modules' folders)
     cors: CORS = CORS()
+
+    def api_keys(self) -> tuple[str, ...]:
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
     def lora_roots(self) -> list[str]:
         """The folders runtime adapters may be loaded from, resolved."""
@@ -133,10 +136,12 @@ class APIKeyAuth:
         self.app, self.settings = app, settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.settings.api_key
-        if scope["type"] == "http" and key and scope["path"].startswith(self.settings.protected_prefixes):
+        keys = self.settings.api_keys()
+        if scope["type"] == "http" and keys and scope["path"].startswith(self.settings.protected_prefixes):
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # every key compared (constant time each), so the answer's time says nothing of which
+            matches = [hmac.compare_digest(given.encode(), f"Bearer {key}".encode()) for key in keys]
+            if not any(matches):
                 message = "missing API key" if not given else "incorrect API key"
                 return await error_response(401, message, code="invalid_api_key")(scope, receive, send)
         await self.app(scope, receive, send)
