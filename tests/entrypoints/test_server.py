@@ -104,6 +104,11 @@ def test_completions_and_usage(server):
     client.completions.create(model="tiny", prompt=long + "A", max_tokens=2)
     hit = client.completions.create(model="tiny", prompt=long + "B", max_tokens=2)
     assert hit.usage.prompt_tokens_details.cached_tokens >= 32
+    # cache_salt: the same prefix shares blocks only within one salt (tenant isolation)
+    salted = [client.completions.create(model="tiny", prompt=long + end, max_tokens=2,
+                                        extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+              for salt, end in (("tenant-a", "C"), ("tenant-b", "D"), ("tenant-a", "E"))]
+    assert salted[0] == 0 and salted[1] == 0 and salted[2] >= 32
     # several prompts, token-id prompts, n=2, echo
     r = client.completions.create(model="tiny", prompt=["One", "Two"], n=2, max_tokens=3, temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -292,7 +292,8 @@ class Handlers:
         jobs = []
         for i, prompt in enumerate(prompts):
             ids, text = self.prepare(prompt, True, params.max_tokens)
-            jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model)))
+            jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model),
+                                    body.cache_salt))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
@@ -312,7 +313,7 @@ class Handlers:
             body.message_dicts(), tools=body.tool_dicts(), add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
         ids, _ = self.prepare(prompt, False, params.max_tokens)
-        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model))
+        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         thinking = self.thinking(prompt, body.include_reasoning)
 
@@ -410,7 +411,7 @@ class Handlers:
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
                                 self.thinking(prompt, True), self.reasoning_end_id(), self.responses, body.tools or [])
-        job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model))
+        job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt)
 
         def run():
             return responses.respond(self.engine, job, params, reply)

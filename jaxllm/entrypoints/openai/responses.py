@@ -70,7 +70,8 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     background: bool = False
     truncation: Literal["disabled"] | None = None
-    # vLLM's sampling extras
+    # vLLM's extras
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache blocks shared only within one salt
     seed: int | None = None
     top_k: int | None = Field(None, ge=-1)
     logit_bias: dict[str, float] | None = None
