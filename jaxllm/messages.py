@@ -51,6 +51,7 @@ class EngineCoreRequest:
     arrival_time: float
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    priority: int = 0  # under the priority scheduling policy: lower runs first
     # a pooling request (embeddings): its prompt is computed and pooled, nothing generated
     # (its sampling_params are not read: jaxllm.engine.input_processor.POOLING_SAMPLING)
     pooling_params: PoolingParams | None = None

@@ -88,6 +88,8 @@ class Request:
     new_to_runner: bool = False
     chosen_token: int | None = None
     pooling_params: PoolingParams | None = None
+    priority: int = 0  # the priority policy's: lower first
+    arrival: int = 0  # the scheduler's count of requests added before it (ties of priority)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:
@@ -106,6 +108,7 @@ class Request:
             structured=None if req.sampling_params.structured_outputs is None
             else StructuredOutputRequest(req.sampling_params.structured_outputs),
             pooling_params=req.pooling_params,
+            priority=req.priority,
         )
 
     @property

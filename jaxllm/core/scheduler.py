@@ -8,6 +8,10 @@ ragged batch. When the KV cache cannot give a running request its slots, the mos
 recently admitted running request is preempted: its blocks are freed and it goes back
 to the head of the waiting queue, to be recomputed later (its prefix may still hit
 the prefix cache).
+
+Under the priority policy (vLLM's `--scheduling-policy priority`) the waiting queue is
+ordered by (priority, arrival), lower first, a preempted request going back to its
+place in that order, and the running request preempted is the last of that order.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Scheduler:
         max_loras: int = 0,
         num_scheduler_steps: int = 1,
         decode: Decode | None = None,
+        policy: str = "fcfs",
     ) -> None:
         """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
         in the running batch (the model runner's device slots); a request whose
@@ -66,6 +71,8 @@ class Scheduler:
         tokenizer's, for beam searches with stop strings."""
         self.kv_cache_manager = kv_cache_manager
         self.decode = decode
+        self.policy = policy  # "fcfs" or "priority"
+        self._arrivals = itertools.count()
         self.num_scheduler_steps = num_scheduler_steps
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -99,7 +106,23 @@ class Scheduler:
         if request.sampling_params.use_beam_search:
             request.beam = self.beam_groups[request.request_id] = BeamGroup(request, self.decode)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival = next(self._arrivals)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: at its end (a preempted request: at its head), or under
+        the priority policy at its place by (priority, arrival): after its equals, a
+        preempted one before them (a beam group, preempted last beam first, keeps its
+        order)."""
+        if self.policy == "priority":
+            key = (request.priority, request.arrival)
+            after = (lambda k: k >= key) if preempted else (lambda k: k > key)
+            at = next((i for i, r in enumerate(self.waiting) if after((r.priority, r.arrival))), len(self.waiting))
+            self.waiting.insert(at, request)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def max_kv_tokens(self, request: Request) -> int:
         """The most tokens whose K/V the request may need at once: a beam search's
@@ -415,10 +438,15 @@ class Scheduler:
         """Preempt the tail of `running`: its last request, or the whole beam group it
         belongs to (a group's running beams are contiguous, and recomputed together).
         Returns the preempted requests."""
-        victims = [self.running.pop()]
-        group = victims[0].beam
-        while group is not None and self.running and self.running[-1].beam is group:
-            victims.append(self.running.pop())
+        if self.policy == "priority":  # the last of (priority, arrival) order, with its beam group
+            last = max(self.running, key=lambda r: (r.priority, r.arrival))
+            victims = [r for r in reversed(self.running) if r is last or (last.beam is not None and r.beam is last.beam)]
+            self.running = [r for r in self.running if r not in victims]
+        else:
+            victims = [self.running.pop()]
+            group = victims[0].beam
+            while group is not None and self.running and self.running[-1].beam is group:
+                victims.append(self.running.pop())
         for victim in victims:  # the last first: the group keeps its order at the head of the queue
             self._preempt(victim)
             preempted.add(victim.request_id)
@@ -561,7 +589,7 @@ class Scheduler:
             request.new_to_runner, request.chosen_token = False, None
             self._fork_copies.pop(request.request_id, None)
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
         logger.warning(
             "preempted request %s (recompute; %d tokens; %d preemptions so far)",
             request.request_id, request.num_tokens, self.num_preemptions,

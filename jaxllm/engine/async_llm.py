@@ -104,17 +104,19 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream the request's outputs (under `lora_request`'s adapter; a pooling
         request's one PoolingRequestOutput); ValueError before anything is queued if
         the request is invalid, EngineDeadError if the core dies meanwhile.
         `cache_salt`: the request shares prefix-cache blocks only with requests of the
-        same salt (tenant isolation)."""
+        same salt (tenant isolation). `priority`: lower runs first (the priority
+        scheduling policy; another is refused under fcfs)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         request, text = self.input_processor.make_request(request_id, prompt, params, lora_request=lora_request,
                                                           add_special_tokens=add_special_tokens,
-                                                          cache_salt=cache_salt)
+                                                          cache_salt=cache_salt, priority=priority)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         children, parent = core_requests(request)

@@ -88,6 +88,10 @@ class EngineConfig:
                                   KV_CACHE_DTYPES)
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
+    scheduling_policy: str = _option("fcfs", "which waiting request runs next: fcfs (first come, first served) or "
+                                             "priority (a request's priority, lower first, then arrival; the "
+                                             "running request preempted is the last of that order)",
+                                     ("fcfs", "priority"))
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")
     disable_hybrid_kv_cache_manager: bool = _option(
         False, "keep every block of every layer in models mixing sliding-window and full layers (Gemma 2/3), instead of "

@@ -268,6 +268,7 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             num_scheduler_steps=config.decode_steps,
             decode=self._decode,
+            policy=config.scheduling_policy,
         )
         # the weights' loading thread done before any measurement (it would share the cores)
         quiet = None if loading is None else loading.exception
@@ -392,6 +393,9 @@ class EngineCore:
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise ValueError("priority: the server schedules first come, first served; start it with "
+                             "--scheduling-policy priority to rank requests")
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         if params.use_beam_search:

@@ -89,7 +89,7 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
                      arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                     ) -> tuple[EngineCoreRequest, str | None]:
+                     priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """The core's request for `prompt` (a pooling one where `params` is
         PoolingParams: it generates nothing), validated."""
         pooling = params if isinstance(params, PoolingParams) else None
@@ -107,6 +107,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            priority=priority,
         )
         request.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         return request, text

@@ -580,6 +580,8 @@ def post(server, path, body=None, *, content=None, key=API_KEY, headers=None, ti
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "hi", "priority": 1}, "priority"),  # the server schedules first come, first served
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_requests_are_400(server, body, param):
     r = post(server, "/v1/completions", body)

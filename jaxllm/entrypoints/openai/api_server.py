@@ -246,6 +246,12 @@ class Handlers:
             raise APIError(503, f"too many requests waiting (capacity {capacity} sequences); retry later",
                            headers={"Retry-After": "1"})
 
+    def check_priority(self, priority: int) -> None:
+        """A ranked request only under the priority policy (vLLM's 400 under fcfs)."""
+        if priority and self.engine.config.scheduling_policy != "priority":
+            raise APIError(400, "priority: the server schedules first come, first served; start it with "
+                                "--scheduling-policy priority to rank requests", param="priority")
+
     def checked(self, params: SamplingParams) -> SamplingParams:
         """`params` after the checks that need the model (token ids in range, a
         structured output's grammar compiled), so a bad one is a 400 before anything runs."""
@@ -285,6 +291,7 @@ class Handlers:
     async def completions(self, request: Request) -> Response:
         self.require_runner("generate", "/v1/completions")
         body: CompletionRequest = await self.parse(request, CompletionRequest)
+        self.check_priority(body.priority)
         params = self.checked(body.to_sampling_params())
         prompts = body.prompts()
         self.admit(len(prompts) * params.n)
@@ -293,7 +300,7 @@ class Handlers:
         for i, prompt in enumerate(prompts):
             ids, text = self.prepare(prompt, True, params.max_tokens)
             jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model),
-                                    body.cache_salt))
+                                    body.cache_salt, body.priority))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
@@ -306,6 +313,7 @@ class Handlers:
     async def chat_completions(self, request: Request) -> Response:
         self.require_runner("generate", "/v1/chat/completions")
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        self.check_priority(body.priority)
         params = self.checked(body.to_sampling_params(default_max_tokens=None))
         tool_mode = self.tool_mode(body)
         self.admit(params.n)
@@ -313,7 +321,8 @@ class Handlers:
             body.message_dicts(), tools=body.tool_dicts(), add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
         ids, _ = self.prepare(prompt, False, params.max_tokens)
-        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt)
+        job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
+                          body.priority)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         thinking = self.thinking(prompt, body.include_reasoning)
 
@@ -391,6 +400,7 @@ class Handlers:
         self.require_runner("generate", "/v1/responses")
         body: responses.ResponsesRequest = await self.parse(request, responses.ResponsesRequest)
         body.check_unsupported()
+        self.check_priority(body.priority)
         previous = []
         if body.previous_response_id is not None:
             stored = self.responses.get(body.previous_response_id)
@@ -411,7 +421,8 @@ class Handlers:
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
                                 self.thinking(prompt, True), self.reasoning_end_id(), self.responses, body.tools or [])
-        job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt)
+        job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
+                          body.priority)
 
         def run():
             return responses.respond(self.engine, job, params, reply)

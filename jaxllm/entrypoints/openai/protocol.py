@@ -89,6 +89,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix-cache blocks shared only within one salt
+    priority: int = 0  # vLLM's: lower first under --scheduling-policy priority
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)

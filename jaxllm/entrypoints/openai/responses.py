@@ -72,6 +72,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     # vLLM's extras
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache blocks shared only within one salt
+    priority: int = 0  # lower first under --scheduling-policy priority
     seed: int | None = None
     top_k: int | None = Field(None, ge=-1)
     logit_bias: dict[str, float] | None = None

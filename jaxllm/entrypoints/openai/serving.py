@@ -31,6 +31,7 @@ class Job:
     choice_offset: int  # index of this job's first choice among the response's choices
     lora_request: LoRARequest | None = None  # the adapter the request's `model` named
     cache_salt: str | None = None  # prefix-cache blocks shared only within one salt
+    priority: int = 0  # lower first, under --scheduling-policy priority
 
 
 @dataclass
@@ -74,7 +75,8 @@ async def merged(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
     async def pump(job: Job) -> None:
         try:
             async for output in engine.generate(job.request_id, job.prompt_ids, params, output_kind=kind,
-                                                lora_request=job.lora_request, cache_salt=job.cache_salt):
+                                                lora_request=job.lora_request, cache_salt=job.cache_salt,
+                                                priority=job.priority):
                 queue.put_nowait((job, output))
         except Exception as e:
             queue.put_nowait((job, e))
