@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p)  # the engine's options, from EngineConfig's fields
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix domain socket instead")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (ASGI root_path)")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, help="TLS: the CA certificates clients are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="TLS: whether a client certificate is required (Python's ssl.CERT_* value; 0 none)")
     p.add_argument("--api-key", action="append", default=None,
                    help=f"bearer token every request must carry; give it several times to accept any of several "
                         f"(default: ${API_KEY_ENV})")
@@ -160,6 +167,16 @@ def served_model_name(args: argparse.Namespace) -> str:
     return os.path.basename(os.path.normpath(args.model)).removesuffix(".gguf")
 
 
+def uvicorn_config(app, args: argparse.Namespace):
+    """uvicorn's config of the server's flags: address (or Unix socket), TLS, root path."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, root_path=args.root_path,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs, log_level="warning",
+                          timeout_graceful_shutdown=args.shutdown_grace)
+
+
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -190,14 +207,14 @@ async def serve(args: argparse.Namespace) -> None:
     if settings.runtime_lora_updating and not settings.api_key:
         logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
                        "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=args.shutdown_grace))
+    server = uvicorn.Server(uvicorn_config(build_app(engine, settings), args))
 
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
-        print(f"jaxllm ready in {time.perf_counter() - start:.1f} s: serving {name} at "
-              f"http://{args.host}:{args.port}/v1", flush=True)
+        where = (f"unix:{args.uds}" if args.uds else
+                 f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path}")
+        print(f"jaxllm ready in {time.perf_counter() - start:.1f} s: serving {name} at {where}/v1", flush=True)
 
     async def stop_when_the_core_dies() -> None:
         await engine.core_died.wait()

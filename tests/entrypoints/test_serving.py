@@ -3,6 +3,8 @@ engine outputs, without a server."""
 
 import asyncio
 
+import pytest
+
 from jaxllm.entrypoints.openai import serving
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -14,7 +16,8 @@ class Engine:
     def __init__(self) -> None:
         self.request_ids: list[str] = []
 
-    async def generate(self, request_id, prompt_ids, params, output_kind, lora_request=None):
+    async def generate(self, request_id, prompt_ids, params, output_kind, lora_request=None, cache_salt=None,
+                       priority=0):
         self.request_ids.append(request_id)
         yield RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0, "x", [7], finish_reason="length")],
                             finished=True)
@@ -96,3 +99,55 @@ def test_several_api_keys_each_open_the_routes():
     client = TestClient(build_app(None, ServerSettings(model_name="m", api_key=("k1", "k2"))))
     for key, status in (("k1", 404), ("k2", 404), ("k3", 401), ("", 401)):
         assert client.post("/v1/no-such-route", headers={"Authorization": f"Bearer {key}"}).status_code == status
+
+
+def test_tls_and_a_root_path_reach_uvicorn(tmp_path):
+    """--ssl-keyfile/--ssl-certfile (a self-signed certificate made here) and --root-path
+    as uvicorn serves them: a client that trusts the certificate gets answers over
+    HTTPS; behind the root path (a proxy strips it, uvicorn puts it back in the path)
+    the API key is still asked for."""
+    import datetime
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from jaxllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from jaxllm.serve import parse_args, uvicorn_config
+    from tests.support.server import free_port
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address(
+                "127.0.0.1"))]), critical=False).sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    port = free_port()
+    args = parse_args(["--port", str(port), "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile",
+                       str(tmp_path / "cert.pem"), "--root-path", "/llm", "--api-key", "k"])
+    server = uvicorn.Server(uvicorn_config(build_app(None, ServerSettings(model_name="m", api_key="k")), args))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.Client(verify=str(tmp_path / "cert.pem")) as client:
+            r = client.post(f"https://127.0.0.1:{port}/v1/no-route", headers={"Authorization": "Bearer k"})
+            assert r.status_code == 404 and r.json()["error"]["message"].startswith("no route POST /llm/v1/no-route")
+            assert client.post(f"https://127.0.0.1:{port}/v1/no-route").status_code == 401
+        with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # plain HTTP is not spoken
+            httpx.post(f"http://127.0.0.1:{port}/v1/no-route", timeout=5)
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -137,7 +137,11 @@ class APIKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         keys = self.settings.api_keys()
-        if scope["type"] == "http" and keys and scope["path"].startswith(self.settings.protected_prefixes):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # behind --root-path the path carries the prefix (ASGI)
+            path = path[len(root):]
+        if scope["type"] == "http" and keys and path.startswith(self.settings.protected_prefixes):
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             # every key compared (constant time each), so the answer's time says nothing of which
             matches = [hmac.compare_digest(given.encode(), f"Bearer {key}".encode()) for key in keys]
@@ -605,7 +609,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
         yield
         # uvicorn re-raises SIGINT/SIGTERM once serve() returns, so the engine core must
         # be stopped here, inside the server's own shutdown.
-        await engine.shutdown()
+        if engine is not None:  # (an app over no engine: the tests of its middleware)
+            await engine.shutdown()
 
     app = Starlette(routes=Handlers(engine, settings).routes(), lifespan=lifespan)
     app.add_exception_handler(404, _not_found)
