@@ -82,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed methods")
     p.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and parameters at info level")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's older command lines: requests are not logged unless "
+                        "--enable-log-requests")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="characters (or token ids) of a logged prompt (default: all)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="X-Request-Id on every response (the client's own, else a new one)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help=f"jaxllm's log level (default: ${LOG_LEVEL_ENV}, else info); debug also shows the libraries'")
     return p
@@ -203,7 +212,9 @@ async def serve(args: argparse.Namespace) -> None:
                               runtime_lora_updating=args.allow_runtime_lora_updating,
                               lora_allowed_roots=tuple(args.lora_allowed_roots),
                               cors=CORS(tuple(args.allowed_origins), tuple(args.allowed_methods),
-                                        tuple(args.allowed_headers), args.allow_credentials))
+                                        tuple(args.allowed_headers), args.allow_credentials),
+                              log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                              request_id_headers=args.enable_request_id_headers)
     if settings.runtime_lora_updating and not settings.api_key:
         logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
                        "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")

@@ -151,3 +151,27 @@ def test_tls_and_a_root_path_reach_uvicorn(tmp_path):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_request_logs_and_request_id_headers(caplog):
+    """--enable-log-requests logs a request's prompt cut to --max-log-len (nothing
+    without it); --enable-request-id-headers answers with the client's X-Request-Id or a
+    new one."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from jaxllm.entrypoints.openai.api_server import Handlers, ServerSettings, build_app
+    from jaxllm.serve import parse_args
+
+    assert parse_args(["--disable-log-requests"]).enable_log_requests is False  # vLLM's old flag: accepted
+    with caplog.at_level(logging.INFO, logger="jaxllm.entrypoints.openai.api_server"):
+        Handlers(None, ServerSettings(model_name="m")).log_request("r0", "secret prompt", SamplingParams())
+        Handlers(None, ServerSettings(model_name="m", log_requests=True, max_log_len=6)).log_request(
+            "r1", "secret prompt", SamplingParams(max_tokens=3))
+    (record,) = [r for r in caplog.records if "Received request" in r.getMessage()]
+    assert "r1" in record.getMessage() and "'secret'" in record.getMessage() and "prompt'" not in record.getMessage()
+    client = TestClient(build_app(None, ServerSettings(model_name="m", request_id_headers=True)))
+    assert client.get("/v1/nope", headers={"X-Request-Id": "abc"}).headers["x-request-id"] == "abc"
+    assert len(client.get("/v1/nope").headers["x-request-id"]) == 32
+    assert "x-request-id" not in TestClient(build_app(None, ServerSettings(model_name="m"))).get("/v1/nope").headers

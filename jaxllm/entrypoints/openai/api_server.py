@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -85,6 +86,9 @@ class ServerSettings:
     runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
     lora_allowed_roots: tuple[str, ...] = ()  # where runtime adapters may come from (and the lora_modules' folders)
     cors: CORS = CORS()
+    log_requests: bool = False  # each request's prompt and parameters at info level
+    max_log_len: int | None = None  # characters (or token ids) of a logged prompt; None: all
+    request_id_headers: bool = False  # X-Request-Id on every response
 
     def api_keys(self) -> tuple[str, ...]:
         return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
@@ -129,6 +133,27 @@ class BodySizeLimit:
 
     async def _reject(self, scope, receive, send):
         await error_response(413, f"request body exceeds {self.limit} bytes")(scope, receive, send)
+
+
+class RequestIdHeader:
+    """--enable-request-id-headers: every response carries X-Request-Id, the client's
+    own where it sent one, else a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id")
+        value = given or uuid.uuid4().hex.encode()
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 class APIKeyAuth:
@@ -250,6 +275,15 @@ class Handlers:
             raise APIError(503, f"too many requests waiting (capacity {capacity} sequences); retry later",
                            headers={"Retry-After": "1"})
 
+    def log_request(self, request_id: str, prompt, params) -> None:
+        """With --enable-log-requests: the request's prompt (cut to --max-log-len) and
+        its parameters, as vLLM logs them."""
+        if not self.settings.log_requests:
+            return
+        limit = self.settings.max_log_len
+        shown = prompt if limit is None else prompt[:limit]
+        logger.info("Received request %s: prompt: %r, params: %s", request_id, shown, params)
+
     def check_priority(self, priority: int) -> None:
         """A ranked request only under the priority policy (vLLM's 400 under fcfs)."""
         if priority and self.engine.config.scheduling_policy != "priority":
@@ -305,6 +339,7 @@ class Handlers:
             ids, text = self.prepare(prompt, True, params.max_tokens)
             jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model),
                                     body.cache_salt, body.priority))
+            self.log_request(jobs[-1].request_id, text if text is not None else ids, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
@@ -327,6 +362,7 @@ class Handlers:
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
                           body.priority)
+        self.log_request(job.request_id, prompt, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         thinking = self.thinking(prompt, body.include_reasoning)
 
@@ -427,6 +463,7 @@ class Handlers:
                                 self.thinking(prompt, True), self.reasoning_end_id(), self.responses, body.tools or [])
         job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
                           body.priority)
+        self.log_request(job.request_id, prompt, params)
 
         def run():
             return responses.respond(self.engine, job, params, reply)
@@ -617,6 +654,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> Starlette:
     app.add_exception_handler(405, _method_not_allowed)
     app.add_middleware(APIKeyAuth, settings=settings)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    if settings.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     cors = settings.cors
     if cors.allowed_origins:  # outermost: a preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
