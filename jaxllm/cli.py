@@ -1,5 +1,5 @@
 """The `jaxllm` command, in vLLM's shape: `jaxllm serve [MODEL] [flags]` is
-`python -m jaxllm.serve --model MODEL [flags]` (`vllm serve MODEL`)."""
+`python -m jaxllm.serve [MODEL] [flags]` (`vllm serve MODEL`)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,6 @@ import sys
 
 COMMANDS = {"serve": "the OpenAI-compatible server (jaxllm serve --help lists its flags)"}
 USAGE = "usage: jaxllm {serve} ...\n\ncommands:\n" + "".join(f"  {n:<8}{h}\n" for n, h in COMMANDS.items())
-
-
-def serve_argv(args: list[str]) -> list[str]:
-    """`serve`'s arguments as jaxllm.serve takes them: a leading model (vLLM's
-    positional MODEL) becomes --model."""
-    if args and not args[0].startswith("-"):
-        if "--model" in args[1:]:
-            raise SystemExit("error: give the model once: `jaxllm serve MODEL` or `--model MODEL`")
-        return ["--model", args[0], *args[1:]]
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: unknown command {args[0]!r}\n{USAGE}")
     from jaxllm import serve
 
-    serve.main(serve_argv(args[1:]))
+    serve.main(args[1:])
 
 
 if __name__ == "__main__":

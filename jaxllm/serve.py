@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cli_args(p)  # the engine's options, from EngineConfig's fields
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `vllm serve MODEL` takes it (the same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix domain socket instead")
@@ -113,7 +115,12 @@ def json_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV)
     elif len(args.api_key) == 1:

@@ -9,12 +9,14 @@ import pytest
 from jaxllm import cli
 
 
-def test_a_leading_model_becomes_the_model_flag():
-    assert cli.serve_argv(["/models/m", "--port", "9000"]) == ["--model", "/models/m", "--port", "9000"]
-    assert cli.serve_argv(["--model", "m", "--port", "1"]) == ["--model", "m", "--port", "1"]
-    assert cli.serve_argv([]) == []
-    with pytest.raises(SystemExit, match="give the model once"):
-        cli.serve_argv(["a", "--model", "b"])
+def test_the_model_may_be_given_as_vllm_takes_it():
+    from jaxllm.serve import parse_args
+
+    assert parse_args(["/models/m", "--port", "9000"]).model == "/models/m"
+    assert parse_args(["--host", "0.0.0.0", "/models/m"]).model == "/models/m"  # after the image's own flags
+    assert parse_args(["--model", "m"]).model == "m" and parse_args([]).model is None
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--model", "b"])
 
 
 def test_help_lists_the_commands_and_an_unknown_one_is_refused(capsys):
