@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--enable-log-requests")
     p.add_argument("--max-log-len", type=int, default=None,
                    help="characters (or token ids) of a logged prompt (default: all)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (Jinja from the client; off: a 400, as vLLM)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="X-Request-Id on every response (the client's own, else a new one)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
@@ -221,7 +223,8 @@ async def serve(args: argparse.Namespace) -> None:
                               cors=CORS(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                         tuple(args.allowed_headers), args.allow_credentials),
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                              request_id_headers=args.enable_request_id_headers)
+                              request_id_headers=args.enable_request_id_headers,
+                              trust_request_chat_template=args.trust_request_chat_template)
     if settings.runtime_lora_updating and not settings.api_key:
         logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
                        "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")

@@ -45,7 +45,7 @@ class InputProcessor:
 
     def render_chat(self, messages: list[Message], *, add_generation_prompt: bool = True,
                     chat_template: str | None = None, tools: list[dict] | None = None,
-                    chat_template_kwargs: dict | None = None) -> str:
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
         """The conversation as the model's chat template renders it (with the tools,
         OpenAI's `[{"type": "function", "function": {...}}]`, for templates that show them;
         `chat_template_kwargs`: the template's own variables, e.g. Qwen3's enable_thinking)."""
@@ -64,6 +64,7 @@ class InputProcessor:
             chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
             **extra,
         )

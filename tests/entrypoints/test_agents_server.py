@@ -362,3 +362,31 @@ def test_langchain_chat_openai_on_the_responses_api(server, ids):
     assert message.tool_calls[0]["args"]["zone"] in ("utc", "cet")
     weather = llm.with_structured_output(Weather).invoke("Weather in Paris?")
     assert isinstance(weather, Weather)
+
+
+def test_continue_final_message_and_a_request_template(server, model):
+    """continue_final_message renders the last assistant message open (the output goes
+    on from its text); a request's own chat_template needs --trust-request-chat-template;
+    the refused combinations are 400s naming the field."""
+    import httpx
+
+    from jaxllm.engine.input_processor import InputProcessor
+
+    tok = AutoTokenizer.from_pretrained(model)
+    history = USER + [{"role": "assistant", "content": "It is twenty"}]
+    text = InputProcessor(tok, eos_token_id=None, vocab_size=512, max_model_len=2048).render_chat(
+        history, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("It is twenty")  # no end of turn after it
+    ok = server.client().chat.completions.create(model="q", messages=history, max_tokens=2, temperature=0,
+                                                 extra_body={"continue_final_message": True,
+                                                             "add_generation_prompt": False})
+    assert ok.choices[0].finish_reason is not None
+
+    def post(body):
+        return httpx.post(f"{server.url}/v1/chat/completions", json={"model": "q", "messages": history, **body},
+                          headers={"Authorization": "Bearer test-key"}, timeout=30)
+
+    for body, param in (({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+                        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message")):
+        r = post(body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -99,6 +99,8 @@ def test_several_api_keys_each_open_the_routes():
     client = TestClient(build_app(None, ServerSettings(model_name="m", api_key=("k1", "k2"))))
     for key, status in (("k1", 404), ("k2", 404), ("k3", 401), ("", 401)):
         assert client.post("/v1/no-such-route", headers={"Authorization": f"Bearer {key}"}).status_code == status
+    open_ = TestClient(build_app(None, ServerSettings(model_name="m", api_key="")))  # $JAXLLM_API_KEY="": no key
+    assert open_.post("/v1/no-such-route").status_code == 404
 
 
 def test_tls_and_a_root_path_reach_uvicorn(tmp_path):

@@ -89,9 +89,12 @@ class ServerSettings:
     log_requests: bool = False  # each request's prompt and parameters at info level
     max_log_len: int | None = None  # characters (or token ids) of a logged prompt; None: all
     request_id_headers: bool = False  # X-Request-Id on every response
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
 
     def api_keys(self) -> tuple[str, ...]:
-        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+        """The keys a request may carry (none: the routes are open; an empty key is none)."""
+        keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+        return tuple(key for key in keys if key)
 
     def lora_roots(self) -> list[str]:
         """The folders runtime adapters may be loaded from, resolved."""
@@ -356,9 +359,12 @@ class Handlers:
         params = self.checked(body.to_sampling_params(default_max_tokens=None))
         tool_mode = self.tool_mode(body)
         self.admit(params.n)
+        if body.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request's own template is rendered only by a server started with "
+                                "--trust-request-chat-template (as vLLM's)", param="chat_template")
         prompt = self.engine.input_processor.render_chat(
-            body.message_dicts(), tools=body.tool_dicts(), add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
+            body.message_dicts(), tools=body.tool_dicts(), chat_template_kwargs=self.template_kwargs(
+                body.chat_template_kwargs), **body.render_options())
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
                           body.priority)

@@ -267,7 +267,19 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
+    chat_template: str | None = None  # vLLM's: this request's Jinja template in place of the model's
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     include_reasoning: bool = True  # with a reasoning parser: return the thinking
+
+    def render_options(self) -> dict:
+        """How the conversation is rendered: ValueError for vLLM's refused combination."""
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt true (the "
+                             "last message is continued, no new one opened)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+        return {"chat_template": self.chat_template, "continue_final_message": self.continue_final_message,
+                "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message}
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
