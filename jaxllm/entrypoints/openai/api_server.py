@@ -82,6 +82,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
     reasoning_parser: str | None = None  # the engine's: thinking apart from the answer
+    default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id
     runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
     lora_allowed_roots: tuple[str, ...] = ()  # where runtime adapters may come from (and the lora_modules' folders)
@@ -103,7 +104,6 @@ class ServerSettings:
     def lora_path_allowed(self, path: str) -> bool:
         real = os.path.realpath(path)
         return any(real == root or real.startswith(root + os.sep) for root in self.lora_roots())
-    default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
 class BodySizeLimit:
