@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -466,7 +467,7 @@ class Handlers:
                                                          chat_template_kwargs=self.template_kwargs(None))
         ids, _ = self.prepare(prompt, False, params.max_tokens)
         reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
-                                self.thinking(prompt, True), self.reasoning_end_id(), self.responses, body.tools or [])
+                                self.thinking(prompt, True), self.reasoning_end_id, self.responses, body.tools or [])
         job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
                           body.priority)
         self.log_request(job.request_id, prompt, params)
@@ -490,7 +491,9 @@ class Handlers:
                            code="response_not_found")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    @functools.cached_property
     def reasoning_end_id(self) -> int | None:
+        """The reasoning parser's end marker token (read from the tokenizer once)."""
         name = self.settings.reasoning_parser
         return None if name is None else reasoning.PARSERS[name].token_ids(self.engine.tokenizer)[1]
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.engine.output_processor import RequestOutputKind
 from jaxllm.entrypoints.openai import serving
+from jaxllm.entrypoints.openai.protocol import JsonSchemaFormat
 from jaxllm.entrypoints.openai.tools import ToolMode, ToolStream
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.reasoning import split as split_reasoning
@@ -35,13 +36,11 @@ from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 # ------------------------------------------------------------------ request
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class TextFormat(JsonSchemaFormat):
+    """text.format: chat's json_schema fields (name, description, schema, strict) flat
+    beside the type, as the Responses API puts them."""
+
     type: Literal["text", "json_schema", "json_object"]
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # outputs always follow the schema
 
 
 class TextConfig(BaseModel):
