@@ -118,6 +118,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     beams: list[BeamSequence] | None = None  # a finished beam search: its sequences, best first
     pooled: PooledData | None = None  # a finished pooling request: its vector(s)
+    queue_seconds: float | None = None  # once scheduled: how long it waited in the core's queue first
 
     @property
     def finished(self) -> bool:
@@ -181,6 +182,8 @@ class EngineCoreOutputs:
     replica_stats: list[SchedulerStats] | None = None  # per data-parallel replica (jaxllm.engine.dp_client)
     # per replica, seconds since it last reported (outputs or its idle heartbeat): a stuck one's grows
     replica_report_ages: list[float] | None = None
+    engine_index: int = 0  # the data-parallel replica that sent them
+    step_tokens: int = 0  # tokens the step computed (prompt and generated), over all its requests
 
 
 @dataclasses.dataclass

@@ -38,11 +38,43 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
+    """A request's timestamps (time.monotonic()): it arrived, was first scheduled (its
+    wait in the engine core's queue after arriving), got its first and its last token,
+    finished."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclasses.dataclass
+class FinishedRequestStats:
+    """A finished request as the serving metrics count it: its timestamps, its prompt's
+    length, each returned sequence's finish reason and generated tokens (n samples, or a
+    beam search's sequences), and the n and max_tokens it asked for."""
+
+    metrics: RequestMetrics
+    num_prompt_tokens: int
+    finish_reasons: list[str]
+    sample_tokens: list[int]
+    n: int = 1
+    max_tokens: int | None = None
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What the frontend saw of one engine's requests since the metrics last took it:
+    prompt tokens of requests that got their first token, tokens generated (those the
+    user gets), each first token's latency, the gaps between a sequence's successive
+    outputs, and the requests that finished."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+    finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

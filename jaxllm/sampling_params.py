@@ -42,6 +42,12 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per sampled token (0 = the sampled one only)
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (jaxllm.core.token_filter)
+    # bad_words' token ids, as the tokenizer spells each word alone and after a space (the
+    # engine's input processor fills it)
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -133,6 +139,12 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if not -100 <= bias <= 100:
                     fail("logit_bias", f"bias for token {token} must be in [-100, 100], got {bias}")
+        self._validate_token_filters(fail, integer)
+        if self.truncate_prompt_tokens is not None:
+            integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                fail("truncate_prompt_tokens", f"must be at least 1, or -1 (as many as fit), got "
+                                               f"{self.truncate_prompt_tokens}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not isinstance(self.use_beam_search, bool):
@@ -142,6 +154,19 @@ class SamplingParams:
             self._validate_beam_search(fail)
         elif self.length_penalty != 1.0:
             fail("length_penalty", "only applies to beam search (use_beam_search)")
+
+    def _validate_token_filters(self, fail, integer) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                fail("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                integer("allowed_token_ids", t)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list):
+                fail("bad_words", f"must be a list of strings, got {self.bad_words!r}")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    fail("bad_words", f"must be non-empty strings, got {w!r}")
 
     def _validate_beam_search(self, fail) -> None:
         """What beam search refuses: sampling (it keeps the likeliest sequences), what
@@ -160,7 +185,7 @@ class SamplingParams:
                 fail(name, "is not supported with use_beam_search")
         if self.repetition_penalty != 1:
             fail("repetition_penalty", "is not supported with use_beam_search")
-        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs", "allowed_token_ids", "bad_words"):
             if getattr(self, name) is not None:
                 fail(name, "is not supported with use_beam_search")
         if self.max_tokens == 0:
@@ -175,7 +200,8 @@ class SamplingParams:
         is a ValueError naming it)."""
         if self.structured_outputs is not None:
             self.structured_outputs.check()
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{name}: token id {t} is out of range [0, {vocab_size})")

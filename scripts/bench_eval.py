@@ -169,7 +169,7 @@ def httpx_metrics(url: str) -> dict:
         m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
         return float(m.group(1)) if m else float("nan")
 
-    queries, hits = value("jaxllm:prefix_cache_queries_total"), value("jaxllm:prefix_cache_hits_total")
+    queries, hits = value("vllm:prefix_cache_queries_total"), value("vllm:prefix_cache_hits_total")
     return {"queried_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0}
 
 

@@ -143,7 +143,7 @@ async def _run_once(client: httpx.AsyncClient, model: str, req: BenchRequest) ->
 
 async def sample_kv(client: httpx.AsyncClient, stop: asyncio.Event, samples: list[dict]) -> None:
     """Poll /metrics for KV accounting while the benchmark runs."""
-    pattern = re.compile(r"^(jaxllm:[a-z_]+)\{[^}]*\} (\S+)$", re.M)
+    pattern = re.compile(r"^((?:jaxllm|vllm):[a-z_]+)\{[^}]*\} (\S+)$", re.M)
     while not stop.is_set():
         try:
             text = (await client.get("/metrics")).text
@@ -217,8 +217,8 @@ def summarize(results: list[RequestResult], duration: float, kv_samples: list[di
         block_size = peak.get("jaxllm:kv_cache_block_size", 16)
         summary["kv"] = {"peak_blocks_in_use": blocks, "tokens_held_at_peak": held,
                          "waste_at_peak": 1 - held / (blocks * block_size) if blocks else 0.0}
-        hits = max(s.get("jaxllm:prefix_cache_hits_total", 0) for s in kv_samples)
-        queries = max(s.get("jaxllm:prefix_cache_queries_total", 0) for s in kv_samples)
+        hits = max(s.get("vllm:prefix_cache_hits_total", 0) for s in kv_samples)
+        queries = max(s.get("vllm:prefix_cache_queries_total", 0) for s in kv_samples)
         summary["prefix_cache_hit_rate_cumulative"] = hits / queries if queries else 0.0
     return summary
 
@@ -378,10 +378,10 @@ def make_dataset(args, seed: int) -> list[BenchRequest]:
 
 
 def spec_decode_metrics(url: str) -> dict[str, float]:
-    """The server's speculative decoding counters (jaxllm:spec_decode_*), by name."""
+    """The server's speculative decoding counters (vllm:spec_decode_*), by name."""
     text = httpx.get(f"{url}/metrics", headers=_auth_headers()).text
     found: dict[str, float] = {}
-    for name, labels, value in re.findall(r"^jaxllm:spec_decode_(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", text, re.M):
+    for name, labels, value in re.findall(r"^vllm:spec_decode_(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", text, re.M):
         if name.endswith("_created"):  # prometheus-client's timestamp series
             continue
         position = re.search(r'position="(\d+)"', labels)

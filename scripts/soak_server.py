@@ -170,9 +170,10 @@ class Server:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
+    """Each series' value, summed over its label sets (finished_reason, engine)."""
+    out: dict[str, float] = {}
     for m in re.finditer(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", text, re.M):
-        out.setdefault(m.group(1), float(m.group(2)))
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
@@ -187,7 +188,7 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float) -> tuple[bool, di
     m = await get_metrics(client)
     while time.monotonic() < deadline:
         m = await get_metrics(client)
-        if (m.get("jaxllm:num_requests_running") == 0 and m.get("jaxllm:num_requests_waiting") == 0
+        if (m.get("vllm:num_requests_running") == 0 and m.get("vllm:num_requests_waiting") == 0
                 and m.get("jaxllm:kv_cache_blocks_used") == 0):
             return True, m
         await asyncio.sleep(0.25)
@@ -677,8 +678,8 @@ class Soak:
                 except TimeoutError:
                     m = await get_metrics(client)
                     print(f"  t={time.monotonic() - t0:5.0f} s  requests {len(self.outcomes):5d}  running "
-                          f"{m.get('jaxllm:num_requests_running', 0):.0f}  waiting {m.get('jaxllm:num_requests_waiting', 0):.0f}"
-                          f"  preemptions {m.get('jaxllm:num_preemptions_total', 0):.0f}", flush=True)
+                          f"{m.get('vllm:num_requests_running', 0):.0f}  waiting {m.get('vllm:num_requests_waiting', 0):.0f}"
+                          f"  preemptions {m.get('vllm:num_preemptions_total', 0):.0f}", flush=True)
 
         async def one_client(cid: int) -> None:
             rng = random.Random(self.args.seed * 1_000_003 + cid)
@@ -763,8 +764,8 @@ class Soak:
                    f"{left:.1%} left mid-stream, {mal:.1%} malformed")
 
     def check_idle(self, idle: bool, m: dict[str, float]) -> None:
-        detail = (f"running {m.get('jaxllm:num_requests_running')}, waiting {m.get('jaxllm:num_requests_waiting')}, "
-                  f"KV blocks held {m.get('jaxllm:kv_cache_blocks_used')}, usage {m.get('jaxllm:kv_cache_usage_perc')}")
+        detail = (f"running {m.get('vllm:num_requests_running')}, waiting {m.get('vllm:num_requests_waiting')}, "
+                  f"KV blocks held {m.get('jaxllm:kv_cache_blocks_used')}, usage {m.get('vllm:kv_cache_usage_perc')}")
         self.check("after the load: 0 running, 0 waiting, 0 KV blocks in use", idle, detail)
 
     def check_metrics(self, before: dict[str, float], after: dict[str, float]) -> None:
@@ -776,10 +777,10 @@ class Soak:
         hung = [o for o in self.outcomes if o.kind in ("hang", "broken") and not o.spec.malformed]
         uncertain = left + hung  # may or may not have finished in the engine
         rows = [
-            ("jaxllm:request_success_total", len(done), len(uncertain)),
-            ("jaxllm:prompt_tokens_total", sum(o.usage["prompt_tokens"] for o in done),
+            ("vllm:request_success_total", sum(o.spec.n for o in done), sum(o.spec.n for o in uncertain)),
+            ("vllm:prompt_tokens_total", sum(o.usage["prompt_tokens"] for o in done),
              sum(o.spec.prompt_tokens for o in uncertain)),
-            ("jaxllm:generation_tokens_total", sum(o.usage["completion_tokens"] for o in done),
+            ("vllm:generation_tokens_total", sum(o.usage["completion_tokens"] for o in done),
              sum(o.spec.n * o.spec.max_tokens for o in uncertain)),
         ]
         bad, parts = [], []
@@ -791,7 +792,7 @@ class Soak:
                 bad.append({"metric": name, "server": got, "client_min": exact, "client_max": exact + slack})
         self.info["metrics_vs_clients"] = parts
         self.check("/metrics counters agree with the clients' counts", not bad, "; ".join(parts), bad)
-        preemptions = delta("jaxllm:num_preemptions_total")
+        preemptions = delta("vllm:num_preemptions_total")
         self.info["preemptions"] = preemptions
         self.check("preemptions happened under the load", preemptions > 0, f"{preemptions:.0f} preemptions")
 
@@ -927,7 +928,7 @@ class Soak:
     async def wait_running(self, client: httpx.AsyncClient, n: int, timeout: float) -> bool:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
-            if (await get_metrics(client)).get("jaxllm:num_requests_running", 0) >= n:
+            if (await get_metrics(client)).get("vllm:num_requests_running", 0) >= n:
                 return True
             await asyncio.sleep(0.05)
         return False

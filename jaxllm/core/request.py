@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 from jaxllm.core.kv_cache_utils import BlockHash
 from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.core.structured_output import StructuredOutputRequest
+from jaxllm.core.token_filter import TokenFilter
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreRequest, FinishReason
 from jaxllm.pooling_params import PoolingParams
@@ -54,6 +56,9 @@ class Request:
             the scheduler schedules them after its last known token and drops them.
         num_output_placeholders: tokens sampled by steps still running (async
             scheduling): counted as the request's, their ids not yet known.
+        queued_at, queue_seconds: when the core received it, and how long it waited
+            before its first schedule (the queue-time metric; a preemption's wait is
+            not counted, as vLLM's).
         beam: the beam search group of a beam (None for other requests).
         new_to_runner: a beam forked from another: the runner gets it whole (all its
             tokens and its block table) at its next schedule.
@@ -88,8 +93,11 @@ class Request:
     new_to_runner: bool = False
     chosen_token: int | None = None
     pooling_params: PoolingParams | None = None
+    token_filter: TokenFilter | None = None  # allowed_token_ids, bad_words
     priority: int = 0  # the priority policy's: lower first
     arrival: int = 0  # the scheduler's count of requests added before it (ties of priority)
+    queued_at: float = field(default_factory=time.monotonic)
+    queue_seconds: float | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:
@@ -108,6 +116,7 @@ class Request:
             structured=None if req.sampling_params.structured_outputs is None
             else StructuredOutputRequest(req.sampling_params.structured_outputs),
             pooling_params=req.pooling_params,
+            token_filter=TokenFilter.of(req.sampling_params),
             priority=req.priority,
         )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -29,6 +30,7 @@ from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.core.structured_output import Grammar
+from jaxllm.core.token_filter import TokenFilter
 from jaxllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -278,6 +280,7 @@ class Scheduler:
         for request in running:
             known = request.num_tokens + request.num_output_placeholders
             if (request.spec_token_ids or request.structured is not None or request.beam is not None
+                    or request.token_filter is not None
                     or known - request.num_computed_tokens != 1 or self._waits_for_its_tokens(request)):
                 return 1
             below = request.sampling_params.min_tokens - request.num_output_tokens - request.num_output_placeholders
@@ -339,6 +342,19 @@ class Scheduler:
             row += 1 + len(drafts)
         return rows
 
+    def filtered_rows(self, sched: SchedulerOutput) -> list[tuple[int, TokenFilter, list[int], list[int]]]:
+        """(first sample row, token filter, output so far, draft tokens) of the scheduled
+        requests that sample under allowed_token_ids or bad_words this step (the rows of
+        `constrained_rows`)."""
+        rows, row = [], 0
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id, [])
+            if request.token_filter is not None and request.samples_this_step:
+                rows.append((row, request.token_filter, request.output_token_ids, list(drafts)))
+            row += 1 + len(drafts)
+        return rows
+
     def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int]):
         """Take the head of the waiting queue into the running batch with the prefix it
         can reuse and slots for its first chunk. None if the pool cannot hold that
@@ -363,6 +379,8 @@ class Scheduler:
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
+        if request.queue_seconds is None:
+            request.queue_seconds = time.monotonic() - request.queued_at
         if scores is not None:
             scores.fill(prefix.records, request.all_token_ids, request.num_prompt_tokens, kv.block_size, num_hit_tokens)
         new = self._new_request_data(request)
@@ -520,7 +538,8 @@ class Scheduler:
         del self.beam_groups[group.request_id]
         best = group.finished[0]
         return EngineCoreOutput(group.request_id, [], finish_reason=best.finish_reason, stop_reason=best.stop_reason,
-                                num_cached_tokens=max(group.num_cached_tokens, 0), beams=group.result())
+                                num_cached_tokens=max(group.num_cached_tokens, 0), beams=group.result(),
+                                queue_seconds=group.seed.queue_seconds)
 
     def _continue_beams(self, group: BeamGroup, choices: list[Choice]) -> None:
         """The group's next beams: a parent's first child continues as the parent itself
@@ -660,7 +679,8 @@ class Scheduler:
             logprobs = result.logprobs.get(req_id)
             logprobs = None if logprobs is None else logprobs.first(len(new_tokens))
             outputs.append(self._output(request, new_tokens, logprobs, prompt_logprobs))
-        return EngineCoreOutputs(outputs=outputs, stats=self.make_stats())
+        step_tokens = sched.total_num_scheduled_tokens + sum(sched.decode_steps.values()) - len(sched.decode_steps)
+        return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), step_tokens=step_tokens)
 
     def _reject_drafts(self, request: Request, drafts: list[int] | None, tokens: list[int]) -> int:
         """The draft tokens the step computed for `request` past those it accepted (the
@@ -748,6 +768,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_seconds=request.queue_seconds,
         )
 
     def make_stats(self) -> SchedulerStats:

@@ -54,13 +54,13 @@ class AsyncLLM:
         shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)  # the core's hand-over copy, now loaded
         self.input_processor = InputProcessor(self.tokenizer, eos_token_id=ready.eos_token_id,
                                               vocab_size=ready.vocab_size, max_model_len=ready.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(model_name, ready.block_size, config.max_loras if config.enable_lora else 0)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self.metrics = EngineMetrics(model_name, ready.block_size, ready.max_model_len, ready.num_blocks,
+                                     config.max_loras if config.enable_lora else 0)
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self.core_died = asyncio.Event()  # set when the core process fails or exits on its own
         self._streams: dict[str, asyncio.Queue] = {}
-        self._num_generated: dict[str, int] = {}  # tokens delivered so far, per request
         self._lora_ops: dict[int, tuple[asyncio.Future, list[str | None]]] = {}  # op id -> (done, replies so far)
         self._next_lora_op = 0
         self._loop = asyncio.get_running_loop()
@@ -135,13 +135,13 @@ class AsyncLLM:
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            self._num_generated.pop(request_id, None)
             if not finished:
                 self.abort(request_id, [c.request_id for c in children])
 
     def abort(self, request_id: str, core_ids: list[str]) -> None:
         """Stop tracking a request and abort its core requests."""
         self.output_processor.abort_requests([request_id])
+        self.metrics.observe_iteration(self.output_processor.take_stats())
         if self.dead_reason is None:
             self.client.send(wire.ABORT, core_ids)
 
@@ -189,6 +189,7 @@ class AsyncLLM:
             state = self.output_processor.request_states.get(payload.request_id)
             request_id = state.parent.request_id if state and state.parent else payload.request_id
             self.output_processor.abort_requests([request_id])
+            self.metrics.observe_iteration(self.output_processor.take_stats())
             self._deliver(request_id, RequestRejected(payload.message))
         elif kind == wire.LORA_RESULT:
             self._on_lora_result(payload.op_id, payload.error)
@@ -205,18 +206,12 @@ class AsyncLLM:
         if outputs.stats is not None:
             self.stats = outputs.stats
             self.metrics.observe_stats(outputs.stats, outputs.replica_stats, outputs.replica_report_ages)
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.metrics.observe_step(outputs.engine_index, outputs.step_tokens)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.engine_index)
+        self.metrics.observe_iteration(self.output_processor.take_stats())
         if processed.reqs_to_abort:
             self.client.send(wire.ABORT, processed.reqs_to_abort)
         for output in processed.request_outputs:
-            # DELTA outputs carry new tokens, FINAL_ONLY all of them once: either way the sum
-            generated = 0 if isinstance(output, PoolingRequestOutput) else sum(len(c.token_ids) for c in output.outputs)
-            num = self._num_generated.get(output.request_id, 0) + generated
-            if output.finished:
-                self._num_generated.pop(output.request_id, None)
-                self.metrics.observe_finished(output, num)
-            else:
-                self._num_generated[output.request_id] = num
             self._deliver(output.request_id, output)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:

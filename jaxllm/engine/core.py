@@ -44,7 +44,7 @@ from jaxllm.reasoning import PARSERS as REASONING_PARSERS
 from jaxllm.reasoning import ThinkingState
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import DraftModelProposer
-from jaxllm.structured_output.manager import StructuredOutputManager
+from jaxllm.structured_output.manager import StructuredOutputManager, apply_token_filters, bitmask_width
 from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
 from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig
 
@@ -470,7 +470,7 @@ class EngineCore:
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
             self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
-            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
+            bitmask = self._bitmask(sched)
             if self.executor is not None:  # every process runs the step (jaxllm.engine.ray_executor)
                 self.executor.send(sched, bitmask)
             result = self.runner.execute_model(sched, bitmask)
@@ -494,7 +494,7 @@ class EngineCore:
         if sched.is_empty and self.scheduler.waiting and self._in_flight is None:
             self.structured_outputs.wait_for_compiles(timeout=0.1)
         try:
-            bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
+            bitmask = self._bitmask(sched)
             flight = self.runner.dispatch(sched, bitmask)
         except Exception:
             self.scheduler.fail_step(sched)
@@ -512,11 +512,21 @@ class EngineCore:
         self._in_flight = None if flight is None else (sched, flight)
         return outputs if outputs is not None else EngineCoreOutputs([], self.scheduler.make_stats())
 
+    def _bitmask(self, sched) -> np.ndarray | None:
+        """The step's token bitmask: the grammars' and the token filters' (allowed_token_ids,
+        bad_words); None when no row is constrained."""
+        bitmask = self.structured_outputs.bitmask(self.scheduler.constrained_rows(sched), sched.num_sample_rows)
+        return apply_token_filters(bitmask, self.scheduler.filtered_rows(sched), sched.num_sample_rows,
+                                   bitmask_width(self.structured_outputs.vocab_size))
+
     def _tokens_needed(self) -> bool:
         """Whether the next schedule needs the ids of the step in flight: a request
         under a grammar samples with a bitmask made from its tokens so far; a beam
-        search decides its next beams from the step's candidates."""
-        return bool(self.scheduler.beam_groups) or any(r.structured is not None for r in self.scheduler.requests.values())
+        search decides its next beams from the step's candidates; a bad word of several
+        tokens is masked after its first ones."""
+        return bool(self.scheduler.beam_groups) or any(
+            r.structured is not None or (r.token_filter is not None and r.token_filter.needs_tokens)
+            for r in self.scheduler.requests.values())
 
     def _collect(self) -> EngineCoreOutputs:
         """Wait for the step in flight; its requests' outputs (aborted if it fails)."""

@@ -30,7 +30,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.protocol import EngineCoreReady
 from jaxllm.engine.ray_replicas import RayCoreClient
-from jaxllm.messages import EngineCoreOutputs, SchedulerStats
+from jaxllm.messages import SchedulerStats
 
 PREFIX_TOKENS = 16  # the prompt tokens that key prefix affinity (one KV block)
 MAX_PREFIXES = 4096  # prefixes remembered (least recently routed dropped first)
@@ -155,7 +155,9 @@ class DataParallelClient:
                 if payload.stats is not None:
                     self._stats[replica] = payload.stats
                     ages = [self._reported[replica] - t for t in self._reported]
-                    payload = EngineCoreOutputs(payload.outputs, sum_stats(self._stats), list(self._stats), ages)
+                    payload = dataclasses.replace(payload, stats=sum_stats(self._stats), replica_stats=list(self._stats),
+                                                  replica_report_ages=ages)
+                payload.engine_index = replica
         elif kind == wire.REJECTED:
             with self._lock:
                 if self._owner.pop(payload.request_id, None) is not None:

@@ -99,6 +99,9 @@ class InputProcessor:
             params = POOLING_SAMPLING
         else:
             text, ids = self.tokenize(prompt, add_special_tokens)
+            text, ids = self.keep_last(text, ids, params.truncate_prompt_tokens)
+            if params.bad_words:
+                params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -114,6 +117,33 @@ class InputProcessor:
         return request, text
 
 
+    def keep_last(self, text: str | None, ids: list[int], limit: int | None) -> tuple[str | None, list[int]]:
+        """A generation prompt's last `limit` tokens (vLLM's truncate_prompt_tokens for
+        generation: the end is what the next token continues; -1: max_model_len - 1,
+        room for one token); a cut text is the kept tokens' decoding."""
+        if limit is None:
+            return text, ids
+        keep = self.max_model_len - 1 if limit == -1 else limit
+        if keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {limit} leaves no room to generate in this model's context "
+                             f"({self.max_model_len} tokens); use at most {self.max_model_len - 1}, or -1")
+        if len(ids) <= keep:
+            return text, ids
+        ids = ids[-keep:]
+        return self.tokenizer.decode(ids), ids
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as the tokenizer spells it alone and after a space
+        (both are banned; vLLM's bad_words)."""
+        out: list[list[int]] = []
+        for word in words:
+            for spelled in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(spelled, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+
 def normalize_message(message: Message) -> Message:
     """A message with string content; OpenAI text parts are joined."""
     if "role" not in message:
@@ -122,6 +152,9 @@ def normalize_message(message: Message) -> Message:
     if isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") not in ("text", None):
+                raise ValueError(f"messages: a content part of type {part.get('type')!r} is not supported by this "
+                                 "model (it reads text parts only)")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: content parts must be {'type': 'text', 'text': ...}")
             texts.append(part["text"])

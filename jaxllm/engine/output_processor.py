@@ -33,6 +33,8 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from jaxllm.outputs import (
     CompletionOutput,
+    FinishedRequestStats,
+    IterationStats,
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
@@ -113,6 +115,8 @@ class ParentRequest:
     completions: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
     num_finished: int = 0
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)  # of finished children, for the metrics
+    sample_tokens: list[int] = dataclasses.field(default_factory=list)  # and their generated tokens
 
     @classmethod
     def from_request(cls, request: EngineCoreRequest) -> ParentRequest:
@@ -227,6 +231,8 @@ class RequestState:
     params: SamplingParams | None = None
     num_cached_tokens: int = 0
     num_tokens_sent: int = 0  # DELTA: token ids already sent
+    engine_index: int = 0  # the data-parallel replica running it (the metrics' engine label)
+    last_token_time: float | None = None  # this sequence's latest token (inter-token latency)
 
     def make_completion(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput:
         """This completion as the user sees it now (advances the DELTA offsets)."""
@@ -259,10 +265,23 @@ class OutputProcessor:
     finish, stop string, or abort); later core outputs for it are ignored.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, log_stats: bool = False) -> None:
+        """`log_stats`: keep IterationStats for the serving metrics (`take_stats`)."""
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        self.log_stats = log_stats
+        self._stats: dict[int, IterationStats] = {}  # by engine index, since take_stats
+
+    def take_stats(self) -> dict[int, IterationStats]:
+        """What happened since the last call, per engine (data-parallel replica)."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def _stats_of(self, state: RequestState) -> IterationStats | None:
+        if not self.log_stats:
+            return None
+        return self._stats.setdefault(state.engine_index, IterationStats())
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished core requests (an n > 1 request counts its unfinished children)."""
@@ -298,18 +317,17 @@ class OutputProcessor:
             params=request.sampling_params,
         )
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Detokenize, check stop strings, and make the RequestOutputs that are due."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_index: int = 0) -> ProcessedOutputs:
+        """Detokenize, check stop strings, and make the RequestOutputs that are due
+        (`engine_index`: the data-parallel replica that sent `outputs`)."""
         processed = ProcessedOutputs(request_outputs=[], reqs_to_abort=[])
         now = time.monotonic()
         for output in outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue
-            if output.new_token_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
+            state.engine_index = engine_index
+            self._record_times(state, output, now)
             state.num_cached_tokens = output.num_cached_tokens
             if output.beams is not None:
                 processed.request_outputs.append(self._emit_beams(state, output, now))
@@ -323,6 +341,8 @@ class OutputProcessor:
             if kept < len(output.new_token_ids) and output.new_logprobs is not None:
                 output = dataclasses.replace(output, new_logprobs=output.new_logprobs.first(kept))
             state.logprobs.update(output)
+            if (stats := self._stats_of(state)) is not None:
+                stats.num_generation_tokens += kept
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             if stop_string is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
@@ -334,6 +354,43 @@ class OutputProcessor:
             if request_output is not None:
                 processed.request_outputs.append(request_output)
         return processed
+
+    def _record_times(self, state: RequestState, output: EngineCoreOutput, now: float) -> None:
+        """The request's first schedule (from the core's queue time) and token times;
+        with log_stats, its first-token and inter-token latencies."""
+        m = state.metrics
+        if m.first_scheduled_time is None and output.queue_seconds is not None:
+            m.first_scheduled_time = m.arrival_time + output.queue_seconds
+        if not output.new_token_ids and output.beams is None:
+            return
+        stats = self._stats_of(state)
+        if m.first_token_time is None:
+            m.first_token_time = now
+            if stats is not None:
+                stats.time_to_first_tokens.append(now - m.arrival_time)
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+        elif stats is not None and state.last_token_time is not None:
+            stats.inter_token_latencies.append(now - state.last_token_time)
+        m.last_token_time = state.last_token_time = now
+
+    def _record_finished(self, state: RequestState, finish_reason: FinishReason, now: float) -> None:
+        """A sequence finished: with log_stats, its request's FinishedRequestStats once
+        all its sequences have (an n > 1 request's, when its last child finishes)."""
+        parent = state.parent
+        if parent is None or parent.finished:
+            state.metrics.finished_time = now
+        if (stats := self._stats_of(state)) is None:
+            return
+        reasons, tokens = [str(finish_reason)], [len(state.detokenizer.token_ids)]
+        if parent is not None:
+            parent.finish_reasons += reasons
+            parent.sample_tokens += tokens
+            if not parent.finished:
+                return
+            reasons, tokens = parent.finish_reasons, parent.sample_tokens
+        max_tokens = None if state.params is None else state.params.max_tokens
+        stats.finished.append(FinishedRequestStats(state.metrics, len(state.prompt_token_ids), reasons, tokens,
+                                                   len(reasons), max_tokens))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish the named requests with finish_reason "abort" (held-back text is
@@ -366,8 +423,12 @@ class OutputProcessor:
                 index=i, text=text.get_next_output_text(finished=True, delta=False), token_ids=list(beam.token_ids),
                 cumulative_logprob=beam.cum_logprob, finish_reason=str(beam.finish_reason),
                 stop_reason=beam.stop_reason))
-        state.metrics.first_token_time = state.metrics.first_token_time or now
-        state.metrics.last_token_time = state.metrics.finished_time = now
+        state.metrics.finished_time = now
+        if (stats := self._stats_of(state)) is not None:
+            stats.num_generation_tokens += sum(len(c.token_ids) for c in completions)
+            stats.finished.append(FinishedRequestStats(
+                state.metrics, len(state.prompt_token_ids), [c.finish_reason for c in completions],
+                [len(c.token_ids) for c in completions], state.params.n, state.params.max_tokens))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=completions, finished=True, num_cached_tokens=state.num_cached_tokens,
                              metrics=state.metrics)
@@ -376,6 +437,8 @@ class OutputProcessor:
         """A finished pooling request: its vector(s) as a float32 array."""
         del self.request_states[state.request_id]
         state.metrics.finished_time = now  # no token: no first-token time
+        if (stats := self._stats_of(state)) is not None:
+            stats.finished.append(FinishedRequestStats(state.metrics, len(state.prompt_token_ids), ["stop"], [0]))
         data = np.frombuffer(output.pooled.data, "<f4").reshape(output.pooled.shape)
         return PoolingRequestOutput(state.request_id, PoolingOutput(data), state.prompt_token_ids, True, state.prompt,
                                     state.metrics)
@@ -393,6 +456,7 @@ class OutputProcessor:
                 parent.num_finished += 1
                 if parent.finished:
                     del self.parent_requests[parent.request_id]
+            self._record_finished(state, finish_reason, now)
         if state.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completion = state.make_completion(finish_reason, stop_reason)
@@ -411,8 +475,6 @@ class OutputProcessor:
                 prompt_logprobs = parent.prompt_logprobs
                 if state.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
                     return None
-        if finished:
-            state.metrics.finished_time = now
         return RequestOutput(
             request_id=parent.request_id if parent is not None else state.request_id,
             prompt=state.prompt,

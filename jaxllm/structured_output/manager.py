@@ -22,6 +22,7 @@ import numpy as np
 from jaxtyping import Int
 
 from jaxllm.core.structured_output import StructuredOutputRequest
+from jaxllm.core.token_filter import TokenFilter
 from jaxllm.reasoning import ThinkingState
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,39 @@ class GuidanceGrammar:
 
 def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
+
+
+def _set_bits(words: Int[np.ndarray, " W"], tokens, value: bool) -> None:
+    for t in tokens:
+        bit = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        if value:
+            words[t // 32] |= bit
+        else:
+            words[t // 32] &= ~bit
+
+
+def token_filter_mask(f: TokenFilter, output: list[int], width: int) -> Int[np.ndarray, " W"]:
+    """The bitmask row of a token filter for the token after `output`."""
+    if f.allowed is None:
+        words = np.full(width, -1, np.int32)
+    else:
+        words = np.zeros(width, np.int32)
+        _set_bits(words, f.allowed, True)
+    _set_bits(words, f.banned(output), False)
+    return words
+
+
+def apply_token_filters(bitmask: Int[np.ndarray, "N W"] | None, rows: list[tuple[int, TokenFilter, list[int], list[int]]],
+                        num_rows: int, width: int) -> Int[np.ndarray, "N W"] | None:
+    """`bitmask` (None: everything allowed) with each (first row, filter, output, drafts)
+    ANDed in: rows row .. row + len(drafts), after the output and each draft in turn."""
+    if not rows:
+        return bitmask
+    words = np.full((num_rows, width), -1, np.int32) if bitmask is None else bitmask
+    for row, f, output, drafts in rows:
+        for i in range(1 + len(drafts)):
+            words[row + i] &= token_filter_mask(f, output + drafts[:i], width)
+    return words
 
 
 class StructuredOutputManager:

@@ -50,7 +50,7 @@ def test_dp2_tp2_through_the_server_equals_one_device(test_models_dir, tmp_path,
     server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "-tp", "2", "--served-model-name", "tiny")
     try:
         served = served_texts(server, PROMPTS)
-        queried = [replica_metric(server, "jaxllm:replica_prefix_cache_queries", i) for i in (0, 1)]
+        queried = [replica_metric(server, "vllm:prefix_cache_queries_total", i) for i in (0, 1)]
         assert all(q > 0 for q in queried), queried  # both replicas scored prompts
     finally:
         server.stop()

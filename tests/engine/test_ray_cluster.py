@@ -118,9 +118,9 @@ def test_replicas_on_the_cluster_serve_as_one(cluster, test_models_dir, tmp_path
                     "--served-model-name", "tiny")
     try:
         served = served_texts(server, PROMPTS)
-        queried = [replica_metric(server, "jaxllm:replica_prefix_cache_queries", i) for i in (0, 1)]
+        queried = [replica_metric(server, "vllm:prefix_cache_queries_total", i) for i in (0, 1)]
         assert all(q > 0 for q in queried), queried  # both replicas scored prompts
-        ages = [replica_metric(server, "jaxllm:replica_seconds_since_report", i) for i in (0, 1)]
+        ages = [replica_metric(server, "jaxllm:seconds_since_report", i) for i in (0, 1)]
         assert all(0 <= a < 5 for a in ages), ages
     finally:
         server.stop()

@@ -49,16 +49,17 @@ def server(test_models_dir, cache_dir):
 
 
 def metric(server: Server, name: str) -> float:
+    """A series' value, summed over its label sets (finished_reason, engine)."""
     text = httpx.get(f"{server.url}/metrics").text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert m, name
-    return float(m.group(1))
+    values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert values, name
+    return sum(map(float, values))
 
 
 def wait_idle(server: Server, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metric(server, "jaxllm:num_requests_running") == 0 and metric(server, "jaxllm:kv_cache_usage_perc") == 0:
+        if metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0:
             return
         time.sleep(0.2)
     raise AssertionError("engine did not return to idle")
@@ -199,7 +200,7 @@ def test_async_client(server):
 def test_open_endpoints_and_tokenize(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "version" in httpx.get(f"{server.url}/version").json()
-    assert "jaxllm:num_requests_running" in httpx.get(f"{server.url}/metrics").text
+    assert "vllm:num_requests_running" in httpx.get(f"{server.url}/metrics").text
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
     auth = {"Authorization": f"Bearer {API_KEY}"}
@@ -238,6 +239,84 @@ def assert_echo_scores(lp: dict, ids: list[int], want, k: int) -> None:
         assert lp["tokens"][i] == entry[token].decoded_token
     offsets = lp["text_offset"]
     assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp["tokens"]))
+
+
+# The series vLLM's Grafana dashboard (examples/observability/prometheus_grafana/grafana.json
+# in vllm-project/vllm) queries, each filtered by model_name; and the rest of vLLM's
+# request histograms.
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+VLLM_HISTOGRAMS = [
+    "request_time_per_output_token_seconds", "request_inference_time_seconds", "request_params_n",
+    "request_params_max_tokens", "iteration_tokens_total",
+]
+
+
+def series(server: Server) -> dict[tuple[str, frozenset], float]:
+    """/metrics as (name, labels) -> value."""
+    out = {}
+    for name, labels, value in re.findall(r"^([\w:]+)\{([^}]*)\} (\S+)$", httpx.get(f"{server.url}/metrics").text,
+                                          re.M):
+        out[name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels))] = float(value)
+    return out
+
+
+def test_vllm_dashboard_series_after_traffic(server):
+    """Every series vLLM's Grafana dashboard queries exists under vLLM's name with the
+    model_name and engine labels, and the counters and histograms moved by what the
+    client saw: tokens, finish reasons per returned sequence, one latency sample per
+    request, n and max_tokens."""
+    wait_idle(server)
+    before = series(server)
+    client = server.client()
+    answers = [client.completions.create(model="tiny", prompt="Count: one two", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True}),
+               client.completions.create(model="tiny", prompt="Colors: red", max_tokens=4, n=2, temperature=1,
+                                         seed=3, extra_body={"ignore_eos": True}),
+               client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, temperature=0, extra_body={"ignore_eos": True})]
+    wait_idle(server)
+    after = series(server)
+    labels = {("model_name", "tiny"), ("engine", "0")}
+    for name in DASHBOARD_SERIES + [f"vllm:{h}_{part}" for h in VLLM_HISTOGRAMS for part in ("bucket", "sum", "count")]:
+        assert any(n == name and labels <= ls for n, ls in after), name
+
+    def delta(name: str, **extra) -> float:
+        keys = [k for k in after if k[0] == name and labels | set(extra.items()) <= k[1]]
+        return sum(after[k] - before.get(k, 0.0) for k in keys)
+
+    prompt = sum(a.usage.prompt_tokens for a in answers)
+    generated = sum(a.usage.completion_tokens for a in answers)
+    assert generated == 5 + 8 + 6
+    assert delta("vllm:prompt_tokens_total") == delta("vllm:request_prompt_tokens_sum") == prompt
+    assert delta("vllm:generation_tokens_total") == delta("vllm:request_generation_tokens_sum") == generated
+    assert delta("vllm:request_success_total", finished_reason="length") == 4
+    assert delta("vllm:request_success_total") == 4
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 5 + 4 + 6
+    assert delta("vllm:request_params_n_sum") == 1 + 2 + 1
+    assert delta("vllm:request_params_max_tokens_sum") == 5 + 4 + 6
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert delta(f"vllm:{name}_count") == 3, name
+        assert delta(f"vllm:{name}_bucket", le="+Inf") == 3, name
+    e2e = delta("vllm:e2e_request_latency_seconds_sum")
+    parts = delta("vllm:request_queue_time_seconds_sum") + delta("vllm:request_inference_time_seconds_sum")
+    assert 0 < parts <= e2e + 1e-6
+    assert delta("vllm:request_decode_time_seconds_sum") <= delta("vllm:request_inference_time_seconds_sum")
+    # a sequence's outputs after its first: at least one gap each (tokens come in steps of up to 4)
+    assert delta("vllm:inter_token_latency_seconds_count") >= 4
+    assert delta("vllm:iteration_tokens_total_sum") >= generated - 4  # each token but a sequence's last is fed back
+    assert after["vllm:num_requests_running", frozenset(labels)] == 0
 
 
 def test_echo_logprobs_score_the_prompt(server, offline):
@@ -335,6 +414,41 @@ def stream_choices(server, path: str, body: dict) -> dict[int, dict]:
     return merged
 
 
+def test_vllm_request_fields(server, offline):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens give the offline
+    engine's tokens; return_tokens_as_token_ids names tokens "token_id:N"; chat's echo
+    starts the answer with the assistant's last message; a non-text content part is a
+    400 naming its type."""
+    from jaxllm import SamplingParams
+
+    ids = list(range(10, 80))
+    fields = {"allowed_token_ids": [5, 17, 99, 250], "bad_words": ["the", "ing"], "truncate_prompt_tokens": 20}
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **fields),
+                            use_tqdm=False)[0]
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                         "logprobs": 2, "return_tokens_as_token_ids": True, **fields})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]
+    assert got["tokens"] == [f"token_id:{t}" for t in want.outputs[0].token_ids]
+    assert set(want.outputs[0].token_ids) <= set(fields["allowed_token_ids"])
+    assert r.json()["usage"]["prompt_tokens"] == 20
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": "Hello"}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", body | {"echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Hello" + plain
+    chunks = stream_choices(server, "/v1/chat/completions", body | {"echo": True})
+    assert chunks[0]["text"] == echoed
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]})
+    assert r.status_code == 400 and "'image_url' is not supported" in r.json()["error"]["message"], r.text
+    chat = post(server, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 3, "logprobs": True,
+                                                 "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
 def test_beam_search_on_both_endpoints(server, offline):
     """use_beam_search with n as the width (vLLM's extras): n choices, best first, the
     offline engine's beams; usage counts the returned sequences; a stream sends them
@@ -345,7 +459,7 @@ def test_beam_search_on_both_endpoints(server, offline):
     want = offline.beam_search(text, BeamSearchParams(3, 6, length_penalty=0.5))[0].sequences
     body = {"prompt": text, "use_beam_search": True, "n": 3, "max_tokens": 6, "length_penalty": 0.5}
     wait_idle(server)
-    finished, generated = (metric(server, f"jaxllm:{m}_total") for m in ("request_success", "generation_tokens"))
+    finished, generated = (metric(server, f"vllm:{m}_total") for m in ("request_success", "generation_tokens"))
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
@@ -354,8 +468,8 @@ def test_beam_search_on_both_endpoints(server, offline):
     assert [c["finish_reason"] for c in choices] == [s.finish_reason for s in want]
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == sum(len(s.output_token_ids) for s in want)
-    assert metric(server, "jaxllm:request_success_total") == finished + 1  # one request, its returned tokens
-    assert metric(server, "jaxllm:generation_tokens_total") == generated + usage["completion_tokens"]
+    assert metric(server, "vllm:request_success_total") == finished + 3  # its returned sequences, and their tokens
+    assert metric(server, "vllm:generation_tokens_total") == generated + usage["completion_tokens"]
     streamed = stream_choices(server, "/v1/completions", body)
     assert [streamed[i]["text"] for i in range(3)] == [s.output_text for s in want]
     messages = [{"role": "user", "content": "Name a color."}]
@@ -613,7 +727,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
     import concurrent.futures
 
     wait_idle(server)
-    before = metric(server, "jaxllm:generation_tokens_total")
+    before = metric(server, "vllm:generation_tokens_total")
     body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
     def leave() -> None:
@@ -623,7 +737,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: leave(), range(8)))
     wait_idle(server)
-    generated = metric(server, "jaxllm:generation_tokens_total") - before
+    generated = metric(server, "vllm:generation_tokens_total") - before
     assert generated < 8 * 240, generated  # all 8 run to the end if nobody aborts them
 
 
@@ -692,7 +806,7 @@ def test_queue_full_is_503_and_server_recovers(test_models_dir, cache_dir):
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
                 body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
                 busy = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(7)]
-                while metric(s, "jaxllm:num_requests_running") < 7:
+                while metric(s, "vllm:num_requests_running") < 7:
                     await asyncio.sleep(0.05)
                 # admission counts sequences: n=2 needs two of the one place left
                 two = await client.post("/v1/completions", json=body | {"n": 2})
@@ -771,7 +885,7 @@ def test_dead_engine_core(test_models_dir, cache_dir):
                             lines.append(line)
 
                 stream = asyncio.create_task(streamed())
-                while metric(s, "jaxllm:num_requests_running") < 2:
+                while metric(s, "vllm:num_requests_running") < 2:
                     await asyncio.sleep(0.01)
                 os.kill(core, signal.SIGSTOP)  # hung: busy but silent
                 await asyncio.sleep(2.5)

@@ -322,7 +322,7 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
             complete("a2")
         assert post("load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a2"].lora_path}).status_code == 200
         assert complete("a2") == want["a2"] and complete("tiny") == want[None]
-        info = re.search(r'^jaxllm:lora_requests_info\{(.*)\} ', httpx.get(f"{server.url}/metrics").text, re.M)
+        info = re.search(r'^vllm:lora_requests_info\{(.*)\} ', httpx.get(f"{server.url}/metrics").text, re.M)
         assert info and 'max_lora="1"' in info.group(1) and 'waiting_lora_adapters=""' in info.group(1)
         assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
     finally:

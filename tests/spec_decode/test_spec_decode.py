@@ -408,15 +408,15 @@ def test_cli_flag_and_metrics():
     with pytest.raises(ValueError, match="speculative_config: num_speculative_tokens must be a positive"):
         from_cli_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}']))
 
-    metrics = EngineMetrics("m", 16)
+    metrics = EngineMetrics("m", 16, 256)
     totals = SpecDecodingStats().observe(3, 2).observe(2, 0)
     metrics.observe_stats(SchedulerStats(spec_decoding=totals))
     metrics.observe_stats(SchedulerStats(spec_decoding=totals.observe(3, 3)))
     text = metrics.render().decode()
     for name, value in [("num_drafts_total", 3), ("num_draft_tokens_total", 8), ("num_accepted_tokens_total", 5)]:
-        assert f'jaxllm:spec_decode_{name}{{model_name="m"}} {value}.0' in text
+        assert f'vllm:spec_decode_{name}{{engine="0",model_name="m"}} {value}.0' in text
     for position, value in enumerate([2, 2, 1]):
-        assert (f'jaxllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{position}"}} '
                 f'{value}.0') in text
     assert totals.observe(3, 3).mean_acceptance_length == 1 + 5 / 3
 
@@ -446,9 +446,9 @@ def test_server_speculates_as_configured(test_models_dir, tmp_path):
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[0]
         text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         values = {name: float(value) for name, value in
-                  re.findall(r"^(jaxllm:spec_decode_\w+?)(?:_total)?\{[^}]*\} (\S+)$", text, re.M)}
-        assert values["jaxllm:spec_decode_num_draft_tokens"] >= values["jaxllm:spec_decode_num_accepted_tokens"] > 0
-        assert values["jaxllm:spec_decode_num_drafts"] > 0
+                  re.findall(r"^(vllm:spec_decode_\w+?)(?:_total)?\{[^}]*\} (\S+)$", text, re.M)}
+        assert values["vllm:spec_decode_num_draft_tokens"] >= values["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert values["vllm:spec_decode_num_drafts"] > 0
     finally:
         server.stop()
 

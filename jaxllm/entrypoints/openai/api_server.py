@@ -238,7 +238,7 @@ class Handlers:
         self._next_lora_id = max((lora.lora_int_id for lora in settings.lora_modules), default=0) + 1
         self._lora_lock = asyncio.Lock()  # one load or unload at a time
         self.responses = responses.ResponseStore(settings.responses_store_size,
-                                                 lambda: self.engine.metrics.responses_evicted.inc())
+                                                 lambda: self.engine.metrics.responses_evicted(0).inc())
 
     # ------------------------------------------------------------ checks
 
@@ -301,11 +301,13 @@ class Handlers:
         params.check_beam_width(self.settings.max_num_seqs)
         return params
 
-    def prepare(self, prompt, add_special_tokens: bool, max_tokens: int | None) -> tuple[list[int], str | None]:
-        """Tokenize and check a prompt now, so a bad one is a 400 before anything runs;
-        `max_tokens` (None: up to the context) must fit after it, as in vLLM."""
-        engine = self.engine
+    def prepare(self, prompt, add_special_tokens: bool, params: SamplingParams) -> tuple[list[int], str | None]:
+        """Tokenize and check a prompt now, so a bad one is a 400 before anything runs
+        (its last truncate_prompt_tokens kept); max_tokens (None: up to the context)
+        must fit after it, as in vLLM."""
+        engine, max_tokens = self.engine, params.max_tokens
         text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
+        text, ids = engine.input_processor.keep_last(text, ids, params.truncate_prompt_tokens)
         n, limit = len(ids), engine.ready.max_model_len
         check_prompt(ids, vocab_size=engine.ready.vocab_size, max_model_len=limit)
         if max_tokens is not None and n + max_tokens > limit:
@@ -340,14 +342,15 @@ class Handlers:
         rid = serving.new_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
-            ids, text = self.prepare(prompt, True, params.max_tokens)
+            ids, text = self.prepare(prompt, True, params)
             jobs.append(serving.Job(f"{rid}-{i}", ids, text, i * params.n, self.lora_for(body.model),
                                     body.cache_salt, body.priority))
             self.log_request(jobs[-1].request_id, text if text is not None else ids, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def run():
-            shape = serving.CompletionShape(self.engine, body.echo, body.logprobs, body.prompt_logprobs)
+            shape = serving.CompletionShape(self.engine, body.echo, body.logprobs, body.prompt_logprobs,
+                                            body.return_tokens_as_token_ids)
             return serving.completions(self.engine, rid, jobs, params, model=self.model_name(body.model), shape=shape,
                                        stream=body.stream, include_usage=include_usage)
 
@@ -366,17 +369,18 @@ class Handlers:
         prompt = self.engine.input_processor.render_chat(
             body.message_dicts(), tools=body.tool_dicts(), chat_template_kwargs=self.template_kwargs(
                 body.chat_template_kwargs), **body.render_options())
-        ids, _ = self.prepare(prompt, False, params.max_tokens)
+        ids, _ = self.prepare(prompt, False, params)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
                           body.priority)
         self.log_request(job.request_id, prompt, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        thinking = self.thinking(prompt, body.include_reasoning)
+        shape = serving.ChatShape(body.top_logprobs or 0, body.prompt_logprobs, tool_mode,
+                                  self.thinking(prompt, body.include_reasoning), body.echoed(),
+                                  body.return_tokens_as_token_ids)
 
         def run():
             return serving.chat(self.engine, job, params, model=self.model_name(body.model), stream=body.stream,
-                                include_usage=include_usage, num_top_logprobs=body.top_logprobs or 0,
-                                num_prompt_logprobs=body.prompt_logprobs, tool_mode=tool_mode, thinking=thinking)
+                                include_usage=include_usage, shape=shape)
 
         return await respond(await (run() if body.stream else until_disconnect(request, run)))
 
@@ -465,7 +469,7 @@ class Handlers:
         prompt = self.engine.input_processor.render_chat([tools.history_message(m) for m in messages],
                                                          tools=chat_tools or None,
                                                          chat_template_kwargs=self.template_kwargs(None))
-        ids, _ = self.prepare(prompt, False, params.max_tokens)
+        ids, _ = self.prepare(prompt, False, params)
         reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
                                 self.thinking(prompt, True), self.reasoning_end_id, self.responses, body.tools or [])
         job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxllm.entrypoints.openai import tools
 from jaxllm.pooling_params import PoolingParams
@@ -100,6 +100,10 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: all that fit)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     # beam search (vLLM's extras): n is the beam width; the n best sequences come back,
     # best first (a stream sends them when the search ends)
     use_beam_search: bool = False
@@ -161,6 +165,9 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint or self._constraint(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
         )
@@ -207,6 +214,19 @@ class TextPart(BaseModel):
     text: str
 
 
+def text_parts(parts: list[Any]) -> list[TextPart]:
+    """A message's content parts: text parts are joined later; any other type (an image,
+    audio, a file) is refused by name, as this engine reads text only."""
+    out = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"part {i}: a content part of type {kind!r} is not supported: this model reads text "
+                             "parts only")
+        out.append(TextPart.model_validate(part))
+    return out
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -229,6 +249,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, content: Any) -> Any:
+        return text_parts(content) if isinstance(content, list) else content
 
 
 class FunctionDefinition(BaseModel):
@@ -270,6 +295,15 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # vLLM's: this request's Jinja template in place of the model's
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     include_reasoning: bool = True  # with a reasoning parser: return the thinking
+    echo: bool = False  # vLLM's: the answer starts with the last message's content, when that is the assistant's
+
+    def echoed(self) -> str:
+        """What the answer starts with (echo): the last message's text if it is the
+        assistant's, as vLLM does; else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content)
 
     def render_options(self) -> dict:
         """How the conversation is rendered: ValueError for vLLM's refused combination."""

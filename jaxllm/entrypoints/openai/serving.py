@@ -15,7 +15,7 @@ from jaxllm.engine.output_processor import RequestOutputKind
 from jaxllm.entrypoints.openai.errors import APIError
 from jaxllm.entrypoints.openai.tools import ToolMode, ToolStream
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from jaxllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.reasoning import ReasoningParser, ReasoningSplitter
 from jaxllm.reasoning import split as split_reasoning
 from jaxllm.sampling_params import SamplingParams
@@ -109,24 +109,31 @@ def _clamp(logprob: float) -> float:
     return max(logprob, MIN_JSON_LOGPROB)
 
 
+def token_text(token_id: int, lp: Logprob, as_id: bool) -> str:
+    """A token as logprobs show it: its text, or (vLLM's return_tokens_as_token_ids)
+    "token_id:N", which stays exact where a token's bytes are not whole characters."""
+    return f"token_id:{token_id}" if as_id else (lp.decoded_token or "")
+
+
 def completion_logprobs(entries: PromptLogprobs | SampleLogprobs, token_ids: list[int], num_top: int,
-                        decode: Callable[[int], str], text_offset: int = 0) -> dict:
+                        decode: Callable[[int], str], text_offset: int = 0, as_ids: bool = False) -> dict:
     """The legacy completions logprobs object over `token_ids` (an echoed prompt's
     first token has no entry: null logprob and top_logprobs, as in vLLM). top_logprobs
     holds the scored token and the alternatives ranked up to `num_top`, keyed by text
-    (tokens that decode alike collide: the scored one wins)."""
+    (tokens that decode alike collide: the scored one wins), or with `as_ids` by
+    "token_id:N"."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         offsets.append(text_offset)
         if entry is None:
-            tokens.append(decode(token_id))
+            tokens.append(f"token_id:{token_id}" if as_ids else decode(token_id))
             token_logprobs.append(None)
             top.append(None)
         else:
             scored = entry[token_id]
-            tokens.append(scored.decoded_token or "")
+            tokens.append(token_text(token_id, scored, as_ids))
             token_logprobs.append(_clamp(scored.logprob))
-            alternatives = {(lp.decoded_token or ""): _clamp(lp.logprob)
+            alternatives = {token_text(t, lp, as_ids): _clamp(lp.logprob)
                             for t, lp in entry.items() if t != token_id and (lp.rank or 0) <= num_top}
             top.append(alternatives | {tokens[-1]: token_logprobs[-1]})
         text_offset += len(tokens[-1])
@@ -142,16 +149,17 @@ def prompt_logprobs_json(prompt_logprobs: PromptLogprobs, num_top: int) -> list[
     } for entry in prompt_logprobs]
 
 
-def chat_logprobs(logprobs: SampleLogprobs, token_ids: list[int], num_top: int) -> dict:
-    def item(lp):
+def chat_logprobs(logprobs: SampleLogprobs, token_ids: list[int], num_top: int, as_ids: bool = False) -> dict:
+    def item(token_id, lp):
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": _clamp(lp.logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(token_id, lp, as_ids), "logprob": _clamp(lp.logprob),
+                "bytes": list(text.encode("utf-8"))}
 
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        by_rank = sorted(entry.values(), key=lambda lp: lp.rank or 0)
-        top = [item(lp) for lp in by_rank[:num_top]]
-        content.append(item(entry[token_id]) | {"top_logprobs": top})
+        by_rank = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+        top = [item(t, lp) for t, lp in by_rank[:num_top]]
+        content.append(item(token_id, entry[token_id]) | {"top_logprobs": top})
     return {"content": content}
 
 
@@ -167,6 +175,7 @@ class CompletionShape:
     echo: bool
     num_logprobs: int | None
     num_prompt_logprobs: int | None  # the user's prompt_logprobs field
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
 
     def prompt_text(self, job: Job) -> str:
         return job.prompt_text if job.prompt_text is not None else self.engine.tokenizer.decode(job.prompt_ids)
@@ -186,7 +195,8 @@ class CompletionShape:
                 entries = list(prompt_logprobs or []) + list(c.logprobs or [])
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = completion_logprobs(entries or [], token_ids, self.num_logprobs, self.decode_one, text_offset)
+            logprobs = completion_logprobs(entries or [], token_ids, self.num_logprobs, self.decode_one, text_offset,
+                                           self.tokens_as_ids)
         choice = {"index": job.choice_offset + c.index, "text": text, "logprobs": logprobs,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.num_prompt_logprobs is not None and prompt_logprobs is not None:
@@ -288,29 +298,46 @@ class Thinking:
         return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning and self.include else {}
 
 
-def chat_message(text: str, finish_reason: str | None, tool_mode: ToolMode | None,
-                 thinking: Thinking | None) -> tuple[dict, str | None]:
-    """A finished output's assistant message and finish reason: its thinking apart, the
-    tool calls found in the content (the answer) alone."""
-    reasoning, content = (None, text) if thinking is None else split_reasoning(
-        thinking.parser, text, thinking.prompt_state)
-    if tool_mode is None:
-        message, finish_reason = {"role": "assistant", "content": content}, finish_reason
-    else:
-        message, finish_reason = tool_mode.message(content or "", finish_reason)
-    return message | ({} if thinking is None else thinking.fields(reasoning)), finish_reason
+@dataclass(frozen=True)
+class ChatShape:
+    """How /v1/chat/completions turns outputs into choices: top logprobs (as token ids
+    with vLLM's return_tokens_as_token_ids) and prompt logprobs; with `tool_mode` tool
+    calls come out as `message.tool_calls` (streamed as tool-call deltas); with
+    `thinking` the thinking apart from the content (streamed as reasoning deltas);
+    `echo`: the last (assistant) message's content, which the answer starts with
+    (vLLM's echo)."""
+
+    num_top_logprobs: int = 0
+    num_prompt_logprobs: int | None = None
+    tool_mode: ToolMode | None = None
+    thinking: Thinking | None = None
+    echo: str = ""
+    tokens_as_ids: bool = False
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A finished output's assistant message and finish reason: its thinking apart,
+        the tool calls found in the content (the answer) alone."""
+        thinking, tool_mode = self.thinking, self.tool_mode
+        reasoning, content = (None, text) if thinking is None else split_reasoning(
+            thinking.parser, text, thinking.prompt_state)
+        if tool_mode is None:
+            message = {"role": "assistant", "content": self.echo + content if self.echo else content}
+        else:
+            message, finish_reason = tool_mode.message(content or "", finish_reason)
+            if self.echo:
+                message["content"] = self.echo + (message.get("content") or "")
+        return message | ({} if thinking is None else thinking.fields(reasoning)), finish_reason
+
+    def logprobs(self, c: CompletionOutput) -> dict | None:
+        return None if c.logprobs is None else chat_logprobs(c.logprobs, c.token_ids, self.num_top_logprobs,
+                                                             self.tokens_as_ids)
 
 
 async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str, stream: bool,
-               include_usage: bool, num_top_logprobs: int, num_prompt_logprobs: int | None = None,
-               tool_mode: ToolMode | None = None, thinking: Thinking | None = None) -> dict | AsyncIterator[str]:
-    """One chat request's answer; with `tool_mode`, tool calls come out as
-    `message.tool_calls` (streamed as tool-call deltas); with `thinking`, the thinking
-    apart from the content (streamed as reasoning deltas)."""
+               include_usage: bool, shape: ChatShape) -> dict | AsyncIterator[str]:
+    """One chat request's answer, its choices as `shape` says."""
     rid, created = job.request_id, int(time.time())  # one id end to end: engine, logs, response
-
-    def logprobs_of(c: CompletionOutput):
-        return None if c.logprobs is None else chat_logprobs(c.logprobs, c.token_ids, num_top_logprobs)
+    tool_mode, thinking, logprobs_of = shape.tool_mode, shape.thinking, shape.logprobs
 
     if not stream:
         usage, choices, prompt_logprobs = Usage(), [], None
@@ -319,14 +346,14 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             for c in output.outputs:
                 usage.add(output, c)
-                message, finish_reason = chat_message(c.text, c.finish_reason, tool_mode, thinking)
+                message, finish_reason = shape.message(c.text, c.finish_reason)
                 choices.append({"index": c.index, "message": message, "logprobs": logprobs_of(c),
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage.as_dict()}
-        if num_prompt_logprobs is not None and prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, num_prompt_logprobs)
+        if shape.num_prompt_logprobs is not None and prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, shape.num_prompt_logprobs)
         return body
 
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -338,7 +365,7 @@ async def chat(engine: AsyncLLM, job: Job, params: SamplingParams, *, model: str
         try:
             for i in range(params.n):
                 started.add(i)
-                yield sse(base | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield sse(base | {"choices": [{"index": i, "delta": {"role": "assistant", "content": shape.echo},
                                                "logprobs": None, "finish_reason": None}]})
             async for _, output in merged(engine, [job], params, RequestOutputKind.DELTA):
                 usage.add(output, None)
