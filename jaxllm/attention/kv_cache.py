@@ -1,6 +1,16 @@
 """The paged KV cache: per layer, K and V of shape [num_blocks, block_size, Hkv, hd],
 in one of KV_CACHE_FORMATS (the `kv_cache_dtype` option), plus for int8 a float32
-scale per token and KV head ([num_blocks, block_size, Hkv]).
+scale per token and KV head ([num_blocks, block_size, Hkv]), and for fp8 with scales
+(vLLM's k_scale / v_scale: `calculate_kv_scales`, or a checkpoint's) one float32 scale
+per KV head for the whole cache array ([Hkv]).
+
+fp8 with scales stores x / scale; attention reads the stored elements as they are and
+the scales are folded around it: the queries are multiplied by K's scale and the output
+by V's (softmax(q . k) v = softmax((q * ks) . (k / ks)) (v / vs) * vs), so every
+attention backend serves it unchanged. Scales left at 0 are calculated by the first
+write of real tokens (vLLM's calculate_kv_scales: max |x| over that step's tokens per
+KV head, divided by vLLM's constants 200 for K and 100 for V, which leave fp8's range
+of 448 headroom above what the first batch saw; beyond it values saturate) and kept.
 
 Allocated once; the jitted step takes the caches as a donated argument, so the scatter
 of new K/V below is done in place by XLA. The write quantizes; every attention backend
@@ -21,9 +31,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int, Num, Shaped
+from jaxtyping import Array, Bool, Float, Int, Num, Shaped
 
 FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448: writes saturate there (it has no inf)
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0  # calculated scales: the first batch's max |x| maps there (vLLM's)
 INT8_MAX = 127.0
 
 
@@ -35,6 +46,7 @@ class KVCacheFormat:
     name: str
     dtype: jnp.dtype
     scaled: bool = False
+    layer_scaled: bool = False  # fp8 with a scale per KV head for the whole array (module docstring)
 
     def row_bytes(self, head_dim: int) -> int:
         """Bytes one token's K (or V) of one KV head takes, its scale included."""
@@ -98,6 +110,8 @@ class KVCache:
     v: Shaped[Array, "N B Hkv hd"]
     k_scale: Float[Array, "N B Hkv"] | None = None  # scaled formats only
     v_scale: Float[Array, "N B Hkv"] | None = None
+    k_layer_scale: Float[Array, " Hkv"] | None = None  # layer-scaled formats only (0: not calculated yet)
+    v_layer_scale: Float[Array, " Hkv"] | None = None
     # The element type's name where k and v hold its bits ("": their own dtype).
     dtype: str = struct.field(pytree_node=False, default="")
 
@@ -105,17 +119,22 @@ class KVCache:
     def format(self) -> KVCacheFormat:
         """The format of the elements these arrays hold."""
         dtype = jnp.dtype(self.dtype or self.k.dtype)
-        return next(f for f in KV_CACHE_FORMATS.values() if f.dtype == dtype)
+        fmt = next(f for f in KV_CACHE_FORMATS.values() if f.dtype == dtype)
+        return dataclasses.replace(fmt, layer_scaled=self.k_layer_scale is not None)
 
 
 def cache_shapes(fmt: KVCacheFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, sharding=None, scale_sharding=None) -> tuple[KVCache, ...]:
+                 head_dim: int, sharding: KVCache | None = None) -> tuple[KVCache, ...]:
     """The caches' jax.ShapeDtypeStructs (what compiling a step needs), stored as
-    `fmt.storage_dtype()`."""
+    `fmt.storage_dtype()`; `sharding`: each array's (a KVCache of shardings)."""
+    def at(name: str):
+        return None if sharding is None else getattr(sharding, name)
+
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    rows = jax.ShapeDtypeStruct(shape, fmt.storage_dtype(), sharding=sharding)
-    scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_sharding) if fmt.scaled else None
-    return tuple(KVCache(rows, rows, scale, scale, fmt.bits_of()) for _ in range(num_layers))
+    k = jax.ShapeDtypeStruct(shape, fmt.storage_dtype(), sharding=at("k"))
+    scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=at("k_scale")) if fmt.scaled else None
+    layer = jax.ShapeDtypeStruct(shape[2:3], jnp.float32, sharding=at("k_layer_scale")) if fmt.layer_scaled else None
+    return tuple(KVCache(k, k, scale, scale, layer, layer, fmt.bits_of()) for _ in range(num_layers))
 
 
 def allocate_kv_caches(abstract: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
@@ -132,10 +151,14 @@ def as_elements(rows: Shaped[Array, "*r"], dtype: str = "") -> Shaped[Array, "*r
     return rows if not dtype or rows.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(rows, jnp.dtype(dtype))
 
 
-def quantize_rows(x: Float[Array, "T Hkv hd"], fmt: KVCacheFormat
+def quantize_rows(x: Float[Array, "T Hkv hd"], fmt: KVCacheFormat, layer_scale: Float[Array, " Hkv"] | None = None
                   ) -> tuple[Num[Array, "T Hkv hd"], Float[Array, "T Hkv"] | None]:
     """New K (or V) rows as the cache stores them: int8 with the scale max|x| / 127 per
-    row (an all-zero row: scale 0), fp8 saturated at +-448, others rounded to the dtype."""
+    row (an all-zero row: scale 0), fp8 divided by `layer_scale` where given and
+    saturated at +-448, others rounded to the dtype."""
+    if layer_scale is not None:
+        inv = jnp.where(layer_scale > 0, 1.0 / jnp.where(layer_scale > 0, layer_scale, 1.0), 1.0)
+        x = x.astype(jnp.float32) * inv[:, None]
     if fmt.scaled:
         x = x.astype(jnp.float32)
         scale = jnp.max(jnp.abs(x), axis=-1) / INT8_MAX
@@ -177,15 +200,52 @@ def write_kv_cache(
             src = jnp.concatenate([src, src])
         return flat.at[slots].set(src, mode="drop").reshape(dst.shape)
 
-    kq, ks = quantize_rows(k, fmt)
-    vq, vs = quantize_rows(v, fmt)
+    k_layer, v_layer = cache.k_layer_scale, cache.v_layer_scale
+    if k_layer is not None:  # the first write of real tokens calculates them (slot 0: the null block's padding)
+        real = (slot_mapping >= bs)[:, None, None]
+        k_layer = _calculated(k_layer, k, real, K_SCALE_RANGE)
+        v_layer = _calculated(v_layer, v, real, V_SCALE_RANGE)
+    kq, ks = quantize_rows(k, fmt, k_layer)
+    vq, vs = quantize_rows(v, fmt, v_layer)
     return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
-                   v_scale=scatter(cache.v_scale, vs), dtype=cache.dtype)
+                   v_scale=scatter(cache.v_scale, vs), k_layer_scale=k_layer, v_layer_scale=v_layer, dtype=cache.dtype)
+
+
+def _calculated(scale: Float[Array, " Hkv"], x: Float[Array, "T Hkv hd"], real: Bool[Array, "T 1 1"],
+                value_range: float) -> Float[Array, " Hkv"]:
+    """`scale`, or where it is 0 (not calculated yet) max |x| of the real rows per KV
+    head over `value_range` (still 0 if there are none)."""
+    amax = jnp.max(jnp.where(real, jnp.abs(x.astype(jnp.float32)), 0.0), axis=(0, 2))
+    return jnp.where(scale > 0, scale, amax / value_range)
+
+
+def fold_layer_scales(q: Float[Array, "T H hd"], cache: KVCache) -> Float[Array, "T H hd"]:
+    """The queries times their KV head's K scale (a layer-scaled cache; else as they are)."""
+    if cache.k_layer_scale is None:
+        return q
+    return q * _per_query_head(cache.k_layer_scale, q.shape[1]).astype(q.dtype)[:, None]
+
+
+def unfold_layer_scales(o: Float[Array, "T H hd"], cache: KVCache) -> Float[Array, "T H hd"]:
+    """Attention outputs times their KV head's V scale (a layer-scaled cache)."""
+    if cache.v_layer_scale is None:
+        return o
+    return o * _per_query_head(cache.v_layer_scale, o.shape[1]).astype(o.dtype)[:, None]
+
+
+def _per_query_head(scale: Float[Array, " Hkv"], num_heads: int) -> Float[Array, " H"]:
+    """A KV head's value for each query head (query head h reads KV head h // group)."""
+    return jnp.repeat(scale, num_heads // scale.shape[0])
 
 
 def copy_blocks(
     caches: tuple[KVCache, ...], src: Int[Array, " C"], dst: Int[Array, " C"]
 ) -> tuple[KVCache, ...]:
-    """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer, scales too (all reads
-    before any write; padding pairs copy the null block onto itself)."""
-    return tuple(jax.tree.map(lambda a: a.at[dst].set(a[src]), c) for c in caches)  # keeps KVCache.dtype
+    """Copy whole blocks ``src[i]`` -> ``dst[i]`` in every layer, their rows' scales too
+    (all reads before any write; padding pairs copy the null block onto itself); a
+    layer's fp8 scales stay."""
+    def blocks(a):
+        return None if a is None else a.at[dst].set(a[src])
+
+    return tuple(dataclasses.replace(c, k=blocks(c.k), v=blocks(c.v), k_scale=blocks(c.k_scale),
+                                     v_scale=blocks(c.v_scale)) for c in caches)

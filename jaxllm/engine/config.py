@@ -84,8 +84,12 @@ class EngineConfig:
         None, "KV cache size per device: bytes, 4GiB, 512MiB, or a fraction of device memory (CPU default 2GiB)")
     kv_cache_dtype: str = _option("auto", "KV cache elements: auto is the model's dtype, but bfloat16 where the "
                                           "projections multiply quantized activations (a GGUF's defaults on a CPU); "
-                                          "int8 has a scale per token and KV head, fp8 none (docs/quantization.md)",
+                                          "int8 has a scale per token and KV head, fp8 one per layer and KV head where "
+                                          "calculate_kv_scales or the checkpoint gives them (docs/quantization.md)",
                                   KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _option(False, "fp8 KV cache: scale K and V per layer and KV head, from the first "
+                                               "batch's largest values (vLLM's); else a checkpoint's k_scale / v_scale "
+                                               "where it has them, or none")
     max_num_seqs: int = _option(64, "sequences in one step")
     max_num_batched_tokens: int = _option(512, "tokens in one step")
     scheduling_policy: str = _option("fcfs", "which waiting request runs next: fcfs (first come, first served) or "
@@ -171,6 +175,11 @@ class EngineConfig:
         if self.num_processes > 1 and self.distributed_executor_backend != "ray":
             raise ValueError("num_processes: an engine over several processes is placed by Ray; add "
                              "--distributed-executor-backend ray (and `ray start` on each node)")
+        if self.calculate_kv_scales and self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            raise ValueError(f"calculate_kv_scales: only with kv_cache_dtype fp8 (the scales of an fp8 cache), got "
+                             f"{self.kv_cache_dtype}")
+        if self.calculate_kv_scales and self.pipeline_parallel_size > 1:
+            raise ValueError("calculate_kv_scales: not yet with pipeline_parallel_size > 1")
         if self.async_scheduling and self.async_scheduling_blocked:
             raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
 

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, choose_kv_cache_format, kv_cache_format
@@ -29,6 +30,7 @@ from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.loaders import LoadedModel, load_model, peek_model_config
 from jaxllm.loaders.default_model import model_path
 from jaxllm.loaders.dtype import choose_dtype
+from jaxllm.loaders.hf import kv_cache_scales
 from jaxllm.loaders.pooling import is_sentence_transformers, model_pooler
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
@@ -185,6 +187,7 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         kv_cache_dtype=kv_format.name,
+        kv_layer_scales=kv_format.layer_scaled,
         activation_quantization=config.activation_quantization,
         hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
         async_scheduling=config.runs_async,
@@ -226,6 +229,7 @@ class EngineCore:
         # async scheduling: the step dispatched and not yet collected, with its schedule
         self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
         path = self.model.path if model is not None else model_path(config.model)
+        self._checkpoint_kv_scales = kv_cache_scales(path, cfg.num_layers)
         if config.runner_type(cfg, is_sentence_transformers(path)) == "pooling":
             self._start_pooling(config, cfg, params, loading, cache_dir, warm_up)
         else:
@@ -243,6 +247,27 @@ class EngineCore:
             REASONING_PARSERS[config.reasoning_parser],
             *REASONING_PARSERS[config.reasoning_parser].token_ids(self.model.tokenizer))
 
+    def _kv_layer_scaled(self, config: EngineConfig, kv_format: KVCacheFormat) -> KVCacheFormat:
+        """An fp8 cache with scales per layer: calculated from the first batch
+        (calculate_kv_scales), else the checkpoint's where it has them; other formats
+        do not read a checkpoint's scales (said in the log)."""
+        found = self._checkpoint_kv_scales is not None
+        if config.calculate_kv_scales:
+            self.kv_cache_why += "; scales calculated from the first batch" + (
+                " (in place of the checkpoint's)" if found else "")
+            return dataclasses.replace(kv_format, layer_scaled=True)
+        if not found:
+            return kv_format
+        if kv_format.dtype != jnp.float8_e4m3fn:
+            logger.info("the checkpoint's KV cache scales (k_scale, v_scale) apply to an fp8 KV cache only "
+                        "(--kv-cache-dtype fp8); this %s cache does not use them", kv_format.name)
+            return kv_format
+        if config.pipeline_parallel_size > 1:
+            raise ValueError("kv_cache_dtype: the checkpoint's fp8 KV cache scales are not yet supported with "
+                             "pipeline_parallel_size > 1")
+        self.kv_cache_why += "; the checkpoint's scales"
+        return dataclasses.replace(kv_format, layer_scaled=True)
+
     def _start_generate(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
                         warm_up: bool, progress: bool) -> None:
         """The KV cache, scheduler and model runner of a generating engine; `params`
@@ -254,6 +279,7 @@ class EngineCore:
         kv_format, self.kv_cache_why = choose_kv_cache_format(
             config.kv_cache_dtype, params.final_norm.dtype,
             rounds_activations(params, config.activation_quantization, config.linear_backend))
+        kv_format = self._kv_layer_scaled(config, kv_format)
         draft = self._load_draft(config, cfg, cache_dir)
         # kv_cache_memory is per device: the blocks are sized by one shard's KV heads, in its stage's layers
         self.cache = plan_cache(config, cfg, kv_format, shard_config(cfg, config.tensor_parallel_size),
@@ -273,6 +299,8 @@ class EngineCore:
         # the weights' loading thread done before any measurement (it would share the cores)
         quiet = None if loading is None else loading.exception
         self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet))
+        if kv_format.layer_scaled and not config.calculate_kv_scales:
+            self.runner.set_kv_layer_scales(*self._checkpoint_kv_scales)
         self.runs_async = config.runs_async
         if config.async_scheduling is None and config.async_scheduling_blocked:
             logger.info("async scheduling off: %s", config.async_scheduling_blocked)

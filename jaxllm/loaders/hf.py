@@ -88,6 +88,29 @@ def tensor_reader(folder: str | Path):
     return read
 
 
+def kv_cache_scales(folder: str | Path, num_layers: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A checkpoint's fp8 KV cache scales, as vLLM reads them: each layer's
+    `model.layers.{i}.self_attn.k_scale` and `v_scale` (the largest entry where one holds
+    several); None for a checkpoint without them (or that is not an HF folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    names = tensor_names(folder)
+    wanted = {kind: [f"model.layers.{i}.self_attn.{kind}_scale" for i in range(num_layers)] for kind in "kv"}
+    present = [n in names for kind in "kv" for n in wanted[kind]]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = next(n for kind in "kv" for n in wanted[kind] if n not in names)
+        raise CheckpointError(f"{folder}: KV cache scales for some layers only ({missing} is missing)")
+    read = tensor_reader(folder)
+    k, v = (np.array([float(np.asarray(read(n), np.float32).max()) for n in wanted[kind]], np.float32)
+            for kind in "kv")
+    if (k <= 0).any() or (v <= 0).any() or not (np.isfinite(k).all() and np.isfinite(v).all()):
+        raise CheckpointError(f"{folder}: KV cache scales must be positive and finite")
+    return k, v
+
+
 def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
     """The folder's weights for `cfg`. A GPTQ / AWQ checkpoint's packed projections are
     kept where `cfg` declares them quantized, else dequantized (jaxllm.loaders.prequantized)."""

@@ -26,7 +26,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.attention.backends import AttentionFn
-from jaxllm.attention.kv_cache import KVCache, write_kv_cache
+from jaxllm.attention.kv_cache import KVCache, fold_layer_scales, unfold_layer_scales, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
@@ -119,12 +119,12 @@ def attend(q: Float[Array, "T H hd"], cache: KVCache, md: AttentionMetadata, cfg
     `cache`), to the last `window` keys where the layer slides: [T, q_size]."""
     with jax.named_scope("attention"):
         o = attention_fn(
-            q, cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=cfg.sm_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+            fold_layer_scales(q, cache), cache.k, cache.v, md.seq_lens, md.block_tables, md.query_start_loc,
+            md.num_seqs, sm_scale=cfg.sm_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap,
             common_prefix_blocks=md.common_prefix_blocks, k_scale=cache.k_scale, v_scale=cache.v_scale,
             cache_dtype=cache.dtype,
         )
-    return o.reshape(q.shape[0], cfg.q_size)
+    return unfold_layer_scales(o, cache).reshape(q.shape[0], cfg.q_size)
 
 
 def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], cfg: ModelConfig,

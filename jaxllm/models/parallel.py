@@ -43,6 +43,7 @@ from jaxllm.models.params import (
 TP_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, TP_AXIS, None)  # [blocks, block_size, Hkv, hd]: by KV head
 KV_SCALE_SPEC = P(None, None, TP_AXIS)  # an int8 cache's scales [blocks, block_size, Hkv]
+KV_LAYER_SCALE_SPEC = P(TP_AXIS)  # an fp8 cache's scales per KV head [Hkv]
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, num_devices: int | None = None) -> None:
@@ -122,17 +123,19 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> ModelParams:
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def kv_cache_specs(scaled: bool, dtype: str = "") -> KVCache:
-    """One layer's KV cache PartitionSpecs (by KV head), scales too where the cache has
-    them; `dtype`: the caches' KVCache.dtype (the specs' tree is theirs)."""
-    scales = (KV_SCALE_SPEC, KV_SCALE_SPEC) if scaled else (None, None)
-    return KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC, *scales, dtype)
+def kv_cache_specs(fmt: KVCacheFormat, dtype: str | None = None) -> KVCache:
+    """One layer's KV cache PartitionSpecs (by KV head), scales too where the format
+    has them; `dtype`: the caches' KVCache.dtype (default: the format's on this
+    platform), so that the specs' tree is theirs."""
+    scales = (KV_SCALE_SPEC, KV_SCALE_SPEC) if fmt.scaled else (None, None)
+    layer = (KV_LAYER_SCALE_SPEC, KV_LAYER_SCALE_SPEC) if fmt.layer_scaled else (None, None)
+    return KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC, *scales, *layer, fmt.bits_of() if dtype is None else dtype)
 
 
 def kv_cache_sharding(mesh: Mesh, fmt: KVCacheFormat) -> KVCache:
     """The shardings over `mesh` of one layer's KV cache of format `fmt` (as
     kv_cache.cache_shapes makes it; see kv_cache_specs)."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs(fmt.scaled, fmt.bits_of()))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs(fmt))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -176,7 +179,7 @@ class ShardedModel:
         """`forward`(params, rope, kv_caches, *replicated, lora=) of one shard, in shard_map."""
         fn = functools.partial(forward, cfg=shard_config(self.cfg, self.size), attention_fn=self.attention_fn,
                                axis=TP_AXIS)
-        caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in args[2])
+        caches = tuple(kv_cache_specs(c.format, c.dtype) for c in args[2])
         specs = (partition_specs(self.cfg), P(), caches) + (P(),) * (len(args) - 3)
         if lora is not None:
             args += (lora,)

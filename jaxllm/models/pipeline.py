@@ -250,15 +250,20 @@ def place_params(cfg: ModelConfig, params: ModelParams, mesh: Mesh) -> ModelPara
     return jax.device_put(stacked, shardings)
 
 
-def kv_cache_specs(scaled: bool, dtype: str = "") -> KVCache:
+def kv_cache_specs(fmt: KVCacheFormat, dtype: str | None = None) -> KVCache:
     """A local slot's specs, [stages x blocks, block_size, Hkv, hd]: each stage its own
-    `blocks` (its layers' K/V of every block id), by KV head inside it."""
+    `blocks` (its layers' K/V of every block id), by KV head inside it; `dtype` as
+    parallel.kv_cache_specs'. (fp8 scales per layer are not staged: the engine refuses
+    them with pipeline stages.)"""
+    if fmt.layer_scaled:
+        raise ValueError("calculate_kv_scales: fp8 KV cache scales are not supported with pipeline parallelism")
     rows, scale = P(STAGE_AXIS, None, TP_AXIS, None), P(STAGE_AXIS, None, TP_AXIS)
-    return KVCache(rows, rows, *((scale, scale) if scaled else (None, None)), dtype)
+    return KVCache(rows, rows, *((scale, scale) if fmt.scaled else (None, None)),
+                   dtype=fmt.bits_of() if dtype is None else dtype)
 
 
 def kv_cache_sharding(mesh: Mesh, fmt: KVCacheFormat) -> KVCache:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs(fmt.scaled, fmt.bits_of()))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), kv_cache_specs(fmt))
 
 
 def staged_cache_shapes(abstract: tuple[KVCache, ...], stages: int, sharding: KVCache) -> tuple[KVCache, ...]:
@@ -270,13 +275,13 @@ def staged_cache_shapes(abstract: tuple[KVCache, ...], stages: int, sharding: KV
         return None if a is None else jax.ShapeDtypeStruct((stages * a.shape[0],) + a.shape[1:], a.dtype, sharding=s)
 
     return tuple(KVCache(*(staged(getattr(c, f), getattr(sharding, f)) for f in ("k", "v", "k_scale", "v_scale")),
-                         c.dtype) for c in abstract)
+                         dtype=c.dtype) for c in abstract)
 
 
 def staged_copy_blocks(mesh: Mesh, caches: tuple[KVCache, ...]):
     """kv_cache.copy_blocks on each stage's own blocks (block ids are a stage's local
     ones), for caches like `caches` (abstract or not) over `mesh`."""
-    specs = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in caches)
+    specs = tuple(kv_cache_specs(c.format, c.dtype) for c in caches)
     return jax.shard_map(copy_blocks, mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs, check_vma=False)
 
 
@@ -336,7 +341,7 @@ class PipelinedModel:
         groups = self.cfg.kv_cache_groups(hybrid=isinstance(md, tuple))
         body = functools.partial(_pipeline, cfg=self.local_cfg, plan=self.plan, slots=cache_slots(self.plan, groups),
                                  groups=groups, attention_fn=self.attention_fn, vocab=self.vocab_axes)
-        caches = tuple(kv_cache_specs(c.k_scale is not None, c.dtype) for c in kv_caches)
+        caches = tuple(kv_cache_specs(c.format, c.dtype) for c in kv_caches)
         specs = (self.specs, P(), caches, P(), P(), P(), P())
         lora_spec = None if lora is None else LoRAInputs(lora_specs(self.cfg, self.mesh), P(), P(), P(), lora.kernel)
         return jax.shard_map(body, mesh=self.mesh, in_specs=specs + (lora_spec,), out_specs=(P(), caches),

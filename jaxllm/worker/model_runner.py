@@ -166,6 +166,7 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
+    kv_layer_scales: bool = False  # fp8: a scale per layer and KV head (jaxllm.attention.kv_cache)
     activation_quantization: str = "none"  # EngineConfig's, None already read as "none" there
     hybrid_kv_cache: bool = True
     async_scheduling: bool = False
@@ -196,7 +197,8 @@ class ModelRunner:
                      parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None)
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
-        self.kv_format = kv_cache_format(rc.kv_cache_dtype, param_dtype)
+        self.kv_format = dataclasses.replace(kv_cache_format(rc.kv_cache_dtype, param_dtype),
+                                             layer_scaled=rc.kv_layer_scales)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -279,12 +281,26 @@ class ModelRunner:
             local = cache_shapes(self.kv_format, len(shardings), num_blocks, self.block_size, kv_heads, cfg.head_dim)
             self._abstract_caches = pipeline.staged_cache_shapes(local, self.pipeline_parallel_size, shardings[0])
         else:
-            rows, scales = (shardings[0].k, shardings[0].k_scale) if shardings else (None, None)
             self._abstract_caches = cache_shapes(self.kv_format, self.kv_groups.group_size, num_blocks,
-                                                 self.block_size, kv_heads, cfg.head_dim, rows, scales)
+                                                 self.block_size, kv_heads, cfg.head_dim,
+                                                 shardings[0] if shardings else None)
         self._kv_caches = None
         self._kv_caches_future = concurrent.futures.ThreadPoolExecutor(1, "kv-alloc").submit(
             allocate_kv_caches, self._abstract_caches)
+
+    def set_kv_layer_scales(self, k: np.ndarray, v: np.ndarray) -> None:
+        """A layer-scaled fp8 cache's scales (a checkpoint's, one per layer): each cache
+        array (slot) takes the largest of its layers' (a hybrid cache's slot serves a
+        layer of each group), for every KV head."""
+        def scale(values: np.ndarray, layers: list[int], like: jax.Array) -> jax.Array:
+            return jax.device_put(np.full(like.shape, values[layers].max(), np.float32), like.sharding)
+
+        caches = list(self.kv_caches)
+        for slot, cache in enumerate(caches):
+            layers = [i for i in range(self.config.num_layers) if self.kv_groups.slot_of(i) == slot]
+            caches[slot] = dataclasses.replace(cache, k_layer_scale=scale(k, layers, cache.k_layer_scale),
+                                               v_layer_scale=scale(v, layers, cache.v_layer_scale))
+        self.kv_caches = tuple(caches)
 
     def _cache_shardings(self) -> tuple[KVCache, ...] | None:
         """The KV caches' shardings over the mesh, per cache array (None: one device)."""

@@ -470,25 +470,31 @@ def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_model
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("bfloat16", marks=pytest.mark.slow),
-                                            pytest.param("fp8", marks=pytest.mark.slow)])
+                                            pytest.param("fp8", marks=pytest.mark.slow), "fp8-scaled"])
 def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_cache_dtype):
     """kv_cache_dtype: the same kv_cache_memory holds more blocks (bfloat16 2x; int8
     hd + 4 bytes a row against 4 hd); with prefix caching, chunking and preemption the
     outputs equal an uncached run of the same format exactly, and stay close to float32
     (the mean difference of the prompt tokens' logprobs and the greedy continuations
-    equal to float32's, per format: fp8 without a scale is the coarsest)."""
+    equal to float32's, per format: fp8 without a scale is the coarsest; fp8-scaled is
+    fp8 with calculate_kv_scales)."""
+    scaled = kv_cache_dtype == "fp8-scaled"
+    options = dict(kv_cache_dtype="fp8", calculate_kv_scales=True) if scaled else dict(kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(5)
     context = [int(t) for t in rng.integers(3, 500, 40)]
     prompts = [context[:int(rng.integers(20, 41))] + [int(t) for t in rng.integers(3, 500, 3)] for _ in range(8)]
     params = [SamplingParams(max_tokens=24, prompt_logprobs=1, temperature=0, ignore_eos=True)] * len(prompts)
-    llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, kv_cache_dtype=kv_cache_dtype)
+    llm = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, **options)
     core = llm.llm_engine.core
-    ratio = {"int8": 4 * 32 / (32 + 4), "bfloat16": 2, "fp8": 4}[kv_cache_dtype]  # head_dim 32
+    ratio = {"int8": 4 * 32 / (32 + 4), "bfloat16": 2, "fp8": 4, "fp8-scaled": 4}[kv_cache_dtype]  # head_dim 32
     assert core.cache.num_blocks == int(25 * ratio)
-    assert f"KV cache ({core.runner.kv_format.name}, as asked)" in core.describe()
+    why = "as asked; scales calculated from the first batch" if scaled else "as asked"
+    assert f"KV cache ({core.runner.kv_format.name}, {why})" in core.describe()
     cached = llm.generate(prompts, params, use_tqdm=False)
-    plain = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, kv_cache_dtype=kv_cache_dtype,
-                     enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    plain = make_llm(test_models_dir, kv_cache_memory=25 * KV_BYTES_PER_BLOCK, enable_prefix_caching=False,
+                     **options).generate(prompts, params, use_tqdm=False)
+    if scaled:
+        assert all((np.asarray(c.k_layer_scale) > 0).all() for c in core.runner.kv_caches)
     exact = pressured.generate(prompts, params, use_tqdm=False)
     same, diffs = 0, []
     for got, want, f32 in zip(cached, plain, exact):
@@ -497,10 +503,55 @@ def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_ca
             np.testing.assert_allclose([x.logprob for x in g.values()], [x.logprob for x in w.values()], atol=5e-5)
             diffs.append(abs(next(iter(g.values())).logprob - next(iter(e.values())).logprob))
         same += got.outputs[0].token_ids == f32.outputs[0].token_ids
-    # measured: bfloat16 mean 0.019 (7 of 8 continuations equal), int8 0.076 (5), fp8 0.38 (2)
-    assert np.mean(diffs) < {"bfloat16": 0.04, "int8": 0.15, "fp8": 0.6}[kv_cache_dtype]
-    assert same >= {"bfloat16": 6, "int8": 4, "fp8": 1}[kv_cache_dtype]
+    # measured: bfloat16 mean 0.019 (7 of 8 continuations equal), int8 0.076 (5), fp8 0.38 (2), fp8-scaled 0.375
+    # (0: fp8's 3 mantissa bits round alike at any scale; this model's K/V are far from saturating)
+    assert np.mean(diffs) < {"bfloat16": 0.04, "int8": 0.15, "fp8": 0.6, "fp8-scaled": 0.6}[kv_cache_dtype]
+    assert same >= {"bfloat16": 6, "int8": 4, "fp8": 1, "fp8-scaled": 0}[kv_cache_dtype]
     assert_no_leaks(llm)
+
+
+def test_fp8_kv_cache_reads_a_checkpoints_scales(test_models_dir, tmp_path):
+    """A checkpoint's model.layers.{i}.self_attn.k_scale / v_scale (vLLM reads them) scale
+    an fp8 cache, each layer's own; calculate_kv_scales replaces them; other caches
+    leave them; a checkpoint with them for some layers only is refused by name."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "scaled"
+    shutil.copytree(test_models_dir / "llama", folder)
+    prompt = [[int(t) for t in np.random.default_rng(1).integers(3, 500, 30)]]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    calculated = make_llm(test_models_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    calculated.generate(prompt, params, use_tqdm=False)  # a layer's scales as a checkpoint would hold them:
+    k, v = (np.array([np.asarray(getattr(c, f"{kind}_layer_scale")).max() for c in calculated.llm_engine.core.runner
+                      .kv_caches]) for kind in "kv")  # the largest of its heads'
+    tensors = load_file(folder / "model.safetensors")
+    layers = len(k)
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.array(k[i])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.array(v[i])
+    save_file(tensors, folder / "model.safetensors")
+    llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory="1MiB",
+              kv_cache_dtype="fp8", attention_backend="cpu", linear_backend="cpu", progress=False)
+    core = llm.llm_engine.core
+    assert "the checkpoint's scales" in core.describe()
+    np.testing.assert_array_equal([np.asarray(c.k_layer_scale) for c in core.runner.kv_caches], np.repeat(k[:, None], 2, 1))
+    np.testing.assert_array_equal([np.asarray(c.v_layer_scale) for c in core.runner.kv_caches], np.repeat(v[:, None], 2, 1))
+    got = llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    exact = make_llm(test_models_dir).generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    diffs = [abs(next(iter(g.values())).logprob - next(iter(e.values())).logprob) for g, e in zip(got, exact)]
+    assert np.mean(diffs) < 0.6  # fp8's rounding (the unscaled cache's on this model: 0.38)
+    np.testing.assert_array_equal(np.asarray(core.runner.kv_caches[0].k_layer_scale), [k[0]] * 2)  # kept
+    options = dict(max_model_len=256, kv_cache_memory="1MiB", attention_backend="cpu", linear_backend="cpu",
+                   progress=False)
+    again = LLM(str(folder), kv_cache_dtype="fp8", calculate_kv_scales=True, **options).llm_engine.core
+    assert "scales calculated from the first batch (in place of the checkpoint's)" in again.describe()
+    assert LLM(str(folder), kv_cache_dtype="int8", **options).llm_engine.core.runner.kv_caches[0].k_layer_scale is None
+    del tensors[f"model.layers.{layers - 1}.self_attn.v_scale"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(Exception, match=f"model.layers.{layers - 1}.self_attn.v_scale is missing"):
+        LLM(str(folder), max_model_len=256, kv_cache_dtype="fp8", progress=False)
 
 
 @pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # (the default run's budget)

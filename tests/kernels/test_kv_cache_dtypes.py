@@ -4,6 +4,8 @@ caches against the plain-softmax reference over the same cache dequantized; the 
 kernel's decode, prefill and common-prefix paths each; the engine with an int8 cache
 against float32."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,58 @@ def test_cpu_kernel_widens_every_value_exactly(fmt_name):
     # them (as XLA's own ops do); float16's and e4m3's are normal float32 numbers.
     want = np.where(np.abs(want) < np.finfo(np.float32).tiny, 0.0, want) if fmt_name == "bfloat16" else want
     np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_layer_scales_are_calculated_once_from_real_rows():
+    """A layer-scaled fp8 cache (calculate_kv_scales): the first write with real rows
+    sets each KV head's scale to that step's max |K| / 200 (|V| / 100), the null block's
+    padding rows left out; later writes keep it and store x / scale; block copies leave
+    the scales alone."""
+    fmt = dataclasses.replace(KV_CACHE_FORMATS["fp8_e4m3"], layer_scaled=True)
+    (cache,) = allocate_kv_caches(cache_shapes(fmt, 1, 4, 8, 2, 16))
+    assert cache.format == fmt and cache.k_layer_scale.shape == (2,)
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((4, 2, 16)).astype(np.float32) * np.array([1.0, 30.0])[:, None])
+    k = k.at[3].set(1e4)  # a padding row, written into the null block (slot 0): not counted
+    write = jax.jit(write_kv_cache)
+    cache = write(cache, k, 2 * k, jnp.asarray([9, 10, 31, 0]))
+    amax = np.abs(np.asarray(k[:3])).max(axis=(0, 2))
+    np.testing.assert_allclose(np.asarray(cache.k_layer_scale), amax / 200, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(cache.v_layer_scale), 2 * amax / 100, rtol=1e-6)
+    later = write(cache, 5 * k, k, jnp.asarray([11, 12, 13, 0]))
+    np.testing.assert_array_equal(np.asarray(later.k_layer_scale), np.asarray(cache.k_layer_scale))
+    elements = np.asarray(as_elements(later.k, later.dtype).astype(jnp.float32)).reshape(32, 2, 16)
+    want = np.clip(np.asarray(5 * k[:3]) / np.asarray(cache.k_layer_scale)[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    np.testing.assert_array_equal(elements[[11, 12, 13]], np.asarray(jnp.asarray(want).astype(jnp.float8_e4m3fn)
+                                                                      .astype(jnp.float32)))
+    (copied,) = jax.jit(copy_blocks)((later,), jnp.asarray([1]), jnp.asarray([2]))
+    np.testing.assert_array_equal(np.asarray(copied.v_layer_scale), np.asarray(later.v_layer_scale))
+
+
+def test_fp8_layer_scales_fold_around_every_backend():
+    """Attention over a layer-scaled fp8 cache (queries times K's scale, output times
+    V's, the backend reading the stored elements) equals the reference over the cache
+    dequantized (elements times the scales), for GQA heads with different scales."""
+    from jaxllm.attention.kv_cache import fold_layer_scales, unfold_layer_scales
+
+    hkv, group = 2, 3
+    args, valid = make_batch(np.random.default_rng(9), SEQS, block_size=16, num_kv_heads=hkv, group=group, head_dim=64)
+    q, k, v, *rest = args
+    k, v = k * jnp.asarray([500.0, 0.01])[:, None], v * jnp.asarray([3.0, 900.0])[:, None]  # past fp8's range, and tiny
+    ks, vs = jnp.abs(k).max(axis=(0, 1, 3)) / 200, jnp.abs(v).max(axis=(0, 1, 3)) / 100
+    fmt = KV_CACHE_FORMATS["fp8_e4m3"]
+    kq, _ = quantize_rows(k.reshape(-1, hkv, 64), fmt, ks)
+    vq, _ = quantize_rows(v.reshape(-1, hkv, 64), fmt, vs)
+    kq, vq = kq.reshape(k.shape), vq.reshape(v.shape)
+    view = (q, kq.astype(jnp.float32) * ks[:, None], vq.astype(jnp.float32) * vs[:, None], *rest)
+    want = np.asarray(ragged_paged_attention_reference(*view, sm_scale=0.125))[:valid]
+    cache = KVCache(kq, vq, k_layer_scale=ks, v_layer_scale=vs)
+    for fn in (cpu.ragged_paged_attention_cpu, xla.ragged_paged_attention_xla):
+        o = fn(fold_layer_scales(q, cache), kq, vq, *rest, sm_scale=0.125)
+        got = np.asarray(unfold_layer_scales(o, cache))[:valid]
+        np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0, err_msg=fn.__name__)
+    unscaled = np.asarray(ragged_paged_attention_reference(q, *(quantize_rows(a.reshape(-1, hkv, 64), fmt)[0]
+                                                                .reshape(a.shape).astype(jnp.float32) for a in (k, v)),
+                                                           *rest, sm_scale=0.125))[:valid]
+    exact = np.asarray(ragged_paged_attention_reference(*args[:1], k, v, *rest, sm_scale=0.125))[:valid]
+    assert np.abs(got - exact).max() < 0.2 * np.abs(unscaled - exact).max()  # saturation and subnormals avoided

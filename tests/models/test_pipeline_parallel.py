@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
 from jaxllm.engine.config import add_cli_args, from_cli_args
 from jaxllm.loaders import load_model
 from jaxllm.models import pipeline
@@ -175,7 +176,7 @@ def test_the_pipelined_forward_lowers_for_2_stages_of_4_gpus():
 
     model = pipeline.PipelinedModel(cfg, mesh, attention)
     t, s, blocks = 64, 8, 16
-    rows = pipeline.kv_cache_specs(False).k
+    rows = pipeline.kv_cache_specs(KV_CACHE_FORMATS["bfloat16"]).k
     cache = sharded(jax.ShapeDtypeStruct((2 * 128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16), rows)
     i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
     md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())

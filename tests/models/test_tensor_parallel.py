@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from jaxllm.attention.kv_cache import KV_CACHE_FORMATS
 from jaxllm.engine.config import add_cli_args, from_cli_args
 from jaxllm.loaders import load_model
 from jaxllm.models.parallel import cache_kv_heads, check_tensor_parallel, possible_sizes, shard_config
@@ -16,6 +17,7 @@ from tests.support import multidevice
 @pytest.mark.parametrize("name,size,attention,kv_cache_dtype", [
     pytest.param("llama", 2, "xla", "auto", marks=pytest.mark.slow),  # XLA's attention compiles slowly (22 s)
     pytest.param("mistral", 2, "cpu", "auto", marks=pytest.mark.slow), ("qwen2", 2, "cpu", "int8"),
+    ("qwen2", 2, "cpu", "fp8-scaled"),
     pytest.param("qwen2", 2, "cpu", "auto", marks=pytest.mark.slow),
     pytest.param("mistral", 2, "cpu", "bfloat16", marks=pytest.mark.slow),
     pytest.param("llama", 2, "pallas", "auto", marks=pytest.mark.slow),  # (the Pallas kernel in interpret mode: 19 s)
@@ -137,7 +139,7 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     model = ShardedModel(cfg, mesh, attention)
     t, s, blocks = 64, 8, 16
     cache = sharded(jax.ShapeDtypeStruct((128, 16, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),
-                    kv_cache_specs(False).k)
+                    kv_cache_specs(KV_CACHE_FORMATS["bfloat16"]).k)
     i32 = lambda *shape: sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
     md = AttentionMetadata(i32(t), i32(s, blocks), i32(s), i32(s + 1), i32(), i32())
     rope = jax.tree.map(sharded, rope_table(cfg.rope, cfg.head_dim, 2048))

@@ -73,7 +73,9 @@ class PagedDriver:
         its devices."""
         self.cfg, self.params, self.block_size = cfg, params, block_size
         self.max_blocks_per_seq, self.every_row = max_blocks_per_seq, every_row
-        fmt = kv_cache_format(kv_cache_dtype, cache_dtype or params.final_norm.dtype)
+        scaled = kv_cache_dtype == "fp8-scaled"  # fp8 with calculated scales per layer (calculate_kv_scales)
+        fmt = kv_cache_format("fp8" if scaled else kv_cache_dtype, cache_dtype or params.final_norm.dtype)
+        fmt = dataclasses.replace(fmt, layer_scaled=scaled)
         self.caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                       cfg.head_dim))
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
@@ -98,7 +100,7 @@ class PagedDriver:
             heads = parallel.cache_kv_heads(cfg, tensor_parallel_size)  # KV heads replicated if fewer than shards
             sharding = parallel.kv_cache_sharding(mesh, fmt)
             self.caches = allocate_kv_caches(cache_shapes(fmt, cfg.num_layers, num_blocks, block_size, heads,
-                                                          cfg.head_dim, sharding.k, sharding.k_scale))
+                                                          cfg.head_dim, sharding))
         self.forward = make_forward(cfg, attention_fn, mesh)
 
     def new_sequence(self, token_ids: list[int]) -> Sequence:
