@@ -74,6 +74,8 @@ class EngineMetrics:
                 family(engine)
         for reason in FinishReason:
             self.request_success(engine, finished_reason=str(reason))
+        self._cache_info(engine, **self._cache_labels).set(1)
+        self._block_size(engine).set(self._block_size_value)
 
     def _make_scheduler_series(self, block_size: int, num_blocks: int) -> None:
         g, c = Gauge, Counter
@@ -89,12 +91,13 @@ class EngineMetrics:
                                           "Speculative decoding: draft tokens accepted.")
         self.spec_accepted_per_pos = self._family(c, "vllm:spec_decode_num_accepted_tokens_per_pos",
                                                   "Speculative decoding: drafts accepted at each position.", ("position",))
-        info = Gauge("vllm:cache_config_info", "The KV cache's configuration (the value: 1).",
-                     ["model_name", "engine", "block_size", "num_gpu_blocks"], registry=self.registry)
-        info.labels(self._model_name, "0", str(block_size), str(num_blocks)).set(1)
+        self._cache_info = self._family(g, "vllm:cache_config_info", "The KV cache's configuration (the value: 1).",
+                                        ("block_size", "num_gpu_blocks"))
+        self._cache_labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}
+        self._block_size_value = block_size
         self.kv_blocks_used = self._family(g, "jaxllm:kv_cache_blocks_used", "KV cache blocks held by requests.")
         self.kv_tokens_held = self._family(g, "jaxllm:kv_cache_tokens_held", "Tokens whose K/V the held blocks contain.")
-        self._family(g, "jaxllm:kv_cache_block_size", "Tokens per KV cache block.")(0).set(block_size)
+        self._block_size = self._family(g, "jaxllm:kv_cache_block_size", "Tokens per KV cache block.")
         self.seconds_since_report = self._family(
             g, "jaxllm:seconds_since_report",
             "Seconds since the engine core last reported (each step, or each second while idle): its health.")

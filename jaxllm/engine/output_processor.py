@@ -438,6 +438,7 @@ class OutputProcessor:
         del self.request_states[state.request_id]
         state.metrics.finished_time = now  # no token: no first-token time
         if (stats := self._stats_of(state)) is not None:
+            stats.num_prompt_tokens += len(state.prompt_token_ids)  # computed, though no token follows
             stats.finished.append(FinishedRequestStats(state.metrics, len(state.prompt_token_ids), ["stop"], [0]))
         data = np.frombuffer(output.pooled.data, "<f4").reshape(output.pooled.shape)
         return PoolingRequestOutput(state.request_id, PoolingOutput(data), state.prompt_token_ids, True, state.prompt,

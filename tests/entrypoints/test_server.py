@@ -319,6 +319,32 @@ def test_vllm_dashboard_series_after_traffic(server):
     assert after["vllm:num_requests_running", frozenset(labels)] == 0
 
 
+def test_jaxllm_chat_and_complete_talk_to_the_server(server):
+    """`jaxllm chat` / `jaxllm complete` (vLLM's terminal clients): each answer, streamed,
+    is what the API gives for the same request; chat keeps the conversation."""
+    client = server.client()
+    flags = ["--url", f"{server.url}/v1", "--api-key", API_KEY, "--max-tokens", "6", "--temperature", "0"]
+
+    def jaxllm(*args, stdin=None):
+        run = subprocess.run([sys.executable, "-m", "jaxllm.cli", *args, *flags], input=stdin, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    ask = dict(model="tiny", max_tokens=6, temperature=0)
+    first = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **ask).choices[0].message
+    assert jaxllm("chat", "-q", "Hi") == first.content + "\n"
+    second = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"},
+                                                      {"role": "assistant", "content": first.content},
+                                                      {"role": "user", "content": "More"}], **ask)
+    assert jaxllm("chat", stdin="Hi\nMore\n") == f"> {first.content}\n> {second.choices[0].message.content}\n> "
+    texts = [client.completions.create(prompt=p, **ask).choices[0].text for p in ("One", "Two")]
+    assert jaxllm("complete", stdin="One\nTwo\n") == "".join(f"> {t}\n" for t in texts) + "> "
+    run = subprocess.run([sys.executable, "-m", "jaxllm.cli", "chat", "-q", "Hi", "--url", f"{server.url}/v1",
+                          "--api-key", "wrong"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr.startswith("error: 401")
+
+
 def test_echo_logprobs_score_the_prompt(server, offline):
     text = "The quick brown fox jumps over the lazy dog, then naps."
     ids = post(server, "/tokenize", {"prompt": text}).json()["tokens"]
