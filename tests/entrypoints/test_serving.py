@@ -35,7 +35,7 @@ def test_one_id_from_the_engine_to_the_response():
     assert [c["text"] for c in body["choices"]] == ["x", "x"]
     job = serving.Job("chatcmpl-def", [1], "p", 0)
     body = asyncio.run(serving.chat(engine, job, SamplingParams(max_tokens=1), model="m", stream=False,
-                                    include_usage=False, num_top_logprobs=0))
+                                    include_usage=False, shape=serving.ChatShape()))
     assert body["id"] == "chatcmpl-def" == engine.request_ids[-1]
 
 

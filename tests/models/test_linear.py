@@ -284,12 +284,17 @@ def test_a_table_looked_up_from_its_packed_transpose(fmt):
                                         ("llama", "bfloat16")])
 def test_forward_with_packed_weights_matches_plain(test_models_dir, arch, dtype):
     """The forward with packed weights against XLA's dot on the same weights (bfloat16:
-    both round each projection's input to bfloat16 and sum in float32)."""
+    both round each projection's input to bfloat16 and sum in float32, in different
+    orders: a last-bit difference that flips one rounding of a later layer's bfloat16
+    input grows to a few percent of one element; 0.0025 of the logits' scale seen on an
+    Intel Xeon with AVX512_BF16, 2026-11-30)."""
     model = load_model(test_models_dir / arch, dtype=dtype)
     ids = list(range(3, 40))
     plain = PagedDriver(model.config, model.params, block_size=8).prompt_logits(ids, [9, len(ids) - 9])
     packed = PagedDriver(model.config, pack_params(model.params), block_size=8).prompt_logits(ids, [9, len(ids) - 9])
-    np.testing.assert_allclose(packed, plain, rtol=0, atol=(1e-5 if dtype == "float32" else 2e-3) * np.abs(plain).max())
+    np.testing.assert_allclose(packed, plain, rtol=0, atol=(1e-5 if dtype == "float32" else 4e-3) * np.abs(plain).max())
+    if dtype == "bfloat16":  # a wrong panel would move many: the typical difference stays at rounding's
+        assert np.abs(packed - plain).mean() < 2e-4 * np.abs(plain).max()
 
 
 def test_linear_candidates(caplog):
