@@ -11,7 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,13 @@ from jaxllm.loaders.default_model import model_path
 from jaxllm.loaders.dtype import choose_dtype
 from jaxllm.loaders.hf import kv_cache_scales
 from jaxllm.loaders.pooling import is_sentence_transformers, model_pooler
+from jaxllm.loaders.weights import build_params
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.models.linear import rounds_activations
 from jaxllm.models.lora import lora_partition_specs
 from jaxllm.models.parallel import check_tensor_parallel, shard_config
-from jaxllm.models.params import abstract_params
+from jaxllm.models.params import ModelParams, abstract_params
 from jaxllm.models.pipeline import StagePlan, cache_slots, check_pipeline_parallel
 from jaxllm.models.quant import quantize_params, quantized_config
 from jaxllm.platform import compilation_cache_path
@@ -47,7 +50,7 @@ from jaxllm.reasoning import ThinkingState
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.structured_output.manager import StructuredOutputManager, apply_token_filters, bitmask_width
-from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
+from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig, weights_mismatch
 from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -481,6 +484,34 @@ class EngineCore:
 
     def abort_requests(self, request_ids) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())
+
+    # --------------------------------------------------------------- weights
+
+    def update_weights(self, weights: ModelParams | Mapping[str, Any]) -> None:
+        """New weights for the same model, which the next steps use: jaxllm's parameter
+        tree of this model (jaxllm.loaders.load_model(...).params; arrays of the dtype the
+        engine runs) or a mapping of its HF tensor names to arrays (read as a
+        checkpoint's tensors are). Float weights for an engine that keeps projections
+        quantized are quantized as at load. The prefix cache is emptied: nothing
+        computed with the old weights is reused. Between requests only (the caller
+        finishes or aborts them: LLMEngine.update_weights' mode). ValueError naming the
+        first parameter that does not fit; nothing is applied then."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_weights: requests are in flight; finish or abort them first")
+        if self.executor is not None or self.pooler is not None:
+            raise ValueError("update_weights: not yet for an engine over several processes or a pooling model")
+        cfg, dtype = self.model.config, self.runner.param_dtype
+        float_cfg = dataclasses.replace(cfg, quantization=None)
+        if isinstance(weights, Mapping):
+            weights = build_params(float_cfg, weights.get, dtype, "update_weights")
+        if cfg.quantization is not None and self.runner.weights_mismatch(weights) is not None:
+            problem = weights_mismatch(weights, abstract_params(float_cfg, dtype))
+            if problem is not None:
+                raise ValueError(f"weights: {problem}")
+            weights = quantize_params(cfg, weights)
+        self.runner.set_params(weights)
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("update_weights: KV blocks are still held")  # (no request runs: cannot happen)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

@@ -16,6 +16,8 @@ from jaxllm.messages import EngineCoreRequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
+UPDATE_MODES = ("abort", "wait")  # what update_weights does with the requests in flight
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
@@ -74,14 +76,32 @@ class LLMEngine:
         try:
             core_outputs = self.core.step()
         except Exception:
-            tracked = list(self.output_processor.parent_requests) + [
-                rid for rid, state in self.output_processor.request_states.items() if state.parent is None]
-            self.abort_requests(tracked)
+            self.abort_requests(self._tracked())
             raise
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+    def update_weights(self, weights, mode: str = "abort") -> list[RequestOutput]:
+        """New weights for the same model (EngineCore.update_weights says what they may
+        be). What runs meanwhile, by `mode`: "abort" ends it with finish_reason abort,
+        "wait" lets it finish on the old weights first; either way its outputs come
+        back here (nothing is lost). No request then runs on a mixture of the two."""
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode: unknown {mode!r}; choose one of {', '.join(UPDATE_MODES)}")
+        outputs: list[RequestOutput] = []
+        if mode == "abort":
+            outputs += self.abort_requests(self._tracked())
+        while self.has_unfinished_requests():  # "wait"; after an abort, the step still in flight
+            outputs += self.step()
+        self.core.update_weights(weights)
+        return outputs
+
+    def _tracked(self) -> list[str]:
+        """The user requests in flight (an n > 1 request by its parent's id)."""
+        return list(self.output_processor.parent_requests) + [
+            rid for rid, state in self.output_processor.request_states.items() if state.parent is None]
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()

@@ -171,6 +171,16 @@ class LLM:
             params.append(p)
         return self._run(prompts, params, use_tqdm, add_special_tokens=True, desc="embedding")
 
+    def update_weights(self, weights) -> None:
+        """New weights for this model, which the next calls use: its parameter tree
+        (jaxllm.loaders.load_model(...).params, or a trainer's copy of it: the same
+        shapes, the dtype the engine runs; arrays taken as they are where the engine
+        multiplies them as given, linear_backend xla) or a mapping of its HF tensor
+        names to arrays (numpy or jax). ValueError naming the first parameter that does
+        not fit, with nothing applied. The prefix cache is emptied: no prompt reuses K/V
+        computed with the old weights."""
+        self.llm_engine.update_weights(weights)
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
         self.llm_engine.core.add_lora(lora_request)

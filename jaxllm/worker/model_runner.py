@@ -47,7 +47,7 @@ from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import bitmask_width
 from jaxllm.worker.autotune import BackendPlan, StepBackends, backend_plan
 from jaxllm.worker.buckets import StepShape, StepShapes, seq_bucket, smallest_at_least
-from jaxllm.worker.compilation import CompilationManager, shapes_and_dtypes
+from jaxllm.worker.compilation import CompilationManager
 from jaxllm.worker.decode_loop import LoopOutput
 from jaxllm.worker.executable_cache import store_directory
 from jaxllm.worker.input_batch import InputBatch
@@ -219,7 +219,7 @@ class ModelRunner:
                              f"got {rank}")
         # the adapters in the activations' dtype: their products take the hidden states as they are
         self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype, self.mesh)
-        self._given_shapes = shapes_and_dtypes(params)
+        self._given = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.weights = self._layout(params)
         self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
         self._start_kv_caches(rc.num_blocks)
@@ -349,12 +349,17 @@ class ModelRunner:
             self._tiled[choice] = bf16_tiles(self.weights[choice.linear], dot=False)
         return self._tiled[choice]
 
+    def weights_mismatch(self, params: ModelParams) -> str | None:
+        """Where `params` differs from the weights the steps were compiled for (None: fits)."""
+        return weights_mismatch(params, self._given)
+
     def layout_params(self, params: ModelParams) -> dict[str, ModelParams]:
         """Loaded `params` checked against the shapes the step was compiled for and laid
         out for each linear backend the plan uses (packed for `cpu`). Touches no runner
         state: the engine calls it on its loading thread while the executables load."""
-        if shapes_and_dtypes(params) != self._given_shapes:
-            raise ValueError("set_params: the weights do not match the shapes the step was compiled for")
+        mismatch = self.weights_mismatch(params)
+        if mismatch is not None:
+            raise ValueError(f"weights: {mismatch}")
         return self._layout(params)
 
     def _layout(self, params: ModelParams) -> dict[str, ModelParams]:
@@ -718,3 +723,18 @@ class ModelRunner:
                 logprobs=[[float(o.logprob[j])] + o.top_logprobs[j, :k].tolist() for j in idx],
                 ranks=[int(o.rank[j]) for j in idx],
             )
+
+
+def weights_mismatch(given: ModelParams, expected: ModelParams) -> str | None:
+    """Where `given` differs from `expected`'s shapes and dtypes (the weights a runner's
+    steps were compiled for): the first parameter's path with both; None when they agree."""
+    g, g_tree = jax.tree_util.tree_flatten_with_path(given)
+    e, e_tree = jax.tree_util.tree_flatten_with_path(expected)
+    if g_tree != e_tree:
+        return (f"not this model's parameter tree ({len(g)} arrays, the engine's {len(e)}): give the params of "
+                "jaxllm.loaders.load_model for this model, or a mapping of its HF tensor names")
+    for (path, a), (_, b) in zip(g, e):
+        if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+            return (f"{jax.tree_util.keystr(path)} is {jnp.dtype(a.dtype).name}{list(a.shape)}, the engine's "
+                    f"{jnp.dtype(b.dtype).name}{list(b.shape)}")
+    return None

@@ -1,0 +1,75 @@
+"""The model as a plain function of token sequences: no paged KV cache, no engine.
+
+What a trainer differentiates (`jax.grad` through `sequence_logprobs`) and the oracle of
+the engine's logprobs: the decoder's own functions (jaxllm.models.llama's projections,
+norms, RoPE, MLP and logits; every family the engine serves but the encoders), with the
+attention computed densely over each sequence (causal, the layer's sliding window,
+Gemma 2's soft cap, grouped KV heads). A batch is padded on the right; positions past a
+sequence's length give values that are never read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxllm.attention.xla import apply_soft_cap
+from jaxllm.config import ModelConfig
+from jaxllm.models.llama import compute_logits, embed_input, finish_layer, qkv_heads, rope_rows
+from jaxllm.models.params import ModelParams
+from jaxllm.models.rope import RopeTable, model_rope_table
+
+
+def dense_attention(q: Float[Array, "T H hd"], k: Float[Array, "T Hkv hd"], v: Float[Array, "T Hkv hd"],
+                    cfg: ModelConfig, window: int | None) -> Float[Array, "T Q"]:
+    """Causal softmax attention of one sequence (to the last `window` keys where the
+    layer slides), in float32: [T, q_size]."""
+    t, h, hd = q.shape
+    group = h // k.shape[1]
+    qg = q.astype(jnp.float32).reshape(t, k.shape[1], group, hd)
+    scores = jnp.einsum("qkgd,ckd->kgqc", qg, k.astype(jnp.float32)) * cfg.sm_scale
+    scores = apply_soft_cap(scores, cfg.attn_logit_softcap)
+    pos = jnp.arange(t)
+    visible = pos[None, :] <= pos[:, None]
+    if window is not None:
+        visible &= pos[None, :] > pos[:, None] - window
+    p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    o = jnp.einsum("kgqc,ckd->qkgd", p, v.astype(jnp.float32))
+    return o.reshape(t, cfg.q_size)
+
+
+def sequence_hidden(params: ModelParams, cfg: ModelConfig, rope: RopeTable, token_ids: Int[Array, " T"]
+                    ) -> Float[Array, "T D"]:
+    """One sequence's last hidden states (before the final norm)."""
+    if cfg.is_encoder:
+        raise ValueError(f"{cfg.model_type}: an encoder; the dense forward is the decoders'")
+    positions = jnp.arange(token_ids.shape[0])
+    rows = jnp.asarray(token_ids.shape[0], jnp.int32)  # every row is a token (no bucket padding)
+    x = embed_input(params, token_ids, cfg, None)
+    ropes = rope_rows(rope, positions)
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv_heads(lp, x, *ropes[cfg.is_sliding(i)], cfg)
+        o = dense_attention(q, k, v, cfg, cfg.layer_window(i)).astype(x.dtype)
+        x = finish_layer(lp, x, o, rows, None, cfg=cfg, axis=None, moe=cfg.is_moe(i))
+    return x
+
+
+def sequence_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array, "B T"],
+                      rope: RopeTable | None = None) -> Float[Array, "B T"]:
+    """log p(token t | tokens before it) for t >= 1 of each row of `token_ids` (column 0,
+    which nothing predicts, is 0): the logprobs the engine reports for prompt tokens and
+    sampled ones, from the raw logits. Differentiable in `params`. `rope`: the RoPE
+    table (default: made for T positions)."""
+    rope = model_rope_table(cfg, token_ids.shape[1]) if rope is None else rope
+    logits = jax.vmap(functools.partial(_sequence_logits, params, cfg, rope))(token_ids)
+    logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    picked = jnp.take_along_axis(logprobs, token_ids[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def _sequence_logits(params: ModelParams, cfg: ModelConfig, rope: RopeTable, token_ids: Int[Array, " T"]
+                     ) -> Float[Array, "T V"]:
+    return compute_logits(params, sequence_hidden(params, cfg, rope, token_ids), cfg)
