@@ -97,6 +97,8 @@ class EngineConfig:
                                              "running request preempted is the last of that order)",
                                      ("fcfs", "priority"))
     enable_prefix_caching: bool = _option(True, "reuse the K/V of prompt prefixes already computed")
+    enable_sleep_mode: bool = _option(False, "allow sleep(level) and wake_up(): give the device memory of the KV "
+                                             "cache and the weights back between uses (an RL loop's rollouts)")
     disable_hybrid_kv_cache_manager: bool = _option(
         False, "keep every block of every layer in models mixing sliding-window and full layers (Gemma 2/3), instead of "
                "freeing what a window no longer sees")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from jaxllm.worker.model_runner import DispatchedStep, ModelRunner, RunnerConfig
 from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig
 
 logger = logging.getLogger(__name__)
+WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back (vLLM's tags)
 
 
 def eos_token_id(tokenizer, model_config: ModelConfig) -> int | None:
@@ -404,6 +405,8 @@ class EngineCore:
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Validate all, then queue all: a ValueError (naming the field) leaves nothing queued."""
+        if self.is_sleeping():
+            raise ValueError("the engine is asleep: wake_up() first (after a level-2 sleep, update_weights too)")
         requests = [self.make_request(req) for req in reqs]
         ids = [r.request_id for r in requests]
         duplicate = next((i for i in ids if ids.count(i) > 1 or i in self.scheduler.requests), None)
@@ -486,6 +489,36 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids), self.scheduler.make_stats())
 
     # --------------------------------------------------------------- weights
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back between uses (enable_sleep_mode): the KV cache is
+        freed (its prefix cache emptied) and the weights copied to host memory (level 1)
+        or dropped (level 2: update_weights brings new ones). Between requests only."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"level: 1 (weights kept in host memory) or 2 (weights dropped), got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep: requests are in flight; finish or abort them first")
+        if self.executor is not None or self.pooler is not None:
+            raise ValueError("sleep: not yet for an engine over several processes or a pooling model")
+        if self.is_sleeping():
+            raise RuntimeError("sleep: the engine is asleep already; wake_up() first")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Back on the device: "weights" (those a level-1 sleep kept; after level 2 they
+        come with update_weights) and "kv_cache" (empty), both by default."""
+        tags = WAKE_TAGS if tags is None else tuple(tags)
+        unknown = sorted(set(tags) - set(WAKE_TAGS))
+        if unknown:
+            raise ValueError(f"tags: unknown {unknown}; choose from {list(WAKE_TAGS)}")
+        self.runner.wake_up(weights="weights" in tags, kv_cache="kv_cache" in tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are given back (requests wait for both)."""
+        return any(self.runner.asleep) if self.pooler is None else False
 
     def update_weights(self, weights: ModelParams | Mapping[str, Any]) -> None:
         """New weights for the same model, which the next steps use: jaxllm's parameter

@@ -181,6 +181,20 @@ class LLM:
         computed with the old weights."""
         self.llm_engine.update_weights(weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back until wake_up (enable_sleep_mode=True): the KV
+        cache is freed and the weights kept in host memory (level 1) or dropped (level
+        2: update_weights brings the next ones). Nothing recompiles on waking."""
+        self.llm_engine.core.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """The weights (after a level-1 sleep) and the KV cache back on the device; `tags`
+        ("weights", "kv_cache") wakes one of them."""
+        self.llm_engine.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.core.is_sleeping()
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter ahead of its requests (ValueError if it cannot be served)."""
         self.llm_engine.core.add_lora(lora_request)

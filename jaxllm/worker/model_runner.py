@@ -222,6 +222,7 @@ class ModelRunner:
         self._given = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.weights = self._layout(params)
         self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
+        self._asleep_weights = self._asleep_scales = None  # what sleep kept on the host
         self._start_kv_caches(rc.num_blocks)
         # Token ids per request row (for penalties); the extra last row takes padding.
         self.history = jnp.zeros((max_num_seqs + 1, max_model_len), jnp.int32)
@@ -348,6 +349,48 @@ class ModelRunner:
         if choice not in self._tiled:
             self._tiled[choice] = bf16_tiles(self.weights[choice.linear], dot=False)
         return self._tiled[choice]
+
+    # ------------------------------------------------------------------ sleep
+
+    def sleep(self, level: int) -> None:
+        """Give the device memory back: the KV caches are freed; the weights are copied
+        to host memory first (level 1) or dropped (level 2: new ones come with
+        set_params). The executables stay: waking compiles nothing."""
+        caches = self.kv_caches
+        self._asleep_scales = [(c.k_layer_scale, c.v_layer_scale) for c in caches] if self.kv_format.layer_scaled \
+            else None
+        if self._asleep_scales is not None:  # (a checkpoint's, or those calculated: kept with the weights)
+            self._asleep_scales = jax.device_get(self._asleep_scales)
+        leaves, tree = jax.tree.flatten(self.weights)
+        unique = {id(a): a for a in leaves}  # the layouts share arrays (norms, the embedding): kept shared
+        self._asleep_weights = None
+        if level == 1:
+            host = {i: (np.asarray(jax.device_get(a)), a.sharding) for i, a in unique.items()}
+            self._asleep_weights = (tree, [id(a) for a in leaves], host)
+        tiled = {id(a): a for a in jax.tree.leaves(self._tiled)}
+        for a in {**unique, **tiled, **{id(a): a for a in jax.tree.leaves(caches)}}.values():
+            a.delete()
+        self.weights, self._tiled, self._kv_caches = None, {}, None
+
+    def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Back on the device: the weights a level-1 sleep kept, the KV caches zero-filled
+        (their fp8 scales as they were)."""
+        if weights and self.weights is None and self._asleep_weights is not None:
+            tree, ids, host = self._asleep_weights
+            placed = {i: jax.device_put(array, sharding) for i, (array, sharding) in host.items()}
+            self.weights, self._asleep_weights = jax.tree.unflatten(tree, [placed[i] for i in ids]), None
+        if kv_cache and self._kv_caches is None and self._kv_caches_future is None:
+            caches = allocate_kv_caches(self._abstract_caches)
+            if self._asleep_scales is not None:
+                caches = tuple(dataclasses.replace(c, k_layer_scale=jax.device_put(k, c.k_layer_scale.sharding),
+                                                   v_layer_scale=jax.device_put(v, c.v_layer_scale.sharding))
+                               for c, (k, v) in zip(caches, self._asleep_scales))
+            self.kv_caches = caches
+
+    @property
+    def asleep(self) -> tuple[bool, bool]:
+        """(weights, KV caches) given back and not yet woken."""
+        return self.weights is None, self._kv_caches is None and self._kv_caches_future is None
 
     def weights_mismatch(self, params: ModelParams) -> str | None:
         """Where `params` differs from the weights the steps were compiled for (None: fits)."""
