@@ -30,6 +30,7 @@ logger = logging.getLogger("jaxllm.serve")
 
 API_KEY_ENV = "JAXLLM_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the same routes
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for its development endpoints
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
                    help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404, as vLLM without "
                         f"${RUNTIME_LORA_ENV}); adapters load only from under --lora-allowed-roots")
+    p.add_argument("--server-dev-mode", action="store_true",
+                   default=os.environ.get(DEV_MODE_ENV, "").lower() in ("1", "true"),
+                   help=f"serve the development endpoints an RL trainer drives between rollouts: POST /sleep, "
+                        f"/wake_up, /reset_prefix_cache, /update_weights (a path on this machine), GET /is_sleeping "
+                        f"(off: 404, as vLLM without ${DEV_MODE_ENV}; with --enable-sleep-mode for /sleep)")
     p.add_argument("--lora-allowed-roots", nargs="+", default=[], metavar="DIR",
                    help="folders runtime adapters may be loaded from (besides the --lora-modules folders); any "
                         "other path gets one answer that says nothing of the filesystem")
@@ -224,7 +230,11 @@ async def serve(args: argparse.Namespace) -> None:
                                         tuple(args.allowed_headers), args.allow_credentials),
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                               request_id_headers=args.enable_request_id_headers,
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              dev_mode=args.server_dev_mode)
+    if settings.dev_mode and not settings.api_keys():
+        logger.warning("development endpoints are on without an API key: anyone who reaches the port can put the "
+                       "engine to sleep or load weights from any path this process can read")
     if settings.runtime_lora_updating and not settings.api_key:
         logger.warning("runtime LoRA updating is on without an API key: anyone who reaches the port can load "
                        "adapters from under %s", ", ".join(settings.lora_roots()) or "(no allowed root)")

@@ -23,7 +23,7 @@ from jaxllm.engine.core_client import DEAD, CoreClient
 from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, RequestOutputKind, core_requests
-from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate
+from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate, UtilityCall, UtilityResult
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.metrics import EngineMetrics
@@ -34,6 +34,10 @@ from jaxllm.sampling_params import SamplingParams
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; the request cannot finish."""
+
+
+class CoreBusy(RuntimeError):
+    """An engine core utility refused to run while requests are in flight."""
 
 
 class RequestRejected(ValueError):
@@ -62,6 +66,7 @@ class AsyncLLM:
         self.core_died = asyncio.Event()  # set when the core process fails or exits on its own
         self._streams: dict[str, asyncio.Queue] = {}
         self._lora_ops: dict[int, tuple[asyncio.Future, list[str | None]]] = {}  # op id -> (done, replies so far)
+        self._calls: dict[int, tuple[asyncio.Future, list[UtilityResult]]] = {}  # call_core's, the same way
         self._next_lora_op = 0
         self._loop = asyncio.get_running_loop()
         self._last_heard = time.monotonic()
@@ -169,6 +174,34 @@ class AsyncLLM:
         if error is not None:
             raise ValueError(error)
 
+    async def call_core(self, method: str, *args):
+        """Run an engine core utility (protocol.CORE_UTILITIES) in every replica; the
+        first replica's value. CoreBusy if requests were in flight, ValueError with the
+        reason if it failed."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        op_id, self._next_lora_op = self._next_lora_op, self._next_lora_op + 1
+        done = self._loop.create_future()
+        self._calls[op_id] = (done, [])
+        self.client.send(wire.UTILITY, UtilityCall(op_id, method, list(args)))
+        try:
+            results: list[UtilityResult] = await done
+        finally:
+            self._calls.pop(op_id, None)
+        failed = next((r for r in results if r.error is not None), None)
+        if failed is not None:
+            raise (CoreBusy if failed.busy else ValueError)(failed.error)
+        return results[0].value
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        call = self._calls.get(result.op_id)
+        if call is None:
+            return
+        done, replies = call
+        replies.append(result)
+        if len(replies) == self.client.num_replicas and not done.done():
+            done.set_result(replies)
+
     def _on_lora_result(self, op_id: int, error: str | None) -> None:
         """One engine core's answer; the update is done when every replica answered."""
         op = self._lora_ops.get(op_id)
@@ -193,11 +226,13 @@ class AsyncLLM:
             self._deliver(request_id, RequestRejected(payload.message))
         elif kind == wire.LORA_RESULT:
             self._on_lora_result(payload.op_id, payload.error)
+        elif kind == wire.UTILITY_RESULT:
+            self._on_utility_result(payload)
         elif kind in (wire.FATAL, DEAD) and self.dead_reason is None:
             self.dead_reason = f"engine core died: {payload}" if payload else "engine core process exited"
             for stream in self._streams.values():
                 stream.put_nowait(EngineDeadError(self.dead_reason))
-            for done, _ in self._lora_ops.values():
+            for done, _ in [*self._lora_ops.values(), *self._calls.values()]:
                 if not done.done():
                     done.set_exception(EngineDeadError(self.dead_reason))
             self.core_died.set()

@@ -516,6 +516,17 @@ class EngineCore:
             raise ValueError(f"tags: unknown {unknown}; choose from {list(WAKE_TAGS)}")
         self.runner.wake_up(weights="weights" in tags, kv_cache="kv_cache" in tags)
 
+    def update_weights_from_path(self, path: str) -> None:
+        """update_weights with the weights of an HF folder (or a GGUF) of this model."""
+        loaded = load_model(path, jnp.dtype(self.runner.param_dtype).name,
+                            conversion_cache_dir=compilation_cache_path(self.config.compilation_cache_dir)
+                            / "converted-models")
+        self.update_weights(loaded.params)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (possible only when no request holds blocks)."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def is_sleeping(self) -> bool:
         """Whether the weights or the KV cache are given back (requests wait for both)."""
         return any(self.runner.asleep) if self.pooler is None else False

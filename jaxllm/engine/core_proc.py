@@ -20,7 +20,15 @@ from multiprocessing.connection import Connection
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.core import EngineCore, eos_token_id
-from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection, LoRAUpdate, LoRAUpdateResult
+from jaxllm.engine.protocol import (
+    CORE_UTILITIES,
+    EngineCoreReady,
+    EngineCoreRejection,
+    LoRAUpdate,
+    LoRAUpdateResult,
+    UtilityCall,
+    UtilityResult,
+)
 from jaxllm.logs import configure_logging, log_level
 from jaxllm.messages import EngineCoreOutputs
 
@@ -117,6 +125,8 @@ class EngineCoreLoop:
             self.core.abort_requests(payload)
         elif kind == wire.LORA:
             self.conn.send_bytes(wire.encode(wire.LORA_RESULT, self._update_lora(payload)))
+        elif kind == wire.UTILITY:
+            self.conn.send_bytes(wire.encode(wire.UTILITY_RESULT, self._utility(payload)))
         elif kind == wire.SHUTDOWN:
             return False
         return True
@@ -130,6 +140,16 @@ class EngineCoreLoop:
         except ValueError as e:
             return LoRAUpdateResult(update.op_id, str(e))
         return LoRAUpdateResult(update.op_id)
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in CORE_UTILITIES:
+            return UtilityResult(call.op_id, error=f"unknown engine core utility {call.method!r}")
+        try:
+            return UtilityResult(call.op_id, value=getattr(self.core, call.method)(*call.args))
+        except RuntimeError as e:  # requests in flight
+            return UtilityResult(call.op_id, error=str(e), busy=True)
+        except (ValueError, OSError) as e:
+            return UtilityResult(call.op_id, error=str(e))
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.conn.send_bytes(wire.encode(wire.OUTPUTS, outputs))

@@ -1,10 +1,12 @@
 """Messages only the engine frontend and the engine core process exchange (besides
 the shared types of :mod:`jaxllm.messages`): the core's ready report, its refusals,
-and adapters loaded and unloaded at run time."""
+adapters loaded and unloaded at run time, and the utilities the development
+endpoints run (sleep, wake_up, weights from a path)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxllm.lora.request import LoRARequest
 from jaxllm.pooling_params import PoolerConfig
@@ -46,6 +48,30 @@ class LoRAUpdateResult:
 
     op_id: int
     error: str | None = None
+
+
+@dataclasses.dataclass
+class UtilityCall:
+    """Frontend -> core: run the engine core's `method` (one of CORE_UTILITIES) with `args`."""
+
+    op_id: int
+    method: str
+    args: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class UtilityResult:
+    """Core -> frontend: UtilityCall `op_id`'s value, or why it failed (`busy`: requests
+    were in flight)."""
+
+    op_id: int
+    value: bool | None = None
+    error: str | None = None
+    busy: bool = False
+
+
+# what a frontend may run in the core (the server's development endpoints)
+CORE_UTILITIES = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "update_weights_from_path")
 
 
 @dataclasses.dataclass

@@ -8,13 +8,21 @@ from typing import Any
 
 import msgspec
 
-from jaxllm.engine.protocol import EngineCoreReady, EngineCoreRejection, LoRAUpdate, LoRAUpdateResult
+from jaxllm.engine.protocol import (
+    EngineCoreReady,
+    EngineCoreRejection,
+    LoRAUpdate,
+    LoRAUpdateResult,
+    UtilityCall,
+    UtilityResult,
+)
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 
 # frontend -> core
-ADD, ABORT, SHUTDOWN, LORA = "add", "abort", "shutdown", "lora"
+ADD, ABORT, SHUTDOWN, LORA, UTILITY = "add", "abort", "shutdown", "lora", "utility"
 # core -> frontend
 READY, OUTPUTS, REJECTED, FATAL, LORA_RESULT = "ready", "outputs", "rejected", "fatal", "lora_result"
+UTILITY_RESULT = "utility_result"
 
 PAYLOAD_TYPES: dict[str, Any] = {
     ADD: list[EngineCoreRequest],
@@ -22,6 +30,8 @@ PAYLOAD_TYPES: dict[str, Any] = {
     SHUTDOWN: None,
     LORA: LoRAUpdate,
     LORA_RESULT: LoRAUpdateResult,
+    UTILITY: UtilityCall,
+    UTILITY_RESULT: UtilityResult,
     READY: EngineCoreReady,
     OUTPUTS: EngineCoreOutputs,
     REJECTED: EngineCoreRejection,

@@ -25,7 +25,7 @@ def tokens(llm):
             for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8-scaled"])
+@pytest.mark.parametrize("kv", ["auto", pytest.param("fp8-scaled", marks=pytest.mark.slow)])
 def test_level_1_round_trip(test_models_dir, kv):
     options = dict(kv_cache_dtype="fp8", calculate_kv_scales=True) if kv == "fp8-scaled" else {}
     llm = make_llm(test_models_dir, enable_sleep_mode=True, **options)

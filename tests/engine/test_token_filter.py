@@ -50,7 +50,7 @@ def hf(test_models_dir):
     return AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float64).eval()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_filters_equal_masked_greedy(test_models_dir, hf, async_scheduling):
     """Each filter, batched with unfiltered requests (chunked prompts, both scheduling
     modes), gives HF's greedy tokens under the same mask; a bad word of several tokens

@@ -198,6 +198,7 @@ def test_async_client(server):
 
 
 def test_open_endpoints_and_tokenize(server):
+    assert post(server, "/sleep").status_code == 404  # development endpoints: off by default
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "version" in httpx.get(f"{server.url}/version").json()
     assert "vllm:num_requests_running" in httpx.get(f"{server.url}/metrics").text

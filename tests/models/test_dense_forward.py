@@ -23,7 +23,8 @@ def hf_logprobs(folder, ids: list[int]) -> np.ndarray:
     return np.concatenate([[0.0], lp[np.arange(len(ids) - 1), ids[1:]]])
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["llama", "gemma2", pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_equals_hf(test_models_dir, name):
     """Sliding windows, soft caps, q/k norms: float32 logprobs within 1e-4 of HF's
     float64 ones over a batch of two sequences."""
@@ -35,7 +36,8 @@ def test_equals_hf(test_models_dir, name):
         np.testing.assert_allclose(row, hf_logprobs(test_models_dir / name, ids.tolist()), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("backends", [("cpu", "cpu"), ("xla", "xla")], ids=lambda b: f"attention-{b[0]}-linear-{b[1]}")
+@pytest.mark.parametrize("backends", [("cpu", "cpu"), pytest.param(("xla", "xla"), marks=pytest.mark.slow)],
+                         ids=lambda b: f"attention-{b[0]}-linear-{b[1]}")
 def test_equals_the_engines_logprobs(test_models_dir, backends):
     """What the engine reported while sampling (prompt logprobs and each sampled token's,
     chunked prefill and a batch of several) is what the plain forward gives for those

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxllm
 from jaxllm import reasoning
-from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.engine.async_llm import AsyncLLM, CoreBusy, EngineDeadError
 from jaxllm.entrypoints.openai import pooling, responses, serving, tools
 from jaxllm.entrypoints.openai.errors import APIError, error_response
 from jaxllm.entrypoints.openai.protocol import (
@@ -51,6 +51,7 @@ from jaxllm.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsRequest,
 )
 from jaxllm.entrypoints.scoring import score_pairs
 from jaxllm.lora.request import LoRARequest
@@ -71,6 +72,11 @@ class CORS:
     allow_credentials: bool = False
 
 
+# the development endpoints (--server-dev-mode, as vLLM's VLLM_SERVER_DEV_MODE): an RL
+# trainer's controls of the engine between rollouts
+DEV_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_name: str
@@ -79,7 +85,7 @@ class ServerSettings:
     max_num_seqs: int = 64
     max_request_bytes: int = 16 * 2**20
     protected_prefixes: tuple[str, ...] = ("/v1", "/v2", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize",
-                                           "/tokenizer_info")
+                                           "/tokenizer_info", *DEV_ROUTES)
     tool_call_parser: str | None = None  # finds tool calls in outputs for tool_choice "auto"
     lora_modules: tuple[LoRARequest, ...] = ()  # adapters loaded at start-up (--lora-modules)
     reasoning_parser: str | None = None  # the engine's: thinking apart from the answer
@@ -92,6 +98,7 @@ class ServerSettings:
     max_log_len: int | None = None  # characters (or token ids) of a logged prompt; None: all
     request_id_headers: bool = False  # X-Request-Id on every response
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+    dev_mode: bool = False  # the development endpoints (DEV_ROUTES) served
 
     def api_keys(self) -> tuple[str, ...]:
         """The keys a request may carry (none: the routes are open; an empty key is none)."""
@@ -577,6 +584,50 @@ class Handlers:
             await self.engine.remove_lora(lora.lora_int_id)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
+    # ----------------------------------------------- development endpoints
+
+    async def dev_call(self, method: str, *args):
+        """An engine core utility for a development endpoint: 404 unless the server is
+        in development mode, 409 while requests are in flight, 400 with the reason."""
+        if not self.settings.dev_mode:
+            raise APIError(404, "development endpoints are off: start the server with --server-dev-mode "
+                                "(or VLLM_SERVER_DEV_MODE=1)", code="not_found")
+        try:
+            return await self.engine.call_core(method, *args)
+        except CoreBusy as e:
+            raise APIError(409, f"{e} (the requests running must finish first)") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def sleep(self, request: Request) -> Response:
+        """POST /sleep?level=1|2: the KV cache and the weights' device memory given back."""
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise APIError(400, f"level: 1 or 2, got {level!r}", param="level")
+        await self.dev_call("sleep", int(level))
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        """POST /wake_up[?tags=weights&tags=kv_cache]."""
+        await self.dev_call("wake_up", request.query_params.getlist("tags") or None)
+        return Response(status_code=200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return JSONResponse({"is_sleeping": await self.dev_call("is_sleeping")})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """POST /reset_prefix_cache: 200 once forgotten, 409 while requests hold blocks."""
+        if not await self.dev_call("reset_prefix_cache"):
+            raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks")
+        return Response(status_code=200)
+
+    async def update_weights(self, request: Request) -> Response:
+        """POST /update_weights {"path": ...}: the weights of an HF folder (or GGUF) of
+        this model; 400 naming the first parameter that does not fit."""
+        body = await self.parse(request, UpdateWeightsRequest)
+        await self.dev_call("update_weights_from_path", body.path)
+        return Response(status_code=200)
+
     def require_runtime_lora(self) -> None:
         if not self.settings.runtime_lora_updating:
             raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating "
@@ -639,6 +690,11 @@ class Handlers:
             Route("/health", h.health, methods=["GET"]),
             Route("/version", h.version, methods=["GET"]),
             Route("/metrics", h.metrics, methods=["GET"]),
+            Route("/sleep", guarded(h.sleep), methods=["POST"]),
+            Route("/wake_up", guarded(h.wake_up), methods=["POST"]),
+            Route("/is_sleeping", guarded(h.is_sleeping), methods=["GET"]),
+            Route("/reset_prefix_cache", guarded(h.reset_prefix_cache), methods=["POST"]),
+            Route("/update_weights", guarded(h.update_weights), methods=["POST"]),
         ]
 
 

@@ -386,6 +386,13 @@ class LoadLoRAAdapterRequest(BaseModel):
     load_inplace: bool = False  # vLLM's: reload an adapter already loaded under this name
 
 
+class UpdateWeightsRequest(BaseModel):
+    """POST /update_weights (development mode): an HF folder (or GGUF) of the served model."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1)
+
+
 class UnloadLoRAAdapterRequest(BaseModel):
     """vLLM's POST /v1/unload_lora_adapter body."""
 

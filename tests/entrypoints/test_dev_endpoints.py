@@ -1,0 +1,56 @@
+"""The server's development endpoints (issue 64; vLLM's under VLLM_SERVER_DEV_MODE): an RL
+trainer puts the engine to sleep between rollouts, wakes it, and loads new weights from
+a path; the answers after each are the offline engine's for the same weights."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.loaders import load_model
+from tests.engine.test_update_weights import saved, trained
+from tests.support.server import API_KEY, Server
+
+BODY = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(test_models_dir, tmp_path_factory):
+    s = Server(test_models_dir / "llama", tmp_path_factory.mktemp("dev"), "--server-dev-mode", "--enable-sleep-mode",
+               "--served-model-name", "tiny")
+    yield s
+    s.stop()
+
+
+def call(server, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                         **kw)
+
+
+def text(server) -> str:
+    r = call(server, "POST", "/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_sleep_wake_and_weights_from_a_path(server, test_models_dir, tmp_path):
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+    before = text(server)
+    assert call(server, "POST", "/sleep", params={"level": "1"}).status_code == 200
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": True}
+    asleep = call(server, "POST", "/v1/completions", json=BODY)
+    assert asleep.status_code == 400 and "asleep" in asleep.json()["error"]["message"]
+    assert call(server, "POST", "/wake_up").status_code == 200
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+    assert text(server) == before
+    folder = saved(test_models_dir, tmp_path, trained(load_model(test_models_dir / "llama", dtype="float32").params))
+    assert call(server, "POST", "/update_weights", json={"path": str(folder)}).status_code == 200
+    offline = LLM(str(folder), max_model_len=256, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert text(server) == offline.generate(BODY["prompt"], params, use_tqdm=False)[0].outputs[0].text != before
+    wrong = call(server, "POST", "/update_weights", json={"path": str(test_models_dir / "qwen3")})
+    assert wrong.status_code == 400 and "the engine's" in wrong.json()["error"]["message"], wrong.text
+    assert call(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert call(server, "POST", "/sleep", params={"level": "3"}).status_code == 400
+    assert httpx.post(f"{server.url}/sleep").status_code == 401  # behind the API key like the API
