@@ -67,7 +67,7 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._lora_ops: dict[int, tuple[asyncio.Future, list[str | None]]] = {}  # op id -> (done, replies so far)
         self._calls: dict[int, tuple[asyncio.Future, list[UtilityResult]]] = {}  # call_core's, the same way
-        self._next_lora_op = 0
+        self._next_op = 0
         self._loop = asyncio.get_running_loop()
         self._last_heard = time.monotonic()
         client.start(lambda kind, payload: self._loop.call_soon_threadsafe(self._on_core_message, kind, payload))
@@ -163,7 +163,7 @@ class AsyncLLM:
     async def _update_lora(self, **change) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        op_id, self._next_lora_op = self._next_lora_op, self._next_lora_op + 1
+        op_id, self._next_op = self._next_op, self._next_op + 1
         done = self._loop.create_future()
         self._lora_ops[op_id] = (done, [])
         self.client.send(wire.LORA, LoRAUpdate(op_id, **change))
@@ -180,7 +180,7 @@ class AsyncLLM:
         reason if it failed."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        op_id, self._next_lora_op = self._next_lora_op, self._next_lora_op + 1
+        op_id, self._next_op = self._next_op, self._next_op + 1
         done = self._loop.create_future()
         self._calls[op_id] = (done, [])
         self.client.send(wire.UTILITY, UtilityCall(op_id, method, list(args)))

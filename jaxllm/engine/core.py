@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -300,8 +301,14 @@ class EngineCore:
             decode=self._decode,
             policy=config.scheduling_policy,
         )
-        # the weights' loading thread done before any measurement (it would share the cores)
-        quiet = None if loading is None else loading.exception
+        # the weights' loading thread done before any measurement (it would share the cores);
+        # an event, not the future: the runner keeps the callable, and the future would keep
+        # the loaded (unpacked) weights alive beside the runner's own for the engine's life
+        quiet = None
+        if loading is not None:
+            loaded = threading.Event()
+            loading.add_done_callback(lambda _: loaded.set())
+            quiet = loaded.wait
         self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet))
         if kv_format.layer_scaled and not config.calculate_kv_scales:
             self.runner.set_kv_layer_scales(*self._checkpoint_kv_scales)

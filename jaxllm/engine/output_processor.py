@@ -388,6 +388,8 @@ class OutputProcessor:
             if not parent.finished:
                 return
             reasons, tokens = parent.finish_reasons, parent.sample_tokens
+        if state.metrics.first_token_time is None and finish_reason is not FinishReason.ABORT:
+            stats.num_prompt_tokens += len(state.prompt_token_ids)  # scored, no token generated (max_tokens 0)
         max_tokens = None if state.params is None else state.params.max_tokens
         stats.finished.append(FinishedRequestStats(state.metrics, len(state.prompt_token_ids), reasons, tokens,
                                                    len(reasons), max_tokens))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -355,7 +356,8 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV caches are freed; the weights are copied
         to host memory first (level 1) or dropped (level 2: new ones come with
-        set_params). The executables stay: waking compiles nothing."""
+        set_params); arrays the caller also holds stay valid (theirs to free). The
+        executables stay: waking compiles nothing."""
         caches = self.kv_caches
         self._asleep_scales = [(c.k_layer_scale, c.v_layer_scale) for c in caches] if self.kv_format.layer_scaled \
             else None
@@ -367,10 +369,13 @@ class ModelRunner:
         if level == 1:
             host = {i: (np.asarray(jax.device_get(a)), a.sharding) for i, a in unique.items()}
             self._asleep_weights = (tree, [id(a) for a in leaves], host)
-        tiled = {id(a): a for a in jax.tree.leaves(self._tiled)}
-        for a in {**unique, **tiled, **{id(a): a for a in jax.tree.leaves(caches)}}.values():
+        for a in jax.tree.leaves(caches):  # the engine's own
             a.delete()
+        # the weights are let go, not deleted: a trainer's arrays given to update_weights
+        # are the very ones held (no copy), and stay the trainer's; the engine's own go
+        # with their last reference
         self.weights, self._tiled, self._kv_caches = None, {}, None
+        gc.collect()  # buffers held only by reference cycles go now, not at some later collection
 
     def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
         """Back on the device: the weights a level-1 sleep kept, the KV caches zero-filled

@@ -512,48 +512,60 @@ def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_ca
     assert_no_leaks(llm)
 
 
-def test_fp8_kv_cache_reads_a_checkpoints_scales(test_models_dir, tmp_path):
-    """A checkpoint's model.layers.{i}.self_attn.k_scale / v_scale (vLLM reads them) scale
-    an fp8 cache, each layer's own; calculate_kv_scales replaces them; other caches
-    leave them; a checkpoint with them for some layers only is refused by name."""
+def scaled_checkpoint(test_models_dir, tmp_path, drop: str | None = None):
+    """The llama test model with fp8 KV cache scales per layer (near what its first batch
+    calculates: K up to ~3.6, V ~3), the `drop` tensor left out."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
     folder = tmp_path / "scaled"
-    shutil.copytree(test_models_dir / "llama", folder)
-    prompt = [[int(t) for t in np.random.default_rng(1).integers(3, 500, 30)]]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    calculated = make_llm(test_models_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
-    calculated.generate(prompt, params, use_tqdm=False)  # a layer's scales as a checkpoint would hold them:
-    k, v = (np.array([np.asarray(getattr(c, f"{kind}_layer_scale")).max() for c in calculated.llm_engine.core.runner
-                      .kv_caches]) for kind in "kv")  # the largest of its heads'
+    shutil.copytree(test_models_dir / "llama", folder, dirs_exist_ok=True)
     tensors = load_file(folder / "model.safetensors")
-    layers = len(k)
+    layers = sum(name.endswith("self_attn.q_proj.weight") for name in tensors)
+    k, v = np.linspace(0.018, 0.02, layers, dtype=np.float32), np.linspace(0.03, 0.034, layers, dtype=np.float32)
     for i in range(layers):
         tensors[f"model.layers.{i}.self_attn.k_scale"] = np.array(k[i])
         tensors[f"model.layers.{i}.self_attn.v_scale"] = np.array(v[i])
+    tensors.pop(drop, None)
     save_file(tensors, folder / "model.safetensors")
+    return folder, k, v
+
+
+def test_fp8_kv_cache_reads_a_checkpoints_scales(test_models_dir, tmp_path):
+    """A checkpoint's model.layers.{i}.self_attn.k_scale / v_scale (vLLM reads them) scale
+    an fp8 cache, each layer's own, for every KV head, and its outputs stay near a
+    float32 cache's; a checkpoint with them for some layers only is refused by name."""
+    folder, k, v = scaled_checkpoint(test_models_dir, tmp_path)
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory="1MiB",
               kv_cache_dtype="fp8", attention_backend="cpu", linear_backend="cpu", progress=False)
     core = llm.llm_engine.core
     assert "the checkpoint's scales" in core.describe()
     np.testing.assert_array_equal([np.asarray(c.k_layer_scale) for c in core.runner.kv_caches], np.repeat(k[:, None], 2, 1))
     np.testing.assert_array_equal([np.asarray(c.v_layer_scale) for c in core.runner.kv_caches], np.repeat(v[:, None], 2, 1))
+    prompt = [[int(t) for t in np.random.default_rng(1).integers(3, 500, 30)]]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     got = llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
     exact = make_llm(test_models_dir).generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
     diffs = [abs(next(iter(g.values())).logprob - next(iter(e.values())).logprob) for g, e in zip(got, exact)]
     assert np.mean(diffs) < 0.6  # fp8's rounding (the unscaled cache's on this model: 0.38)
     np.testing.assert_array_equal(np.asarray(core.runner.kv_caches[0].k_layer_scale), [k[0]] * 2)  # kept
+    last = f"model.layers.{len(k) - 1}.self_attn.v_scale"
+    folder, _, _ = scaled_checkpoint(test_models_dir, tmp_path, drop=last)
+    with pytest.raises(Exception, match=f"{last} is missing"):
+        LLM(str(folder), max_model_len=256, kv_cache_dtype="fp8", progress=False)
+
+
+@pytest.mark.slow  # two more engines
+def test_checkpoint_scales_give_way(test_models_dir, tmp_path):
+    """calculate_kv_scales replaces a checkpoint's scales (the start-up line says so);
+    a cache of another format does not read them."""
+    folder, _, _ = scaled_checkpoint(test_models_dir, tmp_path)
     options = dict(max_model_len=256, kv_cache_memory="1MiB", attention_backend="cpu", linear_backend="cpu",
                    progress=False)
     again = LLM(str(folder), kv_cache_dtype="fp8", calculate_kv_scales=True, **options).llm_engine.core
     assert "scales calculated from the first batch (in place of the checkpoint's)" in again.describe()
     assert LLM(str(folder), kv_cache_dtype="int8", **options).llm_engine.core.runner.kv_caches[0].k_layer_scale is None
-    del tensors[f"model.layers.{layers - 1}.self_attn.v_scale"]
-    save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(Exception, match=f"model.layers.{layers - 1}.self_attn.v_scale is missing"):
-        LLM(str(folder), max_model_len=256, kv_cache_dtype="fp8", progress=False)
 
 
 @pytest.mark.parametrize("name", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])  # (the default run's budget)

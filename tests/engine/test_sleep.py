@@ -69,3 +69,17 @@ def test_refusals(test_models_dir):
     with pytest.raises(ValueError, match=r"tags: unknown \['kv'\]"):
         llm.wake_up(["kv"])
     llm.wake_up()
+
+
+def test_a_trainers_arrays_stay_valid(test_models_dir):
+    """Weights given to update_weights are held as they are (xla backend: no copy); a
+    sleep lets the engine's reference go without deleting them: the trainer's copy
+    still reads, and the engine wakes with it."""
+    llm = make_llm(test_models_dir, enable_sleep_mode=True, linear_backend="xla")
+    weights = load_model(test_models_dir / "llama", dtype="float32").params
+    llm.update_weights(weights)
+    before = tokens(llm)
+    llm.sleep(1)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(weights))
+    llm.wake_up()
+    assert tokens(llm) == before
