@@ -369,7 +369,7 @@ def test_an_update_waits_for_every_data_parallel_replica():
         engine = AsyncLLM.__new__(AsyncLLM)  # the LoRA update path only: no core processes
         sent = []
         engine.client = SimpleNamespace(num_replicas=len(replies), send=lambda kind, payload: sent.append(payload))
-        engine.dead_reason, engine._lora_ops, engine._next_lora_op = None, {}, 0
+        engine.dead_reason, engine._lora_ops, engine._next_op = None, {}, 0
         engine._loop = asyncio.get_running_loop()
         update = asyncio.create_task(engine.add_lora(LoRARequest("x", 5, "/p")))
         await asyncio.sleep(0)
