@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 
@@ -74,23 +75,28 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def _set_bits(words: Int[np.ndarray, " W"], tokens, value: bool) -> None:
-    for t in tokens:
-        bit = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-        if value:
-            words[t // 32] |= bit
-        else:
-            words[t // 32] &= ~bit
+def _bits(tokens, width: int) -> Int[np.ndarray, " W"]:
+    """The bitmask row with exactly `tokens` set."""
+    ids = np.asarray(tokens, np.int64)
+    words = np.zeros(width, np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed_row(allowed: tuple[int, ...], width: int) -> Int[np.ndarray, " W"]:
+    """An allowed_token_ids row, made once per set (each step copies it)."""
+    row = _bits(allowed, width)
+    row.flags.writeable = False
+    return row
 
 
 def token_filter_mask(f: TokenFilter, output: list[int], width: int) -> Int[np.ndarray, " W"]:
     """The bitmask row of a token filter for the token after `output`."""
-    if f.allowed is None:
-        words = np.full(width, -1, np.int32)
-    else:
-        words = np.zeros(width, np.int32)
-        _set_bits(words, f.allowed, True)
-    _set_bits(words, f.banned(output), False)
+    words = np.full(width, -1, np.int32) if f.allowed is None else _allowed_row(f.allowed, width).copy()
+    banned = f.banned(output)
+    if banned:
+        words &= ~_bits(banned, width)
     return words
 
 

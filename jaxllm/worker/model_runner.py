@@ -359,10 +359,8 @@ class ModelRunner:
         set_params); arrays the caller also holds stay valid (theirs to free). The
         executables stay: waking compiles nothing."""
         caches = self.kv_caches
-        self._asleep_scales = [(c.k_layer_scale, c.v_layer_scale) for c in caches] if self.kv_format.layer_scaled \
-            else None
-        if self._asleep_scales is not None:  # (a checkpoint's, or those calculated: kept with the weights)
-            self._asleep_scales = jax.device_get(self._asleep_scales)
+        self._asleep_scales = jax.device_get([(c.k_layer_scale, c.v_layer_scale) for c in caches]) \
+            if self.kv_format.layer_scaled else None  # (a checkpoint's, or calculated: kept with the weights)
         leaves, tree = jax.tree.flatten(self.weights)
         unique = {id(a): a for a in leaves}  # the layouts share arrays (norms, the embedding): kept shared
         self._asleep_weights = None

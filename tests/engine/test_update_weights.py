@@ -6,8 +6,6 @@ linear backend the given arrays are used as they are (no copy)."""
 
 from __future__ import annotations
 
-import shutil
-
 import jax
 import numpy as np
 import pytest
@@ -33,11 +31,7 @@ def trained(params, seed: int = 0):
 def saved(test_models_dir, tmp_path, params):
     """`params` as a checkpoint folder of the llama test model (its tokenizer too)."""
     original = load_model(test_models_dir / "llama", dtype="float32")
-    folder = save_hf_folder(tmp_path / "trained", original.config, params)
-    for f in (test_models_dir / "llama").iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy(f, folder / f.name)
-    return folder
+    return save_hf_folder(tmp_path / "trained", original.config, params, original.tokenizer)
 
 
 def outputs(llm: LLM):
