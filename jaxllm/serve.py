@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-dev-mode", action="store_true",
                    default=os.environ.get(DEV_MODE_ENV, "").lower() in ("1", "true"),
                    help=f"serve the development endpoints an RL trainer drives between rollouts: POST /sleep, "
-                        f"/wake_up, /reset_prefix_cache, /update_weights (a path on this machine), GET /is_sleeping "
+                        f"/wake_up, /reset_prefix_cache, /update_weights (a path on this machine), /pause, /resume, GET "
+                        f"/is_sleeping, /is_paused "
                         f"(off: 404, as vLLM without ${DEV_MODE_ENV}; with --enable-sleep-mode for /sleep)")
     p.add_argument("--lora-allowed-roots", nargs="+", default=[], metavar="DIR",
                    help="folders runtime adapters may be loaded from (besides the --lora-modules folders); any "

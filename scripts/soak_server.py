@@ -33,6 +33,11 @@ Checks (the script exits 1 when any fails):
 - /metrics agrees with what the clients counted: finished requests, prompt and
   generation tokens (a client that left may or may not have let its request finish,
   so those give a range), and preemptions > 0;
+- with --pause-every S: every S seconds during the load the server is paused (vLLM's
+  /pause, its mode abort, wait or keep and clear_cache drawn at random) and resumed a
+  moment later: every /pause and /resume answers 200, a request ends with
+  finish_reason abort only when an abort pause fell inside it, nothing else is lost
+  or hangs (the checks above);
 - faults, after the load on the same server: SIGSTOP of the idle engine core turns
   /health 503 and SIGCONT turns it back to 200; the same with requests in flight,
   which then complete; SIGKILL of the core mid-load ends every open stream with an
@@ -252,6 +257,7 @@ class Outcome:
     chunks: int = 0
     done_seen: bool = False
     error_events: list[dict] = field(default_factory=list)
+    started: float = 0.0  # time.monotonic() when the request was sent
     ended: float = 0.0  # time.monotonic() when the answer ended
 
 
@@ -430,7 +436,7 @@ def choice_tokens(endpoint: str, choice: dict) -> list[str] | None:
 
 async def send(client: httpx.AsyncClient, spec: Spec) -> Outcome:
     out = Outcome(spec)
-    start = time.monotonic()
+    start = out.started = time.monotonic()
     try:
         if spec.raw is not None or spec.malformed:
             kw = {"content": spec.raw, "headers": {"content-type": "application/json"}} if spec.raw is not None \
@@ -522,8 +528,9 @@ async def stream(client: httpx.AsyncClient, spec: Spec, out: Outcome) -> None:
         out.error = out.error_events[0]
 
 
-def validate(out: Outcome) -> list[str]:
-    """What is wrong with an outcome (kind "hang" is reported by the caller)."""
+def validate(out: Outcome, abort_ok: bool = False) -> list[str]:
+    """What is wrong with an outcome (kind "hang" is reported by the caller);
+    `abort_ok`: a pause with mode abort fell inside it, so its choices may end aborted."""
     spec, problems = out.spec, list(out.problems)
     if out.kind == "broken":
         return problems
@@ -548,7 +555,7 @@ def validate(out: Outcome) -> list[str]:
     for i in range(n):
         reason, text = out.finish.get(i), out.texts.get(i, "")
         stop_hit = [s for s in (spec.stop or []) if s in text]
-        if reason not in ("length", "stop") or (reason == "stop" and not spec.stop):
+        if reason not in ("length", "stop", *(("abort",) if abort_ok else ())) or (reason == "stop" and not spec.stop):
             problems.append(f"choice {i}: finish_reason {reason!r}")
         if stop_hit:
             problems.append(f"choice {i}: text holds the stop string {stop_hit[0]!r} ({reason}): {text[:120]!r}")
@@ -572,7 +579,12 @@ def validate(out: Outcome) -> list[str]:
         if out.tokens is not None and got != sum(len(t) for t in out.tokens.values()):
             problems.append(f"usage.completion_tokens {got} != {sum(len(t) for t in out.tokens.values())} "
                             "tokens in the logprobs")
-    if spec.greedy and n > 1 and len({out.texts.get(i) for i in range(n)}) > 1:
+    texts = {out.texts.get(i, "") for i in range(n)}
+    if any(out.finish.get(i) == "abort" for i in range(n)):  # aborted at different points: each starts the longest
+        agree = all(max(texts, key=len).startswith(t) for t in texts)
+    else:
+        agree = len(texts) == 1
+    if spec.greedy and n > 1 and not agree:
         problems.append(f"greedy n={n}: choices differ: {[out.texts.get(i, '')[:60] for i in range(n)]}")
     return problems
 
@@ -597,6 +609,7 @@ class Soak:
         self.rss: list[tuple[float, int | None, int | None]] = []
         self.max_model_len = 0
         self.model = ""
+        self.pauses: list[dict] = []  # --pause-every: mode, clear_cache, when called and answered, statuses
 
     def check(self, name: str, ok: bool, detail: str = "", examples: list | None = None) -> bool:
         self.checks.append(Check(name, bool(ok), detail, (examples or [])[:MAX_EXAMPLES]))
@@ -699,11 +712,37 @@ class Soak:
                 self.outcomes.append(out)
 
         samplers = [asyncio.create_task(sample_rss()), asyncio.create_task(progress())]
+        if self.args.pause_every > 0:
+            samplers.append(asyncio.create_task(self.pauser(client, stop_sampling)))
         try:
             await asyncio.gather(*[one_client(c) for c in range(self.args.clients)])
         finally:
             stop_sampling.set()
             await asyncio.gather(*samplers)
+
+    async def pauser(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        """--pause-every: pause the server (a random mode and clear_cache) every so
+        often, resume it a moment later; each call recorded."""
+        rng = random.Random(self.args.seed + 29)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.args.pause_every)
+                return
+            except TimeoutError:
+                pass
+            mode, clear = rng.choice(["abort", "wait", "keep"]), rng.choice(["true", "false"])
+            called = time.monotonic()
+            paused = await client.post("/pause", params={"mode": mode, "clear_cache": clear})
+            answered = time.monotonic()
+            await asyncio.sleep(rng.uniform(0.1, 0.5))
+            resumed = await client.post("/resume")
+            self.pauses.append({"mode": mode, "clear_cache": clear, "called": called, "answered": answered,
+                                "status": [paused.status_code, resumed.status_code]})
+
+    def abort_ok(self, out: Outcome) -> bool:
+        """Whether an abort pause fell inside `out`'s request."""
+        return any(p["mode"] == "abort" and out.started <= p["answered"] and p["called"] <= out.ended
+                   for p in self.pauses)
 
     async def one(self, client: httpx.AsyncClient, spec: Spec) -> Outcome:
         if not spec.malformed:
@@ -744,7 +783,7 @@ class Soak:
         self.check(f"no request past the {self.args.request_deadline:.0f} s deadline", not hangs,
                    f"{len(hangs)} hung" if hangs else f"slowest {latencies[-1] if latencies else 0:.1f} s",
                    [o.spec.describe() for o in hangs])
-        bad = [(o, p) for o in outs if o.kind != "hang" for p in validate(o)]
+        bad = [(o, p) for o in outs if o.kind != "hang" for p in validate(o, self.abort_ok(o))]
         kinds_of_problems: dict[str, int] = {}
         for o, p in bad:
             what = "malformed" if o.spec.malformed else f"{o.spec.endpoint} {'stream' if o.spec.stream else 'plain'}"
@@ -762,6 +801,18 @@ class Soak:
         mal = kinds.get("malformed", 0) / max(len(outs), 1)
         self.check("the mix has streams that leave and malformed bodies", left > 0 and mal > 0,
                    f"{left:.1%} left mid-stream, {mal:.1%} malformed")
+        if self.args.pause_every > 0:
+            self.check_pauses(outs)
+
+    def check_pauses(self, outs: list[Outcome]) -> None:
+        failed = [p for p in self.pauses if p["status"] != [200, 200]]
+        modes = {m: sum(p["mode"] == m for p in self.pauses) for m in ("abort", "wait", "keep")}
+        aborted = sum(any(f == "abort" for f in o.finish.values()) for o in outs)
+        self.info["pauses"] = {"by mode": modes, "requests aborted by them": aborted,
+                               "slowest pause answer_s": round(max((p["answered"] - p["called"] for p in self.pauses),
+                                                                   default=0), 2)}
+        self.check("every /pause and /resume answered 200 under the load", self.pauses and not failed,
+                   f"{len(self.pauses)} pauses {modes}; {aborted} requests aborted by them", failed)
 
     def check_idle(self, idle: bool, m: dict[str, float]) -> None:
         detail = (f"running {m.get('vllm:num_requests_running')}, waiting {m.get('vllm:num_requests_waiting')}, "
@@ -824,7 +875,7 @@ class Soak:
     # ------------------------------------------------------ batch invariance
 
     async def replay(self, client: httpx.AsyncClient) -> None:
-        greedy = [o for o in self.outcomes if o.kind == "ok" and o.spec.greedy and not validate(o)]
+        greedy = [o for o in self.outcomes if o.kind == "ok" and o.spec.greedy and not validate(o)]  # (none aborted)
         rng = random.Random(self.args.seed + 17)
         long_first = [o for o in greedy if o.spec.prompt_kind == "long"]
         rest = [o for o in greedy if o.spec.prompt_kind != "long"]
@@ -1042,6 +1093,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leave-frac", type=float, default=0.10)
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--rss-interval", type=float, default=1.0)
+    p.add_argument("--pause-every", type=float, default=0.0,
+                   help="seconds between pauses of the server during the load (its development endpoints: /pause with "
+                        "a random mode, then /resume); 0: none")
     p.add_argument("--log", default=None, help="the server's log file (default: in a temporary folder, kept on failure)")
     return p.parse_args(argv)
 
@@ -1061,6 +1115,8 @@ def server_args(args: argparse.Namespace) -> list[str]:
              "--engine-hang-timeout", str(args.engine_hang_timeout), "--max-waiting-requests", "512"]
     if args.compilation_cache_dir:
         flags += ["--compilation-cache-dir", args.compilation_cache_dir]
+    if args.pause_every > 0:
+        flags += ["--server-dev-mode"]
     return flags + shlex.split(args.server_args)
 
 

@@ -12,6 +12,11 @@ the prefix cache).
 Under the priority policy (vLLM's `--scheduling-policy priority`) the waiting queue is
 ordered by (priority, arrival), lower first, a preempted request going back to its
 place in that order, and the running request preempted is the last of that order.
+
+Paused (`pause`, for a weight update between rollouts), the scheduler admits no
+request that arrived after the pause; "wait" lets those before it run to the end,
+"keep" holds them all where they are (or, `preempt_all`, recomputes them after
+`resume`).
 """
 
 from __future__ import annotations
@@ -97,6 +102,10 @@ class Scheduler:
         self.beam_groups: dict[str, BeamGroup] = {}  # beam search requests, by the user request's id
         self._fork_copies: dict[str, list[tuple[int, int]]] = {}  # forked beams' tail copies, not yet made
         self.spec_stats = SpecDecodingStats()
+        # pause(): None (scheduling), "wait" (only requests that arrived before the pause
+        # run, to their end) or "keep" (nothing runs); _pause_arrival: the first held arrival
+        self.paused: str | None = None
+        self._pause_arrival = 0
 
     # ----------------------------------------------------------------- requests
 
@@ -156,6 +165,36 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step would schedule anything: requests that are not held by a pause."""
+        if self.paused == "keep":
+            return False
+        if self.paused == "wait":
+            return any(r.arrival < self._pause_arrival for r in self.requests.values())
+        return bool(self.requests)
+
+    # -------------------------------------------------------------------- pause
+
+    def pause(self, keep: bool) -> None:
+        """Admit no request arriving from now on until `resume`; `keep`: run none of those
+        already here either (they keep their places and their KV), else let them run to
+        their end ("wait")."""
+        if self.paused is None:
+            self._pause_arrival = next(self._arrivals)
+        self.paused = "keep" if keep else ("wait" if self.paused is None else self.paused)
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def preempt_all(self) -> list[str]:
+        """Preempt every running request (between steps): each goes back to the waiting
+        queue in its order, to be recomputed from its tokens; the ids preempted."""
+        victims, self.running = self.running, []
+        for request in reversed(victims):  # the last first: they keep their order at the head
+            self._preempt(request)
+            self.finished_req_ids.add(request.request_id)  # the runner drops what it holds of it
+        return [r.request_id for r in victims]
+
     # ----------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -173,7 +212,7 @@ class Scheduler:
         num_steps, decode_steps = self._num_decode_steps(), {}
 
         i, group_with_room = 0, None
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and self.paused != "keep":
             request = self.running[i]
             if self._waits_for_its_tokens(request) or (request.beam is not None and request.beam.waits(request)):
                 i += 1
@@ -210,8 +249,11 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is under pressure.
         deferred: list[Request] = []
         seats = self._seats_taken()
-        while not preempted and self.waiting and budget > 0:
+        while not preempted and self.waiting and budget > 0 and self.paused != "keep":
             request = self.waiting[0]
+            if self.paused is not None and request.arrival >= self._pause_arrival:
+                deferred.append(self.waiting.popleft())  # arrived after the pause: held until resume
+                continue
             seats_needed = self._seats_needed(request)
             if seats + seats_needed > self.max_num_seqs or not self._beams_fit(request):
                 break

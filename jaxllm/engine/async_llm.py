@@ -178,6 +178,10 @@ class AsyncLLM:
         """Run an engine core utility (protocol.CORE_UTILITIES) in every replica; the
         first replica's value. CoreBusy if requests were in flight, ValueError with the
         reason if it failed."""
+        return (await self._call_every_core(method, *args))[0]
+
+    async def _call_every_core(self, method: str, *args) -> list:
+        """call_core's: every replica's value."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         op_id, self._next_op = self._next_op, self._next_op + 1
@@ -191,7 +195,26 @@ class AsyncLLM:
         failed = next((r for r in results if r.error is not None), None)
         if failed is not None:
             raise (CoreBusy if failed.busy else ValueError)(failed.error)
-        return results[0].value
+        return [r.value for r in results]
+
+    # ---------------------------------------------------------------- pause
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
+                               poll_seconds: float = 0.02) -> None:
+        """Hold generation until resume_generation() (vLLM's), in every replica: new
+        requests wait; those in flight are aborted (their streams end with
+        finish_reason abort), finished first ("wait": this returns once they have) or
+        kept to go on after resume ("keep"). `clear_cache`: the prefix cache is emptied
+        and kept requests are recomputed after resume."""
+        await self._call_every_core("pause", mode, clear_cache)
+        while mode == "wait" and not all(await self._call_every_core("is_drained")):
+            await asyncio.sleep(poll_seconds)
+
+    async def resume_generation(self) -> None:
+        await self._call_every_core("resume")
+
+    async def is_paused(self) -> bool:
+        return any(await self._call_every_core("is_paused"))
 
     def _on_utility_result(self, result: UtilityResult) -> None:
         call = self._calls.get(result.op_id)

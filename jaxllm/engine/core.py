@@ -56,6 +56,7 @@ from jaxllm.worker.pooling_runner import PoolingRunner, PoolingRunnerConfig
 
 logger = logging.getLogger(__name__)
 WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back (vLLM's tags)
+PAUSE_MODES = ("abort", "wait", "keep")  # what pause does with the requests in flight (vLLM's modes)
 
 
 def eos_token_id(tokenizer, model_config: ModelConfig) -> int | None:
@@ -233,6 +234,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         # async scheduling: the step dispatched and not yet collected, with its schedule
         self._in_flight: tuple[SchedulerOutput, DispatchedStep] | None = None
+        self._clear_when_drained = False  # pause(mode="wait", clear_cache=True) until its requests finish
         path = self.model.path if model is not None else model_path(config.model)
         self._checkpoint_kv_scales = kv_cache_scales(path, cfg.num_layers)
         if config.runner_type(cfg, is_sentence_transformers(path)) == "pooling":
@@ -505,13 +507,12 @@ class EngineCore:
             raise ValueError("sleep: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
         if level not in (1, 2):
             raise ValueError(f"level: 1 (weights kept in host memory) or 2 (weights dropped), got {level!r}")
-        if self.has_unfinished_requests():
-            raise RuntimeError("sleep: requests are in flight; finish or abort them first")
+        self._check_nothing_runs("sleep")
         if self.executor is not None or self.pooler is not None:
             raise ValueError("sleep: not yet for an engine over several processes or a pooling model")
         if self.is_sleeping():
             raise RuntimeError("sleep: the engine is asleep already; wake_up() first")
-        self.kv_cache_manager.reset_prefix_cache()
+        self._clear_prefix_cache()
         self.runner.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -545,10 +546,10 @@ class EngineCore:
         checkpoint's tensors are). Float weights for an engine that keeps projections
         quantized are quantized as at load. The prefix cache is emptied: nothing
         computed with the old weights is reused. Between requests only (the caller
-        finishes or aborts them: LLMEngine.update_weights' mode). ValueError naming the
-        first parameter that does not fit; nothing is applied then."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("update_weights: requests are in flight; finish or abort them first")
+        finishes or aborts them, or pauses them with mode "keep": then they are recomputed
+        after resume; LLMEngine.update_weights' mode). ValueError naming the first
+        parameter that does not fit; nothing is applied then."""
+        self._check_nothing_runs("update_weights")
         if self.executor is not None or self.pooler is not None:
             raise ValueError("update_weights: not yet for an engine over several processes or a pooling model")
         cfg, dtype = self.model.config, self.runner.param_dtype
@@ -561,11 +562,63 @@ class EngineCore:
                 raise ValueError(f"weights: {problem}")
             weights = quantize_params(cfg, weights)
         self.runner.set_params(weights)
-        if not self.kv_cache_manager.reset_prefix_cache():
-            raise RuntimeError("update_weights: KV blocks are still held")  # (no request runs: cannot happen)
+        self._clear_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def has_work(self) -> bool:
+        """Whether step() has anything to run (requests held by a pause do not count)."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    # ------------------------------------------------------------------ pause
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> EngineCoreOutputs:
+        """Stop scheduling requests that arrive from now on until resume() (vLLM's
+        pause_scheduler), and those in flight by `mode`: "abort" ends them, "wait" lets
+        them run to their end (the caller keeps stepping while has_work()), "keep"
+        holds them where they are. `clear_cache`: the prefix cache is emptied (after
+        the drain under "wait"), and kept requests let their KV go, to be recomputed
+        after resume. The outputs of the step in flight and of the aborted requests."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: unknown {mode!r}; choose one of {', '.join(PAUSE_MODES)}")
+        outputs = self._collect() if self._in_flight is not None else EngineCoreOutputs([])
+        if mode == "abort":
+            ids = list(self.scheduler.beam_groups) + [
+                rid for rid, r in self.scheduler.requests.items() if r.beam is None]
+            outputs.outputs += self.scheduler.abort_requests(ids)
+        self.scheduler.pause(keep=mode != "wait")
+        self._clear_when_drained = clear_cache
+        if clear_cache and mode != "wait":
+            self._clear_prefix_cache()
+        outputs.stats = self.scheduler.make_stats()
+        return outputs
+
+    def resume(self) -> None:
+        """Schedule again what pause() held (a kept request goes on from its tokens)."""
+        if self.is_sleeping():
+            raise RuntimeError("resume: the engine is asleep; wake_up() first")
+        self.scheduler.resume()
+
+    def is_paused(self) -> bool:
+        return self.scheduler.paused is not None
+
+    def is_drained(self) -> bool:
+        """Paused with nothing left to run (a "wait" pause's requests have finished)."""
+        return self.is_paused() and not self.has_work()
+
+    def _clear_prefix_cache(self) -> None:
+        """Forget every cached prefix, the requests a pause keeps letting their KV go."""
+        self.scheduler.preempt_all()
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: KV blocks are still held")
+        self._clear_when_drained = False
+
+    def _check_nothing_runs(self, what: str) -> None:
+        """Weights and memory change only while nothing runs (RuntimeError otherwise);
+        requests a pause holds stay (their KV goes: they are recomputed after resume)."""
+        if self.has_work():
+            raise RuntimeError(f"{what}: requests are in flight; finish or abort them, or pause() first")
 
     # ------------------------------------------------------------------- step
 
@@ -574,8 +627,12 @@ class EngineCore:
         aborted and the prefix cache forgets the blocks it was to fill, then the error
         propagates (the engine stays usable). Under async scheduling, the outputs of
         the step before (`_step_async`)."""
-        if self.runs_async:
-            return self._step_async()
+        outputs = self._step_async() if self.runs_async else self._step_sync()
+        if self._clear_when_drained and self.is_drained():  # pause(mode="wait")'s requests have finished
+            self._clear_prefix_cache()
+        return outputs
+
+    def _step_sync(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.waiting:  # they wait for their grammars
             self.structured_outputs.wait_for_compiles(timeout=0.1)

@@ -103,12 +103,12 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         while True:
-            timeout = 0.0 if self.core.has_unfinished_requests() else HEARTBEAT_SECONDS
+            timeout = 0.0 if self.core.has_work() else HEARTBEAT_SECONDS
             while self.conn.poll(timeout):
                 if not self._handle(*wire.decode(self.conn.recv_bytes())):
                     return
                 timeout = 0.0
-            if self.core.has_unfinished_requests():
+            if self.core.has_work():
                 self._send(self.core.step())
             elif time.monotonic() - self.last_sent >= HEARTBEAT_SECONDS:
                 self._send(EngineCoreOutputs([], self.core.scheduler.make_stats()))
@@ -145,11 +145,15 @@ class EngineCoreLoop:
         if call.method not in CORE_UTILITIES:
             return UtilityResult(call.op_id, error=f"unknown engine core utility {call.method!r}")
         try:
-            return UtilityResult(call.op_id, value=getattr(self.core, call.method)(*call.args))
+            value = getattr(self.core, call.method)(*call.args)
         except RuntimeError as e:  # requests in flight
             return UtilityResult(call.op_id, error=str(e), busy=True)
         except (ValueError, OSError) as e:
             return UtilityResult(call.op_id, error=str(e))
+        if isinstance(value, EngineCoreOutputs):  # pause's: the requests it ended, before its answer
+            self._send(value)
+            value = None
+        return UtilityResult(call.op_id, value=value)
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.conn.send_bytes(wire.encode(wire.OUTPUTS, outputs))

@@ -8,15 +8,13 @@ RequestOutputs. A request that a stop string finishes is aborted in the core.
 from __future__ import annotations
 
 from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.core import EngineCore, eos_token_id
+from jaxllm.engine.core import PAUSE_MODES, EngineCore, eos_token_id
 from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, core_requests
 from jaxllm.lora.request import LoRARequest
-from jaxllm.messages import EngineCoreRequest
+from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-
-UPDATE_MODES = ("abort", "wait")  # what update_weights does with the requests in flight
 
 
 class LLMEngine:
@@ -78,24 +76,52 @@ class LLMEngine:
         except Exception:
             self.abort_requests(self._tracked())
             raise
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
-    def update_weights(self, weights, mode: str = "abort") -> list[RequestOutput]:
-        """New weights for the same model (EngineCore.update_weights says what they may
-        be). What runs meanwhile, by `mode`: "abort" ends it with finish_reason abort,
-        "wait" lets it finish on the old weights first; either way its outputs come
-        back here (nothing is lost). No request then runs on a mixture of the two."""
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"mode: unknown {mode!r}; choose one of {', '.join(UPDATE_MODES)}")
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[RequestOutput]:
+        """Stop scheduling until resume_generation() (vLLM's pause_generation): requests
+        added meanwhile wait; those in flight, by `mode`: "abort" ends them
+        (finish_reason abort), "wait" runs them to their end here, "keep" holds them
+        (they go on after resume). `clear_cache`: the prefix cache is emptied, and kept
+        requests are recomputed after resume. Returns the outputs this produced
+        (nothing is lost)."""
         outputs: list[RequestOutput] = []
         if mode == "abort":
             outputs += self.abort_requests(self._tracked())
-        while self.has_unfinished_requests():  # "wait"; after an abort, the step still in flight
+        outputs += self._process(self.core.pause(mode, clear_cache))
+        while self.core.has_work():  # "wait"
             outputs += self.step()
-        self.core.update_weights(weights)
+        return outputs
+
+    def resume_generation(self) -> None:
+        self.core.resume()
+
+    def is_paused(self) -> bool:
+        return self.core.is_paused()
+
+    def update_weights(self, weights, mode: str = "abort") -> list[RequestOutput]:
+        """New weights for the same model (EngineCore.update_weights says what they may
+        be). What runs meanwhile, by `mode`: "abort" ends it with finish_reason abort,
+        "wait" lets it finish on the old weights first, "keep" holds it and goes on
+        with the new weights (each kept request recomputed from its tokens so far: its
+        tokens before the update came from the old weights); the outputs come back
+        here (nothing is lost). The engine schedules as before afterwards (unless it was
+        paused already)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: unknown {mode!r}; choose one of {', '.join(PAUSE_MODES)}")
+        was_paused = self.is_paused()
+        outputs = self.pause_generation(mode)
+        try:
+            self.core.update_weights(weights)
+        finally:
+            if not was_paused:
+                self.resume_generation()
         return outputs
 
     def _tracked(self) -> list[str]:

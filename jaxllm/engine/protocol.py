@@ -1,7 +1,7 @@
 """Messages only the engine frontend and the engine core process exchange (besides
 the shared types of :mod:`jaxllm.messages`): the core's ready report, its refusals,
 adapters loaded and unloaded at run time, and the utilities the development
-endpoints run (sleep, wake_up, weights from a path)."""
+endpoints run (sleep, wake_up, weights from a path, pause and resume)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,10 @@ class UtilityResult:
     busy: bool = False
 
 
-# what a frontend may run in the core (the server's development endpoints)
-CORE_UTILITIES = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "update_weights_from_path")
+# what a frontend may run in the core (the server's development endpoints); one that
+# returns EngineCoreOutputs (pause: the requests it ended) has them sent as outputs first
+CORE_UTILITIES = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "update_weights_from_path",
+                  "pause", "resume", "is_paused", "is_drained")
 
 
 @dataclasses.dataclass

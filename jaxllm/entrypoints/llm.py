@@ -181,6 +181,19 @@ class LLM:
         computed with the old weights."""
         self.llm_engine.update_weights(weights)
 
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[RequestOutput]:
+        """Hold generation until resume_generation() (vLLM's; for a weight update in the
+        middle of rollouts driven through llm_engine): the requests in flight are aborted,
+        finished ("wait") or kept to go on after resume ("keep"); their outputs are
+        returned. generate() refuses while paused."""
+        return self.llm_engine.pause_generation(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.llm_engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.is_paused()
+
     def sleep(self, level: int = 1) -> None:
         """Give the device memory back until wake_up (enable_sleep_mode=True): the KV
         cache is freed and the weights kept in host memory (level 1) or dropped (level
@@ -223,6 +236,8 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompts)} prompts")
+        if self.is_paused():
+            raise RuntimeError("the engine is paused: resume_generation() first")
         ids = [str(next(self._ids)) for _ in prompts]
         engine = self.llm_engine
         engine.add_requests(list(zip(ids, prompts, sampling_params)), add_special_tokens=add_special_tokens,

@@ -74,7 +74,8 @@ class CORS:
 
 # the development endpoints (--server-dev-mode, as vLLM's VLLM_SERVER_DEV_MODE): an RL
 # trainer's controls of the engine between rollouts
-DEV_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights")
+DEV_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/update_weights", "/pause", "/resume",
+              "/is_paused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,13 +588,17 @@ class Handlers:
     # ----------------------------------------------- development endpoints
 
     async def dev_call(self, method: str, *args):
-        """An engine core utility for a development endpoint: 404 unless the server is
-        in development mode, 409 while requests are in flight, 400 with the reason."""
+        """An engine core utility for a development endpoint (dev_run's answers)."""
+        return await self.dev_run(lambda: self.engine.call_core(method, *args))
+
+    async def dev_run(self, call):
+        """Await `call()` for a development endpoint: 404 unless the server is in
+        development mode, 409 while requests are in flight, 400 with the reason."""
         if not self.settings.dev_mode:
             raise APIError(404, "development endpoints are off: start the server with --server-dev-mode "
                                 "(or VLLM_SERVER_DEV_MODE=1)", code="not_found")
         try:
-            return await self.engine.call_core(method, *args)
+            return await call()
         except CoreBusy as e:
             raise APIError(409, f"{e} (the requests running must finish first)") from None
         except ValueError as e:
@@ -627,6 +632,23 @@ class Handlers:
         body = await self.parse(request, UpdateWeightsRequest)
         await self.dev_call("update_weights_from_path", body.path)
         return Response(status_code=200)
+
+    async def pause(self, request: Request) -> Response:
+        """POST /pause?mode=abort|wait|keep&clear_cache=true (vLLM's; its older
+        wait_for_inflight_requests=true is mode wait): generation held until /resume;
+        answers once the requests in flight are aborted, finished or kept."""
+        wait = query_flag(request, "wait_for_inflight_requests", False)
+        mode = request.query_params.get("mode", "wait" if wait else "abort")
+        clear_cache = query_flag(request, "clear_cache", True)
+        await self.dev_run(lambda: self.engine.pause_generation(mode, clear_cache))
+        return JSONResponse({"status": "paused"})
+
+    async def resume(self, request: Request) -> Response:
+        await self.dev_call("resume")
+        return JSONResponse({"status": "resumed"})
+
+    async def is_paused(self, request: Request) -> Response:
+        return JSONResponse({"is_paused": await self.dev_call("is_paused")})
 
     def require_runtime_lora(self) -> None:
         if not self.settings.runtime_lora_updating:
@@ -695,7 +717,20 @@ class Handlers:
             Route("/is_sleeping", guarded(h.is_sleeping), methods=["GET"]),
             Route("/reset_prefix_cache", guarded(h.reset_prefix_cache), methods=["POST"]),
             Route("/update_weights", guarded(h.update_weights), methods=["POST"]),
+            Route("/pause", guarded(h.pause), methods=["POST"]),
+            Route("/resume", guarded(h.resume), methods=["POST"]),
+            Route("/is_paused", guarded(h.is_paused), methods=["GET"]),
         ]
+
+
+def query_flag(request: Request, name: str, default: bool) -> bool:
+    """A true/false query parameter (400 naming it otherwise)."""
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise APIError(400, f"{name}: true or false, got {value!r}", param=name)
+    return value.lower() in ("true", "1")
 
 
 async def _not_found(request: Request, exc) -> Response:
