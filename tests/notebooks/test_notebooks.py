@@ -19,7 +19,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 def test_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
-        "01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_pallas_kernels.ipynb"
+        "01_quickstart.ipynb", "02_paged_kv_cache.ipynb", "03_pallas_kernels.ipynb", "04_rl_loop.ipynb"
     ]
 
 
@@ -33,7 +33,8 @@ def test_committed_without_outputs(path: Path):
 
 
 # 01 and 02 run SmolLM2 and the engine (47 s and 17 s): in the slow run, for the default
-# run's 15-minute budget; 03 (the Pallas kernels in interpret mode) by default.
+# run's 15-minute budget; 03 (the Pallas kernels in interpret mode) and 04 (an RL loop on
+# a tiny test model, about 10 s) by default.
 SLOW_CASES = ("[01_quickstart]", "[02_paged_kv_cache]")
 
 
