@@ -402,13 +402,14 @@ def fuse(parts: list[np.ndarray], shards: int = 1, repeats: Sequence[int] | None
     consecutive shards (K/V heads replicated when the shards outnumber them). One
     shard: a plain concatenation."""
     repeats = repeats or [1] * len(parts)
+    xp = _array_module(parts[0])
     pieces = []
     for p, r in zip(parts, repeats, strict=True):
         if shards % r or p.shape[-1] % (shards // r):
             raise ValueError(f"fused parts of sizes {[p.shape[-1] for p in parts]} do not split into {shards} shards"
                              + (f" (repeats {list(repeats)})" if max(repeats) > 1 else ""))
-        pieces.append(np.split(p, shards // r, axis=-1))
-    return np.concatenate([pieces[i][s // r] for s in range(shards) for i, r in enumerate(repeats)], axis=-1)
+        pieces.append(xp.split(p, shards // r, axis=-1))
+    return xp.concatenate([pieces[i][s // r] for s in range(shards) for i, r in enumerate(repeats)], axis=-1)
 
 
 def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1, repeats: Sequence[int] | None = None
@@ -416,10 +417,16 @@ def unfuse(array: np.ndarray, sizes: list[int], shards: int = 1, repeats: Sequen
     """The inverse of `fuse`: the parts, of `sizes` along the last axis (a repeated
     part read from the first shard of each group holding it)."""
     repeats = repeats or [1] * len(sizes)
+    xp = _array_module(array)
     widths = [n // (shards // r) for n, r in zip(sizes, repeats, strict=True)]
-    per_shard = np.split(array, shards, axis=-1)
-    split = [np.split(piece, np.cumsum(widths)[:-1], axis=-1) for piece in per_shard]
-    return [np.concatenate([split[s][i] for s in range(0, shards, r)], axis=-1) for i, r in enumerate(repeats)]
+    per_shard = xp.split(array, shards, axis=-1)
+    split = [xp.split(piece, np.cumsum(widths)[:-1].tolist(), axis=-1) for piece in per_shard]
+    return [xp.concatenate([split[s][i] for s in range(0, shards, r)], axis=-1) for i, r in enumerate(repeats)]
+
+
+def _array_module(array):
+    """jax.numpy for arrays on a device (they are relaid out there), else numpy."""
+    return jnp if isinstance(array, jax.Array) else np
 
 
 def kv_replicas(cfg: ModelConfig, shards: int) -> int:
@@ -455,8 +462,7 @@ def shard_major(cfg: ModelConfig, params: ModelParams, shards: int) -> ModelPara
             return array.map_arrays(lambda a: relayout(decl, a))
         if isinstance(array, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((*array.shape[:-1], laid_out_shape(decl, shards, replicas)[-1]), array.dtype)
-        parts = unfuse(np.asarray(array), [n for _, n in decl.hf])
-        laid_out = fuse(parts, shards, part_repeats(decl, replicas))
-        return laid_out if isinstance(array, np.ndarray) else jnp.asarray(laid_out, dtype=array.dtype)
+        parts = unfuse(array if isinstance(array, jax.Array) else np.asarray(array), [n for _, n in decl.hf])
+        return fuse(parts, shards, part_repeats(decl, replicas))  # a device's array: relaid out on its devices
 
     return map_declared(relayout, declare(cfg), params)

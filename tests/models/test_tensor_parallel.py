@@ -155,3 +155,10 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     assert has_triton_call(text)
     assert text.count("all_reduce") == 2 * cfg.num_layers + 1 and "all_gather" in text
     assert ("xi8>" in text) == (quantization is not None)
+
+
+def test_update_weights_takes_a_trainers_sharded_arrays(test_models_dir):
+    """Issue 64: a TP=2 engine's update_weights with arrays already sharded as the engine
+    shards them keeps them as they are (the fused ones relaid out on the devices), adds
+    no second copy of the weights, and gives one device's tokens."""
+    multidevice.run("tp_update_weights", str(test_models_dir / "llama"), "2", devices=2)

@@ -458,3 +458,43 @@ def pallas_engine_calls_match(folder: str, tol: str = "1e-4", dump: str = "") ->
     assert not bad, f"{len(bad)} of {len(calls)} calls differ:\n" + "\n".join(bad)
     print(f"ok: {len(calls)} attention calls of the engine replayed on {jax.default_backend()}: kernel == reference "
           f"(within {np.dtype(calls[0][1][0].dtype).name} rounding)" if calls else "ok: no attention calls")
+
+
+def tp_update_weights(folder: str, size: str) -> None:
+    """update_weights of a tensor-parallel engine with a trainer's arrays sharded as the
+    engine shards them (jaxllm.models.parallel.param_shardings): the engine takes every
+    array it multiplies as laid out (all but the fused q|k|v and gate|up) as it is, the
+    fused ones relaid out on the devices; the process's live bytes grow by no second
+    copy of the weights; the tokens are a one-device engine's with the same update."""
+    import jax
+
+    from jaxllm import LLM
+    from jaxllm.loaders import load_model
+    from jaxllm.models.parallel import param_shardings
+    from tests.engine.test_update_weights import trained
+
+    prompts, params = shared_prefix_batch()
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, progress=False,
+                   attention_backend="cpu", linear_backend="xla")
+    loaded = load_model(folder, "float32")
+    new = trained(loaded.params, seed=7)
+    one = LLM(folder, **options)
+    one.update_weights(new)
+    want = one.generate(prompts, params, use_tqdm=False)
+    del one
+
+    llm = LLM(folder, tensor_parallel_size=int(size), **options)
+    runner = llm.llm_engine.core.runner
+    given = jax.device_put(new, param_shardings(loaded.config, runner.mesh))  # the trainer's, sharded as the engine's
+    live = lambda: sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+    old = sum(a.nbytes for a in jax.tree.leaves(runner.weights))
+    before = live()
+    llm.update_weights(given)
+    taken = [(a is b) for a, b in zip(jax.tree.leaves(runner.weights["xla"]), jax.tree.leaves(given), strict=True)]
+    fused = {id(lp.wqkv) for lp in runner.weights["xla"].layers} | {id(lp.w_gate_up) for lp in runner.weights["xla"].layers}
+    made = sum(a.nbytes for a in jax.tree.leaves(runner.weights["xla"]) if id(a) in fused)
+    assert all(t for t, a in zip(taken, jax.tree.leaves(runner.weights["xla"])) if id(a) not in fused), taken
+    assert not any(t for t, a in zip(taken, jax.tree.leaves(runner.weights["xla"])) if id(a) in fused)
+    assert live() - before <= made - old, (live() - before, made, old)  # the old weights gone, only the fused made
+    assert_same_greedy(want, llm.generate(prompts, params, use_tqdm=False))
+    print(f"ok: TP={size} update took {sum(taken)} of {len(taken)} arrays as given; relaid out {made} bytes")
