@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxllm.kv_cache_groups import KVCacheGroups, kv_cache_groups
+from jaxllm.vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig
 
 # The names of the engine's choices (EngineConfig validates them, the CLI offers them,
 # the resolvers in jaxllm.platform, jaxllm.attention and jaxllm.models map them).
@@ -149,6 +150,7 @@ class ModelConfig:
     tensor_quantization: tuple[tuple[str, str], ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # a vision-language model's image side (this config is its language model's)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -229,6 +231,9 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from the dict of an HF config.json (transformers 4 or 5 form)."""
+        vision_language = next((a for a in hf.get("architectures") or [] if a in VISION_LANGUAGE_ARCHITECTURES), None)
+        if vision_language is not None:
+            return cls._from_vision_language(hf, vision_language, source)
         architecture = _hf_architecture(hf, source)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         try:
@@ -260,6 +265,22 @@ class ModelConfig:
             return cls(**fields | _hf_family_fields(hf, model_type, source))  # the family's own fields win
         except KeyError as e:
             raise UnsupportedModelError(f"{source}: missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_vision_language(cls, hf: Mapping[str, Any], architecture: str, source: str) -> ModelConfig:
+        """A vision-language model: its language model's config (`text_config`, read as
+        that family's), with the image side as `vision`."""
+        text = dict(hf.get("text_config") or {})
+        model_type = text.get("model_type") or VISION_LANGUAGE_ARCHITECTURES[architecture]
+        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        if model_type not in by_type:
+            raise UnsupportedModelError(f"{source}: language model {model_type!r} of {architecture} is not supported")
+        text.setdefault("architectures", [by_type[model_type]])
+        text.setdefault("dtype", hf.get("dtype") or hf.get("torch_dtype"))
+        if "tie_word_embeddings" in hf:
+            text.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
+        cfg = cls.from_hf_config(text, f"{source} (text_config)")
+        return dataclasses.replace(cfg, vision=VisionConfig.from_hf_config(hf, architecture, cfg.hidden_size, source))
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> ModelConfig:

@@ -12,6 +12,7 @@ rope_parameters, dtype). Uses numpy + safetensors + tokenizers only.
     python scripts/make_test_model.py OUT_DIR [--arch llama,qwen2]
     python scripts/make_test_model.py OUT_DIR --arch llama-3.1-8b     # 16 GB of bfloat16
     python scripts/make_test_model.py OUT_DIR --arch bert             # a BERT encoder (embeddings)
+    python scripts/make_test_model.py OUT_DIR --arch llava,gemma3_vlm  # vision-language (HF transformers + torch)
 """
 
 from __future__ import annotations
@@ -783,11 +784,82 @@ def write_lora_adapter(base: Path | dict, out: Path, *, rank: int = 8, alpha: fl
     return out
 
 
+# Vision-language models (issue 65): made with HF transformers (and torch), so that
+# their configs, tensor names and processors are the library's own. Tiny: 32x32 images.
+VISION_LANGUAGE = ("llava", "gemma3_vlm")
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def write_vision_language_model(out: Path, name: str, seed: int = 0) -> Path:
+    """A random-weight `LlavaForConditionalGeneration` (CLIP, 3 layers of which the
+    feature layer is the second; 16 image tokens; Llama) or `Gemma3ForConditionalGeneration`
+    (SigLIP, 8x8 patches pooled to 16 tokens; Gemma 3) with its HF processor and this
+    module's tokenizer, in out/name."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+        SiglipVisionConfig,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = ("<image>",) if name == "llava" else GEMMA3_IMAGE_TOKENS
+    tok = train_tokenizer(extra_tokens=extra)
+    named = dict(extra_special_tokens=dict(zip(("boi_token", "eoi_token", "image_token"), extra))) \
+        if name == "gemma3_vlm" else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", **named)
+    ids = [tok.token_to_id(t) for t in extra]
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                rms_norm_eps=1e-6, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    vision = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, image_size=32)
+    torch.manual_seed(seed)
+    if name == "llava":
+        config = LlavaConfig(
+            text_config=LlamaConfig(**text, tie_word_embeddings=False),
+            vision_config=CLIPVisionConfig(**vision, num_hidden_layers=3, patch_size=8, projection_dim=64),
+            image_token_id=ids[0], projector_hidden_act="gelu", vision_feature_layer=-2,
+            vision_feature_select_strategy="default")
+        model = LlavaForConditionalGeneration(config)
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+            tokenizer=fast, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+            chat_template=CHAT_TEMPLATE)
+    else:
+        config = Gemma3Config(
+            text_config=Gemma3TextConfig(**text, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                                         query_pre_attn_scalar=32, pad_token_id=fast.pad_token_id),
+            vision_config=SiglipVisionConfig(**vision, num_hidden_layers=2, patch_size=4, vision_use_head=False),
+            mm_tokens_per_image=16, boi_token_index=ids[0], eoi_token_index=ids[1], image_token_index=ids[2])
+        model = Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # HF initializes these to zeros (1 + weight: ones): random, so the tests see them
+            for param_name, param in model.named_parameters():
+                if "norm" in param_name or "mm_input" in param_name:
+                    param.normal_(0, 0.2)
+        processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                    tokenizer=fast, image_seq_length=16, chat_template=CHAT_TEMPLATE)
+    model.eval().save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--arch", default=",".join(ARCHITECTURES),
-                        help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES])}, bert")
+                        help=f"comma-separated, of {', '.join([*ARCHITECTURES, *REAL_SHAPES, *VISION_LANGUAGE])}, bert")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="default: 2, or the real shape's")
     parser.add_argument("--quantize", choices=("gptq", "awq", "compressed-tensors", *SCALED_SCHEMES), default=None,
@@ -801,6 +873,9 @@ def main() -> None:
     for name in args.arch.split(","):
         if name == "bert":
             print(write_bert(args.out, seed=args.seed, layers=args.layers or 2, pooling="mean"))
+            continue
+        if name in VISION_LANGUAGE:
+            print(write_vision_language_model(args.out, name, seed=args.seed))
             continue
         folder = write_model(args.out, name, seed=args.seed, layers=args.layers)
         print(folder)

@@ -8,7 +8,7 @@ from jaxtyping import install_import_hook
 # The array functions' jaxtyping shapes are checked at run time in the test run (at
 # trace time under jit), so an annotation that drifts from the code fails a test.
 # Installed before anything imports jaxllm.
-install_import_hook(["jaxllm.models.llama", "jaxllm.models.pipeline", "jaxllm.models.bert", "jaxllm.worker.pooling_runner", "jaxllm.models.moe", "jaxllm.models.linear", "jaxllm.models.formats", "jaxllm.models.lora", "jaxllm.models.quant", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
+install_import_hook(["jaxllm.models.llama", "jaxllm.models.pipeline", "jaxllm.models.bert", "jaxllm.models.vision", "jaxllm.worker.pooling_runner", "jaxllm.models.moe", "jaxllm.models.linear", "jaxllm.models.formats", "jaxllm.models.lora", "jaxllm.models.quant", "jaxllm.models.rope", "jaxllm.attention.xla", "jaxllm.attention.cpu",
                      "jaxllm.sample.sampler", "jaxllm.worker.step", "jaxllm.worker.model_runner", "jaxllm.worker.input_builder",
                      "jaxllm.worker.decode_loop", "jaxllm.spec_decode.ngram_proposer",
                      "pallas_kernels"],
@@ -38,4 +38,13 @@ def test_models_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("test_models")
     for name in ARCHITECTURES:
         make_test_model.write_model(out, name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vision_models_dir(tmp_path_factory) -> Path:
+    """The vision-language test models (made with HF transformers: scripts/make_test_model.py)."""
+    out = tmp_path_factory.mktemp("vision_models")
+    for name in make_test_model.VISION_LANGUAGE:
+        make_test_model.write_vision_language_model(out, name)
     return out

@@ -20,11 +20,12 @@ from jaxllm.loaders.checkpoint import is_converted_checkpoint, restore_params, s
 from jaxllm.loaders.default_model import PACKAGED_MODELS, default_model_path, model_path
 from jaxllm.loaders.dtype import checkpoint_dtype, choose_dtype
 from jaxllm.loaders.gguf_loader import GGUFFile, load_gguf_params
-from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, tensor_names, tensor_reader
+from jaxllm.loaders.hf import load_hf_params, load_hf_tokenizer, load_hf_vision_params, tensor_names, tensor_reader
 from jaxllm.loaders.prequantized import held_config, read_quantization
 from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams, QuantizedWeight, declare, map_declared
 from jaxllm.models.quant import check_quantization, dequantize, quantize_params, quantized_config
+from jaxllm.models.vision_params import VisionParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers PreTrainedTokenizerFast
     path: Path
     load_seconds: float
+    vision_params: VisionParams | None = None  # a vision-language model's image side (config.vision)
 
 
 def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat_template: str | None = None,
@@ -78,7 +80,8 @@ def load_model(model: str | Path | None = None, dtype: str | None = "auto", chat
     if cfg.quantization is None and quantization not in (None, "none"):  # float weights quantized at load
         cfg = quantized_config(cfg, quantization)
         params = quantize_params(cfg, params)
-    return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start)
+    vision = load_hf_vision_params(folder, cfg.vision, compute_dtype) if cfg.vision is not None else None
+    return LoadedModel(cfg, params, tokenizer, path, time.perf_counter() - start, vision)
 
 
 def peek_model_config(model: str | Path | None = None, dtype: str | None = "auto",

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.prequantized import held_names, quantized_source, read_quantization
-from jaxllm.loaders.weights import CheckpointError, build_params, params_to_hf_tensors
+from jaxllm.loaders.weights import CheckpointError, build_declared, build_params, params_to_hf_tensors
 from jaxllm.models.params import ModelParams
+from jaxllm.models.vision_params import VisionParams, declare_vision
+from jaxllm.vision_config import VisionConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -113,10 +115,33 @@ def kv_cache_scales(folder: str | Path, num_layers: int) -> tuple[np.ndarray, np
 
 def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = False) -> ModelParams:
     """The folder's weights for `cfg`. A GPTQ / AWQ checkpoint's packed projections are
-    kept where `cfg` declares them quantized, else dequantized (jaxllm.loaders.prequantized)."""
+    kept where `cfg` declares them quantized, else dequantized (jaxllm.loaders.prequantized).
+    A vision-language model's: its language model's (`language_model_names`)."""
+    folder = Path(folder)
+    with _tensor_source(folder) as (source, where):
+        if cfg.is_encoder:
+            source = _unprefixed(source, tensor_names(folder), "bert.")
+        if cfg.vision is not None:
+            source = language_model_names(source)
+        quant = read_quantization(folder)
+        if quant is not None:
+            source = quantized_source(quant, source, tensor_names(folder), held_names(cfg))
+        return build_params(cfg, source, dtype, where, on_host=on_host)
+
+
+def load_hf_vision_params(folder: str | Path, cfg: VisionConfig, dtype) -> VisionParams:
+    """A vision-language model's image side (jaxllm.models.vision_params), as declared
+    or as transformers 5 saves it (`vision_names`)."""
+    with _tensor_source(Path(folder)) as (source, where):
+        return build_declared(declare_vision(cfg), vision_names(source), dtype, where)
+
+
+@contextmanager
+def _tensor_source(folder: Path):
+    """(a function reading one of the folder's tensors by name, None when absent; the
+    checkpoint's name for error messages), its files open while the context lasts."""
     from safetensors import safe_open
 
-    folder = Path(folder)
     files = _safetensors_files(folder)
     with ExitStack() as stack:
         handles = {}
@@ -141,13 +166,33 @@ def load_hf_params(folder: str | Path, cfg: ModelConfig, dtype, on_host: bool = 
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
-        where = str(folder / (INDEX_FILE if files else SINGLE_FILE))
-        if cfg.is_encoder:
-            source = _unprefixed(source, tensor_names(folder), "bert.")
-        quant = read_quantization(folder)
-        if quant is not None:
-            source = quantized_source(quant, source, tensor_names(folder), held_names(cfg))
-        return build_params(cfg, source, dtype, where, on_host=on_host)
+        yield source, str(folder / (INDEX_FILE if files else SINGLE_FILE))
+
+
+def _first_found(source, names: list[str]):
+    return next((t for t in (source(n) for n in names) if t is not None), None)
+
+
+def language_model_names(source):
+    """`source` reading a language model's names ("model.layers...", "lm_head.weight")
+    inside a vision-language checkpoint: "language_model.model..." (the hub's, as
+    transformers 4 saves them) or "model.language_model..." (transformers 5)."""
+    def read(name: str):
+        if name.startswith("model."):
+            rest = name[len("model."):]
+            return _first_found(source, [f"language_model.model.{rest}", f"model.language_model.{rest}", name])
+        return _first_found(source, [f"language_model.{name}", name])
+    return read
+
+
+def vision_names(source):
+    """`source` reading the image side's declared names (jaxllm.models.vision_params:
+    "vision_tower.vision_model...", "multi_modal_projector...") as the hub stores them or
+    as transformers 5 saves them (without "vision_model.", or under "model.")."""
+    def read(name: str):
+        short = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+        return _first_found(source, [name, short, f"model.{name}", f"model.{short}"])
+    return read
 
 
 def _unprefixed(source, names: set[str], prefix: str):

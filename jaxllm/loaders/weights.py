@@ -42,12 +42,19 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_host: bool = False) -> ModelParams:
-    """Read every tensor through `source`, validate, fuse and place on device (or keep
-    in host memory, numpy arrays of `dtype`, for placing shard by shard: `on_host`;
-    jaxllm.models.params.shard_major lays them out for tensor parallelism).
+    """Read every tensor of `cfg`'s parameters through `source`, validate, fuse and place
+    on device (or keep in host memory, numpy arrays of `dtype`, for placing shard by
+    shard: `on_host`; jaxllm.models.params.shard_major lays them out for tensor
+    parallelism).
 
     `where` names the checkpoint in error messages.
     """
+    return build_declared(declare(cfg), source, dtype, where, on_host)
+
+
+def build_declared(decls, source: TensorSource, dtype, where: str, on_host: bool = False):
+    """build_params for any declaration (a pytree of ParamDecl: a model's, or a
+    vision-language model's image side, jaxllm.models.vision_params)."""
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray | QuantizedWeight:
         array = source(name)
@@ -74,7 +81,7 @@ def build_params(cfg: ModelConfig, source: TensorSource, dtype, where: str, on_h
         array = fuse(parts) if len(parts) > 1 else parts[0]
         return np.ascontiguousarray(array, dtype=jnp.dtype(dtype)) if on_host else jnp.asarray(array, dtype=dtype)
 
-    return map_declared(load, declare(cfg))
+    return map_declared(load, decls)
 
 
 def _load_quantized(decl: ParamDecl, parts: list, on_host: bool, where: str) -> QuantizedWeight:

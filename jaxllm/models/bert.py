@@ -29,8 +29,8 @@ QUERY_TILE = 64  # queries per tile of segment_attention (a divisor of every tok
 KEY_WINDOWS = (128, 192, 256, 320)
 
 
-def layer_norm(x: Float[Array, "T D"], weight: Float[Array, " D"], bias: Float[Array, " D"], eps: float
-               ) -> Float[Array, "T D"]:
+def layer_norm(x: Float[Array, "*B D"], weight: Float[Array, " D"], bias: Float[Array, " D"], eps: float
+               ) -> Float[Array, "*B D"]:
     """LayerNorm in float32 (torch's: the biased variance)."""
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -40,7 +40,7 @@ def layer_norm(x: Float[Array, "T D"], weight: Float[Array, " D"], bias: Float[A
     return out.astype(x.dtype)
 
 
-def gelu(x: Float[Array, "T F"], kind: str) -> Float[Array, "T F"]:
+def gelu(x: Float[Array, "*B F"], kind: str) -> Float[Array, "*B F"]:
     """BERT's GELU: exact, as torch computes it (x / 2 * (1 + erf(x / sqrt 2)); jax's
     exact form goes through erfc, ~2x the time on XLA:CPU), or tanh's approximation."""
     if kind != "gelu":

@@ -21,12 +21,14 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.llama import compute_logits, embed_input, finish_layer, qkv_heads, rope_rows
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable, model_rope_table
+from jaxllm.models.vision import merge_image_embeddings
 
 
 def dense_attention(q: Float[Array, "T H hd"], k: Float[Array, "T Hkv hd"], v: Float[Array, "T Hkv hd"],
-                    cfg: ModelConfig, window: int | None) -> Float[Array, "T Q"]:
+                    cfg: ModelConfig, window: int | None, blocks: Int[Array, " T"] | None = None) -> Float[Array, "T Q"]:
     """Causal softmax attention of one sequence (to the last `window` keys where the
-    layer slides), in float32: [T, q_size]."""
+    layer slides), in float32: [T, q_size]. `blocks`: tokens of the same block (>= 0)
+    also see each other both ways (Gemma 3's images: `image_blocks`)."""
     t, h, hd = q.shape
     group = h // k.shape[1]
     qg = q.astype(jnp.float32).reshape(t, k.shape[1], group, hd)
@@ -36,40 +38,62 @@ def dense_attention(q: Float[Array, "T H hd"], k: Float[Array, "T Hkv hd"], v: F
     visible = pos[None, :] <= pos[:, None]
     if window is not None:
         visible &= pos[None, :] > pos[:, None] - window
+    if blocks is not None:
+        visible |= (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
     p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
     o = jnp.einsum("kgqc,ckd->qkgd", p, v.astype(jnp.float32))
     return o.reshape(t, cfg.q_size)
 
 
-def sequence_hidden(params: ModelParams, cfg: ModelConfig, rope: RopeTable, token_ids: Int[Array, " T"]
-                    ) -> Float[Array, "T D"]:
-    """One sequence's last hidden states (before the final norm)."""
+def image_blocks(token_ids: Int[Array, " T"], image_token_id: int) -> Int[Array, " T"]:
+    """Each token's image block: runs of image tokens numbered 0, 1, ... in order; -1
+    for text."""
+    is_image = token_ids == image_token_id
+    starts = is_image & ~jnp.pad(is_image, (1, 0))[:-1]
+    return jnp.where(is_image, jnp.cumsum(starts) - 1, -1)
+
+
+def sequence_hidden(params: ModelParams, cfg: ModelConfig, rope: RopeTable, token_ids: Int[Array, " T"],
+                    image_embeds: Float[Array, "M D"] | None = None) -> Float[Array, "T D"]:
+    """One sequence's last hidden states (before the final norm); `image_embeds` (a
+    vision-language model's: jaxllm.models.vision.encode_images, its images' rows in
+    order) in place of its image tokens."""
     if cfg.is_encoder:
         raise ValueError(f"{cfg.model_type}: an encoder; the dense forward is the decoders'")
     positions = jnp.arange(token_ids.shape[0])
     rows = jnp.asarray(token_ids.shape[0], jnp.int32)  # every row is a token (no bucket padding)
     x = embed_input(params, token_ids, cfg, None)
+    blocks = None
+    if image_embeds is not None:
+        x = merge_image_embeddings(x, token_ids, cfg.vision.image_token_id, image_embeds)
+        blocks = image_blocks(token_ids, cfg.vision.image_token_id) if cfg.vision.bidirectional_images else None
     ropes = rope_rows(rope, positions)
     for i, lp in enumerate(params.layers):
         q, k, v = qkv_heads(lp, x, *ropes[cfg.is_sliding(i)], cfg)
-        o = dense_attention(q, k, v, cfg, cfg.layer_window(i)).astype(x.dtype)
+        o = dense_attention(q, k, v, cfg, cfg.layer_window(i), blocks).astype(x.dtype)
         x = finish_layer(lp, x, o, rows, None, cfg=cfg, axis=None, moe=cfg.is_moe(i))
     return x
 
 
 def sequence_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array, "B T"],
-                      rope: RopeTable | None = None) -> Float[Array, "B T"]:
+                      rope: RopeTable | None = None, image_embeds: Float[Array, "B M D"] | None = None
+                      ) -> Float[Array, "B T"]:
     """log p(token t | tokens before it) for t >= 1 of each row of `token_ids` (column 0,
     which nothing predicts, is 0): the logprobs the engine reports for prompt tokens and
     sampled ones, from the raw logits. Differentiable in `params`. `rope`: the RoPE
-    table (default: made for T positions)."""
-    rope = model_rope_table(cfg, token_ids.shape[1]) if rope is None else rope
-    logits = jax.vmap(functools.partial(_sequence_logits, params, cfg, rope))(token_ids)
+    table (default: made for T positions). `image_embeds`: each row's image embeddings
+    (sequence_hidden's)."""
+    logits = sequence_logits(params, cfg, token_ids, rope, image_embeds)
     logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     picked = jnp.take_along_axis(logprobs, token_ids[:, 1:, None], axis=-1)[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
-def _sequence_logits(params: ModelParams, cfg: ModelConfig, rope: RopeTable, token_ids: Int[Array, " T"]
-                     ) -> Float[Array, "T V"]:
-    return compute_logits(params, sequence_hidden(params, cfg, rope, token_ids), cfg)
+def sequence_logits(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array, "B T"],
+                    rope: RopeTable | None = None, image_embeds: Float[Array, "B M D"] | None = None
+                    ) -> Float[Array, "B T V"]:
+    """Every position's logits over the vocabulary (sequence_logprobs' arguments)."""
+    rope = model_rope_table(cfg, token_ids.shape[1]) if rope is None else rope
+    hidden = functools.partial(sequence_hidden, params, cfg, rope)
+    states = jax.vmap(hidden)(token_ids) if image_embeds is None else jax.vmap(hidden)(token_ids, image_embeds)
+    return jax.vmap(lambda x: compute_logits(params, x, cfg))(states)
