@@ -43,6 +43,24 @@ def check_prompt(token_ids: list[int], *, vocab_size: int, max_model_len: int, g
 
 
 @dataclasses.dataclass
+class ImageInput:
+    """One image of a prompt (a vision-language model's), as the frontend prepared it:
+    its pixel values (the model's image processor's, float32 bytes of `shape`: plain
+    data over the wire), the hash of its content (two requests with the same image
+    share its embeddings and prefix-cache blocks; with different ones, never), and where
+    its image tokens are in the prompt."""
+
+    mm_hash: str  # hex SHA-256 of the pixel values
+    offset: int  # position of its first image token
+    length: int  # its image tokens (the model's tokens per image)
+    pixels: bytes  # float32, C-ordered
+    shape: tuple[int, ...]  # [C, H, W]
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.offset + self.length
+
+
+@dataclasses.dataclass
 class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -55,6 +73,7 @@ class EngineCoreRequest:
     # a pooling request (embeddings): its prompt is computed and pooled, nothing generated
     # (its sampling_params are not read: jaxllm.engine.input_processor.POOLING_SAMPLING)
     pooling_params: PoolingParams | None = None
+    images: tuple[ImageInput, ...] = ()  # a vision-language model's, in prompt order
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """ValueError (naming the field) if the model cannot serve the request."""
@@ -170,6 +189,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # a vision-language model's encoder cache: images looked up, found encoded, encoded
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    images_encoded: int = 0
     spec_decoding: SpecDecodingStats = dataclasses.field(default_factory=SpecDecodingStats)
     running_lora_adapters: tuple[str, ...] = ()  # the adapters of running requests (names)
     waiting_lora_adapters: tuple[str, ...] = ()  # and of waiting ones

@@ -98,6 +98,10 @@ class EngineMetrics:
         self.kv_blocks_used = self._family(g, "jaxllm:kv_cache_blocks_used", "KV cache blocks held by requests.")
         self.kv_tokens_held = self._family(g, "jaxllm:kv_cache_tokens_held", "Tokens whose K/V the held blocks contain.")
         self._block_size = self._family(g, "jaxllm:kv_cache_block_size", "Tokens per KV cache block.")
+        self.encoder_queries = self._family(c, "jaxllm:encoder_cache_queries",
+                                            "Images a request needed (a vision-language model's encoder cache).")
+        self.encoder_hits = self._family(c, "jaxllm:encoder_cache_hits", "Images found encoded already (no encoder step).")
+        self.images_encoded = self._family(c, "jaxllm:images_encoded", "Images run through the vision tower.")
         self.seconds_since_report = self._family(
             g, "jaxllm:seconds_since_report",
             "Seconds since the engine core last reported (each step, or each second while idle): its health.")
@@ -172,6 +176,9 @@ class EngineMetrics:
         self.prefix_queries(engine).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits(engine).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions(engine).inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.encoder_queries(engine).inc(max(0, stats.encoder_cache_queries - last.encoder_cache_queries))
+        self.encoder_hits(engine).inc(max(0, stats.encoder_cache_hits - last.encoder_cache_hits))
+        self.images_encoded(engine).inc(max(0, stats.images_encoded - last.images_encoded))
         self._observe_spec_decoding(engine, stats.spec_decoding, last.spec_decoding)
         self._last[engine] = stats
 

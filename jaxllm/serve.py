@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="characters (or token ids) of a logged prompt (default: all)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a request's own chat_template (Jinja from the client; off: a 400, as vLLM)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a vision-language model's image_url parts may be file:// URLs of images under DIR (off: only "
+                        "base64 data URLs; nothing is fetched over the network)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="X-Request-Id on every response (the client's own, else a new one)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
@@ -232,6 +235,7 @@ async def serve(args: argparse.Namespace) -> None:
                               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                               request_id_headers=args.enable_request_id_headers,
                               trust_request_chat_template=args.trust_request_chat_template,
+                              allowed_local_media_path=args.allowed_local_media_path,
                               dev_mode=args.server_dev_mode)
     if settings.dev_mode and not settings.api_keys():
         logger.warning("development endpoints are on without an API key: anyone who reaches the port can put the "

@@ -300,7 +300,7 @@ class KVCacheManager(PoolUsage):
         limit = min(self.block_size - 1, request.num_tokens - 1 - start)
         if limit <= 0:
             return None, 0
-        tokens = request.get_token_ids(start, start + limit)
+        tokens = request.cache_token_ids(start, start + limit)
         best, best_common = None, 0
         for content in self.block_pool.contents.children(self.parent_key(request, block_index)):
             common = common_prefix(content.tokens, tokens)
@@ -348,7 +348,7 @@ class KVCacheManager(PoolUsage):
         contents = self.block_pool.contents
         for j in range((end - num_new_tokens) // bs, -(-end // bs)):
             start = j * bs
-            tokens = request.get_token_ids(start, min(start + bs, end))
+            tokens = request.cache_token_ids(start, min(start + bs, end))
             block_rows: list = []
             if rows is not None:
                 block_rows = [None] if j == 0 else []
@@ -603,7 +603,7 @@ class KVCacheManager(PoolUsage):
         parent = block_hashes[-1] if block_hashes else None
         for i in range(start, num_blocks):
             parent = hash_block_tokens(
-                parent, request.get_token_ids(i * block_size, (i + 1) * block_size), extra_keys
+                parent, request.cache_token_ids(i * block_size, (i + 1) * block_size), extra_keys
             )
             block_hashes.append(parent)
         return block_hashes

@@ -13,12 +13,18 @@ from jaxllm.core.prompt_scores import PromptScores
 from jaxllm.core.structured_output import StructuredOutputRequest
 from jaxllm.core.token_filter import TokenFilter
 from jaxllm.lora.request import LoRARequest
-from jaxllm.messages import EngineCoreRequest, FinishReason
+from jaxllm.messages import EngineCoreRequest, FinishReason, ImageInput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxllm.core.beam_search import BeamGroup
+
+
+def image_cache_token(mm_hash: str) -> int:
+    """The prefix cache's token for each token of the image of hash `mm_hash`: negative,
+    so never a vocabulary id, and 56 bits of the hash."""
+    return -1 - int(mm_hash[:14], 16)
 
 
 class RequestStatus(enum.Enum):
@@ -98,6 +104,7 @@ class Request:
     arrival: int = 0  # the scheduler's count of requests added before it (ties of priority)
     queued_at: float = field(default_factory=time.monotonic)
     queue_seconds: float | None = None
+    images: tuple[ImageInput, ...] = ()  # a vision-language model's (jaxllm.core.encoder_cache_manager)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_tokens: int, seed: int) -> Request:
@@ -118,6 +125,7 @@ class Request:
             pooling_params=req.pooling_params,
             token_filter=TokenFilter.of(req.sampling_params),
             priority=req.priority,
+            images=req.images,
         )
 
     @property
@@ -164,6 +172,17 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def cache_token_ids(self, start: int, end: int) -> list[int]:
+        """``get_token_ids(start, end)`` as the prefix cache knows the tokens: an image's
+        tokens (all the same id in the prompt) as a key of its content, so blocks of
+        different images never match (`image_cache_token`)."""
+        tokens = self.get_token_ids(start, end)
+        for image in self.images:
+            if image.overlaps(start, end):
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                tokens[lo - start:hi - start] = [image_cache_token(image.mm_hash)] * (hi - lo)
+        return tokens
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append one sampled token id or several."""

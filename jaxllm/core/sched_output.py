@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.lora.request import LoRARequest
+from jaxllm.messages import ImageInput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -41,6 +42,15 @@ class CachedRequestData:
 
 
 @dataclasses.dataclass
+class EncoderInput:
+    """An image the step encodes first, into rows `slot * tokens_per_image` on of the
+    runner's image table (jaxllm.core.encoder_cache_manager)."""
+
+    slot: int
+    image: ImageInput
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -59,6 +69,11 @@ class SchedulerOutput:
     # most num_scheduler_steps; fewer where its KV slots, held for that many, end sooner);
     # empty: one step
     decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    # a vision-language model's images: those to encode before the step, each into its
+    # encoder cache slot; and per request whose scheduled tokens cover image tokens, each
+    # such image as (its first token's position, its token count, its slot)
+    encoder_inputs: list[EncoderInput] = dataclasses.field(default_factory=list)
+    image_slots: dict[str, list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -30,10 +30,11 @@ from collections.abc import Iterable
 
 from jaxllm.core.beam_search import BeamGroup, Choice, Decode
 from jaxllm.core.block_contents import common_prefix
+from jaxllm.core.encoder_cache_manager import EncoderCacheManager
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import ComputedPrefix, KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.core.sched_output import CachedRequestData, EncoderInput, NewRequestData, SchedulerOutput
 from jaxllm.core.structured_output import Grammar
 from jaxllm.core.token_filter import TokenFilter
 from jaxllm.messages import (
@@ -68,6 +69,8 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         decode: Decode | None = None,
         policy: str = "fcfs",
+        encoder_cache: EncoderCacheManager | None = None,
+        max_images_per_step: int = 0,
     ) -> None:
         """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
         in the running batch (the model runner's device slots); a request whose
@@ -75,7 +78,9 @@ class Scheduler:
         `num_scheduler_steps` > 1: when every running request decodes and none could
         be admitted, a step hands the runner up to that many decode steps at once
         (`_num_decode_steps`; the model runner's decode loop). `decode`: the
-        tokenizer's, for beam searches with stop strings."""
+        tokenizer's, for beam searches with stop strings. `encoder_cache`: a
+        vision-language model's (its images' embeddings); a step encodes at most
+        `max_images_per_step` images."""
         self.kv_cache_manager = kv_cache_manager
         self.decode = decode
         self.policy = policy  # "fcfs" or "priority"
@@ -106,6 +111,11 @@ class Scheduler:
         # run, to their end) or "keep" (nothing runs); _pause_arrival: the first held arrival
         self.paused: str | None = None
         self._pause_arrival = 0
+        self.encoder_cache = encoder_cache
+        self.max_images_per_step = max_images_per_step
+        self._encoder_inputs: list[EncoderInput] = []  # this step's images to encode
+        self._image_slots: dict[str, list[tuple[int, int, int]]] = {}  # this step's (offset, length, slot) by request
+        self._image_releases: list[tuple[str, str]] = []  # (image hash, request id) once this step is scheduled
 
     # ----------------------------------------------------------------- requests
 
@@ -223,7 +233,12 @@ class Scheduler:
                     continue  # the group itself was preempted (it was the tail)
             drafts, request.spec_token_ids = request.spec_token_ids, []
             known = request.num_tokens + request.num_output_placeholders  # with the tokens of steps in flight
-            num_new = min(known + len(drafts) - request.num_computed_tokens, budget)
+            num_new = self._fit_images(request, request.num_computed_tokens,
+                                       min(known + len(drafts) - request.num_computed_tokens, budget))
+            if num_new == 0:  # its next tokens are an image the step cannot encode
+                request.spec_token_ids = drafts
+                i += 1
+                continue
             steps, new_blocks = self._allocate_steps(request, num_steps) if num_steps > 1 else (1, None)
             if new_blocks is None:  # one step's slots (the pool could not give it more)
                 steps, new_blocks = 1, self._allocate_or_preempt(request, num_new, preempted)
@@ -289,6 +304,7 @@ class Scheduler:
         written, self._in_flight = self._in_flight, None
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        encoder_inputs, image_slots = self._end_image_step()
         sched = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -299,6 +315,8 @@ class Scheduler:
             block_copies=self._block_copies,
             scheduled_spec_decode_tokens=spec_tokens,
             decode_steps=decode_steps,
+            encoder_inputs=encoder_inputs,
+            image_slots=image_slots,
         )
         if not sched.is_empty:
             self._fork_copies = {}  # made before this step (an empty step writes nothing: they wait)
@@ -408,7 +426,9 @@ class Scheduler:
         if scores is not None and self._worth_waiting(request, prefix.num_tokens):
             return _WAIT
         num_hit_tokens = prefix.num_tokens
-        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        num_new = self._fit_images(request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, budget))
+        if num_new == 0:
+            return _WAIT  # its first tokens are an image the step cannot encode: the others go on
         if request.pooling_params is not None and num_new < request.num_tokens - num_hit_tokens:
             return None  # pooled whole, in one step (an encoder's attention sees the whole sequence)
         new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, prefix.hits, prefix.num_tail_tokens)
@@ -471,7 +491,7 @@ class Scheduler:
             return False
         kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
         j = (num_reusable + 1) // bs  # the block of the first token whose row it lacks
-        tokens = request.get_token_ids(j * bs, min((j + 1) * bs, request.num_tokens - 1))
+        tokens = request.cache_token_ids(j * bs, min((j + 1) * bs, request.num_tokens - 1))
         key = kv.parent_key(request, j)
         best = max((common_prefix(t, tokens) for w in steps for t in w.get(key, ())), default=0)
         return j * bs + best - 1 > num_reusable
@@ -481,7 +501,7 @@ class Scheduler:
         kv, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
         start, end = request.num_computed_tokens - num_new, min(request.num_computed_tokens, request.num_tokens)
         for j in range(start // bs, -(-end // bs)):
-            tokens = request.get_token_ids(j * bs, min((j + 1) * bs, end))
+            tokens = request.cache_token_ids(j * bs, min((j + 1) * bs, end))
             self._in_flight.setdefault(kv.parent_key(request, j), []).append(tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]):
@@ -627,12 +647,75 @@ class Scheduler:
                 self._preempt(beam)  # a fork holds no blocks yet: it only resets
                 self.finished_req_ids.add(beam.request_id)  # the runner drops what it holds of it
 
+    # ---------------------------------------------------------------- images
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` the step can compute: every image
+        they reach must be encoded (in the encoder cache, or encoded this step while
+        the step's image budget and a slot allow); they stop before the first that
+        cannot be."""
+        end = start + num_new
+        for image in request.images:
+            if image.overlaps(start, end) and self._image_slot(request, image) is None:
+                return max(0, image.offset - start)
+        return num_new
+
+    def _image_slot(self, request: Request, image) -> int | None:
+        """The image's encoder cache slot, held by `request`: found, or allocated to be
+        encoded this step; None when neither can be."""
+        cache, rid = self.encoder_cache, request.request_id
+        held = rid in cache.holders.get(image.mm_hash, ())
+        slot = cache.lookup(image.mm_hash, rid)
+        if not held:
+            cache.count_lookup(hit=slot is not None)
+        if slot is not None:
+            return slot
+        if len(self._encoder_inputs) >= self.max_images_per_step or not cache.can_allocate():
+            return None
+        slot = cache.allocate(image.mm_hash, rid)
+        self._encoder_inputs.append(EncoderInput(slot, image))
+        return slot
+
+    def _note_images(self, request: Request, start: int, num_new: int) -> None:
+        """The step's images of `request` for the runner; those its tokens finish are
+        let go once the step is scheduled (their K/V hold them from then on)."""
+        for image in request.images:
+            if image.overlaps(start, start + num_new):
+                slot = self.encoder_cache.slot_of[image.mm_hash]
+                self._image_slots.setdefault(request.request_id, []).append((image.offset, image.length, slot))
+                if image.offset + image.length <= start + num_new:
+                    self._image_releases.append((image.mm_hash, request.request_id))
+
+    def _end_image_step(self) -> tuple[list[EncoderInput], dict[str, list[tuple[int, int, int]]]]:
+        """This step's images to encode and image slots by request; the images it
+        finishes let go (a later step's allocation may reuse their slots: the device
+        runs this step first)."""
+        if self.encoder_cache is None:
+            return [], {}
+        for mm_hash, rid in self._image_releases:
+            self.encoder_cache.release(mm_hash, rid)
+        out = self._encoder_inputs, self._image_slots
+        self._encoder_inputs, self._image_slots, self._image_releases = [], {}, []
+        return out
+
+    def _encoder_stats(self) -> dict[str, int]:
+        if self.encoder_cache is None:
+            return {}
+        stats = self.encoder_cache.stats
+        return dict(encoder_cache_queries=stats.queries, encoder_cache_hits=stats.hits, images_encoded=stats.encoded)
+
+    def _release_images(self, request: Request) -> None:
+        for image in request.images:
+            self.encoder_cache.release(image.mm_hash, request.request_id)
+
     def _advance(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
         """Count this step's tokens as computed now (the step always runs before the
         next schedule) and enter blocks they fill into the prefix cache, so a request
         admitted later in this same step can already share them: the forward writes
         every token's K/V before any attention reads the cache."""
         num_scheduled[request.request_id] = num_new
+        if request.images:
+            self._note_images(request, request.num_computed_tokens, num_new)
         request.num_computed_tokens += num_new
         # draft tokens (past num_tokens) are not known to be the request's: no block holding one is cached
         self._cached_this_step += self.kv_cache_manager.cache_blocks(
@@ -642,6 +725,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._release_images(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -797,6 +881,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.kv_cache_manager.free(request)
+        self._release_images(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -823,6 +908,7 @@ class Scheduler:
             num_tokens_held=kv.num_tokens_held(self.running),
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
+            **self._encoder_stats(),
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats,
             running_lora_adapters=_adapter_names(self.running),

@@ -25,8 +25,9 @@ from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, RequestOutputKind, core_requests
 from jaxllm.engine.protocol import EngineCoreReady, LoRAUpdate, UtilityCall, UtilityResult
 from jaxllm.lora.request import LoRARequest
-from jaxllm.messages import EngineCoreOutputs, SchedulerStats
+from jaxllm.messages import EngineCoreOutputs, ImageInput, SchedulerStats
 from jaxllm.metrics import EngineMetrics
+from jaxllm.multimodal.inputs import MultiModalProcessor
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -56,8 +57,11 @@ class AsyncLLM:
         self.hang_timeout = hang_timeout
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(ready.tokenizer_dir)
         shutil.rmtree(ready.tokenizer_dir, ignore_errors=True)  # the core's hand-over copy, now loaded
+        multimodal = None if ready.vision is None else MultiModalProcessor(
+            ready.vision, ready.image_processor, self.tokenizer, ready.images_per_prompt)
         self.input_processor = InputProcessor(self.tokenizer, eos_token_id=ready.eos_token_id,
-                                              vocab_size=ready.vocab_size, max_model_len=ready.max_model_len)
+                                              vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+                                              multimodal=multimodal)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.metrics = EngineMetrics(model_name, ready.block_size, ready.max_model_len, ready.num_blocks,
                                      config.max_loras if config.enable_lora else 0)
@@ -110,18 +114,20 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream the request's outputs (under `lora_request`'s adapter; a pooling
         request's one PoolingRequestOutput); ValueError before anything is queued if
         the request is invalid, EngineDeadError if the core dies meanwhile.
         `cache_salt`: the request shares prefix-cache blocks only with requests of the
         same salt (tenant isolation). `priority`: lower runs first (the priority
-        scheduling policy; another is refused under fcfs)."""
+        scheduling policy; another is refused under fcfs). `images`: a vision-language
+        model's, of token ids prepared by `input_processor.with_images`."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         request, text = self.input_processor.make_request(request_id, prompt, params, lora_request=lora_request,
                                                           add_special_tokens=add_special_tokens,
-                                                          cache_salt=cache_salt, priority=priority)
+                                                          cache_salt=cache_salt, priority=priority, images=images)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         children, parent = core_requests(request)

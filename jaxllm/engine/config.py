@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 
@@ -30,6 +31,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
           "g": 1e9, "gb": 1e9, "gib": 2**30}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30  # CPU devices report no memory: 2 GiB, as vLLM's CPU default
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.9
+DEFAULT_IMAGES_PER_PROMPT = 999  # vLLM's default limit per modality
 
 
 def parse_memory(value: str | int | float | None) -> int | float | None:
@@ -124,6 +126,9 @@ class EngineConfig:
                                           "quantized weights), of XLA's dot and the Pallas weight-only matmul for "
                                           "quantized weights on a GPU", LINEAR_BACKENDS)
     chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
+    limit_mm_per_prompt: dict | str | None = _option(
+        None, "a vision-language model's images per prompt at most, as vLLM's JSON: {\"image\": 2} (default: "
+              f"{DEFAULT_IMAGES_PER_PROMPT}); more is a 400")
     reasoning_parser: str | None = _option(
         None, "keep a reasoning model's thinking (<think>...</think>) apart from its answer: deepseek_r1 (the output "
               "starts inside the thinking) or qwen3 (it thinks where the template or the output opens a block); "
@@ -170,6 +175,7 @@ class EngineConfig:
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them, with or without enable_lora
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        object.__setattr__(self, "limit_mm_per_prompt", _parse_mm_limits(self.limit_mm_per_prompt))
         if self.runner == "generate" and self.pooler_config is not None:
             raise ValueError("pooler_config: only with the pooling runner (--runner pooling)")
         if self.num_processes > 1 and self.data_parallel_size > 1:
@@ -225,10 +231,34 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def images_per_prompt(self) -> int:
+        """The most images a prompt may hold (limit_mm_per_prompt's)."""
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    @property
     def lora_config(self) -> LoRAConfig | None:
         """The adapter limits where enable_lora is set."""
         limits = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         return limits if self.enable_lora else None
+
+
+def _parse_mm_limits(value) -> dict | None:
+    """limit_mm_per_prompt as a dict ({"image": n}, n >= 0), from its JSON text too."""
+    if value is None or isinstance(value, dict):
+        limits = value
+    else:
+        try:
+            limits = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt: not JSON ({e}); e.g. '{{\"image\": 2}}'") from None
+    if limits is None:
+        return None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise ValueError(f"limit_mm_per_prompt: images are the only modality, as {{\"image\": n}}; got {limits!r}")
+    n = limits.get("image", DEFAULT_IMAGES_PER_PROMPT)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"limit_mm_per_prompt: the image limit must be a non-negative integer, got {n!r}")
+    return {"image": n}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxllm.attention.kv_cache import KVCacheFormat, choose_kv_cache_format, kv_cache_format
 from jaxllm.config import CHECKPOINT_METHODS, ModelConfig
+from jaxllm.core.encoder_cache_manager import EncoderCacheManager
 from jaxllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
@@ -177,10 +178,11 @@ def _quantized(model: LoadedModel, quantization: str | None) -> LoadedModel:
 
 
 def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_format: KVCacheFormat,
-                  before_measuring=None) -> RunnerConfig:
+                  before_measuring=None, images: tuple[int, int] = (0, 0)) -> RunnerConfig:
     """The model runner's configuration: the engine's options it needs, and the KV
     cache planned for them (of `kv_format`, what kv_cache_dtype gave); `before_measuring`
-    runs before any start-up measurement."""
+    runs before any start-up measurement; `images`: a vision-language model's encoder
+    cache slots and images per step (`encoder_cache_plan`)."""
     return RunnerConfig(
         num_blocks=cache.num_blocks,
         block_size=config.block_size,
@@ -200,8 +202,27 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
         num_scheduler_steps=config.decode_steps,
         speculative_config=config.speculative_config,
         lora_config=config.lora_config,
+        encoder_cache_slots=images[0],
+        max_images_per_step=images[1],
         before_measuring=before_measuring,
     )
+
+
+def encoder_cache_plan(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int]:
+    """A vision-language model's encoder cache: (slots, images a step may encode), a
+    step's token budget of images (at least one) and as many again kept for reuse;
+    (0, 0) for a text model. ValueError where the engine cannot serve its images yet."""
+    vision = cfg.vision
+    if vision is None:
+        return 0, 0
+    if config.devices_per_engine > 1 or config.num_processes > 1:
+        raise ValueError(f"{vision.architecture}: images not yet with tensor or pipeline parallelism or several "
+                         "processes; serve it on one device")
+    if vision.bidirectional_images:
+        raise ValueError(f"{vision.architecture}: its images attend to themselves both ways, which the engine's "
+                         "attention kernels do not do yet (jaxllm.models.dense runs it)")
+    per_step = max(1, config.max_num_batched_tokens // vision.tokens_per_image)
+    return 2 * (per_step + 1), per_step
 
 
 class EngineCore:
@@ -293,6 +314,7 @@ class EngineCore:
                                 0 if draft is None else draft_block_bytes(config, draft), stages)
         self.max_model_len = self.cache.max_model_len
         self.kv_cache_manager = make_kv_cache_manager(config, self.cache)
+        images = encoder_cache_plan(config, cfg)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -302,6 +324,8 @@ class EngineCore:
             num_scheduler_steps=config.decode_steps,
             decode=self._decode,
             policy=config.scheduling_policy,
+            encoder_cache=EncoderCacheManager(images[0]) if images[0] else None,
+            max_images_per_step=images[1],
         )
         # the weights' loading thread done before any measurement (it would share the cores);
         # an event, not the future: the runner keeps the callable, and the future would keep
@@ -311,7 +335,7 @@ class EngineCore:
             loaded = threading.Event()
             loading.add_done_callback(lambda _: loaded.set())
             quiet = loaded.wait
-        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet))
+        self.runner = ModelRunner(cfg, params, runner_config(config, self.cache, cache_dir, kv_format, quiet, images))
         if kv_format.layer_scaled and not config.calculate_kv_scales:
             self.runner.set_kv_layer_scales(*self._checkpoint_kv_scales)
         self.runs_async = config.runs_async
@@ -329,6 +353,9 @@ class EngineCore:
             if self.model.config != cfg:
                 raise RuntimeError(f"{self.model.path}: the loaded config differs from the one read before loading")
             self.runner.set_params(laid_out.result())
+        if cfg.vision is not None:
+            self.runner.set_vision_params(self.model.vision_params)
+            self.model = dataclasses.replace(self.model, vision_params=None)  # the runner's now
 
     def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
                        warm_up: bool) -> None:
@@ -432,6 +459,7 @@ class EngineCore:
         """The scheduler's Request for `req`, after every check that can reject it."""
         req.validate(vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
         self.check_runner(req)
+        self.check_images(req)
         params, n = req.sampling_params, len(req.prompt_token_ids)
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -460,6 +488,28 @@ class EngineCore:
                              "embeddings, not generated text; start it with --runner generate to generate")
         if req.pooling_params is not None:
             req.pooling_params.check_for_model(self.pooler, self.model.config.hidden_size)
+
+    def check_images(self, req: EngineCoreRequest) -> None:
+        """A request's images agree with its prompt's image tokens and the model (ValueError)."""
+        vision = self.model.config.vision
+        if vision is None:
+            if req.images:
+                raise ValueError("multi_modal_data: this model reads text only (it has no vision tower)")
+            return
+        if len(req.images) > self.config.images_per_prompt:
+            raise ValueError(f"multi_modal_data: {len(req.images)} images, more than the {self.config.images_per_prompt} "
+                             "a prompt may have (--limit-mm-per-prompt)")
+        tokens = [i for i, t in enumerate(req.prompt_token_ids) if t == vision.image_token_id]
+        spans = [p for image in req.images for p in range(image.offset, image.offset + image.length)]
+        if tokens != spans or any(image.length != vision.tokens_per_image for image in req.images):
+            raise ValueError(f"prompt: its {len(tokens)} image tokens do not stand for its {len(req.images)} images "
+                             f"({vision.tokens_per_image} tokens each)")
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        bad = next((i for i, image in enumerate(req.images)
+                    if tuple(image.shape) != shape or len(image.pixels) != 4 * np.prod(shape)), None)
+        if bad is not None:
+            raise ValueError(f"multi_modal_data: image {bad} is {tuple(req.images[bad].shape)} after "
+                             f"preprocessing, the model's {shape}")
 
     def check_beam_search(self, params: SamplingParams) -> None:
         """What this engine cannot run of a beam search (ValueError naming the field)."""

@@ -31,6 +31,7 @@ from jaxllm.engine.protocol import (
 )
 from jaxllm.logs import configure_logging, log_level
 from jaxllm.messages import EngineCoreOutputs
+from jaxllm.multimodal.image_processor import ImageProcessorConfig
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 1.0
@@ -71,6 +72,9 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
             runner="generate" if core.pooler is None else "pooling",
             pooler=core.pooler,
             hidden_size=model.config.hidden_size,
+            vision=model.config.vision,
+            image_processor=None if model.config.vision is None else ImageProcessorConfig.from_folder(model.path),
+            images_per_prompt=config.images_per_prompt,
         )
         conn.send_bytes(wire.encode(wire.READY, ready))
         EngineCoreLoop(core, conn).run()

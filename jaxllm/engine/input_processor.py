@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxllm.lora.request import LoRARequest
-from jaxllm.messages import EngineCoreRequest
+from jaxllm.messages import EngineCoreRequest, ImageInput
+from jaxllm.multimodal.inputs import MultiModalProcessor
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -26,11 +27,14 @@ RENDER_ARGUMENTS = frozenset({"conversation", "messages", "chat_template", "toke
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, *, eos_token_id: int | None, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, *, eos_token_id: int | None, vocab_size: int, max_model_len: int,
+                 multimodal: MultiModalProcessor | None = None) -> None:
+        """`multimodal`: a vision-language model's images (prompts with multi_modal_data)."""
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.multimodal = multimodal
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids)."""
@@ -69,6 +73,57 @@ class InputProcessor:
             **extra,
         )
 
+    def chat_prompt(self, messages: list[Message], load_image=None, **render) -> str | dict:
+        """A conversation as the prompt to generate from: its rendered text, or with image
+        parts (`chat_images`) vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}.
+        `render`: render_chat's options."""
+        messages, images = self.chat_images(messages, load_image)
+        text = self.render_chat(messages, **render)
+        return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+    def chat_images(self, messages: list[Message], load_image=None) -> tuple[list[Message], list]:
+        """The messages with their image parts taken out, and the images in order. An
+        `image_url` part is loaded by `load_image(url)` (jaxllm.multimodal.image_io), an
+        `image_pil` part (offline, vLLM's) is its PIL image. Each image's placeholder
+        comes first in its message's text, on a line of its own (vLLM's string content
+        form). A text-only model refuses them, naming the part."""
+        if not isinstance(messages, list):
+            return messages, []
+        out, images = [], []
+        for m, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                out.append(message)
+                continue
+            found, texts = [], []
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "image_pil"):
+                    found.append(self._part_image(part, kind, f"messages[{m}].content[{i}]", load_image))
+                else:
+                    texts.append(part)
+            images += found
+            if found:
+                placeholders = "".join(self.multimodal.placeholder + "\n" for _ in found)
+                texts = [{"type": "text", "text": placeholders}, *texts]
+            out.append({**message, "content": texts})
+        return out, images
+
+    def _part_image(self, part: dict, kind: str, where: str, load_image):
+        if self.multimodal is None:
+            raise ValueError(f"{where}: a content part of type {kind!r} is not supported: this model reads text "
+                             "parts only")
+        if kind == "image_pil":
+            return part.get("image_pil")
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if load_image is None:
+            from jaxllm.multimodal.image_io import load_image_url as load_image
+        try:
+            return load_image(url)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
     def truncated(self, prompt: Prompt, params: PoolingParams, add_special_tokens: bool = True
                   ) -> tuple[str | None, list[int]]:
         """A pooling prompt's (text, token ids), its first `truncate_prompt_tokens` kept
@@ -90,11 +145,14 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams, *,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
                      arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                     priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
+                     priority: int = 0, images: tuple[ImageInput, ...] = ()) -> tuple[EngineCoreRequest, str | None]:
         """The core's request for `prompt` (a pooling one where `params` is
-        PoolingParams: it generates nothing), validated."""
+        PoolingParams: it generates nothing), validated. `images`: those of token ids
+        prepared already (`with_images`; the server's)."""
         pooling = params if isinstance(params, PoolingParams) else None
-        if pooling is not None:
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            text, ids, images = self.with_images(prompt, params, add_special_tokens)
+        elif pooling is not None:
             text, ids = self.truncated(prompt, pooling, add_special_tokens)
             params = POOLING_SAMPLING
         else:
@@ -112,9 +170,29 @@ class InputProcessor:
             cache_salt=cache_salt,
             lora_request=lora_request,
             priority=priority,
+            images=images,
         )
         request.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         return request, text
+
+    def with_images(self, prompt: dict, params: SamplingParams | PoolingParams, add_special_tokens: bool):
+        """(text, token ids, images) of a prompt with `multi_modal_data` (vLLM's
+        {"prompt": ..., "multi_modal_data": {"image": PIL image or list}})."""
+        if self.multimodal is None:
+            raise ValueError("multi_modal_data: this model reads text only (it has no vision tower)")
+        data, text = prompt["multi_modal_data"], prompt.get("prompt")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            kinds = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"multi_modal_data: images are the only modality this model reads, as "
+                             f"{{'image': ...}}; got {kinds}")
+        if not isinstance(text, str):
+            raise ValueError("prompt: a prompt with multi_modal_data is text ({'prompt': str, 'multi_modal_data': "
+                             "...}), where the images' placeholders stand")
+        if isinstance(params, PoolingParams) or params.truncate_prompt_tokens is not None:
+            raise ValueError("multi_modal_data: not with pooling or truncate_prompt_tokens (an image's tokens are "
+                             "not cut)")
+        ids, images = self.multimodal.process(text, data.get("image", []), add_special_tokens)
+        return text, ids, images
 
 
     def keep_last(self, text: str | None, ids: list[int], limit: int | None) -> tuple[str | None, list[int]]:

@@ -13,6 +13,8 @@ from jaxllm.engine.input_processor import InputProcessor, Prompt
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputKind, core_requests
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.multimodal.image_processor import ImageProcessorConfig
+from jaxllm.multimodal.inputs import MultiModalProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -25,11 +27,15 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config, progress=progress)
         self.tokenizer = self.core.model.tokenizer
+        model = self.core.model
         self.input_processor = InputProcessor(
             self.tokenizer,
-            eos_token_id=eos_token_id(self.tokenizer, self.core.model.config),
-            vocab_size=self.core.model.config.vocab_size,
+            eos_token_id=eos_token_id(self.tokenizer, model.config),
+            vocab_size=model.config.vocab_size,
             max_model_len=self.core.max_model_len,
+            multimodal=None if model.config.vision is None else MultiModalProcessor(
+                model.config.vision, ImageProcessorConfig.from_folder(model.path), self.tokenizer,
+                config.images_per_prompt),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -9,7 +9,9 @@ import dataclasses
 from typing import Any
 
 from jaxllm.lora.request import LoRARequest
+from jaxllm.multimodal.image_processor import ImageProcessorConfig
 from jaxllm.pooling_params import PoolerConfig
+from jaxllm.vision_config import VisionConfig
 
 
 class EngineCoreStartError(RuntimeError):
@@ -31,6 +33,10 @@ class EngineCoreReady:
     runner: str = "generate"  # or "pooling" (embeddings)
     pooler: PoolerConfig | None = None  # the pooling runner's
     hidden_size: int = 0
+    # a vision-language model's image side and image processor, and the images a prompt may hold
+    vision: VisionConfig | None = None
+    image_processor: ImageProcessorConfig | None = None
+    images_per_prompt: int = 0
 
 
 @dataclasses.dataclass

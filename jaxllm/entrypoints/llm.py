@@ -69,10 +69,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
         model's chat template (`chat_template_kwargs`: its own variables, e.g. Qwen3's
-        enable_thinking)."""
+        enable_thinking). A vision-language model reads `image_url` parts (base64 data
+        URLs) and `image_pil` parts (PIL images) too."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        render = self.llm_engine.input_processor.render_chat
-        prompts = [render(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        prompt = self.llm_engine.input_processor.chat_prompt
+        prompts = [prompt(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                           chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 

@@ -216,6 +216,20 @@ class HiddenRows:
     every: Float[Array, "T D"]
 
 
+@struct.dataclass
+class ImageRows:
+    """A vision-language model's image embeddings for a step: the encoder cache's
+    table (jaxllm.worker.image_encoder) and, per token, its row there (-1: a text token)."""
+
+    table: Float[Array, "N D"]
+    rows: Int[Array, " T"]
+
+    def place(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        """`x` with each image token's embedding taken from the table."""
+        found = self.table[jnp.maximum(self.rows, 0)].astype(x.dtype)
+        return jnp.where((self.rows >= 0)[:, None], found, x)
+
+
 def forward_hidden(
     params: ModelParams,
     rope: RopeTable,
@@ -228,6 +242,7 @@ def forward_hidden(
     attention_fn: AttentionFn,
     axis: MeshAxes = None,
     lora: LoRAInputs | None = None,
+    images: ImageRows | None = None,
 ) -> tuple[Float[Array, "T D"], tuple[KVCache, ...]]:
     """Hidden states of every token (before the final norm), and the updated caches.
     They are of the activation dtype of the weights (float32 on the CPU platform for
@@ -236,8 +251,9 @@ def forward_hidden(
     One `md` and a cache per layer, or (a hybrid KV cache, jaxllm.kv_cache_groups) one
     `md` per KV cache group and a cache per slot: layer i reads its group's block
     tables and writes its slot's cache. `lora`: the adapters' slots and each token's
-    slot (jaxllm.models.lora)."""
-    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, None)
+    slot (jaxllm.models.lora). `images`: a vision-language model's image embeddings in
+    place of its image tokens (`ImageRows`)."""
+    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, None, images)
 
 
 def forward_rows(
@@ -253,6 +269,7 @@ def forward_rows(
     attention_fn: AttentionFn,
     axis: MeshAxes = None,
     lora: LoRAInputs | None = None,
+    images: ImageRows | None = None,
 ) -> tuple[HiddenRows, tuple[KVCache, ...]]:
     """forward_hidden for a step that reads the rows `out` names: the last layer writes
     every token's K/V and attends for every token, but (unless `out.every`) its output
@@ -260,7 +277,7 @@ def forward_rows(
     prefill chunk samples from one row of hundreds). Row by row forward_hidden's
     arithmetic, but for the order of the norms' sums (XLA vectorizes them by the row
     count: float32 rounding, as a different batch gives)."""
-    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, out)
+    return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, out, images)
 
 
 def embed_input(params: ModelParams, input_ids: Int[Array, " T"], cfg: ModelConfig, axis: MeshAxes
@@ -292,9 +309,11 @@ def decoder_layer(i: int, lp: LayerParams, x: Float[Array, "T D"], ropes: tuple[
 
 
 def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig, attention_fn: AttentionFn,
-            axis: MeshAxes, lora: LoRAInputs | None, out: OutputRows | None):
+            axis: MeshAxes, lora: LoRAInputs | None, out: OutputRows | None, images: ImageRows | None = None):
     """forward_hidden's layers; with `out`, forward_rows' last one."""
     x = embed_input(params, input_ids, cfg, axis)
+    if images is not None:
+        x = images.place(x)
     ropes = rope_rows(rope, positions)
     groups = cfg.kv_cache_groups(hybrid=isinstance(md, tuple))
     mds = md if isinstance(md, tuple) else (md,)

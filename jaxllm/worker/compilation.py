@@ -122,7 +122,8 @@ class CompilationManager:
         """Where the executables of one pair of backends are kept (keyed by what the
         step is compiled from)."""
         r = self.runner
-        args = (r.weights_of(choice), r.rope, r._abstract_caches, r.history, *r._lora_args(abstract=True))
+        images = () if r.images is None else (jax.ShapeDtypeStruct(r.images.table.shape, r.images.table.dtype),)
+        args = (r.weights_of(choice), r.rope, r._abstract_caches, r.history, *r._lora_args(abstract=True), *images)
         return ExecutableStore(directory, "model_step", r.config, r.kv_groups, choice.attention, choice.linear,
                                shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
                                devices=self._devices())
@@ -153,6 +154,8 @@ class CompilationManager:
                     bar.update(1)
         for c in self.copy_buckets:
             self.copy_executable(c)
+        if self.runner.images is not None:
+            self.runner.images.warm_up()
         self.warmed_up = True
         return time.perf_counter() - start
 
@@ -170,7 +173,7 @@ class CompilationManager:
             lambda: jax.jit(self._step_function(shape, layout), donate_argnums=(2, 3),
                             **self._step_shardings()).lower(runner.weights_of(choice), runner.rope,
                                                             runner._abstract_caches, runner.history, layout.abstract(),
-                                                            bitmask, *runner._lora_args(abstract=True)))
+                                                            bitmask, *runner.step_extras(shape, abstract=True)))
         self.layouts[shape] = layout
         self._compiled[shape] = compiled
         return compiled, loaded

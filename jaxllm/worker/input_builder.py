@@ -61,6 +61,7 @@ class StepRows:
     # several decode steps in one call: the steps each row may take (the KV slots the
     # scheduler gave it); None: one step
     decode_steps: Int[np.ndarray, " S"] | None = None
+    image_rows: Int[np.ndarray, " T"] | None = None  # a vision-language model's: each token's image table row
 
     @classmethod
     def empty(cls, num_kv_groups: int = 1) -> StepRows:
@@ -100,16 +101,18 @@ class PreparedStep:
 class InputBuilder:
     def __init__(self, batch: InputBatch, shapes: StepShapes, kv_groups: KVCacheGroups, *, block_size: int,
                  max_model_len: int, async_scheduling: bool, with_lora: bool, bitmask_width: int,
-                 num_scheduler_steps: int) -> None:
+                 num_scheduler_steps: int, tokens_per_image: int = 0) -> None:
         """Inputs from `batch`'s rows, padded to `shapes`; `async_scheduling`: tokens
         sampled by a step in flight are read on the device (`StepRows.from_history`);
         `with_lora`: each token's adapter slot; `bitmask_width`: words of a
-        structured-output token bitmask row."""
+        structured-output token bitmask row; `tokens_per_image`: a vision-language
+        model's (each image token's row in the image table, `StepRows.image_rows`)."""
         self.input_batch, self.shapes, self.kv_groups = batch, shapes, kv_groups
         self.block_size, self.max_model_len = block_size, max_model_len
         self.max_num_seqs, self.max_blocks_per_seq = batch.max_num_seqs, batch.block_table.shape[-1]
         self.async_scheduling, self.with_lora = async_scheduling, with_lora
         self.bitmask_width, self.num_scheduler_steps = bitmask_width, num_scheduler_steps
+        self.tokens_per_image = tokens_per_image
         # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
         # constrained row pass it without a transfer
         self._free_bitmasks: dict[int, jax.Array] = {}
@@ -150,10 +153,26 @@ class InputBuilder:
                         output_index=output_index, token_bitmask=bitmask,
                         lora_slots=None if not self.with_lora else b.lora_slot[tok_rows],
                         from_history=from_history if from_history is not None and from_history.any() else None,
-                        decode_steps=self._decode_steps(req_ids, sched))
+                        decode_steps=self._decode_steps(req_ids, sched),
+                        image_rows=self._image_rows(req_ids, qsl, positions, sched))
         shape = self.shapes.for_step(num_tokens, len(rows), len(logit_rows), 1 if host.decode_steps is None else
                                 self.num_scheduler_steps)
         return PreparedStep(req_ids, host, shape, self.pad_inputs(shape, host))
+
+    def _image_rows(self, req_ids: list[str], qsl: Int[np.ndarray, " Q"], positions: Int[np.ndarray, " T"],
+                    sched: SchedulerOutput) -> Int[np.ndarray, " T"] | None:
+        """Each token's row in the image table: an image token's (its image's slot, its
+        place in the image), -1 for the others; None for a text model."""
+        if not self.tokens_per_image:
+            return None
+        rows = np.full(len(positions), -1, np.int32)
+        for i, req_id in enumerate(req_ids):
+            for offset, length, slot in sched.image_slots.get(req_id, ()):
+                pos = positions[qsl[i]:qsl[i + 1]]
+                inside = (pos >= offset) & (pos < offset + length)
+                rows[qsl[i]:qsl[i + 1]] = np.where(inside, slot * self.tokens_per_image + pos - offset,
+                                                   rows[qsl[i]:qsl[i + 1]])
+        return rows
 
     def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, " S"] | None:
         """The steps each row takes where the scheduler hands over several (None: one)."""
@@ -218,6 +237,8 @@ class InputBuilder:
             any_prompt_logprobs=np.bool_((targets >= 0).any()),
             lora_slots=None if not self.with_lora else pad(
                 np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
+            image_rows=None if not self.tokens_per_image else pad(
+                np.zeros(0, np.int32) if host.image_rows is None else host.image_rows, pad_t, -1),
         )
 
     def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, " R"]:

@@ -51,6 +51,7 @@ from jaxllm.worker.buckets import StepShape, StepShapes, seq_bucket, smallest_at
 from jaxllm.worker.compilation import CompilationManager
 from jaxllm.worker.decode_loop import LoopOutput
 from jaxllm.worker.executable_cache import store_directory
+from jaxllm.worker.image_encoder import ImageEncoder
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.input_builder import InputBuilder, PreparedStep, StepRows
 from jaxllm.worker.lora_manager import LoRAManager
@@ -174,6 +175,10 @@ class RunnerConfig:
     num_scheduler_steps: int = 1
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
+    # a vision-language model's encoder cache (jaxllm.worker.image_encoder): its slots, and
+    # the images one step may encode
+    encoder_cache_slots: int = 0
+    max_images_per_step: int = 0
     # called before the backends are measured (never when a stored plan serves): the
     # engine waits there for the weights it loads on a thread
     before_measuring: Callable[[], object] | None = None
@@ -220,6 +225,8 @@ class ModelRunner:
                              f"got {rank}")
         # the adapters in the activations' dtype: their products take the hidden states as they are
         self.lora = None if lora_config is None else LoRAManager(config, lora_config, dtype, self.mesh)
+        self.images = None if config.vision is None else ImageEncoder(
+            config.vision, rc.encoder_cache_slots, rc.max_images_per_step, dtype, param_dtype)
         self._given = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.weights = self._layout(params)
         self._tiled: dict[StepBackends, ModelParams] = {}  # weights_of
@@ -235,7 +242,8 @@ class ModelRunner:
         self.inputs = InputBuilder(self.input_batch, self.shapes, self.kv_groups, block_size=block_size,
                                    max_model_len=max_model_len, async_scheduling=async_scheduling,
                                    with_lora=self.lora is not None, bitmask_width=self.bitmask_width,
-                                   num_scheduler_steps=rc.num_scheduler_steps)
+                                   num_scheduler_steps=rc.num_scheduler_steps,
+                                   tokens_per_image=0 if config.vision is None else config.vision.tokens_per_image)
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self.compilation = CompilationManager(self, cache_dir)
         self.stats = RunnerStats()
@@ -481,6 +489,20 @@ class ModelRunner:
             return ()
         return (self.lora.abstract if abstract else self.lora.weights,)
 
+    def step_extras(self, shape: StepShape, abstract: bool = False) -> tuple:
+        """The arguments after the inputs of `shape`'s executable: the adapter slots
+        (with LoRA), then a vision-language model's image table (a single step's: a
+        decode loop reads no image)."""
+        if self.images is None or shape.decode_steps > 1:
+            return self._lora_args(abstract)
+        table = self.images.table
+        table = jax.ShapeDtypeStruct(table.shape, table.dtype) if abstract else table
+        return (*(self._lora_args(abstract) or (None,)), table)
+
+    def set_vision_params(self, params) -> None:
+        """A vision-language model's image side (jaxllm.models.vision_params)."""
+        self.images.params = params
+
     def apply_block_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks (source, destination), all sources of a call read
         first; more copies than the largest bucket (forked beams of several KV cache
@@ -539,6 +561,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if sched.block_copies:
             self.apply_block_copies(sched.block_copies)
+        if sched.encoder_inputs:
+            self.images.encode(sched.encoder_inputs)
         step = self.prepare_step(sched, bitmask)
         out = self._call(step)
         b = self.input_batch
@@ -564,7 +588,7 @@ class ModelRunner:
         executable = self.compilation.get(step.shape)
         weights = self.weights_of(self.plan.for_bucket(step.shape.tokens))
         self.kv_caches, self.history, out = executable(weights, self.rope, self.kv_caches, self.history, packed,
-                                                       *separate, *self._lora_args())
+                                                       *separate, *self.step_extras(step.shape))
         return out
 
     def time_step_alone(self, step: PreparedStep, reps: int) -> float:

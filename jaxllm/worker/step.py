@@ -18,7 +18,7 @@ from jaxllm.attention.backends import AttentionFn
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import OutputRows, compute_logits
+from jaxllm.models.llama import ImageRows, OutputRows, compute_logits
 from jaxllm.models.lora import LoRAInputs, LoRAWeights
 from jaxllm.models.params import ModelParams
 from jaxllm.models.pipeline import model_functions
@@ -51,6 +51,8 @@ class StepInputs:
     prompt_logprob_targets: Int[Array, " T"]  # next prompt token to score at each row, -1 if none
     any_prompt_logprobs: Bool[Array, ""]
     lora_slots: Int[Array, " T"] | None = None  # each token's adapter slot (0: none); None without LoRA
+    # a vision-language model's: each token's row in the image table (-1: text); None for text models
+    image_rows: Int[Array, " T"] | None = None
 
 
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
@@ -104,6 +106,7 @@ def model_step(
     history: Int[Array, "R L"],
     inputs: StepInputs,
     lora: LoRAWeights | None = None,
+    image_table: Float[Array, "N D"] | None = None,
     *,
     cfg: ModelConfig,
     attention_fn: AttentionFn,
@@ -115,11 +118,15 @@ def model_step(
     """One engine step; with a `mesh`, the model tensor-parallel over it
     (jaxllm.models.parallel), or pipelined over its stages (jaxllm.models.pipeline), and
     the sampling on the gathered logits. `lora`: the
-    adapters' device slots, each token applying the one `inputs.lora_slots` names."""
+    adapters' device slots, each token applying the one `inputs.lora_slots` names.
+    `image_table`: a vision-language model's encoder cache, each image token's
+    embedding read at its `inputs.image_rows` row."""
     forward, logits_fn = model_functions(cfg, attention_fn, mesh)
     extra = {}
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
+    if image_table is not None:
+        extra["images"] = ImageRows(image_table, inputs.image_rows)
     # the tokens the host knows into the history; the others are there already (the step before wrote
     # them) and are read back after the write, so nothing reads the history before its update (XLA
     # copied the whole history for such a reader at one-token steps)
@@ -143,8 +150,10 @@ def model_step(
 
 
 def packed_step(params: ModelParams, rope: RopeTable, kv_caches: tuple[KVCache, ...], history: Int[Array, "R L"],
-                packed: Int[Array, " P"], token_bitmask: Int[Array, "S W"], lora: LoRAWeights | None = None, *,
+                packed: Int[Array, " P"], token_bitmask: Int[Array, "S W"], lora: LoRAWeights | None = None,
+                image_table: Float[Array, "N D"] | None = None, *,
                 layout: PackLayout, **kwargs) -> tuple[tuple[KVCache, ...], Int[Array, "R L"], StepOutput]:
     """`model_step` on its inputs as the host sends them: one int32 buffer of `layout`
     and the token bitmask (one transfer a step where ~40 arrays were ~40)."""
-    return model_step(params, rope, kv_caches, history, layout.unpack(packed, (token_bitmask,)), lora, **kwargs)
+    return model_step(params, rope, kv_caches, history, layout.unpack(packed, (token_bitmask,)), lora, image_table,
+                      **kwargs)

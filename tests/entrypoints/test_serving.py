@@ -17,7 +17,7 @@ class Engine:
         self.request_ids: list[str] = []
 
     async def generate(self, request_id, prompt_ids, params, output_kind, lora_request=None, cache_salt=None,
-                       priority=0):
+                       priority=0, images=()):
         self.request_ids.append(request_id)
         yield RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0, "x", [7], finish_reason="length")],
                             finished=True)

@@ -56,6 +56,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.scoring import score_pairs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.messages import check_prompt
+from jaxllm.multimodal.image_io import load_image_url
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -99,6 +100,7 @@ class ServerSettings:
     max_log_len: int | None = None  # characters (or token ids) of a logged prompt; None: all
     request_id_headers: bool = False  # X-Request-Id on every response
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+    allowed_local_media_path: str | None = None  # image_url file:// URLs read from under it (none: refused)
     dev_mode: bool = False  # the development endpoints (DEV_ROUTES) served
 
     def api_keys(self) -> tuple[str, ...]:
@@ -313,16 +315,33 @@ class Handlers:
         """Tokenize and check a prompt now, so a bad one is a 400 before anything runs
         (its last truncate_prompt_tokens kept); max_tokens (None: up to the context)
         must fit after it, as in vLLM."""
+        text, ids = self.engine.input_processor.tokenize(prompt, add_special_tokens)
+        text, ids = self.engine.input_processor.keep_last(text, ids, params.truncate_prompt_tokens)
+        self.check_length(ids, params)
+        return ids, text
+
+    def prepare_chat(self, prompt: str | dict, params: SamplingParams) -> tuple[list[int], str, tuple]:
+        """`prepare` for a rendered conversation (InputProcessor.chat_prompt): with its
+        images (their placeholders expanded, each preprocessed) where it has some."""
+        if isinstance(prompt, str):
+            return *self.prepare(prompt, False, params), ()
+        text, ids, images = self.engine.input_processor.with_images(prompt, params, False)
+        self.check_length(ids, params)
+        return ids, text, images
+
+    def load_image(self, url: str):
+        """An image_url part's image (jaxllm.multimodal.image_io): a data URL, or a file
+        URL under --allowed-local-media-path."""
+        return load_image_url(url, self.settings.allowed_local_media_path)
+
+    def check_length(self, ids: list[int], params: SamplingParams) -> None:
         engine, max_tokens = self.engine, params.max_tokens
-        text, ids = engine.input_processor.tokenize(prompt, add_special_tokens)
-        text, ids = engine.input_processor.keep_last(text, ids, params.truncate_prompt_tokens)
         n, limit = len(ids), engine.ready.max_model_len
         check_prompt(ids, vocab_size=engine.ready.vocab_size, max_model_len=limit)
         if max_tokens is not None and n + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
                                 "Please reduce the length of the messages or completion.", param="max_tokens")
-        return ids, text
 
     # --------------------------------------------------------- endpoints
 
@@ -374,12 +393,12 @@ class Handlers:
         if body.chat_template is not None and not self.settings.trust_request_chat_template:
             raise APIError(400, "chat_template: a request's own template is rendered only by a server started with "
                                 "--trust-request-chat-template (as vLLM's)", param="chat_template")
-        prompt = self.engine.input_processor.render_chat(
-            body.message_dicts(), tools=body.tool_dicts(), chat_template_kwargs=self.template_kwargs(
+        prompt = self.engine.input_processor.chat_prompt(
+            body.message_dicts(), self.load_image, tools=body.tool_dicts(), chat_template_kwargs=self.template_kwargs(
                 body.chat_template_kwargs), **body.render_options())
-        ids, _ = self.prepare(prompt, False, params)
+        ids, prompt, images = self.prepare_chat(prompt, params)
         job = serving.Job(serving.new_id("chatcmpl"), ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
-                          body.priority)
+                          body.priority, images)
         self.log_request(job.request_id, prompt, params)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         shape = serving.ChatShape(body.top_logprobs or 0, body.prompt_logprobs, tool_mode,
@@ -474,14 +493,14 @@ class Handlers:
         constraint = tools.constraint(chat_tools, choice, body.parallel_tool_calls)
         params = self.checked(body.sampling_params(constraint))
         self.admit(1)
-        prompt = self.engine.input_processor.render_chat([tools.history_message(m) for m in messages],
-                                                         tools=chat_tools or None,
+        prompt = self.engine.input_processor.chat_prompt([tools.history_message(m) for m in messages],
+                                                         self.load_image, tools=chat_tools or None,
                                                          chat_template_kwargs=self.template_kwargs(None))
-        ids, _ = self.prepare(prompt, False, params)
+        ids, prompt, images = self.prepare_chat(prompt, params)
         reply = responses.Reply(body, messages, self.model_name(body.model), tool_mode,
                                 self.thinking(prompt, True), self.reasoning_end_id, self.responses, body.tools or [])
         job = serving.Job(reply.response_id, ids, prompt, 0, self.lora_for(body.model), body.cache_salt,
-                          body.priority)
+                          body.priority, images)
         self.log_request(job.request_id, prompt, params)
 
         def run():

@@ -214,16 +214,29 @@ class TextPart(BaseModel):
     text: str
 
 
-def text_parts(parts: list[Any]) -> list[TextPart]:
-    """A message's content parts: text parts are joined later; any other type (an image,
-    audio, a file) is refused by name, as this engine reads text only."""
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def text_parts(parts: list[Any]) -> list[TextPart | ImagePart]:
+    """A message's content parts: text parts, joined later, and images (`image_url`:
+    read by a vision-language model, refused by a text-only one when the prompt is
+    made); any other type (audio, a file) is refused by name."""
     out = []
     for i, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(f"part {i}: a content part of type {kind!r} is not supported: this model reads text "
-                             "parts only")
-        out.append(TextPart.model_validate(part))
+        if kind not in ("text", "image_url"):
+            raise ValueError(f"part {i}: a content part of type {kind!r} is not supported: this server reads text "
+                             "and image_url parts")
+        out.append((TextPart if kind == "text" else ImagePart).model_validate(part))
     return out
 
 
@@ -245,7 +258,7 @@ class ToolCallMessage(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant
     tool_call_id: str | None = None  # tool

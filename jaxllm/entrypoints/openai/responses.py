@@ -155,7 +155,7 @@ def conversation(request: ResponsesRequest, previous: list[dict]) -> list[dict]:
         kind = item.get("type", "message" if "role" in item else None)
         where = f"input.{i}"
         if kind == "message":
-            message = {"role": _role(item, where), "content": _text(item.get("content"), where)}
+            message = {"role": _role(item, where), "content": _content(item.get("content"), where)}
             if message["role"] == "assistant" and pending_reasoning is not None:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(message)
@@ -196,19 +196,30 @@ def _role(item: dict, where: str) -> str:
     return "system" if role == "developer" else role
 
 
-def _text(content, where: str) -> str:
-    """A message's text: a string, or its text parts joined."""
+def _content(content, where: str) -> str | list[dict]:
+    """A message's content for the chat template: a string, its text parts joined, or
+    with `input_image` parts (image_url: a data URL) the chat API's text and image_url
+    parts (read by a vision-language model, refused by a text-only one)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where}.content: a string or a list of text parts")
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"{where}.content.{j}.type: {kind!r} parts are not supported (input_text, output_text)")
-        texts.append(part.get("text", ""))
-    return "".join(texts)
+        if kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise ValueError(f"{where}.content.{j}.image_url: an input_image needs its image_url (a data URL); "
+                                 "file_id is not supported")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        else:
+            raise ValueError(f"{where}.content.{j}.type: {kind!r} parts are not supported (input_text, "
+                             "output_text, input_image)")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _field(item: dict, name: str, where: str) -> str:

@@ -32,6 +32,7 @@ class Job:
     lora_request: LoRARequest | None = None  # the adapter the request's `model` named
     cache_salt: str | None = None  # prefix-cache blocks shared only within one salt
     priority: int = 0  # lower first, under --scheduling-policy priority
+    images: tuple = ()  # a vision-language model's (jaxllm.messages.ImageInput), where its prompt_ids place them
 
 
 @dataclass
@@ -76,7 +77,7 @@ async def merged(engine: AsyncLLM, jobs: list[Job], params: SamplingParams,
         try:
             async for output in engine.generate(job.request_id, job.prompt_ids, params, output_kind=kind,
                                                 lora_request=job.lora_request, cache_salt=job.cache_salt,
-                                                priority=job.priority):
+                                                priority=job.priority, images=job.images):
                 queue.put_nowait((job, output))
         except Exception as e:
             queue.put_nowait((job, e))
