@@ -69,12 +69,6 @@ class EncoderCacheManager:
         self.stats.queries += 1
         self.stats.hits += hit
 
-    def reset(self) -> None:
-        """Forget every image no request holds (new weights: their embeddings are stale)."""
-        for mm_hash in list(self.free):
-            self._never_used.append(self.slot_of.pop(mm_hash))
-        self.free.clear()
-
     def _hold(self, mm_hash: str, request_id: str) -> None:
         self.free.pop(mm_hash, None)
         self.holders.setdefault(mm_hash, set()).add(request_id)

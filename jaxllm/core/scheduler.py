@@ -71,6 +71,7 @@ class Scheduler:
         policy: str = "fcfs",
         encoder_cache: EncoderCacheManager | None = None,
         max_images_per_step: int = 0,
+        whole_images: bool = False,
     ) -> None:
         """`max_loras` > 0: LoRA adapters are served, at most that many distinct ones
         in the running batch (the model runner's device slots); a request whose
@@ -80,7 +81,9 @@ class Scheduler:
         (`_num_decode_steps`; the model runner's decode loop). `decode`: the
         tokenizer's, for beam searches with stop strings. `encoder_cache`: a
         vision-language model's (its images' embeddings); a step encodes at most
-        `max_images_per_step` images."""
+        `max_images_per_step` images; `whole_images` (Gemma 3, whose image tokens attend
+        both ways): a step computes all of an image's tokens it has not cached or none,
+        of at most `max_images_per_step` images."""
         self.kv_cache_manager = kv_cache_manager
         self.decode = decode
         self.policy = policy  # "fcfs" or "priority"
@@ -113,6 +116,8 @@ class Scheduler:
         self._pause_arrival = 0
         self.encoder_cache = encoder_cache
         self.max_images_per_step = max_images_per_step
+        self.whole_images = whole_images
+        self._images_in_step = 0  # whole_images: the images this step computes tokens of
         self._encoder_inputs: list[EncoderInput] = []  # this step's images to encode
         self._image_slots: dict[str, list[tuple[int, int, int]]] = {}  # this step's (offset, length, slot) by request
         self._image_releases: list[tuple[str, str]] = []  # (image hash, request id) once this step is scheduled
@@ -656,8 +661,12 @@ class Scheduler:
         cannot be."""
         end = start + num_new
         for image in request.images:
-            if image.overlaps(start, end) and self._image_slot(request, image) is None:
+            if not image.overlaps(start, end):
+                continue
+            whole = image.offset + image.length <= end and self._images_in_step < self.max_images_per_step
+            if (self.whole_images and not whole) or self._image_slot(request, image) is None:
                 return max(0, image.offset - start)
+            self._images_in_step += 1
         return num_new
 
     def _image_slot(self, request: Request, image) -> int | None:
@@ -695,7 +704,7 @@ class Scheduler:
         for mm_hash, rid in self._image_releases:
             self.encoder_cache.release(mm_hash, rid)
         out = self._encoder_inputs, self._image_slots
-        self._encoder_inputs, self._image_slots, self._image_releases = [], {}, []
+        self._encoder_inputs, self._image_slots, self._image_releases, self._images_in_step = [], {}, [], 0
         return out
 
     def _encoder_stats(self) -> dict[str, int]:

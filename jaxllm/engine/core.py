@@ -218,9 +218,9 @@ def encoder_cache_plan(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int
     if config.devices_per_engine > 1 or config.num_processes > 1:
         raise ValueError(f"{vision.architecture}: images not yet with tensor or pipeline parallelism or several "
                          "processes; serve it on one device")
-    if vision.bidirectional_images:
-        raise ValueError(f"{vision.architecture}: its images attend to themselves both ways, which the engine's "
-                         "attention kernels do not do yet (jaxllm.models.dense runs it)")
+    if vision.bidirectional_images and vision.tokens_per_image > config.max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens: {config.max_num_batched_tokens} is fewer than an image's "
+                         f"{vision.tokens_per_image} tokens, which {vision.architecture} computes in one step")
     per_step = max(1, config.max_num_batched_tokens // vision.tokens_per_image)
     return 2 * (per_step + 1), per_step
 
@@ -326,6 +326,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             encoder_cache=EncoderCacheManager(images[0]) if images[0] else None,
             max_images_per_step=images[1],
+            whole_images=cfg.vision is not None and cfg.vision.bidirectional_images,
         )
         # the weights' loading thread done before any measurement (it would share the cores);
         # an event, not the future: the runner keeps the callable, and the future would keep

@@ -26,6 +26,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.attention.backends import AttentionFn
+from jaxllm.attention.image_blocks import ImageBlocks
 from jaxllm.attention.kv_cache import KVCache, fold_layer_scales, unfold_layer_scales, write_kv_cache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
@@ -78,15 +79,21 @@ def self_attention(
     attention_fn: AttentionFn,
     window: int | None = None,
     lora: LayerLoRA | None = None,
+    images: ImageRows | None = None,
 ) -> tuple[Float[Array, "T Q"], KVCache]:
     """The attention sublayer up to its output projection: writes this step's K/V into
     the cache, then attends through the block tables, to the last `window` keys where
     the layer slides. Returns the heads' outputs, [T, q_size]. `lora`: each token's
-    adapter added to the projections (jaxllm.models.lora)."""
+    adapter added to the projections (jaxllm.models.lora). `images`: Gemma 3's images
+    attend both ways (`ImageRows.blocks`)."""
     q, k, v = qkv_heads(lp, x, cos, sin, cfg, lora, md.num_tokens)
     with jax.named_scope("kv_write"):
         cache = write_kv_cache(cache, k, v, md.slot_mapping)
-    return attend(q, cache, md, cfg, attention_fn, window), cache
+    o = attend(q, cache, md, cfg, attention_fn, window)
+    if images is not None and images.blocks is not None:
+        o = images.blocks.attend(o, q, cache, md, tokens_per_image=cfg.vision.tokens_per_image, sm_scale=cfg.sm_scale,
+                                 window=window, soft_cap=cfg.attn_logit_softcap)
+    return o, cache
 
 
 def qkv_heads(lp: LayerParams, x: Float[Array, "T D"], cos: Float[Array, "T half"], sin: Float[Array, "T half"],
@@ -223,6 +230,7 @@ class ImageRows:
 
     table: Float[Array, "N D"]
     rows: Int[Array, " T"]
+    blocks: ImageBlocks | None = None  # Gemma 3: the step's images, whose tokens attend both ways
 
     def place(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
         """`x` with each image token's embedding taken from the table."""
@@ -300,11 +308,11 @@ def rope_rows(rope: RopeTable, positions: Int[Array, " T"]) -> tuple[tuple, tupl
 
 def decoder_layer(i: int, lp: LayerParams, x: Float[Array, "T D"], ropes: tuple[tuple, tuple], cache: KVCache,
                   md: AttentionMetadata, cfg: ModelConfig, attention_fn: AttentionFn, axis: MeshAxes,
-                  lora: LayerLoRA | None) -> tuple[Float[Array, "T D"], KVCache]:
+                  lora: LayerLoRA | None, images: ImageRows | None = None) -> tuple[Float[Array, "T D"], KVCache]:
     """Layer `i` (its kind, window and RoPE from `cfg`) over `x`: attention through
     `cache` (the layer's slot) and `md` (its group's), then the MLP."""
     o, cache = self_attention(lp, x, *ropes[cfg.is_sliding(i)], cache, md, cfg, attention_fn, cfg.layer_window(i),
-                              lora)
+                              lora, images)
     return finish_layer(lp, x, o, md.num_tokens, lora, cfg=cfg, axis=axis, moe=cfg.is_moe(i)), cache
 
 
@@ -327,10 +335,11 @@ def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig,
         with jax.named_scope(f"layer{i}"):  # a profile reads layer{i}/attention, layer{i}/mlp, ...
             if out is not None and i == last:
                 o, caches[slot] = self_attention(lp, x, *ropes[cfg.is_sliding(i)], caches[slot], md_i, cfg,
-                                                 attention_fn, cfg.layer_window(i), layer_lora)
+                                                 attention_fn, cfg.layer_window(i), layer_lora, images)
                 finish = functools.partial(finish_layer, lp, cfg=cfg, axis=axis, moe=cfg.is_moe(i))
                 return _last_layer_rows(finish, x, o, md_i.num_tokens, layer_lora, out), tuple(caches)
-            x, caches[slot] = decoder_layer(i, lp, x, ropes, caches[slot], md_i, cfg, attention_fn, axis, layer_lora)
+            x, caches[slot] = decoder_layer(i, lp, x, ropes, caches[slot], md_i, cfg, attention_fn, axis, layer_lora,
+                                            images)
     return x, tuple(caches)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Int
 
+from jaxllm.attention.image_blocks import ImageBlocks
 from jaxllm.attention.metadata import AttentionMetadata, common_prefix_blocks
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.kv_cache_groups import KVCacheGroups
@@ -62,6 +63,7 @@ class StepRows:
     # scheduler gave it); None: one step
     decode_steps: Int[np.ndarray, " S"] | None = None
     image_rows: Int[np.ndarray, " T"] | None = None  # a vision-language model's: each token's image table row
+    image_blocks: Int[np.ndarray, "5 B"] | None = None  # Gemma 3's: ImageBlocks' fields, one row each
 
     @classmethod
     def empty(cls, num_kv_groups: int = 1) -> StepRows:
@@ -101,18 +103,20 @@ class PreparedStep:
 class InputBuilder:
     def __init__(self, batch: InputBatch, shapes: StepShapes, kv_groups: KVCacheGroups, *, block_size: int,
                  max_model_len: int, async_scheduling: bool, with_lora: bool, bitmask_width: int,
-                 num_scheduler_steps: int, tokens_per_image: int = 0) -> None:
+                 num_scheduler_steps: int, tokens_per_image: int = 0, image_blocks: int = 0) -> None:
         """Inputs from `batch`'s rows, padded to `shapes`; `async_scheduling`: tokens
         sampled by a step in flight are read on the device (`StepRows.from_history`);
         `with_lora`: each token's adapter slot; `bitmask_width`: words of a
         structured-output token bitmask row; `tokens_per_image`: a vision-language
-        model's (each image token's row in the image table, `StepRows.image_rows`)."""
+        model's (each image token's row in the image table, `StepRows.image_rows`);
+        `image_blocks`: where its images attend both ways (Gemma 3), the most images a
+        step computes (`StepRows.image_blocks`)."""
         self.input_batch, self.shapes, self.kv_groups = batch, shapes, kv_groups
         self.block_size, self.max_model_len = block_size, max_model_len
         self.max_num_seqs, self.max_blocks_per_seq = batch.max_num_seqs, batch.block_table.shape[-1]
         self.async_scheduling, self.with_lora = async_scheduling, with_lora
         self.bitmask_width, self.num_scheduler_steps = bitmask_width, num_scheduler_steps
-        self.tokens_per_image = tokens_per_image
+        self.tokens_per_image, self.num_image_blocks = tokens_per_image, image_blocks
         # an all-allowed bitmask per sample-row bucket, kept on the device: steps with no
         # constrained row pass it without a transfer
         self._free_bitmasks: dict[int, jax.Array] = {}
@@ -154,7 +158,8 @@ class InputBuilder:
                         lora_slots=None if not self.with_lora else b.lora_slot[tok_rows],
                         from_history=from_history if from_history is not None and from_history.any() else None,
                         decode_steps=self._decode_steps(req_ids, sched),
-                        image_rows=self._image_rows(req_ids, qsl, positions, sched))
+                        image_rows=self._image_rows(req_ids, qsl, positions, sched),
+                        image_blocks=self._image_blocks(req_ids, qsl, positions, sched))
         shape = self.shapes.for_step(num_tokens, len(rows), len(logit_rows), 1 if host.decode_steps is None else
                                 self.num_scheduler_steps)
         return PreparedStep(req_ids, host, shape, self.pad_inputs(shape, host))
@@ -173,6 +178,26 @@ class InputBuilder:
                 rows[qsl[i]:qsl[i + 1]] = np.where(inside, slot * self.tokens_per_image + pos - offset,
                                                    rows[qsl[i]:qsl[i + 1]])
         return rows
+
+    def _image_blocks(self, req_ids: list[str], qsl: Int[np.ndarray, " Q"], positions: Int[np.ndarray, " T"],
+                      sched: SchedulerOutput) -> Int[np.ndarray, "5 B"] | None:
+        """Per image whose tokens the step computes (Gemma 3's, which attend both ways):
+        the row and position of its first one this step, their count, the image's end,
+        the sequence; rows of ImageBlocks' fields. None where images are causal."""
+        if not self.num_image_blocks:
+            return None
+        blocks = np.zeros((5, self.num_image_blocks), np.int32)
+        g = 0
+        for i, req_id in enumerate(req_ids):
+            if qsl[i] == qsl[i + 1]:
+                continue
+            first, stop = positions[qsl[i]], positions[qsl[i + 1] - 1] + 1
+            for offset, length, _ in sched.image_slots.get(req_id, ()):
+                lo, hi = max(offset, first), min(offset + length, stop)
+                if lo < hi:
+                    blocks[:, g] = (qsl[i] + lo - first, lo, hi - lo, offset + length, i)
+                    g += 1
+        return blocks
 
     def _decode_steps(self, req_ids: list[str], sched: SchedulerOutput) -> Int[np.ndarray, " S"] | None:
         """The steps each row takes where the scheduler hands over several (None: one)."""
@@ -239,6 +264,8 @@ class InputBuilder:
                 np.zeros(0, np.int32) if host.lora_slots is None else host.lora_slots, pad_t),
             image_rows=None if not self.tokens_per_image else pad(
                 np.zeros(0, np.int32) if host.image_rows is None else host.image_rows, pad_t, -1),
+            image_blocks=None if not self.num_image_blocks else ImageBlocks(*(
+                np.zeros((5, self.num_image_blocks), np.int32) if host.image_blocks is None else host.image_blocks)),
         )
 
     def _sampled_history_rows(self, host: StepRows) -> Int[np.ndarray, " R"]:

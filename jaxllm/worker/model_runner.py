@@ -243,7 +243,9 @@ class ModelRunner:
                                    max_model_len=max_model_len, async_scheduling=async_scheduling,
                                    with_lora=self.lora is not None, bitmask_width=self.bitmask_width,
                                    num_scheduler_steps=rc.num_scheduler_steps,
-                                   tokens_per_image=0 if config.vision is None else config.vision.tokens_per_image)
+                                   tokens_per_image=0 if config.vision is None else config.vision.tokens_per_image,
+                                   image_blocks=rc.max_images_per_step if config.vision is not None
+                                   and config.vision.bidirectional_images else 0)
         self._set_history_row = jax.jit(lambda h, row, tokens: h.at[row].set(tokens), donate_argnums=(0,))
         self.compilation = CompilationManager(self, cache_dir)
         self.stats = RunnerStats()
@@ -497,7 +499,8 @@ class ModelRunner:
             return self._lora_args(abstract)
         table = self.images.table
         table = jax.ShapeDtypeStruct(table.shape, table.dtype) if abstract else table
-        return (*(self._lora_args(abstract) or (None,)), table)
+        lora = self._lora_args(abstract) or (None,)  # the table is the argument after the adapter slots
+        return (*lora, table)
 
     def set_vision_params(self, params) -> None:
         """A vision-language model's image side (jaxllm.models.vision_params)."""

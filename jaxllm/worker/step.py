@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxllm.attention.backends import AttentionFn
+from jaxllm.attention.image_blocks import ImageBlocks
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
@@ -53,6 +54,7 @@ class StepInputs:
     lora_slots: Int[Array, " T"] | None = None  # each token's adapter slot (0: none); None without LoRA
     # a vision-language model's: each token's row in the image table (-1: text); None for text models
     image_rows: Int[Array, " T"] | None = None
+    image_blocks: ImageBlocks | None = None  # Gemma 3's: the step's images, whose tokens attend both ways
 
 
 @typing.no_type_check  # a pytree: tree_map fills it with anything (abstract leaves too)
@@ -126,7 +128,7 @@ def model_step(
     if lora is not None:
         extra["lora"] = LoRAInputs.make(lora, inputs.lora_slots, params.final_norm.dtype, lora_kernel)
     if image_table is not None:
-        extra["images"] = ImageRows(image_table, inputs.image_rows)
+        extra["images"] = ImageRows(image_table, inputs.image_rows, inputs.image_blocks)
     # the tokens the host knows into the history; the others are there already (the step before wrote
     # them) and are read back after the write, so nothing reads the history before its update (XLA
     # copied the whole history for such a reader at one-token steps)

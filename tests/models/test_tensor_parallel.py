@@ -157,6 +157,7 @@ def test_the_sharded_forward_lowers_for_an_8_gpu_mesh_without_gpus(quantization)
     assert ("xi8>" in text) == (quantization is not None)
 
 
+@pytest.mark.slow  # 30 s (two engines in a subprocess); test_update_weights covers the update by default
 def test_update_weights_takes_a_trainers_sharded_arrays(test_models_dir):
     """Issue 64: a TP=2 engine's update_weights with arrays already sharded as the engine
     shards them keeps them as they are (the fused ones relaid out on the devices), adds

@@ -1,8 +1,10 @@
-"""Images through the engine (issue 65) on the LLaVA test model: LLM.generate with
-vLLM's {"prompt", "multi_modal_data": {"image": ...}} gives HF transformers' greedy
-tokens for prompts with one and two images in one batch, also when chunked prefill
-cuts through an image's tokens; the encoder cache encodes an image once; prefix
-caching never shares blocks between different images; bad input is refused by name."""
+"""Images through the engine (issue 65): LLM.generate with vLLM's {"prompt",
+"multi_modal_data": {"image": ...}} gives HF transformers' greedy tokens for prompts
+with one and two images in one batch, also when chunked prefill cuts through a LLaVA
+image's tokens; every prompt and sampled logprob is HF's within 1e-5 for both
+architectures (Gemma 3's image tokens attend both ways: its step computes an image
+whole); the encoder cache encodes an image once; prefix caching never shares blocks
+between different images; bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.loaders import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -52,7 +56,8 @@ def llm(llava) -> LLM:
     return make(llava)
 
 
-@pytest.mark.parametrize("budget", [32, 8], ids=["whole-images", "chunks-through-images"])
+@pytest.mark.parametrize("budget", [32, pytest.param(8, marks=pytest.mark.slow)],  # chunks: the logprob test
+                         ids=["whole-images", "chunks-through-images"])
 def test_greedy_tokens_equal_hfs(llava, llm, hf, budget):
     a, b, c = images(3)
     prompts = [{"prompt": "Look: <image> what is it?", "multi_modal_data": {"image": a}},
@@ -99,12 +104,39 @@ def test_bad_input_is_refused_by_name(llm, test_models_dir):
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate(prompt, GREEDY, use_tqdm=False)
-    text = LLM(str(test_models_dir / "llama"), max_model_len=128, kv_cache_memory="1MiB", progress=False)
+    text = InputProcessor(load_model(test_models_dir / "llama").tokenizer, eos_token_id=None, vocab_size=512,
+                          max_model_len=128)  # a text model's: no multimodal processor
     with pytest.raises(ValueError, match="multi_modal_data: this model reads text only"):
-        text.generate({"prompt": "hi", "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)
+        text.make_request("r", {"prompt": "hi", "multi_modal_data": {"image": a}}, GREEDY)
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_gemma3_images_are_not_served_by_the_engine_yet(vision_models_dir):
-    with pytest.raises(ValueError, match="attend to themselves both ways"):
-        LLM(str(vision_models_dir / "gemma3_vlm"), max_model_len=256, kv_cache_memory="1MiB", progress=False)
+@pytest.mark.parametrize("name, placeholder", [("llava", "<image>"), ("gemma3_vlm", "<start_of_image>")])
+def test_logprobs_equal_hfs(vision_models_dir, name, placeholder):
+    """Prompt and sampled logprobs against HF's forward over the whole sequence (with the
+    processor's token_type_ids: Gemma 3's images attend both ways, which a causal step
+    misses by ~0.1). A step of 24 tokens: Gemma 3's 16-token images are never split."""
+    folder = vision_models_dir / name
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    pictures = images(2, seed=7)
+    prompt = {"prompt": f"Two: {placeholder} and {placeholder} compare", "multi_modal_data": {"image": pictures}}
+    llm = make(folder, max_num_batched_tokens=24)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0,
+                                              prompt_logprobs=0), use_tqdm=False)[0]
+    inputs = processor(text=prompt["prompt"], images=pictures, return_tensors="pt")
+    ids, sampled = out.prompt_token_ids, out.outputs[0].token_ids
+    assert ids == inputs["input_ids"][0].tolist()
+    extra = {"token_type_ids": torch.tensor([inputs["token_type_ids"][0].tolist() + [0] * len(sampled)])} \
+        if "token_type_ids" in inputs else {}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + sampled]), pixel_values=inputs["pixel_values"], **extra).logits[0]
+    want = torch.log_softmax(logits, -1).numpy()[np.arange(len(ids) + len(sampled) - 1), (ids + sampled)[1:]]
+    got = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+    got += [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, sampled)]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_an_image_larger_than_a_step_is_refused_where_it_must_be_whole(vision_models_dir):
+    with pytest.raises(ValueError, match="max_num_batched_tokens: 8 is fewer than an image's 16 tokens"):
+        make(vision_models_dir / "gemma3_vlm", max_num_batched_tokens=8)

@@ -1,7 +1,8 @@
 """Images through the server (issue 65): the openai client's chat completions with
 `image_url` parts (base64 data URLs) and the Responses API's `input_image` answer as
 the offline engine does for the same conversation, whose image is HF's (the engine
-tests); every bad image is a 400 naming the part, and the server goes on."""
+tests), for LLaVA and Gemma 3; every bad image is a 400 naming the part, and the
+server goes on."""
 
 from __future__ import annotations
 
@@ -38,12 +39,34 @@ def server(vision_models_dir, tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def gemma_server(vision_models_dir, tmp_path_factory):
+    s = Server(vision_models_dir / "gemma3_vlm", tmp_path_factory.mktemp("gemma"), "--served-model-name", "gemma")
+    yield s
+    s.stop()
+
+
 def messages(*parts) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": "What is in these?"}, *parts]}]
 
 
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.slow  # a second server; the LLaVA server covers the path, the engine tests Gemma 3's logprobs
+def test_gemma3_chat_with_images_answers_as_the_offline_engine(gemma_server, vision_models_dir):
+    """Gemma 3 (its images attend both ways; the engine's logprobs are HF's: the engine
+    tests) over the server as offline."""
+    client, params = gemma_server.client(), dict(temperature=0, max_tokens=6)
+    conversations = [messages(image_part(data_url(picture(1)))),
+                     messages(image_part(data_url(picture(1))), image_part(data_url(picture(2), "JPEG")))]
+    got = [client.chat.completions.create(model="gemma", messages=m, extra_body={"ignore_eos": True}, **params)
+           for m in conversations]
+    offline = LLM(str(vision_models_dir / "gemma3_vlm"), max_model_len=256, kv_cache_memory="4MiB", progress=False)
+    want = offline.chat(conversations, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
+    assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
+    assert [g.usage.prompt_tokens for g in got] == [len(w.prompt_token_ids) for w in want]
 
 
 def test_chat_with_images_answers_as_the_offline_engine(server, vision_models_dir):
