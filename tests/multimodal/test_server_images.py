@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
+from tests.multimodal.test_engine_images import make
 from tests.support.server import API_KEY, Server
 
 
@@ -63,7 +64,7 @@ def test_gemma3_chat_with_images_answers_as_the_offline_engine(gemma_server, vis
                      messages(image_part(data_url(picture(1))), image_part(data_url(picture(2), "JPEG")))]
     got = [client.chat.completions.create(model="gemma", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = LLM(str(vision_models_dir / "gemma3_vlm"), max_model_len=256, kv_cache_memory="4MiB", progress=False)
+    offline = make(vision_models_dir / "gemma3_vlm")
     want = offline.chat(conversations, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
     assert [g.usage.prompt_tokens for g in got] == [len(w.prompt_token_ids) for w in want]
@@ -77,7 +78,7 @@ def test_chat_with_images_answers_as_the_offline_engine(server, vision_models_di
                      messages(image_part((server.media / "cat.png").as_uri()))]
     got = [client.chat.completions.create(model="llava", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = LLM(str(vision_models_dir / "llava"), max_model_len=256, kv_cache_memory="4MiB", progress=False)
+    offline = make(vision_models_dir / "llava")  # the engine tests' (their executables)
     same = conversations[:2] + [messages({"type": "image_pil", "image_pil": Image.open(server.media / "cat.png")})]
     want = offline.chat(same, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
@@ -101,6 +102,7 @@ def test_chat_with_images_answers_as_the_offline_engine(server, vision_models_di
     (image_part("data:image/png;base64,bm90IGFuIGltYWdl"), "not an image Pillow can read"),
     (image_part("data:image/png;base64,@@@"), "not valid base64"),
     (image_part(data_url(picture(4), "TIFF")), "image type TIFF is not supported"),
+    (image_part(data_url(Image.new("RGB", (9000, 8000)))), "is 9000x8000, more than 64 Mpx"),
     (image_part("https://example.com/cat.png"), "fetches no images over the network"),
     (image_part("file:///etc/passwd"), "no such file under the allowed local media path"),
 ])
