@@ -13,7 +13,8 @@ import jax
 
 from jaxllm.cpu_kernels.build import KernelBuildError, library_path
 
-__all__ = ["KernelBuildError", "TARGETS", "has_bf16_dot", "has_integer_dot", "load_kernels", "vector_lanes"]
+__all__ = ["KernelBuildError", "TARGETS", "has_amx", "has_bf16_dot", "has_integer_dot", "load_kernels",
+           "vector_lanes"]
 
 # FFI target name -> the handler symbol the library exports.
 TARGETS = {
@@ -74,10 +75,19 @@ def vector_lanes() -> int:
 @functools.cache
 def has_bf16_dot() -> bool:
     """Whether the library multiplies bfloat16 by vdpbf16ps where a call asks for it
-    (`bf16_dot`; built with AVX512_BF16): then it holds both bfloat16 paths, the same
+    (`bf16_tiles` dot; built with AVX512_BF16): then it holds both bfloat16 paths, the same
     sums either way, and the faster is measured at start-up. Builds and loads the
     library if needed (KernelBuildError)."""
     return bool(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmBF16Dot())
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether the library multiplies bfloat16 on AMX's tiles where a call asks for them
+    (`bf16_tiles` amx): built with AMX_BF16 (an Intel Xeon from Sapphire Rapids on) and
+    the OS lets this process use them. Builds and loads the library if needed
+    (KernelBuildError)."""
+    return bool(ctypes.cdll.LoadLibrary(load_kernels()).JaxllmAmx())
 
 
 @functools.cache

@@ -7,7 +7,7 @@
 // one tile of rows passes over a panel, or once into a float panel when several do; each
 // weight is the float gguf dequantizes it to. bfloat16 panels hold inputs in pairs for
 // vdpbf16ps (AVX512_BF16), which the float tiles read as float32 lanes too: the same
-// sums, the call's `bf16_dot` picks (BF16Pairs). A mixture of experts' projection
+// sums, the call's `bf16_tiles` picks (BF16Pairs; or AMX's tiles, below). A mixture of experts' projection
 // runs the same pass once per expert over its rows (GroupedDense). Blocks of 32 inputs
 // also multiply x quantized per 32 to int8 or int16, in integers (the *_x8 / *_x16
 // handlers, below: EngineConfig.activation_quantization).
@@ -45,6 +45,11 @@
 #endif
 #if defined(__aarch64__)
 #include <arm_neon.h>
+#endif
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "parallel.h"
@@ -170,7 +175,7 @@ inline u32xN bf16_rounded(f32xN v) {
 // after the other, each rounded to nearest even; a product of two bfloat16 values is
 // exact in float32), so both give the same sums bit for bit (but for subnormal inputs,
 // which vdpbf16ps reads as zero). Built with AVX512_BF16 both are compiled and the call's
-// `bf16_dot` attribute picks one, per step shape by a measurement at start-up (on the
+// `bf16_tiles` attribute picks one, per step shape by a measurement at start-up (on the
 // Intel Xeon measured, Emerald Rapids, vdpbf16ps issues on one port where float32 FMAs
 // issue on two and lost from 4 rows; on Zen 4 it ran 1.6-1.8x the float32 kernel).
 #if defined(__AVX512BF16__)
@@ -178,6 +183,10 @@ constexpr bool kDotBF16 = true;
 #else
 constexpr bool kDotBF16 = false;
 #endif
+// The tiles a call's `bf16_tiles` attribute asks for: the float tiles, vdpbf16ps, or AMX
+// (below: vdpbf16ps where the build or the OS has no AMX); without AVX512_BF16 always
+// the float tiles.
+enum BF16Tiles : int32_t { kFloatTiles = 0, kDotTiles = 1, kAmxTiles = 2 };
 
 #if JAXLLM_LANES == 16
 inline f32xN bf16_lanes(const uint16_t* p, int high) {
@@ -700,13 +709,13 @@ inline bool scale_types_ok(const ffi::AnyBuffer& scales, const ffi::AnyBuffer* m
 constexpr const char* kScaleTypes = ": scales (and mins) must be float32 or float16, mins of the scales' type";
 
 // The parallel pass every dense call makes over x's M rows: one item per tile of 12 rows
-// (pack(t): the tile as the multiply reads it), then one per (row block, panel),
-// block-major: multiply(p, t0, t1), tiles t0..t1-1 times panel p, once the block's tiles
-// are packed (pack items are taken first, so the wait always ends). Row blocks are of
-// equal size: whole tiles, at most kRowBlock rows.
-template <class Pack, class Multiply>
+// (kRows: 16 for AMX; pack(t): the tile as the multiply reads it), then one per (row
+// block, panel), block-major: multiply(p, t0, t1), tiles t0..t1-1 times panel p, once the
+// block's tiles are packed (pack items are taken first, so the wait always ends). Row
+// blocks are of equal size: whole tiles, at most kRowBlock rows.
+template <int kRows = kTileRows, class Pack, class Multiply>
 void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pack&& pack, Multiply&& multiply) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (M + kRows - 1) / kRows;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
   std::unique_ptr<std::atomic<int64_t>[]> tiles_packed(new std::atomic<int64_t>[blocks]);
@@ -725,6 +734,174 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
   });
 }
 
+// AMX (Intel Sapphire Rapids and later): bfloat16 pairs multiplied by tdpbf16ps, 16 rows
+// x 16 columns x 32 inputs per instruction, about ten times vdpbf16ps's rate. x is
+// packed per 16 rows as bfloat16 rows [16][2 depth] (depth: the pairs, rounded up to 16;
+// zeros past K and past M): a tile of x is then 16 of those rows, 32 inputs each. A
+// panel of pairs [K/2][32][2] is two tiles per 16 pairs as it lies (16 columns each,
+// rows 128 bytes apart); a quantized panel is converted to pairs once per item
+// (bf16_pairs_panel), as the vdpbf16ps tiles do for several tiles. Per item, two tiles of
+// x at a time times both halves of the panel: four tiles of sums. The products are those
+// of vdpbf16ps (exact in float32); the sums are float32 but in the tile unit's order,
+// not bit for bit those of the other tiles (EngineConfig's backend measurement picks
+// `amx` per step shape like any other: PackedWeight.bf16_tiles). Linux hands a process
+// the tile state only when asked (else the first tile instruction faults): asked once,
+// and where it refuses the call runs vdpbf16ps instead.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define JAXLLM_AMX 1
+constexpr int kAmxRows = 16;   // rows of a tile of x, and of sums
+constexpr int kAmxPairs = 16;  // input pairs per step (a tile row: 64 bytes)
+
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Eight tiles of 16 rows x 64 bytes: 0-3 sums (two tiles of rows x two halves of the
+// panel), 4-5 x, 6-7 the panel's halves.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+constexpr AmxConfig kAmxConfig{};
+
+inline int64_t amx_depth(int64_t K) { return ((K + 1) / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs; }
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n <= 0 ? 0 : n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Tile t of x (rows 16 t.., zeros past M) rounded to bfloat16 (to nearest even, as
+// bf16_bits), [16][2 amx_depth(K)] (zeros past K): 32 inputs per vcvtne2ps2bf16.
+void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
+  const int64_t width = 2 * amx_depth(K);
+  for (int64_t i = 0; i < kAmxRows; ++i) {
+    uint16_t* out = xt + i * width;
+    const int64_t r = t * kAmxRows + i;
+    if (r >= M) {
+      std::memset(out, 0, width * sizeof(uint16_t));
+      continue;
+    }
+    const float* row = x + r * K;
+    for (int64_t k = 0; k < width; k += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(K - k), row + k);
+      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(K - k - 16), row + k + 16);
+      _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// Sums of one or two tiles of x (x0, x1: their first row; `stride` bytes per row) times a
+// panel of pairs `w` ([depth][32][2]), from step j0 to j1 (pairs), into tiles 0-3.
+template <bool kTwo>
+inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t j0,
+                      int64_t j1) {
+  for (int64_t j = j0; j < j1; j += kAmxPairs) {
+    _tile_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
+    _tile_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
+    _tile_loadd(4, x0 + 2 * j, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, x1 + 2 * j, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// Rows 16 t.. of y, columns p 32..: the sums in tiles 0-1 (the first of two tiles of x)
+// or 2-3 (kSecond), stored in place where whole, else through `out`. (The tile numbers
+// must be literals.)
+template <bool kSecond>
+inline void amx_store(float* Y, int64_t M, int64_t N, int64_t t, int64_t p, int cols, float* out) {
+  float* y = Y + t * kAmxRows * N + p * kPanel;
+  const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M - t * kAmxRows));
+  const bool whole = rows == kAmxRows && cols == kPanel;
+  float* to = whole ? y : out;
+  const int64_t stride = (whole ? N : kPanel) * sizeof(float);
+  if constexpr (kSecond) {
+    _tile_stored(2, to, stride);
+    _tile_stored(3, to + 16, stride);
+  } else {
+    _tile_stored(0, to, stride);
+    _tile_stored(1, to + 16, stride);
+  }
+  if (!whole)
+    for (int i = 0; i < rows; ++i) std::memcpy(y + i * N, out + i * kPanel, cols * sizeof(float));
+}
+
+// Tiles t0..t1-1 of x (XT, packed by amx_pack) times a panel of pairs `w` with `pairs`
+// pairs in memory (the steps past them read zeros), into y.
+void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0, int64_t t1, const uint16_t* w,
+                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols) {
+  const int64_t depth = amx_depth(K), whole = pairs / kAmxPairs * kAmxPairs;
+  const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
+  alignas(64) uint16_t tail[kAmxPairs * 2 * kPanel];  // the last step's pairs, zeros past `pairs`
+  const uint16_t* tail_w = tail - whole * 2 * kPanel;  // indexed by step as `w` is
+  if (whole < depth) {
+    std::memset(tail, 0, sizeof tail);
+    std::memcpy(tail, w + whole * 2 * kPanel, (pairs - whole) * 2 * kPanel * sizeof(uint16_t));
+  }
+  alignas(64) float out[kAmxRows * kPanel];
+  _tile_loadconfig(&kAmxConfig);  // each item: the thread may have run other tile code since
+  for (int64_t t = t0; t < t1; t += 2) {
+    const uint16_t* x0 = XT + t * tile_size;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (t + 1 < t1) {
+      _tile_zero(2);
+      _tile_zero(3);
+      amx_steps<true>(x0, x0 + tile_size, stride, w, 0, whole);
+      if (whole < depth) amx_steps<true>(x0, x0 + tile_size, stride, tail_w, whole, depth);
+      amx_store<false>(Y, M, N, t, p, cols, out);
+      amx_store<true>(Y, M, N, t + 1, p, cols, out);
+    } else {
+      amx_steps<false>(x0, nullptr, stride, w, 0, whole);
+      if (whole < depth) amx_steps<false>(x0, nullptr, stride, tail_w, whole, depth);
+      amx_store<false>(Y, M, N, t, p, cols, out);
+    }
+  }
+  _tile_release();
+}
+
+// dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
+// weight dequantized and rounded to bfloat16.
+template <class Wt, int S>
+void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
+              int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
+  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows, depth = amx_depth(K), panel_size = Wt::panel_size(K);
+  thread_local std::vector<uint16_t> packed;
+  packed.resize(tiles * kAmxRows * 2 * depth);
+  uint16_t* XT = packed.data();
+  const auto pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
+  pack_then_multiply<kAmxRows>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    if constexpr (kIsPairs<Wt>) {
+      amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, Y, N, p, cols);
+    } else {
+      const int64_t groups = (K >> group_shift) * kPanel;
+      Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
+                      group_shift};
+      thread_local std::vector<float> wide_scales, wide_mins;
+      panel.scale = scales.floats(p * groups, groups, wide_scales);
+      if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+      thread_local std::vector<uint16_t> pairs;
+      pairs.resize(depth * 2 * kPanel);
+      bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
+      amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, Y, N, p, cols);
+    }
+  });
+}
+#else
+constexpr bool amx_ready() { return false; }
+#endif
+
 // y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
 // caller; one parallel pass over the pack and multiply items. B (grouped panels): 0, or
 // kRoundBF16 (x and the dequantized weights rounded to bfloat16, float32 sums, as a
@@ -732,13 +909,19 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 // (vdpbf16ps; the same sums in the same order either way, however a panel is converted).
 template <class Wt, int S, int B = 0>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-                int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
+                int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+                bool amx = false) {
   if (K == 0) {
     std::memset(Y, 0, M * N * sizeof(float));
     return;
   }
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   constexpr bool kBF16 = B != 0, kDot = (B & kBF16Dot) != 0;
+#ifdef JAXLLM_AMX
+  if constexpr (kDot || std::is_same_v<Wt, BF16Pairs<true>>) {
+    if (amx && amx_ready()) return amx_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+  }
+#endif
   using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
@@ -804,40 +987,41 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   });
 }
 
-// Calls f(std::true_type) where `dot` asks for vdpbf16ps and the build has it, else
-// f(std::false_type): the bfloat16 tiles a call's `bf16_dot` attribute picks.
+// Calls f(std::true_type) where `tiles` asks for vdpbf16ps or AMX and the build has
+// AVX512_BF16, else f(std::false_type): the bfloat16 tiles a call's `bf16_tiles` picks
+// (AMX: dense_rows' `amx`).
 template <class F>
-decltype(auto) with_bf16_tiles(bool dot, F&& f) {
+decltype(auto) with_bf16_tiles(int32_t tiles, F&& f) {
   if constexpr (kDotBF16) {
-    if (dot) return f(std::true_type{});
+    if (tiles != kFloatTiles) return f(std::true_type{});
   }
   return f(std::false_type{});
 }
 
 // dense_rows with `bf16` (grouped scalings only: each weight dequantized before the dot)
-// and its tiles (`dot`) chosen at run time.
+// and its tiles (`tiles`: BF16Tiles) chosen at run time.
 template <class Wt, int S>
-void dense_rows_as(bool bf16, bool dot, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K,
+void dense_rows_as(bool bf16, int32_t tiles, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K,
                    const typename Wt::T* P, int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins,
                    int group_shift) {
   if constexpr (S == kGroupScales || S == kGroupScalesMins) {
     if (bf16) {
-      return with_bf16_tiles(dot, [&](auto use_dot) {
+      return with_bf16_tiles(tiles, [&](auto use_dot) {
         constexpr int B = kRoundBF16 | (decltype(use_dot)::value ? kBF16Dot : 0);
-        dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+        dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles);
       });
     }
   }
-  dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+  dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles);
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
 // panels (kColumnScales), or [num_panels][K / G][32] with `mins` alike (grouped, G =
 // 2^group_shift inputs per scale); `bf16`: quantized panels multiplied in bfloat16, by
-// vdpbf16ps where `dot` asks for it and the build has it.
+// the tiles `tiles` names where the build (and the OS, for AMX) has them.
 template <class Wt, int S, typename PanelBuffer>
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels, Scales scales, Scales mins,
-                 ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false, bool dot = true) {
+                 ffi::ResultBuffer<ffi::F32> y, int group_shift = 0, bool bf16 = false, int32_t tiles = kDotTiles) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   constexpr bool kPairs = kIsPairs<Wt>;
   if (xd.size() != 2 || pd.size() != (kPairs ? 4 : 3) || yd.size() != 2 || pd[2] != (kPairs ? kPanel : Wt::kRow) ||
@@ -849,7 +1033,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer pane
       N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("dense: the shapes of x, panels and y do not agree");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  dense_rows_as<Wt, S>(bf16, dot, pool, x.typed_data(), M, K,
+  dense_rows_as<Wt, S>(bf16, tiles, pool, x.typed_data(), M, K,
                        reinterpret_cast<const typename Wt::T*>(panels.untyped_data()), num_panels, N, y->typed_data(),
                        scales, mins, group_shift);
   return ffi::Error::Success();
@@ -877,9 +1061,9 @@ ffi::Error DenseF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 }
 
 ffi::Error DenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
-                     ffi::ResultBuffer<ffi::F32> y, bool dot) {
-  return with_bf16_tiles(dot, [&](auto use_dot) {
-    return Dense<BF16Pairs<decltype(use_dot)::value>, kNoScales>(pool, x, panels, {}, {}, y);
+                     ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return with_bf16_tiles(tiles, [&](auto use_dot) {
+    return Dense<BF16Pairs<decltype(use_dot)::value>, kNoScales>(pool, x, panels, {}, {}, y, 0, false, tiles);
   });
 }
 
@@ -899,11 +1083,11 @@ constexpr const char* kGroupedShapes =
 // [P, K, 16]).
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
-                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, bool bf16, bool bf16_dot) {
+                       ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, bool bf16, int32_t bf16_tiles) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kGroupedShapes);
   if (!scale_types_ok(scales)) return ffi::Error::InvalidArgument(std::string("dense_q8_0 / dense_q4_0") + kScaleTypes);
-  return Dense<Wt, kGroupScales>(pool, x, panels, scales_of(&scales), {}, y, shift, bf16, bf16_dot);
+  return Dense<Wt, kGroupScales>(pool, x, panels, scales_of(&scales), {}, y, shift, bf16, bf16_tiles);
 }
 constexpr auto DenseQ8_0 = DenseBlocks<I8Weights, ffi::S8>;
 constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -914,14 +1098,14 @@ constexpr auto DenseQ4_0 = DenseBlocks<Q4Weights<8>, ffi::U8>;
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error DenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                            ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y, bool bf16,
-                           bool bf16_dot) {
+                           int32_t bf16_tiles) {
   const int shift = group_shift_of(panels, scales);
   if (shift < 0 || group_shift_of(panels, mins) != shift || mins.dimensions()[1] != scales.dimensions()[1])
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kGroupedShapes);
   if (!scale_types_ok(scales, &mins))
     return ffi::Error::InvalidArgument(std::string("dense_q4_1 / dense_q8_mins") + kScaleTypes);
   return Dense<Wt, kGroupScalesMins>(pool, x, panels, scales_of(&scales), scales_of(&mins), y, shift, bf16,
-                                     bf16_dot);
+                                     bf16_tiles);
 }
 constexpr auto DenseQ4_1 = DenseBlocksMins<Q4Weights<0>, ffi::U8>;
 constexpr auto DenseQ8Mins = DenseBlocksMins<I8Weights, ffi::S8>;
@@ -935,7 +1119,7 @@ template <class Wt, int S, typename PanelBuffer, typename ScaleBuffer = ffi::Any
 ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
                               const ScaleBuffer* scales, const ScaleBuffer* mins,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false,
-                              bool dot = true) {
+                              int32_t tiles = kDotTiles) {
   constexpr bool kPairs = kIsPairs<Wt>;
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   const auto xd = x.dimensions(), pd = panels.dimensions(), gd = group_sizes.dimensions(), yd = y->dimensions();
@@ -971,7 +1155,7 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0) {
-      dense_rows_as<Wt, S>(bf16, dot, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
+      dense_rows_as<Wt, S>(bf16, tiles, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
                            Y + row * N, scales_of(scales).at(e * scale_size), scales_of(mins).at(e * scale_size),
                            shift);
     }
@@ -988,9 +1172,10 @@ ffi::Error GroupedDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuff
 }
 constexpr auto GroupedDenseF32 = GroupedDense<F32Weights, ffi::Buffer<ffi::F32>>;
 ffi::Error GroupedDenseBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
-                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool dot) {
-  return with_bf16_tiles(dot, [&](auto use_dot) {
-    return GroupedDense<BF16Pairs<decltype(use_dot)::value>, ffi::Buffer<ffi::BF16>>(pool, x, panels, group_sizes, y);
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return with_bf16_tiles(tiles, [&](auto use_dot) {
+    return GroupedDenseScaled<BF16Pairs<decltype(use_dot)::value>, kNoScales, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>>(
+        pool, x, panels, nullptr, nullptr, group_sizes, y, false, tiles);
   });
 }
 
@@ -1005,16 +1190,16 @@ ffi::Error GroupedDenseI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                               ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
-                              ffi::ResultBuffer<ffi::F32> y, bool bf16, bool bf16_dot) {
+                              ffi::ResultBuffer<ffi::F32> y, bool bf16, int32_t bf16_tiles) {
   return GroupedDenseScaled<Wt, kGroupScales, ffi::Buffer<kPanelType>, ffi::AnyBuffer>(
-      pool, x, panels, &scales, nullptr, group_sizes, y, bf16, bf16_dot);
+      pool, x, panels, &scales, nullptr, group_sizes, y, bf16, bf16_tiles);
 }
 template <class Wt, ffi::DataType kPanelType>
 ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                                   ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16,
-                                  bool bf16_dot) {
-  return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16, bf16_dot);
+                                  int32_t bf16_tiles) {
+  return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16, bf16_tiles);
 }
 constexpr auto GroupedDenseQ8_0 = GroupedDenseBlocks<I8Weights, ffi::S8>;
 constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -1697,7 +1882,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16, GroupedDenseBF16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // panels [E, N/32 rounded up, K/2 rounded up, 32, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                               ffi::Ffi::Bind()
@@ -1718,7 +1903,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */         \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                \
                                     .Attr<bool>("bf16")                                          \
-                                    .Attr<bool>("bf16_dot"));
+                                    .Attr<int32_t>("bf16_tiles"));
 JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ8_0, GroupedDenseQ8_0, ffi::S8)
 JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
 #undef JAXLLM_GROUPED_BLOCKS
@@ -1734,7 +1919,7 @@ JAXLLM_GROUPED_BLOCKS(JaxllmGroupedDenseQ4_0, GroupedDenseQ4_0, ffi::U8)
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */              \
                                     .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                     \
                                     .Attr<bool>("bf16")                                          \
-                                    .Attr<bool>("bf16_dot"));
+                                    .Attr<int32_t>("bf16_tiles"));
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ4_1, GroupedDenseQ4_1, ffi::U8)
 JAXLLM_GROUPED_BLOCKS_MINS(JaxllmGroupedDenseQ8Mins, GroupedDenseQ8Mins, ffi::S8)
 #undef JAXLLM_GROUPED_BLOCKS_MINS
@@ -1805,7 +1990,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                                   .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16")  // x and weights rounded to bfloat16
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                               ffi::Ffi::Bind()
@@ -1816,7 +2001,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8Mins, DenseQ8Mins,
                                   .Arg<ffi::AnyBuffer>()         // mins, as the scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16")  // x and weights rounded to bfloat16
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                               ffi::Ffi::Bind()
@@ -1826,7 +2011,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0, DenseQ4_0,
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16")  // x and weights rounded to bfloat16
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                               ffi::Ffi::Bind()
@@ -1836,7 +2021,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0, DenseQ8_0,
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32 rounded up, K/G, 32]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("bf16")  // x and weights rounded to bfloat16
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseI8, DenseI8,
                               ffi::Ffi::Bind()
@@ -1852,7 +2037,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseBF16, DenseBF16,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // panels [N/32 rounded up, K/2 rounded up, 32, 2]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
-                                  .Attr<bool>("bf16_dot"));  // by vdpbf16ps (where built), else float tiles
+                                  .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,
                               ffi::Ffi::Bind()
@@ -1865,9 +2050,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseF32, DenseF32,
 // prefers this kernel to XLA's dot only where its wide tile runs (16 lanes).
 extern "C" int JaxllmVectorLanes() { return jaxllm::kLanes; }
 
-// Whether the library multiplies bfloat16 by vdpbf16ps where a call's `bf16_dot` asks
+// Whether the library multiplies bfloat16 by vdpbf16ps where a call's `bf16_tiles` asks
 // (built with AVX512_BF16); else every bfloat16 call runs the float tiles.
 extern "C" int JaxllmBF16Dot() { return kDotBF16 ? 1 : 0; }
+
+// Whether a call's `bf16_tiles` AMX runs on AMX's tiles: built with AMX_BF16 and the OS
+// hands this process the tile state (asked here, once).
+extern "C" int JaxllmAmx() { return amx_ready() ? 1 : 0; }
 
 // The integer dot products the *_x8 / *_x16 handlers are built with: 2 AVX512_VNNI, 1
 // AVX2 (vpmaddubsw, vpmaddwd), 0 none (SSE2, NEON: a lane at a time, slower than the

@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from jaxllm import cpu_kernels
 from jaxllm.models.params import (
+    BF16_TILES,
     PANEL,
     QUANT_FORMATS,
     PackedWeight,
@@ -287,8 +288,8 @@ class Panels:
         """The dense handler the panels' layout picks."""
         if w.activations != "float":
             return _x8_call(TARGET_X8, x2, w, out)
-        # grouped panels: x and the dequantized weights rounded to bfloat16 (`bf16`), by the tiles `bf16_dot` says
-        bf16 = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot)
+        # grouped panels: x and the dequantized weights rounded to bfloat16 (`bf16`), by the tiles `bf16_tiles` says
+        bf16 = dict(bf16=w.float_dtype == "bfloat16", bf16_tiles=_tiles(w))
         if w.mins is not None:
             target = TARGET_Q4_1 if w.panels.dtype == jnp.uint8 else TARGET_Q8_MINS
             return jax.ffi.ffi_call(target, out)(x2, w.panels, w.scale, w.mins, **bf16)
@@ -298,7 +299,7 @@ class Panels:
         if w.scale is not None:
             return jax.ffi.ffi_call(TARGET_INT8, out)(x2, w.panels, w.scale)
         if w.panels.dtype == jnp.bfloat16:
-            return jax.ffi.ffi_call(TARGET_BF16, out)(x2.astype(jnp.float32), w.panels, bf16_dot=w.bf16_dot)
+            return jax.ffi.ffi_call(TARGET_BF16, out)(x2.astype(jnp.float32), w.panels, bf16_tiles=_tiles(w))
         return jax.ffi.ffi_call(TARGET, out)(x2.astype(jnp.float32), w.panels)
 
     @staticmethod
@@ -311,11 +312,11 @@ class Panels:
         if w.activations != "float":
             return _x8_call(TARGET_GROUPED_X8, x, w, out, sizes)
         if w.scale is None:
-            attrs = dict(bf16_dot=w.bf16_dot) if w.panels.dtype == jnp.bfloat16 else {}
+            attrs = dict(bf16_tiles=_tiles(w)) if w.panels.dtype == jnp.bfloat16 else {}
             return jax.ffi.ffi_call(TARGET_GROUPED[jnp.dtype(w.panels.dtype)], out)(x, w.panels, sizes, **attrs)
         target = TARGET_GROUPED_QUANTIZED[(jnp.dtype(w.panels.dtype).name, bool(w.group), w.mins is not None)]
         scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
-        attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_dot=w.bf16_dot) if w.group else {}
+        attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_tiles=_tiles(w)) if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
 
     @staticmethod
@@ -406,6 +407,11 @@ def one_expert(w: PackedWeight) -> PackedWeight:
     reshape, no copy), for the grouped kernel's row count."""
     lead = lambda a: None if a is None else a[None]
     return w.replace(panels=w.panels[None], scale=lead(w.scale), mins=lead(w.mins), experts=1)
+
+
+def _tiles(w: PackedWeight) -> np.int32:
+    """The kernel's `bf16_tiles` attribute for `w` (dense.cc's BF16Tiles)."""
+    return np.int32(BF16_TILES.index(w.bf16_tiles))
 
 
 def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):

@@ -11,9 +11,9 @@ Backends, chosen by name (EngineConfig.linear_backend):
 - `xla`: plain weights, XLA's dot; every platform and dtype.
 - `cpu`: packed weights and the custom call; XLA:CPU, float32 or bfloat16 weights
   (bfloat16: x rounded to bfloat16, float32 sums, as XLA's dot; where the CPU has
-  AVX512_BF16 by vdpbf16ps or by the float tiles, the same sums, the faster per step
-  shape measured at start-up (`PackedWeight.bf16_dot`): which one wins depends on the
-  CPU and the rows). How it compares with XLA's dot per build: docs/benchmarks.md.
+  AVX512_BF16 by vdpbf16ps or by the float tiles, the same sums, or where it has AMX by
+  its tiles, the fastest per step shape measured at start-up (`PackedWeight.bf16_tiles`):
+  which one wins depends on the CPU and the rows). How it compares with XLA's dot per build: docs/benchmarks.md.
 - `pallas`: quantized projections (QuantizedWeight) through the Pallas weight-only
   matmul (pallas_kernels.quantized_matmul: int8 tiles dequantized in the kernel, so
   the weights cross memory at a byte each; interpret mode off GPU, for tests), float
@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.formats import Panels, format_of
-from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.params import BF16_TILES, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     activation_quantization_ready,
@@ -243,11 +243,14 @@ def rounds_activations(params: ModelParams, requested: str | None, linear_backen
     return quantized_activations(params, AUTO_ACTIVATIONS)[1] > 0
 
 
-def bf16_tiles(params: PyTree, dot: bool) -> PyTree:
-    """`params` with every packed weight summing bfloat16 by vdpbf16ps (`dot`, where the
-    kernels are built with AVX512_BF16) or by the float tiles: the same sums, at the
-    speed the start-up measurement found (jaxllm.worker.autotune). Abstract ones too."""
-    return _marked(params, PackedWeight, bf16_dot=dot)
+def bf16_tiles(params: PyTree, tiles: str) -> PyTree:
+    """`params` with every packed weight summing bfloat16 by `tiles` (BF16_TILES: vdpbf16ps
+    where the kernels are built with AVX512_BF16, the float tiles, or AMX's where the CPU
+    has them), at the speed the start-up measurement found (jaxllm.worker.autotune).
+    Abstract ones too."""
+    if tiles not in BF16_TILES:
+        raise ValueError(f"bf16 tiles: unknown {tiles!r}; choose one of {', '.join(BF16_TILES)}")
+    return _marked(params, PackedWeight, bf16_tiles=tiles)
 
 
 def layout_params(backend: str, params: ModelParams, pack_head: bool = True, activation_dtype=None) -> ModelParams:

@@ -67,6 +67,11 @@ QUANT_FORMATS = {
 GROUPED_FORMATS = ("int4", "int4_g32", "int4_g64", "int8_g128", "int8_g64", "int8_g32")
 
 
+# How the cpu kernel sums bfloat16 (PackedWeight.bf16_tiles); a name's index is its code in
+# jaxllm/cpu_kernels/dense.cc (BF16Tiles)
+BF16_TILES = ("float", "dot", "amx")
+
+
 @struct.dataclass
 class PackedWeight:
     """An [in, out] weight as panels of PANEL columns, [out/PANEL, in, PANEL], the last
@@ -91,10 +96,11 @@ class PackedWeight:
     # "int8" or "int16" (QuantizedWeight's `activations`): the dot layout, 4-bit values
     # [out/PANEL, in/8, PANEL, 4] uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
     activations: str = struct.field(pytree_node=False, default="float")
-    # bfloat16 sums (bfloat16 panels, or a bfloat16 model's quantized ones): by vdpbf16ps where the
-    # kernels are built with AVX512_BF16, or (False) by the float tiles; the same sums either way
-    # (jaxllm/cpu_kernels/dense.cc), the faster chosen at start-up (jaxllm.worker.autotune)
-    bf16_dot: bool = struct.field(pytree_node=False, default=True)
+    # bfloat16 sums (bfloat16 panels, or a bfloat16 model's quantized ones): "dot" by vdpbf16ps where
+    # the kernels are built with AVX512_BF16, "float" by the float tiles (the same sums either way),
+    # "amx" by AMX's tiles where the CPU has them (float32 sums in the tile unit's order);
+    # jaxllm/cpu_kernels/dense.cc; the fastest chosen at start-up (jaxllm.worker.autotune)
+    bf16_tiles: str = struct.field(pytree_node=False, default="dot")
     perm: Int[Array, " K"] | None = None  # QuantizedWeight's (activation order)
 
     @property

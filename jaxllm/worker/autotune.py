@@ -19,9 +19,10 @@ faster:
   tokens as one prefill chunk, scaled to the model's layers;
 - for a bfloat16 model where the kernels hold both bfloat16 paths (built with
   AVX512_BF16: `jaxllm.cpu_kernels.has_bf16_dot`), the kernel's projections by
-  vdpbf16ps and by the float tiles: the same sums bit for bit, so each bucket may take
-  the faster (its step's weights carry the choice: `PackedWeight.bf16_dot`, the same
-  arrays). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
+  vdpbf16ps and by the float tiles (the same sums bit for bit) and, where the CPU has
+  AMX (`jaxllm.cpu_kernels.has_amx`), by its tiles (float32 sums in another order), so
+  each bucket may take the fastest (its step's weights carry the choice:
+  `PackedWeight.bf16_tiles`, the same arrays). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
   at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps ran 1.6-1.8x the
   float32 kernel's rate (the float tiles'), so there it should keep every bucket.
 
@@ -64,7 +65,7 @@ COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by read
 class StepBackends:
     """The backends one bucket's step is compiled with (and, for the `cpu` linear
     backend in a bfloat16 model, how the kernel sums: "dot", vdpbf16ps where the
-    kernels have it, or "float", the float tiles)."""
+    kernels have it, "float", the float tiles, or "amx", AMX's tiles)."""
 
     attention: str
     linear: str
@@ -165,9 +166,9 @@ def plan_backends(
     kind with one candidate is not measured. The first candidate wins a tie within TIE.
     Linear backends mix across buckets only where that gains MIXED_GAIN (a second copy
     of the weights). With several `bf16_tiles` and the kernel a linear candidate, the
-    kernel's tiles are chosen first, per bucket alike (the sums are the same), and the
-    kernel's time is that of the tiles chosen (`measure` names the kernel with float
-    tiles `cpu/float`)."""
+    kernel's tiles are chosen first, per bucket alike, and the kernel's time is that of
+    the tiles chosen (`measure` names the kernel with float tiles `cpu/float`, with
+    AMX's `cpu/amx`)."""
     sample = measured_buckets(buckets)
     seconds: dict[str, dict[str, dict[int, float]]] = {}
     picks: dict[str, list[str]] = {"bf16_tiles": [bf16_tiles[0]] * len(buckets)}
@@ -289,11 +290,11 @@ class StepTimer:
         self._fns = self._linear_fns()
 
     def __call__(self, kind: str, backend: str, t: int, s: int) -> float:
-        backend, _, tiles = backend.partition("/")  # cpu/float: the kernel's float tiles for bfloat16
+        backend, _, tiles = backend.partition("/")  # cpu/float, cpu/amx: the kernel's tiles for bfloat16
         if kind == "head":  # `s`: the rows of the output projection
-            return self.head(backend, s, bf16_dot=tiles != "float")
+            return self.head(backend, s, tiles=tiles or "dot")
         if kind == "linear":
-            return self.linear(backend, t, s, bf16_dot=tiles != "float")
+            return self.linear(backend, t, s, tiles=tiles or "dot")
         return self.attention(backend, t, s)
 
     def _filled(self, shape, dtype=None) -> jax.Array:
@@ -317,7 +318,11 @@ class StepTimer:
         weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
         per_layer = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights))
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
-        filled = lambda w: jax.tree.map(lambda a: self._filled(a.shape, a.dtype), w)
+        def filled(w):  # a bfloat16 model's kept blocks multiply in bfloat16, as it loads them
+            w = jax.tree.map(lambda a: self._filled(a.shape, a.dtype), w)
+            in_bf16 = self.dtype == jnp.bfloat16 and isinstance(w, QuantizedWeight)
+            return w.replace(float_dtype="bfloat16") if in_bf16 else w
+
         layout = {"cpu": pack_weight, "pallas": lambda w: pallas_weight(w, self.activation_dtype)
                   if isinstance(w, QuantizedWeight) else w}.get(backend, lambda w: w)
         layers = [[layout(filled(w)) for w in weights] for _ in range(copies)]
@@ -354,17 +359,17 @@ class StepTimer:
 
         return jax.jit(layers_fn), jax.jit(head_fn)
 
-    def linear(self, backend: str, t: int, s: int, bf16_dot: bool = True) -> float:
-        layers = mark_bf16_tiles(self._linear_weights(backend)[0], dot=bf16_dot)
+    def linear(self, backend: str, t: int, s: int, tiles: str = "dot") -> float:
+        layers = mark_bf16_tiles(self._linear_weights(backend)[0], tiles)
         layers_fn = self._fns[0]
         x = self._filled((t, self.cfg.hidden_size))
         if t >= COMPUTE_BOUND_ROWS:  # the weights' streaming no longer decides: fewer copies, quicker
             layers = layers[:2]
         return _best_of(layers_fn, x, layers) / len(layers) * self.cfg.num_layers
 
-    def head(self, backend: str, rows: int, bf16_dot: bool = True) -> float:
+    def head(self, backend: str, rows: int, tiles: str = "dot") -> float:
         """The output projection of `rows` rows in `backend`'s layout."""
-        head = mark_bf16_tiles(self._linear_weights(backend)[1], dot=bf16_dot)
+        head = mark_bf16_tiles(self._linear_weights(backend)[1], tiles)
         return _best_of(self._fns[1], self._filled((rows, self.cfg.hidden_size)), head)
 
     def attention(self, backend: str, t: int, s: int) -> float:
@@ -395,13 +400,13 @@ class StepTimer:
 
 def bf16_tile_candidates(dtype, linear: Sequence[str]) -> list[str]:
     """The kernel's ways to sum a bfloat16 model's projections: vdpbf16ps and the float
-    tiles where the library holds both (built with AVX512_BF16) and the kernel is a
-    linear candidate; else the one it has."""
+    tiles where the library holds both (built with AVX512_BF16), and AMX's tiles where
+    the CPU has them, when the kernel is a linear candidate; else the one it has."""
     from jaxllm import cpu_kernels
 
     if jnp.dtype(dtype) != jnp.bfloat16 or "cpu" not in linear or not cpu_kernels.has_bf16_dot():
         return ["dot"]
-    return ["dot", "float"]
+    return ["dot", "float", "amx"] if cpu_kernels.has_amx() else ["dot", "float"]
 
 
 def backend_plan(

@@ -353,12 +353,12 @@ class ModelRunner:
 
     def weights_of(self, choice: StepBackends) -> ModelParams:
         """The weights a bucket's step takes: its linear backend's layout, its packed
-        weights summing bfloat16 with the tiles the plan chose for it (the same arrays;
-        the same sums either way)."""
+        weights summing bfloat16 with the tiles the plan chose for it (the same
+        arrays)."""
         if choice.bf16_tiles == "dot":
             return self.weights[choice.linear]
         if choice not in self._tiled:
-            self._tiled[choice] = bf16_tiles(self.weights[choice.linear], dot=False)
+            self._tiled[choice] = bf16_tiles(self.weights[choice.linear], choice.bf16_tiles)
         return self._tiled[choice]
 
     # ------------------------------------------------------------------ sleep

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm import SamplingParams
+from jaxllm import SamplingParams, cpu_kernels
 from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, linear_candidates, pack_params, pack_weight, packed_rows, unpack_weight
@@ -118,7 +118,7 @@ def _pair_order_sums(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0"])
 def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
     """bfloat16 sums (plain bfloat16 panels, or a bfloat16 model's quantized ones) by
-    vdpbf16ps (`bf16_dot`, where the build has AVX512_BF16) and by the float tiles are
+    vdpbf16ps (`bf16_tiles` dot, where the build has AVX512_BF16) and by the float tiles are
     the same sums bit for bit: those of an exact float32 oracle that adds the products
     in vdpbf16ps's order. One tile (in registers), several (the panel converted once),
     odd depths (a zero pair partner), widths that are not whole panels."""
@@ -136,9 +136,41 @@ def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
         w16 = np.asarray(dequantize(quantized).astype(jnp.bfloat16).astype(jnp.float32))
     x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     want = _pair_order_sums(x16, w16)
-    for dot in (True, False):
-        got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed.replace(bf16_dot=dot)))
-        np.testing.assert_array_equal(got, want, err_msg=f"bf16_dot={dot}")
+    for tiles in ("dot", "float"):
+        got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed.replace(bf16_tiles=tiles)))
+        np.testing.assert_array_equal(got, want, err_msg=f"bf16_tiles={tiles}")
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (16, 576, 96), (17, 33, 40), (32, 96, 64), (45, 1536, 33),
+                                   (100, 65, 200), (200, 576, 3072)])
+@pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0"])
+def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
+    """AMX's tiles (`bf16_tiles` amx, where the CPU has them) multiply the same bfloat16
+    values as vdpbf16ps and sum them in float32 in the tile unit's order: within float32
+    rounding of the exact sums (float64 of the bfloat16 values), and of vdpbf16ps's.
+    Rows around the 16-row tiles and pairs of them, odd depths and depths that are not
+    whole 32-input steps (zeros past K), widths that are not whole panels."""
+    if not cpu_kernels.has_amx():  # the kernels build for every other test here
+        pytest.skip("this CPU (or its OS) has no AMX")
+    rng = np.random.default_rng(m * 100 + k)
+    if weights != "bfloat16":
+        k = -(-k // 32) * 32
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if weights == "bfloat16":
+        packed = pack_weight(jnp.asarray(w, jnp.bfloat16))
+        w16 = np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))
+    else:
+        quantized = quantize_blocks(w, QUANT_FORMATS[weights]).replace(float_dtype="bfloat16")
+        packed = pack_weight(quantized)
+        w16 = np.asarray(dequantize(quantized).astype(jnp.bfloat16).astype(jnp.float32))
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    exact = x16.astype(np.float64) @ w16.astype(np.float64)
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), packed.replace(bf16_tiles="amx")))
+    dot = np.asarray(jax.jit(linear)(jnp.asarray(x), packed.replace(bf16_tiles="dot")))
+    bound = 2e-6 * np.sqrt(k) * np.abs(x16) @ np.abs(w16) + 1e-30  # float32 sums of k products
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
+    np.testing.assert_allclose(got, dot, rtol=0, atol=4e-6 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "q4_1+a8", "q8_0 experts", "q4_1+a8 experts"])

@@ -147,6 +147,7 @@ def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_pa
 
     monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)  # two candidates: dot and float
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (4, 13)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
@@ -160,8 +161,8 @@ def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_pa
         return [w for w in jax.tree.leaves(runner.weights_of(choice), is_leaf=lambda x: isinstance(x, PackedWeight))
                 if isinstance(w, PackedWeight)]
 
-    assert all(w.bf16_dot for w in packed(runner.plan.for_bucket(1)))
-    assert packed(runner.plan.for_bucket(8)) and not any(w.bf16_dot for w in packed(runner.plan.for_bucket(8)))
+    assert all(w.bf16_tiles == "dot" for w in packed(runner.plan.for_bucket(1)))
+    assert packed(runner.plan.for_bucket(8)) and all(w.bf16_tiles == "float" for w in packed(runner.plan.for_bucket(8)))
     assert "bfloat16 sums dot at T=1-4 (1.50-1.50x float), float at T=8-8 (2.00-2.00x dot)" in \
         chosen.llm_engine.core.describe()
     got = chosen.generate(prompts, params, use_tqdm=False)
