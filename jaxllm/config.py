@@ -46,9 +46,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8
 # The inputs of projections kept in blocks (jaxllm.models.quant): "none" (EngineConfig
 # takes None for it too) multiplies them in float; "int8" quantizes them per 32 inputs
 # and multiplies in integers, as llama.cpp does; "int16" the same with int16 values (steps 258 times finer,
-# half int8's integer rate); "auto" is int16 where the CPU kernel has integer dot products
-# for them (jaxllm.models.linear.auto_activation_quantization), else none.
-ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int16")
+# half int8's integer rate); "bfloat16" rounds them and each dequantized weight to bfloat16 (float32 sums:
+# what a bfloat16 model's kept blocks multiply; on AMX's tiles where the CPU has them); "auto" is
+# bfloat16 where the CPU kernel has AMX, int16 where it has integer dot products, else none
+# (jaxllm.models.linear.auto_activation_quantization).
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "int16", "bfloat16")
 # What the engine serves (vLLM's --runner): generated tokens, or pooled hidden states
 # (embeddings); auto is pooling for an encoder, generate otherwise. --convert (vLLM's):
 # how a generative checkpoint is served by the pooling runner (embed: its last hidden

@@ -23,11 +23,12 @@ A format may name a KV cache dtype after a slash (`q4_1/int8`: the default weigh
 int8 KV cache; `kv_cache_dtype`, default auto):
     .venv/bin/python scripts/bench_quant.py --formats q4_1,q4_1/bfloat16,q4_1/int8,q4_1/fp8
 
-`+a8` (`+a16`) after the weights multiplies them with int8 (int16) activations
-(`activation_quantization`; formats kept in blocks of 32 inputs); without it every format
-multiplies float activations (`activation_quantization="none"`, where the engine's
-default `auto` takes int16 on the cpu kernel), so `q4_1+a16` is what the default serves:
-    .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8,q4_1+a16
+`+a8` (`+a16`, `+abf16`) after the weights multiplies them with int8 (int16, bfloat16)
+activations (`activation_quantization`; int8 and int16: formats kept in blocks of 32
+inputs), `+auto` with what the engine's default `auto` takes here (bfloat16 on AMX, int16
+on the cpu kernel elsewhere); without it every format multiplies float activations
+(`activation_quantization="none"`), so `q4_1+auto` is what the default serves:
+    .venv/bin/python scripts/bench_quant.py --formats none,q4_1,q4_1+a8,q4_1+a16,q4_1+abf16
 
 `--dtype bfloat16` runs every format as a bfloat16 model (the kept blocks multiplied in
 bfloat16: each weight rounded, x rounded, float32 sums; the KV cache bfloat16 under `auto`);
@@ -61,6 +62,7 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+ACTIVATIONS = {"a8": "int8", "a16": "int16", "abf16": "bfloat16", "auto": "auto"}  # a format's "+..."
 FLOAT_GGUF = Path(__file__).parent.parent / "build" / "smollm2-f32.gguf"
 
 
@@ -81,11 +83,12 @@ def measure(model: str | None, fmt: str, items: list[dict], dtype: str = "auto")
     dtype = own_dtype or dtype
     weights, _, kv_cache_dtype = fmt_only.partition("/")
     weights, _, activations = weights.partition("+")
-    if activations not in ("", "a8", "a16"):
-        raise SystemExit(f"{fmt}: after '+' only a8 or a16 (int8 or int16 activations)")
+    if activations not in ("", "a8", "a16", "abf16", "auto"):
+        raise SystemExit(f"{fmt}: after '+' only a8, a16, abf16 or auto (int8, int16 or bfloat16 activations, "
+                         "or what auto gives here)")
     model, quantization = source(model, weights)
     llm = LLM(model, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv_cache_dtype or "auto", dtype=dtype,
-              activation_quantization=f"int{activations[1:]}" if activations else "none", progress=False)
+              activation_quantization=ACTIVATIONS.get(activations, "none"), progress=False)
     core = llm.llm_engine.core
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, 64)]} for _ in range(32)]

@@ -142,13 +142,15 @@ def workload_flops(requests, flops: tuple[float, float, float]) -> float:
 
 def peak_gflops() -> dict[str, float]:
     """Per precision, the best rate of a 512 x 2048 x 2048 product (GFLOP/s, the median of
-    5 after a warm-up): float32 and bfloat16 by XLA's dot or jaxllm's cpu kernel, whichever
-    is faster; the defaults' Q4_1 blocks with int16 activations by the kernel."""
+    5 after a warm-up): float32 and bfloat16 by XLA's dot or jaxllm's cpu kernel (bfloat16
+    on AMX's tiles where the CPU has them), whichever is faster; the defaults' Q4_1 blocks
+    by the kernel with the activations auto gives here (bfloat16 on AMX, else int16)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.models.linear import linear, pack_weight
+    from jaxllm import cpu_kernels
+    from jaxllm.models.linear import auto_activations, linear, pack_weight
     from jaxllm.models.quant import quantize_weight
 
     m, k, n = 512, 2048, 2048
@@ -157,9 +159,13 @@ def peak_gflops() -> dict[str, float]:
     w = rng.standard_normal((k, n)).astype(np.float32) / 45
     xla = jax.jit(lambda x, w: jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32))
     kernel = jax.jit(lambda x, p: linear(x, p))
-    candidates = {name: [(xla, jnp.asarray(w, name)), (kernel, pack_weight(jnp.asarray(w, name)))]
-                  for name in ("float32", "bfloat16")}
-    candidates["default"] = [(kernel, pack_weight(quantize_weight(w, "q4_1").replace(activations="int16")))]
+    tiles = "amx" if cpu_kernels.has_amx() else "dot"
+    candidates = {name: [(xla, jnp.asarray(w, name)), (kernel, pack_weight(jnp.asarray(w, name)).replace(
+        bf16_tiles=tiles))] for name in ("float32", "bfloat16")}
+    q4_1 = quantize_weight(w, "q4_1")
+    default = auto_activations()  # what the defaults multiply the blocks in here
+    candidates["default"] = [(kernel, pack_weight(q4_1.replace(float_dtype="bfloat16")).replace(bf16_tiles=tiles)
+                              if default == "bfloat16" else pack_weight(q4_1.replace(activations=default or "float")))]
     return {name: max(2 * m * k * n / _median_seconds(fn, x, arg) / 1e9 for fn, arg in pairs)
             for name, pairs in candidates.items()}
 

@@ -183,14 +183,22 @@ def quantized_activations(params: ModelParams, dtype: str = "int8") -> tuple[Mod
     """Every projection kept in blocks of a multiple of 32 inputs (Q4_0, Q4_1, Q8_0,
     int4: `activation_quantization_ready`) marked to multiply int8 (or int16: `dtype`)
     activations, and how many were marked; a quantized embedding too where the output
-    projection is tied to it (its lookups are unchanged). Abstract params too."""
-    if dtype not in ACTIVATION_MAX:
-        raise ValueError(f"activation quantization: {dtype!r} is not one of {', '.join(ACTIVATION_MAX)}")
+    projection is tied to it (its lookups are unchanged). `dtype` bfloat16: every
+    projection kept in blocks (grouped) marked to multiply as a bfloat16 model's do
+    (`in_dtype`: x and each dequantized weight rounded to bfloat16, float32 sums). Abstract
+    params too."""
+    if dtype not in (*ACTIVATION_MAX, "bfloat16"):
+        raise ValueError(f"activation quantization: {dtype!r} is not one of {', '.join(ACTIVATION_MAX)}, bfloat16")
     marked = 0
 
     def mark(w):
         nonlocal marked
-        if isinstance(w, QuantizedWeight) and activation_quantization_ready(w.transposed() if w.group_axis else w):
+        if not isinstance(w, QuantizedWeight):
+            return w
+        if dtype == "bfloat16" and w.group:
+            marked += 1
+            return w.replace(float_dtype="bfloat16")
+        if dtype != "bfloat16" and activation_quantization_ready(w.transposed() if w.group_axis else w):
             marked += 1
             return w.replace(activations=dtype)
         return w
@@ -204,22 +212,40 @@ def quantized_activations(params: ModelParams, dtype: str = "int8") -> tuple[Mod
     return params.replace(layers=layers, embed=head), marked
 
 
-AUTO_ACTIVATIONS = "int16"  # what activation_quantization "auto" picks where it quantizes
+AUTO_ACTIVATIONS = "int16"  # what activation_quantization "auto" picks where it quantizes in integers
+
+
+def auto_activations() -> str | None:
+    """What activation_quantization "auto" multiplies kept blocks in on this CPU's
+    kernels: bfloat16 on AMX's tiles where it has them (an Intel Xeon from Sapphire
+    Rapids on: 1.3-3x int16's rate from 16 rows, docs/benchmarks.md), int16 where it has
+    integer dot products (AVX2, AVX512_VNNI), else None (float: the integer handlers would
+    run a lane at a time)."""
+    if _amx():
+        return "bfloat16"
+    return AUTO_ACTIVATIONS if _integer_dot() else None
 
 
 def auto_activation_quantization(params: ModelParams, linear_backends: list[str], head: str, dtype) -> str | None:
-    """What `activation_quantization="auto"` means for `params`: int16 (AUTO_ACTIVATIONS)
-    where some projection is kept in blocks of 32 inputs (Q4_0, Q4_1, Q8_0, int4), every
-    projection and the output projection run on the `cpu` kernel, in float32, and the
-    kernels are built with integer dot products (AVX2, AVX512_VNNI); else None (float),
-    as on a GPU, under XLA's dot, for a bfloat16 model, or where the integer handlers
-    would run a lane at a time. As llama.cpp's and vLLM's CPU int4 paths do (int8 there),
-    at steps 258 times finer: logprobs within ~1e-3 of float's. Abstract params too."""
+    """What `activation_quantization="auto"` means for `params`: `auto_activations()`
+    where some projection is kept in blocks (of 32 inputs for int16: Q4_0, Q4_1, Q8_0,
+    int4), every projection and the output projection run on the `cpu` kernel, in
+    float32; else None (float), as on a GPU, under XLA's dot, or for a bfloat16 model
+    (which multiplies its blocks in bfloat16 already). int16 as llama.cpp's and vLLM's
+    CPU int4 paths do (int8 there), at steps 258 times finer: logprobs within ~1e-3 of
+    float's; bfloat16 as a bfloat16 model does. Abstract params too."""
     if list(linear_backends) != ["cpu"] or head != "cpu" or jnp.dtype(dtype) != jnp.float32:
         return None
-    if not _integer_dot():
-        return None
-    return AUTO_ACTIVATIONS if quantized_activations(params, AUTO_ACTIVATIONS)[1] else None
+    chosen = auto_activations()
+    return chosen if chosen and quantized_activations(params, chosen)[1] else None
+
+
+def _amx() -> bool:
+    """Whether the CPU kernels (built here) multiply bfloat16 on AMX's tiles."""
+    try:
+        return cpu_kernels.has_amx()
+    except cpu_kernels.KernelBuildError:
+        return False
 
 
 def _integer_dot() -> bool:
@@ -231,16 +257,17 @@ def _integer_dot() -> bool:
 
 
 def rounds_activations(params: ModelParams, requested: str | None, linear_backend: str) -> bool:
-    """Whether activation_quantization `requested` will quantize some projection's
-    inputs, as far as is known before the backends are measured: not none, on a CPU,
-    `linear_backend` auto or cpu, a float32 model with projections kept in blocks of 32
-    and, for auto, kernels with integer dot products (auto still settles on float
-    where the measurement gives a projection to XLA). Abstract params too."""
+    """Whether activation_quantization `requested` will quantize (or round to bfloat16)
+    some projection's inputs, as far as is known before the backends are measured: not
+    none, on a CPU, `linear_backend` auto or cpu, a float32 model with projections kept
+    in blocks and, for auto, kernels with AMX or integer dot products (auto still settles
+    on float where the measurement gives a projection to XLA). Abstract params too."""
     if requested in (None, "none") or linear_backend not in ("auto", "cpu") or jax.default_backend() != "cpu":
         return False
-    if jnp.dtype(params.final_norm.dtype) != jnp.float32 or (requested == "auto" and not _integer_dot()):
+    chosen = auto_activations() if requested == "auto" else requested
+    if jnp.dtype(params.final_norm.dtype) != jnp.float32 or chosen is None:
         return False
-    return quantized_activations(params, AUTO_ACTIVATIONS)[1] > 0
+    return quantized_activations(params, chosen)[1] > 0
 
 
 def bf16_tiles(params: PyTree, tiles: str) -> PyTree:

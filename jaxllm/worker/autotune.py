@@ -277,11 +277,13 @@ class StepTimer:
     (T, S) spends in the projections (linear) or attention of a model of `cfg`'s
     shapes, on random data (the times do not depend on the values). Weights are of
     `dtype`, hidden states of `activation_dtype` (default: `dtype`), the KV cache in
-    `kv_format` (default: `dtype`'s, as `auto`)."""
+    `kv_format` (default: `dtype`'s, as `auto`); kept blocks in bfloat16 where `dtype` is
+    or `blocks_in_bf16` says so."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int,
-                 activation_dtype=None, kv_format: KVCacheFormat | None = None) -> None:
+                 activation_dtype=None, kv_format: KVCacheFormat | None = None, blocks_in_bf16: bool = False) -> None:
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        self.blocks_in_bf16 = blocks_in_bf16 or self.dtype == jnp.bfloat16
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
         self.kv_format = kv_format or kv_cache_format("auto", self.dtype)
         self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
@@ -318,9 +320,9 @@ class StepTimer:
         weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
         per_layer = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights))
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
-        def filled(w):  # a bfloat16 model's kept blocks multiply in bfloat16, as it loads them
+        def filled(w):  # kept blocks multiplying in bfloat16 as the engine marks them (linear.in_dtype)
             w = jax.tree.map(lambda a: self._filled(a.shape, a.dtype), w)
-            in_bf16 = self.dtype == jnp.bfloat16 and isinstance(w, QuantizedWeight)
+            in_bf16 = self.blocks_in_bf16 and isinstance(w, QuantizedWeight) and w.group
             return w.replace(float_dtype="bfloat16") if in_bf16 else w
 
         layout = {"cpu": pack_weight, "pallas": lambda w: pallas_weight(w, self.activation_dtype)
@@ -423,16 +425,20 @@ def backend_plan(
     kv_format: KVCacheFormat | None = None,
     bf16_tiles: Sequence[str] | None = None,
     before_measuring: Callable[[], object] | None = None,
+    blocks_in_bf16: bool = False,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
     shapes and dtypes (`dtype`: the weights'; `activation_dtype`, default `dtype`),
     buckets and kernel build, or measured now (and stored). `bf16_tiles`: the kernel's
-    bfloat16 tiles to choose from (default: `bf16_tile_candidates`). `before_measuring`
+    bfloat16 tiles to choose from (default: `bf16_tile_candidates`); `blocks_in_bf16`: a
+    float32 model's kept blocks multiply in bfloat16 (activation_quantization bfloat16),
+    timed so, with the tiles a bfloat16 model has. `before_measuring`
     is called first when it measures: the engine waits there for its weights' loading
     thread, which would otherwise share the cores with the timed calls and could store
     a plan of the wrong backends (docs/bench-log/2026-11-29-against-vllm.md)."""
-    tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(dtype, linear)
+    tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(
+        jnp.bfloat16 if blocks_in_bf16 else dtype, linear)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path
@@ -442,7 +448,8 @@ def backend_plan(
     kv_format = kv_format or kv_cache_format("auto", dtype)
     store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name, kv_format.name,
                             tuple(buckets), tuple(attention),
-                            tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name)
+                            tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name,
+                            blocks_in_bf16)
     stored = store.load_text("backends.json")
     if stored is not None:
         try:
@@ -455,7 +462,7 @@ def backend_plan(
         before_measuring()
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
-                      activation_dtype=activation_dtype, kv_format=kv_format)
+                      activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
     sums = f"; bfloat16 sums {plan.describe('bf16_tiles')}" if "bf16_tiles" in plan.seconds else ""
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s%s",

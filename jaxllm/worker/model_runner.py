@@ -33,6 +33,7 @@ from jaxllm.models import parallel, pipeline
 from jaxllm.models.formats import declared_format
 from jaxllm.models.linear import (
     auto_activation_quantization,
+    auto_activations,
     bf16_tiles,
     in_dtype,
     layout_params,
@@ -216,7 +217,8 @@ class ModelRunner:
         self.num_scheduler_steps = rc.num_scheduler_steps
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
-        self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir)
+        self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir,
+                                    blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype))
         self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
         self._auto_activations = rc.activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
@@ -250,8 +252,16 @@ class ModelRunner:
         self.compilation = CompilationManager(self, cache_dir)
         self.stats = RunnerStats()
 
+    def _blocks_in_bf16(self, requested: str, param_dtype) -> bool:
+        """Whether the projections kept in blocks may multiply in bfloat16 though the
+        model is float32 (activation_quantization bfloat16, or auto where it means that
+        here): the plan then measures the kernel's bfloat16 tiles for them."""
+        if self.config.quantization is None or jnp.dtype(param_dtype) != jnp.float32:
+            return False
+        return (auto_activations() if requested == "auto" else requested) == "bfloat16"
+
     def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
-                   cache_dir: Path | None) -> BackendPlan:
+                   cache_dir: Path | None, blocks_in_bf16: bool = False) -> BackendPlan:
         """The backends of each bucket: measured on one shard's shapes where `auto`
         leaves a choice, except over several processes (their timings would differ, and
         the plans must agree: the first candidate)."""
@@ -267,7 +277,7 @@ class ModelRunner:
                             linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles,
-                            before_measuring=self.runner_config.before_measuring)
+                            before_measuring=self.runner_config.before_measuring, blocks_in_bf16=blocks_in_bf16)
 
     def _activation_quantization(self, requested: str, params: ModelParams) -> str | None:
         """What the projections kept in blocks multiply (None: float): `requested`, or

@@ -189,8 +189,9 @@ def test_the_engine_with_int8_activations(test_models_dir, tmp_path):
     assert "int8 activations into" in llm.llm_engine.core.runner.describe_weights()
 
 
-def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tmp_path):
-    """The default, activation_quantization "auto": a Q4_1 GGUF on the cpu kernel (built
+def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tmp_path, monkeypatch):
+    """The default, activation_quantization "auto", on a CPU without AMX (patched so here:
+    with AMX it is bfloat16, the test below): a Q4_1 GGUF on the cpu kernel (built
     with AVX2 or AVX512_VNNI here) multiplies int16 activations and says so at start-up;
     it gives the tokens of float activations (the kernel multiplying in float32), its
     logprobs within 2e-3 of them and not equal (float activations are 1e-3 away on this
@@ -205,6 +206,7 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     from jaxllm.models.linear import auto_activation_quantization
 
     assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path, kv_cache_dtype="float32")
     _, float_tokens, float_logprobs = _engine(path, activation_quantization="none")
@@ -224,6 +226,40 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
                                         jnp.float32) is None
     assert EngineConfig().activation_quantization == "auto"
     assert EngineConfig(activation_quantization=None).activation_quantization == "none"
+
+
+def test_bfloat16_activations_and_auto_where_the_cpu_has_amx(test_models_dir, tmp_path, monkeypatch):
+    """activation_quantization "bfloat16": a float32 model's Q4_1 blocks multiply x and
+    each dequantized weight rounded to bfloat16, float32 sums (AMX's tiles where the CPU
+    has them, else vdpbf16ps or the float tiles): the kernel gives the tokens of the jnp
+    reference (the `xla` backend multiplying the same bfloat16 values in XLA's dot) and
+    its logprobs to float rounding (a sum's last bits now and then move an input across a
+    bfloat16 rounding boundary: all but a few within 2e-4), away from float activations'.
+    "auto" takes it where the CPU kernel has AMX (`has_amx`, patched so here: every
+    machine runs this path, on its own tiles), keeps a bfloat16 KV cache, and the
+    start-up line says so."""
+    import make_test_model
+
+    from jaxllm import cpu_kernels
+    from jaxllm.models.linear import auto_activation_quantization
+
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
+    path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
+    llm, tokens, logprobs = _engine(path)
+    runner = llm.llm_engine.core.runner
+    assert runner.activation_quantization == "bfloat16" and runner.kv_format.name == "bfloat16"
+    assert "bfloat16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
+    assert runner.weights["cpu"].layers[0].wqkv.float_dtype == "bfloat16"
+    _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="bfloat16", linear_backend="xla",
+                                          kv_cache_dtype="bfloat16")
+    assert tokens == ref_tokens
+    assert (np.abs(logprobs - ref_logprobs) <= 2e-4).mean() > 0.95, np.abs(logprobs - ref_logprobs).max()
+    np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=0.05)
+    _, _, float_logprobs = _engine(path, activation_quantization="none", kv_cache_dtype="bfloat16")
+    assert np.abs(logprobs - float_logprobs).max() > 1e-3  # bfloat16 is not float
+    model = load_model(path, "float32")
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.float32) == "bfloat16"
+    assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.bfloat16) is None
 
 
 @pytest.mark.slow  # the grouped kernel's own test runs by default
@@ -254,7 +290,7 @@ def test_activation_quantization_is_refused_where_it_cannot_apply(test_models_di
         EngineConfig(activation_quantization="int4")
 
 
-def test_kv_cache_dtype_auto(test_models_dir, tmp_path):
+def test_kv_cache_dtype_auto(test_models_dir, tmp_path, monkeypatch):
     """kv_cache_dtype "auto" is the model's dtype (as vLLM's), except bfloat16 for a
     float32 model whose projections are kept in blocks of 32 multiplying quantized
     activations: the defaults of a GGUF file on this CPU. Float activations
@@ -265,6 +301,7 @@ def test_kv_cache_dtype_auto(test_models_dir, tmp_path):
     import jax.numpy as jnp
     import make_test_model
 
+    from jaxllm import cpu_kernels
     from jaxllm.attention.kv_cache import choose_kv_cache_format
     from jaxllm.engine.config import EngineConfig
     from jaxllm.engine.core import EngineCore
@@ -272,6 +309,7 @@ def test_kv_cache_dtype_auto(test_models_dir, tmp_path):
     from jaxllm.models.linear import rounds_activations
     from jaxllm.models.params import abstract_params
 
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)  # auto: int16 (bfloat16 on AMX: the same cache)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
 
     def chosen(kv="auto", activations="auto", linear="auto", quantization=None, dtype=jnp.float32):
@@ -281,6 +319,7 @@ def test_kv_cache_dtype_auto(test_models_dir, tmp_path):
 
     assert chosen() == ("bfloat16", "auto: the projections' blocks and activations round more")
     assert chosen(activations="int8", linear="cpu")[0] == "bfloat16"
+    assert chosen(activations="bfloat16", linear="cpu")[0] == "bfloat16"
     assert chosen(activations="none") == ("float32", "auto: the model's dtype")
     assert chosen(activations=None)[0] == "float32"
     assert chosen(linear="xla")[0] == "float32"
