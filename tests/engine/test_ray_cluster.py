@@ -175,6 +175,7 @@ def test_batch_eval_on_the_cluster_resumes_and_equals_one_process(cluster, test_
     assert json.loads((tmp_path / "one.jsonl.errors.jsonl").read_text())["id"] == "long"
 
 
+@pytest.mark.slow  # an engine actor to start and compile: the serving test covers the engine over the nodes
 def test_batch_eval_with_an_engine_on_the_cluster(cluster, test_models_dir, tmp_path, monkeypatch, capsys):
     """scripts/batch_eval.py --ray-replicas 1: the requests through Ray Data to an
     engine actor give the single-process run's results, in input order, and the line the
