@@ -799,12 +799,12 @@ void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
   }
 }
 
-// Sums of one or two tiles of x (x0, x1: their first row; `stride` bytes per row) times a
-// panel of pairs `w` ([depth][32][2]), from step j0 to j1 (pairs), into tiles 0-3.
+// Sums of one or two tiles of x (x0, x1: their first row at the first step; `stride`
+// bytes per row) times `pairs` pairs of a panel of pairs `w` ([pairs][32][2], from the
+// same step), into tiles 0-3.
 template <bool kTwo>
-inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t j0,
-                      int64_t j1) {
-  for (int64_t j = j0; j < j1; j += kAmxPairs) {
+inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs) {
+  for (int64_t j = 0; j < pairs; j += kAmxPairs) {
     _tile_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
     _tile_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
     _tile_loadd(4, x0 + 2 * j, stride);
@@ -846,7 +846,6 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
   const int64_t depth = amx_depth(K), whole = pairs / kAmxPairs * kAmxPairs;
   const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
   alignas(64) uint16_t tail[kAmxPairs * 2 * kPanel];  // the last step's pairs, zeros past `pairs`
-  const uint16_t* tail_w = tail - whole * 2 * kPanel;  // indexed by step as `w` is
   if (whole < depth) {
     std::memset(tail, 0, sizeof tail);
     std::memcpy(tail, w + whole * 2 * kPanel, (pairs - whole) * 2 * kPanel * sizeof(uint16_t));
@@ -860,13 +859,13 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
     if (t + 1 < t1) {
       _tile_zero(2);
       _tile_zero(3);
-      amx_steps<true>(x0, x0 + tile_size, stride, w, 0, whole);
-      if (whole < depth) amx_steps<true>(x0, x0 + tile_size, stride, tail_w, whole, depth);
+      amx_steps<true>(x0, x0 + tile_size, stride, w, whole);
+      if (whole < depth) amx_steps<true>(x0 + 2 * whole, x0 + tile_size + 2 * whole, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
       amx_store<true>(Y, M, N, t + 1, p, cols, out);
     } else {
-      amx_steps<false>(x0, nullptr, stride, w, 0, whole);
-      if (whole < depth) amx_steps<false>(x0, nullptr, stride, tail_w, whole, depth);
+      amx_steps<false>(x0, nullptr, stride, w, whole);
+      if (whole < depth) amx_steps<false>(x0 + 2 * whole, nullptr, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
     }
   }

@@ -218,9 +218,9 @@ AUTO_ACTIVATIONS = "int16"  # what activation_quantization "auto" picks where it
 def auto_activations() -> str | None:
     """What activation_quantization "auto" multiplies kept blocks in on this CPU's
     kernels: bfloat16 on AMX's tiles where it has them (an Intel Xeon from Sapphire
-    Rapids on: 1.3-3x int16's rate from 16 rows, docs/benchmarks.md), int16 where it has
-    integer dot products (AVX2, AVX512_VNNI), else None (float: the integer handlers would
-    run a lane at a time)."""
+    Rapids on: faster than int16 from a few dozen rows, slower at one; docs/benchmarks.md),
+    int16 where it has integer dot products (AVX2, AVX512_VNNI), else None (float: the
+    integer handlers would run a lane at a time)."""
     if _amx():
         return "bfloat16"
     return AUTO_ACTIVATIONS if _integer_dot() else None

@@ -185,6 +185,10 @@ class RunnerConfig:
     before_measuring: Callable[[], object] | None = None
 
 
+# why activation_quantization "auto" took what it did (the start-up line)
+AUTO_WHY = {"bfloat16": "this CPU has AMX", "int16": "this CPU's kernels have integer dot products"}
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: ModelParams, runner_config: RunnerConfig) -> None:
         """`params` may be abstract (jax.ShapeDtypeStruct leaves): compiling and
@@ -457,7 +461,8 @@ class ModelRunner:
         cfg = self.config
         embed = f", embedding {cfg.embed_quantization}" if cfg.embed_quantization else ""
         acts = (f", {self.activation_quantization} activations into {self.quantized_projections} projections"
-                + (" (auto; activation_quantization none: float)" if self._auto_activations else "")
+                + (f" (auto: {AUTO_WHY[self.activation_quantization]}; activation_quantization none: float)"
+                   if self._auto_activations else "")
                 if self.activation_quantization else "")
         where = ""
         if self.pipeline_parallel_size > 1:

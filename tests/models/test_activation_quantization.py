@@ -215,7 +215,8 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
     runner = llm.llm_engine.core.runner
     assert runner.activation_quantization == "int16"
-    assert "int16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
+    assert "int16 activations into" in runner.describe_weights()
+    assert "(auto: this CPU's kernels have integer dot products;" in runner.describe_weights()
     assert runner.weights["cpu"].layers[0].wqkv.activations == "int16"
     model = load_model(path, "float32")
     assert auto_activation_quantization(model.params, ["cpu"], "cpu", jnp.float32) == "int16"
@@ -248,7 +249,8 @@ def test_bfloat16_activations_and_auto_where_the_cpu_has_amx(test_models_dir, tm
     llm, tokens, logprobs = _engine(path)
     runner = llm.llm_engine.core.runner
     assert runner.activation_quantization == "bfloat16" and runner.kv_format.name == "bfloat16"
-    assert "bfloat16 activations into" in runner.describe_weights() and "(auto;" in runner.describe_weights()
+    assert "bfloat16 activations into" in runner.describe_weights()
+    assert "(auto: this CPU has AMX;" in runner.describe_weights()
     assert runner.weights["cpu"].layers[0].wqkv.float_dtype == "bfloat16"
     _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="bfloat16", linear_backend="xla",
                                           kv_cache_dtype="bfloat16")
