@@ -735,7 +735,7 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 }
 
 // AMX (Intel Sapphire Rapids and later): bfloat16 pairs multiplied by tdpbf16ps, 16 rows
-// x 16 columns x 32 inputs per instruction, about ten times vdpbf16ps's rate. x is
+// x 16 columns x 32 inputs per instruction (docs/cpu_kernels.md: its rate). x is
 // packed per 16 rows as bfloat16 rows [16][2 depth] (depth: the pairs, rounded up to 16;
 // zeros past K and past M): a tile of x is then 16 of those rows, 32 inputs each. A
 // panel of pairs [K/2][32][2] is two tiles per 16 pairs as it lies (16 columns each,

@@ -242,16 +242,18 @@ def auto_activation_quantization(params: ModelParams, linear_backends: list[str]
 
 def _amx() -> bool:
     """Whether the CPU kernels (built here) multiply bfloat16 on AMX's tiles."""
-    try:
-        return cpu_kernels.has_amx()
-    except cpu_kernels.KernelBuildError:
-        return False
+    return _kernels_have(cpu_kernels.has_amx)
 
 
 def _integer_dot() -> bool:
     """Whether the CPU kernels (built here) have integer dot products."""
+    return _kernels_have(cpu_kernels.has_integer_dot)
+
+
+def _kernels_have(probe) -> bool:
+    """`probe()` of the CPU kernels, False where they cannot be built here."""
     try:
-        return cpu_kernels.has_integer_dot()
+        return probe()
     except cpu_kernels.KernelBuildError:
         return False
 

@@ -305,3 +305,30 @@ def test_a_quantized_model_is_measured_as_it_is_held(test_models_dir, monkeypatc
         k, n = loaded.shape
         assert (format_of(held), held.shape) == ((MosaicTiles, (n, k)) if n % 64 == 0 else (PallasTiles, (k, n)))
     assert any(format_of(w) is MosaicTiles for w in hopper)
+
+
+def test_kept_blocks_are_timed_in_the_dtype_they_multiply_in(test_models_dir, monkeypatch):
+    """The step timer builds a model's kept blocks as the engine marks them: in bfloat16
+    for a bfloat16 model and for a float32 one whose blocks multiply bfloat16 activations
+    (`blocks_in_bf16`), in float32 otherwise (it once timed every bfloat16 model's blocks
+    as float32 ones, so each tile choice measured the same path); and the kernel's tiles
+    offered: vdpbf16ps and the float tiles with AVX512_BF16, AMX's too where it is."""
+    from jaxllm import cpu_kernels
+    from jaxllm.loaders import load_model
+
+    cfg = load_model(test_models_dir / "llama", dtype="float32", quantization="q4_1").config
+
+    def kept(dtype, **options):
+        layers = autotune.StepTimer(cfg, dtype, block_size=16, max_model_len=128, **options)._linear_weights("cpu")[0]
+        return {w.float_dtype for w in layers[0]}
+
+    assert kept(jnp.bfloat16) == {"bfloat16"}
+    assert kept(jnp.float32, blocks_in_bf16=True) == {"bfloat16"}
+    assert kept(jnp.float32) == {"float32"}
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu", "xla"]) == ["dot", "float", "amx"]
+    assert autotune.bf16_tile_candidates(jnp.float32, ["cpu"]) == ["dot"]
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["xla"]) == ["dot"]
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu"]) == ["dot", "float"]
