@@ -42,6 +42,18 @@ def test_models_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_cache_dir(tmp_path_factory) -> Path:
+    """A compilation cache for the whole run, shared by the xdist workers (the run's base
+    temporary directory; the store writes each entry atomically): the test servers and the
+    offline engines compared with them compile and measure each configuration once
+    (tests/support/server.py). Tests of a cold start keep a directory of their own."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-compilation-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def vision_models_dir(tmp_path_factory) -> Path:
     """The vision-language test models (made with HF transformers: scripts/make_test_model.py)."""
     out = tmp_path_factory.mktemp("vision_models")

@@ -14,14 +14,14 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model
 from tests.engine.test_update_weights import saved, trained
-from tests.support.server import API_KEY, Server
+from tests.support.server import API_KEY, Server, offline_options
 
 BODY = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(test_models_dir, tmp_path_factory):
-    s = Server(test_models_dir / "llama", tmp_path_factory.mktemp("dev"), "--server-dev-mode", "--enable-sleep-mode",
+def server(test_models_dir, shared_cache_dir):
+    s = Server(test_models_dir / "llama", shared_cache_dir, "--server-dev-mode", "--enable-sleep-mode",
                "--served-model-name", "tiny")
     yield s
     s.stop()
@@ -38,6 +38,11 @@ def text(server) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def offline(server, folder) -> LLM:
+    """An engine of the server's options and cache (its executables: nothing compiled)."""
+    return LLM(str(folder), **offline_options(server.cache_dir))
+
+
 def test_sleep_wake_and_weights_from_a_path(server, test_models_dir, tmp_path):
     assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
     before = text(server)
@@ -50,9 +55,9 @@ def test_sleep_wake_and_weights_from_a_path(server, test_models_dir, tmp_path):
     assert text(server) == before
     folder = saved(test_models_dir, tmp_path, trained(load_model(test_models_dir / "llama", dtype="float32").params))
     assert call(server, "POST", "/update_weights", json={"path": str(folder)}).status_code == 200
-    offline = LLM(str(folder), max_model_len=256, progress=False)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert text(server) == offline.generate(BODY["prompt"], params, use_tqdm=False)[0].outputs[0].text != before
+    want = offline(server, folder).generate(BODY["prompt"], params, use_tqdm=False)[0].outputs[0].text
+    assert text(server) == want != before
     wrong = call(server, "POST", "/update_weights", json={"path": str(test_models_dir / "qwen3")})
     assert wrong.status_code == 400 and "the engine's" in wrong.json()["error"]["message"], wrong.text
     assert call(server, "POST", "/reset_prefix_cache").status_code == 200
@@ -96,8 +101,7 @@ def test_pause_modes_and_resume(server, test_models_dir, tmp_path):
     folder = saved(test_models_dir, tmp_path, trained(load_model(test_models_dir / "llama", dtype="float32").params, 5))
     assert call(server, "POST", "/update_weights", json={"path": str(folder)}).status_code == 200
     assert call(server, "POST", "/resume").json() == {"status": "resumed"}
-    offline = LLM(str(folder), max_model_len=256, progress=False)
-    want = offline.generate(BODY["prompt"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    want = offline(server, folder).generate(BODY["prompt"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].text
     assert held.result(timeout=60) == (want, "length", 8)
 

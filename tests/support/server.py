@@ -14,6 +14,15 @@ from pathlib import Path
 import openai
 
 API_KEY = "test-key"
+# the engine options every test server starts with (before its extra flags)
+OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="4MiB")
+
+
+def offline_options(cache_dir: Path, **options) -> dict:
+    """LLM options of a test server's engine (OPTIONS, `options` for its extra flags) and its
+    compilation cache: an offline engine of the same model shapes loads what the server
+    compiled (and the backends it measured) instead of compiling and measuring again."""
+    return OPTIONS | dict(compilation_cache_dir=str(cache_dir), progress=False) | options
 
 
 def free_port() -> int:
@@ -25,11 +34,11 @@ def free_port() -> int:
 class Server:
     def __init__(self, model: Path | None, cache_dir: Path, *extra: str, api_key: str | None = API_KEY) -> None:
         """`model` None: the embedded default (SmolLM2-135M-Instruct)."""
-        self.port = free_port()
+        self.port, self.cache_dir = free_port(), cache_dir
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "jaxllm.serve", *(["--model", str(model)] if model else []), "--port", str(self.port),
-                "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                "--kv-cache-memory", "4MiB", "--compilation-cache-dir", str(cache_dir), *extra]
+                *[arg for name, value in OPTIONS.items() for arg in ("--" + name.replace("_", "-"), str(value))],
+                "--compilation-cache-dir", str(cache_dir), *extra]
         if api_key:
             args += ["--api-key", api_key]
         self.log = open(cache_dir / f"server-{self.port}.log", "w+")
