@@ -47,8 +47,10 @@ def hf_greedy(hf, prompt: dict, n: int = 8) -> tuple[list[int], list[int]]:
 
 
 def make(llava, **options) -> LLM:
-    return LLM(str(llava), **dict(max_model_len=256, max_num_batched_tokens=32, kv_cache_memory="1MiB",
-                                  progress=False, limit_mm_per_prompt={"image": 2}) | options)
+    """A small engine (few step shapes, the backends given: nothing measured at start-up)."""
+    return LLM(str(llava), **dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="1MiB",
+                                  attention_backend="cpu", linear_backend="cpu", progress=False,
+                                  limit_mm_per_prompt={"image": 2}) | options)
 
 
 @pytest.fixture(scope="module")

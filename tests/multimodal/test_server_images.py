@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxllm import SamplingParams
-from tests.multimodal.test_engine_images import make
-from tests.support.server import API_KEY, Server
+from jaxllm import LLM, SamplingParams
+from tests.support.server import API_KEY, Server, offline_options
 
 
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:
@@ -30,10 +29,10 @@ def picture(seed: int) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def server(vision_models_dir, tmp_path_factory):
+def server(vision_models_dir, tmp_path_factory, shared_cache_dir):
     media = tmp_path_factory.mktemp("media")
     picture(3).save(media / "cat.png")
-    s = Server(vision_models_dir / "llava", tmp_path_factory.mktemp("vlm"), "--served-model-name", "llava",
+    s = Server(vision_models_dir / "llava", shared_cache_dir, "--served-model-name", "llava",
                "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media))
     s.media = media
     yield s
@@ -41,8 +40,8 @@ def server(vision_models_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gemma_server(vision_models_dir, tmp_path_factory):
-    s = Server(vision_models_dir / "gemma3_vlm", tmp_path_factory.mktemp("gemma"), "--served-model-name", "gemma")
+def gemma_server(vision_models_dir, shared_cache_dir):
+    s = Server(vision_models_dir / "gemma3_vlm", shared_cache_dir, "--served-model-name", "gemma")
     yield s
     s.stop()
 
@@ -64,7 +63,7 @@ def test_gemma3_chat_with_images_answers_as_the_offline_engine(gemma_server, vis
                      messages(image_part(data_url(picture(1))), image_part(data_url(picture(2), "JPEG")))]
     got = [client.chat.completions.create(model="gemma", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = make(vision_models_dir / "gemma3_vlm")
+    offline = LLM(str(vision_models_dir / "gemma3_vlm"), **offline_options(gemma_server.cache_dir))
     want = offline.chat(conversations, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
     assert [g.usage.prompt_tokens for g in got] == [len(w.prompt_token_ids) for w in want]
@@ -78,7 +77,7 @@ def test_chat_with_images_answers_as_the_offline_engine(server, vision_models_di
                      messages(image_part((server.media / "cat.png").as_uri()))]
     got = [client.chat.completions.create(model="llava", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = make(vision_models_dir / "llava")  # the engine tests' (their executables)
+    offline = LLM(str(vision_models_dir / "llava"), **offline_options(server.cache_dir, limit_mm_per_prompt={"image": 2}))
     same = conversations[:2] + [messages({"type": "image_pil", "image_pil": Image.open(server.media / "cat.png")})]
     want = offline.chat(same, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
