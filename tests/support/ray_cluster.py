@@ -44,6 +44,9 @@ def greedy_options(**options) -> dict:
     """The small engine the Ray tests compare: greedy tokens of MULTIHOST_PROMPTS."""
     return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory="4MiB",
                 num_scheduler_steps=1,  # no decode loops to compile: the same tokens
+                # the backends `auto` takes over the nodes (the kernel's packed weights are not sharded), given:
+                # nothing measured at start-up
+                attention_backend="cpu", linear_backend="xla",
                 dtype="float32", progress=False, **options)
 
 
