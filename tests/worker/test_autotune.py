@@ -212,7 +212,7 @@ def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test
 
 def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
     """A plan where small buckets use the kernels and large ones XLA: the runner keeps
-    both weight layouts, and the tokens and logprobs equal an all-xla engine's. The
+    both weight layouts, and the tokens and logprobs equal an all-cpu engine's. The
     plan is measured once the weights' loading thread is done, and stored: a second
     engine with the same cache directory measures nothing."""
     measured, loaded, loaded_when_measured = [], [], []
@@ -238,7 +238,8 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, k)]} for k in (3, 20, 45)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
+    few = dict(max_num_seqs=4)  # 7 step shapes, not 8: each engine compiles them
+    mixed = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **few, **AUTO)
     runner = mixed.llm_engine.core.runner
     assert measured and runner.plan.source == "measured"
     assert loaded_when_measured == [True]  # the weights' loading thread had finished: nothing shared the cores
@@ -252,15 +253,14 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
     # measured at 1, 8 and 32 (every other bucket and the largest): 16 takes 8's pick
     assert "linear cpu at T=1-16 (2.00-2.00x xla), xla at T=32-32" in mixed.llm_engine.core.describe()
     got = mixed.generate(prompts, params, use_tqdm=False)
-    want = make_llm(test_models_dir, attention_backend="xla", linear_backend="xla").generate(prompts, params,
-                                                                                             use_tqdm=False)
+    want = make_llm(test_models_dir).generate(prompts, params, use_tqdm=False)  # the tests' all-cpu engine
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             np.testing.assert_allclose([x.logprob for x in la.values()], [x.logprob for x in lb.values()], atol=1e-4)
 
     measured.clear()
-    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **AUTO)
+    again = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **few, **AUTO)
     assert not measured and again.llm_engine.core.runner.plan.source == "stored"
     assert again.llm_engine.core.runner.plan.choices == runner.plan.choices
 
@@ -268,7 +268,8 @@ def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_
 @pytest.mark.parametrize("options", [{"attention_backend": "cpu", "linear_backend": "xla"}])
 def test_explicit_backends_are_not_measured(test_models_dir, tmp_path, monkeypatch, options):
     monkeypatch.setattr(autotune, "StepTimer", None)  # would fail if called
-    llm = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), **options)
+    llm = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path), max_num_seqs=1, max_num_batched_tokens=4,
+                   num_scheduler_steps=1, **options)  # two step shapes to compile: the plan is the point
     plan = llm.llm_engine.core.runner.plan
     assert plan.source == "fixed" and set(plan.choices) == {StepBackends("cpu", "xla")}
     assert "attention cpu; linear xla" in llm.llm_engine.core.describe()
