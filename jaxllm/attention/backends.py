@@ -18,6 +18,7 @@ pallas_kernels.ragged_paged_attention:
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol, runtime_checkable
 
@@ -139,14 +140,19 @@ def _pallas_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cac
     return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
 
 
-def get_attention_fn(name: str) -> AttentionFn:
-    """The attention function of a backend name (one of attention_candidates')."""
+def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
+    """The attention function of a backend name (one of attention_candidates');
+    `batch_invariant`: the cpu kernel's mode where a row's output never depends on the
+    others (no other backend has one)."""
+    if batch_invariant and name != "cpu":
+        raise ValueError(f"attention_backend: {name!r} is not batch-invariant (only cpu is)")
     if name == "xla":
         return ragged_paged_attention_xla
     if name == "cpu":
         from jaxllm.attention.cpu import ragged_paged_attention_cpu
 
-        return ragged_paged_attention_cpu
+        return functools.partial(ragged_paged_attention_cpu, batch_invariant=True) if batch_invariant \
+            else ragged_paged_attention_cpu
     if name == "pallas":
         return _pallas_attention
     raise ValueError(f"attention_backend: {name!r} is not a resolved backend name")

@@ -60,13 +60,17 @@ def ragged_paged_attention_cpu(
     v_scale: Float[Array, "N B Hkv"] | None = None,
     cache_dtype: str = "",
     causal: bool = True,
+    batch_invariant: bool = False,
 ) -> Float[Array, "T H hd"]:
     """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
     every sequence, are attended once for all query rows (a matrix product per KV head),
     the rest per sequence, merged through the online softmax's state. `k_scale`,
     `v_scale`: an int8 cache's scales (jaxllm.attention.kv_cache); `cache_dtype`: the
     element type whose bits the caches hold ("": their dtype). `causal` False: every
-    query sees every key of its sequence (an encoder's attention; no sliding window)."""
+    query sees every key of its sequence (an encoder's attention; no sliding window).
+    `batch_invariant`: each row's output the same bits whatever else the call holds (every
+    row by the decode path, its keys in the same chunks, no common prefix pass; slower
+    for prefill chunks)."""
     load_kernels()
     cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
     reason = unsupported(q.shape[-1], q.dtype, cache_dtype)
@@ -86,4 +90,5 @@ def ragged_paged_attention_cpu(
         soft_cap=np.float32(soft_cap or 0.0),
         cache_dtype=cache_dtype.name,
         causal=np.int32(causal),
+        invariant=np.int32(batch_invariant),
     )

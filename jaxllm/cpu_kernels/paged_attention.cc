@@ -264,6 +264,11 @@ struct Problem {
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
   bool causal;  // false: every row sees every key of its sequence (an encoder: BERT), no window
+  // Batch-invariant (the `invariant` attribute): a row's output is the same bits in any
+  // batch. Every row takes the decode path, its keys in chunks at multiples of kChunk
+  // from position 0, and no common prefix pass: the sums of a row then never depend on
+  // the other rows of its item or step.
+  bool invariant;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
   // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
@@ -636,7 +641,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t kv_end = pb.causal ? qpos0 + rows : kv_len;
   int64_t k_first = pb.prefix_tokens;  // the common prefix pass did the keys before it
   if (pb.window > 0) k_first = std::max<int64_t>(k_first, qpos0 - pb.window + 1);
-  const bool many = nq >= kManyQueries;
+  if (pb.invariant) k_first = k_first / kChunk * kChunk;  // the chunks skipped are invisible to every row
+  const bool many = nq >= kManyQueries && !pb.invariant;
 
   sc.q.assign(Hkv * nq_padded * D, 0.f);
   sc.o.assign(Hkv * nq_padded * D, 0.f);
@@ -856,7 +862,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> common_prefix_blocks, ffi::ResultBuffer<ffi::F32> out,
                                 float sm_scale, int32_t sliding_window, float soft_cap,
-                                std::string_view cache_dtype, int32_t causal) {
+                                std::string_view cache_dtype, int32_t causal, int32_t invariant) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -871,7 +877,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
              v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
              query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
-             sliding_window, soft_cap, causal != 0, 0, nullptr, nullptr, nullptr};
+             sliding_window, soft_cap, causal != 0, invariant != 0, 0, nullptr, nullptr, nullptr};
   if (!pb.causal && pb.window > 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: a sliding window needs causal attention");
   if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
@@ -916,7 +922,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   // the same), bounded by what every sequence had in cache before this step, in whole
   // kTile-key tiles.
   int64_t prefix = static_cast<int64_t>(std::max<int32_t>(common_prefix_blocks.typed_data()[0], 0)) * pb.block_size;
-  prefix = std::min(prefix, n_seqs > 1 && items.size() > 1 ? min_computed : 0) / kTile * kTile;
+  prefix = std::min(prefix, n_seqs > 1 && items.size() > 1 && !pb.invariant ? min_computed : 0) / kTile * kTile;
   std::vector<float> prefix_m, prefix_l, prefix_o;
   if (prefix >= kMinPrefixTokens) {
     pb.prefix_tokens = prefix;
@@ -987,4 +993,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<std::string_view>("cache_dtype")
-                                  .Attr<int32_t>("causal"));  // 0: bidirectional (an encoder)
+                                  .Attr<int32_t>("causal")  // 0: bidirectional (an encoder)
+                                  .Attr<int32_t>("invariant"));  // 1: batch-invariant (Problem::invariant)

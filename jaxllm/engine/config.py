@@ -125,6 +125,10 @@ class EngineConfig:
                                           "start-up of the C++ kernel and XLA's dot on a CPU (the kernel alone for "
                                           "quantized weights), of XLA's dot and the Pallas weight-only matmul for "
                                           "quantized weights on a GPU", LINEAR_BACKENDS)
+    batch_invariant: bool = _option(
+        False, "each sequence's logits and logprobs the same bits whatever it is batched with (the CPU kernels, "
+               "float32: one summation order per row; prefill is slower), and equal to "
+               "jaxllm.models.dense.sequence_logprobs(..., batch_invariant=True), a trainer's forward (docs/design.md)")
     chat_template: str | None = _option(None, "a Jinja chat template, or a file holding one")
     limit_mm_per_prompt: dict | str | None = _option(
         None, "a vision-language model's images per prompt at most, as vLLM's JSON: {\"image\": 2} (default: "
@@ -188,8 +192,31 @@ class EngineConfig:
                              f"{self.kv_cache_dtype}")
         if self.calculate_kv_scales and self.pipeline_parallel_size > 1:
             raise ValueError("calculate_kv_scales: not yet with pipeline_parallel_size > 1")
+        if self.batch_invariant:
+            self._resolve_batch_invariant()
         if self.async_scheduling and self.async_scheduling_blocked:
             raise ValueError(f"async_scheduling: not with {self.async_scheduling_blocked}")
+
+    # batch_invariant: what each option must be (its auto resolved so), and why
+    _INVARIANT = {"dtype": ("float32", "the kernels' float32 sums"),
+                  "activation_quantization": ("none", "float inputs, as a trainer's"),
+                  "attention_backend": ("cpu", "the kernel's batch-invariant mode"),
+                  "linear_backend": ("cpu", "the kernel's per-row sums at every step shape")}
+
+    def _resolve_batch_invariant(self) -> None:
+        """batch_invariant's autos resolved (the options above), and what it cannot run
+        with refused, naming the option."""
+        for name, (value, why) in self._INVARIANT.items():
+            if getattr(self, name) not in ("auto", value):
+                raise ValueError(f"{name}: batch_invariant needs {value} ({why}), got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        refused = {"enable_lora": (self.enable_lora, "adapters multiply through XLA's dot"),
+                   "tensor_parallel_size": (self.tensor_parallel_size > 1, "sharded sums"),
+                   "pipeline_parallel_size": (self.pipeline_parallel_size > 1, "not yet"),
+                   "num_processes": (self.num_processes > 1, "not yet")}
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{name}: not with batch_invariant ({why})")
 
     def runner_type(self, model: ModelConfig, embedder: bool = False) -> str:
         """The runner this engine serves `model` with: generate or pooling (`auto`: pooling

@@ -198,6 +198,7 @@ def runner_config(config: EngineConfig, cache: CacheLayout, cache_dir: Path, kv_
         kv_layer_scales=kv_format.layer_scaled,
         activation_quantization=config.activation_quantization,
         hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
+        batch_invariant=config.batch_invariant,
         async_scheduling=config.runs_async,
         num_scheduler_steps=config.decode_steps,
         speculative_config=config.speculative_config,
@@ -367,7 +368,8 @@ class EngineCore:
                                          ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
                                          ("num_processes > 1", config.num_processes > 1),
                                          ("enable_lora", config.enable_lora),
-                                         ("speculative_config", config.speculative_config is not None)) if on]
+                                         ("speculative_config", config.speculative_config is not None),
+                                         ("batch_invariant", config.batch_invariant)) if on]
         if refused:
             raise ValueError(f"runner: pooling is not yet served with {', '.join(refused)}")
         if config.activation_quantization not in ("auto", "none"):

@@ -121,13 +121,17 @@ class Dense:
         if isinstance(w, jax.ShapeDtypeStruct):
             shape = (-(-n // PANEL), -(-k // 2), PANEL, 2) if pairs else (-(-n // PANEL), k, PANEL)
             return PackedWeight(jax.ShapeDtypeStruct(shape, w.dtype), n)
-        a = np.asarray(w)
+        # on the host (numpy: a view of a CPU array), or traced (a trainer's forward under
+        # jit: jaxllm.models.dense's batch-invariant one packs as it goes)
+        traced = isinstance(w, jax.core.Tracer)
+        xp, contiguous = (jnp, jnp.asarray) if traced else (np, np.ascontiguousarray)
+        a = xp.asarray(w)
         if n % PANEL or (pairs and k % 2):
-            a = np.pad(a, ((0, k % 2 if pairs else 0), (0, -n % PANEL)))
+            a = xp.pad(a, ((0, k % 2 if pairs else 0), (0, -n % PANEL)))
         if pairs:  # [K, N] -> [N/32, K/2, 32, 2]: the two inputs of a pair side by side (vdpbf16ps)
-            return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
-                                                                 .transpose(2, 0, 3, 1))), n)
-        return PackedWeight(jnp.asarray(np.ascontiguousarray(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
+            return PackedWeight(jnp.asarray(contiguous(a.reshape(-1, 2, a.shape[1] // PANEL, PANEL)
+                                                       .transpose(2, 0, 3, 1))), n)
+        return PackedWeight(jnp.asarray(contiguous(a.reshape(k, -1, PANEL).transpose(1, 0, 2))), n)
 
 
 class _Quantized:

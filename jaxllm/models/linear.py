@@ -311,6 +311,8 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
             lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else np.ascontiguousarray(a))
     elif isinstance(params.embed, jax.ShapeDtypeStruct):
         lm_head = jax.ShapeDtypeStruct(params.embed.shape[::-1], params.embed.dtype)
+    elif isinstance(params.embed, jax.core.Tracer):  # packed as traced (Dense.pack)
+        lm_head = params.embed.T
     else:
         lm_head = np.asarray(params.embed).T  # a view; pack_weight copies it once
     if params.lm_head is None:  # tied: the packed head is the table the lookups read

@@ -40,11 +40,29 @@ from jaxllm.models.rope import RopeTable, apply_rope
 from jaxllm.platform import activation_dtype
 
 
+def row_sums(x: Float[Array, "... D"], lanes: int = 16) -> Float[Array, "... 1"]:
+    """The sums along the last axis, each in one fixed order whatever the leading shape:
+    `lanes` running sums over the row's slices of `lanes` in turn, then halved. XLA's
+    reduce picks its order by the row count (7 rows of 576 summed otherwise than 8), so a
+    row's norm would hang on the batch it came in; elementwise adds are never reordered."""
+    d = x.shape[-1]
+    parts = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -d % lanes)]).reshape(*x.shape[:-1], -1, lanes)
+    acc = parts[..., 0, :]
+    for i in range(1, parts.shape[-2]):
+        acc = acc + parts[..., i, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc
+
+
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, offset: float = 0.0
              ) -> Float[Array, "... D"]:
-    """RMSNorm in float32, scaled by `offset + weight` (Gemma's offset is 1)."""
+    """RMSNorm in float32, scaled by `offset + weight` (Gemma's offset is 1); each row's
+    mean square in a fixed order (`row_sums`: a row normed alone or in any batch is the
+    same bits)."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * jax.lax.rsqrt(row_sums(xf * xf) / x.shape[-1] + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
     return (scale * normed).astype(x.dtype)
 
@@ -283,8 +301,8 @@ def forward_rows(
     every token's K/V and attends for every token, but (unless `out.every`) its output
     projection and MLP run on those rows alone, as llama.cpp's last layer does (a
     prefill chunk samples from one row of hundreds). Row by row forward_hidden's
-    arithmetic, but for the order of the norms' sums (XLA vectorizes them by the row
-    count: float32 rounding, as a different batch gives)."""
+    arithmetic, where the projections' backend sums a row alike at any row count (the
+    cpu kernels; the norms' sums always do: `row_sums`)."""
     return _layers(params, rope, kv_caches, input_ids, positions, md, cfg, attention_fn, axis, lora, out, images)
 
 

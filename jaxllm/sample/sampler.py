@@ -193,9 +193,12 @@ def token_scores_cpu(logits: Float[Array, "S V"], targets: Int[Array, " S"]):
 
 
 def sample(
-    logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata, *, argmax_fn: ArgmaxFn = argmax
+    logits: Float[Array, "S V"], history: Int[Array, "R L"], md: SamplingMetadata, *, argmax_fn: ArgmaxFn = argmax,
+    scores_fn: ScoresFn = compute_logprobs,
 ) -> SamplerOutput:
-    """The step's tokens, and the logprobs of the raw logits. The processing (bitmask,
+    """The step's tokens, and the logprobs of the raw logits by `scores_fn` (the one the
+    step scores prompt tokens with, so every logprob the engine reports is the same
+    function of its logits row). The processing (bitmask,
     bias, penalties) happens inside a branch that returns only the tokens: a branch
     returning unprocessed logits would copy them (the raw ones stay live for the
     logprobs), 0.27 ms a step for 4 x 49152 on a 2-core Xeon."""
@@ -203,7 +206,7 @@ def sample(
     uniforms = row_uniforms(md)  # out here, traced once: the hash would be compiled again in each branch
     token_ids = jax.lax.cond(any_processing, lambda x, h, m, u: _tokens(_processed(x, h, m), m, u, argmax_fn),
                              lambda x, h, m, u: _tokens(x, m, u, argmax_fn), logits, history, md, uniforms)
-    lp = jax.lax.cond(md.any_logprobs, compute_logprobs, _no_logprobs, logits, token_ids)
+    lp = jax.lax.cond(md.any_logprobs, scores_fn, _no_logprobs, logits, token_ids)
     beams = jax.lax.cond(md.any_beam, beam_candidates, _no_beam_candidates, logits, md)
     return SamplerOutput(token_ids, *lp, *beams)
 

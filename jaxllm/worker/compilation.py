@@ -92,7 +92,8 @@ class CompilationManager:
         r = self.runner
         kernels = "cpu" in r.plan.backends("linear") + r.plan.backends("attention") and r.mesh is None
         return {
-            choice: dict(cfg=r.config, attention_fn=get_attention_fn(choice.attention),
+            choice: dict(cfg=r.config, attention_fn=get_attention_fn(choice.attention,
+                                                                     r.runner_config.batch_invariant),
                          argmax_fn=argmax_cpu if kernels else argmax,
                          scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=r.mesh,
                          lora_kernel="pallas" if choice.linear == "pallas" else "xla")
@@ -124,7 +125,9 @@ class CompilationManager:
         r = self.runner
         images = () if r.images is None else (jax.ShapeDtypeStruct(r.images.table.shape, r.images.table.dtype),)
         args = (r.weights_of(choice), r.rope, r._abstract_caches, r.history, *r._lora_args(abstract=True), *images)
-        return ExecutableStore(directory, "model_step", r.config, r.kv_groups, choice.attention, choice.linear,
+        invariant = ("batch_invariant",) if r.runner_config.batch_invariant else ()
+        return ExecutableStore(directory, "model_step", r.config, r.kv_groups, choice.attention, *invariant,
+                               choice.linear,
                                shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
                                devices=self._devices())
 

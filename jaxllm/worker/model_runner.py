@@ -171,6 +171,7 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"
     kv_layer_scales: bool = False  # fp8: a scale per layer and KV head (jaxllm.attention.kv_cache)
     activation_quantization: str = "none"  # EngineConfig's, None already read as "none" there
+    batch_invariant: bool = False  # EngineConfig's (its backends already resolved to cpu there)
     hybrid_kv_cache: bool = True
     async_scheduling: bool = False
     num_scheduler_steps: int = 1
@@ -206,6 +207,8 @@ class ModelRunner:
         self.stages = pipeline.StagePlan(config.num_layers, pp)
         self.mesh = (pipeline.make_mesh(pp, tensor_parallel_size) if pp > 1 else
                      parallel.make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None)
+        if rc.batch_invariant and (config.vision is not None or any(map(config.is_moe, range(config.num_layers)))):
+            raise ValueError("batch_invariant: not yet for vision-language or mixture-of-experts models")
         param_dtype = self.param_dtype = params.final_norm.dtype  # a float parameter whatever is quantized
         dtype = activation_dtype(param_dtype)  # of the hidden states
         self.kv_format = dataclasses.replace(kv_cache_format(rc.kv_cache_dtype, param_dtype),

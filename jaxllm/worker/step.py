@@ -138,7 +138,7 @@ def model_step(
     out = OutputRows(inputs.logits_indices, inputs.num_logit_rows, inputs.any_prompt_logprobs)
     hidden, kv_caches = forward(params, rope, kv_caches, input_ids, inputs.positions, inputs.attn, out, **extra)
     logits = logits_fn(params, hidden.rows, cfg, rows=inputs.num_logit_rows)
-    sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn)
+    sampled = sample(logits, history, inputs.sampling, argmax_fn=argmax_fn, scores_fn=scores_fn)
     # each sampled token at its position, where the next step reads it if its host does not yet know it
     history = set_tokens(history, inputs.sampled_history_rows, inputs.sampling.num_known_tokens, sampled.token_ids)
     prompt_lp = jax.lax.cond(

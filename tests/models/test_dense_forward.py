@@ -79,3 +79,56 @@ def test_differentiates(test_models_dir):
     assert leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
     stepped = jax.tree.map(lambda p, g: p + 1e-3 * g, model.params, grads)
     assert float(jax.jit(total)(stepped)) > float(value)
+
+
+def _reported(out) -> list[float]:
+    """An output's prompt logprobs (from the second token) and sampled tokens' logprobs."""
+    lps = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+    return lps + [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+
+
+def test_batch_invariant_engine_equals_the_trainers_bits(test_models_dir):
+    """batch_invariant=True: what the engine reports for a sequence is the same bits
+    alone or batched with others (chunked prefill beside decodes, a prefix-cache hit),
+    and the same bits as the trainer's forward (sequence_logprobs(batch_invariant=True))
+    over the sampled sequences right-padded into one batch; its gradient is the dense
+    forward's."""
+    llm = LLM(str(test_models_dir / "llama"), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+              kv_cache_memory="1MiB", batch_invariant=True, dtype="float32", quantization="none", progress=False)
+    rng = np.random.default_rng(1)
+    shared = [int(t) for t in rng.integers(3, 500, 20)]
+    prompts = [shared + [int(t) for t in rng.integers(3, 500, n)] for n in (3, 30, 11)]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=10, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = llm.generate(prompts[1:2], params, use_tqdm=False)[0]  # its prefix now cached
+    assert alone.outputs[0].token_ids == together[1].outputs[0].token_ids
+    assert _reported(alone) == _reported(together[1])
+
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in together]
+    width = max(map(len, seqs))
+    batch = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+    trainer = jax.jit(sequence_logprobs, static_argnums=(1, 5))
+    got = np.asarray(trainer(model.params, model.config, batch, None, None, True))
+    for row, seq, out in zip(got, seqs, together):
+        np.testing.assert_array_equal(row[1:len(seq)], np.asarray(_reported(out), np.float32))
+
+    def total(p, invariant):
+        return sequence_logprobs(p, model.config, batch[:, :16], batch_invariant=invariant).sum()
+
+    g_inv = jax.jit(jax.grad(total), static_argnums=1)(model.params, True)
+    g_plain = jax.jit(jax.grad(total), static_argnums=1)(model.params, False)
+    for a, b in zip(jax.tree.leaves(g_inv), jax.tree.leaves(g_plain)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_invariant_refuses_what_it_cannot_keep():
+    from jaxllm.engine.config import EngineConfig
+
+    assert EngineConfig(batch_invariant=True).linear_backend == "cpu"
+    with pytest.raises(ValueError, match="dtype: batch_invariant needs float32"):
+        EngineConfig(batch_invariant=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="attention_backend: batch_invariant needs cpu"):
+        EngineConfig(batch_invariant=True, attention_backend="xla")
+    with pytest.raises(ValueError, match="enable_lora: not with batch_invariant"):
+        EngineConfig(batch_invariant=True, enable_lora=True)
