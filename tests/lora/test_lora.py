@@ -130,11 +130,19 @@ def test_beam_search_under_adapters(llm, adapters, test_models_dir):
         [[s.output_token_ids for s in o.sequences] for o in outs[2:]]
 
 
-def test_more_adapters_than_slots_wait_for_one(test_models_dir, adapters):
+# one slot: test_more_adapters_than_slots_wait_for_one's engine, and the server test's (the run's shared compilation
+# cache: whichever starts second loads what the first compiled)
+ONE_SLOT = dict(max_loras=1, max_cpu_loras=1)
+ONE_SLOT_SERVER_FLAGS = ("--max-num-batched-tokens", "32", "--kv-cache-memory", str(25 * KV_BYTES_PER_BLOCK),
+                         "--attention-backend", "cpu", "--linear-backend", "cpu", "--max-loras", "1",
+                         "--max-lora-rank", "8")
+
+
+def test_more_adapters_than_slots_wait_for_one(test_models_dir, adapters, shared_cache_dir):
     """One device slot, two adapters and the base model asked at once, with seeded
     sampling: each request waits for the slot rather than failing, and gets what it
     gets alone; the slot is reloaded as the adapters take turns."""
-    llm = make_llm(test_models_dir, max_loras=1, max_cpu_loras=1)
+    llm = make_llm(test_models_dir, compilation_cache_dir=str(shared_cache_dir), **ONE_SLOT)
     prompts = prompt_ids(3, 5)
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=11, ignore_eos=True)
     order = ["a1", None, "a2", "a1", "a2", None]
@@ -265,7 +273,7 @@ def _add_tensor(folder, name: str, value: np.ndarray) -> None:
 
 # ---- the server: adapters by `model`, loaded and unloaded at run time ------------------------
 
-def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm, tmp_path):
+def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm, shared_cache_dir):
     """`--lora-modules` at start-up and /v1/load_lora_adapter later; /v1/models lists
     them; a completion under an adapter gives the offline engine's tokens; with one
     slot, two adapters asked at once both finish; unload then reload; unknown names
@@ -281,8 +289,8 @@ def test_server_loads_serves_and_unloads_adapters(test_models_dir, adapters, llm
     want = {n: run(llm, [prompt], params, None if n is None else adapters[n])[0].outputs[0].text
             for n in (None, "a1", "a2")}
     roots = str(Path(adapters["a2"].lora_path).parent)
-    server = Server(test_models_dir / "llama", tmp_path, "--served-model-name", "tiny", "--enable-lora",
-                    "--max-loras", "1", "--max-lora-rank", "8", "--lora-modules", f"a1={adapters['a1'].lora_path}",
+    server = Server(test_models_dir / "llama", shared_cache_dir, "--served-model-name", "tiny", "--enable-lora",
+                    *ONE_SLOT_SERVER_FLAGS, "--lora-modules", f"a1={adapters['a1'].lora_path}",
                     "--allow-runtime-lora-updating", "--lora-allowed-roots", roots)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
