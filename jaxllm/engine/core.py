@@ -578,11 +578,22 @@ class EngineCore:
         self.runner.wake_up(weights="weights" in tags, kv_cache="kv_cache" in tags)
 
     def update_weights_from_path(self, path: str) -> None:
-        """update_weights with the weights of an HF folder (or a GGUF) of this model."""
+        """update_weights with the weights of an HF folder (or a GGUF) of this model. An
+        engine over several processes: each reads `path` on its own node (the same path
+        everywhere) and takes its share; this process checks them first, so weights that
+        do not fit are refused before any process takes them."""
+        self._check_nothing_runs("update_weights")
         loaded = load_model(path, jnp.dtype(self.runner.param_dtype).name,
                             conversion_cache_dir=compilation_cache_path(self.config.compilation_cache_dir)
                             / "converted-models")
-        self.update_weights(loaded.params)
+        if self.executor is None:
+            self.update_weights(loaded.params)
+            return
+        weights = self._fitting_weights(loaded.params)
+        calls = self.executor.update_weights_from_path(path)
+        self.runner.set_params(weights)
+        self._clear_prefix_cache()
+        self.executor.wait(calls)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (possible only when no request holds blocks)."""
@@ -603,8 +614,19 @@ class EngineCore:
         after resume; LLMEngine.update_weights' mode). ValueError naming the first
         parameter that does not fit; nothing is applied then."""
         self._check_nothing_runs("update_weights")
-        if self.executor is not None or self.pooler is not None:
-            raise ValueError("update_weights: not yet for an engine over several processes or a pooling model")
+        if self.executor is not None:
+            raise ValueError("update_weights: an engine over several processes takes weights from a path every "
+                             "node reads (update_weights_from_path; POST /update_weights {\"path\"}), not arrays of "
+                             "this process")
+        if self.pooler is not None:
+            raise ValueError("update_weights: not yet for a pooling model")
+        self.runner.set_params(self._fitting_weights(weights))
+        self._clear_prefix_cache()
+
+    def _fitting_weights(self, weights: ModelParams | Mapping[str, Any]) -> ModelParams:
+        """`weights` as this engine holds them: HF names read as a checkpoint's, float
+        weights quantized where the engine keeps blocks; ValueError naming the first
+        parameter that does not fit."""
         cfg, dtype = self.model.config, self.runner.param_dtype
         float_cfg = dataclasses.replace(cfg, quantization=None)
         if isinstance(weights, Mapping):
@@ -614,8 +636,10 @@ class EngineCore:
             if problem is not None:
                 raise ValueError(f"weights: {problem}")
             weights = quantize_params(cfg, weights)
-        self.runner.set_params(weights)
-        self._clear_prefix_cache()
+        problem = self.runner.weights_mismatch(weights)
+        if problem is not None:
+            raise ValueError(f"weights: {problem}")
+        return weights
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

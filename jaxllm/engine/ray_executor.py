@@ -93,6 +93,12 @@ class RayWorker:
     def remove_lora(self, lora_int_id: int) -> None:
         self.core.remove_lora(lora_int_id)
 
+    def update_weights_from_path(self, path: str) -> None:
+        """Read the weights at `path` (the same on every node) and take them, in step with
+        process 0 (after the steps already sent); ValueError to process 0 where they do
+        not fit."""
+        self.core.update_weights_from_path(path)
+
     def shutdown(self) -> None:
         """jax.distributed's shutdown, which every process enters together."""
         import jax
@@ -177,6 +183,19 @@ class RayExecutor:
         run in order), so its slots stay the same as process 0's."""
         for worker in self.workers:
             worker.remove_lora.remote(lora_int_id)
+
+    def update_weights_from_path(self, path: str):
+        """Every worker reads and takes the weights at `path` after the steps already
+        sent to it; returns the calls, for `wait` (process 0 places its own share between:
+        its arrays and the workers' make one mesh's)."""
+        return [worker.update_weights_from_path.remote(path) for worker in self.workers]
+
+    def wait(self, calls) -> None:
+        """The workers' calls done; ValueError with the first one's reason where one failed."""
+        try:
+            self._ray.get(calls)
+        except self._ray.exceptions.RayTaskError as e:
+            raise ValueError(f"{e.cause} (on a worker process)") from None
 
     def _monitor(self) -> None:
         """Exit the process (EXIT_CODE) when a worker's actor ends while the engine runs."""

@@ -57,6 +57,21 @@ def test_adapters_on_two_nodes_give_one_process_s_tokens(cluster, test_models_di
     assert ray_cluster.tokens_of(out) == want
 
 
+@pytest.mark.slow  # tests/engine/test_update_weights_processes.py checks the engine's side by default
+def test_an_engine_on_two_nodes_takes_weights_from_a_path(cluster, test_models_dir, tmp_path, one_process):
+    """update_weights_from_path over PP 2 with a stage on each node: another model's
+    weights refused before any process takes them, then each process reads the new ones
+    and the tokens are those of one process started from them."""
+    import make_test_model
+
+    other = make_test_model.write_model(tmp_path, "llama", seed=7)
+    want = ray_cluster.greedy_tokens(LLM(str(other), **ray_cluster.greedy_options()))
+    out = ray_cluster.run_on_cluster(cluster, "engine_tokens", str(test_models_dir / "llama"), "2", "1", "2", "",
+                                     f"{other},{test_models_dir / 'qwen3'}")
+    assert "REFUSED weights: " in out
+    assert ray_cluster.tokens_of(out) == [ids for ids, _ in one_process] + want
+
+
 def test_an_engine_over_two_nodes_serves_and_fails_loudly(cluster, test_models_dir, tmp_path, monkeypatch,
                                                          one_process):
     """The server over two nodes (PP 2, a stage on each): greedy completions give one

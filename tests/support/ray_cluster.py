@@ -50,10 +50,12 @@ def greedy_options(**options) -> dict:
                 dtype="float32", progress=False, **options)
 
 
-def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str, adapters: str = "") -> None:
+def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str, adapters: str = "", update: str = ""
+                  ) -> None:
     """Greedy tokens of MULTIHOST_PROMPTS through LLM over `processes` Ray-placed
     processes, printed as `TOKENS [...]` (with `adapters`, a folder of three LoRA
-    adapters: `adapter_rounds`' tokens); the engine closed at exit (no explicit call)."""
+    adapters: `adapter_rounds`' tokens; with `update`, a folder of the same model's other
+    weights: `update_rounds`' tokens); the engine closed at exit (no explicit call)."""
     from jaxllm import LLM
 
     options = dict(enable_lora=True, max_loras=2, max_lora_rank=8) if adapters else {}
@@ -61,7 +63,7 @@ def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str, adapt
                                        distributed_executor_backend="ray", num_processes=int(processes), **options))
     core = llm.llm_engine.core
     assert len(core.executor.workers) == int(processes) - 1
-    tokens = adapter_rounds(llm, adapters) if adapters else greedy_tokens(llm)
+    tokens = adapter_rounds(llm, adapters) if adapters else update_rounds(llm, update) if update else greedy_tokens(llm)
     assert core.runner.num_compilations_after_warmup == 0
     print("TOKENS " + json.dumps(tokens), flush=True)
 
@@ -85,6 +87,24 @@ def adapter_rounds(llm, adapters: str) -> list[list[int]]:
     assert llm.remove_lora(1)
     again = LoRARequest("a3", 1, a3.lora_path)
     return first + greedy_tokens(llm, [again, a2, None, again, a2])
+
+
+def update_rounds(llm, folders: str) -> list[list[int]]:
+    """MULTIHOST_PROMPTS before and after the engine takes the weights of the first of
+    `folders` ("other,unfitting": update_weights_from_path, every process reading them);
+    the second (another model's weights) is refused first, before any process takes it,
+    and the engine goes on with what it had."""
+    other, unfitting = folders.split(",")
+    core = llm.llm_engine.core
+    before = greedy_tokens(llm)
+    try:
+        core.update_weights_from_path(unfitting)
+        raise AssertionError("weights of another model were taken")
+    except ValueError as e:
+        print(f"REFUSED {e}", flush=True)
+    assert greedy_tokens(llm) == before
+    core.update_weights_from_path(other)
+    return before + greedy_tokens(llm)
 
 
 def write_adapters(model: str, out: str) -> None:
