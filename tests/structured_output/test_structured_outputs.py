@@ -198,8 +198,10 @@ def test_smollm2_json_schemas_validate(count):
     """Seeded requests over as many varied schemas on the real model, sampled at
     temperature 0.7, whitespace allowed: every output parses and validates."""
     schemas = bench_structured.schemas(count, seed=0)
-    llm = LLM(max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=min(count, 8), attention_backend="cpu",
-              linear_backend="cpu", progress=False)  # no backend measuring, few buckets: the 15-minute budget
+    # no backend measuring, few buckets: the 15-minute budget; no decode loops (a constrained request never runs
+    # one: its next bitmask needs each token)
+    llm = LLM(max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=min(count, 8), attention_backend="cpu",
+              linear_backend="cpu", num_scheduler_steps=1, progress=False)
     messages = [[{"role": "user", "content": f"Give me a JSON object with the fields {', '.join(s['properties'])}."}]
                 for s in schemas]
     params = [constrained(seed=i, temperature=0.7, max_tokens=256, json=s) for i, s in enumerate(schemas)]
