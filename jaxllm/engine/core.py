@@ -627,6 +627,8 @@ class EngineCore:
         """`weights` as this engine holds them: HF names read as a checkpoint's, float
         weights quantized where the engine keeps blocks; ValueError naming the first
         parameter that does not fit."""
+        if not isinstance(weights, Mapping) and self.runner.laid_out(weights):  # the cpu backend's panels
+            return weights
         cfg, dtype = self.model.config, self.runner.param_dtype
         float_cfg = dataclasses.replace(cfg, quantization=None)
         if isinstance(weights, Mapping):

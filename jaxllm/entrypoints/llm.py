@@ -176,7 +176,9 @@ class LLM:
         """New weights for this model, which the next calls use: its parameter tree
         (jaxllm.loaders.load_model(...).params, or a trainer's copy of it: the same
         shapes, the dtype the engine runs; arrays taken as they are where the engine
-        multiplies them as given, linear_backend xla) or a mapping of its HF tensor
+        multiplies them as given, linear_backend xla), that tree in the cpu backend's
+        layout (jaxllm.models.linear.pack_params: taken as it is by an engine of that
+        backend alone, batch_invariant's) or a mapping of its HF tensor
         names to arrays (numpy or jax). ValueError naming the first parameter that does
         not fit, with nothing applied. The prefix cache is emptied: no prompt reuses K/V
         computed with the old weights."""

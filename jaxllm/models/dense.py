@@ -20,6 +20,7 @@ from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
+from jaxllm.models.linear import is_packed, pack_params, unpack_params
 from jaxllm.models.llama import compute_logits, embed_input, finish_layer, forward_hidden, qkv_heads, rope_rows
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable, model_rope_table
@@ -84,7 +85,9 @@ def sequence_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Arra
                       batch_invariant: bool = False) -> Float[Array, "B T"]:
     """log p(token t | tokens before it) for t >= 1 of each row of `token_ids` (column 0,
     which nothing predicts, is 0): the logprobs the engine reports for prompt tokens and
-    sampled ones, from the raw logits. Differentiable in `params`. `rope`: the RoPE
+    sampled ones, from the raw logits. Differentiable in `params`: load_model's, or the
+    cpu backend's layout of them (jaxllm.models.linear.pack_params: what an engine
+    with that backend takes as it is, no copy). `rope`: the RoPE
     table (default: made for T positions). `image_embeds`: each row's image embeddings
     (sequence_hidden's). `batch_invariant`: the values of an engine started with
     batch_invariant=True bit for bit (`invariant_logprobs`; float32 weights, a float32 KV
@@ -105,6 +108,7 @@ def sequence_logits(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array,
                     ) -> Float[Array, "B T V"]:
     """Every position's logits over the vocabulary (sequence_logprobs' arguments)."""
     rope = model_rope_table(cfg, token_ids.shape[1]) if rope is None else rope
+    params = unpack_params(params) if is_packed(params) else params
     hidden = functools.partial(sequence_hidden, params, cfg, rope)
     states = jax.vmap(hidden)(token_ids) if image_embeds is None else jax.vmap(hidden)(token_ids, image_embeds)
     return jax.vmap(lambda x: compute_logits(params, x, cfg))(states)
@@ -126,7 +130,6 @@ def invariant_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Arr
 def _kernel_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array, "B T"], rope: RopeTable
                      ) -> Float[Array, "B T"]:
     from jaxllm.attention.cpu import ragged_paged_attention_cpu
-    from jaxllm.models.linear import pack_params
     from jaxllm.sample.sampler import token_scores_cpu
 
     b, t = token_ids.shape
@@ -143,7 +146,7 @@ def _kernel_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array
     shape = (1 + b * blocks, INVARIANT_BLOCK, cfg.num_kv_heads, cfg.head_dim)
     caches = tuple(KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
                    for _ in range(cfg.kv_cache_groups(hybrid=False).group_size))
-    packed = pack_params(params)
+    packed = params if is_packed(params) else pack_params(params)
     attention = functools.partial(ragged_paged_attention_cpu, batch_invariant=True)
     hidden, _ = forward_hidden(packed, rope, caches, token_ids.reshape(-1), jnp.tile(pos, b), md, cfg=cfg,
                                attention_fn=attention)

@@ -320,6 +320,25 @@ def pack_params(params: ModelParams, pack_head: bool = True) -> ModelParams:
     return params.replace(layers=layers, lm_head=pack_weight(lm_head))
 
 
+def unpack_params(params: ModelParams) -> ModelParams:
+    """pack_params' inverse: every packed projection back to its [in, out] matrix, and a
+    tied model's embedding from the head packed in its place. Traceable and
+    differentiable (jnp transposes): a trainer holding the cpu backend's layout
+    differentiates its forward through this (jaxllm.models.dense)."""
+    def unpack(w):
+        return unpack_weight(w) if isinstance(w, PackedWeight) else w
+
+    layers = tuple(jax.tree.map(unpack, lp, is_leaf=lambda x: isinstance(x, PackedWeight)) for lp in params.layers)
+    if isinstance(params.embed, PackedWeight):  # tied: the head [in, out] = the table transposed
+        return params.replace(layers=layers, embed=unpack_weight(params.embed).T)
+    return params.replace(layers=layers, lm_head=unpack(params.lm_head))
+
+
+def is_packed(params: ModelParams) -> bool:
+    """Whether `params` hold packed projections (the cpu backend's layout)."""
+    return any(isinstance(w, PackedWeight) for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight)))
+
+
 def linear_candidates(name: str, dtype, tensor_parallel: bool = False, quantized: bool = False) -> list[str]:
     """The backends `name` may mean for this compute dtype on this platform, in
     preference order (`auto` on a CPU: cpu and xla, measured by the runner per step

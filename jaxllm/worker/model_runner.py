@@ -361,7 +361,7 @@ class ModelRunner:
         """The weights, as loaded (of exactly the shapes and dtypes the runner was built
         for) or as `layout_params` returned them."""
         if not isinstance(params, dict):
-            params = self.layout_params(params)
+            params = {"cpu": params} if self.laid_out(params) else self.layout_params(params)
         elif set(params) != set(self.plan.backends("linear")):
             raise ValueError(f"set_params: laid-out weights for {sorted(params)}, the plan uses "
                              f"{self.plan.backends('linear')}")
@@ -421,6 +421,16 @@ class ModelRunner:
     def asleep(self) -> tuple[bool, bool]:
         """(weights, KV caches) given back and not yet woken."""
         return self.weights is None, self._kv_caches is None and self._kv_caches_future is None
+
+    def laid_out(self, params: ModelParams) -> bool:
+        """Whether `params` are already the one layout this runner holds: the cpu
+        backend's panels of float weights (jaxllm.models.linear.pack_params), which a
+        trainer may keep as its own parameters; set_params then takes them as they are,
+        with no copy."""
+        if self.plan.backends("linear") != ["cpu"] or self.mesh is not None or self.activation_quantization \
+                or jnp.dtype(self.param_dtype) != jnp.float32 or self.config.quantization is not None:
+            return False
+        return weights_mismatch(params, layout_params("cpu", self._given, pack_head=self.plan.head == "cpu")) is None
 
     def weights_mismatch(self, params: ModelParams) -> str | None:
         """Where `params` differs from the weights the steps were compiled for (None: fits)."""

@@ -132,3 +132,33 @@ def test_batch_invariant_refuses_what_it_cannot_keep():
         EngineConfig(batch_invariant=True, attention_backend="xla")
     with pytest.raises(ValueError, match="enable_lora: not with batch_invariant"):
         EngineConfig(batch_invariant=True, enable_lora=True)
+
+
+def test_a_trainer_holding_the_cpu_layout_updates_the_engine_without_a_copy(test_models_dir):
+    """A trainer keeping its parameters in the cpu backend's layout (pack_params, once):
+    a step on them, then update_weights, and the batch-invariant engine holds the very
+    arrays (no copy), its logprobs the trainer's forward's bit for bit; the gradient
+    reaches every packed array, and a step along it raises the logprobs."""
+    from jaxllm.models.linear import pack_params
+
+    llm = LLM(str(test_models_dir / "llama"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+              kv_cache_memory="1MiB", batch_invariant=True, dtype="float32", quantization="none", progress=False)
+    model = load_model(test_models_dir / "llama", dtype="float32")
+    packed = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(3), a.shape, a.dtype)
+                          if a.dtype.kind == "f" else a, pack_params(model.params))  # a trainer's step
+    llm.update_weights(packed)
+    held = jax.tree.leaves(llm.llm_engine.core.runner.weights["cpu"])
+    assert all(a is b for a, b in zip(held, jax.tree.leaves(packed), strict=True))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 500, 21)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=1.0, seed=2, max_tokens=6,
+                       logprobs=0, prompt_logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    ids = jnp.asarray([out.prompt_token_ids + out.outputs[0].token_ids], jnp.int32)
+
+    def total(p):
+        return sequence_logprobs(p, model.config, ids, batch_invariant=True).sum()
+
+    mine = jax.jit(sequence_logprobs, static_argnums=(1, 5))(packed, model.config, ids, None, None, True)
+    np.testing.assert_array_equal(np.asarray(mine)[0, 1:], np.asarray(_reported(out), np.float32))
+    value, grads = jax.jit(jax.value_and_grad(total))(packed)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert float(jax.jit(total)(jax.tree.map(lambda p, g: p + 1e-3 * g, packed, grads))) > float(value)
