@@ -15,12 +15,12 @@ CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def engine_args(test_models_dir, tmp_path_factory) -> list[str]:
-    """A small engine on the tiny llama; a compilation cache shared by the module's runs."""
-    cache = tmp_path_factory.mktemp("xla_cache")
+def engine_args(test_models_dir, shared_cache_dir) -> list[str]:
+    """A small engine on the tiny llama: the test servers' (tests/support/server.py) and their
+    compilation cache, the run's (what one of them compiled and measured is loaded)."""
     return ["--model", str(test_models_dir / "llama"), "--max-model-len", "256", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "64", "--kv-cache-memory", "4MiB",
-            "--compilation-cache-dir", str(cache), "--no-progress"]
+            "--compilation-cache-dir", str(shared_cache_dir), "--no-progress"]
 
 
 def write_jsonl(path: Path, lines: list[dict | str]) -> Path:
