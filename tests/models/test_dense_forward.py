@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.models.dense import sequence_logprobs
+from tests.support.llm import KV_BYTES_PER_BLOCK
 
 
 def hf_logprobs(folder, ids: list[int]) -> np.ndarray:
@@ -89,7 +90,8 @@ def _reported(out) -> list[float]:
 
 def test_batch_invariant_engine_equals_the_trainers_bits(test_models_dir):
     """batch_invariant=True: what the engine reports for a sequence is the same bits
-    alone or batched with others (chunked prefill beside decodes, a prefix-cache hit),
+    alone or batched with others (chunked prefill beside decodes, a prefix-cache hit,
+    preemption and recomputation in an engine short of KV blocks),
     and the same bits as the trainer's forward (sequence_logprobs(batch_invariant=True))
     over the sampled sequences right-padded into one batch; its gradient is the dense
     forward's."""
@@ -103,6 +105,12 @@ def test_batch_invariant_engine_equals_the_trainers_bits(test_models_dir):
     alone = llm.generate(prompts[1:2], params, use_tqdm=False)[0]  # its prefix now cached
     assert alone.outputs[0].token_ids == together[1].outputs[0].token_ids
     assert _reported(alone) == _reported(together[1])
+    pressed = LLM(str(test_models_dir / "llama"), max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32,
+                  kv_cache_memory=7 * KV_BYTES_PER_BLOCK, batch_invariant=True, dtype="float32", quantization="none",
+                  progress=False)  # 96 tokens of KV for the three: some are preempted and computed again
+    again = pressed.generate(prompts, params, use_tqdm=False)
+    assert pressed.llm_engine.core.scheduler.num_preemptions > 0
+    assert [_reported(o) for o in again] == [_reported(o) for o in together]
 
     model = load_model(test_models_dir / "llama", dtype="float32")
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in together]
