@@ -34,12 +34,15 @@ SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, atten
 def engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:
     """Greedy tokens, sample and prompt logprobs (top 3 / 2) of two fixed prompts through
     LLM: what a kept-blocks engine must reproduce bit for bit (activations in float: the
-    default "auto" multiplies int16 ones on the cpu kernel)."""
+    default "auto" multiplies int16 ones on the cpu kernel). Single decode steps: the four
+    step shapes alone, no decode loops (each ~2x a step shape's compile time here); the
+    loops run kept blocks in make_llm's q8_0 engine (tests/engine/test_update_weights.py)
+    and tests/models/test_activation_quantization.py's engines."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 500, n)]} for n in (5, 40)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     llm = LLM(str(path), quantization=quantization, linear_backend=linear_backend, dtype=dtype,
-              activation_quantization="none", **SMALL)
+              activation_quantization="none", **(SMALL | dict(num_scheduler_steps=1)))
     values = []
     for o in llm.generate(prompts, params, use_tqdm=False):
         steps = o.outputs[0].logprobs + o.prompt_logprobs[1:]
