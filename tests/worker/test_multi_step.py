@@ -124,7 +124,7 @@ def test_a_request_under_a_grammar_decodes_one_step_at_a_time(test_models_dir, s
     assert_no_leaks(llm)
 
 
-def test_lora(test_models_dir, tmp_path):
+def test_lora(test_models_dir, tmp_path, shared_cache_dir):
     """Adapters stay applied to each row over a loop's steps."""
     import make_test_model
 
@@ -132,7 +132,10 @@ def test_lora(test_models_dir, tmp_path):
 
     path = make_test_model.write_lora_adapter(test_models_dir / "llama", tmp_path / "a1", rank=8, seed=1, scale=0.5)
     adapter = LoRARequest("a1", 1, str(path))
-    options = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    # tests/lora/test_lora.py's one-slot engine (and its server's) in the run's shared compilation cache: K = 4 is
+    # that engine, K = 1 its step shapes without the loops; whichever starts first compiles them
+    options = dict(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, kv_cache_memory=25 * KV_BYTES_PER_BLOCK,
+                   compilation_cache_dir=str(shared_cache_dir))
     runs = []
     for k in (1, 4):
         llm = make_llm(test_models_dir, num_scheduler_steps=k, **options)
