@@ -20,6 +20,8 @@ def gemma():
     return load_model("gemma-3-270m")
 
 
+@pytest.mark.slow  # 15-18 s: gguf's reader builds the 262k-token vocabulary's fields one by one; by default Gemma 3's
+# GGUF metadata (these values) reads in tests/test_config.py and a Gemma 3 GGUF loads in tests/loaders/test_loaders.py
 def test_config_from_the_gguf_metadata():
     cfg = GGUFFile(model_path("gemma-3-270m")).model_config()
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
