@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxllm.attention.cpu import ragged_paged_attention_cpu
 from jaxllm.attention.kv_cache import KVCache
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
@@ -25,6 +26,7 @@ from jaxllm.models.llama import compute_logits, embed_input, finish_layer, forwa
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable, model_rope_table
 from jaxllm.models.vision import merge_image_embeddings
+from jaxllm.sample.sampler import token_scores_cpu
 
 INVARIANT_BLOCK = 16  # the block size of invariant_logprobs' cache (any gives the same sums)
 
@@ -129,9 +131,6 @@ def invariant_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Arr
 
 def _kernel_logprobs(params: ModelParams, cfg: ModelConfig, token_ids: Int[Array, "B T"], rope: RopeTable
                      ) -> Float[Array, "B T"]:
-    from jaxllm.attention.cpu import ragged_paged_attention_cpu
-    from jaxllm.sample.sampler import token_scores_cpu
-
     b, t = token_ids.shape
     if any(cfg.is_moe(i) for i in range(cfg.num_layers)):
         raise ValueError("batch_invariant: not yet for mixture-of-experts models")
