@@ -27,7 +27,7 @@ MIXES = {  # name: (decode context lengths, prefill chunks as (context, new toke
 }
 
 
-def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng):
+def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str = "float32"):
     import jax.numpy as jnp
     import numpy as np
 
@@ -46,12 +46,13 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng):
     t = int(q_lens.sum())
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     return (jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM), np.float32)),
-            jnp.asarray(rng.standard_normal(shape, np.float32)), jnp.asarray(rng.standard_normal(shape, np.float32)),
+            jnp.asarray(rng.standard_normal(shape, np.float32), kv_dtype),
+            jnp.asarray(rng.standard_normal(shape, np.float32), kv_dtype),
             jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
             jnp.asarray(np.int32(len(seqs))))
 
 
-def run(iters: int) -> None:
+def run(iters: int, kv_dtype: str) -> None:
     import functools
 
     import jax
@@ -64,23 +65,26 @@ def run(iters: int) -> None:
     scale = HEAD_DIM ** -0.5
     cpu = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=scale))
     xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=scale))
-    print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8}")
+    print(f"KV cache {kv_dtype}; cpu GB/s: the K/V rows the sequences read, per second of the cpu kernel")
+    print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8} {'cpu GB/s':>9}")
     for name, (decodes, chunks) in MIXES.items():
-        args = inputs(decodes, chunks, rng)
+        args = inputs(decodes, chunks, rng, kv_dtype)
         np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
         tc, tx = timed(cpu, *args, iters=iters), timed(xla, *args, iters=iters)
-        print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f}", flush=True)
+        kv_bytes = sum(int(kv) for kv in np.asarray(args[3])) * KV_HEADS * HEAD_DIM * 2 * args[1].dtype.itemsize
+        print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f} {kv_bytes / tc / 1e9:9.1f}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--isa", choices=sorted(ISAS), default="native")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     if not reexec(args.isa):
         return
     print(describe(args.isa))
-    run(args.iters)
+    run(args.iters, args.kv_cache_dtype)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ precision, measured in the same run before the servers start (`peak_gflops`: a 5
 kernel, the defaults' Q4_1 blocks with int16 activations by the kernel).
 
     python scripts/bench_vllm.py --out bench_results/vllm_standard
+    python scripts/bench_vllm.py --isa avx2 --out bench_results/vllm_standard_avx2  # both as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 import httpx
 from bench_eval import export_hf_folder
 from bench_serving import LaunchedServer, benchmark, print_summary, standard_dataset
-from isa_build import describe
+from isa_build import ISAS, describe, reexec
 
 ROOT = Path(__file__).resolve().parents[1]
 JAXLLM_FLOAT32 = "--dtype float32 --quantization none --activation-quantization none"
@@ -91,8 +92,14 @@ class LaunchedVllmServer(LaunchedVenvServer):
 
 
 def vllm_env() -> dict[str, str]:
-    """vLLM CPU's environment here: 2 GiB of KV cache, its OpenMP threads on every core."""
-    return os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    """vLLM CPU's environment here: 2 GiB of KV cache, its OpenMP threads on every core;
+    under `--isa avx2` (isa_build's environment set) also its AVX2 build and code paths
+    (scripts/vllm_avx2/sitecustomize.py: torch.cpu's probes answer no AVX-512, no AMX)."""
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    if os.environ.get("JAXLLM_CPU_MARCH") == ISAS["avx2"]["JAXLLM_CPU_MARCH"]:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts" / "vllm_avx2"),
+                                                          os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def _healthy(url: str) -> bool:
@@ -182,6 +189,9 @@ def _median_seconds(fn, *args) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--isa", choices=sorted(ISAS), default="native",
+                   help="avx2: both servers as on an AVX2-only CPU (jaxllm's kernels built for x86-64-v3 and XLA "
+                        "capped: scripts/isa_build.py; vLLM's AVX2 library and torch capped)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--vllm-venv", default=str(ROOT / "build" / "vllm-cpu"))
@@ -191,18 +201,20 @@ def main() -> None:
                    help="one more jaxllm run with these flags, after the others, compared with vLLM's default "
                         "(an A/B of a candidate default in the same run); repeatable")
     args = p.parse_args()
+    if not reexec(args.isa):
+        return
     runs = RUNS + tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in args.also)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(describe("native"), flush=True)
+    print(describe(args.isa), flush=True)
     folder = export_hf_folder(args.hf_folder, None)
     requests = standard_dataset()[:args.num_prompts]
     flops = model_flops_per_token(folder)
     peaks = peak_gflops()
     print("peak GFLOP/s (a 512 x 2048 x 2048 dot):", {k: round(v) for k, v in peaks.items()}, flush=True)
     python = vllm_python(args.vllm_venv)
-    results: dict = {"build": describe("native"), "peak_gflops": peaks, "runs": {}}
+    results: dict = {"build": describe(args.isa), "peak_gflops": peaks, "runs": {}}
     for i, (label, server, flags, precision) in enumerate(runs):
         if server == "vllm" and python is None:
             continue

@@ -98,3 +98,21 @@ def test_vllm_that_does_not_install_is_skipped(faked, monkeypatch, tmp_path):
 def test_the_workload_counts_every_token_and_its_context():
     flops = bench_vllm.workload_flops([BenchRequest([1, 2, 3], 2)], (10.0, 100.0, 1.0))
     assert flops == 5 * 10.0 + 2 * 100.0 + 15  # 5 tokens through the layers, 2 through the head; contexts 1 + ... + 5
+
+
+def test_under_avx2_vllm_takes_its_avx2_build(monkeypatch):
+    """`--isa avx2`: vLLM's environment puts scripts/vllm_avx2 first on PYTHONPATH, whose
+    sitecustomize makes torch.cpu's probes answer no AVX-512 and no AMX in every process
+    vLLM starts (so it loads _C_AVX2 and skips its AMX paths); natively, nothing added."""
+    import subprocess
+
+    from isa_build import ISAS
+
+    monkeypatch.delenv("JAXLLM_CPU_MARCH", raising=False)
+    assert "vllm_avx2" not in bench_vllm.vllm_env().get("PYTHONPATH", "")
+    monkeypatch.setenv("JAXLLM_CPU_MARCH", ISAS["avx2"]["JAXLLM_CPU_MARCH"])
+    env = bench_vllm.vllm_env()
+    probe = "import torch.cpu as c; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), " \
+            "c._is_amx_tile_supported())"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
