@@ -29,7 +29,9 @@ from jaxllm.models.quant import (
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]
 LARGEST = {"int8": 127, "int16": 32767}
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
+# few step shapes (1-16 tokens, decode loops of 1 and 4 sequences): each engine compiles them
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, attention_backend="cpu", progress=False)
+REFERENCE = dict(num_scheduler_steps=1)  # an oracle engine decodes by single steps: no decode loops to compile
 
 
 def _quantized(fmt: str, k: int, n: int, seed: int = 0, activations: str = "int8") -> QuantizedWeight:
@@ -209,7 +211,7 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path, kv_cache_dtype="float32")
-    _, float_tokens, float_logprobs = _engine(path, activation_quantization="none")
+    _, float_tokens, float_logprobs = _engine(path, activation_quantization="none", **REFERENCE)
     assert tokens == float_tokens
     np.testing.assert_allclose(logprobs, float_logprobs, rtol=0, atol=2e-3)
     assert np.abs(logprobs - float_logprobs).max() > 0  # int16 is not float
@@ -253,7 +255,7 @@ def test_bfloat16_activations_and_auto_where_the_cpu_has_amx(test_models_dir, tm
     assert "(auto: this CPU has AMX;" in runner.describe_weights()
     assert runner.weights["cpu"].layers[0].wqkv.float_dtype == "bfloat16"
     _, ref_tokens, ref_logprobs = _engine(path, activation_quantization="bfloat16", linear_backend="xla",
-                                          kv_cache_dtype="bfloat16")
+                                          kv_cache_dtype="bfloat16", **REFERENCE)
     assert tokens == ref_tokens
     assert (np.abs(logprobs - ref_logprobs) <= 2e-4).mean() > 0.95, np.abs(logprobs - ref_logprobs).max()
     np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=0.05)
