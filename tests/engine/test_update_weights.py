@@ -96,7 +96,8 @@ def test_a_quantized_engine_quantizes_float_weights_as_at_load(test_models_dir, 
 
 def test_the_xla_backend_takes_the_arrays_as_they_are(test_models_dir):
     """No copy: the engine's weights after the update are the very arrays given."""
-    llm = make_llm(test_models_dir, linear_backend="xla")
+    llm = make_llm(test_models_dir, linear_backend="xla", max_num_seqs=1, max_num_batched_tokens=4,
+                   num_scheduler_steps=1)  # two step shapes to compile: nothing runs
     new = trained(load_model(test_models_dir / "llama", dtype="float32").params, seed=2)
     llm.update_weights(new)
     held = jax.tree.leaves(llm.llm_engine.core.runner.weights["xla"])
