@@ -36,8 +36,11 @@ def core_pid(server_pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("server")
+def cache_dir(shared_cache_dir) -> Path:
+    """The run's compilation cache: the module's servers and offline engine share one
+    another's executables, and the main server those of the other tests' servers of its
+    options (tests/support/server.py)."""
+    return shared_cache_dir
 
 
 @pytest.fixture(scope="module")
