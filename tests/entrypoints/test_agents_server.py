@@ -33,7 +33,10 @@ def ids(model):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     s = Server(model, tmp_path_factory.mktemp("agents_server"), "--max-model-len", "2048", "--served-model-name", "q",
-               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--responses-store-size", "4")
+               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--responses-store-size", "4",
+               # named backends: nothing measured at start-up; single decode steps: no decode loops to compile (the
+               # parsers and the Responses API are the point)
+               "--attention-backend", "cpu", "--linear-backend", "cpu", "--num-scheduler-steps", "1")
     yield s
     s.stop()
 
