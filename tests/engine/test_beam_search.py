@@ -169,8 +169,9 @@ def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts, h
     """A pool too small for every group at once preempts whole groups; the beams are
     those of an engine that never preempts (and transformers'), alone and among sampled
     requests sharing their steps."""
+    # three groups at once, where two fit; single decode steps (a beam never runs a decode loop): no loops to compile
     llm = make_llm(test_models_dir, kv_cache_memory=24 * KV_BYTES_PER_BLOCK, async_scheduling=False,
-                   max_model_len=128, max_num_seqs=12)  # three groups at once, where two fit
+                   max_model_len=128, max_num_seqs=12, num_scheduler_steps=1)
     many = prompts + [p[::-1] for p in prompts]
     params = BeamSearchParams(4, 32)
     assert_same_as_hf(hf, llm, many, params)

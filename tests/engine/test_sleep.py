@@ -75,7 +75,8 @@ def test_a_trainers_arrays_stay_valid(test_models_dir):
     """Weights given to update_weights are held as they are (xla backend: no copy); a
     sleep lets the engine's reference go without deleting them: the trainer's copy
     still reads, and the engine wakes with it."""
-    llm = make_llm(test_models_dir, enable_sleep_mode=True, linear_backend="xla")
+    llm = make_llm(test_models_dir, enable_sleep_mode=True, linear_backend="xla", max_num_seqs=1,
+                   max_num_batched_tokens=4, num_scheduler_steps=1)  # two step shapes (test_update_weights' xla engine)
     weights = load_model(test_models_dir / "llama", dtype="float32").params
     llm.update_weights(weights)
     before = tokens(llm)

@@ -216,7 +216,9 @@ def make_llm(test_models_dir, **options):
 
 @pytest.fixture(scope="module")
 def engines(test_models_dir):
-    return make_llm(test_models_dir), make_llm(test_models_dir, speculative_config=NGRAM)
+    """The oracle without speculation, by single decode steps as a speculating engine decodes (the same tokens as
+    with decode loops; none to compile), and the n-gram engine."""
+    return make_llm(test_models_dir, num_scheduler_steps=1), make_llm(test_models_dir, speculative_config=NGRAM)
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
