@@ -39,7 +39,9 @@ def test_batch_invariance_and_hf_exactness(pressured, test_models_dir):
     assert core.scheduler.num_preemptions > 0  # the pool was too small for everyone at once
     assert_no_leaks(pressured)
 
-    alone = make_llm(test_models_dir, max_num_batched_tokens=128)
+    # each prompt whole in one step, one sequence, single decode steps: another path than the batch's, and 7 step
+    # shapes to compile, not 10
+    alone = make_llm(test_models_dir, max_num_batched_tokens=128, max_num_seqs=1, num_scheduler_steps=1)
     hf = AutoModelForCausalLM.from_pretrained(test_models_dir / "llama", dtype=torch.float32).eval()
     for prompt, n, out in zip(prompts, lengths, batched):
         got = out.outputs[0].token_ids
@@ -406,7 +408,8 @@ def test_penalties_and_min_p_through_the_engine(test_models_dir):
 def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models_dir, tmp_path):
     import jaxllm.platform
 
-    small = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory=8 * KV_BYTES_PER_BLOCK)
+    small = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, kv_cache_memory=8 * KV_BYTES_PER_BLOCK,
+                 num_scheduler_steps=1)  # three step shapes, no decode loops: each engine compiles them
     first = make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "a"), **small)
     make_llm(test_models_dir, compilation_cache_dir=str(tmp_path / "b"), **small)
     for name in ("a", "b"):
