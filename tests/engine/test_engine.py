@@ -145,7 +145,7 @@ def test_stop_conditions(pressured):
 
 
 def test_max_tokens_default_and_model_len(test_models_dir):
-    llm = make_llm(test_models_dir, max_model_len=64)
+    llm = make_llm(test_models_dir, max_model_len=64, max_num_seqs=1)  # one sequence: 6 step shapes, not 8
     prompt = list(range(3, 53))  # 50 tokens: 14 left
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 14 and out[0].outputs[0].finish_reason == "length"
