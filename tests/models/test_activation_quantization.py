@@ -29,8 +29,7 @@ from jaxllm.models.quant import (
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]
 LARGEST = {"int8": 127, "int16": 32767}
-# few step shapes (1-16 tokens, decode loops of 1 and 4 sequences): each engine compiles them
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, attention_backend="cpu", progress=False)
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
 REFERENCE = dict(num_scheduler_steps=1)  # an oracle engine decodes by single steps: no decode loops to compile
 
 
