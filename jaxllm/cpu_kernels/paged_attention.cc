@@ -241,6 +241,23 @@ inline void fold_stage(V* v, int n) {  // n vectors -> n / 2
     v[i] = lo + hi;
   }
 }
+// reduce_tile's stage at level L (0: the first) on one pair: the even slot's vector a,
+// the odd one's b.
+constexpr int kFoldLevels = kLanes == 16 ? 4 : kLanes == 8 ? 3 : 2;
+inline V fold_pair(int L, V a, V b) {
+  V lo, hi;
+  switch (kFoldLevels - 1 - L) {  // the interleave block: kLanes / 2 at level 0, ..., 1 at the last
+#if JAXLLM_LANES >= 16
+    case 3: interleave<8>(a, b, lo, hi); break;
+#endif
+#if JAXLLM_LANES >= 8
+    case 2: interleave<4>(a, b, lo, hi); break;
+#endif
+    case 1: interleave<2>(a, b, lo, hi); break;
+    default: interleave<1>(a, b, lo, hi); break;
+  }
+  return lo + hi;
+}
 inline V reduce_tile(V* v) {  // v[kLanes], overwritten
   if constexpr (kLanes >= 16) fold_stage<8>(v, kLanes);
   if constexpr (kLanes >= 8) fold_stage<4>(v, kLanes >= 16 ? 8 : kLanes);
@@ -388,6 +405,10 @@ inline void accumulate_values(const R* const* vrow, int ntok, const float (*p)[k
   }
 }
 
+// Vectors of kLanes elements of R per 64-byte cache line (at least 1).
+template <class R>
+constexpr int kLinePrefetchStep = 64 / (kLanes * sizeof(R)) > 0 ? 64 / (kLanes * sizeof(R)) : 1;
+
 // Decode path: one KV head's GT query vectors (of one row) against a chunk of keys.
 // Scores as dot products along D, each tile's kLanes partial-sum vectors folded into one.
 // Scaled (int8) caches: ks, vs hold the chunk's key and value rows' scales.
@@ -398,25 +419,31 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
   constexpr int C = D / kLanes;
   V s[GT][kTiles];
   for (int j = 0; j < ntiles; ++j) {
-    V part[GT][kTile];
-    for (int t = 0; t < kTile; ++t) {
+    // The tile's kLanes partial-sum vectors folded as they come, in reduce_tile's tree:
+    // slot i (token bit_reverse(i)) joins the fold of level L when bit L of i is set, so
+    // at most one vector per level and query is live (the same sums in the same order).
+    V level[GT][kFoldLevels];
+#pragma GCC unroll 16
+    for (int i = 0; i < kTile; ++i) {
+      const int t = bit_reverse(i);
       V kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
       if (knext != nullptr)  // what the same loop reads one chunk later: a chunk's distance ahead
-        for (int c = 0; c < C; c += 16 / kLanes) {  // one prefetch per 64-byte line
+        for (int c = 0; c < C; c += kLinePrefetchStep<R>) {  // one prefetch per 64-byte line
           __builtin_prefetch(knext[j * kTile + t] + kLanes * c);
           __builtin_prefetch(vnext[j * kTile + t] + kLanes * c);
         }
       for (int g = 0; g < GT; ++g) {
         V acc = load(q + g * D) * kv[0];
         for (int c = 1; c < C; ++c) acc += load(q + g * D + kLanes * c) * kv[c];
-        part[g][bit_reverse(t)] = acc;
+        int L = 0;
+        for (; (i >> L) & 1; ++L) acc = fold_pair(L, level[g][L], acc);
+        if (L < kFoldLevels) level[g][L] = acc;
+        else s[g][j] = acc;
       }
     }
-    for (int g = 0; g < GT; ++g) {
-      s[g][j] = reduce_tile(part[g]);
-      if constexpr (kScaled<R>) s[g][j] *= load(ks + j * kTile);
-    }
+    if constexpr (kScaled<R>)
+      for (int g = 0; g < GT; ++g) s[g][j] *= load(ks + j * kTile);
   }
   alignas(64) float p[GT][kChunk];
   bool any = false;
