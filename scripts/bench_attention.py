@@ -27,12 +27,17 @@ MIXES = {  # name: (decode context lengths, prefill chunks as (context, new toke
 }
 
 
-def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str = "float32"):
+def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str = "float32",
+           resident: bool = False):
+    """The kernels' arguments for a step of these decodes (context lengths, +-50) and
+    prefill chunks, over blocks scattered in the pool; `resident`: every decode of equal
+    length and reading the first one's blocks, which then stay in the caches (what the
+    kernel costs apart from reading memory)."""
     import jax.numpy as jnp
     import numpy as np
 
     seqs = [(ctx + 1, 1) for ctx in decodes] + [(ctx + new, new) for ctx, new in chunks]
-    kv_lens = np.array([kv + int(rng.integers(-50, 50)) * (q == 1) for kv, q in seqs], np.int32)
+    kv_lens = np.array([kv + int(rng.integers(-50, 50)) * (q == 1) * (not resident) for kv, q in seqs], np.int32)
     q_lens = np.array([q for _, q in seqs], np.int32)
     max_blocks = -(-int(kv_lens.max()) // BLOCK)
     num_blocks = int(sum(-(-kv // BLOCK) for kv in kv_lens)) + 1
@@ -41,7 +46,7 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str
     used = 0
     for s, kv in enumerate(kv_lens):
         n = -(-int(kv) // BLOCK)
-        tables[s, :n] = perm[used:used + n]
+        tables[s, :n] = tables[0, :n] if resident and s > 0 and q_lens[s] == 1 else perm[used:used + n]
         used += n
     t = int(q_lens.sum())
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
@@ -52,7 +57,7 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str
             jnp.asarray(np.int32(len(seqs))))
 
 
-def run(iters: int, kv_dtype: str) -> None:
+def run(iters: int, kv_dtype: str, resident: bool) -> None:
     import functools
 
     import jax
@@ -68,7 +73,7 @@ def run(iters: int, kv_dtype: str) -> None:
     print(f"KV cache {kv_dtype}; cpu GB/s: the K/V rows the sequences read, per second of the cpu kernel")
     print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8} {'cpu GB/s':>9}")
     for name, (decodes, chunks) in MIXES.items():
-        args = inputs(decodes, chunks, rng, kv_dtype)
+        args = inputs(decodes, chunks, rng, kv_dtype, resident)
         np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
         tc, tx = timed(cpu, *args, iters=iters), timed(xla, *args, iters=iters)
         kv_bytes = sum(int(kv) for kv in np.asarray(args[3])) * KV_HEADS * HEAD_DIM * 2 * args[1].dtype.itemsize
@@ -80,11 +85,13 @@ def main() -> None:
     p.add_argument("--isa", choices=sorted(ISAS), default="native")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--resident", action="store_true",
+                   help="the decodes read one sequence's blocks, kept in the caches: the kernel apart from memory")
     args = p.parse_args()
     if not reexec(args.isa):
         return
     print(describe(args.isa))
-    run(args.iters, args.kv_cache_dtype)
+    run(args.iters, args.kv_cache_dtype, args.resident)
 
 
 if __name__ == "__main__":
