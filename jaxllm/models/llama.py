@@ -62,7 +62,10 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, o
     mean square in a fixed order (`row_sums`: a row normed alone or in any batch is the
     same bits)."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(row_sums(xf * xf) / x.shape[-1] + eps)
+    # the squares apart from their sums: fused, the compiler may contract a square and
+    # its add into one multiply-add (rounded once), and a row would hang on the fusion
+    squares = jax.lax.optimization_barrier(xf * xf)
+    normed = xf * jax.lax.rsqrt(row_sums(squares) / x.shape[-1] + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
     return (scale * normed).astype(x.dtype)
 
