@@ -225,28 +225,20 @@ inline void interleave(V a, V b, V& lo, V& hi) {
   }
 }
 
-// kLanes vectors of partial dot products -> one vector of their sums, halving the
-// vectors and the lanes each stage. Input slot i must hold token bit_reverse(i)'s
+// kLanes vectors of partial dot products -> one vector of their sums: a tree of
+// log2(kLanes) levels, each pairing vectors (an even slot's a with the odd slot's b:
+// interleaved in blocks of kLanes / 2 at level 0, ..., 1 at the last, the halves
+// added), halving the vectors and the lanes. Slot i must hold token bit_reverse(i)'s
 // partials for lane j of the result to be token j.
 constexpr int bit_reverse(int i) {
   int r = 0;
   for (int b = 1; b < kLanes; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
   return r;
 }
-template <int B>
-inline void fold_stage(V* v, int n) {  // n vectors -> n / 2
-  for (int i = 0; i < n / 2; ++i) {
-    V lo, hi;
-    interleave<B>(v[2 * i], v[2 * i + 1], lo, hi);
-    v[i] = lo + hi;
-  }
-}
-// reduce_tile's stage at level L (0: the first) on one pair: the even slot's vector a,
-// the odd one's b.
 constexpr int kFoldLevels = kLanes == 16 ? 4 : kLanes == 8 ? 3 : 2;
-inline V fold_pair(int L, V a, V b) {
+inline V fold_pair(int L, V a, V b) {  // the tree's level L on one pair
   V lo, hi;
-  switch (kFoldLevels - 1 - L) {  // the interleave block: kLanes / 2 at level 0, ..., 1 at the last
+  switch (kFoldLevels - 1 - L) {
 #if JAXLLM_LANES >= 16
     case 3: interleave<8>(a, b, lo, hi); break;
 #endif
@@ -257,13 +249,6 @@ inline V fold_pair(int L, V a, V b) {
     default: interleave<1>(a, b, lo, hi); break;
   }
   return lo + hi;
-}
-inline V reduce_tile(V* v) {  // v[kLanes], overwritten
-  if constexpr (kLanes >= 16) fold_stage<8>(v, kLanes);
-  if constexpr (kLanes >= 8) fold_stage<4>(v, kLanes >= 16 ? 8 : kLanes);
-  fold_stage<2>(v, 4);
-  fold_stage<1>(v, 2);
-  return v[0];
 }
 
 struct Problem {
@@ -419,7 +404,7 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
   constexpr int C = D / kLanes;
   V s[GT][kTiles];
   for (int j = 0; j < ntiles; ++j) {
-    // The tile's kLanes partial-sum vectors folded as they come, in reduce_tile's tree:
+    // The tile's kLanes partial-sum vectors folded as they come, in the tree above:
     // slot i (token bit_reverse(i)) joins the fold of level L when bit L of i is set, so
     // at most one vector per level and query is live (the same sums in the same order).
     V level[GT][kFoldLevels];
