@@ -714,7 +714,8 @@ constexpr const char* kScaleTypes = ": scales (and mins) must be float32 or floa
 // block's tiles are packed (pack items are taken first, so the wait always ends). Row
 // blocks are of equal size: whole tiles, at most kBlock rows.
 template <int kRows = kTileRows, int64_t kBlock = kRowBlock, class Pack, class Multiply>
-void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pack&& pack, Multiply&& multiply) {
+void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pack&& pack, Multiply&& multiply,
+                        jaxllm::ThreadHooks hooks = {}) {
   const int64_t tiles = (M + kRows - 1) / kRows;
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   const int64_t tiles_per_block = (tiles + blocks - 1) / blocks;
@@ -731,7 +732,7 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
     multiply(p, t0, t1);
-  });
+  }, hooks);
 }
 
 // AMX (Intel Sapphire Rapids and later): bfloat16 pairs multiplied by tdpbf16ps, 16 rows
@@ -772,6 +773,9 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 constexpr AmxConfig kAmxConfig{};
+// A thread's tiles for one call: configured before its first item (the thread may have
+// run other tile code since its last call: XLA's oneDNN dots) and released after its last.
+constexpr jaxllm::ThreadHooks kAmxHooks{[] { _tile_loadconfig(&kAmxConfig); }, [] { _tile_release(); }};
 
 inline int64_t amx_depth(int64_t K) { return ((K + 1) / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs; }
 
@@ -851,7 +855,6 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
     std::memcpy(tail, w + whole * 2 * kPanel, (pairs - whole) * 2 * kPanel * sizeof(uint16_t));
   }
   alignas(64) float out[kAmxRows * kPanel];
-  _tile_loadconfig(&kAmxConfig);  // each item: the thread may have run other tile code since
   for (int64_t t = t0; t < t1; t += 2) {
     const uint16_t* x0 = XT + t * tile_size;
     _tile_zero(0);
@@ -869,7 +872,6 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
       amx_store<false>(Y, M, N, t, p, cols, out);
     }
   }
-  _tile_release();
 }
 
 // dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
@@ -898,7 +900,7 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
       amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, Y, N, p, cols);
     }
-  });
+  }, kAmxHooks);
 }
 #else
 constexpr bool amx_ready() { return false; }
