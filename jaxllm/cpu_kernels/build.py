@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DIRECTORY = Path(__file__).parent
 SOURCES = (DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc", DIRECTORY / "argmax.cc",
            DIRECTORY / "token_scores.cc")
-HEADERS = (DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
+HEADERS = (DIRECTORY / "amx.h", DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
 LIBRARY = "cpu-kernels"
 MARCH_ENV = "JAXLLM_CPU_MARCH"  # e.g. x86-64-v3: an AVX2 + FMA build on an AVX-512 machine
 

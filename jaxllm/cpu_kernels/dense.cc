@@ -47,11 +47,7 @@
 #include <arm_neon.h>
 #endif
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -745,37 +741,20 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 // x at a time times both halves of the panel: four tiles of sums. The products are those
 // of vdpbf16ps (exact in float32); the sums are float32 but in the tile unit's order,
 // not bit for bit those of the other tiles (EngineConfig's backend measurement picks
-// `amx` per step shape like any other: PackedWeight.bf16_tiles). Linux hands a process
-// the tile state only when asked (else the first tile instruction faults): asked once,
-// and where it refuses the call runs vdpbf16ps instead.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define JAXLLM_AMX 1
+// `amx` per step shape like any other: PackedWeight.bf16_tiles). Where the OS refuses the
+// tile state (amx.h) the call runs vdpbf16ps instead.
+#ifdef JAXLLM_AMX
 constexpr int kAmxRows = 16;   // rows of a tile of x, and of sums
 constexpr int kAmxPairs = 16;  // input pairs per step (a tile row: 64 bytes)
 // rows per item at most: a kept panel is converted once per item (96, 256 and 512 measured alike
 // within the noise at 32-512 rows on the 2-vCPU Xeon)
 constexpr int64_t kAmxRowBlock = 96;
 
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Eight tiles of 16 rows x 64 bytes: 0-3 sums (two tiles of rows x two halves of the
-// panel), 4-5 x, 6-7 the panel's halves.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-constexpr AmxConfig kAmxConfig{};
-// A thread's tiles for one call: configured before its first item (the thread may have
-// run other tile code since its last call: XLA's oneDNN dots) and released after its last.
-constexpr jaxllm::ThreadHooks kAmxHooks{[] { _tile_loadconfig(&kAmxConfig); }, [] { _tile_release(); }};
+using jaxllm::amx_ready;
+using jaxllm::kAmxConfig;
+using jaxllm::kAmxHooks;
+// Tiles 0-3 hold sums (two tiles of rows x two halves of the panel), 4-5 x, 6-7 the
+// panel's halves.
 
 inline int64_t amx_depth(int64_t K) { return ((K + 1) / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs; }
 

@@ -29,6 +29,9 @@
 //   head_dim step, values for 6 queries x a slice of head_dim (2 vectors; 4) per key.
 //   A block of queries skips the key tiles past its last row (the causal diagonal),
 //   and the softmax's exp is vexp's polynomial without the clamps (exp_scores).
+// - the prefill path on AMX (a bfloat16 cache, head_dim a multiple of 64, where the CPU
+//   and OS give the tiles): scores and values as tile products, the queries and the
+//   probabilities multiplied as three bfloat16 parts each (attend_chunk_amx).
 // Measured on a 2-core Xeon (AVX-512), SmolLM2 shapes: a decode of 64 sequences of ~400
 // tokens, 30 layers of KV out of cache, reads its 1.18 GB at ~19 GB/s (streaming reads
 // reach ~29). One layer's 448-token prefill chunk (scripts/bench_attention.py, which
@@ -52,6 +55,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -271,6 +275,9 @@ struct Problem {
   // from position 0, and no common prefix pass: the sums of a row then never depend on
   // the other rows of its item or step.
   bool invariant;
+  // The prefill path multiplies on AMX's tiles (a bfloat16 cache, head_dim a multiple of
+  // 64, a CPU and OS with AMX, not `invariant`): attend_chunk_amx.
+  bool amx;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
   // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
@@ -607,11 +614,231 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
 struct Scratch {
   std::vector<float> q, o, m, l, zeros, kt, p;
   std::vector<int32_t> row_pos;
+  std::vector<uint16_t> qa, vb;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles
+  std::vector<uint32_t> kb;      // and key tiles
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
 constexpr int kPadQueries = 32;  // >= kScoreBlock and every kValueBlock
 static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  // D = 16: the largest
+constexpr int kSplits = 3;       // the AMX path's bfloat16 parts of a float32 operand
+constexpr int kAmxQueries = 16;  // and its queries per tile of sums
+static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 4-6");
+
+#ifdef JAXLLM_AMX
+// The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per chunk and KV
+// head, its keys and values are laid out once as tile operands (key_tiles, value_tiles);
+// then per 16 queries: their scores against the chunk's 64 keys (four 16 x 16 tiles of
+// sums), the online softmax of each query (softmax_update, as the other paths), and the
+// probabilities times the values (D / 16 tiles of sums), added to the outputs. The keys
+// and values are bfloat16 already; the queries and the probabilities are float32, so each
+// is multiplied as kSplits bfloat16 parts (x = a + b + c to float32's 24 bits, each part
+// the rounding of what the ones before left, an exact difference): the products are exact
+// and summed in float32 by the tile unit, so the outputs agree with the float paths' to
+// float32's rounding (in another order), not to bfloat16's.
+
+inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts, `stride` elements apart.
+inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    for (int s = 0; s < kSplits; ++s) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), h);
+      v = _mm512_sub_ps(v, bf16_widen(h));
+    }
+  }
+}
+
+// The chunk's keys as the score product's B tiles: kb[j][s] (key tile j of 16, step s of
+// 32 of D) holds in row kk, column n the pair of elements 32 s + 2 kk, + 1 of key 16 j + n
+// (one 32-bit word): each 16 x 16 block of the keys' words transposed. Tiles past ntiles: zeros.
+template <int D>
+inline void key_tiles(const BF16* const* krow, int ntiles, uint32_t* kb) {
+  constexpr int S = D / 32;
+  for (int j = 0; j < ntiles; ++j)
+    for (int s = 0; s < S; ++s) {
+      V v[kLanes];
+      for (int t = 0; t < kLanes; ++t) std::memcpy(&v[t], krow[j * kTile + t] + 32 * s, sizeof(V));
+      transpose_stage<1>(v);
+      transpose_stage<2>(v);
+      transpose_stage<4>(v);
+      transpose_stage<8>(v);
+      std::memcpy(kb + (j * S + s) * 256, v, sizeof v);
+    }
+  std::memset(kb + ntiles * S * 256, 0, (kTiles - ntiles) * S * 256 * sizeof(uint32_t));
+}
+
+// The chunk's values as the value product's B tiles: vb[s][c] (step s of 32 keys, block
+// c of 16 of D) holds in row tt, for each of the block's 16 elements, keys 32 s + 2 tt
+// and + 1 side by side. Keys past ntok: zeros.
+template <int D>
+inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int t = 0; t < kChunk; t += 2) {
+    const int s = t / 32, tt = (t % 32) / 2;
+    for (int c = 0; c < D / 16; ++c) {
+      const __m256i a = t < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + 16 * c)) : zero;
+      const __m256i b = t + 1 < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t + 1] + 16 * c)) : zero;
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(vb + ((s * (D / 16) + c) * 16 + tt) * 32, _mm512_permutexvar_epi16(pairs, ab));
+    }
+  }
+}
+
+// Scores of queries m0.. (qa: their kSplits parts, `part` elements apart, rows D apart)
+// against the chunk's four key tiles, into s [16][kChunk].
+template <int D>
+inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t* kb, float* s) {
+  constexpr int S = D / 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int st = 0; st < S; ++st) {
+    const uint16_t* a = qa + static_cast<int64_t>(m0) * D + 32 * st;
+    _tile_loadd(4, a, D * 2);
+    if constexpr (kSplits > 1) _tile_loadd(5, a + part, D * 2);
+    if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * part, D * 2);
+#define JAXLLM_KEY_TILE(J)                                    \
+  _tile_loadd(7, kb + (J * S + st) * 256, 64);               \
+  _tile_dpbf16ps(J, 4, 7);                                    \
+  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7);         \
+  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
+    JAXLLM_KEY_TILE(0)
+    JAXLLM_KEY_TILE(1)
+    JAXLLM_KEY_TILE(2)
+    JAXLLM_KEY_TILE(3)
+#undef JAXLLM_KEY_TILE
+  }
+  _tile_stored(0, s, kChunk * 4);
+  _tile_stored(1, s + 16, kChunk * 4);
+  _tile_stored(2, s + 32, kChunk * 4);
+  _tile_stored(3, s + 48, kChunk * 4);
+}
+
+// 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
+// [16][32] (step s of 32 keys).
+inline void split_probabilities(const float* p, uint16_t* pa) {
+  for (int i = 0; i < kAmxQueries; ++i)
+    for (int s = 0; s < kChunk / 32; ++s) {
+      __m512 lo = _mm512_loadu_ps(p + i * kChunk + 32 * s), hi = _mm512_loadu_ps(p + i * kChunk + 32 * s + 16);
+      for (int k = 0; k < kSplits; ++k) {
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_storeu_si512(pa + ((k * (kChunk / 32) + s) * kAmxQueries + i) * 32, h);
+        lo = _mm512_sub_ps(lo, bf16_widen(_mm512_castsi512_si256(h)));
+        hi = _mm512_sub_ps(hi, bf16_widen(_mm512_extracti64x4_epi64(h, 1)));
+      }
+    }
+}
+
+// pv [16][D] = the probabilities (pa) times the chunk's values (vb), over `steps` steps of 32 keys.
+template <int D>
+inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
+  constexpr int C = D / 16, kPart = (kChunk / 32) * kAmxQueries * 32;
+  for (int c0 = 0; c0 < C; c0 += 4) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int s = 0; s < steps; ++s) {
+      const uint16_t* a = pa + s * kAmxQueries * 32;
+      _tile_loadd(4, a, 64);
+      if constexpr (kSplits > 1) _tile_loadd(5, a + kPart, 64);
+      if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * kPart, 64);
+#define JAXLLM_VALUE_TILE(J)                                  \
+  _tile_loadd(7, vb + ((s * C + c0 + J) * 16) * 32, 64);     \
+  _tile_dpbf16ps(J, 4, 7);                                    \
+  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7);         \
+  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
+      JAXLLM_VALUE_TILE(0)
+      JAXLLM_VALUE_TILE(1)
+      JAXLLM_VALUE_TILE(2)
+      JAXLLM_VALUE_TILE(3)
+#undef JAXLLM_VALUE_TILE
+    }
+    _tile_stored(0, pv + 16 * c0, D * 4);
+    _tile_stored(1, pv + 16 * (c0 + 1), D * 4);
+    _tile_stored(2, pv + 16 * (c0 + 2), D * 4);
+    _tile_stored(3, pv + 16 * (c0 + 3), D * 4);
+  }
+}
+
+// attend_chunk_many on AMX: the same online softmax, each query's state updated only
+// where its rows see the chunk (queries before m_first are left as they are). qa: the
+// KV head's queries' parts (split_bf16, `part` apart; rows past nq zeros).
+template <int D>
+void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
+                      int ntiles, const BF16* const* krow, const BF16* const* vrow, const uint16_t* qa, int64_t part,
+                      Scratch& sc, float* o, float* m, float* l) {
+  sc.kb.resize(kTiles * (D / 32) * 256);
+  sc.vb.resize(kChunk / 32 * (D / 16) * 16 * 32);
+  key_tiles<D>(krow, ntiles, sc.kb.data());
+  value_tiles<D>(vrow, ntok, sc.vb.data());
+  alignas(64) float s[kAmxQueries * kChunk], p[kAmxQueries * kChunk], pv[kAmxQueries * D];
+  alignas(64) uint16_t pa[kSplits * (kChunk / 32) * kAmxQueries * 32];
+  for (int m0 = m_first / kAmxQueries * kAmxQueries; m0 < nq; m0 += kAmxQueries) {
+    const int first = std::max(m0, m_first), mb = std::min(kAmxQueries, nq - m0);
+    const int nk = keys_seen(row_pos, group, first, m0 + mb - first, t0, ntok);
+    if (nk == 0) continue;
+    const int nt = (nk + kTile - 1) / kTile;
+    amx_scores<D>(qa, part, m0, sc.kb.data(), s);
+    bool any = false;
+    for (int i = 0; i < kAmxQueries; ++i) {
+      float* pi = p + i * kChunk;
+      const int mq = m0 + i;
+      int j = 0;
+      if (i < mb && mq >= m_first) {
+        V si[kTiles];
+        M vis[kTiles];
+        for (j = 0; j < nt; ++j) si[j] = load(s + i * kChunk + j * kTile);
+        visible_chunk(t0, ntok, nt, row_pos[mq / group], pb.window, vis);
+        any |= softmax_update<D>(si, vis, nt, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D, pi);
+      }
+      for (; j < kTiles; ++j) store(pi + j * kTile, splat(0.f));
+    }
+    if (!any) continue;
+    split_probabilities(p, pa);
+    amx_values<D>(pa, (nk + 31) / 32, sc.vb.data(), pv);
+    for (int i = std::max(0, m_first - m0); i < mb; ++i) {
+      float* oq = o + static_cast<int64_t>(m0 + i) * D;
+      for (int c = 0; c < D / kLanes; ++c) store(oq + kLanes * c, load(oq + kLanes * c) + load(pv + i * D + kLanes * c));
+    }
+  }
+}
+
+#endif
+
+// Whether the prefill path runs on AMX for a cache of R at head_dim D (Problem::amx).
+template <int D, class R>
+inline bool amx_attention(const Problem& pb) {
+#ifdef JAXLLM_AMX
+  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0) return pb.amx;
+#endif
+  return false;
+}
+
+// The queries' kSplits parts for attend_amx (n floats, the parts n apart).
+inline void split_queries(const float* q, int64_t n, uint16_t* qa) {
+#ifdef JAXLLM_AMX
+  split_bf16(q, n, qa, n);
+#endif
+}
+
+// attend_chunk_amx where it is built for R and D (amx_attention: the callers ask only then).
+template <int D, class R>
+inline void attend_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0,
+                       int ntok, int ntiles, const R* const* krow, const R* const* vrow, const uint16_t* qa,
+                       int64_t part, Scratch& sc, float* o, float* m, float* l) {
+#ifdef JAXLLM_AMX
+  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0)
+    attend_chunk_amx<D>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qa, part, sc, o, m, l);
+#endif
+}
+
 
 inline void prefetch_rows(const float* base, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(base);
@@ -684,6 +911,13 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         float* to = sc.q.data() + (h * nq_padded + r * group + g) * D;
         for (int d = 0; d < D; ++d) to[d] = from[d] * pb.sm_scale;
       }
+  const int64_t nq16 = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries, part = nq16 * D;
+  const bool amx = many && amx_attention<D, R>(pb);
+  if (amx) {
+    sc.qa.resize(Hkv * kSplits * part);
+    for (int64_t h = 0; h < Hkv; ++h)
+      split_queries(sc.q.data() + h * nq_padded * D, part, sc.qa.data() + h * kSplits * part);
+  }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
   const R* const kbase = static_cast<const R*>(pb.k);
@@ -735,6 +969,11 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       float* oh = sc.o.data() + h * nq_padded * D;
       float* mh = sc.m.data() + h * nq;
       float* lh = sc.l.data() + h * nq;
+      if (amx) {
+        attend_amx<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh,
+                      sc.qa.data() + h * kSplits * part, part, sc, oh, mh, lh);
+        continue;
+      }
       if (many) {
         attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, ks, vs,
                              sc.kt.data(), sc.p.data(), qh, oh, mh, lh);
@@ -794,6 +1033,12 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
       float* to = sc.q.data() + (r * group + g) * D;
       for (int d = 0; d < D; ++d) to[d] = from[d] * pb.sm_scale;
     }
+  const int64_t part = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries * D;
+  const bool amx = amx_attention<D, R>(pb);
+  if (amx) {
+    sc.qa.resize(kSplits * part);
+    split_queries(sc.q.data(), part, sc.qa.data());
+  }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const int64_t token_stride = pb.num_kv_heads * D;
   const R* kh[kChunk];
@@ -810,8 +1055,12 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
       row[t] = off / token_stride;
     }
     if constexpr (kScaled<R>) gather_scales(pb, row, ntok, h, ks, vs);
-    attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
-                         sc.p.data(), sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
+    if (amx)
+      attend_amx<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, sc.qa.data(), part, sc,
+                    sc.o.data(), sc.m.data(), sc.l.data());
+    else
+      attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
+                           sc.p.data(), sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
   }
   for (int r = 0; r < it.rows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -889,7 +1138,13 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
              v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
              query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
-             sliding_window, soft_cap, causal != 0, invariant != 0, 0, nullptr, nullptr, nullptr};
+             sliding_window, soft_cap, causal != 0, invariant != 0, false, 0, nullptr, nullptr, nullptr};
+#ifdef JAXLLM_AMX
+  pb.amx = cache_dtype == "bfloat16" && pb.head_dim % 64 == 0 && !pb.invariant && jaxllm::amx_ready();
+  const jaxllm::ThreadHooks hooks = pb.amx ? jaxllm::kAmxHooks : jaxllm::ThreadHooks{};
+#else
+  const jaxllm::ThreadHooks hooks{};
+#endif
   if (!pb.causal && pb.window > 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: a sliding window needs causal attention");
   if (kd[3] != pb.head_dim || pb.num_heads % pb.num_kv_heads != 0)
@@ -971,7 +1226,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
         prefix_fn(pb, it, row_pos.data(), prefix_m.data(), prefix_l.data(), prefix_o.data(), sc);
       else
         prefix_fn(pb, it, row_pos.data(), part_m.data() + off, part_l.data() + off, part_o.data() + off * D, sc);
-    });
+    }, hooks);
     for (int64_t j = 1; j < parts; ++j) {
       const int64_t off = (j - 1) * covered * H;
       for (int64_t i = 0; i < covered * H; ++i)
@@ -981,7 +1236,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   }
 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { item_fn(pb, items[i], thread_scratch()); });
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { item_fn(pb, items[i], thread_scratch()); },
+               hooks);
   return ffi::Error::Success();
 }
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm import cpu_kernels
 from jaxllm.attention import backends, cpu
 from jaxllm.cpu_kernels import build
 from pallas_kernels import ragged_paged_attention_reference
@@ -195,3 +196,41 @@ def test_batch_invariant_rows_are_the_same_bits_alone(sliding_window):
     np.testing.assert_allclose(got, np.asarray(ragged_paged_attention_reference(*args, **kw))[:valid], atol=2e-5,
                                rtol=0)
     assert (np.asarray(call(*args, inv=False))[:valid] != got).any()
+
+
+def _bf16_cache(args):
+    """The batch with its caches in bfloat16 (as a bfloat16 KV cache stores them), and
+    the reference's float32 view of the same values."""
+    q, k, v, *rest = args
+    kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    return (q, kb, vb, *rest), (q, kb.astype(jnp.float32), vb.astype(jnp.float32), *rest)
+
+
+@pytest.mark.parametrize("heads", [(2, 3, 64), (1, 8, 128), (3, 5, 64)], ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (50, None), (None, 5.0)])
+def test_amx_prefill_path_matches_reference(heads, sliding_window, soft_cap):
+    """On a CPU with AMX, a bfloat16 cache's prefill path multiplies on the tile unit, the
+    queries and the probabilities each as three bfloat16 parts: within float32 rounding
+    of the reference (the float paths' bound), for long chunks that start mid-row and
+    cross chunk edges, windows, soft caps, GQA groups, head_dim 64 and 128, and the
+    common prefix pass. (With one bfloat16 part each the same batches were ~1e-3 off.)"""
+    if not cpu_kernels.has_amx():
+        pytest.skip("this CPU (or its OS) gives no AMX tiles: the prefill path runs its float tiles "
+                    "(test_matches_reference)")
+    hkv, group, head_dim = heads
+    kw = dict(sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+    seqs = [(70, 70), (45, 200), (1, 129), (100, 300), (17, 80), (64, 190)]
+    args, valid = make_batch(np.random.default_rng(head_dim + group), seqs, block_size=16, num_kv_heads=hkv,
+                             group=group, head_dim=head_dim)
+    stored, view = _bf16_cache(args)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))(*stored)
+    want = ragged_paged_attention_reference(*view, **kw)
+    np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got)[valid:], 0)
+    p = 8 * 16
+    shared, valid = shared_prefix_batch(np.random.default_rng(group), 8, [(1, p + 1), (20, p + 20), (45, p + 100)],
+                                        block_size=16, num_kv_heads=hkv, group=group, head_dim=head_dim)
+    stored, view = _bf16_cache(shared)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(8), **kw))(*stored)
+    want = ragged_paged_attention_reference(*view, **kw)
+    np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
