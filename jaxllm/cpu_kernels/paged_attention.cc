@@ -689,35 +689,48 @@ inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
   }
 }
 
+// Both products' step: tiles 0-3 (sums) += the kSplits parts of an A operand (tiles 4-6:
+// rows `lda` bytes apart, the parts `part` elements apart) times four B tiles (each in
+// turn in tile 7: 16 rows of 64 bytes, `b_step` bytes apart from b).
+inline void four_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const void* b, int64_t b_step) {
+  _tile_loadd(4, a, lda);
+  if constexpr (kSplits > 1) _tile_loadd(5, a + part, lda);
+  if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * part, lda);
+  const char* bj = static_cast<const char*>(b);
+#define JAXLLM_B_TILE(J)                              \
+  _tile_loadd(7, bj + J * b_step, 64);               \
+  _tile_dpbf16ps(J, 4, 7);                            \
+  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7); \
+  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
+  JAXLLM_B_TILE(0)
+  JAXLLM_B_TILE(1)
+  JAXLLM_B_TILE(2)
+  JAXLLM_B_TILE(3)
+#undef JAXLLM_B_TILE
+}
+inline void zero_four_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+// Tiles 0-3 side by side: tile J's 16 columns at out + 16 J, rows `ld` bytes apart.
+inline void store_four_tiles(float* out, int64_t ld) {
+  _tile_stored(0, out, ld);
+  _tile_stored(1, out + 16, ld);
+  _tile_stored(2, out + 32, ld);
+  _tile_stored(3, out + 48, ld);
+}
+
 // Scores of queries m0.. (qa: their kSplits parts, `part` elements apart, rows D apart)
 // against the chunk's four key tiles, into s [16][kChunk].
 template <int D>
 inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t* kb, float* s) {
   constexpr int S = D / 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int st = 0; st < S; ++st) {
-    const uint16_t* a = qa + static_cast<int64_t>(m0) * D + 32 * st;
-    _tile_loadd(4, a, D * 2);
-    if constexpr (kSplits > 1) _tile_loadd(5, a + part, D * 2);
-    if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * part, D * 2);
-#define JAXLLM_KEY_TILE(J)                                    \
-  _tile_loadd(7, kb + (J * S + st) * 256, 64);               \
-  _tile_dpbf16ps(J, 4, 7);                                    \
-  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7);         \
-  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
-    JAXLLM_KEY_TILE(0)
-    JAXLLM_KEY_TILE(1)
-    JAXLLM_KEY_TILE(2)
-    JAXLLM_KEY_TILE(3)
-#undef JAXLLM_KEY_TILE
-  }
-  _tile_stored(0, s, kChunk * 4);
-  _tile_stored(1, s + 16, kChunk * 4);
-  _tile_stored(2, s + 32, kChunk * 4);
-  _tile_stored(3, s + 48, kChunk * 4);
+  zero_four_tiles();
+  for (int st = 0; st < S; ++st)  // key tile j, step st: kb[j][st]
+    four_tiles_step(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + st * 256, S * 1024);
+  store_four_tiles(s, kChunk * 4);
 }
 
 // 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
@@ -740,30 +753,10 @@ template <int D>
 inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
   constexpr int C = D / 16, kPart = (kChunk / 32) * kAmxQueries * 32;
   for (int c0 = 0; c0 < C; c0 += 4) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int s = 0; s < steps; ++s) {
-      const uint16_t* a = pa + s * kAmxQueries * 32;
-      _tile_loadd(4, a, 64);
-      if constexpr (kSplits > 1) _tile_loadd(5, a + kPart, 64);
-      if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * kPart, 64);
-#define JAXLLM_VALUE_TILE(J)                                  \
-  _tile_loadd(7, vb + ((s * C + c0 + J) * 16) * 32, 64);     \
-  _tile_dpbf16ps(J, 4, 7);                                    \
-  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7);         \
-  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
-      JAXLLM_VALUE_TILE(0)
-      JAXLLM_VALUE_TILE(1)
-      JAXLLM_VALUE_TILE(2)
-      JAXLLM_VALUE_TILE(3)
-#undef JAXLLM_VALUE_TILE
-    }
-    _tile_stored(0, pv + 16 * c0, D * 4);
-    _tile_stored(1, pv + 16 * (c0 + 1), D * 4);
-    _tile_stored(2, pv + 16 * (c0 + 2), D * 4);
-    _tile_stored(3, pv + 16 * (c0 + 3), D * 4);
+    zero_four_tiles();
+    for (int s = 0; s < steps; ++s)  // block c0 + j of D, step s: vb[s][c0 + j]
+      four_tiles_step(pa + s * kAmxQueries * 32, 64, kPart, vb + (s * C + c0) * 16 * 32, 1024);
+    store_four_tiles(pv + 16 * c0, D * 4);
   }
 }
 
