@@ -751,7 +751,6 @@ constexpr int kAmxPairs = 16;  // input pairs per step (a tile row: 64 bytes)
 constexpr int64_t kAmxRowBlock = 96;
 
 using jaxllm::amx_ready;
-using jaxllm::kAmxConfig;
 using jaxllm::kAmxHooks;
 // Tiles 0-3 hold sums (two tiles of rows x two halves of the panel), 4-5 x, 6-7 the
 // panel's halves.

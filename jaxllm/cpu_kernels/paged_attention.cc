@@ -735,27 +735,21 @@ inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t*
 
 // 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
 // [16][32] (step s of 32 keys).
+constexpr int64_t kProbabilityPart = (kChunk / 32) * kAmxQueries * 32;  // elements per part of pa
 inline void split_probabilities(const float* p, uint16_t* pa) {
   for (int i = 0; i < kAmxQueries; ++i)
-    for (int s = 0; s < kChunk / 32; ++s) {
-      __m512 lo = _mm512_loadu_ps(p + i * kChunk + 32 * s), hi = _mm512_loadu_ps(p + i * kChunk + 32 * s + 16);
-      for (int k = 0; k < kSplits; ++k) {
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        _mm512_storeu_si512(pa + ((k * (kChunk / 32) + s) * kAmxQueries + i) * 32, h);
-        lo = _mm512_sub_ps(lo, bf16_widen(_mm512_castsi512_si256(h)));
-        hi = _mm512_sub_ps(hi, bf16_widen(_mm512_extracti64x4_epi64(h, 1)));
-      }
-    }
+    for (int s = 0; s < kChunk / 32; ++s)
+      split_bf16(p + i * kChunk + 32 * s, 32, pa + (s * kAmxQueries + i) * 32, kProbabilityPart);
 }
 
 // pv [16][D] = the probabilities (pa) times the chunk's values (vb), over `steps` steps of 32 keys.
 template <int D>
 inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
-  constexpr int C = D / 16, kPart = (kChunk / 32) * kAmxQueries * 32;
+  constexpr int C = D / 16;
   for (int c0 = 0; c0 < C; c0 += 4) {
     zero_four_tiles();
     for (int s = 0; s < steps; ++s)  // block c0 + j of D, step s: vb[s][c0 + j]
-      four_tiles_step(pa + s * kAmxQueries * 32, 64, kPart, vb + (s * C + c0) * 16 * 32, 1024);
+      four_tiles_step(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c0) * 16 * 32, 1024);
     store_four_tiles(pv + 16 * c0, D * 4);
   }
 }
@@ -772,7 +766,7 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
   key_tiles<D>(krow, ntiles, sc.kb.data());
   value_tiles<D>(vrow, ntok, sc.vb.data());
   alignas(64) float s[kAmxQueries * kChunk], p[kAmxQueries * kChunk], pv[kAmxQueries * D];
-  alignas(64) uint16_t pa[kSplits * (kChunk / 32) * kAmxQueries * 32];
+  alignas(64) uint16_t pa[kSplits * kProbabilityPart];
   for (int m0 = m_first / kAmxQueries * kAmxQueries; m0 < nq; m0 += kAmxQueries) {
     const int first = std::max(m0, m_first), mb = std::min(kAmxQueries, nq - m0);
     const int nk = keys_seen(row_pos, group, first, m0 + mb - first, t0, ntok);
