@@ -746,9 +746,10 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 #ifdef JAXLLM_AMX
 constexpr int kAmxRows = 16;   // rows of a tile of x, and of sums
 constexpr int kAmxPairs = 16;  // input pairs per step (a tile row: 64 bytes)
-// rows per item at most: a kept panel is converted once per item (96, 256 and 512 measured alike
-// within the noise at 32-512 rows on the 2-vCPU Xeon)
-constexpr int64_t kAmxRowBlock = 96;
+// rows per item at most: bfloat16 panels 96 (96, 256 and 512 measured alike within the noise
+// at 32-512 rows on the 2-vCPU Xeon); a kept panel is converted to pairs once per item, so
+// all of a step's rows (up to 512): its x tiles, bfloat16, stay in L2 (docs/bench-log/2026-11-30-amx.md)
+constexpr int64_t kAmxRowBlock = 96, kAmxConvertedRowBlock = 512;
 
 using jaxllm::amx_ready;
 using jaxllm::kAmxHooks;
@@ -862,7 +863,8 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
   packed.resize(tiles * kAmxRows * 2 * depth);
   uint16_t* XT = packed.data();
   const auto pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
-  pack_then_multiply<kAmxRows, kAmxRowBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+  constexpr int64_t kBlock = kIsPairs<Wt> ? kAmxRowBlock : kAmxConvertedRowBlock;
+  pack_then_multiply<kAmxRows, kBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     if constexpr (kIsPairs<Wt>) {
       amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, Y, N, p, cols);

@@ -142,13 +142,14 @@ def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (16, 576, 96), (17, 33, 40), (32, 96, 64), (45, 1536, 33),
-                                   (100, 65, 200), (200, 576, 3072)])
+                                   (100, 65, 200), (200, 576, 3072), (530, 96, 64)])
 @pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0"])
 def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
     """AMX's tiles (`bf16_tiles` amx, where the CPU has them) multiply the same bfloat16
     values as vdpbf16ps and sum them in float32 in the tile unit's order: within float32
     rounding of the exact sums (float64 of the bfloat16 values), and of vdpbf16ps's.
-    Rows around the 16-row tiles and pairs of them, odd depths and depths that are not
+    Rows around the 16-row tiles and pairs of them and past an item's block of rows (96
+    for bfloat16 panels, 512 for converted ones), odd depths and depths that are not
     whole 32-input steps (zeros past K), widths that are not whole panels."""
     if not cpu_kernels.has_amx():  # the kernels build for every other test here
         pytest.skip("this CPU (or its OS) has no AMX")
