@@ -336,8 +336,10 @@ class Scheduler:
         when every running request decodes one token (no drafts, no grammar: its next
         bitmask needs this token), all fit the budget, and no waiting request could be
         admitted; fewer where a request would cross min_tokens (the loop keeps each
-        row's stop-token suppression as it starts) or the pool could run short of
-        slots; else 1."""
+        row's stop-token suppression as it starts), or where a request reaches its
+        max_tokens or max_model_len first (the loop ends with it: its client has its
+        answer and its slot is refilled without waiting out the others' steps), or the
+        pool could run short of slots; else 1."""
         k, running = self.num_scheduler_steps, self.running
         if (k == 1 or not running or len(running) > self.max_num_batched_tokens
                 or (self.waiting and len(running) < self.max_num_seqs)):
@@ -348,9 +350,11 @@ class Scheduler:
                     or request.token_filter is not None
                     or known - request.num_computed_tokens != 1 or self._waits_for_its_tokens(request)):
                 return 1
-            below = request.sampling_params.min_tokens - request.num_output_tokens - request.num_output_placeholders
+            produced = request.num_output_tokens + request.num_output_placeholders
+            below = request.sampling_params.min_tokens - produced
             if below > 0:
                 k = min(k, below)
+            k = min(k, request.max_tokens - produced, self.max_model_len - known)
         kv = self.kv_cache_manager
         most = len(running) * kv.num_groups * (-(-k // kv.block_size) + 1)  # new blocks k slots may take
         return k if k > 1 and most <= kv.num_free_blocks else 1

@@ -174,7 +174,7 @@ def test_the_scheduler_hands_over_steps_only_when_every_request_decodes():
     sched.add_request(_request(1, min_tokens=3))
     assert _decode_once(sched) == {}  # the prompts
     assert _decode_once(sched) == {"r0": 2, "r1": 2}  # r1 below min_tokens: 1 output + 2 = 3; the loop stops at 2
-    assert _decode_once(sched) == {"r0": 3, "r1": 4}  # r0's room: 6 - 3
+    assert _decode_once(sched) == {"r0": 3, "r1": 3}  # r0's room, 6 - 3: the loop ends with it
     sched.add_request(_request(2))
     assert _decode_once(sched) == {}  # r2 can be admitted (its prompt)
     assert _decode_once(sched) == {"r1": 4, "r2": 4}  # r0 finished
@@ -186,6 +186,12 @@ def test_the_scheduler_hands_over_steps_only_when_every_request_decodes():
     full.add_request(_request(1))
     _decode_once(full)
     assert _decode_once(full) == {"r0": 4}
+    # the loop ends where a request reaches max_model_len (7 tokens after its prompt's step, 10 at most)
+    near = Scheduler(KVCacheManager(64, 4, enable_caching=False), max_num_seqs=4, max_num_batched_tokens=64,
+                     max_model_len=10, num_scheduler_steps=4)
+    near.add_request(_request(0))
+    _decode_once(near)
+    assert _decode_once(near) == {"r0": 3}
     # a pool too small for four steps of every request: single steps
     small = _scheduler(4, num_blocks=5)  # 4 blocks of 4 tokens: the prompts take them all
     small.add_request(_request(0, max_tokens=3))
