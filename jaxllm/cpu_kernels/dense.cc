@@ -853,6 +853,52 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
   }
 }
 
+// One or two tiles of x (t0, and t0 + 1 where t1 - t0 is 2) times a kept panel converted to
+// pairs a step (16 pairs, 2 KB) at a time into one of two L1 buffers: each step's
+// conversion (vector work) overlaps the tile products of the step before, where
+// converting the whole panel first (bf16_pairs_panel) runs the two one after the other.
+// The same pairs, so the same sums. Pairs past K (a group of 16 inputs can end K
+// mid-step) are zeros.
+template <class Wt, int S>
+void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0, int64_t t1,
+                                const Panel<Wt>& panel, float* Y, int64_t N, int64_t p, int cols) {
+  const int64_t depth = amx_depth(K), pairs = K / 2;  // K: whole groups, so even
+  const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
+  const uint16_t* x0 = XT + t0 * tile_size;
+  const bool two = t1 - t0 > 1;
+  alignas(64) uint16_t buffers[2][kAmxPairs * 2 * kPanel];
+  alignas(64) float out[kAmxRows * kPanel];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t j = 0; j < depth; j += kAmxPairs) {
+    uint16_t* w = buffers[(j / kAmxPairs) & 1];
+    for (int64_t i = 0; i < kAmxPairs; ++i) {
+      const int64_t k2 = j + i;
+      if (k2 >= pairs) {
+        std::memset(w + i * 2 * kPanel, 0, 2 * kPanel * sizeof(uint16_t));
+        continue;
+      }
+      if (panel.prefetch) {
+        prefetch_row<Wt>(panel.prefetch, 2 * k2);
+        prefetch_row<Wt>(panel.prefetch, 2 * k2 + 1);
+      }
+      for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
+        const u32xN pair = bf16_pair_lanes<Wt, S>(panel, k2, c);
+        std::memcpy(w + 2 * (i * kPanel + c), &pair, sizeof pair);
+      }
+    }
+    if (two) {
+      amx_steps<true>(x0 + 2 * j, x0 + tile_size + 2 * j, stride, w, kAmxPairs);
+    } else {
+      amx_steps<false>(x0 + 2 * j, nullptr, stride, w, kAmxPairs);
+    }
+  }
+  amx_store<false>(Y, M, N, t0, p, cols, out);
+  if (two) amx_store<true>(Y, M, N, t0 + 1, p, cols, out);
+}
+
 // dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
 // weight dequantized and rounded to bfloat16.
 template <class Wt, int S>
@@ -875,6 +921,7 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       thread_local std::vector<float> wide_scales, wide_mins;
       panel.scale = scales.floats(p * groups, groups, wide_scales);
       if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+      if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, Y, N, p, cols);
       thread_local std::vector<uint16_t> pairs;
       pairs.resize(depth * 2 * kPanel);
       bf16_pairs_panel<Wt, S>(panel, K, pairs.data());

@@ -17,7 +17,7 @@ from jaxllm.models import linear as linear_mod
 from jaxllm.models.linear import linear, linear_candidates, pack_params, pack_weight, packed_rows, unpack_weight
 from jaxllm.models.llama import compute_logits
 from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
-from jaxllm.models.quant import dequantize, quantize_blocks, quantize_weight
+from jaxllm.models.quant import dequantize, quantize_blocks, quantize_grouped, quantize_weight
 from tests.support.llm import assert_no_leaks, make_llm
 from tests.support.paged_driver import PagedDriver
 
@@ -143,26 +143,30 @@ def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (16, 576, 96), (17, 33, 40), (32, 96, 64), (45, 1536, 33),
                                    (100, 65, 200), (200, 576, 3072), (530, 96, 64)])
-@pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0"])
+@pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0", "gguf_int8"])
 def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
     """AMX's tiles (`bf16_tiles` amx, where the CPU has them) multiply the same bfloat16
     values as vdpbf16ps and sum them in float32 in the tile unit's order: within float32
     rounding of the exact sums (float64 of the bfloat16 values), and of vdpbf16ps's.
     Rows around the 16-row tiles and pairs of them and past an item's block of rows (96
     for bfloat16 panels, 512 for converted ones), odd depths and depths that are not
-    whole 32-input steps (zeros past K), widths that are not whole panels."""
+    whole 32-input steps (zeros past K; a kept panel of 16-input groups ends mid-step),
+    widths that are not whole panels. A kept panel's item of at most 32 rows converts it
+    a step at a time, a larger one all at once: the same pairs."""
     if not cpu_kernels.has_amx():  # the kernels build for every other test here
         pytest.skip("this CPU (or its OS) has no AMX")
     rng = np.random.default_rng(m * 100 + k)
     if weights != "bfloat16":
-        k = -(-k // 32) * 32
+        group = QUANT_FORMATS[weights].group
+        k = -(-k // group) * group
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     if weights == "bfloat16":
         packed = pack_weight(jnp.asarray(w, jnp.bfloat16))
         w16 = np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))
     else:
-        quantized = quantize_blocks(w, QUANT_FORMATS[weights]).replace(float_dtype="bfloat16")
+        quantize = quantize_grouped if weights == "gguf_int8" else quantize_blocks  # its 16-input groups
+        quantized = quantize(w, QUANT_FORMATS[weights]).replace(float_dtype="bfloat16")
         packed = pack_weight(quantized)
         w16 = np.asarray(dequantize(quantized).astype(jnp.bfloat16).astype(jnp.float32))
     x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
