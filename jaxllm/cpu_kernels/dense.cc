@@ -534,20 +534,25 @@ inline u32xN bf16_pair_lanes(const Panel<Wt>& p, int64_t k2, int c) {
 #endif
 }
 
+// Pair k2 of a grouped panel, all 32 columns, as bfloat16 pairs into `row` [32][2] (the
+// same inputs of the panel two ahead prefetched).
+template <class Wt, int S>
+inline void bf16_pair_row(const Panel<Wt>& p, int64_t k2, uint16_t* row) {
+  if (p.prefetch) {
+    prefetch_row<Wt>(p.prefetch, 2 * k2);
+    prefetch_row<Wt>(p.prefetch, 2 * k2 + 1);
+  }
+  for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
+    const u32xN pair = bf16_pair_lanes<Wt, S>(p, k2, c);
+    std::memcpy(row + 2 * c, &pair, sizeof pair);
+  }
+}
+
 // A grouped panel as bfloat16 pairs [K/2][32][2] (BF16Pairs' panel): what a bfloat16
 // model's dot multiplies when its weights are kept quantized (the `bf16` attribute).
 template <class Wt, int S>
 void bf16_pairs_panel(const Panel<Wt>& p, int64_t K, uint16_t* out) {
-  for (int64_t k2 = 0; 2 * k2 < K; ++k2) {
-    if (p.prefetch) {
-      prefetch_row<Wt>(p.prefetch, 2 * k2);
-      prefetch_row<Wt>(p.prefetch, 2 * k2 + 1);
-    }
-    for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
-      const u32xN pair = bf16_pair_lanes<Wt, S>(p, k2, c);
-      std::memcpy(out + 2 * (k2 * kPanel + c), &pair, sizeof pair);
-    }
-  }
+  for (int64_t k2 = 0; 2 * k2 < K; ++k2) bf16_pair_row<Wt, S>(p, k2, out + k2 * 2 * kPanel);
 }
 
 #if defined(__AVX512BF16__)
@@ -876,17 +881,10 @@ void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_
     uint16_t* w = buffers[(j / kAmxPairs) & 1];
     for (int64_t i = 0; i < kAmxPairs; ++i) {
       const int64_t k2 = j + i;
-      if (k2 >= pairs) {
+      if (k2 < pairs) {
+        bf16_pair_row<Wt, S>(panel, k2, w + i * 2 * kPanel);
+      } else {
         std::memset(w + i * 2 * kPanel, 0, 2 * kPanel * sizeof(uint16_t));
-        continue;
-      }
-      if (panel.prefetch) {
-        prefetch_row<Wt>(panel.prefetch, 2 * k2);
-        prefetch_row<Wt>(panel.prefetch, 2 * k2 + 1);
-      }
-      for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
-        const u32xN pair = bf16_pair_lanes<Wt, S>(panel, k2, c);
-        std::memcpy(w + 2 * (i * kPanel + c), &pair, sizeof pair);
       }
     }
     if (two) {
