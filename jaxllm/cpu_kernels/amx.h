@@ -33,6 +33,14 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 inline constexpr AmxConfig kAmxConfig{};
+// Tiles 0-3 zeroed: the sums of both kernels' four-tile products. (Tile numbers must be
+// literals, so this is not a loop.)
+inline void zero_four_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 // A thread's tiles for one parallel_for: configured before its first task (the thread
 // may have run other tile code since: XLA's oneDNN dots) and released after its last.
 inline constexpr ThreadHooks kAmxHooks{[] { _tile_loadconfig(&kAmxConfig); }, [] { _tile_release(); }};

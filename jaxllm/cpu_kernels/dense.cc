@@ -874,10 +874,7 @@ void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_
   const bool two = t1 - t0 > 1;
   alignas(64) uint16_t buffers[2][kAmxPairs * 2 * kPanel];
   alignas(64) float out[kAmxRows * kPanel];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  jaxllm::zero_four_tiles();
   for (int64_t j = 0; j < depth; j += kAmxPairs) {
     uint16_t* w = buffers[(j / kAmxPairs) & 1];
     for (int64_t i = 0; i < kAmxPairs; ++i) {

@@ -708,12 +708,7 @@ inline void four_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const 
   JAXLLM_B_TILE(3)
 #undef JAXLLM_B_TILE
 }
-inline void zero_four_tiles() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
+using jaxllm::zero_four_tiles;
 // Tiles 0-3 side by side: tile J's 16 columns at out + 16 J, rows `ld` bytes apart.
 inline void store_four_tiles(float* out, int64_t ld) {
   _tile_stored(0, out, ld);

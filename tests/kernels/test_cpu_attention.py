@@ -224,10 +224,14 @@ def test_amx_prefill_path_matches_reference(heads, sliding_window, soft_cap):
     args, valid = make_batch(np.random.default_rng(head_dim + group), seqs, block_size=16, num_kv_heads=hkv,
                              group=group, head_dim=head_dim)
     stored, view = _bf16_cache(args)
-    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))(*stored)
+    attend = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))
+    got = attend(*stored)
     want = ragged_paged_attention_reference(*view, **kw)
     np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got)[valid:], 0)
+    # the tiles did run: the float tiles give a bfloat16 cache the very bits of a float32 one
+    # holding the same values, the tile unit sums in another order
+    assert (np.asarray(attend(*view))[:valid] != np.asarray(got)[:valid]).any()
     p = 8 * 16
     shared, valid = shared_prefix_batch(np.random.default_rng(group), 8, [(1, p + 1), (20, p + 20), (45, p + 100)],
                                         block_size=16, num_kv_heads=hkv, group=group, head_dim=head_dim)
