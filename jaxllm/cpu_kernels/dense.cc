@@ -861,8 +861,8 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
 // One or two tiles of x (t0, and t0 + 1 where t1 - t0 is 2) times a kept panel converted to
 // pairs a step (16 pairs, 2 KB) at a time into one of two buffers, each multiplied while it
 // is in L1, where the whole panel converted first (bf16_pairs_panel: 36 KB at K = 576) is
-// read back from further out: 5-15% faster at 32 rows on the AMX Xeon (converting the next
-// step between the tile products, software-pipelined, measured no faster:
+// read back from further out (measured faster at decode sizes; converting the next step
+// between the tile products, software-pipelined, measured no faster than this:
 // docs/bench-log/2026-11-30-amx.md). The same pairs, so the same sums. Pairs past K (a
 // group of 16 inputs can end K mid-step) are zeros.
 template <class Wt, int S>
