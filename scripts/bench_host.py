@@ -208,7 +208,8 @@ def run_tree(tree: Path, args) -> dict:
                                                                                  if args.model else []),
            "--seqs", ",".join(map(str, args.seqs)), "--async-scheduling", ",".join(args.async_scheduling),
            "--decode-steps", ",".join(map(str, args.decode_steps))]
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    # the tree first on the path, the rest kept (a GPU machine's carried wheels); the platform the parent's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -159,7 +159,7 @@ def make_models(models: Path, gpu: bool, full: bool = False) -> None:
         run(str(models), "--arch", "llama-3.2-1b", "--layers", "2")
 
 
-def run_check(check: Check, seconds_left: float) -> Result:
+def run_check(check: Check, seconds_left: float, log: Path | None = None) -> Result:
     if check.cmd is None:
         return Result(check.name, "skipped", 0.0, check.why)
     if seconds_left < 30:
@@ -169,13 +169,26 @@ def run_check(check: Check, seconds_left: float) -> Result:
     start = time.perf_counter()
     try:
         proc = subprocess.run(check.cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=check.timeout)
+        _append(log, check.name, proc.stdout + proc.stderr)
         status = "pass" if proc.returncode == 0 else "FAIL"
         picked = [ln.strip() for ln in proc.stdout.splitlines() if check.pick and ln.startswith(check.pick)]
         lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
         detail = " / ".join(" ".join(ln.split()) for ln in picked) if picked and status == "pass" else _summary(lines, status)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        _append(log, check.name + " (timed out)", _text(e.stdout) + _text(e.stderr))
         status, detail = "FAIL", f"timed out after {check.timeout:.0f} s"
     return Result(check.name, status, time.perf_counter() - start, detail)
+
+
+def _append(log: Path | None, name: str, output: str) -> None:
+    """A check's whole output, under its name, at the end of `--log`."""
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"===== {name}\n{output}\n")
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def _summary(lines: list[str], status: str) -> str:
@@ -197,6 +210,7 @@ def table(results: list[Result], machine: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON (after every check)")
+    p.add_argument("--log", type=Path, default=None, help="append every check's whole output to this file")
     p.add_argument("--only", default=None,
                    help="run the checks whose name contains one of these (comma-separated), in this order")
     p.add_argument("--deadline", type=float, default=None,
@@ -218,7 +232,7 @@ def main() -> None:
                 budget = budget if budget > 120 else 0  # (run_check skips a check with no time)
                 if budget:
                     make_models(models, backend == "gpu", full=True)
-            results.append(run_check(check, left() if budget else 0))
+            results.append(run_check(check, left() if budget else 0, args.log))
             print(f"    {results[-1].status} ({results[-1].seconds:.0f} s) {results[-1].detail}", flush=True)
             if args.out:
                 rows = [dataclasses.asdict(r) for r in results]

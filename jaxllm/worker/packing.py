@@ -6,8 +6,12 @@ host-to-device copy (on the H100, most of a decode step's host time went to thos
 to walking the pytree). `PackLayout` fixes, per step shape, where each leaf lives in one
 flat int32 buffer (int32 as is, uint32 by its bits, bool as 0/1, float32 by its bits),
 so the host sends one array and the step unpacks it with static slices, which cost
-nothing on the device. Leaves named in `separate` (the structured-output token bitmask:
-large, and kept on the device when no row is constrained) stay arguments of their own.
+nothing on the device. Each leaf starts on a 256-byte boundary (ALIGN words): XLA
+hands a static slice of a parameter to a custom call as a view at its offset, and
+Mosaic GPU's kernels refuse an operand that is not 256-byte aligned (the H200,
+2026-11-30: "Input buffer 1 is not 256-byte aligned", the attention's block tables).
+Leaves named in `separate` (the structured-output token bitmask: large, and kept on the
+device when no row is constrained) stay arguments of their own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 # the leaf dtypes the int32 buffer holds: int32 as is, uint32 and float32 by their bits, bool as 0/1
 PACKABLE = frozenset(map(np.dtype, (np.int32, np.uint32, np.float32, np.bool_)))
+ALIGN = 64  # words: each leaf's offset a multiple of 256 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +62,14 @@ class PackLayout:
                                 "float32 or bool")
             size = int(np.prod(leaf.shape, dtype=np.int64))
             slots.append(Slot(offset, size, tuple(leaf.shape), dtype.name))
-            offset += size
+            offset += -(-size // ALIGN) * ALIGN
         return cls(treedef, tuple(slots), offset)
 
     def pack(self, inputs) -> tuple[np.ndarray, list]:
         """The int32 buffer of `inputs` (host arrays of this layout) and the separate
         leaves, in order."""
         leaves = self.treedef.flatten_up_to(inputs)
-        buf = np.empty(self.size, np.int32)
+        buf = np.zeros(self.size, np.int32)  # the padding between leaves defined
         separate = []
         for slot, leaf in zip(self.slots, leaves):
             if slot is None:

@@ -137,12 +137,14 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
 
     qw, odd = quantized("q4_1"), quantized("q4_1", n=96)
     params = ModelParams(embed=jnp.ones((8, K)), layers=[{"wo": qw, "odd": odd}], final_norm=jnp.ones(K), lm_head=qw)
-    off_hopper = pallas_params(params, jnp.bfloat16)  # no GPU target here
     with cuda_target("NVIDIA A100-SXM4-80GB"):
         assert not jaxllm.platform.targets_hopper()
     with cuda_target("NVIDIA H100 80GB HBM3"):
         assert jaxllm.platform.targets_hopper()
-    monkeypatch.setattr(jaxllm.platform, "targets_hopper", lambda: True)  # concrete arrays: no abstract mesh
+    # concrete arrays, so no abstract mesh: the target is set here (the test also runs on a Hopper)
+    monkeypatch.setattr(jaxllm.platform, "targets_hopper", lambda: False)
+    off_hopper = pallas_params(params, jnp.bfloat16)
+    monkeypatch.setattr(jaxllm.platform, "targets_hopper", lambda: True)
     held = pallas_params(params, jnp.bfloat16)
     as_float32 = pallas_params(params, jnp.float32)
     assert format_of(held.layers[0]["wo"]) is MosaicTiles and format_of(held.lm_head) is MosaicTiles

@@ -44,13 +44,16 @@ def _random_inputs(rng, t=8, s=4, mb=5, w=3, groups=1) -> StepInputs:
 def test_packed_inputs_unpack_to_the_same_bits(groups):
     """Every leaf (int32, uint32 seeds, float32 with infinities, bools, scalars) comes
     back from the one int32 buffer bit for bit, inside a jitted function; the token
-    bitmask is passed beside it, not packed."""
+    bitmask is passed beside it, not packed. Each leaf starts on a 256-byte boundary
+    (Mosaic GPU refuses an operand that does not, and XLA passes a slice as a view)."""
     inputs = _random_inputs(np.random.default_rng(groups), groups=groups)
     layout = PackLayout.of(inputs, SEPARATE_INPUTS)
     packed, separate = layout.pack(inputs)
     assert packed.dtype == np.int32 and packed.ndim == 1 and len(separate) == 1
     np.testing.assert_array_equal(separate[0], inputs.sampling.token_bitmask)
-    assert layout.size == sum(np.size(x) for x in jax.tree.leaves(inputs)) - inputs.sampling.token_bitmask.size
+    sizes = [np.size(x) for x in jax.tree.leaves(inputs) if x is not inputs.sampling.token_bitmask]
+    assert layout.size == sum(-(-n // 64) * 64 for n in sizes)
+    assert all(slot.offset % 64 == 0 for slot in layout.slots if slot is not None)
     back = jax.jit(lambda p, m: layout.unpack(p, (m,)))(packed, *separate)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(inputs), strict=True):
         got, want = np.asarray(got), np.asarray(want)
