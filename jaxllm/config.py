@@ -22,7 +22,7 @@ from jaxllm.vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig
 # The names of the engine's choices (EngineConfig validates them, the CLI offers them,
 # the resolvers in jaxllm.platform, jaxllm.attention and jaxllm.models map them).
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "mosaic")
 LINEAR_BACKENDS = ("auto", "xla", "cpu", "pallas")
 # Weight quantization (jaxllm.models.quant): None keeps a checkpoint as stored (a GGUF
 # whose projections are all Q8_0, all Q4_0 or all Q4_1 keeps those blocks; other GGUF

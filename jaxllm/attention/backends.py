@@ -10,7 +10,12 @@ pallas_kernels.ragged_paged_attention:
 - `xla`: pure jnp, every platform; the oracle of the others.
 - `cpu`: the C++ custom call of jaxllm.attention.cpu (XLA:CPU only; float32
   activations, a cache of any KV cache format; the kernel is in jaxllm/cpu_kernels/).
-- `pallas`: the Pallas GPU kernels (interpret mode off GPU: for tests, slow but exact).
+- `pallas`: the Pallas kernel on its Triton backend, every CUDA GPU (interpret mode off
+  GPU: for tests, slow but exact).
+- `mosaic`: the Pallas kernel on Mosaic GPU (pallas_kernels.ragged_paged_attention_mgpu),
+  Hopper GPUs only, bfloat16 / float16 queries over a cache of their dtype (Mosaic GPU's
+  interpreter off GPU). Never chosen by `auto`: on an H200 it measured slower than the
+  Triton kernel in every workload (docs/kernels.md).
 - `auto`: pallas on GPU; on CPU the faster of cpu and xla per step
   shape, measured at start-up (jaxllm.worker.autotune), or xla alone when the model
   cannot use the cpu backend or its kernels do not build here (the reason logged).
@@ -88,19 +93,29 @@ class AttentionFn(Protocol):
     ) -> Float[Array, "T H hd"]: ...
 
 
-def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None) -> list[str]:
-    """The backends `name` may mean for a model of this head_dim and compute dtype, with
-    a KV cache of `cache_dtype` (default: `dtype`), on this platform, in preference
-    order (`auto` on a CPU: cpu and xla, measured by the runner); an explicit choice
-    that cannot work raises ValueError saying why."""
+def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None, heads: tuple[int, int] = (1, 1),
+                         block_size: int = 16) -> list[str]:
+    """The backends `name` may mean for a model of this head_dim, (query, KV) `heads`
+    and compute dtype, with a KV cache of `cache_dtype` (default: `dtype`) in blocks of
+    `block_size`, on this platform, in preference order (`auto` on a CPU: cpu and xla,
+    measured by the runner); an explicit choice that cannot work raises ValueError
+    saying why."""
     platform = jax.default_backend()
     preference = {"gpu": ["pallas"], "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
 
     def unavailable(backend: str) -> str | None:
         if backend == "cpu":
             if platform != "cpu":
                 return f"it runs on the CPU platform only (this is {platform})"
-            return _cpu_backend_unavailable(head_dim, dtype, dtype if cache_dtype is None else cache_dtype)
+            return _cpu_backend_unavailable(head_dim, dtype, cache_dtype)
+        if backend == "mosaic":
+            from pallas_kernels.ragged_paged_attention_mgpu import unsupported
+
+            if targets_gpu() and not targets_hopper():
+                return "Mosaic GPU's kernel runs on Hopper GPUs only (compute capability 9.x)"
+            return unsupported(dtype, cache_dtype, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                               block_size=block_size)
         return None
 
     return backend_candidates("attention_backend", name, ATTENTION_BACKENDS, preference, unavailable, logger)
@@ -120,24 +135,26 @@ def _cpu_backend_unavailable(head_dim: int, dtype, cache_dtype) -> str | None:
 
 
 def _pallas_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cache_dtype="", **kwargs):
-    """The Pallas kernels: on a Hopper GPU the Mosaic GPU kernel where it serves the
-    configuration (bfloat16 / float16 queries over a cache of their dtype, head_dim a
-    multiple of 64: pallas_kernels.ragged_paged_attention_mgpu.unsupported), else the
-    Triton one (interpret mode where no GPU is the target). They do not use the common-prefix hint, and
-    read caches of their element type (a cache of bits, on the CPU, is viewed as it: a
-    copy, in interpret mode only)."""
+    """The Triton kernel (interpret mode where no GPU is the target). It does not use
+    the common-prefix hint, and reads caches of their element type (a cache of bits, on
+    the CPU, is viewed as it: a copy, in interpret mode only)."""
     import pallas_kernels
-    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu, unsupported
 
     del common_prefix_blocks
     k_cache, v_cache = as_elements(k_cache, cache_dtype), as_elements(v_cache, cache_dtype)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if targets_hopper() and kwargs.get("k_scale") is None and unsupported(
-            q.dtype, k_cache.dtype, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
-            block_size=block_size) is None:
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("k_scale", "v_scale")}
-        return ragged_paged_attention_mgpu(q, k_cache, v_cache, *args, **kwargs)
     return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
+
+
+def _mosaic_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cache_dtype="", k_scale=None,
+                      v_scale=None, **kwargs):
+    """The Mosaic GPU kernel (its interpreter where no GPU is the target), for the
+    configurations attention_candidates let through (no int8 cache: no scales)."""
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+
+    del common_prefix_blocks
+    assert k_scale is None and v_scale is None, "mosaic attention: an int8 cache is not served"
+    k_cache, v_cache = as_elements(k_cache, cache_dtype), as_elements(v_cache, cache_dtype)
+    return ragged_paged_attention_mgpu(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
 
 
 def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
@@ -155,4 +172,6 @@ def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
             else ragged_paged_attention_cpu
     if name == "pallas":
         return _pallas_attention
+    if name == "mosaic":
+        return _mosaic_attention
     raise ValueError(f"attention_backend: {name!r} is not a resolved backend name")

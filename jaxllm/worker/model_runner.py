@@ -273,7 +273,8 @@ class ModelRunner:
         leaves a choice, except over several processes (their timings would differ, and
         the plans must agree: the first candidate)."""
         attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype,
-                                         cache_dtype=self.kv_format.dtype)
+                                         cache_dtype=self.kv_format.dtype, block_size=self.block_size,
+                                         heads=(self.config.num_heads, self.config.num_kv_heads))
         linear = linear_candidates(linear_backend, param_dtype, tensor_parallel=self.mesh is not None,
                                    quantized=self.config.quantization is not None)
         tiles = None  # measured where the kernels hold both bfloat16 paths

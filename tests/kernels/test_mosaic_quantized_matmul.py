@@ -164,8 +164,9 @@ def test_the_pallas_layout_holds_weights_for_it_on_a_hopper_only(monkeypatch):
 @pytest.mark.parametrize("kind,mosaic", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA A100-SXM4-80GB", False)])
 def test_a_quantized_model_step_lowers_for_cuda(kind, mosaic):
     """A bfloat16 Llama with Q4_1 projections in the pallas layout, its forward and
-    logits lowered for CUDA: on a Hopper every projection and attention call is a Mosaic
-    GPU kernel and nothing is Triton; on an A100 everything is Triton. (The step's
+    logits lowered for CUDA: on a Hopper, with attention_backend="mosaic", every projection
+    and attention call is a Mosaic GPU kernel and nothing is Triton; on an A100
+    everything is Triton. (The step's
     activations are bfloat16 under a GPU target: jaxllm.platform.activation_dtype.)"""
     import dataclasses
 
@@ -190,7 +191,7 @@ def test_a_quantized_model_step_lowers_for_cuda(kind, mosaic):
 
     def step(params, rope, caches, ids, positions, md):
         hidden, caches = forward_hidden(params, rope, caches, ids, positions, md, cfg=cfg,
-                                        attention_fn=get_attention_fn("pallas"))
+                                        attention_fn=get_attention_fn("mosaic" if mosaic else "pallas"))
         return compute_logits(params, hidden[:s], cfg), caches
 
     rope = jax.tree.map(lambda a: sd(a.shape, a.dtype), rope_table(cfg.rope, cfg.head_dim, 2048))
