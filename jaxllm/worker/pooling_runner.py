@@ -156,7 +156,8 @@ class PoolingRunner:
         linears = linear_candidates(rc.linear_backend, self.dtype, quantized=cfg.quantization is not None)
         attentions = attention_candidates(rc.attention_backend, head_dim=cfg.head_dim,
                                           dtype=activation_dtype(self.dtype),
-                                          cache_dtype=kv_cache_format("auto", self.dtype).dtype)
+                                          cache_dtype=kv_cache_format("auto", self.dtype).dtype,
+                                          heads=(cfg.num_heads, cfg.num_kv_heads), block_size=rc.block_size)
         self.plans = [Plan(a, linear) for a in attentions for linear in linears]  # the candidates, preferred first
         self.plan = self.plans[0]
         self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
