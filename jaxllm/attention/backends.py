@@ -157,12 +157,10 @@ def _mosaic_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cac
     return ragged_paged_attention_mgpu(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
 
 
-def get_attention_fn(name: str, batch_invariant: bool = False, bf16_products: bool = False) -> AttentionFn:
+def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
     """The attention function of a backend name (one of attention_candidates');
     `batch_invariant`: the cpu kernel's mode where a row's output never depends on the
-    others (no other backend has one); `bf16_products`: the cpu kernel's AMX products
-    of bfloat16-rounded queries and probabilities (ragged_paged_attention_cpu; the
-    other backends' products are their dtype's already)."""
+    others (no other backend has one)."""
     if batch_invariant and name != "cpu":
         raise ValueError(f"attention_backend: {name!r} is not batch-invariant (only cpu is)")
     if name == "xla":
@@ -170,10 +168,8 @@ def get_attention_fn(name: str, batch_invariant: bool = False, bf16_products: bo
     if name == "cpu":
         from jaxllm.attention.cpu import ragged_paged_attention_cpu
 
-        if batch_invariant or bf16_products:
-            return functools.partial(ragged_paged_attention_cpu, batch_invariant=batch_invariant,
-                                     bf16_products=bf16_products)
-        return ragged_paged_attention_cpu
+        return functools.partial(ragged_paged_attention_cpu, batch_invariant=True) if batch_invariant \
+            else ragged_paged_attention_cpu
     if name == "pallas":
         return _pallas_attention
     if name == "mosaic":

@@ -61,7 +61,6 @@ def ragged_paged_attention_cpu(
     cache_dtype: str = "",
     causal: bool = True,
     batch_invariant: bool = False,
-    bf16_products: bool = False,
 ) -> Float[Array, "T H hd"]:
     """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
     every sequence, are attended once for all query rows (a matrix product per KV head),
@@ -71,10 +70,7 @@ def ragged_paged_attention_cpu(
     query sees every key of its sequence (an encoder's attention; no sliding window).
     `batch_invariant`: each row's output the same bits whatever else the call holds (every
     row by the decode path, its keys in the same chunks, no common prefix pass; slower
-    for prefill chunks). `bf16_products`: where the prefill path multiplies on AMX tiles
-    (a bfloat16 cache), the queries and probabilities rounded to bfloat16 once, as a
-    bfloat16 engine's attention multiplies them, instead of split into three bfloat16
-    parts that keep float32's sums (a third of the tile products)."""
+    for prefill chunks)."""
     load_kernels()
     cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
     reason = unsupported(q.shape[-1], q.dtype, cache_dtype)
@@ -95,5 +91,4 @@ def ragged_paged_attention_cpu(
         cache_dtype=cache_dtype.name,
         causal=np.int32(causal),
         invariant=np.int32(batch_invariant),
-        bf16_products=np.int32(bf16_products),
     )

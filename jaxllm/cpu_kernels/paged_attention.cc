@@ -278,10 +278,6 @@ struct Problem {
   // The prefill path multiplies on AMX's tiles (a bfloat16 cache, head_dim a multiple of
   // 64, a CPU and OS with AMX, not `invariant`): attend_chunk_amx.
   bool amx;
-  // Its float32 operands (queries, probabilities) as kSplits bfloat16 parts (false: the
-  // float paths' sums to float32's rounding) or one (true, the `bf16_products`
-  // attribute: each rounded to bfloat16, as a bfloat16 engine's attention multiplies).
-  bool bf16_products;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
   // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
@@ -628,7 +624,6 @@ static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  //
 constexpr int kSplits = 3;       // the AMX path's bfloat16 parts of a float32 operand
 constexpr int kAmxQueries = 16;  // and its queries per tile of sums
 static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 4-6");
-// (kSplits is the most parts: the bf16_products mode multiplies one, template parameter P below.)
 
 #ifdef JAXLLM_AMX
 // The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per chunk and KV
@@ -644,12 +639,11 @@ static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three pa
 
 inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// x[0, n) (n a multiple of 16) as its P bfloat16 parts, `stride` elements apart.
-template <int P>
+// x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts, `stride` elements apart.
 inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
   for (int64_t i = 0; i < n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
-    for (int s = 0; s < P; ++s) {
+    for (int s = 0; s < kSplits; ++s) {
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), h);
       v = _mm512_sub_ps(v, bf16_widen(h));
@@ -695,20 +689,19 @@ inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
   }
 }
 
-// Both products' step: tiles 0-3 (sums) += the P parts of an A operand (tiles 4-6: rows
-// `lda` bytes apart, the parts `part` elements apart) times four B tiles (each in turn in
-// tile 7: 16 rows of 64 bytes, `b_step` bytes apart from b).
-template <int P>
+// Both products' step: tiles 0-3 (sums) += the kSplits parts of an A operand (tiles 4-6:
+// rows `lda` bytes apart, the parts `part` elements apart) times four B tiles (each in
+// turn in tile 7: 16 rows of 64 bytes, `b_step` bytes apart from b).
 inline void four_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const void* b, int64_t b_step) {
   _tile_loadd(4, a, lda);
-  if constexpr (P > 1) _tile_loadd(5, a + part, lda);
-  if constexpr (P > 2) _tile_loadd(6, a + 2 * part, lda);
+  if constexpr (kSplits > 1) _tile_loadd(5, a + part, lda);
+  if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * part, lda);
   const char* bj = static_cast<const char*>(b);
-#define JAXLLM_B_TILE(J)                        \
-  _tile_loadd(7, bj + J * b_step, 64);         \
-  _tile_dpbf16ps(J, 4, 7);                      \
-  if constexpr (P > 1) _tile_dpbf16ps(J, 5, 7); \
-  if constexpr (P > 2) _tile_dpbf16ps(J, 6, 7);
+#define JAXLLM_B_TILE(J)                              \
+  _tile_loadd(7, bj + J * b_step, 64);               \
+  _tile_dpbf16ps(J, 4, 7);                            \
+  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7); \
+  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
   JAXLLM_B_TILE(0)
   JAXLLM_B_TILE(1)
   JAXLLM_B_TILE(2)
@@ -724,44 +717,42 @@ inline void store_four_tiles(float* out, int64_t ld) {
   _tile_stored(3, out + 48, ld);
 }
 
-// Scores of queries m0.. (qa: their P parts, `part` elements apart, rows D apart)
+// Scores of queries m0.. (qa: their kSplits parts, `part` elements apart, rows D apart)
 // against the chunk's four key tiles, into s [16][kChunk].
-template <int D, int P>
+template <int D>
 inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t* kb, float* s) {
   constexpr int S = D / 32;
   zero_four_tiles();
   for (int st = 0; st < S; ++st)  // key tile j, step st: kb[j][st]
-    four_tiles_step<P>(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + st * 256, S * 1024);
+    four_tiles_step(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + st * 256, S * 1024);
   store_four_tiles(s, kChunk * 4);
 }
 
 // 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
-// [16][32] (step s of 32 keys), P parts.
+// [16][32] (step s of 32 keys).
 constexpr int64_t kProbabilityPart = (kChunk / 32) * kAmxQueries * 32;  // elements per part of pa
-template <int P>
 inline void split_probabilities(const float* p, uint16_t* pa) {
   for (int i = 0; i < kAmxQueries; ++i)
     for (int s = 0; s < kChunk / 32; ++s)
-      split_bf16<P>(p + i * kChunk + 32 * s, 32, pa + (s * kAmxQueries + i) * 32, kProbabilityPart);
+      split_bf16(p + i * kChunk + 32 * s, 32, pa + (s * kAmxQueries + i) * 32, kProbabilityPart);
 }
 
-// pv [16][D] = the probabilities (pa: P parts) times the chunk's values (vb), over `steps` steps of 32 keys.
-template <int D, int P>
+// pv [16][D] = the probabilities (pa) times the chunk's values (vb), over `steps` steps of 32 keys.
+template <int D>
 inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
   constexpr int C = D / 16;
   for (int c0 = 0; c0 < C; c0 += 4) {
     zero_four_tiles();
     for (int s = 0; s < steps; ++s)  // block c0 + j of D, step s: vb[s][c0 + j]
-      four_tiles_step<P>(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c0) * 16 * 32, 1024);
+      four_tiles_step(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c0) * 16 * 32, 1024);
     store_four_tiles(pv + 16 * c0, D * 4);
   }
 }
 
 // attend_chunk_many on AMX: the same online softmax, each query's state updated only
 // where its rows see the chunk (queries before m_first are left as they are). qa: the
-// KV head's queries' P parts (split_bf16, `part` apart; rows past nq zeros), the
-// probabilities likewise.
-template <int D, int P>
+// KV head's queries' parts (split_bf16, `part` apart; rows past nq zeros).
+template <int D>
 void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
                       int ntiles, const BF16* const* krow, const BF16* const* vrow, const uint16_t* qa, int64_t part,
                       Scratch& sc, float* o, float* m, float* l) {
@@ -776,7 +767,7 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
     const int nk = keys_seen(row_pos, group, first, m0 + mb - first, t0, ntok);
     if (nk == 0) continue;
     const int nt = (nk + kTile - 1) / kTile;
-    amx_scores<D, P>(qa, part, m0, sc.kb.data(), s);
+    amx_scores<D>(qa, part, m0, sc.kb.data(), s);
     bool any = false;
     for (int i = 0; i < kAmxQueries; ++i) {
       float* pi = p + i * kChunk;
@@ -792,8 +783,8 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
       for (; j < kTiles; ++j) store(pi + j * kTile, splat(0.f));
     }
     if (!any) continue;
-    split_probabilities<P>(p, pa);
-    amx_values<D, P>(pa, (nk + 31) / 32, sc.vb.data(), pv);
+    split_probabilities(p, pa);
+    amx_values<D>(pa, (nk + 31) / 32, sc.vb.data(), pv);
     for (int i = std::max(0, m_first - m0); i < mb; ++i) {
       float* oq = o + static_cast<int64_t>(m0 + i) * D;
       for (int c = 0; c < D / kLanes; ++c) store(oq + kLanes * c, load(oq + kLanes * c) + load(pv + i * D + kLanes * c));
@@ -812,14 +803,10 @@ inline bool amx_attention(const Problem& pb) {
   return false;
 }
 
-// The queries' parts for attend_amx (n floats, the parts n apart): kSplits, or one
-// under bf16_products.
-inline void split_queries(const Problem& pb, const float* q, int64_t n, uint16_t* qa) {
+// The queries' kSplits parts for attend_amx (n floats, the parts n apart).
+inline void split_queries(const float* q, int64_t n, uint16_t* qa) {
 #ifdef JAXLLM_AMX
-  if (pb.bf16_products)
-    split_bf16<1>(q, n, qa, n);
-  else
-    split_bf16<kSplits>(q, n, qa, n);
+  split_bf16(q, n, qa, n);
 #endif
 }
 
@@ -829,13 +816,8 @@ inline void attend_amx(const Problem& pb, int nq, int group, int m_first, const 
                        int ntok, int ntiles, const R* const* krow, const R* const* vrow, const uint16_t* qa,
                        int64_t part, Scratch& sc, float* o, float* m, float* l) {
 #ifdef JAXLLM_AMX
-  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0) {
-    if (pb.bf16_products)
-      attend_chunk_amx<D, 1>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qa, part, sc, o, m, l);
-    else
-      attend_chunk_amx<D, kSplits>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qa, part, sc, o,
-                                   m, l);
-  }
+  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0)
+    attend_chunk_amx<D>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qa, part, sc, o, m, l);
 #endif
 }
 
@@ -916,7 +898,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   if (amx) {
     sc.qa.resize(Hkv * kSplits * part);
     for (int64_t h = 0; h < Hkv; ++h)
-      split_queries(pb, sc.q.data() + h * nq_padded * D, part, sc.qa.data() + h * kSplits * part);
+      split_queries(sc.q.data() + h * nq_padded * D, part, sc.qa.data() + h * kSplits * part);
   }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
@@ -1037,7 +1019,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
   const bool amx = amx_attention<D, R>(pb);
   if (amx) {
     sc.qa.resize(kSplits * part);
-    split_queries(pb, sc.q.data(), part, sc.qa.data());
+    split_queries(sc.q.data(), part, sc.qa.data());
   }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const int64_t token_stride = pb.num_kv_heads * D;
@@ -1123,8 +1105,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> common_prefix_blocks, ffi::ResultBuffer<ffi::F32> out,
                                 float sm_scale, int32_t sliding_window, float soft_cap,
-                                std::string_view cache_dtype, int32_t causal, int32_t invariant,
-                                int32_t bf16_products) {
+                                std::string_view cache_dtype, int32_t causal, int32_t invariant) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -1139,8 +1120,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
              v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
              query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
-             sliding_window, soft_cap, causal != 0, invariant != 0, false, bf16_products != 0, 0, nullptr,
-             nullptr, nullptr};
+             sliding_window, soft_cap, causal != 0, invariant != 0, false, 0, nullptr, nullptr, nullptr};
 #ifdef JAXLLM_AMX
   pb.amx = cache_dtype == "bfloat16" && pb.head_dim % 64 == 0 && !pb.invariant && jaxllm::amx_ready();
   const jaxllm::ThreadHooks hooks = pb.amx ? jaxllm::kAmxHooks : jaxllm::ThreadHooks{};
@@ -1264,5 +1244,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
                                   .Attr<float>("soft_cap")
                                   .Attr<std::string_view>("cache_dtype")
                                   .Attr<int32_t>("causal")  // 0: bidirectional (an encoder)
-                                  .Attr<int32_t>("invariant")  // 1: batch-invariant (Problem::invariant)
-                                  .Attr<int32_t>("bf16_products"));  // 1: Problem::bf16_products
+                                  .Attr<int32_t>("invariant"));  // 1: batch-invariant (Problem::invariant)

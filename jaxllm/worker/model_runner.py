@@ -27,7 +27,6 @@ from jaxllm.attention.backends import attention_candidates
 from jaxllm.attention.kv_cache import KVCache, allocate_kv_caches, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.core.sched_output import SchedulerOutput
-from jaxllm.cpu_kernels import has_amx
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput
 from jaxllm.models import parallel, pipeline
@@ -228,7 +227,6 @@ class ModelRunner:
         self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir,
                                     blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype))
         self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
-        self.bf16_attention = self._bf16_attention(rc, param_dtype)
         self._auto_activations = rc.activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
@@ -268,16 +266,6 @@ class ModelRunner:
         if self.config.quantization is None or jnp.dtype(param_dtype) != jnp.float32:
             return False
         return (auto_activations() if requested == "auto" else requested) == "bfloat16"
-
-    def _bf16_attention(self, rc: RunnerConfig, param_dtype) -> bool:
-        """Whether the cpu attention kernel's AMX products take the queries and
-        probabilities rounded to bfloat16 once (`bf16_products`) rather than as three
-        exact parts: where the projections already multiply bfloat16 (bfloat16 weights,
-        or kept blocks with bfloat16 activations), never on the float32 path or in
-        batch-invariant mode. Only a bfloat16 KV cache on a CPU with AMX has that path."""
-        if rc.batch_invariant or jnp.dtype(self.kv_format.dtype) != jnp.bfloat16:
-            return False
-        return self.activation_quantization == "bfloat16" or jnp.dtype(param_dtype) != jnp.float32
 
     def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
                    cache_dir: Path | None, blocks_in_bf16: bool = False) -> BackendPlan:
@@ -502,10 +490,7 @@ class ModelRunner:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
         if "bf16_tiles" in self.plan.seconds:
             head += f"; bfloat16 sums {self.plan.describe('bf16_tiles')}"
-        amx = self.bf16_attention and "cpu" in self.plan.backends("attention") and has_amx()
-        products = " (AMX products of bfloat16 queries and probabilities)" if amx else ""
-        return (f"attention {self.plan.describe('attention')}{products}; linear {self.plan.describe('linear')}"
-                f"{head}")
+        return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
 
     def warm_up(self, progress: bool = True) -> float:
         """Load or compile every step shape (jaxllm.worker.compilation) while the KV

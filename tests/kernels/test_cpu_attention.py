@@ -239,35 +239,3 @@ def test_amx_prefill_path_matches_reference(heads, sliding_window, soft_cap):
     got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(8), **kw))(*stored)
     want = ragged_paged_attention_reference(*view, **kw)
     np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
-
-
-@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (50, 5.0)])
-def test_amx_bf16_products_round_queries_and_probabilities_once(sliding_window, soft_cap):
-    """`bf16_products` (the engine's choice where its projections multiply bfloat16): on
-    AMX the queries and probabilities are one bfloat16 part each, so the outputs are
-    within bfloat16 rounding of the reference (not float32's) and are not the exact
-    path's; the common prefix pass too. Off AMX the flag changes nothing: the same bits."""
-    hkv, group, head_dim = 3, 3, 64  # SmolLM2's group
-    kw = dict(sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
-    seqs = [(70, 70), (45, 200), (1, 129), (100, 300)]
-    args, valid = make_batch(np.random.default_rng(7), seqs, block_size=16, num_kv_heads=hkv, group=group,
-                             head_dim=head_dim)
-    stored, view = _bf16_cache(args)
-    exact = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))(*stored))[:valid]
-    got = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, bf16_products=True, **kw))(*stored))
-    if not cpu_kernels.has_amx():
-        np.testing.assert_array_equal(got[:valid], exact)
-        return
-    want = np.asarray(ragged_paged_attention_reference(*view, **kw))[:valid]
-    err = np.abs(got[:valid] - want)
-    assert err.max() < 3e-2 and err.mean() < 3e-3, (err.max(), err.mean())
-    assert err.mean() > 10 * np.abs(exact - want).mean()  # the one-part products ran
-    np.testing.assert_array_equal(got[valid:], 0)
-    p = 8 * 16
-    shared, valid = shared_prefix_batch(np.random.default_rng(group), 8, [(1, p + 1), (20, p + 20), (45, p + 100)],
-                                        block_size=16, num_kv_heads=hkv, group=group, head_dim=head_dim)
-    stored, view = _bf16_cache(shared)
-    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(8), bf16_products=True,
-                                                            **kw))(*stored)
-    err = np.abs(np.asarray(got)[:valid] - np.asarray(ragged_paged_attention_reference(*view, **kw))[:valid])
-    assert err.max() < 3e-2 and err.mean() < 3e-3, (err.max(), err.mean())
