@@ -112,7 +112,7 @@ def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None, h
         if backend == "mosaic":
             from pallas_kernels.ragged_paged_attention_mgpu import unsupported
 
-            if targets_gpu() and not targets_hopper():
+            if not targets_hopper():
                 return "Mosaic GPU's kernel runs on Hopper GPUs only (compute capability 9.x)"
             return unsupported(dtype, cache_dtype, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                block_size=block_size)

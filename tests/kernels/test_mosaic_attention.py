@@ -170,6 +170,9 @@ def test_the_mosaic_backend_lowers_to_it_and_pallas_to_triton():
             attention_candidates("mosaic", dtype=jnp.bfloat16, cache_dtype=jnp.int8, **shape)
     with cuda_target("NVIDIA A100-SXM4-80GB"), pytest.raises(ValueError, match="Hopper"):
         attention_candidates("mosaic", dtype=jnp.bfloat16, **shape)
+    if not targets_gpu():  # this CPU: no Hopper to run it
+        with pytest.raises(ValueError, match="Hopper"):
+            attention_candidates("mosaic", dtype=jnp.bfloat16, **shape)
     with cuda_target("NVIDIA H200"):
         assert targets_hopper() and targets_gpu()
     with cuda_target("NVIDIA A100-SXM4-80GB"):
