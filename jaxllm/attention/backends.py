@@ -14,11 +14,13 @@ pallas_kernels.ragged_paged_attention:
   GPU: for tests, slow but exact).
 - `mosaic`: the Pallas kernel on Mosaic GPU (pallas_kernels.ragged_paged_attention_mgpu),
   Hopper GPUs only, bfloat16 / float16 queries over a cache of their dtype (Mosaic GPU's
-  interpreter off GPU). Never chosen by `auto`: on an H200 it measured slower than the
-  Triton kernel in every workload (docs/kernels.md).
-- `auto`: pallas on GPU; on CPU the faster of cpu and xla per step
-  shape, measured at start-up (jaxllm.worker.autotune), or xla alone when the model
-  cannot use the cpu backend or its kernels do not build here (the reason logged).
+  interpreter off GPU).
+- `auto`: on a GPU pallas, and on a Hopper the faster of pallas and mosaic per step
+  shape where mosaic serves the model (on an H200 the Triton kernel was the faster in
+  every workload of the kernel benchmark: docs/kernels.md); on CPU the faster of cpu and
+  xla; measured at start-up (jaxllm.worker.autotune), a tie going to the first; xla
+  alone when the model cannot use the cpu backend or its kernels do not build here
+  (the reason logged).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def attention_candidates(name: str, *, head_dim: int, dtype, cache_dtype=None, h
     measured by the runner); an explicit choice that cannot work raises ValueError
     saying why."""
     platform = jax.default_backend()
-    preference = {"gpu": ["pallas"], "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
+    gpu = ["pallas", "mosaic"] if targets_hopper() else ["pallas"]
+    preference = {"gpu": gpu, "cpu": ["cpu", "xla"]}.get(platform, ["xla"])
     cache_dtype = dtype if cache_dtype is None else cache_dtype
 
     def unavailable(backend: str) -> str | None:

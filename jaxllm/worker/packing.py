@@ -69,7 +69,7 @@ class PackLayout:
         """The int32 buffer of `inputs` (host arrays of this layout) and the separate
         leaves, in order."""
         leaves = self.treedef.flatten_up_to(inputs)
-        buf = np.zeros(self.size, np.int32)  # the padding between leaves defined
+        buf = np.empty(self.size, np.int32)  # the padding between leaves is never read
         separate = []
         for slot, leaf in zip(self.slots, leaves):
             if slot is None:

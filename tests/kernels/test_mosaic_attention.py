@@ -144,11 +144,12 @@ def test_lowers_for_cuda(cfg):
         assert "mosaic_gpu" in lower_for_cuda(fn, *attention_specs(cfg, num_tokens, max_num_seqs)).as_text()
 
 
-def test_the_mosaic_backend_lowers_to_it_and_pallas_to_triton():
+def test_the_mosaic_backend_lowers_to_it_and_pallas_to_triton(monkeypatch):
     """attention_backend="mosaic" lowers to Mosaic GPU for an H100 and a bfloat16 model;
-    "pallas" (and so `auto` on a GPU) to the Triton kernel, a Hopper's too: on the H200
-    the Mosaic kernel measured slower in every workload (docs/kernels.md). "mosaic" is
-    refused, saying why, off a Hopper, for float32 queries and for an int8 cache."""
+    "pallas" to the Triton kernel, a Hopper's too. "mosaic" is refused, saying why, off a
+    Hopper, for float32 queries and for an int8 cache. `auto` on a Hopper offers both
+    for the start-up measurement (the Triton kernel first: it wins a tie), where mosaic
+    serves the model; elsewhere the Triton kernel alone."""
     llama = next(c for c in ENGINE_CONFIGS if c.name == "llama-3.1-8b")
 
     def lowered(name, cfg, kind):
@@ -173,6 +174,13 @@ def test_the_mosaic_backend_lowers_to_it_and_pallas_to_triton():
     if not targets_gpu():  # this CPU: no Hopper to run it
         with pytest.raises(ValueError, match="Hopper"):
             attention_candidates("mosaic", dtype=jnp.bfloat16, **shape)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the platform `auto` reads, as on a GPU
+    with cuda_target("NVIDIA H200"):
+        assert attention_candidates("auto", dtype=jnp.bfloat16, **shape) == ["pallas", "mosaic"]
+        assert attention_candidates("auto", dtype=jnp.float32, **shape) == ["pallas"]
+        assert attention_candidates("auto", dtype=jnp.bfloat16, cache_dtype=jnp.int8, **shape) == ["pallas"]
+    with cuda_target("NVIDIA A100-SXM4-80GB"):
+        assert attention_candidates("auto", dtype=jnp.bfloat16, **shape) == ["pallas"]
     with cuda_target("NVIDIA H200"):
         assert targets_hopper() and targets_gpu()
     with cuda_target("NVIDIA A100-SXM4-80GB"):
