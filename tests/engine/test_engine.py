@@ -405,6 +405,7 @@ def test_penalties_and_min_p_through_the_engine(test_models_dir):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow  # 17 s, the default run's budget: test_warm_restart_loads_every_executable covers one engine's cache
 def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models_dir, tmp_path):
     import jaxllm.platform
 

@@ -113,7 +113,10 @@ def test_bad_input_is_refused_by_name(llm, test_models_dir):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("name, placeholder", [("llava", "<image>"), ("gemma3_vlm", "<start_of_image>")])
+# Gemma 3's (24 s: its own engine) in the slow run; its logits against HF's by default:
+# test_vision_models.py
+@pytest.mark.parametrize("name, placeholder", [("llava", "<image>"),
+                                               pytest.param("gemma3_vlm", "<start_of_image>", marks=pytest.mark.slow)])
 def test_logprobs_equal_hfs(vision_models_dir, llm, name, placeholder):
     """Prompt and sampled logprobs against HF's forward over the whole sequence (with the
     processor's token_type_ids: Gemma 3's images attend both ways, which a causal step

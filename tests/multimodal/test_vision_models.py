@@ -52,7 +52,7 @@ def test_image_features_equal_hfs(models):
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("num_images", [1, 2])
+@pytest.mark.parametrize("num_images", [1, pytest.param(2, marks=pytest.mark.slow)])  # two: the engine's test
 def test_prompt_pixels_and_logits_equal_hfs(models, tmp_path, num_images):
     """The processor's token ids and pixel values; logits within 1e-4; greedy tokens."""
     folder, hf, processor, model = models

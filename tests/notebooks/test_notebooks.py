@@ -32,10 +32,10 @@ def test_committed_without_outputs(path: Path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
-# 01 and 02 run SmolLM2 and the engine (47 s and 17 s): in the slow run, for the default
-# run's 15-minute budget; 03 (the Pallas kernels in interpret mode) and 04 (an RL loop on
-# a tiny test model, about 10 s) by default.
-SLOW_CASES = ("[01_quickstart]", "[02_paged_kv_cache]")
+# 01 and 02 run SmolLM2 and the engine (47 s and 17 s), 04 an RL loop on a tiny test model
+# (32 s; its weight updates: tests/engine/test_update_weights.py): in the slow run, for the
+# default run's 15-minute budget; 03 (the Pallas kernels in interpret mode) by default.
+SLOW_CASES = ("[01_quickstart]", "[02_paged_kv_cache]", "[04_rl_loop]")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

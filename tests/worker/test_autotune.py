@@ -210,6 +210,7 @@ def test_the_step_timer_measures_bfloat16_weights_under_float32_activations(test
     assert timer._filled((2, 3)).dtype == jnp.float32
 
 
+@pytest.mark.slow  # 17 s, the default run's budget: an engine runs a measured plan by default (the bfloat16 tiles' test)
 def test_an_engine_with_mixed_backends_matches_a_single_backend_one(test_models_dir, tmp_path, monkeypatch):
     """A plan where small buckets use the kernels and large ones XLA: the runner keeps
     both weight layouts, and the tokens and logprobs equal an all-cpu engine's. The
