@@ -69,7 +69,7 @@ using jaxllm::vmax;
 using V = jaxllm::f32xN;  // one register of float32
 using M = jaxllm::i32xN;  // its lane mask
 
-namespace {
+namespace jaxllm_attention {
 
 inline V load(const float* p) { return jaxllm::loadN(p); }
 inline void store(float* p, V v) { jaxllm::storeN(p, v); }
@@ -292,7 +292,7 @@ struct Item {
   int64_t cost;
 };
 
-M iota() {
+inline M iota() {
   M v{};
   for (int i = 0; i < kLanes; ++i) v[i] = i;
   return v;
@@ -1053,6 +1053,26 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     }
 }
 
+// The kernels of float16, float8_e4m3fn and int8 caches are instantiated in an object of
+// their own (paged_attention_more_types.cc: this file with JAXLLM_ATTENTION_MORE_TYPES),
+// compiled beside this one's float32 and bfloat16 ones: five cache types' instantiations
+// in one object were the build's longest step (59 of its 85 CPU-seconds, on two cores).
+#define JAXLLM_KERNELS_OF(PREFIX, D, R)                                                                \
+  PREFIX template void run_item<D, R>(const Problem&, const Item&, Scratch&);                          \
+  PREFIX template void run_prefix_item<D, R>(const Problem&, const PrefixItem&, const int32_t*, float*, \
+                                             float*, float*, Scratch&);
+#define JAXLLM_KERNELS_OF_TYPE(PREFIX, R)                                                          \
+  JAXLLM_KERNELS_OF(PREFIX, 16, R) JAXLLM_KERNELS_OF(PREFIX, 32, R) JAXLLM_KERNELS_OF(PREFIX, 64, R) \
+  JAXLLM_KERNELS_OF(PREFIX, 128, R) JAXLLM_KERNELS_OF(PREFIX, 256, R)
+#ifdef JAXLLM_ATTENTION_MORE_TYPES
+JAXLLM_KERNELS_OF_TYPE(, F16)
+JAXLLM_KERNELS_OF_TYPE(, F8E4M3)
+JAXLLM_KERNELS_OF_TYPE(, int8_t)
+#else
+JAXLLM_KERNELS_OF_TYPE(extern, F16)
+JAXLLM_KERNELS_OF_TYPE(extern, F8E4M3)
+JAXLLM_KERNELS_OF_TYPE(extern, int8_t)
+
 using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
 using PrefixItemFn = void (*)(const Problem&, const PrefixItem&, const int32_t*, float*, float*, float*, Scratch&);
 
@@ -1223,9 +1243,12 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   return ffi::Error::Success();
 }
 
-}  // namespace
+#endif  // JAXLLM_ATTENTION_MORE_TYPES
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
+}  // namespace jaxllm_attention
+
+#ifndef JAXLLM_ATTENTION_MORE_TYPES
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, jaxllm_attention::RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
@@ -1245,3 +1268,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, RaggedPagedAttention,
                                   .Attr<std::string_view>("cache_dtype")
                                   .Attr<int32_t>("causal")  // 0: bidirectional (an encoder)
                                   .Attr<int32_t>("invariant"));  // 1: batch-invariant (Problem::invariant)
+#endif
