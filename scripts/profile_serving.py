@@ -62,8 +62,9 @@ def thunk_seconds(trace_dir: str) -> dict[str, float]:
     return out
 
 
-def profile_shape(runner, step, reps: int) -> dict[str, float]:
-    """Seconds per call of `step`'s executable alone, by scope (and "total")."""
+def profile_shape(runner, step, reps: int, top_other: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per call of `step`'s executable alone, by scope (and "total"); and the
+    `top_other` HLO ops no scope names, with their seconds."""
     import jax
 
     runner.time_step_alone(step, 2)  # warm
@@ -79,7 +80,8 @@ def profile_shape(runner, step, reps: int) -> dict[str, float]:
     for op, s in per_op.items():
         parts[scopes.get(op, "other")] += s / reps
     parts["total"] = total
-    return dict(parts)
+    unnamed = sorted(((s / reps, op) for op, s in per_op.items() if scopes.get(op, "other") == "other"), reverse=True)
+    return dict(parts), {op: s for s, op in unnamed[:top_other]}
 
 
 def run(args) -> dict:
@@ -115,9 +117,10 @@ def run(args) -> dict:
     for shape, step in sorted(last.items(), key=lambda kv: tuple(kv[0])):
         key = (shape.tokens, shape.seqs) + ((shape.decode_steps,) if shape.decode_steps > 1 else ())
         calls, seconds = st.steps_per_bucket.get(key, 0), st.seconds_per_bucket.get(key, 0.0)
-        parts = profile_shape(runner, step, args.reps)
+        parts, other = profile_shape(runner, step, args.reps, args.top_other)
         shapes.append({"shape": "x".join(map(str, key)), "calls": calls, "wall_ms": 1e3 * seconds / max(calls, 1),
-                       "alone_ms": {k: 1e3 * v for k, v in parts.items()}})
+                       "alone_ms": {k: 1e3 * v for k, v in parts.items()},
+                       "other_ops_ms": {k: 1e3 * v for k, v in other.items()}})
     totals: dict[str, float] = collections.defaultdict(float)
     for s in shapes:
         for k, v in s["alone_ms"].items():
@@ -147,6 +150,8 @@ def print_report(r: dict) -> None:
     for s in r["shapes"]:
         print(f"{s['shape']:>10} {s['calls']:5d} {s['wall_ms']:8.1f} |           "
               + " ".join(f"{s['alone_ms'].get(c, 0.0):9.2f}" for c in cols))
+        if s.get("other_ops_ms"):
+            print(" " * 31 + "other: " + ", ".join(f"{op} {ms:.2f}" for op, ms in s["other_ops_ms"].items()))
     w = r["workload_seconds"]
     print(f"\nworkload seconds: wall {r['wall_s']:.2f}; host and gaps {r['host_s']:.2f}; "
           + "; ".join(f"{c} {w.get(c, 0.0):.2f} ({w.get(c, 0.0) / r['wall_s']:.0%})" for c in cols))
@@ -158,6 +163,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32, help="the clients: requests running at once")
     p.add_argument("--reps", type=int, default=5, help="calls of each step shape under the profiler")
+    p.add_argument("--top-other", type=int, default=0,
+                   help="also print, per shape, this many of the HLO ops no scope names (\"other\") with their ms")
     p.add_argument("--out", default=None, help="also write the report as JSON")
     args = p.parse_args()
     report = run(args)
