@@ -156,9 +156,10 @@ def test_the_server_with_async_scheduling(test_models_dir, tmp_path, engines):
         server.stop()
 
 
-# Gemma 3's sliding groups beside full ones cover the sliding path by default; Mistral's one
-# sliding group with -m slow (~20 s)
-@pytest.mark.parametrize("arch", ["gemma3", pytest.param("mistral", marks=pytest.mark.slow)])
+# In the slow run (~20 s each: the default run's budget): the hybrid cache by default in
+# tests/core/test_hybrid_kv_cache.py, async scheduling by default above
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
 def test_sliding_windows_and_the_hybrid_cache(test_models_dir, arch):
     """Sliding-window layers free the blocks behind their window as requests advance
     (Gemma 3: a block table per layer group): a block freed while the step before still
