@@ -165,6 +165,7 @@ def test_beams_share_the_prompt_blocks_and_free_them(test_models_dir, llm, promp
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow  # (15 s: the default run's budget) beams against HF's by default above; preemption's recompute: tests/engine
 def test_preempted_beams_recompute_to_the_same_beams(test_models_dir, prompts, hf):
     """A pool too small for every group at once preempts whole groups; the beams are
     those of an engine that never preempts (and transformers'), alone and among sampled

@@ -476,8 +476,8 @@ def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(test_model
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("bfloat16", marks=pytest.mark.slow),
                                             pytest.param("fp8", marks=pytest.mark.slow),
-                                            pytest.param("fp8-scaled", marks=pytest.mark.slow)])  # (the unit tests and
-# test_fp8_kv_cache_reads_a_checkpoints_scales cover fp8's scales in the default run)
+                                            pytest.param("fp8-scaled", marks=pytest.mark.slow)])  # (fp8's scales
+# in the default run: tests/kernels/test_kv_cache_dtypes.py)
 def test_quantized_kv_cache_through_the_engine(pressured, test_models_dir, kv_cache_dtype):
     """kv_cache_dtype: the same kv_cache_memory holds more blocks (bfloat16 2x; int8
     hd + 4 bytes a row against 4 hd); with prefix caching, chunking and preemption the
@@ -537,6 +537,7 @@ def scaled_checkpoint(test_models_dir, tmp_path, drop: str | None = None):
     return folder, k, v
 
 
+@pytest.mark.slow  # (18 s: the default run's budget) the scales' folding by default: tests/kernels/test_kv_cache_dtypes.py
 def test_fp8_kv_cache_reads_a_checkpoints_scales(test_models_dir, tmp_path):
     """A checkpoint's model.layers.{i}.self_attn.k_scale / v_scale (vLLM reads them) scale
     an fp8 cache, each layer's own, for every KV head, and its outputs stay near a

@@ -86,6 +86,7 @@ def test_a_mismatch_is_refused_whole(test_models_dir):
     assert_same(outputs(llm), before)  # nothing applied
 
 
+@pytest.mark.slow  # (24 s: the default run's budget) a float engine's updates by default above
 def test_a_quantized_engine_quantizes_float_weights_as_at_load(test_models_dir, tmp_path):
     llm = make_llm(test_models_dir, quantization="q8_0")
     new = trained(load_model(test_models_dir / "llama", dtype="float32").params, seed=1)

@@ -255,8 +255,9 @@ def test_none_dequantizes_a_converted_checkpoint_that_holds_quantized_weights(te
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("method,backend", [("gptq", "cpu"), pytest.param("gptq", "xla", marks=pytest.mark.slow),
-                                            pytest.param("compressed-tensors", "cpu", marks=pytest.mark.slow)])
+# (16 s: the default run's budget) GPTQ kept packed by default above
+@pytest.mark.slow
+@pytest.mark.parametrize("method,backend", [("gptq", "cpu"), ("gptq", "xla"), ("compressed-tensors", "cpu")])
 def test_a_checkpoint_in_activation_order_is_kept_with_its_inputs_order(test_models_dir, tmp_path, method, backend):
     """GPTQ's desc_act: each projection's groups formed in another order of its inputs
     (g_idx). Kept as int4 with its rows sorted by group and that order (`perm`), x's

@@ -138,6 +138,7 @@ ONE_SLOT_SERVER_FLAGS = ("--max-num-batched-tokens", "32", "--kv-cache-memory", 
                          "--max-lora-rank", "8")
 
 
+@pytest.mark.slow  # (25 s: the default run's budget) adapters sharing a batch by default above
 def test_more_adapters_than_slots_wait_for_one(test_models_dir, adapters, shared_cache_dir):
     """One device slot, two adapters and the base model asked at once, with seeded
     sampling: each request waits for the slot rather than failing, and gets what it

@@ -456,9 +456,10 @@ def test_a_mixture_of_experts_gguf_is_its_hf_checkpoint(test_models_dir, tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# (22 s each: the default run's budget) a dense GGUF of mixed types by default above
+@pytest.mark.slow
 @pytest.mark.parametrize("name,tensor_type,kept_as", [
-    pytest.param("qwen3_moe", "Q4_1", "q4_1", marks=pytest.mark.slow), ("qwen3_moe", "Q4_1+Q8_0", "gguf_int8"),
-    pytest.param("mixtral", "Q8_0", "q8_0", marks=pytest.mark.slow)])
+    ("qwen3_moe", "Q4_1", "q4_1"), ("qwen3_moe", "Q4_1+Q8_0", "gguf_int8"), ("mixtral", "Q8_0", "q8_0")])
 def test_a_mixture_of_experts_gguf_keeps_its_blocks(test_models_dir, tmp_path, name, tensor_type, kept_as):
     """A MoE GGUF whose projections and experts are all of one kept type holds the
     experts' blocks stacked (QuantizedWeight [E, K, N]); one of mixed types (Q4_1 with

@@ -131,6 +131,9 @@ def test_the_bfloat16_tiles_are_chosen_per_bucket():
     assert {c.bf16_tiles for c in plan_backends(buckets, ["xla"], ["cpu"], measure).choices} == {"dot"}
 
 
+# (26 s: the default run's budget) by default a measured plan's bfloat16 tiles run through an engine in
+# tests/models/test_activation_quantization.py, the per-bucket choice above
+@pytest.mark.slow
 def test_a_bfloat16_engine_runs_the_tiles_its_plan_chose(test_models_dir, tmp_path, monkeypatch):
     """A bfloat16 model whose plan gives the float tiles to its larger buckets: their
     steps' packed weights carry it, the start-up line says it, and the tokens and
