@@ -78,8 +78,9 @@ class EngineConfig:
                                              "a format quantizes a float checkpoint at load, a checkpoint method checks "
                                              "it is stored so (docs/quantization.md)", QUANTIZATIONS)
     activation_quantization: str | None = _option(
-        "auto", "inputs of the projections kept in blocks, on the CPU kernel: auto is bfloat16 where it has AMX, int16 "
-                "where it has integer dot products, else none (docs/quantization.md)", ACTIVATION_QUANTIZATIONS)
+        "auto", "inputs of the projections kept in blocks, on the CPU kernel: auto is bfloat16 where it has AMX (but "
+                "float32 at the step sizes where start-up measures that faster), int16 where it has integer dot "
+                "products, else none (docs/quantization.md)", ACTIVATION_QUANTIZATIONS)
     max_model_len: int | None = _option(None, "tokens per sequence (default: the model's context length)")
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_memory: str | int | float | None = _option(

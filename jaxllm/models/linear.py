@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.formats import Panels, format_of
-from jaxllm.models.params import BF16_TILES, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.params import BF16_TILES, NO_BF16, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     activation_quantization_ready,
@@ -275,10 +275,14 @@ def rounds_activations(params: ModelParams, requested: str | None, linear_backen
 def bf16_tiles(params: PyTree, tiles: str) -> PyTree:
     """`params` with every packed weight summing bfloat16 by `tiles` (BF16_TILES: vdpbf16ps
     where the kernels are built with AVX512_BF16, the float tiles, or AMX's where the CPU
-    has them), at the speed the start-up measurement found (jaxllm.worker.autotune).
-    Abstract ones too."""
+    has them), at the speed the start-up measurement found (jaxllm.worker.autotune); or,
+    `tiles` NO_BF16, kept blocks that multiply in bfloat16 multiplying in float32 instead
+    (`float_dtype`; plain bfloat16 panels as they are). Abstract ones too."""
+    if tiles == NO_BF16:
+        return _marked(params, PackedWeight, lambda w: w.group > 0 and w.float_dtype == "bfloat16",
+                       float_dtype="float32")
     if tiles not in BF16_TILES:
-        raise ValueError(f"bf16 tiles: unknown {tiles!r}; choose one of {', '.join(BF16_TILES)}")
+        raise ValueError(f"bf16 tiles: unknown {tiles!r}; choose one of {', '.join(BF16_TILES)} or {NO_BF16}")
     return _marked(params, PackedWeight, bf16_tiles=tiles)
 
 

@@ -70,6 +70,11 @@ GROUPED_FORMATS = ("int4", "int4_g32", "int4_g64", "int8_g128", "int8_g64", "int
 # How the cpu kernel sums bfloat16 (PackedWeight.bf16_tiles); a name's index is its code in
 # jaxllm/cpu_kernels/dense.cc (BF16Tiles)
 BF16_TILES = ("float", "dot", "amx")
+# A step's choice beside them for a float32 model's kept blocks that multiply in bfloat16
+# (activation_quantization bfloat16): "none", no bfloat16 rounding at that step, its inputs
+# and dequantized weights multiplied in float32 (`float_dtype` float32: the same arrays). At
+# 1-8 rows it ran faster than any bfloat16 path on the AMX Xeon (docs/bench-log/2026-11-30-amx.md).
+NO_BF16 = "none"
 
 
 @struct.dataclass

@@ -22,7 +22,9 @@ faster:
   vdpbf16ps and by the float tiles (the same sums bit for bit) and, where the CPU has
   AMX (`jaxllm.cpu_kernels.has_amx`), by its tiles (float32 sums in another order), so
   each bucket may take the fastest (its step's weights carry the choice:
-  `PackedWeight.bf16_tiles`, the same arrays). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
+  `PackedWeight.bf16_tiles`, the same arrays); a float32 model's kept blocks that
+  multiply in bfloat16 may also multiply in float32 at a bucket (NO_BF16: `float_dtype`,
+  the same arrays; at 1-8 rows on the AMX Xeon the float path measured faster). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
   at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps ran 1.6-1.8x the
   float32 kernel's rate (the float tiles'), so there it should keep every bucket.
 
@@ -48,7 +50,7 @@ import numpy as np
 from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
-from jaxllm.models.params import PackedWeight, QuantizedWeight, abstract_params
+from jaxllm.models.params import NO_BF16, PackedWeight, QuantizedWeight, abstract_params
 
 logger = logging.getLogger(__name__)
 
@@ -400,15 +402,19 @@ class StepTimer:
         return _best_of(lambda *a: fn(*a, k_scale=cache.k_scale, v_scale=cache.v_scale), *args) * cfg.num_layers
 
 
-def bf16_tile_candidates(dtype, linear: Sequence[str]) -> list[str]:
+def bf16_tile_candidates(dtype, linear: Sequence[str], float32_steps: bool = False) -> list[str]:
     """The kernel's ways to sum a bfloat16 model's projections: vdpbf16ps and the float
     tiles where the library holds both (built with AVX512_BF16), and AMX's tiles where
-    the CPU has them, when the kernel is a linear candidate; else the one it has."""
+    the CPU has them, when the kernel is a linear candidate; else the one it has. With
+    `float32_steps` (a float32 model's kept blocks that multiply in bfloat16 because
+    activation_quantization `auto` chose it) they may also multiply in float32 at a step
+    (NO_BF16, last: it wins only by more than TIE)."""
     from jaxllm import cpu_kernels
 
     if jnp.dtype(dtype) != jnp.bfloat16 or "cpu" not in linear or not cpu_kernels.has_bf16_dot():
         return ["dot"]
-    return ["dot", "float", "amx"] if cpu_kernels.has_amx() else ["dot", "float"]
+    tiles = ["dot", "float", "amx"] if cpu_kernels.has_amx() else ["dot", "float"]
+    return [*tiles, NO_BF16] if float32_steps else tiles
 
 
 def backend_plan(
@@ -426,6 +432,7 @@ def backend_plan(
     bf16_tiles: Sequence[str] | None = None,
     before_measuring: Callable[[], object] | None = None,
     blocks_in_bf16: bool = False,
+    float32_steps: bool = False,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
@@ -433,12 +440,13 @@ def backend_plan(
     buckets and kernel build, or measured now (and stored). `bf16_tiles`: the kernel's
     bfloat16 tiles to choose from (default: `bf16_tile_candidates`); `blocks_in_bf16`: a
     float32 model's kept blocks multiply in bfloat16 (activation_quantization bfloat16),
-    timed so, with the tiles a bfloat16 model has. `before_measuring`
+    timed so, with the tiles a bfloat16 model has, and with `float32_steps` (auto chose
+    bfloat16 for them) in float32 too (NO_BF16). `before_measuring`
     is called first when it measures: the engine waits there for its weights' loading
     thread, which would otherwise share the cores with the timed calls and could store
     a plan of the wrong backends (docs/bench-log/2026-11-29-against-vllm.md)."""
     tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(
-        jnp.bfloat16 if blocks_in_bf16 else dtype, linear)
+        jnp.bfloat16 if blocks_in_bf16 else dtype, linear, blocks_in_bf16 and float32_steps)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path

@@ -225,7 +225,8 @@ class ModelRunner:
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
         self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir,
-                                    blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype))
+                                    blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype),
+                                    float32_steps=rc.activation_quantization == "auto")
         self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
         self._auto_activations = rc.activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
@@ -268,10 +269,11 @@ class ModelRunner:
         return (auto_activations() if requested == "auto" else requested) == "bfloat16"
 
     def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
-                   cache_dir: Path | None, blocks_in_bf16: bool = False) -> BackendPlan:
+                   cache_dir: Path | None, blocks_in_bf16: bool = False, float32_steps: bool = False) -> BackendPlan:
         """The backends of each bucket: measured on one shard's shapes where `auto`
         leaves a choice, except over several processes (their timings would differ, and
-        the plans must agree: the first candidate)."""
+        the plans must agree: the first candidate). `float32_steps`: kept blocks that
+        auto put in bfloat16 may multiply in float32 at the buckets where that is faster."""
         attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype,
                                          cache_dtype=self.kv_format.dtype, block_size=self.block_size,
                                          heads=(self.config.num_heads, self.config.num_kv_heads))
@@ -285,7 +287,8 @@ class ModelRunner:
                             linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles,
-                            before_measuring=self.runner_config.before_measuring, blocks_in_bf16=blocks_in_bf16)
+                            before_measuring=self.runner_config.before_measuring, blocks_in_bf16=blocks_in_bf16,
+                            float32_steps=float32_steps)
 
     def _activation_quantization(self, requested: str, params: ModelParams) -> str | None:
         """What the projections kept in blocks multiply (None: float): `requested`, or

@@ -25,6 +25,7 @@ from jaxllm.models.quant import (
     quantize_weight,
     quantized_activation_matmul,
 )
+from jaxllm.worker import autotune
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]
@@ -246,6 +247,10 @@ def test_bfloat16_activations_and_auto_where_the_cpu_has_amx(test_models_dir, tm
     from jaxllm.models.linear import auto_activation_quantization
 
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
+    # every step in bfloat16, as the reference's: no bucket multiplying the blocks in float32 (NO_BF16,
+    # where measured faster: tests/worker/test_autotune.py)
+    candidates = autotune.bf16_tile_candidates
+    monkeypatch.setattr(autotune, "bf16_tile_candidates", lambda *a, **k: [t for t in candidates(*a, **k) if t != "none"])
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path)
     runner = llm.llm_engine.core.runner

@@ -131,6 +131,49 @@ def test_the_bfloat16_tiles_are_chosen_per_bucket():
     assert {c.bf16_tiles for c in plan_backends(buckets, ["xla"], ["cpu"], measure).choices} == {"dot"}
 
 
+def test_kept_blocks_may_multiply_in_float32_at_the_buckets_where_that_is_faster(monkeypatch):
+    """A float32 model's kept blocks that multiply in bfloat16 because activation_quantization
+    auto chose it have one more candidate per bucket, last: "none", the same blocks
+    multiplied in float32 (`float_dtype`), taken where it beats the others by more
+    than TIE (on the AMX Xeon at 1-8 rows). An explicit bfloat16 (the engine passes
+    float32_steps only for auto), a bfloat16 model's weights, and blocks that multiply
+    in float32 anyway have no such candidate. The step's weights carry it:
+    kept blocks in bfloat16 become float32 ones, bit for bit the float path's
+    products; plain bfloat16 panels and float32 panels stay as they are."""
+    from jaxllm import cpu_kernels
+    from jaxllm.models.linear import bf16_tiles, linear, pack_weight
+    from jaxllm.models.quant import quantize_weight
+
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu"], float32_steps=True) == ["dot", "float", "amx", "none"]
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu"]) == ["dot", "float", "amx"]
+    assert autotune.bf16_tile_candidates(jnp.float32, ["cpu"], float32_steps=True) == ["dot"]
+    assert autotune.bf16_tile_candidates(jnp.bfloat16, ["xla"], float32_steps=True) == ["dot"]
+
+    buckets = [(t, 8) for t in (1, 4, 8, 16, 32)]  # measured: 1, 8, 32
+
+    def measure(kind, backend, t, s):  # float32 1.5x at 1 row, 1.01x (a tie) at 8, slower at 32
+        return {"cpu/none": t * (0.66 if t == 1 else 0.99 if t == 8 else 2.0), "cpu/amx": t * (1.2 if t < 32 else 0.5)
+                }.get(backend, t * 1.0)
+
+    plan = plan_backends(buckets, ["cpu"], ["cpu"], measure, bf16_tiles=["dot", "float", "amx", "none"])
+    assert [c.bf16_tiles for c in plan.choices] == ["none", "none", "dot", "dot", "amx"]
+    assert plan.describe("bf16_tiles").startswith("none at T=1-4 (1.52-1.52x dot), dot at T=8-16")
+
+    rng = np.random.default_rng(3)
+    q = quantize_weight(rng.standard_normal((64, 48), np.float32), "q4_1")
+    in_bf16, in_float = pack_weight(q.replace(float_dtype="bfloat16")), pack_weight(q)
+    panels = pack_weight(rng.standard_normal((64, 48), np.float32).astype(jnp.bfloat16))
+    marked = bf16_tiles({"blocks": in_bf16, "float": in_float, "panels": panels}, "none")
+    assert marked["blocks"].float_dtype == "float32" and marked["float"] is in_float and marked["panels"] is panels
+    x = jnp.asarray(rng.standard_normal((3, 64), np.float32))
+    fn = jax.jit(linear)
+    np.testing.assert_array_equal(np.asarray(fn(x, marked["blocks"])), np.asarray(fn(x, in_float)))
+    assert (np.asarray(fn(x, in_bf16)) != np.asarray(fn(x, in_float))).any()  # bfloat16 inputs: not float32's
+    with pytest.raises(ValueError, match="unknown 'fast'; choose one of float, dot, amx or none"):
+        bf16_tiles(marked, "fast")
+
 # (26 s: the default run's budget) by default a measured plan's bfloat16 tiles run through an engine in
 # tests/models/test_activation_quantization.py, the per-bucket choice above
 @pytest.mark.slow
