@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 DIRECTORY = Path(__file__).parent
 # Longest to compile first (_run_all starts them in this order, one a CPU): the attention
-# kernels of five KV cache types in two objects (~32 and ~23 s alone on a 2-vCPU Xeon),
-# the dense kernels (~22 s), then two small ones.
+# kernels of five KV cache types in two objects, the dense kernels, then two small ones
+# (their times: docs/cpu_kernels.md, "Building them").
 SOURCES = (DIRECTORY / "paged_attention_more_types.cc", DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc",
            DIRECTORY / "argmax.cc", DIRECTORY / "token_scores.cc")
 HEADERS = (DIRECTORY / "amx.h", DIRECTORY / "parallel.h", DIRECTORY / "simd.h")

@@ -1056,7 +1056,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
 // The kernels of float16, float8_e4m3fn and int8 caches are instantiated in an object of
 // their own (paged_attention_more_types.cc: this file with JAXLLM_ATTENTION_MORE_TYPES),
 // compiled beside this one's float32 and bfloat16 ones: five cache types' instantiations
-// in one object were the build's longest step (59 of its 85 CPU-seconds, on two cores).
+// in one object were the build's longest step by far (docs/cpu_kernels.md, "Building them").
 #define JAXLLM_KERNELS_OF(PREFIX, D, R)                                                                \
   PREFIX template void run_item<D, R>(const Problem&, const Item&, Scratch&);                          \
   PREFIX template void run_prefix_item<D, R>(const Problem&, const PrefixItem&, const int32_t*, float*, \

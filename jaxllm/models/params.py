@@ -71,9 +71,9 @@ GROUPED_FORMATS = ("int4", "int4_g32", "int4_g64", "int8_g128", "int8_g64", "int
 # jaxllm/cpu_kernels/dense.cc (BF16Tiles)
 BF16_TILES = ("float", "dot", "amx")
 # A step's choice beside them for a float32 model's kept blocks that multiply in bfloat16
-# (activation_quantization bfloat16): "none", no bfloat16 rounding at that step, its inputs
-# and dequantized weights multiplied in float32 (`float_dtype` float32: the same arrays). At
-# 1-8 rows it ran faster than any bfloat16 path on the AMX Xeon (docs/bench-log/2026-11-30-amx.md).
+# (activation_quantization auto on AMX): "none", no bfloat16 rounding at that step, its inputs
+# and dequantized weights multiplied in float32 (`float_dtype` float32: the same arrays), where
+# the start-up measurement finds it faster (few rows: docs/cpu_kernels.md).
 NO_BF16 = "none"
 
 

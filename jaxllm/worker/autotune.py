@@ -22,9 +22,10 @@ faster:
   vdpbf16ps and by the float tiles (the same sums bit for bit) and, where the CPU has
   AMX (`jaxllm.cpu_kernels.has_amx`), by its tiles (float32 sums in another order), so
   each bucket may take the fastest (its step's weights carry the choice:
-  `PackedWeight.bf16_tiles`, the same arrays); a float32 model's kept blocks that
-  multiply in bfloat16 may also multiply in float32 at a bucket (NO_BF16: `float_dtype`,
-  the same arrays; at 1-8 rows on the AMX Xeon the float path measured faster). On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
+  `PackedWeight.bf16_tiles`, the same arrays); a float32 model's kept blocks that `auto`
+  multiplies in bfloat16 may also multiply in float32 at a bucket (NO_BF16: `float_dtype`,
+  the same arrays; the float path won at few rows on the AMX Xeon: docs/cpu_kernels.md).
+  On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
   at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps ran 1.6-1.8x the
   float32 kernel's rate (the float tiles'), so there it should keep every bucket.
 
