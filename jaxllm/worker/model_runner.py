@@ -224,11 +224,11 @@ class ModelRunner:
         self.num_scheduler_steps = rc.num_scheduler_steps
         if jax.process_count() > 1:  # every process must run the same plan: no timings (they differ), no store
             cache_dir = None
+        self._auto_activations = rc.activation_quantization == "auto"
         self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir,
                                     blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype),
-                                    float32_steps=rc.activation_quantization == "auto")
+                                    float32_steps=self._auto_activations)
         self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
-        self._auto_activations = rc.activation_quantization == "auto"
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
             raise ValueError(f"max_lora_rank: the pallas linear backend's LoRA kernels need a power of two >= 16, "
