@@ -690,7 +690,7 @@ struct Scales {
     return data ? Scales{static_cast<const char*>(data) + offset * (half ? 2 : 4), half} : *this;
   }
   // n values from element `offset` as float32: the data itself, or widened into `wide`.
-  const float* floats(int64_t offset, int64_t n, std::vector<float>& wide) const {
+  const float* floats(int64_t offset, int64_t n, jaxllm::LineVector<float>& wide) const {
     if (data == nullptr) return nullptr;
     if (!half) return static_cast<const float*>(data) + offset;
     wide.resize(n);
@@ -901,7 +901,7 @@ template <class Wt, int S>
 void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
               int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows, depth = amx_depth(K), panel_size = Wt::panel_size(K);
-  thread_local std::vector<uint16_t> packed;
+  thread_local jaxllm::LineVector<uint16_t> packed;
   packed.resize(tiles * kAmxRows * 2 * depth);
   uint16_t* XT = packed.data();
   const auto pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
@@ -914,11 +914,11 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       const int64_t groups = (K >> group_shift) * kPanel;
       Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                       group_shift};
-      thread_local std::vector<float> wide_scales, wide_mins;
+      thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
       panel.scale = scales.floats(p * groups, groups, wide_scales);
       if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
       if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, Y, N, p, cols);
-      thread_local std::vector<uint16_t> pairs;
+      thread_local jaxllm::LineVector<uint16_t> pairs;
       pairs.resize(depth * 2 * kPanel);
       bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
       amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, Y, N, p, cols);
@@ -952,7 +952,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
-  thread_local std::vector<typename Tiles::X> packed;
+  thread_local jaxllm::LineVector<typename Tiles::X> packed;
   packed.resize(tiles * kTileRows * depth);
   typename Tiles::X* XT = packed.data();
   const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
@@ -970,7 +970,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
       if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
     } else if (kGrouped) {
-      thread_local std::vector<float> wide_scales, wide_mins;
+      thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
       panel.scale = scales.floats(p * groups, groups, wide_scales);
       if (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
     }
@@ -989,12 +989,12 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       if (t1 - t0 == 1) {  // one tile: converted in registers
         tiles_times(kTileFns<Wt, S | B>, panel);
       } else if constexpr (kDot) {  // several: the panel converted to bfloat16 pairs once
-        thread_local std::vector<uint16_t> pairs;
+        thread_local jaxllm::LineVector<uint16_t> pairs;
         pairs.resize(Tiles::panel_size(K));  // Tiles: BF16Pairs<true>
         bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
         tiles_times(kTileFns<Tiles, kNoScales>, Panel<Tiles>{pairs.data(), nullptr, nullptr, nullptr});
       } else {  // or to float32 weights rounded to bfloat16 (in the float tiles' order), for float tiles
-        thread_local std::vector<float> converted;
+        thread_local jaxllm::LineVector<float> converted;
         converted.resize(K * kPanel);
         dequantize_panel<Wt, S | kRoundBF16>(panel, K, converted.data());
         tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
@@ -1002,7 +1002,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     } else {
       if constexpr (Wt::kConvertPanel) {
         if (t1 - t0 > 1) {  // several tiles: the panel converted once (all `depth` steps), then float tiles
-          thread_local std::vector<float> converted;
+          thread_local jaxllm::LineVector<float> converted;
           converted.resize(depth * kPanel);
           dequantize_panel<Wt, S>(panel, depth, converted.data());
           tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
@@ -1771,12 +1771,12 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
                    int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
   const int64_t tiles = (M + kTileRows - 1) / kTileRows, tile_bytes = XTile<Q>::bytes(K);
   const int64_t panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow, panel_groups = (K >> group_shift) * kPanel;
-  thread_local std::vector<uint8_t> packed;
+  thread_local jaxllm::LineVector<uint8_t> packed;
   packed.resize(tiles * tile_bytes);
   uint8_t* XT = packed.data();
   const auto pack = [&](int64_t t) { quantize_tile<Q>(X, M, K, t, XT + t * tile_bytes); };
   pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    thread_local std::vector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
+    thread_local jaxllm::LineVector<float> wide_scales, wide_mins;  // a panel's float16 ones, widened
     X8Panel panel{P + p * panel_bytes, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr,
                   group_shift};
     // float16 scales: read as they are, a block's at a time, by one tile; widened once

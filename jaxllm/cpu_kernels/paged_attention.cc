@@ -612,10 +612,10 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
 // Per item, per KV head h, its nq = rows * group query vectors (row-major: r * group +
 // g): q and o [Hkv][nq (+ padding)][D], m and l [Hkv][nq]; kt and p for the prefill path.
 struct Scratch {
-  std::vector<float> q, o, m, l, zeros, kt, p;
+  jaxllm::LineVector<float> q, o, m, l, zeros, kt, p;
   std::vector<int32_t> row_pos;
-  std::vector<uint16_t> qa, vb;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles
-  std::vector<uint32_t> kb;      // and key tiles
+  jaxllm::LineVector<uint16_t> qa, vb;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles
+  jaxllm::LineVector<uint32_t> kb;      // and key tiles
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path

@@ -4,8 +4,11 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <vector>
 
 namespace jaxllm {
 
@@ -22,6 +25,27 @@ namespace jaxllm {
 constexpr int kLanes = JAXLLM_LANES;
 typedef float f32xN __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t i32xN __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Storage from a 64-byte boundary: a cache line, and one row of an AMX tile. A
+// std::vector's own is 16-byte aligned, from where each 64-byte load (a tile row, an
+// AVX-512 vector) spans two lines (docs/cpu_kernels.md: what it cost).
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kLine{64};
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLine)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kLine); }
+  template <class U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+// The kernels' scratch buffers: what their tiles and vectors load from.
+template <class T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline f32xN loadN(const float* p) {
   f32xN v;
