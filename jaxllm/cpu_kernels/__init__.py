@@ -2,7 +2,8 @@
 use (build.py): ragged paged attention (paged_attention.cc; jaxllm.attention.cpu),
 dense projections against packed weights (dense.cc; jaxllm.models.linear), the
 sampler's greedy argmax (argmax.cc) and prompt-logprob scores (token_scores.cc;
-jaxllm.sample.sampler)."""
+jaxllm.sample.sampler), the layers' RMSNorm and gated activation (row_ops.cc;
+jaxllm.models.row_ops)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ TARGETS = {
     "jaxllm_grouped_dense_q4_0": "JaxllmGroupedDenseQ4_0",
     "jaxllm_grouped_dense_q4_1": "JaxllmGroupedDenseQ4_1",
     "jaxllm_grouped_dense_q8_mins": "JaxllmGroupedDenseQ8Mins",
+    "jaxllm_grouped_dense_bf16_gated": "JaxllmGroupedDenseBF16Gated",
+    "jaxllm_grouped_dense_q4_1_gated": "JaxllmGroupedDenseQ4_1Gated",
     "jaxllm_dense_i8": "JaxllmDenseI8",
     "jaxllm_dense_q8_0": "JaxllmDenseQ8_0",
     "jaxllm_dense_q4_0": "JaxllmDenseQ4_0",
@@ -47,6 +50,8 @@ TARGETS = {
     "jaxllm_grouped_dense_q8_0_x16": "JaxllmGroupedDenseQ8_0X16",
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
+    "jaxllm_rms_norm": "JaxllmRmsNorm",
+    "jaxllm_glu": "JaxllmGlu",
 }
 
 

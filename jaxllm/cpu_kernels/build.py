@@ -28,8 +28,8 @@ DIRECTORY = Path(__file__).parent
 # kernels of five KV cache types in two objects, the dense kernels, then two small ones
 # (their times: docs/cpu_kernels.md, "Building them").
 SOURCES = (DIRECTORY / "paged_attention_more_types.cc", DIRECTORY / "paged_attention.cc", DIRECTORY / "dense.cc",
-           DIRECTORY / "argmax.cc", DIRECTORY / "token_scores.cc")
-HEADERS = (DIRECTORY / "amx.h", DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
+           DIRECTORY / "argmax.cc", DIRECTORY / "token_scores.cc", DIRECTORY / "row_ops.cc")
+HEADERS = (DIRECTORY / "activation.h", DIRECTORY / "amx.h", DIRECTORY / "parallel.h", DIRECTORY / "simd.h")
 LIBRARY = "cpu-kernels"
 MARCH_ENV = "JAXLLM_CPU_MARCH"  # e.g. x86-64-v3: an AVX2 + FMA build on an AVX-512 machine
 

@@ -47,6 +47,7 @@
 #include <arm_neon.h>
 #endif
 
+#include "activation.h"
 #include "amx.h"
 #include "parallel.h"
 #include "simd.h"
@@ -896,20 +897,26 @@ void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_
 }
 
 // dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
-// weight dequantized and rounded to bfloat16.
+// weight dequantized and rounded to bfloat16. With an activation `act` (a gated MLP's
+// fused [gate | up] projection, N/2 columns each, a whole number of panels): y is [M, N/2],
+// act(gate) * up, each item a gate panel and its up panel: their sums into two buffers
+// of the block's rows (in L2), then the activation into y, so the float32 sums of the
+// 2 N columns never cross memory (docs/cpu_kernels.md).
 template <class Wt, int S>
 void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-              int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift) {
+              int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+              int32_t act = jaxllm::kNoActivation) {
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows, depth = amx_depth(K), panel_size = Wt::panel_size(K);
   thread_local jaxllm::LineVector<uint16_t> packed;
   packed.resize(tiles * kAmxRows * 2 * depth);
   uint16_t* XT = packed.data();
   const auto pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
   constexpr int64_t kBlock = kIsPairs<Wt> ? kAmxRowBlock : kAmxConvertedRowBlock;
-  pack_then_multiply<kAmxRows, kBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+  // panel p times tiles t0..t1-1 into y's columns p' 32.. (y of `ldy` columns)
+  const auto panel_into = [&](int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy, int64_t p_out) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     if constexpr (kIsPairs<Wt>) {
-      amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, Y, N, p, cols);
+      amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, y, ldy, p_out, cols);
     } else {
       const int64_t groups = (K >> group_shift) * kPanel;
       Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
@@ -917,12 +924,31 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
       panel.scale = scales.floats(p * groups, groups, wide_scales);
       if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
-      if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, Y, N, p, cols);
+      if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, y, ldy, p_out, cols);
       thread_local jaxllm::LineVector<uint16_t> pairs;
       pairs.resize(depth * 2 * kPanel);
       bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
-      amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, Y, N, p, cols);
+      amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, y, ldy, p_out, cols);
     }
+  };
+  if (act == jaxllm::kNoActivation) {
+    pack_then_multiply<kAmxRows, kBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+      panel_into(p, t0, t1, Y, N, p);
+    }, kAmxHooks);
+    return;
+  }
+  const int64_t half = num_panels / 2, F = N / 2;
+  pack_then_multiply<kAmxRows, kBlock>(pool, M, half, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    thread_local jaxllm::LineVector<float> gate, up;  // the block's rows x 32 columns
+    const int64_t r0 = t0 * kAmxRows, r1 = std::min(M, t1 * kAmxRows);
+    gate.resize((r1 - r0) * kPanel);
+    up.resize((r1 - r0) * kPanel);
+    // as y's rows from r0: tile t's sums go to row t 16 - r0 of the buffer
+    panel_into(p, t0, t1, gate.data() - r0 * kPanel, kPanel, 0);
+    panel_into(p + half, t0, t1, up.data() - r0 * kPanel, kPanel, 0);
+    for (int64_t r = r0; r < r1; ++r)
+      jaxllm::glu_row(gate.data() + (r - r0) * kPanel, up.data() + (r - r0) * kPanel, kPanel, Y + r * F + p * kPanel,
+                      act);
   }, kAmxHooks);
 }
 #else
@@ -937,18 +963,27 @@ constexpr bool amx_ready() { return false; }
 template <class Wt, int S, int B = 0>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
                 int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
-                bool amx = false) {
+                bool amx = false, int32_t act = jaxllm::kNoActivation) {
   if (K == 0) {
-    std::memset(Y, 0, M * N * sizeof(float));
+    std::memset(Y, 0, M * (act == jaxllm::kNoActivation ? N : N / 2) * sizeof(float));
     return;
   }
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   constexpr bool kBF16 = B != 0, kDot = (B & kBF16Dot) != 0;
 #ifdef JAXLLM_AMX
   if constexpr (kDot || std::is_same_v<Wt, BF16Pairs<true>>) {
-    if (amx && amx_ready()) return amx_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+    if (amx && amx_ready())
+      return amx_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, act);
   }
 #endif
+  if (act != jaxllm::kNoActivation) {  // other tiles: all 2F columns' sums first, then the activation
+    thread_local jaxllm::LineVector<float> sums;
+    sums.resize(M * N);
+    dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, sums.data(), scales, mins, group_shift, amx);
+    const int64_t F = N / 2;
+    for (int64_t r = 0; r < M; ++r) jaxllm::glu_row(sums.data() + r * N, sums.data() + r * N + F, F, Y + r * F, act);
+    return;
+  }
   using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
@@ -1030,16 +1065,17 @@ decltype(auto) with_bf16_tiles(int32_t tiles, F&& f) {
 template <class Wt, int S>
 void dense_rows_as(bool bf16, int32_t tiles, ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K,
                    const typename Wt::T* P, int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins,
-                   int group_shift) {
+                   int group_shift, int32_t act = jaxllm::kNoActivation) {
   if constexpr (S == kGroupScales || S == kGroupScalesMins) {
     if (bf16) {
       return with_bf16_tiles(tiles, [&](auto use_dot) {
         constexpr int B = kRoundBF16 | (decltype(use_dot)::value ? kBF16Dot : 0);
-        dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles);
+        dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles,
+                             act);
       });
     }
   }
-  dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles);
+  dense_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, tiles == kAmxTiles, act);
 }
 
 // y = x @ panels, the panels' scales applied as S says: `scales` per column of the padded
@@ -1146,7 +1182,7 @@ template <class Wt, int S, typename PanelBuffer, typename ScaleBuffer = ffi::Any
 ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelBuffer panels,
                               const ScaleBuffer* scales, const ScaleBuffer* mins,
                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16 = false,
-                              int32_t tiles = kDotTiles) {
+                              int32_t tiles = kDotTiles, int32_t act = jaxllm::kNoActivation) {
   constexpr bool kPairs = kIsPairs<Wt>;
   constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   const auto xd = x.dimensions(), pd = panels.dimensions(), gd = group_sizes.dimensions(), yd = y->dimensions();
@@ -1154,9 +1190,13 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
       pd[3] != Wt::kRow || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("grouped dense: x must be [M, K], panels [E, N/32, K, 32] (bfloat16: "
                                        "[E, N/32, K/2, 32, 2]; 4-bit: [E, N/32, K, 16]), group_sizes [E], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], experts = pd[0], num_panels = pd[1], N = yd[1];
+  const bool gated = act != jaxllm::kNoActivation;
+  const int64_t M = xd[0], K = xd[1], experts = pd[0], num_panels = pd[1], ldy = yd[1], N = gated ? 2 * ldy : ldy;
   if (pd[2] != (kPairs ? (K + 1) / 2 : K) || N > num_panels * kPanel || N <= (num_panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("grouped dense: the shapes of x, panels and y do not agree");
+  if (gated && (N != num_panels * kPanel || num_panels % 2 || (act != jaxllm::kSilu && act != jaxllm::kGeluTanh)))
+    return ffi::Error::InvalidArgument("grouped dense with an activation: panels of [gate | up] (2F columns, F a "
+                                       "multiple of 32), y [M, F], act 0 (silu) or 1 (gelu, tanh form)");
   int shift = 0;
   int64_t scale_size = 0;  // per expert
   if constexpr (S != kNoScales) {
@@ -1183,12 +1223,12 @@ ffi::Error GroupedDenseScaled(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Pan
       return ffi::Error::InvalidArgument("grouped dense: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0) {
       dense_rows_as<Wt, S>(bf16, tiles, pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_size, num_panels, N,
-                           Y + row * N, scales_of(scales).at(e * scale_size), scales_of(mins).at(e * scale_size),
-                           shift);
+                           Y + row * ldy, scales_of(scales).at(e * scale_size), scales_of(mins).at(e * scale_size),
+                           shift, act);
     }
     row += sizes[e];
   }
-  std::memset(Y + row * N, 0, (M - row) * N * sizeof(float));
+  std::memset(Y + row * ldy, 0, (M - row) * ldy * sizeof(float));
   return ffi::Error::Success();
 }
 template <class Wt, typename PanelBuffer>
@@ -1227,6 +1267,22 @@ ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, bool bf16,
                                   int32_t bf16_tiles) {
   return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16, bf16_tiles);
+}
+// A gated MLP's fused [gate | up] projection, act(gate) * up by its tiles (amx_rows; y
+// [M, F]): Q4_1 blocks and bfloat16 panels, as their plain handlers.
+ffi::Error GroupedDenseQ4_1Gated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                                 ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::ResultBuffer<ffi::F32> y, bool bf16, int32_t bf16_tiles, int32_t act) {
+  return GroupedDenseScaled<Q4Weights<0>, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16,
+                                                            bf16_tiles, act);
+}
+ffi::Error GroupedDenseBF16Gated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
+                                 ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, int32_t tiles,
+                                 int32_t act) {
+  return with_bf16_tiles(tiles, [&](auto use_dot) {
+    return GroupedDenseScaled<BF16Pairs<decltype(use_dot)::value>, kNoScales, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>>(
+        pool, x, panels, nullptr, nullptr, group_sizes, y, false, tiles, act);
+  });
 }
 constexpr auto GroupedDenseQ8_0 = GroupedDenseBlocks<I8Weights, ffi::S8>;
 constexpr auto GroupedDenseQ4_0 = GroupedDenseBlocks<Q4Weights<8>, ffi::U8>;
@@ -1910,6 +1966,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16, GroupedDenseBF16,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int32_t>("bf16_tiles"));  // 0 float tiles, 1 vdpbf16ps, 2 AMX (where built)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseBF16Gated, GroupedDenseBF16Gated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // panels [E, 2F/32, K/2 rounded up, 32, 2]: gate | up
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, F] = act(gate) * up
+                                  .Attr<int32_t>("bf16_tiles")
+                                  .Attr<int32_t>("act"));         // 0 silu, 1 gelu (tanh form)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1Gated, GroupedDenseQ4_1Gated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, 2F/32, K, 16]: gate | up
+                                  .Arg<ffi::AnyBuffer>()         // scales [E, 2F/32, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, F] = act(gate) * up
+                                  .Attr<bool>("bf16")
+                                  .Attr<int32_t>("bf16_tiles")
+                                  .Attr<int32_t>("act"));        // 0 silu, 1 gelu (tanh form)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseI8, GroupedDenseI8,
                               ffi::Ffi::Bind()

@@ -62,6 +62,9 @@ TARGET_GROUPED_QUANTIZED = {("int8", False, False): "jaxllm_grouped_dense_i8",
                             ("uint8", True, False): "jaxllm_grouped_dense_q4_0",
                             ("uint8", True, True): "jaxllm_grouped_dense_q4_1",
                             ("int8", True, True): "jaxllm_grouped_dense_q8_mins"}  # a mixed GGUF's experts
+# a gated MLP's [gate | up] panels giving act(gate) * up (AMX's tiles): bfloat16 panels, Q4_1 blocks
+TARGET_GATED = {"bfloat16": "jaxllm_grouped_dense_bf16_gated", "uint8": "jaxllm_grouped_dense_q4_1_gated"}
+GATED_MIN_ROWS = 8  # fewer rows: the plain projection, then the activation (as fast at 1 row; docs/cpu_kernels.md)
 TARGET_INT8 = "jaxllm_dense_i8"  # int8 panels, float32 scales per column
 TARGET_Q8_0 = "jaxllm_dense_q8_0"  # int8 panels, float32 scales per column and 32 inputs
 TARGET_Q4_0 = "jaxllm_dense_q4_0"  # 4-bit panels (nibble - 8), scales as Q8_0's
@@ -322,6 +325,36 @@ class Panels:
         scales = (w.scale,) if w.mins is None else (w.scale, w.mins)
         attrs = dict(bf16=w.float_dtype == "bfloat16", bf16_tiles=_tiles(w)) if w.group else {}
         return jax.ffi.ffi_call(target, out)(x, w.panels, *scales, sizes, **attrs)
+
+    @staticmethod
+    def gates(w, rows: int) -> bool:
+        """Whether `w`, a gated MLP's [gate | up] projection of `rows` rows, gives act(gate) *
+        up itself (gated_matmul): bfloat16 panels or Q4_1 blocks in bfloat16 on AMX's tiles,
+        whole panels of gate and of up, and rows enough for the sums' memory traffic it
+        saves to outweigh the activation it adds to each item."""
+        if not isinstance(w, PackedWeight) or w.experts or w.perm is not None or w.activations != "float":
+            return False
+        kind = jnp.dtype(w.panels.dtype).name
+        q4_1 = kind == "uint8" and w.mins is not None and w.group and w.float_dtype == "bfloat16"
+        plain = kind == "bfloat16" and w.scale is None
+        return ((q4_1 or plain) and w.bf16_tiles == "amx" and w.out_features % (2 * PANEL) == 0
+                and rows >= GATED_MIN_ROWS and cpu_kernels.has_amx())
+
+    @staticmethod
+    def gated_matmul(x: Float[Array, "T K"], w: PackedWeight, act: str, rows: Int[Array, ""] | None = None
+                     ) -> Float[Array, "T F"]:
+        """act(gate) * up of x @ w for `w` that `gates` (SiLU for "silu", else GELU's tanh
+        form, as moe.gated), float32; `rows` as matmul's."""
+        cpu_kernels.load_kernels()
+        w1 = one_expert(w)
+        sizes = jnp.reshape(x.shape[0] if rows is None else rows, (1,)).astype(jnp.int32)
+        out = jax.ShapeDtypeStruct((x.shape[0], w.out_features // 2), jnp.float32)
+        kind = jnp.dtype(w.panels.dtype).name
+        attrs = dict(bf16_tiles=_tiles(w), act=np.int32(0 if act == "silu" else 1))
+        call = jax.ffi.ffi_call(TARGET_GATED[kind], out)
+        if kind == "bfloat16":
+            return call(x.astype(jnp.float32), w1.panels, sizes, **attrs)
+        return call(x.astype(jnp.float32), w1.panels, w1.scale, w1.mins, sizes, bf16=True, **attrs)
 
     @staticmethod
     def unpack(w: PackedWeight) -> Float[Array, "K N"] | Float[Array, "E K N"]:

@@ -31,12 +31,14 @@ from jaxllm.attention.kv_cache import KVCache, fold_layer_scales, unfold_layer_s
 from jaxllm.attention.metadata import AttentionMetadata
 from jaxllm.attention.xla import apply_soft_cap
 from jaxllm.config import ModelConfig
+from jaxllm.models.formats import Panels
 from jaxllm.models.linear import MeshAxes, all_reduce, linear, packed_rows
 from jaxllm.models.lora import LayerLoRA, LoRAInputs
 from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight
 from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
+from jaxllm.models.row_ops import NORM_DTYPES, gated_cpu, rms_norm_cpu
 from jaxllm.platform import activation_dtype
 
 
@@ -68,6 +70,23 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, o
     normed = xf * jax.lax.rsqrt(row_sums(squares) / x.shape[-1] + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
     return (scale * normed).astype(x.dtype)
+
+
+def norm_before(w, x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, offset: float = 0.0
+                ) -> Float[Array, "... D"]:
+    """rms_norm of the rows `w` multiplies next: by the C++ kernel where `w` is packed
+    for the `cpu` backend (jaxllm.models.row_ops; the library is loaded there), else jnp."""
+    if isinstance(w, PackedWeight) and x.dtype in NORM_DTYPES:
+        return rms_norm_cpu(x, weight, eps, offset)
+    return rms_norm(x, weight, eps, offset)
+
+
+def gated_before(w, x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:
+    """act(gate) * up of `x` for the projection `w` that reads it: by the C++ kernel where
+    `w` is packed for the `cpu` backend and x float32, else jnp (moe.gated)."""
+    if isinstance(w, PackedWeight) and x.dtype == jnp.float32 and x.ndim == 2:
+        return gated_cpu(x, act)
+    return gated(x, act)
 
 
 def embed_tokens(embed: Float[Array, "V D"] | QuantizedWeight | PackedWeight, input_ids: Int[Array, " T"],
@@ -125,7 +144,7 @@ def qkv_heads(lp: LayerParams, x: Float[Array, "T D"], cos: Float[Array, "T half
     bucket's padding rows)."""
     t = x.shape[0]
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    h = rms_norm(x, lp.attn_norm, eps, offset)
+    h = norm_before(lp.wqkv, x, lp.attn_norm, eps, offset)
     with jax.named_scope("qkv_proj"):
         qkv = _project(h, lp.wqkv, lora, "wqkv", rows)
         if lp.bqkv is not None:
@@ -135,8 +154,8 @@ def qkv_heads(lp: LayerParams, x: Float[Array, "T D"], cos: Float[Array, "T half
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, eps, offset)
-        k = rms_norm(k, lp.k_norm, eps, offset)
+        q = norm_before(lp.wqkv, q, lp.q_norm, eps, offset)
+        k = norm_before(lp.wqkv, k, lp.k_norm, eps, offset)
     with jax.named_scope("rope"):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -163,7 +182,7 @@ def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T
     with jax.named_scope("o_proj"):
         out = all_reduce(_project(o, lp.wo, lora, "wo", rows), axis)
     if lp.attn_post_norm is not None:
-        out = rms_norm(out, lp.attn_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        out = norm_before(lp.wo, out, lp.attn_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
 
 
@@ -182,16 +201,25 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: M
     mixture of such experts (jaxllm.models.moe); pre-norm, residual added; Gemma's
     output norm before the add. `rows`: the step's real tokens (packed projections leave
     the bucket's padding rows zero)."""
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    h = norm_before(lp.w_gate_up, x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
     with jax.named_scope("moe" if moe else "mlp"):
         if moe:
             out = moe_mlp(lp, h, cfg, axis)
         else:
-            gate_up = _project(h, lp.w_gate_up, lora, "w_gate_up", rows)
-            out = all_reduce(_project(gated(gate_up, cfg.hidden_act), lp.w_down, lora, "w_down", rows), axis)
+            out = all_reduce(_project(_gated_up(lp, h, cfg, lora, rows), lp.w_down, lora, "w_down", rows), axis)
     if lp.mlp_post_norm is not None:
-        out = rms_norm(out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        out = norm_before(lp.w_down, out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
     return x + out
+
+
+def _gated_up(lp: LayerParams, h: Float[Array, "T D"], cfg: ModelConfig, lora: LayerLoRA | None,
+              rows: Int[Array, ""] | None) -> Float[Array, "T F"]:
+    """act(gate) * up of the normed `h`: by the gate/up kernel itself where its panels
+    allow (formats.Panels.gates: the sums of gate and up never written out), else the
+    projection (and its adapters), then the activation."""
+    if lora is None and Panels.gates(lp.w_gate_up, h.shape[0]):
+        return Panels.gated_matmul(h, lp.w_gate_up, cfg.hidden_act, rows)
+    return gated_before(lp.w_down, _project(h, lp.w_gate_up, lora, "w_gate_up", rows), cfg.hidden_act)
 
 
 def compute_logits(
@@ -203,7 +231,9 @@ def compute_logits(
     its bucket): a packed output projection multiplies those alone and gives zeros for
     the rest (at 32 clients a mixed step samples ~33 rows of a 64-row bucket)."""
     with jax.named_scope("logits"):
-        return _logits(params, rms_norm(hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cfg, axis, rows)
+        head = params.embed if params.lm_head is None else params.lm_head
+        normed = norm_before(head, hidden, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        return _logits(params, normed, cfg, axis, rows)
 
 
 def _logits(params: ModelParams, h: Float[Array, "S D"], cfg: ModelConfig, axis: MeshAxes,

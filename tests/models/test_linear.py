@@ -14,8 +14,10 @@ import pytest
 from jaxllm import SamplingParams, cpu_kernels
 from jaxllm.loaders import load_model
 from jaxllm.models import linear as linear_mod
+from jaxllm.models.formats import GATED_MIN_ROWS, Panels
 from jaxllm.models.linear import linear, linear_candidates, pack_params, pack_weight, packed_rows, unpack_weight
 from jaxllm.models.llama import compute_logits
+from jaxllm.models.moe import gated
 from jaxllm.models.params import QUANT_FORMATS, PackedWeight, abstract_params
 from jaxllm.models.quant import dequantize, quantize_blocks, quantize_grouped, quantize_weight
 from tests.support.llm import assert_no_leaks, make_llm
@@ -176,6 +178,39 @@ def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
     bound = 2e-6 * np.sqrt(k) * np.abs(x16) @ np.abs(w16) + 1e-30  # float32 sums of k products
     assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
     np.testing.assert_allclose(got, dot, rtol=0, atol=4e-6 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("m,rows", [(64, 64), (100, 77), (530, 530), (16, 9)])
+@pytest.mark.parametrize("weights", ["bfloat16", "q4_1"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_gate_up_projection_applies_the_activation(m, rows, weights, act):
+    """A gated MLP's [gate | up] panels giving act(gate) * up themselves (formats.Panels.
+    gated_matmul: each item a gate panel and its up panel on AMX's tiles): the same sums as
+    the plain projection, then the activation (a few ulps: exp and the reciprocal computed
+    otherwise than XLA's), padding rows zeros. Blocks of rows (96 for bfloat16 panels, 512
+    for converted ones) and items of one or two tiles (converted a step at a time); the
+    other tiles (vdpbf16ps) compute the whole projection first, the same sums."""
+    if not cpu_kernels.has_amx():
+        pytest.skip("this CPU (or its OS) has no AMX")
+    rng = np.random.default_rng(m + rows)
+    k, f = 96, 64
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, 2 * f)) / 4).astype(np.float32)
+    if weights == "bfloat16":
+        packed = pack_weight(jnp.asarray(w, jnp.bfloat16))
+    else:
+        packed = pack_weight(quantize_blocks(w, QUANT_FORMATS["q4_1"]).replace(float_dtype="bfloat16"))
+    packed = packed.replace(bf16_tiles="amx")
+    n = jnp.int32(rows)
+    plain = np.asarray(jax.jit(lambda a, r: gated(linear(a, packed, rows=r), act))(x, n))
+    for tiles in ("amx", "dot"):
+        fused = packed.replace(bf16_tiles=tiles)
+        got = np.asarray(jax.jit(lambda a, r, w=fused: Panels.gated_matmul(a, w, act, r))(x, n))
+        assert got.shape == (m, f)
+        np.testing.assert_allclose(got[:rows], plain[:rows], rtol=2e-6, atol=2e-6 * np.abs(plain).max())
+        np.testing.assert_array_equal(got[rows:], 0)
+    assert Panels.gates(packed, GATED_MIN_ROWS) and not Panels.gates(packed, GATED_MIN_ROWS - 1)
+    assert not Panels.gates(packed.replace(bf16_tiles="dot"), GATED_MIN_ROWS)
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1", "q4_1+a8", "q8_0 experts", "q4_1+a8 experts"])

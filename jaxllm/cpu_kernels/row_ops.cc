@@ -1,0 +1,200 @@
+// The layers' row-wise operations for XLA:CPU, as XLA FFI custom calls: RMSNorm, and the
+// gated MLP's activation (act(gate) * up of a fused [gate | up] projection).
+//
+// Why on CPU: XLA:CPU runs each of these as one loop fusion on one thread, and its
+// RMSNorm's fixed-order row sums (jaxllm.models.llama.row_sums) as a chain of slices.
+// On SmolLM2's shapes at 512 rows (2-vCPU Xeon) the norm took ~190 us and the SiLU
+// ~420 us, 61 norms and 30 SiLUs a step; here every row is an item on XLA's intra-op
+// pool and each is read once. docs/cpu_kernels.md has the measurements.
+//
+// RMSNorm: each row's squares summed in llama.row_sums' order (16 running sums over the
+// row's slices of 16, then halved), so a row gives the same bits alone or in any batch;
+// the mean square plus eps, its reciprocal square root as 1 / sqrt (correctly rounded
+// parts: XLA's rsqrt differs from it in the last bit now and then), then x * r times
+// (weight + offset), as llama.rms_norm. x and y float32 or bfloat16 (y as x; rounded to
+// nearest even).
+//
+// The activation: activation.h's SiLU or GELU (tanh form), within a few ulp of XLA's,
+// which computes exp and the reciprocal otherwise.
+//
+// Portable C++17 with GCC/Clang vector extensions (simd.h); built by jaxllm/cpu_kernels/build.py.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "activation.h"
+#include "parallel.h"
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using jaxllm::f32xN;
+using jaxllm::kLanes;
+using jaxllm::loadN;
+using jaxllm::splatN;
+using jaxllm::storeN;
+
+namespace {
+
+constexpr int kSumLanes = 16;                 // llama.row_sums' running sums
+constexpr int kSumVectors = kSumLanes / kLanes;  // native vectors holding them
+constexpr int64_t kItemElements = 16384;      // elements per item at least (a few items per thread at 512 rows)
+
+// A product kept apart from the add after it (no contraction into a fused multiply-add:
+// row_sums adds squares rounded to float32).
+inline f32xN kept(f32xN v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__SSE__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile f32xN keep = v;
+  v = keep;
+#endif
+  return v;
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline uint16_t float_to_bf16(float v) {  // to nearest even; a NaN stays a NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+// The sum of row[0..D)'s squares in row_sums' order: slices of 16 (the last zero-padded)
+// into 16 running sums, then halved (the first half plus the second) down to one.
+float sum_of_squares(const float* row, int64_t D) {
+  f32xN acc[kSumVectors] = {};
+  int64_t k = 0;
+  for (; k + kSumLanes <= D; k += kSumLanes)
+    for (int v = 0; v < kSumVectors; ++v) {
+      const f32xN x = loadN(row + k + v * kLanes);
+      acc[v] = acc[v] + kept(x * x);
+    }
+  if (k < D) {
+    alignas(64) float tail[kSumLanes] = {};
+    std::memcpy(tail, row + k, (D - k) * sizeof(float));
+    for (int v = 0; v < kSumVectors; ++v) {
+      const f32xN x = loadN(tail + v * kLanes);
+      acc[v] = acc[v] + kept(x * x);
+    }
+  }
+  for (int n = kSumVectors; n > 1; n /= 2)
+    for (int v = 0; v < n / 2; ++v) acc[v] = acc[v] + acc[v + n / 2];
+  alignas(64) float lanes[kLanes];
+  storeN(lanes, acc[0]);
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
+  return lanes[0];
+}
+
+// y = x * r * scale for one float32 row.
+void scale_row(const float* x, const float* scale, float r, int64_t D, float* y) {
+  const f32xN vr = splatN(r);
+  int64_t k = 0;
+  for (; k + kLanes <= D; k += kLanes) storeN(y + k, loadN(scale + k) * kept(loadN(x + k) * vr));
+  for (; k < D; ++k) y[k] = scale[k] * (x[k] * r);
+}
+
+template <typename T>
+void norm_rows(const T* X, const float* scale, int64_t r0, int64_t r1, int64_t D, float eps, T* Y) {
+  thread_local jaxllm::LineVector<float> in, out;
+  in.resize(D);
+  out.resize(D);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x;
+    float* y;
+    if constexpr (std::is_same_v<T, float>) {
+      x = X + r * D;
+      y = Y + r * D;
+    } else {
+      for (int64_t k = 0; k < D; ++k) in[k] = bf16_to_float(X[r * D + k]);
+      x = in.data();
+      y = out.data();
+    }
+    const float mean = sum_of_squares(x, D) / static_cast<float>(D) + eps;
+    scale_row(x, scale, 1.0f / std::sqrt(mean), D, y);
+    if constexpr (!std::is_same_v<T, float>)
+      for (int64_t k = 0; k < D; ++k) Y[r * D + k] = float_to_bf16(y[k]);
+  }
+}
+
+// Rows per item: whole rows, about kItemElements elements.
+inline int64_t rows_per_item(int64_t width) { return std::max<int64_t>(1, kItemElements / std::max<int64_t>(width, 1)); }
+
+ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight,
+                   ffi::Result<ffi::AnyBuffer> y, float eps, float offset) {
+  const auto xd = x.dimensions(), wd = weight.dimensions(), yd = y->dimensions();
+  const auto type = x.element_type();
+  if (xd.size() != 2 || wd.size() != 1 || wd[0] != xd[1] || yd.size() != 2 || yd[0] != xd[0] || yd[1] != xd[1])
+    return ffi::Error::InvalidArgument("rms_norm: x must be [M, D], weight [D], y [M, D]");
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || y->element_type() != type)
+    return ffi::Error::InvalidArgument("rms_norm: x must be float32 or bfloat16, y of x's type");
+  const int64_t M = xd[0], D = xd[1];
+  if (M == 0 || D == 0) return ffi::Error::Success();
+  jaxllm::LineVector<float> scale(weight.typed_data(), weight.typed_data() + D);
+  if (offset != 0.0f)
+    for (auto& s : scale) s = s + offset;
+  const int64_t per = rows_per_item(D), items = (M + per - 1) / per;
+  jaxllm::parallel_for(pool, items, [&](int64_t i) {
+    const int64_t r0 = i * per, r1 = std::min(M, r0 + per);
+    if (type == ffi::DataType::F32) {
+      norm_rows(static_cast<const float*>(x.untyped_data()), scale.data(), r0, r1, D, eps,
+                static_cast<float*>(y->untyped_data()));
+    } else {
+      norm_rows(static_cast<const uint16_t*>(x.untyped_data()), scale.data(), r0, r1, D, eps,
+                static_cast<uint16_t*>(y->untyped_data()));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+void glu_rows(const float* X, int64_t r0, int64_t r1, int64_t F, float* Y, int32_t act) {
+  for (int64_t r = r0; r < r1; ++r) jaxllm::glu_row(X + r * 2 * F, X + r * 2 * F + F, F, Y + r * F, act);
+}
+
+ffi::Error Glu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, int32_t act) {
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || xd[1] != 2 * yd[1])
+    return ffi::Error::InvalidArgument("glu: x must be [M, 2F] (gate | up) and y [M, F]");
+  if (act != jaxllm::kSilu && act != jaxllm::kGeluTanh) return ffi::Error::InvalidArgument("glu: act must be 0 (silu) or 1 (gelu_tanh)");
+  const int64_t M = xd[0], F = yd[1];
+  if (M == 0 || F == 0) return ffi::Error::Success();
+  const int64_t per = rows_per_item(F), items = (M + per - 1) / per;
+  const float* X = x.typed_data();
+  float* Y = y->typed_data();
+  jaxllm::parallel_for(pool, items, [&](int64_t i) {
+    const int64_t r0 = i * per, r1 = std::min(M, r0 + per);
+    glu_rows(X, r0, r1, F, Y, act);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, D], float32 or bfloat16
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // weight [D]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, D], x's type
+                                  .Attr<float>("eps")
+                                  .Attr<float>("offset"));        // scaled by weight + offset (Gemma: 1)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGlu, Glu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, 2F]: gate | up
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, F] = act(gate) * up
+                                  .Attr<int32_t>("act"));         // 0 silu, 1 gelu (tanh form)

@@ -1,0 +1,46 @@
+"""The layers' row-wise operations through the C++ kernels (jaxllm/cpu_kernels/row_ops.cc):
+RMSNorm and the gated MLP's activation, each row an item on both threads (XLA:CPU runs
+each as one fusion on one thread). The model (jaxllm.models.llama) takes them where the
+projection that reads their output is packed for the `cpu` backend, whose kernel
+library they share; elsewhere the jnp forms (llama.rms_norm, moe.gated) run.
+
+Numerics: the norm sums each row's squares in llama.row_sums' order (a row gives the
+same bits alone or in any batch) and takes 1 / sqrt of the mean square (XLA's rsqrt
+differs in the last bit now and then); the activation computes exp and a reciprocal
+otherwise than XLA does. Both within a few ulp of the jnp forms (tests/test_row_ops.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from jaxllm.cpu_kernels import load_kernels
+
+RMS_NORM_TARGET = "jaxllm_rms_norm"
+GLU_TARGET = "jaxllm_glu"
+NORM_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def rms_norm_cpu(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float, offset: float = 0.0
+                 ) -> Float[Array, "... D"]:
+    """llama.rms_norm by the C++ kernel: x float32 or bfloat16, the result x's type."""
+    if x.dtype not in NORM_DTYPES:
+        raise ValueError(f"rms_norm_cpu needs float32 or bfloat16 x (got {x.dtype})")
+    load_kernels()
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x2.shape, x.dtype))(
+        x2, weight.astype(jnp.float32), eps=np.float32(eps), offset=np.float32(offset))
+    return y.reshape(x.shape)
+
+
+def gated_cpu(x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:
+    """moe.gated by the C++ kernel: act(gate) * up of a float32 [gate | up], SiLU for
+    "silu", else GELU's tanh form (as moe.gated)."""
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] % 2:
+        raise ValueError(f"gated_cpu needs float32 [T, 2F] (got {x.dtype} {x.shape})")
+    load_kernels()
+    out = jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // 2), jnp.float32)
+    return jax.ffi.ffi_call(GLU_TARGET, out)(x, act=np.int32(0 if act == "silu" else 1))
