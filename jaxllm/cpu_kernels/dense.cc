@@ -29,6 +29,7 @@
 // two AVX2 or four NEON registers); built by jaxllm/cpu_kernels/build.py.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
@@ -549,11 +550,114 @@ inline void bf16_pair_row(const Panel<Wt>& p, int64_t k2, uint16_t* row) {
   }
 }
 
+template <class Wt>
+constexpr bool kIsQ4 = false;
+template <int kZero>
+constexpr bool kIsQ4<Q4Weights<kZero>> = true;
+template <class Wt>
+constexpr bool kStepConverts = kIsQ4<Wt> || std::is_same_v<Wt, I8Weights>;  // pairs_step_fast's formats
+constexpr int kStepPairs = 16;  // pairs of a converted step: 32 inputs (AMX's step, one Q4 group)
+
+// Whether pairs_step_fast converts pairs j.. of a panel: 4-bit or int8 blocks of 32 inputs or more
+// (a step then lies in one group), a whole step, and vcvtne2ps2bf16.
+template <class Wt, int S>
+inline bool fast_step_ready(const Panel<Wt>& p, int64_t j, int64_t pairs) {
+#if defined(__AVX512BF16__) && JAXLLM_LANES == 16
+  return kStepConverts<Wt> && kGroupScaled<S> && (S & kBF16Flags) == 0 && p.scale != nullptr && p.group_shift >= 5 &&
+         j + kStepPairs <= pairs;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && JAXLLM_LANES == 16
+template <class Wt>
+constexpr int kQ4Zero = 0;
+template <int kZero>
+constexpr int kQ4Zero<Q4Weights<kZero>> = kZero;
+
+// Pairs j..j+15 of a Q4_0 / Q4_1 (or int8: Q8_0) panel as bfloat16 pairs [16][32][2]: bf16_pair_row's values
+// (the same products, sums and rounding), converted otherwise. bf16_pair_row widens 16 columns
+// of one input, then vpermw interleaves two inputs' words per row (~13% of a decode's MLP on
+// its own, port 5 bound); here the two rows' bytes are interleaved before widening (column c
+// of inputs 2i and 2i + 1 side by side), so vcvtne2ps2bf16 writes pairs as they lie, and the
+// group's scales (and mins), read once a step, are duplicated into those lanes.
+// Columns 0-7, 8-15, 16-23 and 24-31 of rows a and b (two inputs) as int32 lanes, a's and b's
+// value of each column side by side: the two rows' bytes interleaved, then widened.
+template <class Wt>
+inline std::array<__m512i, 4> pair_values(const typename Wt::T* a, const typename Wt::T* b) {
+  const auto bytes = [](const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); };
+  if constexpr (kIsQ4<Wt>) {  // 16 bytes a row: column c's nibble in byte c % 16, low for c < 16
+    const __m128i ra = bytes(a), rb = bytes(b);
+    const __m512i first8 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(ra, rb)), last8 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(ra, rb));
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    return {_mm512_and_si512(first8, nibble), _mm512_and_si512(last8, nibble), _mm512_srli_epi32(first8, 4),
+            _mm512_srli_epi32(last8, 4)};
+  } else {  // int8: 32 bytes a row, column c in byte c
+    const __m128i a0 = bytes(a), a1 = bytes(a + 16), b0 = bytes(b), b1 = bytes(b + 16);
+    return {_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a0, b0)), _mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a0, b0)),
+            _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a1, b1)), _mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a1, b1))};
+  }
+}
+
+template <class Wt, int S>
+inline void pairs_step_of(const Panel<Wt>& p, int64_t j, uint16_t* out) {
+  const int64_t g = (2 * j) >> p.group_shift;
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const auto lanes = [&](const float* v) {  // columns 0-7, 8-15, 16-23, 24-31, each twice
+    const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+    return std::array<f32xN, 4>{(f32xN)_mm512_permutexvar_ps(first, lo), (f32xN)_mm512_permutexvar_ps(second, lo),
+                                (f32xN)_mm512_permutexvar_ps(first, hi), (f32xN)_mm512_permutexvar_ps(second, hi)};
+  };
+  const std::array<f32xN, 4> sc = lanes(p.scale + g * kPanel);
+  std::array<f32xN, 4> mn = {};
+  if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) mn = lanes(p.min + g * kPanel);
+  if (p.prefetch)
+    for (int l = 0; l < 2 * kStepPairs * Wt::kRow / 64; ++l) __builtin_prefetch(p.prefetch + 2 * j * Wt::kRow + 64 * l);
+  for (int i = 0; i < kStepPairs; ++i) {
+    const auto* row = p.w + 2 * (j + i) * Wt::kRow;
+    const std::array<__m512i, 4> q = pair_values<Wt>(row, row + Wt::kRow);
+    f32xN w[4];
+    for (int v = 0; v < 4; ++v) {
+      w[v] = (f32xN)_mm512_cvtepi32_ps(q[v]);
+      if constexpr (kQ4Zero<Wt> != 0) w[v] -= splatN(static_cast<float>(kQ4Zero<Wt>));
+      w[v] = scaled<S>(w[v], sc[v], mn[v]);
+    }
+    _mm512_storeu_si512(out + i * 2 * kPanel, (__m512i)_mm512_cvtne2ps_pbh((__m512)w[1], (__m512)w[0]));
+    _mm512_storeu_si512(out + i * 2 * kPanel + kPanel, (__m512i)_mm512_cvtne2ps_pbh((__m512)w[3], (__m512)w[2]));
+  }
+}
+template <class Wt, int S>
+inline void pairs_step_fast(const Panel<Wt>& p, int64_t j, uint16_t* out) {
+  if constexpr (kStepConverts<Wt>) pairs_step_of<Wt, S>(p, j, out);
+}
+#else
+template <class Wt, int S>
+inline void pairs_step_fast(const Panel<Wt>&, int64_t, uint16_t*) {}
+#endif
+
+// Pairs j..j+15 of a grouped panel as bfloat16 pairs (zeros past `pairs`).
+template <class Wt, int S>
+inline void bf16_pairs_step(const Panel<Wt>& p, int64_t j, int64_t pairs, uint16_t* out) {
+  if (fast_step_ready<Wt, S>(p, j, pairs)) return pairs_step_fast<Wt, S>(p, j, out);
+  for (int64_t i = 0; i < kStepPairs; ++i) {
+    if (j + i < pairs) {
+      bf16_pair_row<Wt, S>(p, j + i, out + i * 2 * kPanel);
+    } else {
+      std::memset(out + i * 2 * kPanel, 0, 2 * kPanel * sizeof(uint16_t));
+    }
+  }
+}
+
 // A grouped panel as bfloat16 pairs [K/2][32][2] (BF16Pairs' panel): what a bfloat16
 // model's dot multiplies when its weights are kept quantized (the `bf16` attribute).
 template <class Wt, int S>
 void bf16_pairs_panel(const Panel<Wt>& p, int64_t K, uint16_t* out) {
-  for (int64_t k2 = 0; 2 * k2 < K; ++k2) bf16_pair_row<Wt, S>(p, k2, out + k2 * 2 * kPanel);
+  const int64_t pairs = (K + 1) / 2;
+  int64_t j = 0;
+  for (; fast_step_ready<Wt, S>(p, j, pairs); j += kStepPairs) pairs_step_fast<Wt, S>(p, j, out + j * 2 * kPanel);
+  for (; 2 * j < K; ++j) bf16_pair_row<Wt, S>(p, j, out + j * 2 * kPanel);
 }
 
 #if defined(__AVX512BF16__)
@@ -876,16 +980,10 @@ void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_
   alignas(64) uint16_t buffers[2][kAmxPairs * 2 * kPanel];
   alignas(64) float out[kAmxRows * kPanel];
   jaxllm::zero_four_tiles();
+  static_assert(kAmxPairs == kStepPairs, "a converted step is AMX's");
   for (int64_t j = 0; j < depth; j += kAmxPairs) {
     uint16_t* w = buffers[(j / kAmxPairs) & 1];
-    for (int64_t i = 0; i < kAmxPairs; ++i) {
-      const int64_t k2 = j + i;
-      if (k2 < pairs) {
-        bf16_pair_row<Wt, S>(panel, k2, w + i * 2 * kPanel);
-      } else {
-        std::memset(w + i * 2 * kPanel, 0, 2 * kPanel * sizeof(uint16_t));
-      }
-    }
+    bf16_pairs_step<Wt, S>(panel, j, pairs, w);
     if (two) {
       amx_steps<true>(x0 + 2 * j, x0 + tile_size + 2 * j, stride, w, kAmxPairs);
     } else {

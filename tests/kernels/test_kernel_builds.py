@@ -31,13 +31,14 @@ TESTS = [
     "tests/models/test_linear.py::test_vector_lanes_match_the_build",
     "tests/sample/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",
     "tests/sample/test_sampler.py::test_token_scores_kernel_matches_the_jnp_scores",
+    "tests/kernels/test_row_ops.py",
 ]
 
 
 # The AVX2 check (~40 s of the ~85 s of all of TESTS on a 4-core machine, 206 s on a
 # 2-vCPU Xeon on 2026-11-30, nearly all of it the library's build for that ISA): every
 # kernel family once (float32 and int8-family panels, int8 activations, the grouped
-# kernel, attention with windows and the shared-prefix pass, widening, argmax); slow since
+# kernel, attention with windows and the shared-prefix pass, widening, argmax, the row ops); slow since
 # then (the default run's budget), with every test under both builds.
 QUICK = [
     "tests/models/test_linear.py::test_vector_lanes_match_the_build",
@@ -49,6 +50,8 @@ QUICK = [
     "tests/kernels/test_cpu_attention.py::test_common_prefix_pass_matches_reference",
     "tests/kernels/test_kv_cache_dtypes.py::test_cpu_kernel_widens_every_value_exactly",
     "tests/sample/test_sampler.py::test_argmax_kernel_matches_jnp_argmax",
+    "tests/kernels/test_row_ops.py::test_rms_norm_is_its_definition_bit_for_bit",
+    "tests/kernels/test_row_ops.py::test_gated",
 ]
 
 

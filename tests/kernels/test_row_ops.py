@@ -40,6 +40,26 @@ def test_rms_norm_float32(d, offset):
     assert np.abs(xla - want).max() <= 4 * 2 ** -23 * scale.max()
 
 
+@pytest.mark.parametrize("d", [576, 100, 7])
+def test_rms_norm_is_its_definition_bit_for_bit(d):
+    """The definition in float32, in numpy: squares summed in llama.row_sums' order
+    (slices of 16 into 16 running sums, then halved), the mean plus eps, 1 / sqrt (each
+    correctly rounded), x * r, times weight + offset. Every build (the vector width
+    changes, the order does not: tests/kernels/test_kernel_builds.py)."""
+    rng = np.random.default_rng(d + 1)
+    x, w = _rows(rng, 40, d), rng.standard_normal(d).astype(np.float32)
+    parts = np.pad(x * x, [(0, 0), (0, -d % 16)]).reshape(40, -1, 16)
+    acc = parts[:, 0]
+    for i in range(1, parts.shape[1]):
+        acc = acc + parts[:, i]
+    while acc.shape[1] > 1:
+        acc = acc[:, : acc.shape[1] // 2] + acc[:, acc.shape[1] // 2:]
+    r = np.float32(1) / np.sqrt(acc / np.float32(d) + np.float32(1e-5))
+    want = (w + np.float32(1)) * (x * r)
+    got = np.asarray(jax.jit(lambda a: rms_norm_cpu(a, jnp.asarray(w), 1e-5, 1.0))(x))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_rms_norm_bfloat16_and_leading_axes():
     rng = np.random.default_rng(1)
     x = jnp.asarray(_rows(rng, 60, 64)).astype(jnp.bfloat16).reshape(5, 12, 64)  # [T, H, hd]: q/k norms

@@ -180,6 +180,34 @@ def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
     np.testing.assert_allclose(got, dot, rtol=0, atol=4e-6 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("m", [1, 17, 32, 100])
+@pytest.mark.parametrize("weights", ["q4_1", "q4_0", "q8_0", "int4", "gguf_int8"])
+def test_kept_blocks_on_amx_sum_their_bfloat16_values_as_plain_panels(m, weights):
+    """A bfloat16 model's kept blocks on AMX (each step of 32 inputs converted to bfloat16
+    pairs as it is multiplied, or the whole panel first at more than two tiles of rows;
+    4-bit and int8 blocks by interleaving two inputs' bytes before widening) give, bit for
+    bit, the sums of plain bfloat16 panels holding the same values (dequantized, rounded to
+    bfloat16): the same pairs in the same tile order."""
+    if not cpu_kernels.has_amx():
+        pytest.skip("this CPU (or its OS) has no AMX")
+    rng = np.random.default_rng(m)
+    k, n = 256, 96
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if weights == "int4":
+        quantized = quantize_weight(w, "int4")
+    else:
+        quantize = quantize_grouped if weights == "gguf_int8" else quantize_blocks
+        quantized = quantize(w, QUANT_FORMATS[weights])
+    quantized = quantized.replace(float_dtype="bfloat16")
+    kept = pack_weight(quantized).replace(bf16_tiles="amx")
+    plain = pack_weight(dequantize(quantized).astype(jnp.bfloat16)).replace(bf16_tiles="amx")
+    for rows in (None, jnp.int32(m)):
+        got = np.asarray(jax.jit(lambda a, r, w=kept: linear(a, w, rows=r))(x, rows))
+        want = np.asarray(jax.jit(lambda a, r, w=plain: linear(a, w, rows=r))(x, rows))
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("m,rows", [(64, 64), (100, 77), (530, 530), (16, 9)])
 @pytest.mark.parametrize("weights", ["bfloat16", "q4_1"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
