@@ -51,6 +51,7 @@ TARGETS = {
     "jaxllm_argmax_f32": "JaxllmArgmaxF32",
     "jaxllm_token_scores_f32": "JaxllmTokenScoresF32",
     "jaxllm_rms_norm": "JaxllmRmsNorm",
+    "jaxllm_add_rms_norm": "JaxllmAddRmsNorm",
     "jaxllm_glu": "JaxllmGlu",
 }
 

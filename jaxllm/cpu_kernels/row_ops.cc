@@ -40,7 +40,9 @@ namespace {
 
 constexpr int kSumLanes = 16;                 // llama.row_sums' running sums
 constexpr int kSumVectors = kSumLanes / kLanes;  // native vectors holding them
-constexpr int64_t kItemElements = 16384;      // elements per item at least (a few items per thread at 512 rows)
+// Elements per item at least: a norm's rows are a load and a store each, so 32 rows of 576
+// stay one item (no helper woken: ~10 us); the activation's exp makes its elements dearer.
+constexpr int64_t kNormItem = 32768, kGluItem = 16384;
 
 // A product kept apart from the add after it (no contraction into a fused multiply-add:
 // row_sums adds squares rounded to float32).
@@ -107,57 +109,110 @@ void scale_row(const float* x, const float* scale, float r, int64_t D, float* y)
   for (; k < D; ++k) y[k] = scale[k] * (x[k] * r);
 }
 
+// One row of x (plus y's, `add`) as float32 into `row`: the values the norm reads (a
+// bfloat16 sum rounded to bfloat16 first, as XLA adds bfloat16 arrays).
 template <typename T>
-void norm_rows(const T* X, const float* scale, int64_t r0, int64_t r1, int64_t D, float eps, T* Y) {
+void load_row(const T* x, const T* y, int64_t D, float* row) {
+  if constexpr (std::is_same_v<T, float>) {
+    int64_t k = 0;
+    for (; k + kLanes <= D; k += kLanes) storeN(row + k, loadN(x + k) + loadN(y + k));
+    for (; k < D; ++k) row[k] = x[k] + y[k];
+  } else {
+    for (int64_t k = 0; k < D; ++k) {
+      const float v = y ? bf16_to_float(x[k]) + bf16_to_float(y[k]) : bf16_to_float(x[k]);
+      row[k] = y ? bf16_to_float(float_to_bf16(v)) : v;
+    }
+  }
+}
+
+// Rows r0..r1 of N = rms_norm(X (+ Y)), and with Y the sums into S.
+template <typename T>
+void norm_rows(const T* X, const T* Y, const float* scale, int64_t r0, int64_t r1, int64_t D, float eps, T* S,
+               T* N) {
   thread_local jaxllm::LineVector<float> in, out;
   in.resize(D);
   out.resize(D);
   for (int64_t r = r0; r < r1; ++r) {
-    const float* x;
-    float* y;
+    const float* x = in.data();
+    float* n = out.data();
     if constexpr (std::is_same_v<T, float>) {
-      x = X + r * D;
-      y = Y + r * D;
-    } else {
-      for (int64_t k = 0; k < D; ++k) in[k] = bf16_to_float(X[r * D + k]);
-      x = in.data();
-      y = out.data();
+      if (Y == nullptr) x = X + r * D;
+      n = N + r * D;
+    }
+    if (Y != nullptr || !std::is_same_v<T, float>) load_row(X + r * D, Y ? Y + r * D : nullptr, D, in.data());
+    if (Y != nullptr) {
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(S + r * D, x, D * sizeof(float));
+      } else {
+        for (int64_t k = 0; k < D; ++k) S[r * D + k] = float_to_bf16(x[k]);
+      }
     }
     const float mean = sum_of_squares(x, D) / static_cast<float>(D) + eps;
-    scale_row(x, scale, 1.0f / std::sqrt(mean), D, y);
+    scale_row(x, scale, 1.0f / std::sqrt(mean), D, n);
     if constexpr (!std::is_same_v<T, float>)
-      for (int64_t k = 0; k < D; ++k) Y[r * D + k] = float_to_bf16(y[k]);
+      for (int64_t k = 0; k < D; ++k) N[r * D + k] = float_to_bf16(n[k]);
   }
 }
 
-// Rows per item: whole rows, about kItemElements elements.
-inline int64_t rows_per_item(int64_t width) { return std::max<int64_t>(1, kItemElements / std::max<int64_t>(width, 1)); }
+// Rows per item: whole rows, about `elements` elements.
+inline int64_t rows_per_item(int64_t width, int64_t elements) {
+  return std::max<int64_t>(1, elements / std::max<int64_t>(width, 1));
+}
 
-ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight,
-                   ffi::Result<ffi::AnyBuffer> y, float eps, float offset) {
-  const auto xd = x.dimensions(), wd = weight.dimensions(), yd = y->dimensions();
-  const auto type = x.element_type();
-  if (xd.size() != 2 || wd.size() != 1 || wd[0] != xd[1] || yd.size() != 2 || yd[0] != xd[0] || yd[1] != xd[1])
-    return ffi::Error::InvalidArgument("rms_norm: x must be [M, D], weight [D], y [M, D]");
-  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || y->element_type() != type)
-    return ffi::Error::InvalidArgument("rms_norm: x must be float32 or bfloat16, y of x's type");
-  const int64_t M = xd[0], D = xd[1];
+// rms_norm(x (+ y)) into n, the sums into s (with y): shapes and types checked by the callers.
+ffi::Error norm_pass(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer* y,
+                     const ffi::Buffer<ffi::F32>& weight, ffi::AnyBuffer* s, ffi::AnyBuffer& n, float eps,
+                     float offset) {
+  const int64_t M = x.dimensions()[0], D = x.dimensions()[1];
   if (M == 0 || D == 0) return ffi::Error::Success();
   jaxllm::LineVector<float> scale(weight.typed_data(), weight.typed_data() + D);
   if (offset != 0.0f)
-    for (auto& s : scale) s = s + offset;
-  const int64_t per = rows_per_item(D), items = (M + per - 1) / per;
-  jaxllm::parallel_for(pool, items, [&](int64_t i) {
-    const int64_t r0 = i * per, r1 = std::min(M, r0 + per);
-    if (type == ffi::DataType::F32) {
-      norm_rows(static_cast<const float*>(x.untyped_data()), scale.data(), r0, r1, D, eps,
-                static_cast<float*>(y->untyped_data()));
-    } else {
-      norm_rows(static_cast<const uint16_t*>(x.untyped_data()), scale.data(), r0, r1, D, eps,
-                static_cast<uint16_t*>(y->untyped_data()));
-    }
-  });
+    for (auto& v : scale) v = v + offset;
+  const int64_t per = rows_per_item(D, kNormItem), items = (M + per - 1) / per;
+  const auto rows = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const auto* X = static_cast<const T*>(x.untyped_data());
+    const auto* Y = y ? static_cast<const T*>(y->untyped_data()) : nullptr;
+    auto* S = s ? static_cast<T*>(s->untyped_data()) : nullptr;
+    auto* N = static_cast<T*>(n.untyped_data());
+    jaxllm::parallel_for(pool, items, [&](int64_t i) {
+      norm_rows<T>(X, Y, scale.data(), i * per, std::min(M, (i + 1) * per), D, eps, S, N);
+    });
+  };
+  if (x.element_type() == ffi::DataType::F32) {
+    rows(static_cast<float*>(nullptr));
+  } else {
+    rows(static_cast<uint16_t*>(nullptr));
+  }
   return ffi::Error::Success();
+}
+
+bool same_matrix(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  return ad.size() == 2 && bd.size() == 2 && ad[0] == bd[0] && ad[1] == bd[1] && a.element_type() == b.element_type();
+}
+
+bool norm_type(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::DataType::F32 || x.element_type() == ffi::DataType::BF16;
+}
+
+ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight,
+                   ffi::Result<ffi::AnyBuffer> y, float eps, float offset) {
+  const auto wd = weight.dimensions();
+  if (!same_matrix(x, *y) || wd.size() != 1 || wd[0] != x.dimensions()[1] || !norm_type(x))
+    return ffi::Error::InvalidArgument("rms_norm: x must be [M, D], float32 or bfloat16, weight [D], y as x");
+  return norm_pass(pool, x, nullptr, weight, nullptr, *y, eps, offset);
+}
+
+// The residual add and the next sublayer's norm in one pass: s = x + y, n = rms_norm(s).
+ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weight,
+                      ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> n, float eps, float offset) {
+  const auto wd = weight.dimensions();
+  if (!same_matrix(x, y) || !same_matrix(x, *s) || !same_matrix(x, *n) || wd.size() != 1 ||
+      wd[0] != x.dimensions()[1] || !norm_type(x))
+    return ffi::Error::InvalidArgument("add_rms_norm: x and y must be [M, D] of one type, float32 or bfloat16, "
+                                       "weight [D], s and n as x");
+  return norm_pass(pool, x, &y, weight, &(*s), *n, eps, offset);
 }
 
 void glu_rows(const float* X, int64_t r0, int64_t r1, int64_t F, float* Y, int32_t act) {
@@ -171,7 +226,7 @@ ffi::Error Glu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<
   if (act != jaxllm::kSilu && act != jaxllm::kGeluTanh) return ffi::Error::InvalidArgument("glu: act must be 0 (silu) or 1 (gelu_tanh)");
   const int64_t M = xd[0], F = yd[1];
   if (M == 0 || F == 0) return ffi::Error::Success();
-  const int64_t per = rows_per_item(F), items = (M + per - 1) / per;
+  const int64_t per = rows_per_item(F, kGluItem), items = (M + per - 1) / per;
   const float* X = x.typed_data();
   float* Y = y->typed_data();
   jaxllm::parallel_for(pool, items, [&](int64_t i) {
@@ -191,6 +246,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRmsNorm, RmsNorm,
                                   .Ret<ffi::AnyBuffer>()          // y [M, D], x's type
                                   .Attr<float>("eps")
                                   .Attr<float>("offset"));        // scaled by weight + offset (Gemma: 1)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmAddRmsNorm, AddRmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, D], float32 or bfloat16: the residual
+                                  .Arg<ffi::AnyBuffer>()          // y [M, D], x's type: a sublayer's output
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // weight [D]
+                                  .Ret<ffi::AnyBuffer>()          // s = x + y
+                                  .Ret<ffi::AnyBuffer>()          // n = rms_norm(s)
+                                  .Attr<float>("eps")
+                                  .Attr<float>("offset"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGlu, Glu,
                               ffi::Ffi::Bind()

@@ -38,7 +38,7 @@ from jaxllm.models.moe import gated, moe_mlp
 from jaxllm.models.params import LayerParams, ModelParams, PackedWeight, QuantizedWeight
 from jaxllm.models.quant import dequantize
 from jaxllm.models.rope import RopeTable, apply_rope
-from jaxllm.models.row_ops import NORM_DTYPES, gated_cpu, rms_norm_cpu
+from jaxllm.models.row_ops import NORM_DTYPES, add_rms_norm_cpu, gated_cpu, rms_norm_cpu
 from jaxllm.platform import activation_dtype
 
 
@@ -79,6 +79,16 @@ def norm_before(w, x: Float[Array, "... D"], weight: Float[Array, " D"], eps: fl
     if isinstance(w, PackedWeight) and x.dtype in NORM_DTYPES:
         return rms_norm_cpu(x, weight, eps, offset)
     return rms_norm(x, weight, eps, offset)
+
+
+def add_norm_before(w, x: Float[Array, "T D"], y: Float[Array, "T D"], weight: Float[Array, " D"], eps: float,
+                    offset: float = 0.0) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+    """(x + y, rms_norm(x + y)) for the projection `w` that reads the norm: one pass of
+    the C++ kernel where `w` is packed for the `cpu` backend, else jnp."""
+    if isinstance(w, PackedWeight) and x.dtype in NORM_DTYPES and y.dtype == x.dtype and x.ndim == 2:
+        return add_rms_norm_cpu(x, y, weight, eps, offset)
+    s = x + y
+    return s, rms_norm(s, weight, eps, offset)
 
 
 def gated_before(w, x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:
@@ -174,16 +184,15 @@ def attend(q: Float[Array, "T H hd"], cache: KVCache, md: AttentionMetadata, cfg
     return unfold_layer_scales(o, cache).reshape(q.shape[0], cfg.q_size)
 
 
-def attention_output(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], cfg: ModelConfig,
-                     axis: MeshAxes = None, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
-                     ) -> Float[Array, "T D"]:
-    """The attention sublayer's output projection of the heads' outputs `o`, (Gemma) its
-    output norm, and the residual `x` added. `rows`: the real rows (the rest pad)."""
+def attention_output(lp: LayerParams, o: Float[Array, "T Q"], cfg: ModelConfig, axis: MeshAxes = None,
+                     lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None) -> Float[Array, "T D"]:
+    """The attention sublayer's output projection of the heads' outputs `o` and (Gemma)
+    its output norm; the caller adds the residual. `rows`: the real rows (the rest pad)."""
     with jax.named_scope("o_proj"):
         out = all_reduce(_project(o, lp.wo, lora, "wo", rows), axis)
     if lp.attn_post_norm is not None:
         out = norm_before(lp.wo, out, lp.attn_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    return x + out
+    return out
 
 
 def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows: Int[Array, ""] | None = None
@@ -194,14 +203,13 @@ def _project(x: Float[Array, "T K"], w, lora: LayerLoRA | None, field: str, rows
     return y if lora is None else lora.add(field, x, y)
 
 
-def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: MeshAxes = None,
+def mlp_block(lp: LayerParams, h: Float[Array, "T D"], cfg: ModelConfig, axis: MeshAxes = None,
               moe: bool = False, lora: LayerLoRA | None = None, rows: Int[Array, ""] | None = None
               ) -> Float[Array, "T D"]:
     """Gated feed-forward sublayer, SwiGLU or (Gemma) GeGLU with tanh GELU, or (`moe`) a
-    mixture of such experts (jaxllm.models.moe); pre-norm, residual added; Gemma's
-    output norm before the add. `rows`: the step's real tokens (packed projections leave
-    the bucket's padding rows zero)."""
-    h = norm_before(lp.w_gate_up, x, lp.mlp_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    mixture of such experts (jaxllm.models.moe), of the normed input `h`; Gemma's output
+    norm; the caller adds the residual. `rows`: the step's real tokens (packed
+    projections leave the bucket's padding rows zero)."""
     with jax.named_scope("moe" if moe else "mlp"):
         if moe:
             out = moe_mlp(lp, h, cfg, axis)
@@ -209,7 +217,7 @@ def mlp_block(lp: LayerParams, x: Float[Array, "T D"], cfg: ModelConfig, axis: M
             out = all_reduce(_project(_gated_up(lp, h, cfg, lora, rows), lp.w_down, lora, "w_down", rows), axis)
     if lp.mlp_post_norm is not None:
         out = norm_before(lp.w_down, out, lp.mlp_post_norm, cfg.rms_norm_eps, cfg.norm_offset)
-    return x + out
+    return out
 
 
 def _gated_up(lp: LayerParams, h: Float[Array, "T D"], cfg: ModelConfig, lora: LayerLoRA | None,
@@ -396,9 +404,12 @@ def _layers(params, rope, kv_caches, input_ids, positions, md, cfg: ModelConfig,
 
 def finish_layer(lp: LayerParams, x: Float[Array, "T D"], o: Float[Array, "T Q"], rows: Int[Array, ""],
                   lora: LayerLoRA | None, *, cfg: ModelConfig, axis: MeshAxes, moe: bool) -> Float[Array, "T D"]:
-    """A layer after its attention: the output projection, the residual, the MLP."""
-    x = attention_output(lp, x, o, cfg, axis, lora, rows)
-    return mlp_block(lp, x, cfg, axis, moe=moe, lora=lora, rows=rows)
+    """A layer after its attention: the output projection, the residual added and the
+    MLP's norm (one pass where the projections are packed: add_norm_before), the MLP,
+    its residual."""
+    x, h = add_norm_before(lp.w_gate_up, x, attention_output(lp, o, cfg, axis, lora, rows), lp.mlp_norm,
+                           cfg.rms_norm_eps, cfg.norm_offset)
+    return x + mlp_block(lp, h, cfg, axis, moe=moe, lora=lora, rows=rows)
 
 
 def _last_layer_rows(finish, x: Float[Array, "T D"], o: Float[Array, "T Q"], num_tokens: Int[Array, ""],

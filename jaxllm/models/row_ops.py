@@ -1,13 +1,15 @@
 """The layers' row-wise operations through the C++ kernels (jaxllm/cpu_kernels/row_ops.cc):
-RMSNorm and the gated MLP's activation, each row an item on both threads (XLA:CPU runs
-each as one fusion on one thread). The model (jaxllm.models.llama) takes them where the
-projection that reads their output is packed for the `cpu` backend, whose kernel
-library they share; elsewhere the jnp forms (llama.rms_norm, moe.gated) run.
+RMSNorm, alone or after the residual add (one pass for both), and the gated MLP's
+activation, each row an item on both threads. The model (jaxllm.models.llama) takes them
+where the projection that reads their output is packed for the `cpu` backend, whose
+kernel library they share; elsewhere the jnp forms (llama.rms_norm, moe.gated) run.
+Measurements: docs/cpu_kernels.md.
 
 Numerics: the norm sums each row's squares in llama.row_sums' order (a row gives the
 same bits alone or in any batch) and takes 1 / sqrt of the mean square (XLA's rsqrt
 differs in the last bit now and then); the activation computes exp and a reciprocal
-otherwise than XLA does. Both within a few ulp of the jnp forms (tests/test_row_ops.py).
+otherwise than XLA does. Both within a few ulp of the jnp forms
+(tests/kernels/test_row_ops.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jaxtyping import Array, Float
 from jaxllm.cpu_kernels import load_kernels
 
 RMS_NORM_TARGET = "jaxllm_rms_norm"
+ADD_RMS_NORM_TARGET = "jaxllm_add_rms_norm"
 GLU_TARGET = "jaxllm_glu"
 NORM_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -34,6 +37,20 @@ def rms_norm_cpu(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: floa
     y = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x2.shape, x.dtype))(
         x2, weight.astype(jnp.float32), eps=np.float32(eps), offset=np.float32(offset))
     return y.reshape(x.shape)
+
+
+def add_rms_norm_cpu(x: Float[Array, "T D"], y: Float[Array, "T D"], weight: Float[Array, " D"], eps: float,
+                     offset: float = 0.0) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+    """(x + y, llama.rms_norm(x + y)) in one pass of the C++ kernel (the residual add and
+    the next sublayer's norm): x and y of one type, float32 or bfloat16."""
+    if x.dtype not in NORM_DTYPES or y.dtype != x.dtype or x.shape != y.shape or x.ndim != 2:
+        raise ValueError(f"add_rms_norm_cpu needs x and y of one shape [T, D] and type, float32 or bfloat16 "
+                         f"(got {x.dtype} {x.shape} and {y.dtype} {y.shape})")
+    load_kernels()
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    s, n = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (out, out))(
+        x, y, weight.astype(jnp.float32), eps=np.float32(eps), offset=np.float32(offset))
+    return s, n
 
 
 def gated_cpu(x: Float[Array, "T F2"], act: str) -> Float[Array, "T F"]:

@@ -12,7 +12,7 @@ import pytest
 from jaxllm.models import llama
 from jaxllm.models.linear import pack_weight
 from jaxllm.models.moe import gated
-from jaxllm.models.row_ops import gated_cpu, rms_norm_cpu
+from jaxllm.models.row_ops import add_rms_norm_cpu, gated_cpu, rms_norm_cpu
 
 
 def _rows(rng, m, d):
@@ -58,6 +58,22 @@ def test_rms_norm_is_its_definition_bit_for_bit(d):
     want = (w + np.float32(1)) * (x * r)
     got = np.asarray(jax.jit(lambda a: rms_norm_cpu(a, jnp.asarray(w), 1e-5, 1.0))(x))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_residual_add_and_norm_in_one_pass(dtype):
+    """add_rms_norm: the sum as XLA adds (bit for bit; bfloat16 rounded), and the norm of
+    that sum as rms_norm_cpu's of it (bit for bit)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(_rows(rng, 45, 576)).astype(dtype)
+    y = jnp.asarray(_rows(rng, 45, 576)).astype(dtype)
+    w = jnp.asarray(rng.standard_normal(576).astype(np.float32))
+    s, n = jax.jit(lambda a, b: add_rms_norm_cpu(a, b, w, 1e-5, 1.0))(x, y)
+    want_s = jax.jit(lambda a, b: a + b)(x, y)
+    assert s.dtype == n.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want_s, np.float32))
+    np.testing.assert_array_equal(np.asarray(n, np.float32),
+                                  np.asarray(jax.jit(lambda a: rms_norm_cpu(a, w, 1e-5, 1.0))(want_s), np.float32))
 
 
 def test_rms_norm_bfloat16_and_leading_axes():
@@ -108,6 +124,8 @@ def test_gated(act, f):
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         rms_norm_cpu(jnp.zeros((2, 4), jnp.float16), jnp.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="of one shape"):
+        add_rms_norm_cpu(jnp.zeros((2, 4)), jnp.zeros((2, 4), jnp.bfloat16), jnp.ones(4), 1e-6)
     with pytest.raises(ValueError, match=r"float32 \[T, 2F\]"):
         gated_cpu(jnp.zeros((2, 5), jnp.float32), "silu")
     with pytest.raises(ValueError, match=r"float32 \[T, 2F\]"):
@@ -124,6 +142,9 @@ def test_the_model_takes_them_where_the_projection_is_packed():
 
     assert custom_calls(lambda a: llama.norm_before(pack_weight(w), a, weight, 1e-6)) == 1
     assert custom_calls(lambda a: llama.norm_before(jnp.asarray(w), a, weight, 1e-6)) == 0
+    assert custom_calls(lambda a: llama.add_norm_before(pack_weight(w), a, a, weight, 1e-6)[1]) == 0  # no norm of its own
+    assert jax.jit(lambda a: llama.add_norm_before(pack_weight(w), a, a, weight, 1e-6)[1]).lower(x).as_text().count(
+        "jaxllm_add_rms_norm") == 1
 
     def glu_calls(w):
         return jax.jit(lambda a: llama.gated_before(w, a, "silu")).lower(x).as_text().count("jaxllm_glu")
