@@ -555,10 +555,10 @@ constexpr bool kIsQ4 = false;
 template <int kZero>
 constexpr bool kIsQ4<Q4Weights<kZero>> = true;
 template <class Wt>
-constexpr bool kStepConverts = kIsQ4<Wt> || std::is_same_v<Wt, I8Weights>;  // pairs_step_fast's formats
+constexpr bool kStepConverts = kIsQ4<Wt> || std::is_same_v<Wt, I8Weights>;  // pairs_step_of's formats
 constexpr int kStepPairs = 16;  // pairs of a converted step: 32 inputs (AMX's step, one Q4 group)
 
-// Whether pairs_step_fast converts pairs j.. of a panel: 4-bit or int8 blocks of 32 inputs or more
+// Whether pairs_step_of converts pairs j.. of a panel: 4-bit or int8 blocks of 32 inputs or more
 // (a step then lies in one group), a whole step, and vcvtne2ps2bf16.
 template <class Wt, int S>
 inline bool fast_step_ready(const Panel<Wt>& p, int64_t j, int64_t pairs) {
@@ -576,12 +576,6 @@ constexpr int kQ4Zero = 0;
 template <int kZero>
 constexpr int kQ4Zero<Q4Weights<kZero>> = kZero;
 
-// Pairs j..j+15 of a Q4_0 / Q4_1 (or int8: Q8_0) panel as bfloat16 pairs [16][32][2]: bf16_pair_row's values
-// (the same products, sums and rounding), converted otherwise. bf16_pair_row widens 16 columns
-// of one input, then vpermw interleaves two inputs' words per row (~13% of a decode's MLP on
-// its own, port 5 bound); here the two rows' bytes are interleaved before widening (column c
-// of inputs 2i and 2i + 1 side by side), so vcvtne2ps2bf16 writes pairs as they lie, and the
-// group's scales (and mins), read once a step, are duplicated into those lanes.
 // Columns 0-7, 8-15, 16-23 and 24-31 of rows a and b (two inputs) as int32 lanes, a's and b's
 // value of each column side by side: the two rows' bytes interleaved, then widened.
 template <class Wt>
@@ -589,7 +583,8 @@ inline std::array<__m512i, 4> pair_values(const typename Wt::T* a, const typenam
   const auto bytes = [](const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); };
   if constexpr (kIsQ4<Wt>) {  // 16 bytes a row: column c's nibble in byte c % 16, low for c < 16
     const __m128i ra = bytes(a), rb = bytes(b);
-    const __m512i first8 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(ra, rb)), last8 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(ra, rb));
+    const __m512i first8 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(ra, rb));  // bytes 0-7 of both rows
+    const __m512i last8 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(ra, rb));
     const __m512i nibble = _mm512_set1_epi32(0x0F);
     return {_mm512_and_si512(first8, nibble), _mm512_and_si512(last8, nibble), _mm512_srli_epi32(first8, 4),
             _mm512_srli_epi32(last8, 4)};
@@ -600,6 +595,12 @@ inline std::array<__m512i, 4> pair_values(const typename Wt::T* a, const typenam
   }
 }
 
+// Pairs j..j+15 of a Q4_0 / Q4_1 / Q8_0 panel as bfloat16 pairs [16][32][2]: bf16_pair_row's
+// values (the same products, sums and rounding), converted otherwise. bf16_pair_row widens 16
+// columns of one input, then vpermw interleaves two inputs' words per row (~13% of a decode's
+// MLP on its own, port 5 bound); here the two rows' bytes are interleaved before widening
+// (pair_values), so vcvtne2ps2bf16 writes pairs as they lie, and the group's scales (and
+// mins), read once a step, are duplicated into those lanes.
 template <class Wt, int S>
 inline void pairs_step_of(const Panel<Wt>& p, int64_t j, uint16_t* out) {
   const int64_t g = (2 * j) >> p.group_shift;
@@ -1037,16 +1038,14 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
   }
   const int64_t half = num_panels / 2, F = N / 2;
   pack_then_multiply<kAmxRows, kBlock>(pool, M, half, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    thread_local jaxllm::LineVector<float> gate, up;  // the block's rows x 32 columns
-    const int64_t r0 = t0 * kAmxRows, r1 = std::min(M, t1 * kAmxRows);
-    gate.resize((r1 - r0) * kPanel);
-    up.resize((r1 - r0) * kPanel);
-    // as y's rows from r0: tile t's sums go to row t 16 - r0 of the buffer
-    panel_into(p, t0, t1, gate.data() - r0 * kPanel, kPanel, 0);
-    panel_into(p + half, t0, t1, up.data() - r0 * kPanel, kPanel, 0);
-    for (int64_t r = r0; r < r1; ++r)
-      jaxllm::glu_row(gate.data() + (r - r0) * kPanel, up.data() + (r - r0) * kPanel, kPanel, Y + r * F + p * kPanel,
-                      act);
+    // [M][32] each, of which the item writes and reads its block's rows (in L2)
+    thread_local jaxllm::LineVector<float> gate, up;
+    gate.resize(M * kPanel);
+    up.resize(M * kPanel);
+    panel_into(p, t0, t1, gate.data(), kPanel, 0);
+    panel_into(p + half, t0, t1, up.data(), kPanel, 0);
+    for (int64_t r = t0 * kAmxRows; r < std::min(M, t1 * kAmxRows); ++r)
+      jaxllm::glu_row(gate.data() + r * kPanel, up.data() + r * kPanel, kPanel, Y + r * F + p * kPanel, act);
   }, kAmxHooks);
 }
 #else
@@ -1378,7 +1377,8 @@ ffi::Error GroupedDenseBF16Gated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> y, int32_t tiles,
                                  int32_t act) {
   return with_bf16_tiles(tiles, [&](auto use_dot) {
-    return GroupedDenseScaled<BF16Pairs<decltype(use_dot)::value>, kNoScales, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>>(
+    using Pairs = BF16Pairs<decltype(use_dot)::value>;
+    return GroupedDenseScaled<Pairs, kNoScales, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>>(
         pool, x, panels, nullptr, nullptr, group_sizes, y, false, tiles, act);
   });
 }

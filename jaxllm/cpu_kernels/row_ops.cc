@@ -223,7 +223,8 @@ ffi::Error Glu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<
   const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || xd[1] != 2 * yd[1])
     return ffi::Error::InvalidArgument("glu: x must be [M, 2F] (gate | up) and y [M, F]");
-  if (act != jaxllm::kSilu && act != jaxllm::kGeluTanh) return ffi::Error::InvalidArgument("glu: act must be 0 (silu) or 1 (gelu_tanh)");
+  if (act != jaxllm::kSilu && act != jaxllm::kGeluTanh)
+    return ffi::Error::InvalidArgument("glu: act must be 0 (silu) or 1 (gelu_tanh)");
   const int64_t M = xd[0], F = yd[1];
   if (M == 0 || F == 0) return ffi::Error::Success();
   const int64_t per = rows_per_item(F, kGluItem), items = (M + per - 1) / per;
