@@ -139,19 +139,8 @@ struct Q4Weights : FloatX {
   }
 };
 
-// x rounded to bfloat16 (to nearest even; a NaN stays a NaN), as XLA converts it.
-inline uint16_t bf16_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+using jaxllm::bf16_bits;  // x rounded to bfloat16 (simd.h), and back
+using jaxllm::bf16_value;
 // kLanes float32 lanes rounded so, in the high half of each 32-bit lane (finite values:
 // the weights of a panel, so no NaN case).
 typedef uint32_t u32xN __attribute__((vector_size(jaxllm::kLanes * sizeof(uint32_t))));
@@ -249,18 +238,7 @@ constexpr int64_t input_at(int64_t k) {
   return (S & kRoundBF16) != 0 ? k ^ 1 : k;
 }
 
-inline void rounded(f32xN& v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#elif defined(__SSE__)
-  asm("" : "+x"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#else
-  volatile f32xN keep = v;
-  v = keep;
-#endif
-}
+using jaxllm::rounded;  // a product kept from contraction (simd.h)
 
 template <int S>
 constexpr bool kGroupScaled = (S & ~kBF16Flags) == kGroupScales || (S & ~kBF16Flags) == kGroupScalesMins;
@@ -597,8 +575,8 @@ inline std::array<__m512i, 4> pair_values(const typename Wt::T* a, const typenam
 
 // Pairs j..j+15 of a Q4_0 / Q4_1 / Q8_0 panel as bfloat16 pairs [16][32][2]: bf16_pair_row's
 // values (the same products, sums and rounding), converted otherwise. bf16_pair_row widens 16
-// columns of one input, then vpermw interleaves two inputs' words per row (~13% of a decode's
-// MLP on its own, port 5 bound); here the two rows' bytes are interleaved before widening
+// columns of one input, then vpermw interleaves two inputs' words per row (port 5 bound, with
+// the widening: docs/cpu_kernels.md); here the two rows' bytes are interleaved before widening
 // (pair_values), so vcvtne2ps2bf16 writes pairs as they lie, and the group's scales (and
 // mins), read once a step, are duplicated into those lanes.
 template <class Wt, int S>

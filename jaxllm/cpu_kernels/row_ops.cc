@@ -1,11 +1,10 @@
 // The layers' row-wise operations for XLA:CPU, as XLA FFI custom calls: RMSNorm, and the
 // gated MLP's activation (act(gate) * up of a fused [gate | up] projection).
 //
-// Why on CPU: XLA:CPU runs each of these as one loop fusion on one thread, and its
-// RMSNorm's fixed-order row sums (jaxllm.models.llama.row_sums) as a chain of slices.
-// On SmolLM2's shapes at 512 rows (2-vCPU Xeon) the norm took ~190 us and the SiLU
-// ~420 us, 61 norms and 30 SiLUs a step; here every row is an item on XLA's intra-op
-// pool and each is read once. docs/cpu_kernels.md has the measurements.
+// Why on CPU: XLA:CPU runs RMSNorm's fixed-order row sums (jaxllm.models.llama.row_sums)
+// as a chain of slices, and a residual add and the norm after it as separate passes; here
+// every row is an item on XLA's intra-op pool, read once. docs/cpu_kernels.md has the
+// measurements.
 //
 // RMSNorm: each row's squares summed in llama.row_sums' order (16 running sums over the
 // row's slices of 16, then halved), so a row gives the same bits alone or in any batch;
@@ -41,38 +40,13 @@ namespace {
 constexpr int kSumLanes = 16;                 // llama.row_sums' running sums
 constexpr int kSumVectors = kSumLanes / kLanes;  // native vectors holding them
 // Elements per item at least: a norm's rows are a load and a store each, so 32 rows of 576
-// stay one item (no helper woken: ~10 us); the activation's exp makes its elements dearer.
+// stay one item (waking a helper costs more than their work); the activation's exp makes its
+// elements dearer.
 constexpr int64_t kNormItem = 32768, kGluItem = 16384;
 
-// A product kept apart from the add after it (no contraction into a fused multiply-add:
-// row_sums adds squares rounded to float32).
-inline f32xN kept(f32xN v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#elif defined(__SSE__)
-  asm("" : "+x"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#else
-  volatile f32xN keep = v;
-  v = keep;
-#endif
-  return v;
-}
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline uint16_t float_to_bf16(float v) {  // to nearest even; a NaN stays a NaN
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-}
+using jaxllm::bf16_bits;
+using jaxllm::bf16_value;
+using jaxllm::rounded;
 
 // The sum of row[0..D)'s squares in row_sums' order: slices of 16 (the last zero-padded)
 // into 16 running sums, then halved (the first half plus the second) down to one.
@@ -82,14 +56,18 @@ float sum_of_squares(const float* row, int64_t D) {
   for (; k + kSumLanes <= D; k += kSumLanes)
     for (int v = 0; v < kSumVectors; ++v) {
       const f32xN x = loadN(row + k + v * kLanes);
-      acc[v] = acc[v] + kept(x * x);
+      f32xN square = x * x;
+      rounded(square);
+      acc[v] = acc[v] + square;
     }
   if (k < D) {
     alignas(64) float tail[kSumLanes] = {};
     std::memcpy(tail, row + k, (D - k) * sizeof(float));
     for (int v = 0; v < kSumVectors; ++v) {
       const f32xN x = loadN(tail + v * kLanes);
-      acc[v] = acc[v] + kept(x * x);
+      f32xN square = x * x;
+      rounded(square);
+      acc[v] = acc[v] + square;
     }
   }
   for (int n = kSumVectors; n > 1; n /= 2)
@@ -105,7 +83,7 @@ float sum_of_squares(const float* row, int64_t D) {
 void scale_row(const float* x, const float* scale, float r, int64_t D, float* y) {
   const f32xN vr = splatN(r);
   int64_t k = 0;
-  for (; k + kLanes <= D; k += kLanes) storeN(y + k, loadN(scale + k) * kept(loadN(x + k) * vr));
+  for (; k + kLanes <= D; k += kLanes) storeN(y + k, loadN(scale + k) * (loadN(x + k) * vr));
   for (; k < D; ++k) y[k] = scale[k] * (x[k] * r);
 }
 
@@ -119,8 +97,8 @@ void load_row(const T* x, const T* y, int64_t D, float* row) {
     for (; k < D; ++k) row[k] = x[k] + y[k];
   } else {
     for (int64_t k = 0; k < D; ++k) {
-      const float v = y ? bf16_to_float(x[k]) + bf16_to_float(y[k]) : bf16_to_float(x[k]);
-      row[k] = y ? bf16_to_float(float_to_bf16(v)) : v;
+      const float v = y ? bf16_value(x[k]) + bf16_value(y[k]) : bf16_value(x[k]);
+      row[k] = y ? bf16_value(bf16_bits(v)) : v;
     }
   }
 }
@@ -144,13 +122,13 @@ void norm_rows(const T* X, const T* Y, const float* scale, int64_t r0, int64_t r
       if constexpr (std::is_same_v<T, float>) {
         std::memcpy(S + r * D, x, D * sizeof(float));
       } else {
-        for (int64_t k = 0; k < D; ++k) S[r * D + k] = float_to_bf16(x[k]);
+        for (int64_t k = 0; k < D; ++k) S[r * D + k] = bf16_bits(x[k]);
       }
     }
     const float mean = sum_of_squares(x, D) / static_cast<float>(D) + eps;
     scale_row(x, scale, 1.0f / std::sqrt(mean), D, n);
     if constexpr (!std::is_same_v<T, float>)
-      for (int64_t k = 0; k < D; ++k) N[r * D + k] = float_to_bf16(n[k]);
+      for (int64_t k = 0; k < D; ++k) N[r * D + k] = bf16_bits(n[k]);
   }
 }
 

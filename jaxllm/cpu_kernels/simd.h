@@ -103,6 +103,36 @@ inline F vexp_of(F x) {
 inline f32xN vexp(f32xN x) { return vexp_of<f32xN, i32xN>(x); }
 inline f32xN vmax(f32xN a, f32xN b) { return a > b ? a : b; }
 
+// v as computed so far, hidden from the compiler: a product kept apart from the add after
+// it (no contraction into a fused multiply-add, which would round once where the kernels'
+// definitions round twice).
+inline void rounded(f32xN& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__SSE__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile f32xN keep = v;
+  v = keep;
+#endif
+}
+
+// x rounded to bfloat16 (to nearest even; a NaN stays a NaN), as XLA converts it, and back.
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u | 0x00400000u) >> 16);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 // The lanes' max and sum, halving the vector each step.
 #if JAXLLM_LANES == 16
 inline float hmax(f32xN v) {
