@@ -20,9 +20,10 @@ prints why and measures jaxllm alone.
 Each run's arithmetic rate (the layers' multiply-adds of every prompt and output token,
 the output projection's of every output token, attention's over the context, per second;
 a prefix-cache hit counts as served) is printed beside the peak of its
-precision, measured in the same run before the servers start (`peak_gflops`: a 512 x
-2048 x 2048 product, float32 and bfloat16 by the faster of XLA's dot and jaxllm's cpu
-kernel, the defaults' Q4_1 blocks with int16 activations by the kernel).
+precision, measured in the same run before the servers start (a 512 x 2048 x 2048
+product, float32 and bfloat16 by the fastest of XLA's dot, jaxllm's cpu kernel and vLLM's
+torch (`peak_gflops`, `torch_peak_gflops`); the defaults' Q4_1 blocks by the kernel, with
+the activations `auto` gives).
 
     python scripts/bench_vllm.py --out bench_results/vllm_standard
     python scripts/bench_vllm.py --isa avx2 --out bench_results/vllm_standard_avx2  # both as on an AVX2-only CPU
@@ -177,6 +178,35 @@ def peak_gflops() -> dict[str, float]:
             for name, pairs in candidates.items()}
 
 
+TORCH_PEAK = """
+import json, time, torch
+m = k = n = 2048; m = 512
+out = {}
+for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    out[name] = 2 * m * k * n / sorted(times)[2] / 1e9
+print(json.dumps(out))
+"""
+
+
+def torch_peak_gflops(python: str) -> dict[str, float]:
+    """The same 512 x 2048 x 2048 product by the baseline's torch (oneDNN: on AMX, twice
+    the kernel's bfloat16 rate at this size on one Xeon, docs/benchmarks.md), float32 and
+    bfloat16, in vLLM's venv with its environment; {} (saying why) where it fails."""
+    proc = subprocess.run([python, "-c", TORCH_PEAK], capture_output=True, text=True, env=vllm_env())
+    try:
+        return {k: float(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    except (IndexError, ValueError, AttributeError) as e:
+        print(f"torch's peak not measured ({e}): {proc.stderr.strip()[-300:]}", flush=True)
+        return {}
+
+
 def _median_seconds(fn, *args) -> float:
     fn(*args).block_until_ready()
     times = []
@@ -211,10 +241,14 @@ def main() -> None:
     folder = export_hf_folder(args.hf_folder, None)
     requests = standard_dataset()[:args.num_prompts]
     flops = model_flops_per_token(folder)
-    peaks = peak_gflops()
-    print("peak GFLOP/s (a 512 x 2048 x 2048 dot):", {k: round(v) for k, v in peaks.items()}, flush=True)
     python = vllm_python(args.vllm_venv)
-    results: dict = {"build": describe(args.isa), "peak_gflops": peaks, "runs": {}}
+    own = peak_gflops()
+    torch_peaks = torch_peak_gflops(python) if python is not None else {}
+    peaks = {k: max(v, torch_peaks.get(k, 0.0)) for k, v in own.items()}
+    print("peak GFLOP/s (a 512 x 2048 x 2048 dot): jaxllm / XLA", {k: round(v) for k, v in own.items()},
+          "torch", {k: round(v) for k, v in torch_peaks.items()}, flush=True)
+    results: dict = {"build": describe(args.isa), "peak_gflops": peaks,
+                     "peak_sources": {"jaxllm_or_xla": own, "torch": torch_peaks}, "runs": {}}
     for i, (label, server, flags, precision) in enumerate(runs):
         if server == "vllm" and python is None:
             continue

@@ -55,6 +55,7 @@ def faked(monkeypatch, test_models_dir):
     monkeypatch.setattr(bench_vllm, "benchmark", benchmark)
     monkeypatch.setattr(bench_vllm, "print_summary", lambda title, run: None)
     monkeypatch.setattr(bench_vllm, "peak_gflops", lambda: {"float32": 1.0, "bfloat16": 2.0, "default": 4.0})
+    monkeypatch.setattr(bench_vllm, "torch_peak_gflops", lambda python: {"float32": 0.5, "bfloat16": 3.0})
     monkeypatch.setattr(bench_vllm, "export_hf_folder", lambda folder, model: test_models_dir / "llama")
 
 
@@ -68,9 +69,12 @@ def test_each_jaxllm_run_is_compared_with_vllm_at_its_precision(faked, monkeypat
     table = capsys.readouterr().out
     ratios = [line.split()[-3] for line in table.splitlines() if line.startswith(("vLLM CPU", "jaxllm"))][-6:]
     assert ratios == ["1.00x", "1.50x", "1.00x", "1.50x", "1.60x", "1.30x"]  # defaults against vLLM's bfloat16
-    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    results = json.loads(out.with_suffix(".json").read_text())
+    runs = results["runs"]
     assert [r["precision"] for r in runs.values()] == ["float32", "float32", "bfloat16", "bfloat16", "bfloat16",
                                                       "default"]
+    # each precision's peak: the faster of jaxllm's / XLA's product and vLLM's torch
+    assert results["peak_gflops"] == {"float32": 1.0, "bfloat16": 3.0, "default": 4.0}
 
 
 def test_also_adds_a_jaxllm_run_compared_with_vllms_default(faked, monkeypatch, tmp_path, capsys):
@@ -116,3 +120,9 @@ def test_under_avx2_vllm_takes_its_avx2_build(monkeypatch):
             "c._is_amx_tile_supported())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "False"]
+
+
+def test_a_torch_peak_that_fails_is_left_out_saying_why(capsys):
+    """Where vLLM's torch cannot run the product, the peaks are jaxllm's / XLA's alone."""
+    assert bench_vllm.torch_peak_gflops("false") == {}
+    assert "torch's peak not measured" in capsys.readouterr().out
