@@ -148,6 +148,9 @@ def workload_flops(requests, flops: tuple[float, float, float]) -> float:
     return total
 
 
+PEAK_SHAPE = (512, 2048, 2048)  # M x K x N of the product each precision's peak is measured on
+
+
 def peak_gflops() -> dict[str, float]:
     """Per precision, the best rate of a 512 x 2048 x 2048 product (GFLOP/s, the median of
     5 after a warm-up): float32 and bfloat16 by XLA's dot or jaxllm's cpu kernel (bfloat16
@@ -161,7 +164,7 @@ def peak_gflops() -> dict[str, float]:
     from jaxllm.models.linear import auto_activations, linear, pack_weight
     from jaxllm.models.quant import quantize_weight
 
-    m, k, n = 512, 2048, 2048
+    m, k, n = PEAK_SHAPE
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     w = rng.standard_normal((k, n)).astype(np.float32) / 45
@@ -179,8 +182,8 @@ def peak_gflops() -> dict[str, float]:
 
 
 TORCH_PEAK = """
-import json, time, torch
-m = k = n = 2048; m = 512
+import json, sys, time, torch
+m, k, n = map(int, sys.argv[1:])
 out = {}
 for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
@@ -196,10 +199,11 @@ print(json.dumps(out))
 
 
 def torch_peak_gflops(python: str) -> dict[str, float]:
-    """The same 512 x 2048 x 2048 product by the baseline's torch (oneDNN: on AMX, twice
-    the kernel's bfloat16 rate at this size on one Xeon, docs/benchmarks.md), float32 and
-    bfloat16, in vLLM's venv with its environment; {} (saying why) where it fails."""
-    proc = subprocess.run([python, "-c", TORCH_PEAK], capture_output=True, text=True, env=vllm_env())
+    """The same product (PEAK_SHAPE) by the baseline's torch (oneDNN, which on AMX can
+    outrun the kernel: docs/benchmarks.md), float32 and bfloat16, the median of 5, in
+    vLLM's venv with its environment; {} (saying why) where it fails."""
+    proc = subprocess.run([python, "-c", TORCH_PEAK, *map(str, PEAK_SHAPE)], capture_output=True, text=True,
+                          env=vllm_env())
     try:
         return {k: float(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     except (IndexError, ValueError, AttributeError) as e:
@@ -245,7 +249,7 @@ def main() -> None:
     own = peak_gflops()
     torch_peaks = torch_peak_gflops(python) if python is not None else {}
     peaks = {k: max(v, torch_peaks.get(k, 0.0)) for k, v in own.items()}
-    print("peak GFLOP/s (a 512 x 2048 x 2048 dot): jaxllm / XLA", {k: round(v) for k, v in own.items()},
+    print(f"peak GFLOP/s (a {' x '.join(map(str, PEAK_SHAPE))} product): jaxllm / XLA", {k: round(v) for k, v in own.items()},
           "torch", {k: round(v) for k, v in torch_peaks.items()}, flush=True)
     results: dict = {"build": describe(args.isa), "peak_gflops": peaks,
                      "peak_sources": {"jaxllm_or_xla": own, "torch": torch_peaks}, "runs": {}}
