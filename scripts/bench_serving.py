@@ -233,10 +233,70 @@ def print_summary(title: str, s: dict) -> None:
         v = s[key]
         if v["mean"] is not None:
             print(f"{key[:-3].upper():>5} ms: mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 {v['p90']:8.1f}  p99 {v['p99']:8.1f}")
+    if "cpu_s" in s:
+        print(format_cpu_seconds(s["cpu_s"]))
     if "kv" in s:
         kv = s["kv"]
         print(f"KV at peak: {kv['peak_blocks_in_use']:.0f} blocks in use, {kv['tokens_held_at_peak']:.0f} tokens held, "
               f"waste {100 * kv['waste_at_peak']:.2f}%; prefix-cache hit rate {100 * s['prefix_cache_hit_rate_cumulative']:.1f}%")
+
+
+# ------------------------------------------------------------- CPU seconds
+
+
+def _process_cpu_seconds() -> dict[int, tuple[int, str, float]]:
+    """Every process's (parent pid, name, user + system CPU seconds so far), from /proc
+    (empty where there is none)."""
+    ticks, found = os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone since the listing
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        found[int(entry)] = (int(fields[1]), name, (int(fields[11]) + int(fields[12])) / ticks)
+    return found
+
+
+def process_tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process `pid` ("server") and of each of its descendants
+    ("<name> <pid>": vLLM's engine core names itself, jaxllm's is a python child)."""
+    procs = _process_cpu_seconds()
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, (ppid, _, _) in procs.items() if ppid in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return {("server" if p == pid else f"{procs[p][1]} {p}"): procs[p][2] for p in sorted(tree) if p in procs}
+
+
+class CpuSeconds:
+    """The CPU seconds a server's processes (`pid` and its descendants) and this client
+    spent inside the `with` block: on a 2-core host they share the cores with the engine,
+    so a server's frontend is part of what its throughput costs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.result = pid, {}
+
+    def __enter__(self) -> CpuSeconds:
+        self.server0, self.client0, self.wall0 = process_tree_cpu_seconds(self.pid), _own_cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        server1 = process_tree_cpu_seconds(self.pid)
+        self.result = {"server": {k: v - self.server0.get(k, 0.0) for k, v in server1.items()},
+                       "client": _own_cpu_seconds() - self.client0, "wall": time.perf_counter() - self.wall0}
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def format_cpu_seconds(cpu: dict) -> str:
+    parts = [f"{k} {v:.1f}" for k, v in sorted(cpu["server"].items(), key=lambda kv: -kv[1]) if v >= 0.05]
+    return f"CPU s in {cpu['wall']:.1f} s: " + ", ".join(parts) + f"; client {cpu['client']:.1f}"
 
 
 # ------------------------------------------------------------------ server

@@ -23,7 +23,8 @@ a prefix-cache hit counts as served) is printed beside the peak of its
 precision, measured in the same run before the servers start (a 512 x 2048 x 2048
 product, float32 and bfloat16 by the fastest of XLA's dot, jaxllm's cpu kernel and vLLM's
 torch (`peak_gflops`, `torch_peak_gflops`); the defaults' Q4_1 blocks by the kernel, with
-the activations `auto` gives).
+the activations `auto` gives). Each run also records who used the cores (`cpu_s`): the CPU
+seconds of the server's processes (frontend, engine) and of this client over the run.
 
     python scripts/bench_vllm.py --out bench_results/vllm_standard
     python scripts/bench_vllm.py --isa avx2 --out bench_results/vllm_standard_avx2  # both as on an AVX2-only CPU
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import httpx
 from bench_eval import export_hf_folder
-from bench_serving import LaunchedServer, benchmark, print_summary, standard_dataset
+from bench_serving import CpuSeconds, LaunchedServer, benchmark, print_summary, standard_dataset
 from isa_build import ISAS, describe, reexec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,9 +262,10 @@ def main() -> None:
                     else LaunchedServer(flags, log))
         with launched:
             model = launched.model()
-            run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=args.max_concurrency,
-                                        request_rate=float("inf")))
-        run |= {"server": server, "flags": flags, "precision": precision,
+            with CpuSeconds(launched.proc.pid) as cpu:
+                run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=args.max_concurrency,
+                                            request_rate=float("inf")))
+        run |= {"server": server, "flags": flags, "precision": precision, "cpu_s": cpu.result,
                 "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9}
         results["runs"][label] = run
         print_summary(label, run)

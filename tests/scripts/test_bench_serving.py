@@ -97,3 +97,26 @@ def test_llama_server_loads_the_default_model_s_file_unless_told(faked, monkeypa
         bench_serving.main()
     assert e.value.code == 2 and "--llama-server needs --llama-gguf" in capsys.readouterr().err
     assert FakeServer.launched == [] and len(FakeLlamaServer.loaded) == 1
+
+
+def test_cpu_seconds_counts_a_child_s_work_under_its_parent():
+    """CpuSeconds charges a busy child process to the server's tree, by name and pid, and
+    the parent's own work to "server"."""
+    import subprocess
+    import time
+
+    from bench_serving import CpuSeconds
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(3)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+    try:
+        with CpuSeconds(parent.pid) as cpu:
+            time.sleep(2.5)  # the child has spun and sleeps
+    finally:
+        parent.kill()
+        parent.wait(10)
+    children = {k: v for k, v in cpu.result["server"].items() if k != "server"}
+    assert len(children) == 1 and next(iter(children)).startswith("python")
+    assert 0.55 <= next(iter(children.values())) <= 0.9
+    assert cpu.result["server"]["server"] < 0.4
+    assert 2.5 <= cpu.result["wall"] < 5

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import openai
@@ -73,6 +74,7 @@ class FakeServer:
 
     def __init__(self, *args, **kwargs) -> None:
         self.url, self.startup_s = f"http://fake/{len(type(self).launched)}", 0.0
+        self.proc = types.SimpleNamespace(pid=os.getpid())  # a live process for CpuSeconds to read
 
     def __enter__(self):
         return self
