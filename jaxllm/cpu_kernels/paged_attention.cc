@@ -623,7 +623,7 @@ constexpr int kPadQueries = 32;  // >= kScoreBlock and every kValueBlock
 static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  // D = 16: the largest
 constexpr int kSplits = 3;       // the AMX path's bfloat16 parts of a float32 operand
 constexpr int kAmxQueries = 16;  // and its queries per tile of sums
-static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 4-6");
+static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 2-4");
 
 #ifdef JAXLLM_AMX
 // The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per chunk and KV
@@ -689,32 +689,32 @@ inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
   }
 }
 
-// Both products' step: tiles 0-3 (sums) += the kSplits parts of an A operand (tiles 4-6:
-// rows `lda` bytes apart, the parts `part` elements apart) times four B tiles (each in
-// turn in tile 7: 16 rows of 64 bytes, `b_step` bytes apart from b).
-inline void four_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const void* b, int64_t b_step) {
-  _tile_loadd(4, a, lda);
-  if constexpr (kSplits > 1) _tile_loadd(5, a + part, lda);
-  if constexpr (kSplits > 2) _tile_loadd(6, a + 2 * part, lda);
-  const char* bj = static_cast<const char*>(b);
-#define JAXLLM_B_TILE(J)                              \
-  _tile_loadd(7, bj + J * b_step, 64);               \
-  _tile_dpbf16ps(J, 4, 7);                            \
-  if constexpr (kSplits > 1) _tile_dpbf16ps(J, 5, 7); \
-  if constexpr (kSplits > 2) _tile_dpbf16ps(J, 6, 7);
-  JAXLLM_B_TILE(0)
-  JAXLLM_B_TILE(1)
-  JAXLLM_B_TILE(2)
-  JAXLLM_B_TILE(3)
-#undef JAXLLM_B_TILE
+// Both products' step: tiles 0-1 (sums) += the kSplits parts of an A operand (tiles 2-4:
+// rows `lda` bytes apart, the parts `part` elements apart) times two B tiles (5-6: 16 rows
+// of 64 bytes at b0, b1). The two sums' products alternate, so each waits on its previous
+// part's product one product later rather than at once (a tile of sums takes each part in
+// turn, in the same order as before: the same sums).
+inline void two_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const void* b0, const void* b1) {
+  _tile_loadd(2, a, lda);
+  if constexpr (kSplits > 1) _tile_loadd(3, a + part, lda);
+  if constexpr (kSplits > 2) _tile_loadd(4, a + 2 * part, lda);
+  _tile_loadd(5, b0, 64);
+  _tile_loadd(6, b1, 64);
+  _tile_dpbf16ps(0, 2, 5);
+  _tile_dpbf16ps(1, 2, 6);
+  if constexpr (kSplits > 1) {
+    _tile_dpbf16ps(0, 3, 5);
+    _tile_dpbf16ps(1, 3, 6);
+  }
+  if constexpr (kSplits > 2) {
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+  }
 }
-using jaxllm::zero_four_tiles;
-// Tiles 0-3 side by side: tile J's 16 columns at out + 16 J, rows `ld` bytes apart.
-inline void store_four_tiles(float* out, int64_t ld) {
+// Tiles 0-1 side by side: tile J's 16 columns at out + 16 J, rows `ld` bytes apart.
+inline void store_two_tiles(float* out, int64_t ld) {
   _tile_stored(0, out, ld);
   _tile_stored(1, out + 16, ld);
-  _tile_stored(2, out + 32, ld);
-  _tile_stored(3, out + 48, ld);
 }
 
 // Scores of queries m0.. (qa: their kSplits parts, `part` elements apart, rows D apart)
@@ -722,10 +722,14 @@ inline void store_four_tiles(float* out, int64_t ld) {
 template <int D>
 inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t* kb, float* s) {
   constexpr int S = D / 32;
-  zero_four_tiles();
-  for (int st = 0; st < S; ++st)  // key tile j, step st: kb[j][st]
-    four_tiles_step(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + st * 256, S * 1024);
-  store_four_tiles(s, kChunk * 4);
+  for (int j = 0; j < kTiles; j += 2) {  // key tiles j, j + 1
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int st = 0; st < S; ++st)  // key tile j, step st: kb[j][st]
+      two_tiles_step(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + (j * S + st) * 256,
+                     kb + ((j + 1) * S + st) * 256);
+    store_two_tiles(s + 16 * j, kChunk * 4);
+  }
 }
 
 // 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
@@ -741,11 +745,13 @@ inline void split_probabilities(const float* p, uint16_t* pa) {
 template <int D>
 inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
   constexpr int C = D / 16;
-  for (int c0 = 0; c0 < C; c0 += 4) {
-    zero_four_tiles();
-    for (int s = 0; s < steps; ++s)  // block c0 + j of D, step s: vb[s][c0 + j]
-      four_tiles_step(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c0) * 16 * 32, 1024);
-    store_four_tiles(pv + 16 * c0, D * 4);
+  for (int c = 0; c < C; c += 2) {  // blocks c, c + 1 of D
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int s = 0; s < steps; ++s)  // block c of D, step s: vb[s][c]
+      two_tiles_step(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c) * 16 * 32,
+                     vb + (s * C + c + 1) * 16 * 32);
+    store_two_tiles(pv + 16 * c, D * 4);
   }
 }
 
