@@ -21,6 +21,15 @@ pytest.register_assert_rewrite("tests.support")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The tests' programs compiled with LLVM's optimizations off (tests/support/xla_flags.py
+    says why), before collection imports the test modules and they start a backend."""
+    from tests.support.xla_flags import set_test_xla_flags
+
+    set_test_xla_flags()
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     """A test module's SLOW_CASES (substrings of test ids: parameter combinations) are

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 from tests.support.multidevice import MULTIHOST_PROMPTS, run_check
+from tests.support.xla_flags import DEVICE_COUNT
 
 NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
 
@@ -16,8 +18,6 @@ NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
 def local_cluster(num_nodes: int = 2, cpus: int = 2):
     """`num_nodes` Ray nodes (`cpus` CPUs each); yields the cluster's address; stopped
     (every raylet and the actors on them) on exit."""
-    import os
-
     from ray.cluster_utils import Cluster
 
     # Ray's memory monitor kills a worker when the machine is nearly full: here that is the
@@ -36,8 +36,9 @@ def local_cluster(num_nodes: int = 2, cpus: int = 2):
 
 def run_on_cluster(address: str, check: str, *args: str, timeout: float = 600) -> str:
     """`check(*args)` of this module in a new process attached to the cluster at
-    `address` (its devices from its placement: no XLA_FLAGS)."""
-    return run_check("tests.support.ray_cluster", check, args, {"RAY_ADDRESS": address, "XLA_FLAGS": None}, timeout)
+    `address` (its devices from its placement: no device count in XLA_FLAGS)."""
+    flags = DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).strip() or None
+    return run_check("tests.support.ray_cluster", check, args, {"RAY_ADDRESS": address, "XLA_FLAGS": flags}, timeout)
 
 
 def greedy_options(**options) -> dict:
