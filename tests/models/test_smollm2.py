@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from jaxllm.attention.backends import get_attention_fn
 from jaxllm.loaders import default_model_path, load_model
 from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.models.linear import pack_params
@@ -43,7 +44,8 @@ def test_logits_match_hf_on_exported_weights(smollm2, tmp_path):
 
 def test_greedy_says_paris(smollm2):
     tok = smollm2.tokenizer
-    driver = PagedDriver(smollm2.config, smollm2.params, block_size=16)
+    driver = PagedDriver(smollm2.config, pack_params(smollm2.params), block_size=16,
+                         attention_fn=get_attention_fn("cpu"))
     out = driver.greedy(tok.encode("The capital of France is"), max_new_tokens=8)
     assert "Paris" in tok.decode(out)
 
