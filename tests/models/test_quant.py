@@ -214,10 +214,10 @@ def test_the_block_formats_are_gguf_s_own_quantizer(name):
 @pytest.mark.parametrize("name,tensor_type", [pytest.param("llama", "Q8_0", marks=pytest.mark.slow), ("llama", "Q4_1"),
                                               pytest.param("llama", "Q4_0", marks=pytest.mark.slow),
                                               pytest.param("qwen2", "Q8_0", marks=pytest.mark.slow)])
-# llama: tied embeddings and RoPE row order; qwen2: an untied head, biases. XLA's dot over kept blocks still runs
-# by default (test_activation_quantization's auto test); its bit-identity to the dequantized file is in the slow
-# run (the 15-minute budget: two engines, ~38 s of a default run that reached 904 s cold)
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
+# llama: tied embeddings and RoPE row order; qwen2: an untied head, biases. Both backends by default on the
+# Q4_1 file (the embedded SmolLM2's format): this is the default run's one check of XLA's dot over kept blocks
+# in a whole model (test_smollm2's greedy test runs the embedded model on the kernels, as the engine does)
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
 def test_a_block_quantized_gguf_is_kept_packed_and_bit_identical(test_models_dir, tmp_path, name, tensor_type,
                                                                   backend):
     """A GGUF whose projections are Q8_0 (Q4_0, Q4_1) keeps those blocks (integer
