@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,16 @@ from jaxllm.engine.core_proc import run_engine_core
 from jaxllm.engine.protocol import EngineCoreReady, EngineCoreStartError
 
 DEAD = "dead"  # delivered to the callback when the core process is gone
+_HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
+def host_device_flags(devices: int | None) -> str:
+    """XLA_FLAGS for a core process started to see `devices` CPU devices (a replica's; None:
+    as many as its platform gives it): this process's flags with that count in place of any
+    they name, so the user's other flags (an ISA cap, an optimization level) reach it too."""
+    flags = _HOST_DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).split()
+    count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    return " ".join(flags + count)
 
 
 _ENV_LOCK = threading.Lock()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any
 
 from jaxllm.engine import serialization as wire
 from jaxllm.engine.config import EngineConfig
-from jaxllm.engine.core_client import DEAD, CoreClient
+from jaxllm.engine.core_client import DEAD, CoreClient, host_device_flags
 from jaxllm.engine.protocol import EngineCoreReady
 from jaxllm.engine.ray_replicas import RayCoreClient
 from jaxllm.messages import SchedulerStats
@@ -39,8 +38,7 @@ MAX_PREFIXES = 4096  # prefixes remembered (least recently routed dropped first)
 def replica_env(replica: int, devices_per_replica: int, data_parallel_size: int) -> dict[str, str]:
     """The environment that gives replica `replica` only its own `devices_per_replica`
     devices (tensor x pipeline parallel)."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_replica}".strip()}
+    env = {"XLA_FLAGS": host_device_flags(devices_per_replica)}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     needed = data_parallel_size * devices_per_replica
     gpus = visible.split(",") if visible else [str(i) for i in range(needed)]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxllm.engine import serialization as wire
-from jaxllm.engine.core_client import DEAD
+from jaxllm.engine.core_client import DEAD, host_device_flags
 from jaxllm.engine.protocol import EngineCoreReady, EngineCoreStartError
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class RayCoreClient:
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         env = worker_env(gpus)
         if not gpus:  # its simulated CPU devices
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+            env["XLA_FLAGS"] = host_device_flags(devices)
         actor = ray.remote(concurrency_groups={"inbox": 1, "outbox": 1})(ReplicaActor)
         self._ray = ray
         self.actor = actor.options(name=name, num_cpus=1, num_gpus=devices if gpus else 0,

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.engine.core_client import host_device_flags
 from jaxllm.engine.dp_client import replica_env, sum_stats
 from jaxllm.messages import SchedulerStats
 from tests.support.server import Server
@@ -63,6 +64,7 @@ def test_each_replica_sees_only_its_devices(monkeypatch):
     env = replica_env(1, devices_per_replica=2, data_parallel_size=2)
     assert env == {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2",
                    "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert host_device_flags(None) == "--xla_cpu_max_isa=AVX2"  # a Ray node's engine: its devices from its placement
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     with pytest.raises(ValueError, match="needs 4 devices; CUDA_VISIBLE_DEVICES has 3"):
         replica_env(0, devices_per_replica=2, data_parallel_size=2)

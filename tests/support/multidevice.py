@@ -10,13 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.xla_flags import xla_flags_for
+from jaxllm.engine.core_client import host_device_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(check: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
-    return run_check("tests.support.multidevice", check, args, {"XLA_FLAGS": xla_flags_for(devices)}, timeout)
+    return run_check("tests.support.multidevice", check, args, {"XLA_FLAGS": host_device_flags(devices)}, timeout)
 
 
 def run_check(module: str, check: str, args, env: dict[str, str | None], timeout: float) -> str:

@@ -8,8 +8,8 @@ import contextlib
 import json
 import os
 
+from jaxllm.engine.core_client import host_device_flags
 from tests.support.multidevice import MULTIHOST_PROMPTS, run_check
-from tests.support.xla_flags import DEVICE_COUNT
 
 NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
 
@@ -37,7 +37,7 @@ def local_cluster(num_nodes: int = 2, cpus: int = 2):
 def run_on_cluster(address: str, check: str, *args: str, timeout: float = 600) -> str:
     """`check(*args)` of this module in a new process attached to the cluster at
     `address` (its devices from its placement: no device count in XLA_FLAGS)."""
-    flags = DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).strip() or None
+    flags = host_device_flags(None) or None
     return run_check("tests.support.ray_cluster", check, args, {"RAY_ADDRESS": address, "XLA_FLAGS": flags}, timeout)
 
 

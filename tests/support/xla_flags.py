@@ -12,24 +12,14 @@ do. `JAXLLM_TEST_XLA_OPT=1` runs the tests with XLA's default optimizations."""
 from __future__ import annotations
 
 import os
-import re
 
 FLAGS = ("--xla_backend_optimization_level=0",)
-DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
-
-
-def xla_flags_for(devices: int | None = None) -> str:
-    """XLA_FLAGS for a process of the test run: this one's (the user's, plus FLAGS), with
-    `devices` host devices (None: as many as this process has)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if devices is not None:
-        flags = f"{DEVICE_COUNT.sub('', flags)} --xla_force_host_platform_device_count={devices}"
-    return " ".join(flags.split())
 
 
 def set_test_xla_flags() -> None:
     """Add FLAGS to this process's XLA_FLAGS (inherited by the servers and checks the tests
-    start), unless JAXLLM_TEST_XLA_OPT is set or the user's flags name them already. XLA
+    start; the engine's replicas get them through jaxllm.engine.core_client.host_device_flags),
+    unless JAXLLM_TEST_XLA_OPT is set or the user's flags name them already. XLA
     reads them when JAX starts its first backend, so that must not have happened yet."""
     if os.environ.get("JAXLLM_TEST_XLA_OPT"):
         return
