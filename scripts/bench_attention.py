@@ -28,7 +28,7 @@ MIXES = {  # name: (decode context lengths, prefill chunks as (context, new toke
 
 
 def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str = "float32",
-           resident: bool = False):
+           resident: bool = False, in_order: bool = False):
     """The kernels' arguments for a step of these decodes (context lengths, +-50) and
     prefill chunks, over blocks scattered in the pool; `resident`: every decode of equal
     length and reading the first one's blocks, which then stay in the caches (what the
@@ -41,7 +41,9 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str
     q_lens = np.array([q for _, q in seqs], np.int32)
     max_blocks = -(-int(kv_lens.max()) // BLOCK)
     num_blocks = int(sum(-(-kv // BLOCK) for kv in kv_lens)) + 1
-    perm = rng.permutation(np.arange(1, num_blocks))  # scattered blocks, as after a while of serving
+    perm = np.arange(1, num_blocks)  # in order, as in a fresh server
+    if not in_order:
+        perm = rng.permutation(perm)  # scattered blocks, as after a while of serving
     tables = np.zeros((len(seqs), max_blocks), np.int32)
     used = 0
     for s, kv in enumerate(kv_lens):
@@ -57,7 +59,7 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str
             jnp.asarray(np.int32(len(seqs))))
 
 
-def run(iters: int, kv_dtype: str, resident: bool) -> None:
+def run(iters: int, kv_dtype: str, resident: bool, in_order: bool = False) -> None:
     import functools
 
     import jax
@@ -73,7 +75,7 @@ def run(iters: int, kv_dtype: str, resident: bool) -> None:
     print(f"KV cache {kv_dtype}; cpu GB/s: the K/V rows the sequences read, per second of the cpu kernel")
     print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8} {'cpu GB/s':>9}")
     for name, (decodes, chunks) in MIXES.items():
-        args = inputs(decodes, chunks, rng, kv_dtype, resident)
+        args = inputs(decodes, chunks, rng, kv_dtype, resident, in_order)
         np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
         tc, tx = timed(cpu, *args, iters=iters), timed(xla, *args, iters=iters)
         kv_bytes = sum(int(kv) for kv in np.asarray(args[3])) * KV_HEADS * HEAD_DIM * 2 * args[1].dtype.itemsize
@@ -87,11 +89,13 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--resident", action="store_true",
                    help="the decodes read one sequence's blocks, kept in the caches: the kernel apart from memory")
+    p.add_argument("--in-order", action="store_true",
+                   help="each sequence's blocks in order in the pool (a fresh server) rather than scattered")
     args = p.parse_args()
     if not reexec(args.isa):
         return
     print(describe(args.isa))
-    run(args.iters, args.kv_cache_dtype, args.resident)
+    run(args.iters, args.kv_cache_dtype, args.resident, args.in_order)
 
 
 if __name__ == "__main__":
