@@ -312,6 +312,7 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *shlex.split(args)]
         self.log_path = log_path
+        self.startup_lines: list[str] = []
 
     def _drain(self, lines) -> None:
         """Keep reading the server's output after ready (a full pipe would block its
@@ -325,15 +326,25 @@ class LaunchedServer:
             if log:
                 log.close()
 
+    @property
+    def engine(self) -> str:
+        """The engine's start-up line (dtype, KV cache, weights, the backends its start-up
+        plan chose and why), as the server printed it; "" if it printed none."""
+        return next((line.strip() for line in self.startup_lines if " loaded in " in line), "")
+
     def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in self.proc.stdout:
+            self.startup_lines.append(line)
             if "jaxllm ready" in line:
                 break
         else:
-            raise RuntimeError(f"server exited with {self.proc.wait()}")
+            raise RuntimeError(f"server exited with {self.proc.wait()}: {''.join(self.startup_lines[-20:])}")
+        # kept, and written to the log: the start-up line says what the engine chose
+        if self.log_path:
+            Path(self.log_path).write_text("".join(self.startup_lines))
         threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
         self.startup_s = time.perf_counter() - start
         print(f"server ready in {self.startup_s:.1f} s", flush=True)

@@ -266,7 +266,9 @@ def main() -> None:
                 run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=args.max_concurrency,
                                             request_rate=float("inf")))
         run |= {"server": server, "flags": flags, "precision": precision, "cpu_s": cpu.result,
-                "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9}
+                "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9, "engine": launched.engine}
+        if launched.engine:  # what its start-up chose (the backends it measured): a slow row can be told apart
+            print(launched.engine, flush=True)
         results["runs"][label] = run
         print_summary(label, run)
     print_table(results)

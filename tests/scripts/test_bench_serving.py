@@ -4,6 +4,7 @@ the first's output throughput to the second's; combinations it cannot compare re
 
 import json
 import sys
+import time
 
 import bench_serving
 import pytest
@@ -120,3 +121,21 @@ def test_cpu_seconds_counts_a_child_s_work_under_its_parent():
     assert 0.55 <= next(iter(children.values())) <= 0.9
     assert cpu.result["server"]["server"] < 0.4
     assert 2.5 <= cpu.result["wall"] < 5
+
+
+def test_a_launched_server_keeps_its_start_up_lines_in_the_log(tmp_path):
+    """What the server printed before ready (its start-up line: the backends its plan
+    measured) goes to the log with what follows, and `engine` is that line."""
+    log = tmp_path / "server.log"
+    server = bench_serving.LaunchedServer("", log)
+    script = ("import time; print('compiling'); print('model m loaded in 1.0 s; linear cpu [measured]'); "
+              "print('jaxllm ready in 2.0 s', flush=True); print('after', flush=True); time.sleep(30)")
+    server.cmd = [sys.executable, "-c", script]
+    with server:
+        assert server.engine == "model m loaded in 1.0 s; linear cpu [measured]"
+        for _ in range(100):
+            if "after" in log.read_text():
+                break
+            time.sleep(0.05)
+    assert log.read_text().splitlines() == ["compiling", "model m loaded in 1.0 s; linear cpu [measured]",
+                                            "jaxllm ready in 2.0 s", "after"]

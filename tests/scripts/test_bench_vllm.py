@@ -40,6 +40,7 @@ def faked(monkeypatch, test_models_dir):
         def __init__(self, flags, log_path=None):
             super().__init__()
             FakeServer.launched.append(("jaxllm", flags))
+            self.engine = f"model loaded in 1.0 s; linear cpu [measured] ({flags})"
 
     class Vllm(FakeServer):
         def __init__(self, python, folder, dtype, max_num_seqs, log_path):
@@ -73,6 +74,9 @@ def test_each_jaxllm_run_is_compared_with_vllm_at_its_precision(faked, monkeypat
     runs = results["runs"]
     assert [r["precision"] for r in runs.values()] == ["float32", "float32", "bfloat16", "bfloat16", "bfloat16",
                                                       "default"]
+    # each jaxllm run keeps its server's start-up line (the plan it measured), vLLM's none
+    assert [r["engine"] for r in runs.values()][:2] == ["", f"model loaded in 1.0 s; linear cpu [measured] "
+                                                             f"({bench_vllm.JAXLLM_FLOAT32})"]
     # each precision's peak: the faster of jaxllm's / XLA's product and vLLM's torch
     assert results["peak_gflops"] == {"float32": 1.0, "bfloat16": 3.0, "default": 4.0}
 

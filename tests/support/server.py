@@ -75,6 +75,7 @@ class FakeServer:
     def __init__(self, *args, **kwargs) -> None:
         self.url, self.startup_s = f"http://fake/{len(type(self).launched)}", 0.0
         self.proc = types.SimpleNamespace(pid=os.getpid())  # a live process for CpuSeconds to read
+        self.engine = ""  # the start-up line a jaxllm server printed
 
     def __enter__(self):
         return self
