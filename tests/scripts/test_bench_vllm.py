@@ -55,7 +55,8 @@ def faked(monkeypatch, test_models_dir):
     monkeypatch.setattr(bench_vllm, "LaunchedVllmServer", Vllm)
     monkeypatch.setattr(bench_vllm, "benchmark", benchmark)
     monkeypatch.setattr(bench_vllm, "print_summary", lambda title, run: None)
-    monkeypatch.setattr(bench_vllm, "peak_gflops", lambda: {"float32": 1.0, "bfloat16": 2.0, "default": 4.0})
+    peaks = iter([{"float32": 1.0, "bfloat16": 2.0, "default": 4.0}, {"float32": 1.5, "bfloat16": 1.0, "default": 3.0}])
+    monkeypatch.setattr(bench_vllm, "peak_gflops", lambda: next(peaks))  # before the servers, then after
     monkeypatch.setattr(bench_vllm, "torch_peak_gflops", lambda python: {"float32": 0.5, "bfloat16": 3.0})
     monkeypatch.setattr(bench_vllm, "export_hf_folder", lambda folder, model: test_models_dir / "llama")
 
@@ -77,8 +78,9 @@ def test_each_jaxllm_run_is_compared_with_vllm_at_its_precision(faked, monkeypat
     # each jaxllm run keeps its server's start-up line (the plan it measured), vLLM's none
     assert [r["engine"] for r in runs.values()][:2] == ["", f"model loaded in 1.0 s; linear cpu [measured] "
                                                              f"({bench_vllm.JAXLLM_FLOAT32})"]
-    # each precision's peak: the faster of jaxllm's / XLA's product and vLLM's torch
-    assert results["peak_gflops"] == {"float32": 1.0, "bfloat16": 3.0, "default": 4.0}
+    # each precision's peak: the fastest of jaxllm's / XLA's product and vLLM's torch, before or after the servers
+    assert results["peak_gflops"] == {"float32": 1.5, "bfloat16": 3.0, "default": 4.0}
+    assert results["peak_sources"]["after"]["jaxllm_or_xla"]["float32"] == 1.5
 
 
 def test_also_adds_a_jaxllm_run_compared_with_vllms_default(faked, monkeypatch, tmp_path, capsys):
