@@ -110,10 +110,12 @@ def main() -> None:
     p.add_argument("--tokenizer-backend", choices=("huggingface", "remote"), default="huggingface",
                    help="huggingface: the HF folder's tokenizer on the client; remote: the server's /tokenize")
     p.add_argument("--server-args", default="--max-model-len 2048")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the server's --dtype (bfloat16 on a CPU: bfloat16 weights and matmuls, float32 activations)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                   help="the server's --dtype (bfloat16 on a CPU: bfloat16 weights and matmuls, float32 activations; "
+                        "auto, with no --server-args of precision: the server's defaults, whose per-item agreement "
+                        "with float32 is their quality)")
     p.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="the torch dtype of lm-eval's hf backend (default: --dtype)")
+                   help="the torch dtype of lm-eval's hf backend (default: --dtype; float32 for auto)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -133,7 +135,9 @@ def main() -> None:
                                   num_concurrent=args.num_concurrent, max_length=2048)
         served = {n: run_lm_eval(api, tasks, n, args.limit) for n in shots}
         metrics = httpx_metrics(server.url)
-    hf = HFLM(pretrained=str(folder), dtype=args.hf_dtype or args.dtype, device="cpu", batch_size=args.hf_batch_size)
+        report["engine"] = server.engine  # what the server's start-up chose (its dtype, weights, activations, KV)
+    hf_dtype = args.hf_dtype or ("float32" if args.dtype == "auto" else args.dtype)
+    hf = HFLM(pretrained=str(folder), dtype=hf_dtype, device="cpu", batch_size=args.hf_batch_size)
     for n in shots:
         hf_results, hf_s = run_lm_eval(hf, tasks, n, args.limit)
         results, s = served[n]
