@@ -141,8 +141,15 @@ async def _run_once(client: httpx.AsyncClient, model: str, req: BenchRequest) ->
     return result
 
 
+# Once a second: at ten a second, rendering /metrics (prometheus_client's exposition of the
+# vLLM-named histograms, ~4 ms a scrape) took ~60% of the jaxllm server's main thread, ~3 of
+# the ~166 CPU-s two cores give a standard run (py-spy, Zen 3, 2026-12-03): the client's
+# polling, not the serving, would have been measured.
+KV_POLL_SECONDS = 1.0
+
+
 async def sample_kv(client: httpx.AsyncClient, stop: asyncio.Event, samples: list[dict]) -> None:
-    """Poll /metrics for KV accounting while the benchmark runs."""
+    """Poll /metrics for KV accounting while the benchmark runs (every KV_POLL_SECONDS)."""
     pattern = re.compile(r"^((?:jaxllm|vllm):[a-z_]+)\{[^}]*\} (\S+)$", re.M)
     while not stop.is_set():
         try:
@@ -152,7 +159,10 @@ async def sample_kv(client: httpx.AsyncClient, stop: asyncio.Event, samples: lis
                 samples.append(values)
         except httpx.HTTPError:
             pass
-        await asyncio.sleep(0.1)
+        try:  # woken by the end of the run, not a second after it
+            await asyncio.wait_for(stop.wait(), KV_POLL_SECONDS)
+        except TimeoutError:
+            pass
 
 
 async def benchmark(base_url: str, model: str | list[str], requests: list[BenchRequest], *,

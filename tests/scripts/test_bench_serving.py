@@ -139,3 +139,30 @@ def test_a_launched_server_keeps_its_start_up_lines_in_the_log(tmp_path):
             time.sleep(0.05)
     assert log.read_text().splitlines() == ["compiling", "model m loaded in 1.0 s; linear cpu [measured]",
                                             "jaxllm ready in 2.0 s", "after"]
+
+
+def test_the_kv_sampler_polls_once_a_second_and_stops_with_the_run(monkeypatch):
+    """/metrics is read once when the run starts, then every KV_POLL_SECONDS (a poll
+    costs the server a render), and the sampler ends as soon as the run does, not at
+    its next poll (here a minute away)."""
+    import asyncio
+
+    class Client:
+        gets = 0
+
+        async def get(self, path):
+            Client.gets += 1
+            return type("R", (), {"text": 'jaxllm:kv_cache_blocks_used{model_name="m"} 7.0\n'})
+
+    async def run() -> list:
+        stop, samples = asyncio.Event(), []
+        task = asyncio.create_task(bench_serving.sample_kv(Client(), stop, samples))
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        return samples
+
+    assert bench_serving.KV_POLL_SECONDS == 1.0
+    monkeypatch.setattr(bench_serving, "KV_POLL_SECONDS", 60.0)
+    samples = asyncio.run(run())
+    assert Client.gets == 1 and samples == [{"jaxllm:kv_cache_blocks_used": 7.0}]
