@@ -150,6 +150,7 @@ bench: bench-isa bench-quant
 	  --lora-rank 16 --out bench_results/lora_serving_standard_avx2
 	$(PY) scripts/bench_eval.py --tasks jaxllm_facts_mc,jaxllm_facts_gen --num-fewshot 0,5 \
 	  --batch-size 64 --num-concurrent 2 --out bench_results/eval.json
+	$(PY) scripts/bench_eval.py --dtype auto --out bench_results/eval_defaults.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
