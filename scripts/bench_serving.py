@@ -141,10 +141,10 @@ async def _run_once(client: httpx.AsyncClient, model: str, req: BenchRequest) ->
     return result
 
 
-# Once a second: at ten a second, rendering /metrics (prometheus_client's exposition of the
-# vLLM-named histograms, ~4 ms a scrape) took ~60% of the jaxllm server's main thread, ~3 of
-# the ~166 CPU-s two cores give a standard run (py-spy, Zen 3, 2026-12-03): the client's
-# polling, not the serving, would have been measured.
+# Once a second: at ten a second, the servers' renderings of /metrics (and the client's
+# parsing of them) took a part of the two cores a run is measured on, vLLM's more than
+# jaxllm's (docs/bench-log/2026-12-03-zen3-avx2.md): the polling, not only the serving,
+# was measured.
 KV_POLL_SECONDS = 1.0
 
 
