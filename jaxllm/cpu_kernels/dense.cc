@@ -20,8 +20,8 @@
 // one pointer), then every (block of rows, panel) item multiplies its rows by one panel
 // with a 12 x 32 register tile: per k, two 16-wide loads of the panel and 12
 // broadcasts of x into 24 FMAs. A panel (K x 32 floats: 72 KiB at K=576) stays in L2
-// while the block's tiles pass over it; the first tile of an item prefetches the panel
-// two ahead. Items run on XLA's intra-op pool; one pass packs x and multiplies (an item
+// while the block's tiles pass over it; each tile of an item prefetches its share of the
+// panel two ahead (PrefetchShare), so those reads spread over the whole item. Items run on XLA's intra-op pool; one pass packs x and multiplies (an item
 // waits until its row block is packed; pack items come first in the order items are
 // taken, so the wait always ends).
 //
@@ -33,6 +33,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -322,6 +323,23 @@ bool scales_in_registers(int rows) {
          (g2 == 0 || narrow_scales_in_registers(g2, kScaleVectors<S>));
 }
 
+// Which rows of the panel two ahead a pass over a panel prefetches at its step k: every
+// row, one a step, where one pass reads the panel; where an item makes n passes (its row
+// block's tiles, the narrow tiles' row groups and halves), spread(i, n, steps) gives pass i
+// of n its 1/n of them, one every n steps, so the next panels' reads overlap all of the
+// item's arithmetic rather than its first pass (which left the memory idle for the rest:
+// float32 at 32-128 rows 1.11-1.25x, docs/bench-log/2026-12-03-xeon-amx.md). The float
+// tiles ask for their row at every step, so each row n times: measured faster than once
+// (1.16-1.19x against 1.08-1.11x at 32 rows); the integer tiles, bound by their arithmetic,
+// once (`starts`), as many prefetches as before.
+struct PrefetchShare {
+  int64_t first = 0;       // 16.16 fixed point, as `rate`
+  int64_t rate = 1 << 16;  // rows a step
+  int64_t at(int64_t k) const { return (first + k * rate) >> 16; }
+  bool starts(int64_t k) const { return k == 0 || at(k) != at(k - 1); }  // a row not asked for yet
+  PrefetchShare spread(int64_t i, int64_t n, int64_t steps) const { return {first + i * steps * rate / n, rate / n}; }
+};
+
 // A panel's weights and scales, as a tile function reads them.
 template <class Wt>
 struct Panel {
@@ -334,6 +352,13 @@ struct Panel {
   // at a time (group_scales), widened in registers
   const uint16_t* half_scale = nullptr;
   const uint16_t* half_min = nullptr;
+  PrefetchShare share = {};  // a tile's or a pass's rows of `prefetch`
+  // This panel for pass i of n over `steps` steps: its share of the prefetches.
+  Panel spread(int64_t i, int64_t n, int64_t steps) const {
+    Panel p = *this;
+    p.share = share.spread(i, n, steps);
+    return p;
+  }
 };
 
 // n float16 values as float32 (exact), 16 or 8 at a time where the CPU converts vectors
@@ -396,7 +421,7 @@ inline void group_scales(const Panel<Wt>& p, int64_t k0, int c, f32xN* sc, f32xN
 // 16, or the whole panel's 32), in vectors of the native width (f32xN: 2 per 16 columns
 // with AVX2, 4 with NEON).
 template <int G, int C, class Wt, int S>
-void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, float* out, bool prefetch) {
+void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, float* out) {
   constexpr int V = C / jaxllm::kLanes;
   f32xN acc[G][V];
   for (int i = 0; i < G; ++i)
@@ -406,7 +431,7 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
     for (int64_t k = k0; k < k1; ++k) {
       f32xN w[V];
       for (int v = 0; v < V; ++v) w[v] = weights(k, C * h + v * jaxllm::kLanes);
-      if (prefetch) prefetch_row<Wt>(p.prefetch, k);
+      if (p.prefetch) prefetch_row<Wt>(p.prefetch, p.share.at(k));
       for (int i = 0; i < G; ++i) {
         const f32xN xv = splatN(xt[k * kTileRows + g + i]);
         for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
@@ -430,22 +455,23 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
     for (int v = 0; v < V; ++v) storeN(out + (g + i) * kPanel + C * h + v * jaxllm::kLanes, acc[i][v]);
 }
 
-// Rows g..g+G-1 of the tile times the panel: in one pass, or one per half.
+// Rows g..g+G-1 of the tile times the panel: in one pass, or one per half (each with its
+// share of the prefetches).
 template <int G, class Wt, int S>
-void narrow_rows(const float* xt, int g, const Panel<Wt>& p, int64_t K, float* out, bool prefetch) {
+void narrow_rows(const float* xt, int g, const Panel<Wt>& p, int64_t K, float* out) {
   if constexpr (kWholePanel<G>) {
-    narrow_tile<G, kPanel, Wt, S>(xt, g, p, 0, K, out, prefetch);
+    narrow_tile<G, kPanel, Wt, S>(xt, g, p, 0, K, out);
   } else {
-    for (int h = 0; h < 2; ++h) narrow_tile<G, 16, Wt, S>(xt, g, p, h, K, out, prefetch && h == 0);
+    for (int h = 0; h < 2; ++h) narrow_tile<G, 16, Wt, S>(xt, g, p.spread(h, 2, K), h, K, out);
   }
 }
 
 template <int R, class Wt, int S>
 void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
-  constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1;
+  constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1, kGroups = G2 > 0 ? 2 : 1;
   float out[kTileRows * kPanel];
-  narrow_rows<G1, Wt, S>(xt, 0, p, K, out, p.prefetch);  // the next panel, once
-  if constexpr (G2 > 0) narrow_rows<G2, Wt, S>(xt, G1, p, K, out, false);
+  narrow_rows<G1, Wt, S>(xt, 0, p.spread(0, kGroups, K), K, out);
+  if constexpr (G2 > 0) narrow_rows<G2, Wt, S>(xt, G1, p.spread(1, kGroups, K), K, out);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
@@ -458,7 +484,7 @@ inline void wide_steps(const float* xt, const Panel<Wt>& p, int64_t k0, int64_t 
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t in = input_at<S>(k);
     const f32xN w0 = scaled<S>(Wt::load(p.w, in, 0), s0, m0), w1 = scaled<S>(Wt::load(p.w, in, 16), s1, m1);
-    if (p.prefetch) prefetch_row<Wt>(p.prefetch, k);
+    if (p.prefetch) prefetch_row<Wt>(p.prefetch, p.share.at(k));
     for (int i = 0; i < R; ++i) {
       const f32xN xv = splatN(xt[k * kTileRows + i]);
       acc0[i] += xv * w0;
@@ -655,15 +681,15 @@ void bf16_pairs_tile_times_panel(const uint32_t* xt, const Panel<Wt>& p, int64_t
       w0 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel);
       w1 = (__m512bh)_mm512_loadu_si512(p.w + k * 2 * kPanel + kPanel);
       if (p.prefetch) {
-        __builtin_prefetch(p.prefetch + k * 2 * kPanel);
-        __builtin_prefetch(p.prefetch + k * 2 * kPanel + kPanel);
+        __builtin_prefetch(p.prefetch + p.share.at(k) * 2 * kPanel);
+        __builtin_prefetch(p.prefetch + p.share.at(k) * 2 * kPanel + kPanel);
       }
     } else {
       w0 = (__m512bh)bf16_pair_lanes<Wt, S>(p, k, 0);
       w1 = (__m512bh)bf16_pair_lanes<Wt, S>(p, k, 16);
       if (p.prefetch) {
-        prefetch_row<Wt>(p.prefetch, 2 * k);
-        prefetch_row<Wt>(p.prefetch, 2 * k + 1);
+        prefetch_row<Wt>(p.prefetch, 2 * p.share.at(k));
+        prefetch_row<Wt>(p.prefetch, 2 * p.share.at(k) + 1);
       }
     }
     for (int i = 0; i < R; ++i) {
@@ -873,10 +899,16 @@ void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
 
 // Sums of one or two tiles of x (x0, x1: their first row at the first step; `stride`
 // bytes per row) times `pairs` pairs of a panel of pairs `w` ([pairs][32][2], from the
-// same step), into tiles 0-3.
+// same step), into tiles 0-3. With `next` (the panel two ahead), each step also prefetches
+// into L2 the 2 KB step of it that `share` gives: bfloat16 panels at 32 rows ~6% faster,
+// at 512 2-4% (into L1 it was slower; docs/bench-log/2026-12-03-xeon-amx.md).
 template <bool kTwo>
-inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs) {
+inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs,
+                      const uint16_t* next = nullptr, PrefetchShare share = {}) {
   for (int64_t j = 0; j < pairs; j += kAmxPairs) {
+    if (next != nullptr)
+      for (int l = 0; l < kAmxPairs * 2 * kPanel * 2 / 64; ++l)
+        __builtin_prefetch(next + share.at(j / kAmxPairs) * kAmxPairs * 2 * kPanel + 32 * l, 0, 2);
     _tile_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
     _tile_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
     _tile_loadd(4, x0 + 2 * j, stride);
@@ -912,9 +944,10 @@ inline void amx_store(float* Y, int64_t M, int64_t N, int64_t t, int64_t p, int 
 }
 
 // Tiles t0..t1-1 of x (XT, packed by amx_pack) times a panel of pairs `w` with `pairs`
-// pairs in memory (the steps past them read zeros), into y.
+// pairs in memory (the steps past them read zeros), into y; each pass over the panel (two
+// tiles of x) prefetches its share of `next` (amx_steps).
 void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0, int64_t t1, const uint16_t* w,
-                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols) {
+                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols, const uint16_t* next = nullptr) {
   const int64_t depth = amx_depth(K), whole = pairs / kAmxPairs * kAmxPairs;
   const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
   alignas(64) uint16_t tail[kAmxPairs * 2 * kPanel];  // the last step's pairs, zeros past `pairs`
@@ -930,12 +963,14 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
     if (t + 1 < t1) {
       _tile_zero(2);
       _tile_zero(3);
-      amx_steps<true>(x0, x0 + tile_size, stride, w, whole);
+      const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
+      amx_steps<true>(x0, x0 + tile_size, stride, w, whole, next, share);
       if (whole < depth) amx_steps<true>(x0 + 2 * whole, x0 + tile_size + 2 * whole, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
       amx_store<true>(Y, M, N, t + 1, p, cols, out);
     } else {
-      amx_steps<false>(x0, nullptr, stride, w, whole);
+      const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
+      amx_steps<false>(x0, nullptr, stride, w, whole, next, share);
       if (whole < depth) amx_steps<false>(x0 + 2 * whole, nullptr, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
     }
@@ -993,7 +1028,8 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
   const auto panel_into = [&](int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy, int64_t p_out) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     if constexpr (kIsPairs<Wt>) {
-      amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, y, ldy, p_out, cols);
+      amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, y, ldy, p_out, cols,
+                            p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr);
     } else {
       const int64_t groups = (K >> group_shift) * kPanel;
       Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
@@ -1089,8 +1125,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       for (int64_t t = t0; t < t1; ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
         float* yt = Y + t * kTileRows * N + p * kPanel;
-        tile_fns[rows](XT + t * kTileRows * depth, pan, depth, yt, N, cols);
-        pan.prefetch = nullptr;  // the first tile of an item prefetches
+        tile_fns[rows](XT + t * kTileRows * depth, pan.spread(t - t0, t1 - t0, depth), depth, yt, N, cols);
         if constexpr (S == kColumnScales)
           scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
       }
@@ -1527,6 +1562,12 @@ struct X8Panel {
   int group_shift;         // log2(G)
   const uint16_t* half_scale = nullptr;  // float16 ones in place of scale and min (kX8HalfScales)
   const uint16_t* half_min = nullptr;
+  PrefetchShare share = {};  // a pass's blocks of `prefetch` (Panel's)
+  X8Panel spread(int64_t i, int64_t n, int64_t steps) const {
+    X8Panel p = *this;
+    p.share = share.spread(i, n, steps);
+    return p;
+  }
 };
 
 inline int32_t x8_quad(const int8_t* p) {  // 4 inputs' int8 values, as a 32-bit lane holds them
@@ -1536,7 +1577,8 @@ inline int32_t x8_quad(const int8_t* p) {  // 4 inputs' int8 values, as a 32-bit
 }
 
 template <int kBits>
-inline void prefetch_dot_rows(const X8Panel& p, int64_t b) {
+inline void prefetch_dot_rows(const X8Panel& p, int64_t step) {  // the block of 32 inputs p.share gives
+  const int64_t b = p.share.at(step);
   for (int j = 0; j < kDotSteps<kBits>; ++j) {
     __builtin_prefetch(p.prefetch + (b * kDotSteps<kBits> + j) * kDotRow);
     __builtin_prefetch(p.prefetch + (b * kDotSteps<kBits> + j) * kDotRow + 64);
@@ -1593,11 +1635,11 @@ inline void x_rows_out(const __m512 (&acc)[R][2], int g, float* out) {
 // its dot-layout rows loaded (v0: columns 0-15, v1: 16-31) and handed to `step` with the
 // block's int32 sums s, then the block's epilogue (x_block_out); the rows stored.
 template <int R, int kBits, bool kMins, int kOffset, class Q, class Step>
-inline void x_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch, Step step) {
+inline void x_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, Step step) {
   __m512 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / kXBlock; ++b) {
-    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    if (p.prefetch && p.share.starts(b)) prefetch_dot_rows<kBits>(p, b);
     __m512i s[R][2];
     for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
     for (int j = 0; j < kDotSteps<kBits>; ++j) {
@@ -1610,7 +1652,7 @@ inline void x_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float
 }
 
 template <int R, int kBits, bool kMins, int kOffset>
-void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
   const auto step = [&](__m512i (&s)[R][2], __m512i v0, __m512i v1, int64_t b, int j) {
     if constexpr (kBits == 4) {
@@ -1631,7 +1673,7 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
       }
     }
   };
-  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch, step);
+  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, step);
 }
 
 // int16 activations (the *_x16 handlers) times the same panels: each 32-bit lane of a
@@ -1652,7 +1694,7 @@ inline void x16_pairs(__m512i (&s)[R][2], __m512i a0, __m512i b0, __m512i a1, __
 }
 
 template <int R, int kBits, bool kMins, int kOffset>
-void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   const __m512i nib = _mm512_set1_epi16(0x000F);
   const auto step = [&](__m512i (&s)[R][2], __m512i v0, __m512i v1, int64_t b, int j) {
     if constexpr (kBits == 4) {  // inputs 8j.. in the low nibbles, 8j + 4.. in the high ones
@@ -1667,7 +1709,7 @@ void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out,
                    b * kXBlock + j * 4);
     }
   };
-  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch, step);
+  x_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, step);
 }
 constexpr int kX16Rows = 6;  // 12 int32 and 12 float32 accumulators, 4 weight registers, 2 of x
 constexpr bool kX8HalfScales = true;  // x8_rows and x16_rows read float16 scales (and mins) as they are
@@ -1698,12 +1740,12 @@ inline void x8_block_out(__m256i si, const XTile<Q>& xt, int64_t at, __m256 scal
 }
 
 template <int R, int kBits, bool kMins, int kOffset>
-void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   for (int i = 0; i < R; ++i) std::memset(out + (g + i) * kPanel, 0, kPanel * sizeof(float));
   for (int64_t b = 0; b < K / kXBlock; ++b) {
-    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    if (p.prefetch && p.share.starts(b)) prefetch_dot_rows<kBits>(p, b);
     const int64_t grp = (b * kXBlock) >> p.group_shift;
     // 4-bit: columns 16h..16h+15, two vectors of 8; int8: columns 8h..8h+7, low and high nibbles
     for (int h = 0; h < (kBits == 4 ? 2 : 4); ++h) {
@@ -1769,11 +1811,11 @@ inline void x16_pairs(__m256i (&s)[R], __m256i a, __m256i b, const X16Tile& xt, 
 }
 
 template <int R, int kBits, bool kMins, int kOffset>
-void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   const __m256i nib = _mm256_set1_epi16(0x000F);
   for (int i = 0; i < R; ++i) std::memset(out + (g + i) * kPanel, 0, kPanel * sizeof(float));
   for (int64_t b = 0; b < K / kXBlock; ++b) {
-    if (prefetch) prefetch_dot_rows<kBits>(p, b);
+    if (p.prefetch && p.share.starts(b)) prefetch_dot_rows<kBits>(p, b);
     const int64_t grp = (b * kXBlock) >> p.group_shift;
     for (int h = 0; h < 4; ++h) {  // columns 8h..8h+7
       __m256i s[R];
@@ -1803,7 +1845,7 @@ constexpr bool kX8HalfScales = true;
 constexpr int kX8Rows = kTileRows;
 constexpr bool kX8HalfScales = false;  // float16 scales widened for it per item
 template <int R, int kBits, bool kMins, int kOffset>
-void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool) {
+void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   for (int i = 0; i < R; ++i) {
     float* o = out + (g + i) * kPanel;
     for (int c = 0; c < kPanel; ++c) o[c] = 0.f;
@@ -1830,7 +1872,7 @@ void x8_rows(const X8Tile& xt, int g, const X8Panel& p, int64_t K, float* out, b
 }
 constexpr int kX16Rows = kTileRows;
 template <int R, int kBits, bool kMins, int kOffset>
-void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out, bool) {
+void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out) {
   for (int i = 0; i < R; ++i) {
     float* o = out + (g + i) * kPanel;
     for (int c = 0; c < kPanel; ++c) o[c] = 0.f;
@@ -1862,25 +1904,26 @@ void x16_rows(const X16Tile& xt, int g, const X8Panel& p, int64_t K, float* out,
 // Rows g.. of a quantized tile (int8 or int16 values: Q) times a panel, by the ISA's
 // x8_rows or x16_rows.
 template <class Q, int R, int kBits, bool kMins, int kOffset>
-inline void xq_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+inline void xq_rows(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out) {
   if constexpr (sizeof(Q) == 1)
-    x8_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
+    x8_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out);
   else
-    x16_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
+    x16_rows<R, kBits, kMins, kOffset>(xt, g, p, K, out);
 }
 
 template <class Q, int R, int kBits, bool kMins, int kOffset>
-void x8_chunks(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out, bool prefetch) {
+void x8_chunks(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* out) {
   constexpr int kRows = sizeof(Q) == 1 ? kX8Rows : kX16Rows;
   constexpr int C = R < kRows ? R : kRows;
-  xq_rows<Q, C, kBits, kMins, kOffset>(xt, g, p, K, out, prefetch);
-  if constexpr (R > C) x8_chunks<Q, R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out, false);
+  const int passes = (g + R + kRows - 1) / kRows;  // the tile's (g + R rows), each its share of the prefetches
+  xq_rows<Q, C, kBits, kMins, kOffset>(xt, g, p.spread(g / kRows, passes, K / kXBlock), K, out);
+  if constexpr (R > C) x8_chunks<Q, R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out);
 }
 
 template <class Q, int R, int kBits, bool kMins, int kOffset>
 void x8_tile_times_panel(const XTile<Q>& xt, const X8Panel& p, int64_t K, float* y, int64_t ldy, int cols) {
   float out[kTileRows * kPanel];
-  x8_chunks<Q, R, kBits, kMins, kOffset>(xt, 0, p, K, out, p.prefetch != nullptr);
+  x8_chunks<Q, R, kBits, kMins, kOffset>(xt, 0, p, K, out);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
@@ -1923,9 +1966,9 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-      kX8TileFns<Q, kBits, kMins, kOffset>[rows](XTile<Q>(XT + t * tile_bytes, K), panel, K,
+      kX8TileFns<Q, kBits, kMins, kOffset>[rows](XTile<Q>(XT + t * tile_bytes, K),
+                                                 panel.spread(t - t0, t1 - t0, K / kXBlock), K,
                                                  Y + t * kTileRows * N + p * kPanel, N, cols);
-      panel.prefetch = nullptr;  // the first tile of an item prefetches
     }
   });
 }
