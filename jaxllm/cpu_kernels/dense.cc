@@ -21,9 +21,10 @@
 // with a 12 x 32 register tile: per k, two 16-wide loads of the panel and 12
 // broadcasts of x into 24 FMAs. A panel (K x 32 floats: 72 KiB at K=576) stays in L2
 // while the block's tiles pass over it; each tile of an item prefetches its share of the
-// panel two ahead (PrefetchShare), so those reads spread over the whole item. Items run on XLA's intra-op pool; one pass packs x and multiplies (an item
-// waits until its row block is packed; pack items come first in the order items are
-// taken, so the wait always ends).
+// panel two ahead (PrefetchShare), so those reads spread over the whole item. Items run
+// on XLA's intra-op pool; one pass packs x and multiplies (an item waits until its row
+// block is packed; pack items come first in the order items are taken, so the wait
+// always ends).
 //
 // Portable C++17 with GCC/Clang vector extensions (16 x float32 = one AVX-512 register,
 // two AVX2 or four NEON registers); built by jaxllm/cpu_kernels/build.py.
@@ -33,7 +34,6 @@
 #include <cmath>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
