@@ -327,11 +327,10 @@ bool scales_in_registers(int rows) {
 // row, one a step, where one pass reads the panel; where an item makes n passes (its row
 // block's tiles, the narrow tiles' row groups and halves), spread(i, n, steps) gives pass i
 // of n its 1/n of them, one every n steps, so the next panels' reads overlap all of the
-// item's arithmetic rather than its first pass (which left the memory idle for the rest:
-// float32 at 32-128 rows 1.11-1.25x, docs/bench-log/2026-12-03-xeon-amx.md). The float
-// tiles ask for their row at every step, so each row n times: measured faster than once
-// (1.16-1.19x against 1.08-1.11x at 32 rows); the integer tiles, bound by their arithmetic,
-// once (`starts`), as many prefetches as before.
+// item's arithmetic rather than its first pass, which left the memory idle for the rest.
+// The float tiles ask for their row at every step, so each row n times (measured faster
+// than once); the integer tiles, bound by their arithmetic, once (`starts`), as many
+// prefetches as before. Measurements: docs/bench-log/2026-12-03-xeon-amx.md.
 struct PrefetchShare {
   int64_t first = 0;       // 16.16 fixed point, as `rate`
   int64_t rate = 1 << 16;  // rows a step
@@ -339,6 +338,13 @@ struct PrefetchShare {
   bool starts(int64_t k) const { return k == 0 || at(k) != at(k - 1); }  // a row not asked for yet
   PrefetchShare spread(int64_t i, int64_t n, int64_t steps) const { return {first + i * steps * rate / n, rate / n}; }
 };
+
+// A panel (Panel, X8Panel) for pass i of n over `steps` steps: its share of the prefetches.
+template <class P>
+P spread(P p, int64_t i, int64_t n, int64_t steps) {
+  p.share = p.share.spread(i, n, steps);
+  return p;
+}
 
 // A panel's weights and scales, as a tile function reads them.
 template <class Wt>
@@ -352,13 +358,7 @@ struct Panel {
   // at a time (group_scales), widened in registers
   const uint16_t* half_scale = nullptr;
   const uint16_t* half_min = nullptr;
-  PrefetchShare share = {};  // a tile's or a pass's rows of `prefetch`
-  // This panel for pass i of n over `steps` steps: its share of the prefetches.
-  Panel spread(int64_t i, int64_t n, int64_t steps) const {
-    Panel p = *this;
-    p.share = share.spread(i, n, steps);
-    return p;
-  }
+  PrefetchShare share = {};  // a tile's or a pass's rows of `prefetch` (spread)
 };
 
 // n float16 values as float32 (exact), 16 or 8 at a time where the CPU converts vectors
@@ -462,7 +462,7 @@ void narrow_rows(const float* xt, int g, const Panel<Wt>& p, int64_t K, float* o
   if constexpr (kWholePanel<G>) {
     narrow_tile<G, kPanel, Wt, S>(xt, g, p, 0, K, out);
   } else {
-    for (int h = 0; h < 2; ++h) narrow_tile<G, 16, Wt, S>(xt, g, p.spread(h, 2, K), h, K, out);
+    for (int h = 0; h < 2; ++h) narrow_tile<G, 16, Wt, S>(xt, g, spread(p, h, 2, K), h, K, out);
   }
 }
 
@@ -470,8 +470,8 @@ template <int R, class Wt, int S>
 void narrow_tile_times_panel(const float* xt, const Panel<Wt>& p, int64_t K, float* y, int64_t ldy, int cols) {
   constexpr int G1 = R < kNarrowRows ? R : kNarrowRows, G2 = R - G1, kGroups = G2 > 0 ? 2 : 1;
   float out[kTileRows * kPanel];
-  narrow_rows<G1, Wt, S>(xt, 0, p.spread(0, kGroups, K), K, out);
-  if constexpr (G2 > 0) narrow_rows<G2, Wt, S>(xt, G1, p.spread(1, kGroups, K), K, out);
+  narrow_rows<G1, Wt, S>(xt, 0, spread(p, 0, kGroups, K), K, out);
+  if constexpr (G2 > 0) narrow_rows<G2, Wt, S>(xt, G1, spread(p, 1, kGroups, K), K, out);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * kPanel, cols * sizeof(float));
 }
 
@@ -900,8 +900,8 @@ void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
 // Sums of one or two tiles of x (x0, x1: their first row at the first step; `stride`
 // bytes per row) times `pairs` pairs of a panel of pairs `w` ([pairs][32][2], from the
 // same step), into tiles 0-3. With `next` (the panel two ahead), each step also prefetches
-// into L2 the 2 KB step of it that `share` gives: bfloat16 panels at 32 rows ~6% faster,
-// at 512 2-4% (into L1 it was slower; docs/bench-log/2026-12-03-xeon-amx.md).
+// into L2 the 2 KB step of it that `share` gives (into L1 measured slower:
+// docs/bench-log/2026-12-03-xeon-amx.md).
 template <bool kTwo>
 inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs,
                       const uint16_t* next = nullptr, PrefetchShare share = {}) {
@@ -958,18 +958,17 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
   alignas(64) float out[kAmxRows * kPanel];
   for (int64_t t = t0; t < t1; t += 2) {
     const uint16_t* x0 = XT + t * tile_size;
+    const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
     _tile_zero(0);
     _tile_zero(1);
     if (t + 1 < t1) {
       _tile_zero(2);
       _tile_zero(3);
-      const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
       amx_steps<true>(x0, x0 + tile_size, stride, w, whole, next, share);
       if (whole < depth) amx_steps<true>(x0 + 2 * whole, x0 + tile_size + 2 * whole, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
       amx_store<true>(Y, M, N, t + 1, p, cols, out);
     } else {
-      const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
       amx_steps<false>(x0, nullptr, stride, w, whole, next, share);
       if (whole < depth) amx_steps<false>(x0 + 2 * whole, nullptr, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
@@ -1125,7 +1124,7 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       for (int64_t t = t0; t < t1; ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
         float* yt = Y + t * kTileRows * N + p * kPanel;
-        tile_fns[rows](XT + t * kTileRows * depth, pan.spread(t - t0, t1 - t0, depth), depth, yt, N, cols);
+        tile_fns[rows](XT + t * kTileRows * depth, spread(pan, t - t0, t1 - t0, depth), depth, yt, N, cols);
         if constexpr (S == kColumnScales)
           scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
       }
@@ -1562,12 +1561,7 @@ struct X8Panel {
   int group_shift;         // log2(G)
   const uint16_t* half_scale = nullptr;  // float16 ones in place of scale and min (kX8HalfScales)
   const uint16_t* half_min = nullptr;
-  PrefetchShare share = {};  // a pass's blocks of `prefetch` (Panel's)
-  X8Panel spread(int64_t i, int64_t n, int64_t steps) const {
-    X8Panel p = *this;
-    p.share = share.spread(i, n, steps);
-    return p;
-  }
+  PrefetchShare share = {};  // a pass's blocks of `prefetch` (spread)
 };
 
 inline int32_t x8_quad(const int8_t* p) {  // 4 inputs' int8 values, as a 32-bit lane holds them
@@ -1916,7 +1910,7 @@ void x8_chunks(const XTile<Q>& xt, int g, const X8Panel& p, int64_t K, float* ou
   constexpr int kRows = sizeof(Q) == 1 ? kX8Rows : kX16Rows;
   constexpr int C = R < kRows ? R : kRows;
   const int passes = (g + R + kRows - 1) / kRows;  // the tile's (g + R rows), each its share of the prefetches
-  xq_rows<Q, C, kBits, kMins, kOffset>(xt, g, p.spread(g / kRows, passes, K / kXBlock), K, out);
+  xq_rows<Q, C, kBits, kMins, kOffset>(xt, g, spread(p, g / kRows, passes, K / kXBlock), K, out);
   if constexpr (R > C) x8_chunks<Q, R - C, kBits, kMins, kOffset>(xt, g + C, p, K, out);
 }
 
@@ -1967,7 +1961,7 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
     for (int64_t t = t0; t < t1; ++t) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
       kX8TileFns<Q, kBits, kMins, kOffset>[rows](XTile<Q>(XT + t * tile_bytes, K),
-                                                 panel.spread(t - t0, t1 - t0, K / kXBlock), K,
+                                                 spread(panel, t - t0, t1 - t0, K / kXBlock), K,
                                                  Y + t * kTileRows * N + p * kPanel, N, cols);
     }
   });
