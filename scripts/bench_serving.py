@@ -323,11 +323,13 @@ class LaunchedServer:
         self.cmd = [sys.executable, "-m", "jaxllm.serve", "--port", str(self.port), *shlex.split(args)]
         self.log_path = log_path
         self.startup_lines: list[str] = []
+        self._drainer: threading.Thread | None = None  # reads the output after ready (_drain)
 
     def _drain(self, lines) -> None:
         """Keep reading the server's output after ready (a full pipe would block its
-        logging, and with it the server), into the log file if one was given."""
-        log = open(self.log_path, "a") if self.log_path else None
+        logging, and with it the server), into the log file if one was given, a line at a
+        time (line-buffered: the log shows what the server has printed so far)."""
+        log = open(self.log_path, "a", buffering=1) if self.log_path else None
         try:
             for line in lines:
                 if log:
@@ -355,7 +357,8 @@ class LaunchedServer:
         # kept, and written to the log: the start-up line says what the engine chose
         if self.log_path:
             Path(self.log_path).write_text("".join(self.startup_lines))
-        threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True)
+        self._drainer.start()
         self.startup_s = time.perf_counter() - start
         print(f"server ready in {self.startup_s:.1f} s", flush=True)
         return self
@@ -363,6 +366,8 @@ class LaunchedServer:
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(60)
+        if self._drainer is not None:  # the rest of its output in the log before the caller reads it
+            self._drainer.join(10)
 
     def model(self) -> str:
         return httpx.get(f"{self.url}/v1/models", headers=_auth_headers()).json()["data"][0]["id"]
