@@ -2,6 +2,7 @@
 given times, the stored plan reused, and an engine whose buckets run different
 backends giving the tokens a single-backend engine gives."""
 
+import dataclasses
 import time
 
 import jax
@@ -89,6 +90,34 @@ def test_linear_backends_mix_only_for_a_real_gain():
 
     plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], mostly_xla)
     assert {c.linear for c in plan.choices} == {"xla"}
+
+
+def test_a_narrow_win_off_the_default_is_measured_again_on_the_faster_times():
+    """A busy moment slowed the kernel's first linear calls at T=16-32, so XLA won them by
+    5%: short of CONFIRM, every choice is measured once more and made on each call's
+    faster time of the two rounds (the kernel, 1.25x). A wide win is not measured again."""
+    calls = []
+
+    def busy_then_quiet(kind, backend, t, s):
+        calls.append((kind, backend, t))
+        slowed = backend == "cpu" and kind == "linear" and t >= 16 and len(calls) <= 8
+        return t * (1.0 if backend == "cpu" else 1.25) * (1.3 if slowed else 1.0)
+
+    plan = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], busy_then_quiet)
+    assert {c.linear for c in plan.choices} == {"cpu"} and plan.unsure() == []
+    assert plan.rounds == 2 and plan.describe("linear") == "cpu (1.25-1.25x xla) [measured twice]"
+    assert len([c for c in calls if c[0] == "linear"]) == 2 * 2 * len(measured_buckets(BUCKETS))
+    assert BackendPlan.from_json(plan.to_json()).rounds == 2
+
+    first_round = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], lambda k, b, t, s: t * (1.0 if b == "cpu" else 1.04))
+    narrow = dataclasses.replace(first_round, choices=tuple(StepBackends("xla", "xla") for _ in BUCKETS))
+    assert first_round.head == "cpu" and first_round.rounds == 2  # the packed head won by 4% only
+    assert narrow.unsure() == ["linear xla at T=4 (0.96x cpu)", "linear xla at T=16 (0.96x cpu)",
+                               "linear xla at T=32 (0.96x cpu)", "output projection cpu at 8 rows (1.04x xla)"]
+    calls.clear()
+    wide = plan_backends(BUCKETS, ["xla"], ["cpu", "xla"], lambda k, b, t, s: calls.append(b) or (1.0 if b == "xla" else 2))
+    assert wide.rounds == 1 and wide.unsure() == [] and {c.linear for c in wide.choices} == {"xla"}
+    assert len(calls) == 2 * len(measured_buckets(BUCKETS))
 
 
 def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
