@@ -843,7 +843,7 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
     const int64_t t0 = b * tiles_per_block, t1 = std::min(tiles, t0 + tiles_per_block);
     while (tiles_packed[b].load(std::memory_order_acquire) < t1 - t0) std::this_thread::yield();
     multiply(p, t0, t1);
-  }, hooks);
+  }, hooks, /*guided=*/true);
 }
 
 // AMX (Intel Sapphire Rapids and later): bfloat16 pairs multiplied by tdpbf16ps, 16 rows
