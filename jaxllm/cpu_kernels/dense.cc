@@ -567,8 +567,8 @@ constexpr int kStepPairs = 16;  // pairs of a converted step: 32 inputs (AMX's s
 template <class Wt, int S>
 inline bool fast_step_ready(const Panel<Wt>& p, int64_t j, int64_t pairs) {
 #if defined(__AVX512BF16__) && JAXLLM_LANES == 16
-  return kStepConverts<Wt> && kGroupScaled<S> && (S & kBF16Flags) == 0 && p.scale != nullptr && p.group_shift >= 5 &&
-         j + kStepPairs <= pairs;
+  return kStepConverts<Wt> && kGroupScaled<S> && (S & kBF16Flags) == 0 &&
+         (p.scale != nullptr || p.half_scale != nullptr) && p.group_shift >= 5 && j + kStepPairs <= pairs;
 #else
   return false;
 #endif
@@ -610,14 +610,14 @@ inline void pairs_step_of(const Panel<Wt>& p, int64_t j, uint16_t* out) {
   const int64_t g = (2 * j) >> p.group_shift;
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  const auto lanes = [&](const float* v) {  // columns 0-7, 8-15, 16-23, 24-31, each twice
-    const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+  const auto lanes = [&](const float* f, const uint16_t* h) {  // columns 0-7, 8-15, 16-23, 24-31, each twice
+    const __m512 lo = (__m512)group_lanes(f, h, g * kPanel), hi = (__m512)group_lanes(f, h, g * kPanel + 16);
     return std::array<f32xN, 4>{(f32xN)_mm512_permutexvar_ps(first, lo), (f32xN)_mm512_permutexvar_ps(second, lo),
                                 (f32xN)_mm512_permutexvar_ps(first, hi), (f32xN)_mm512_permutexvar_ps(second, hi)};
   };
-  const std::array<f32xN, 4> sc = lanes(p.scale + g * kPanel);
+  const std::array<f32xN, 4> sc = lanes(p.scale, p.half_scale);
   std::array<f32xN, 4> mn = {};
-  if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) mn = lanes(p.min + g * kPanel);
+  if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) mn = lanes(p.min, p.half_min);
   if (p.prefetch)
     for (int l = 0; l < 2 * kStepPairs * Wt::kRow / 64; ++l) __builtin_prefetch(p.prefetch + 2 * j * Wt::kRow + 64 * l);
   for (int i = 0; i < kStepPairs; ++i) {
@@ -1033,9 +1033,18 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       const int64_t groups = (K >> group_shift) * kPanel;
       Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                       group_shift};
-      thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
-      panel.scale = scales.floats(p * groups, groups, wide_scales);
-      if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+      // float16 scales read as they are where pairs_step_of converts every step (whole steps,
+      // K a multiple of 32), else widened for the item (a copy that cost ~3% at 32 rows)
+      if (scales.half) {
+        panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
+        if constexpr (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
+      }
+      if (!scales.half || K % (2 * kStepPairs) != 0 || !fast_step_ready<Wt, S>(panel, 0, K / 2)) {
+        panel.half_scale = panel.half_min = nullptr;
+        thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
+        panel.scale = scales.floats(p * groups, groups, wide_scales);
+        if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+      }
       if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, y, ldy, p_out, cols);
       thread_local jaxllm::LineVector<uint16_t> pairs;
       pairs.resize(depth * 2 * kPanel);
