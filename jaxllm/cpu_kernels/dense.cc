@@ -1034,7 +1034,7 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                       group_shift};
       // float16 scales read as they are where pairs_step_of converts every step (whole steps,
-      // K a multiple of 32), else widened for the item (a copy that cost ~3% at 32 rows)
+      // K a multiple of 32), else widened for the item (a copy from memory per item)
       if (scales.half) {
         panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
         if constexpr (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;

@@ -26,10 +26,10 @@ struct ThreadHooks {
 // has returned, find nothing left, and drop its reference). A thread claims its tasks
 // one at a time, or with `guided` a run of them: a share of what is left (1 / (2 x the
 // threads), at least one). Each claim is a locked instruction, which waits until the
-// stores before it (the last task's outputs) have reached the cache: with small tasks
-// of equal cost (the dense kernel's panels, ~2 us each at decode sizes) that wait was
-// ~11% of the kernel's time. Tasks of unequal cost (the attention's items, longest
-// first) are claimed one at a time, so the last ones even out.
+// stores before it (the last task's outputs) have reached the cache, a wait that small
+// tasks of equal cost (the dense kernel's panels at decode sizes) paid once each
+// (docs/bench-log/2026-12-03-xeon-amx.md). Tasks of unequal cost (the attention's items,
+// longest first) are claimed one at a time, so the last ones even out.
 struct ParallelWork {
   std::function<void(int64_t)> task;
   int64_t n = 0;
