@@ -94,7 +94,7 @@ def test_linear_backends_mix_only_for_a_real_gain():
 
 def test_a_narrow_win_off_the_default_is_measured_again_on_the_faster_times():
     """A busy moment slowed the kernel's first linear calls at T=16-32, so XLA won them by
-    5%: short of CONFIRM, every choice is measured once more and made on each call's
+    4% and, as one layout, every bucket: short of CONFIRM, every choice is measured once more and made on each call's
     faster time of the two rounds (the kernel, 1.25x). A wide win is not measured again."""
     calls = []
 
