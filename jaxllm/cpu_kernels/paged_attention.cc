@@ -632,22 +632,37 @@ static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three pa
 // sums), the online softmax of each query (softmax_update, as the other paths), and the
 // probabilities times the values (D / 16 tiles of sums), added to the outputs. The keys
 // and values are bfloat16 already; the queries and the probabilities are float32, so each
-// is multiplied as kSplits bfloat16 parts (x = a + b + c to float32's 24 bits, each part
-// the rounding of what the ones before left, an exact difference): the products are exact
+// is multiplied as kSplits bfloat16 parts (x = a + b + c to float32's 24 bits: a and b the
+// top 8 significant bits of what the parts before left, truncated, so each difference is
+// exact; c the rest, at most 8 bits, so its rounding is exact): the products are exact
 // and summed in float32 by the tile unit, so the outputs agree with the float paths' to
 // float32's rounding (in another order), not to bfloat16's.
 
-inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-// x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts, `stride` elements apart.
+// x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts (each part but the last x's
+// remainder with its low 16 bits cleared, the last the remainder rounded), `stride`
+// elements apart; 32 at a time, two vectors to one vcvtne2ps2bf16, where n allows.
 inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
-  for (int64_t i = 0; i < n; i += 16) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    for (int s = 0; s < kSplits; ++s) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), h);
-      v = _mm512_sub_ps(v, bf16_widen(h));
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto truncated = [&](__m512 v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top)); };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + i + 16);
+    for (int s = 0; s + 1 < kSplits; ++s) {
+      const __m512 a = truncated(lo), b = truncated(hi);
+      _mm512_storeu_si512(out + s * stride + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      lo = _mm512_sub_ps(lo, a);
+      hi = _mm512_sub_ps(hi, b);
     }
+    _mm512_storeu_si512(out + (kSplits - 1) * stride + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  for (; i < n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    for (int s = 0; s + 1 < kSplits; ++s) {
+      const __m512 a = truncated(v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), (__m256i)_mm512_cvtneps_pbh(a));
+      v = _mm512_sub_ps(v, a);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (kSplits - 1) * stride + i), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
 
