@@ -30,8 +30,9 @@
 //   A block of queries skips the key tiles past its last row (the causal diagonal),
 //   and the softmax's exp is vexp's polynomial without the clamps (exp_scores).
 // - the prefill path on AMX (a bfloat16 cache, head_dim a multiple of 64, where the CPU
-//   and OS give the tiles): scores and values as tile products, the queries and the
-//   probabilities multiplied as three bfloat16 parts each (attend_chunk_amx).
+//   and OS give the tiles): scores (keys x queries) and values as tile products, the
+//   queries and the probabilities multiplied as three bfloat16 parts each, the softmax
+//   across 16 queries a vector (attend_chunk_amx).
 // Measured on a 2-core Xeon (AVX-512), SmolLM2 shapes: a decode of 64 sequences of ~400
 // tokens, 30 layers of KV out of cache, reads its 1.18 GB at ~19 GB/s (streaming reads
 // reach ~29). One layer's 448-token prefill chunk (scripts/bench_attention.py, which
@@ -614,8 +615,8 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
 struct Scratch {
   jaxllm::LineVector<float> q, o, m, l, zeros, kt, p;
   std::vector<int32_t> row_pos;
-  jaxllm::LineVector<uint16_t> qa, vb;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles
-  jaxllm::LineVector<uint32_t> kb;      // and key tiles
+  jaxllm::LineVector<uint16_t> qa, vb, kc;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles and keys
+  jaxllm::LineVector<uint32_t> qt;          // and the queries' parts as tiles (query_tiles)
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
@@ -626,11 +627,13 @@ constexpr int kAmxQueries = 16;  // and its queries per tile of sums
 static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 2-4");
 
 #ifdef JAXLLM_AMX
-// The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per chunk and KV
-// head, its keys and values are laid out once as tile operands (key_tiles, value_tiles);
-// then per 16 queries: their scores against the chunk's 64 keys (four 16 x 16 tiles of
-// sums), the online softmax of each query (softmax_update, as the other paths), and the
-// probabilities times the values (D / 16 tiles of sums), added to the outputs. The keys
+// The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per item and KV
+// head the queries' parts are laid out once as tiles (query_tiles), per chunk the keys
+// gathered as they lie and the values as tile operands (value_tiles); then per 16
+// queries: the chunk's 64 keys' scores against them, transposed (four 16 x 16 tiles of
+// sums, a key a row), the online softmax with a query a lane (softmax_transposed: no
+// reduction across lanes), and the probabilities, transposed back, times the values
+// (D / 16 tiles of sums), added to the outputs. The keys
 // and values are bfloat16 already; the queries and the probabilities are float32, so each
 // is multiplied as kSplits bfloat16 parts (x = a + b + c to float32's 24 bits: a and b the
 // top 8 significant bits of what the parts before left, truncated, so each difference is
@@ -666,23 +669,26 @@ inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride)
   }
 }
 
-// The chunk's keys as the score product's B tiles: kb[j][s] (key tile j of 16, step s of
-// 32 of D) holds in row kk, column n the pair of elements 32 s + 2 kk, + 1 of key 16 j + n
-// (one 32-bit word): each 16 x 16 block of the keys' words transposed. Tiles past ntiles: zeros.
+// The queries' parts (qa: kSplits parts `part` elements apart, nq16 rows of D) as the
+// score product's B tiles: qt[part][b][st] (queries 16 b.., step st of 32 of D) holds in
+// row kk, column n the pair of elements 32 st + 2 kk, + 1 of query 16 b + n (one 32-bit
+// word): each 16 x 16 block of the queries' words transposed. Once per item and KV head.
 template <int D>
-inline void key_tiles(const BF16* const* krow, int ntiles, uint32_t* kb) {
+inline void query_tiles(const uint16_t* qa, int64_t part, int64_t nq16, uint32_t* qt) {
   constexpr int S = D / 32;
-  for (int j = 0; j < ntiles; ++j)
-    for (int s = 0; s < S; ++s) {
-      V v[kLanes];
-      for (int t = 0; t < kLanes; ++t) std::memcpy(&v[t], krow[j * kTile + t] + 32 * s, sizeof(V));
-      transpose_stage<1>(v);
-      transpose_stage<2>(v);
-      transpose_stage<4>(v);
-      transpose_stage<8>(v);
-      std::memcpy(kb + (j * S + s) * 256, v, sizeof v);
-    }
-  std::memset(kb + ntiles * S * 256, 0, (kTiles - ntiles) * S * 256 * sizeof(uint32_t));
+  const int64_t blocks = nq16 / kAmxQueries;
+  for (int sp = 0; sp < kSplits; ++sp)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int st = 0; st < S; ++st) {
+        V v[kLanes];
+        for (int n = 0; n < kLanes; ++n)  // a vector load (a copy through the stack stalls its reload)
+          v[n] = reinterpret_cast<V>(_mm512_loadu_ps(qa + sp * part + (b * kAmxQueries + n) * D + 32 * st));
+        transpose_stage<1>(v);
+        transpose_stage<2>(v);
+        transpose_stage<4>(v);
+        transpose_stage<8>(v);
+        std::memcpy(qt + ((sp * blocks + b) * S + st) * 256, v, sizeof v);
+      }
 }
 
 // The chunk's values as the value product's B tiles: vb[s][c] (step s of 32 keys, block
@@ -732,20 +738,43 @@ inline void store_two_tiles(float* out, int64_t ld) {
   _tile_stored(1, out + 16, ld);
 }
 
-// Scores of queries m0.. (qa: their kSplits parts, `part` elements apart, rows D apart)
-// against the chunk's four key tiles, into s [16][kChunk].
+// Key tile J (rows 16 J.. of the chunk's keys kc, rows D apart) at step s times the
+// queries' parts in tiles 4-6, into tile J; tile J stored to st's keys 16 J... (The tile
+// numbers must be literals, hence macros.)
+#define JAXLLM_KEY_TILE_PRODUCTS(J)                                \
+  do {                                                              \
+    _tile_loadd(7, kc + (J) * kTile * D + 32 * s, D * 2);           \
+    _tile_dpbf16ps(J, 7, 4);                                        \
+    if constexpr (kSplits > 1) _tile_dpbf16ps(J, 7, 5);             \
+    if constexpr (kSplits > 2) _tile_dpbf16ps(J, 7, 6);             \
+  } while (0)
+#define JAXLLM_STORE_KEY_TILE(J) _tile_stored(J, st + (J) * kTile * kAmxQueries, kAmxQueries * 4)
+
+// Scores transposed, st [kChunk][16] (key, query), of a block of 16 queries (qt: their
+// parts' tiles, qpart words apart) against the chunk's first nt key tiles (kc [kChunk][D],
+// the keys as A tiles): per step of 32 of D, the parts' three B tiles, then each key tile
+// once (tile 7) times all three, into tiles 0-3. The same products summed in the same
+// order as queries times transposed keys would be (a step's parts in turn).
 template <int D>
-inline void amx_scores(const uint16_t* qa, int64_t part, int m0, const uint32_t* kb, float* s) {
+inline void amx_scores_transposed(const uint32_t* qt, int64_t qpart, const uint16_t* kc, int nt, float* st) {
   constexpr int S = D / 32;
-  for (int j = 0; j < kTiles; j += 2) {  // key tiles j, j + 1
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int st = 0; st < S; ++st)  // key tile j, step st: kb[j][st]
-      two_tiles_step(qa + static_cast<int64_t>(m0) * D + 32 * st, D * 2, part, kb + (j * S + st) * 256,
-                     kb + ((j + 1) * S + st) * 256);
-    store_two_tiles(s + 16 * j, kChunk * 4);
+  jaxllm::zero_four_tiles();
+  for (int s = 0; s < S; ++s) {
+    _tile_loadd(4, qt + s * 256, 64);
+    if constexpr (kSplits > 1) _tile_loadd(5, qt + qpart + s * 256, 64);
+    if constexpr (kSplits > 2) _tile_loadd(6, qt + 2 * qpart + s * 256, 64);
+    JAXLLM_KEY_TILE_PRODUCTS(0);
+    if (nt > 1) JAXLLM_KEY_TILE_PRODUCTS(1);
+    if (nt > 2) JAXLLM_KEY_TILE_PRODUCTS(2);
+    if (nt > 3) JAXLLM_KEY_TILE_PRODUCTS(3);
   }
+  JAXLLM_STORE_KEY_TILE(0);
+  if (nt > 1) JAXLLM_STORE_KEY_TILE(1);
+  if (nt > 2) JAXLLM_STORE_KEY_TILE(2);
+  if (nt > 3) JAXLLM_STORE_KEY_TILE(3);
 }
+#undef JAXLLM_KEY_TILE_PRODUCTS
+#undef JAXLLM_STORE_KEY_TILE
 
 // 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
 // [16][32] (step s of 32 keys).
@@ -770,43 +799,98 @@ inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float*
   }
 }
 
+// A lane's position where it sees no key (far below any key's, with room below for a
+// window's subtraction).
+constexpr int32_t kNoPosition = -(1 << 30);
+
+// The online softmax of a block of 16 queries, a lane each, over the chunk's first nt key
+// tiles, from their scores transposed (st [kChunk][16]: a vector per key, so the max and
+// the sum run down the keys with no reduction across lanes). pos: each lane's position
+// (kNoPosition: a lane this block does not update). The lanes' running maxima and sums
+// (m, l: `lanes` of them) and output rows (o, D floats apart) are updated where a lane
+// sees some key of the chunk, else left as they are; the probabilities, transposed back,
+// go to p [16][kChunk] (zeros where not visible). False if no lane sees a key.
+template <int D>
+inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, const Problem& pb, float* m,
+                               float* l, int lanes, float* o, float* p) {
+  static_assert(kLanes == kAmxQueries, "a lane per query of the block");
+  const int nk = nt * kTile;
+  V mx = splat(kNegInf);
+  for (int k = 0; k < nk; ++k) {
+    V sk = load(st + k * kAmxQueries);
+    if (pb.soft_cap > 0.f)
+      for (int i = 0; i < kLanes; ++i) sk[i] = pb.soft_cap * std::tanh(sk[i] / pb.soft_cap);
+    const M kp = M{} + static_cast<int32_t>(t0 + k);
+    M vis = (kp <= pos) & (M{} + (k < ntok ? -1 : 0));
+    if (pb.window > 0) vis &= kp > pos - pb.window;
+    sk = select(vis, sk, splat(kNegInf));
+    store(st + k * kAmxQueries, sk);
+    mx = vmax(mx, sk);
+  }
+  const M seen = mx > splat(kNegInf);
+  const __mmask16 mine = static_cast<__mmask16>((1u << lanes) - 1);
+  const __mmask16 updated = _mm512_movepi32_mask(reinterpret_cast<__m512i>(seen)) & mine;
+  if (updated == 0) return false;
+  const V m_old = reinterpret_cast<V>(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), mine, m));
+  const V l_old = reinterpret_cast<V>(_mm512_maskz_loadu_ps(mine, l));
+  const V m_new = vmax(m_old, mx);
+  const V scale = select(m_old == m_new, splat(1.f), exp_scores(m_old - m_new));  // m_old -inf: 0
+  const V shift = select(seen, m_new, splat(0.f));  // a lane seeing nothing: all -inf, so zeros
+  V sum = splat(0.f);
+  for (int k = 0; k < nk; ++k) {
+    const V pk = exp_scores(load(st + k * kAmxQueries) - shift);  // masked keys are -inf: 0
+    sum += pk;
+    store(st + k * kAmxQueries, pk);
+  }
+  _mm512_mask_storeu_ps(m, updated, reinterpret_cast<__m512>(m_new));
+  _mm512_mask_storeu_ps(l, updated, reinterpret_cast<__m512>(l_old * scale + sum));
+  for (int i = 0; i < lanes; ++i)
+    if ((updated >> i & 1) && scale[i] != 1.f)
+      for (int c = 0; c < D / kLanes; ++c) store(o + i * D + kLanes * c, load(o + i * D + kLanes * c) * scale[i]);
+  for (int j = 0; j < kTiles; ++j) {
+    V v[kLanes];
+    for (int t = 0; t < kLanes; ++t) v[t] = j < nt ? load(st + (j * kTile + t) * kAmxQueries) : splat(0.f);
+    if (j < nt) {
+      transpose_stage<1>(v);
+      transpose_stage<2>(v);
+      transpose_stage<4>(v);
+      transpose_stage<8>(v);
+    }
+    for (int i = 0; i < kAmxQueries; ++i) store(p + i * kChunk + j * kTile, v[i]);
+  }
+  return true;
+}
+
 // attend_chunk_many on AMX: the same online softmax, each query's state updated only
-// where its rows see the chunk (queries before m_first are left as they are). qa: the
-// KV head's queries' parts (split_bf16, `part` apart; rows past nq zeros).
+// where its rows see the chunk (queries before m_first are left as they are). qt: the
+// KV head's queries' parts as tiles (query_tiles, `qpart` words apart). Per block of 16
+// queries: the scores transposed (keys x queries: the chunk's keys, gathered, are the A
+// tiles as they lie), the softmax across the block's queries (softmax_transposed), then
+// the probabilities, transposed back, times the values.
 template <int D>
 void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
-                      int ntiles, const BF16* const* krow, const BF16* const* vrow, const uint16_t* qa, int64_t part,
+                      int ntiles, const BF16* const* krow, const BF16* const* vrow, const uint32_t* qt, int64_t qpart,
                       Scratch& sc, float* o, float* m, float* l) {
-  sc.kb.resize(kTiles * (D / 32) * 256);
+  constexpr int S = D / 32;
+  sc.kc.resize(kChunk * D);
+  for (int t = 0; t < ntiles * kTile; ++t) std::memcpy(sc.kc.data() + t * D, krow[t], D * sizeof(uint16_t));
   sc.vb.resize(kChunk / 32 * (D / 16) * 16 * 32);
-  key_tiles<D>(krow, ntiles, sc.kb.data());
   value_tiles<D>(vrow, ntok, sc.vb.data());
-  alignas(64) float s[kAmxQueries * kChunk], p[kAmxQueries * kChunk], pv[kAmxQueries * D];
+  alignas(64) float st[kChunk * kAmxQueries], p[kAmxQueries * kChunk], pv[kAmxQueries * D];
   alignas(64) uint16_t pa[kSplits * kProbabilityPart];
   for (int m0 = m_first / kAmxQueries * kAmxQueries; m0 < nq; m0 += kAmxQueries) {
     const int first = std::max(m0, m_first), mb = std::min(kAmxQueries, nq - m0);
     const int nk = keys_seen(row_pos, group, first, m0 + mb - first, t0, ntok);
     if (nk == 0) continue;
     const int nt = (nk + kTile - 1) / kTile;
-    amx_scores<D>(qa, part, m0, sc.kb.data(), s);
-    bool any = false;
-    for (int i = 0; i < kAmxQueries; ++i) {
-      float* pi = p + i * kChunk;
-      const int mq = m0 + i;
-      int j = 0;
-      if (i < mb && mq >= m_first) {
-        V si[kTiles];
-        M vis[kTiles];
-        for (j = 0; j < nt; ++j) si[j] = load(s + i * kChunk + j * kTile);
-        visible_chunk(t0, ntok, nt, row_pos[mq / group], pb.window, vis);
-        any |= softmax_update<D>(si, vis, nt, pb.soft_cap, m[mq], l[mq], o + static_cast<int64_t>(mq) * D, pi);
-      }
-      for (; j < kTiles; ++j) store(pi + j * kTile, splat(0.f));
-    }
-    if (!any) continue;
+    amx_scores_transposed<D>(qt + (m0 / kAmxQueries) * S * 256, qpart, sc.kc.data(), nt, st);
+    M pos;
+    for (int i = 0; i < kLanes; ++i) pos[i] = i < mb && m0 + i >= m_first ? row_pos[(m0 + i) / group] : kNoPosition;
+    if (!softmax_transposed<D>(st, nt, t0, ntok, pos, pb, m + m0, l + m0, mb, o + static_cast<int64_t>(m0) * D, p))
+      continue;
     split_probabilities(p, pa);
     amx_values<D>(pa, (nk + 31) / 32, sc.vb.data(), pv);
-    for (int i = std::max(0, m_first - m0); i < mb; ++i) {
+    for (int i = first - m0; i < mb; ++i) {
       float* oq = o + static_cast<int64_t>(m0 + i) * D;
       for (int c = 0; c < D / kLanes; ++c) store(oq + kLanes * c, load(oq + kLanes * c) + load(pv + i * D + kLanes * c));
     }
@@ -824,21 +908,25 @@ inline bool amx_attention(const Problem& pb) {
   return false;
 }
 
-// The queries' kSplits parts for attend_amx (n floats, the parts n apart).
-inline void split_queries(const float* q, int64_t n, uint16_t* qa) {
+// The queries' kSplits parts as attend_amx's tiles, qt (query_tiles): n floats, nq16 rows
+// of D; qa holds the parts meanwhile.
+template <int D>
+inline void queries_as_tiles(const float* q, int64_t n, int64_t nq16, Scratch& sc, uint32_t* qt) {
 #ifdef JAXLLM_AMX
-  split_bf16(q, n, qa, n);
+  sc.qa.resize(kSplits * n);
+  split_bf16(q, n, sc.qa.data(), n);
+  query_tiles<D>(sc.qa.data(), n, nq16, qt);
 #endif
 }
 
 // attend_chunk_amx where it is built for R and D (amx_attention: the callers ask only then).
 template <int D, class R>
 inline void attend_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0,
-                       int ntok, int ntiles, const R* const* krow, const R* const* vrow, const uint16_t* qa,
-                       int64_t part, Scratch& sc, float* o, float* m, float* l) {
+                       int ntok, int ntiles, const R* const* krow, const R* const* vrow, const uint32_t* qt,
+                       int64_t qpart, Scratch& sc, float* o, float* m, float* l) {
 #ifdef JAXLLM_AMX
   if constexpr (std::is_same_v<R, BF16> && D % 64 == 0)
-    attend_chunk_amx<D>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qa, part, sc, o, m, l);
+    attend_chunk_amx<D>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qt, qpart, sc, o, m, l);
 #endif
 }
 
@@ -917,9 +1005,9 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t nq16 = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries, part = nq16 * D;
   const bool amx = many && amx_attention<D, R>(pb);
   if (amx) {
-    sc.qa.resize(Hkv * kSplits * part);
+    sc.qt.resize(Hkv * kSplits * part / 2);
     for (int64_t h = 0; h < Hkv; ++h)
-      split_queries(sc.q.data() + h * nq_padded * D, part, sc.qa.data() + h * kSplits * part);
+      queries_as_tiles<D>(sc.q.data() + h * nq_padded * D, part, nq16, sc, sc.qt.data() + h * kSplits * part / 2);
   }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
@@ -974,7 +1062,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       float* lh = sc.l.data() + h * nq;
       if (amx) {
         attend_amx<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh,
-                      sc.qa.data() + h * kSplits * part, part, sc, oh, mh, lh);
+                      sc.qt.data() + h * kSplits * part / 2, part / 2, sc, oh, mh, lh);
         continue;
       }
       if (many) {
@@ -1039,8 +1127,8 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
   const int64_t part = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries * D;
   const bool amx = amx_attention<D, R>(pb);
   if (amx) {
-    sc.qa.resize(kSplits * part);
-    split_queries(sc.q.data(), part, sc.qa.data());
+    sc.qt.resize(kSplits * part / 2);
+    queries_as_tiles<D>(sc.q.data(), part, part / D, sc, sc.qt.data());
   }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const int64_t token_stride = pb.num_kv_heads * D;
@@ -1059,7 +1147,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     }
     if constexpr (kScaled<R>) gather_scales(pb, row, ntok, h, ks, vs);
     if (amx)
-      attend_amx<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, sc.qa.data(), part, sc,
+      attend_amx<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, sc.qt.data(), part / 2, sc,
                     sc.o.data(), sc.m.data(), sc.l.data());
     else
       attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
