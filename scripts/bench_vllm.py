@@ -29,8 +29,14 @@ down, so a median, or one moment of the run, would understate the peak and overs
 every share of it. Each run also records who used the cores (`cpu_s`): the CPU
 seconds of the server's processes (frontend, engine) and of this client over the run.
 
+A shared host's speed drifts over a run by more than the margins measured here. With
+`--rounds N` the runs are repeated, every other round in reverse order, so that the drift
+falls on both sides of each comparison; each jaxllm run's ratio is then given per round
+(against that round's vLLM run) and as their geometric mean, its rates as means.
+
     python scripts/bench_vllm.py --out bench_results/vllm_standard
     python scripts/bench_vllm.py --isa avx2 --out bench_results/vllm_standard_avx2  # both as on an AVX2-only CPU
+    python scripts/bench_vllm.py --rounds 2 --out bench_results/vllm_standard   # vLLM, jaxllm, ..., then back
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 from bench_eval import export_hf_folder
 from bench_serving import CpuSeconds, LaunchedServer, benchmark, print_summary, standard_dataset
 from isa_build import ISAS, describe, reexec
@@ -259,7 +266,12 @@ def main() -> None:
     p.add_argument("--also", action="append", default=[], metavar="FLAGS",
                    help="one more jaxllm run with these flags, after the others, compared with vLLM's default "
                         "(an A/B of a candidate default in the same run); repeatable")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the runs this many times, every other round in reverse order (so a host's drift over the "
+                        "run falls on both sides of each comparison); each ratio per round, and their geometric mean")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
     if not reexec(args.isa):
         return
     runs = RUNS + tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in args.also)
@@ -272,24 +284,19 @@ def main() -> None:
     flops = model_flops_per_token(folder)
     python = vllm_python(args.vllm_venv)
     results: dict = {"build": describe(args.isa), "peak_sources": {"before": measure_peaks(python, "before")},
-                     "runs": {}}
-    for i, (label, server, flags, precision) in enumerate(runs):
-        if server == "vllm" and python is None:
-            continue
-        log = out.with_name(f"{out.name}_{i}_{server}.log")
-        launched = (LaunchedVllmServer(python, folder, flags, args.max_concurrency, log) if server == "vllm"
-                    else LaunchedServer(flags, log))
-        with launched:
-            model = launched.model()
-            with CpuSeconds(launched.proc.pid) as cpu:
-                run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=args.max_concurrency,
-                                            request_rate=float("inf")))
-        run |= {"server": server, "flags": flags, "precision": precision, "cpu_s": cpu.result,
-                "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9, "engine": launched.engine}
-        if launched.engine:  # what its start-up chose (the backends it measured): a slow row can be told apart
-            print(launched.engine, flush=True)
-        results["runs"][label] = run
-        print_summary(label, run)
+                     "rounds": []}
+    for r in range(args.rounds):
+        order = list(enumerate(runs))
+        results["rounds"].append({})
+        for i, (label, server, flags, precision) in order if r % 2 == 0 else reversed(order):
+            if server == "vllm" and python is None:
+                continue
+            log = out.with_name(f"{out.name}_{i}_{server}" + (f"_round{r + 1}" if args.rounds > 1 else "") + ".log")
+            run = serve_and_measure(server, flags, python, folder, args.max_concurrency, requests, log)
+            run |= {"precision": precision, "gflops": workload_flops(requests, flops) / run["duration_s"] / 1e9}
+            results["rounds"][r][label] = run
+            print_summary(label + (f" (round {r + 1})" if args.rounds > 1 else ""), run)
+    results["runs"] = {label: results["rounds"][0][label] for label, *_ in runs if label in results["rounds"][0]}
     results["peak_sources"]["after"] = measure_peaks(python, "after")
     results["peak_gflops"] = best_peaks(results["peak_sources"].values())
     print_table(results)
@@ -297,18 +304,51 @@ def main() -> None:
     print("wrote", out.with_suffix(".json"))
 
 
+def serve_and_measure(server: str, flags: str, python: str | None, folder: Path, max_concurrency: int, requests,
+                      log: Path) -> dict:
+    """One server launched (vLLM with `flags` its dtype, else jaxllm with them), the requests run
+    against it, and who used the cores meanwhile."""
+    launched = (LaunchedVllmServer(python, folder, flags, max_concurrency, log) if server == "vllm"
+                else LaunchedServer(flags, log))
+    with launched:
+        model = launched.model()
+        with CpuSeconds(launched.proc.pid) as cpu:
+            run = asyncio.run(benchmark(launched.url, model, requests, max_concurrency=max_concurrency,
+                                        request_rate=float("inf")))
+    if launched.engine:  # what its start-up chose (the backends it measured): a slow row can be told apart
+        print(launched.engine, flush=True)
+    return run | {"server": server, "flags": flags, "cpu_s": cpu.result, "engine": launched.engine}
+
+
+def round_ratios(results: dict, label: str) -> list[float]:
+    """The run's output rate over its vLLM run's (the same precision; the defaults against vLLM's
+    bfloat16) in each round that has both; vLLM's own runs 1."""
+    ratios = []
+    for runs in results["rounds"]:
+        run = runs.get(label)
+        vllm = {r["precision"]: r for r in runs.values() if r["server"] == "vllm"}
+        vllm["default"] = vllm.get("bfloat16")
+        base = run and (vllm.get(run["precision"]) if run["server"] == "jaxllm" else run)
+        if base:
+            ratios.append(run["output_token_throughput"] / base["output_token_throughput"])
+    return ratios
+
+
 def print_table(results: dict) -> None:
-    runs, peaks = results["runs"], results["peak_gflops"]
-    vllm = {r["precision"]: r for r in runs.values() if r["server"] == "vllm"}
-    vllm["default"] = vllm.get("bfloat16")
+    """A row per run: its output rate, latencies, rate against vLLM's and share of its precision's
+    peak, the means over the rounds where there are several, with each round's ratio."""
+    peaks, rounds = results["peak_gflops"], results["rounds"]
     print(f"\n{'server':<42} {'output tok/s':>12} {'TPOT p50':>9} {'TTFT p50':>9} {'vs vLLM':>8} {'GFLOP/s':>8}"
-          f" {'of peak':>8}")
-    for label, run in runs.items():
-        base = vllm.get(run["precision"]) if run["server"] == "jaxllm" else run
-        ratio = f"{run['output_token_throughput'] / base['output_token_throughput']:.2f}x" if base else "-"
-        peak = peaks[run["precision"]]
-        print(f"{label:<42} {run['output_token_throughput']:>12.1f} {run['tpot_ms']['p50']:>7.0f}ms "
-              f"{run['ttft_ms']['p50']:>7.0f}ms {ratio:>8} {run['gflops']:>8.0f} {run['gflops'] / peak:>7.0%}")
+          f" {'of peak':>8}" + ("  vs vLLM by round" if len(rounds) > 1 else ""))
+    for label in results["runs"]:
+        runs = [r[label] for r in rounds if label in r]
+        mean = {k: float(np.mean([r[k] for r in runs])) for k in ("output_token_throughput", "gflops")}
+        tpot, ttft = (float(np.mean([r[k]["p50"] for r in runs])) for k in ("tpot_ms", "ttft_ms"))
+        ratios = round_ratios(results, label)
+        ratio = f"{float(np.exp(np.mean(np.log(ratios)))):.2f}x" if ratios else "-"
+        by_round = "  " + " ".join(f"{x:.2f}x" for x in ratios) if len(rounds) > 1 else ""
+        print(f"{label:<42} {mean['output_token_throughput']:>12.1f} {tpot:>7.0f}ms {ttft:>7.0f}ms {ratio:>8} "
+              f"{mean['gflops']:>8.0f} {mean['gflops'] / peaks[runs[0]['precision']]:>7.0%}{by_round}")
 
 
 if __name__ == "__main__":

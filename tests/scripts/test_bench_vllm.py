@@ -132,3 +132,32 @@ def test_a_torch_peak_that_fails_is_left_out_saying_why(capsys):
     """Where vLLM's torch cannot run the product, the peaks are jaxllm's / XLA's alone."""
     assert bench_vllm.torch_peak_gflops("false") == {}
     assert "torch's peak not measured" in capsys.readouterr().out
+
+
+def test_rounds_run_back_and_forth_and_give_each_rounds_ratio(faked, monkeypatch, tmp_path, capsys):
+    """`--rounds 2`: the runs, then again in reverse order (a host's drift over the run falls
+    on both sides of each comparison); each row's ratio per round against that round's vLLM
+    run of its precision, their geometric mean, and the rates' means."""
+    monkeypatch.setattr(bench_vllm, "vllm_python", lambda venv: "python")
+    rates = iter([100.0, 150.0, 200.0, 300.0, 320.0, 260.0,  # round 1: vLLM float32 ... the defaults
+                  240.0, 250.0, 400.0, 180.0, 160.0, 50.0])  # round 2: the defaults ... vLLM float32
+
+    async def benchmark(url, model, requests, *, max_concurrency, request_rate):
+        return {"output_token_throughput": next(rates), "duration_s": 10.0, "tpot_ms": {"p50": 1.0},
+                "ttft_ms": {"p50": 2.0}}
+
+    monkeypatch.setattr(bench_vllm, "benchmark", benchmark)
+    out = tmp_path / "vllm"
+    monkeypatch.setattr(sys, "argv", ["bench_vllm.py", "--num-prompts", "3", "--out", str(out), "--rounds", "2"])
+    bench_vllm.main()
+    assert FakeServer.launched[6:] == FakeServer.launched[:6][::-1]
+    rows = {line[:42].strip(): line[42:].split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("vLLM CPU", "jaxllm"))}
+    # float32: 150 / 100 in round 1, 160 / 50 in round 2; the mean rate of 150 and 160
+    assert rows["jaxllm, float32 (vLLM's precision)"][0] == "155.0"
+    float32 = rows["jaxllm, float32 (vLLM's precision)"]
+    assert (float32[-5], float32[-2:]) == ("2.19x", ["1.50x", "3.20x"])
+    assert rows["jaxllm defaults"][-2:] == ["1.30x", "1.33x"]  # against vLLM's bfloat16: 260 / 200, 240 / 180
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert [len(r) for r in results["rounds"]] == [6, 6]
+    assert results["runs"] == results["rounds"][0]
