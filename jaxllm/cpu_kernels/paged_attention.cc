@@ -644,20 +644,23 @@ static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three pa
 // x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts (each part but the last x's
 // remainder with its low 16 bits cleared, the last the remainder rounded), `stride`
 // elements apart; 32 at a time, two vectors to one vcvtne2ps2bf16, where n allows.
-inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const auto truncated = [&](__m512 v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top)); };
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + i + 16);
-    for (int s = 0; s + 1 < kSplits; ++s) {
-      const __m512 a = truncated(lo), b = truncated(hi);
-      _mm512_storeu_si512(out + s * stride + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-      lo = _mm512_sub_ps(lo, a);
-      hi = _mm512_sub_ps(hi, b);
-    }
-    _mm512_storeu_si512(out + (kSplits - 1) * stride + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+inline __m512 truncated_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// 32 values (lo, hi) as their kSplits parts, out[0, 32) of each part, `stride` elements apart.
+inline void split_two_bf16(__m512 lo, __m512 hi, uint16_t* out, int64_t stride) {
+  for (int s = 0; s + 1 < kSplits; ++s) {
+    const __m512 a = truncated_bf16(lo), b = truncated_bf16(hi);
+    _mm512_storeu_si512(out + s * stride, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    lo = _mm512_sub_ps(lo, a);
+    hi = _mm512_sub_ps(hi, b);
   }
+  _mm512_storeu_si512(out + (kSplits - 1) * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
+  const auto truncated = truncated_bf16;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) split_two_bf16(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i + 16), out + i, stride);
   for (; i < n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
     for (int s = 0; s + 1 < kSplits; ++s) {
@@ -776,14 +779,8 @@ inline void amx_scores_transposed(const uint32_t* qt, int64_t qpart, const uint1
 #undef JAXLLM_KEY_TILE_PRODUCTS
 #undef JAXLLM_STORE_KEY_TILE
 
-// 16 rows of probabilities p [16][kChunk] as the value product's A tiles: pa[part][s]
-// [16][32] (step s of 32 keys).
-constexpr int64_t kProbabilityPart = (kChunk / 32) * kAmxQueries * 32;  // elements per part of pa
-inline void split_probabilities(const float* p, uint16_t* pa) {
-  for (int i = 0; i < kAmxQueries; ++i)
-    for (int s = 0; s < kChunk / 32; ++s)
-      split_bf16(p + i * kChunk + 32 * s, 32, pa + (s * kAmxQueries + i) * 32, kProbabilityPart);
-}
+// Elements per part of the value product's A tiles pa[part][s][16][32] (step s of 32 keys).
+constexpr int64_t kProbabilityPart = (kChunk / 32) * kAmxQueries * 32;
 
 // pv [16][D] = the probabilities (pa) times the chunk's values (vb), over `steps` steps of 32 keys.
 template <int D>
@@ -808,11 +805,13 @@ constexpr int32_t kNoPosition = -(1 << 30);
 // the sum run down the keys with no reduction across lanes). pos: each lane's position
 // (kNoPosition: a lane this block does not update). The lanes' running maxima and sums
 // (m, l: `lanes` of them) and output rows (o, D floats apart) are updated where a lane
-// sees some key of the chunk, else left as they are; the probabilities, transposed back,
-// go to p [16][kChunk] (zeros where not visible). False if no lane sees a key.
+// sees some key of the chunk, else left as they are; the probabilities, transposed back
+// a 16 x 16 block at a time, go to the value product's A tiles as their parts (pa, the
+// chunk's first ceil(nt / 2) steps of 32 keys; zeros where not visible). False if no
+// lane sees a key.
 template <int D>
 inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, const Problem& pb, float* m,
-                               float* l, int lanes, float* o, float* p) {
+                               float* l, int lanes, float* o, uint16_t* pa) {
   static_assert(kLanes == kAmxQueries, "a lane per query of the block");
   const int nk = nt * kTile;
   V mx = splat(kNegInf);
@@ -847,16 +846,21 @@ inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, c
   for (int i = 0; i < lanes; ++i)
     if ((updated >> i & 1) && scale[i] != 1.f)
       for (int c = 0; c < D / kLanes; ++c) store(o + i * D + kLanes * c, load(o + i * D + kLanes * c) * scale[i]);
-  for (int j = 0; j < kTiles; ++j) {
-    V v[kLanes];
+  const auto block = [&](int j, V* v) {  // key tile j's probabilities, a query a vector
     for (int t = 0; t < kLanes; ++t) v[t] = j < nt ? load(st + (j * kTile + t) * kAmxQueries) : splat(0.f);
-    if (j < nt) {
-      transpose_stage<1>(v);
-      transpose_stage<2>(v);
-      transpose_stage<4>(v);
-      transpose_stage<8>(v);
-    }
-    for (int i = 0; i < kAmxQueries; ++i) store(p + i * kChunk + j * kTile, v[i]);
+    if (j >= nt) return;
+    transpose_stage<1>(v);
+    transpose_stage<2>(v);
+    transpose_stage<4>(v);
+    transpose_stage<8>(v);
+  };
+  for (int s = 0; 2 * s < nt; ++s) {  // step s: key tiles 2 s, 2 s + 1
+    V lo[kLanes], hi[kLanes];
+    block(2 * s, lo);
+    block(2 * s + 1, hi);
+    for (int i = 0; i < kAmxQueries; ++i)
+      split_two_bf16(reinterpret_cast<__m512>(lo[i]), reinterpret_cast<__m512>(hi[i]), pa + (s * kAmxQueries + i) * 32,
+                     kProbabilityPart);
   }
   return true;
 }
@@ -876,7 +880,7 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
   for (int t = 0; t < ntiles * kTile; ++t) std::memcpy(sc.kc.data() + t * D, krow[t], D * sizeof(uint16_t));
   sc.vb.resize(kChunk / 32 * (D / 16) * 16 * 32);
   value_tiles<D>(vrow, ntok, sc.vb.data());
-  alignas(64) float st[kChunk * kAmxQueries], p[kAmxQueries * kChunk], pv[kAmxQueries * D];
+  alignas(64) float st[kChunk * kAmxQueries], pv[kAmxQueries * D];
   alignas(64) uint16_t pa[kSplits * kProbabilityPart];
   for (int m0 = m_first / kAmxQueries * kAmxQueries; m0 < nq; m0 += kAmxQueries) {
     const int first = std::max(m0, m_first), mb = std::min(kAmxQueries, nq - m0);
@@ -886,9 +890,8 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
     amx_scores_transposed<D>(qt + (m0 / kAmxQueries) * S * 256, qpart, sc.kc.data(), nt, st);
     M pos;
     for (int i = 0; i < kLanes; ++i) pos[i] = i < mb && m0 + i >= m_first ? row_pos[(m0 + i) / group] : kNoPosition;
-    if (!softmax_transposed<D>(st, nt, t0, ntok, pos, pb, m + m0, l + m0, mb, o + static_cast<int64_t>(m0) * D, p))
+    if (!softmax_transposed<D>(st, nt, t0, ntok, pos, pb, m + m0, l + m0, mb, o + static_cast<int64_t>(m0) * D, pa))
       continue;
-    split_probabilities(p, pa);
     amx_values<D>(pa, (nk + 31) / 32, sc.vb.data(), pv);
     for (int i = first - m0; i < mb; ++i) {
       float* oq = o + static_cast<int64_t>(m0 + i) * D;
