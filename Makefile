@@ -124,7 +124,7 @@ bench: bench-isa bench-quant
 	$(PY) scripts/bench_serving.py --launch "" --dataset random --num-prompts 6 --max-concurrency 1 \
 	  --llama-server $$(scripts/build_llama_server.sh) --llama-gguf $(DEFAULT_GGUF) \
 	  --out bench_results/serving_batch1
-	$(PY) scripts/bench_vllm.py --out bench_results/vllm_standard
+	$(PY) scripts/bench_vllm.py --rounds 2 --out bench_results/vllm_standard
 	$(PY) scripts/bench_beam_search.py --out bench_results/beam_search
 	$(PY) scripts/bench_embeddings.py --out bench_results/embeddings
 	$(PY) scripts/bench_pipeline.py --out bench_results/pipeline.json
