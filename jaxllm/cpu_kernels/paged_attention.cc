@@ -658,13 +658,12 @@ inline void split_two_bf16(__m512 lo, __m512 hi, uint16_t* out, int64_t stride) 
   _mm512_storeu_si512(out + (kSplits - 1) * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
-  const auto truncated = truncated_bf16;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) split_two_bf16(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i + 16), out + i, stride);
   for (; i < n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
     for (int s = 0; s + 1 < kSplits; ++s) {
-      const __m512 a = truncated(v);
+      const __m512 a = truncated_bf16(v);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), (__m256i)_mm512_cvtneps_pbh(a));
       v = _mm512_sub_ps(v, a);
     }
