@@ -33,12 +33,8 @@
 //   and OS give the tiles): scores (keys x queries) and values as tile products, the
 //   queries and the probabilities multiplied as three bfloat16 parts each, the softmax
 //   across 16 queries a vector (attend_chunk_amx).
-// Measured on a 2-core Xeon (AVX-512), SmolLM2 shapes: a decode of 64 sequences of ~400
-// tokens, 30 layers of KV out of cache, reads its 1.18 GB at ~19 GB/s (streaming reads
-// reach ~29). One layer's 448-token prefill chunk (scripts/bench_attention.py, which
-// measures it against the XLA backend): 1.04-1.20 ms in the native build, 1.62 ms in
-// the AVX2 build (-march=x86-64-v3), from 1.27-1.42 and 2.19 with one key tile of 8
-// queries and, under AVX2, a value block of one query.
+// What each path runs at, per machine (scripts/bench_attention.py against the XLA
+// backend): docs/cpu_kernels.md and the lab log it points to.
 //
 // Portable C++17 with GCC/Clang vector extensions; built by jaxllm/cpu_kernels/build.py
 // with -O3 -march=native (or $JAXLLM_CPU_MARCH) against the installed jaxlib's FFI headers.
@@ -317,7 +313,7 @@ inline void visible_chunk(int64_t t0, int ntok, int ntiles, int64_t qpos, int32_
 // n = round(x / ln 2) by a shifter constant (1.5 * 2^23 leaves it in t's low mantissa
 // bits, whence 2^n's exponent) instead of vexp's float-int-float floor. Under AVX2, 20
 // instructions a vector against 27 for vexp and the mask select (its clamps are
-// compare-and-blend pairs): the prefill path 6-8% faster (single thread, AVX2 build).
+// compare-and-blend pairs; what that bought: docs/cpu_kernels.md).
 using U = uint32_t __attribute__((vector_size(sizeof(V))));
 inline V exp_scores(V x) {
   constexpr float kShifter = 12582912.f;
