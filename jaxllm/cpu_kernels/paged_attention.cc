@@ -479,6 +479,13 @@ inline void transpose_stage(V* v) {
     if (!(t & B)) interleave<B>(v[t], v[t | B], w[t], w[t | B]);
   for (int t = 0; t < kLanes; ++t) v[t] = w[t];
 }
+// kLanes vectors transposed in place (v[t][d] to v[d][t]): every stage.
+inline void transpose_lanes(V* v) {
+  transpose_stage<1>(v);
+  transpose_stage<2>(v);
+  if constexpr (kLanes >= 8) transpose_stage<4>(v);
+  if constexpr (kLanes >= 16) transpose_stage<8>(v);
+}
 // Scaled rows (int8) are multiplied by their scales (scale[t]) first.
 template <class R>
 inline void transpose_tile(const R* const* rows, const float* scale, float* out, int64_t stride) {
@@ -487,10 +494,7 @@ inline void transpose_tile(const R* const* rows, const float* scale, float* out,
     v[t] = load_row(rows[t]);
     if constexpr (kScaled<R>) v[t] *= splat(scale[t]);
   }
-  transpose_stage<1>(v);
-  transpose_stage<2>(v);
-  if constexpr (kLanes >= 8) transpose_stage<4>(v);
-  if constexpr (kLanes >= 16) transpose_stage<8>(v);
+  transpose_lanes(v);
   for (int d = 0; d < kLanes; ++d) store(out + d * stride, v[d]);
 }
 
@@ -620,7 +624,7 @@ constexpr int kPadQueries = 32;  // >= kScoreBlock and every kValueBlock
 static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  // D = 16: the largest
 constexpr int kSplits = 3;       // the AMX path's bfloat16 parts of a float32 operand
 constexpr int kAmxQueries = 16;  // and its queries per tile of sums
-static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts in tiles 2-4");
+static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts (tiles 2-4, 4-6)");
 
 #ifdef JAXLLM_AMX
 // The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per item and KV
@@ -629,13 +633,13 @@ static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three pa
 // queries: the chunk's 64 keys' scores against them, transposed (four 16 x 16 tiles of
 // sums, a key a row), the online softmax with a query a lane (softmax_transposed: no
 // reduction across lanes), and the probabilities, transposed back, times the values
-// (D / 16 tiles of sums), added to the outputs. The keys
-// and values are bfloat16 already; the queries and the probabilities are float32, so each
-// is multiplied as kSplits bfloat16 parts (x = a + b + c to float32's 24 bits: a and b the
-// top 8 significant bits of what the parts before left, truncated, so each difference is
-// exact; c the rest, at most 8 bits, so its rounding is exact): the products are exact
-// and summed in float32 by the tile unit, so the outputs agree with the float paths' to
-// float32's rounding (in another order), not to bfloat16's.
+// (D / 16 tiles of sums), added to the outputs. The keys and values are bfloat16 already;
+// the queries and the probabilities are float32, so each is multiplied as kSplits
+// bfloat16 parts (x = a + b + c to float32's 24 bits: a and b the top 8 significant bits
+// of what the parts before left, truncated, so each difference is exact; c the rest, at
+// most 8 bits, so its rounding is exact): the products are exact and summed in float32 by
+// the tile unit, so the outputs agree with the float paths' to float32's rounding (in
+// another order), not to bfloat16's.
 
 // x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts (each part but the last x's
 // remainder with its low 16 bits cleared, the last the remainder rounded), `stride`
@@ -681,10 +685,7 @@ inline void query_tiles(const uint16_t* qa, int64_t part, int64_t nq16, uint32_t
         V v[kLanes];
         for (int n = 0; n < kLanes; ++n)  // a vector load (a copy through the stack stalls its reload)
           v[n] = reinterpret_cast<V>(_mm512_loadu_ps(qa + sp * part + (b * kAmxQueries + n) * D + 32 * st));
-        transpose_stage<1>(v);
-        transpose_stage<2>(v);
-        transpose_stage<4>(v);
-        transpose_stage<8>(v);
+        transpose_lanes(v);
         std::memcpy(qt + ((sp * blocks + b) * S + st) * 256, v, sizeof v);
       }
 }
@@ -843,11 +844,7 @@ inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, c
       for (int c = 0; c < D / kLanes; ++c) store(o + i * D + kLanes * c, load(o + i * D + kLanes * c) * scale[i]);
   const auto block = [&](int j, V* v) {  // key tile j's probabilities, a query a vector
     for (int t = 0; t < kLanes; ++t) v[t] = j < nt ? load(st + (j * kTile + t) * kAmxQueries) : splat(0.f);
-    if (j >= nt) return;
-    transpose_stage<1>(v);
-    transpose_stage<2>(v);
-    transpose_stage<4>(v);
-    transpose_stage<8>(v);
+    if (j < nt) transpose_lanes(v);
   };
   for (int s = 0; 2 * s < nt; ++s) {  // step s: key tiles 2 s, 2 s + 1
     V lo[kLanes], hi[kLanes];
