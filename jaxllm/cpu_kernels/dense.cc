@@ -861,10 +861,12 @@ void pack_then_multiply(ffi::ThreadPool& pool, int64_t M, int64_t num_panels, Pa
 #ifdef JAXLLM_AMX
 constexpr int kAmxRows = 16;   // rows of a tile of x, and of sums
 constexpr int kAmxPairs = 16;  // input pairs per step (a tile row: 64 bytes)
-// rows per item at most: bfloat16 panels 96 (96, 256 and 512 measured alike within the noise
-// at 32-512 rows on the 2-vCPU Xeon); a kept panel is converted to pairs once per item, so
-// all of a step's rows (up to 512): its x tiles, bfloat16, stay in L2 (docs/bench-log/2026-11-30-amx.md)
-constexpr int64_t kAmxRowBlock = 96, kAmxConvertedRowBlock = 512;
+// From three tiles of x on (amx_rows_grouped), rows per item at most: a step's rows (up to
+// 512), so a group of panels is read once per step (30 layers of SmolLM2's bfloat16
+// projections at 512 rows: 1-2% faster than 256-row items on the 2-vCPU AMX Xeon,
+// docs/bench-log/2026-12-04-xeon-amx.md); x's tiles, bfloat16, stay in L2
+// (docs/bench-log/2026-11-30-amx.md); and at most kAmxGroup of y's panels per item.
+constexpr int64_t kAmxRowBlock = 512, kAmxConvertedRowBlock = 512, kAmxGroup = 8;
 
 using jaxllm::amx_ready;
 using jaxllm::kAmxHooks;
@@ -1007,22 +1009,40 @@ void amx_tiles_times_kept_panel(const uint16_t* XT, int64_t M, int64_t K, int64_
   if (two) amx_store<true>(Y, M, N, t0 + 1, p, cols, out);
 }
 
-// dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
-// weight dequantized and rounded to bfloat16. With an activation `act` (a gated MLP's
-// fused [gate | up] projection, N/2 columns each, a whole number of panels): y is [M, N/2],
-// act(gate) * up, each item a gate panel and its up panel: their sums into two buffers
-// of the block's rows (in L2), then the activation into y, so the float32 sums of the
-// 2 N columns never cross memory (docs/cpu_kernels.md).
+// Kept panel p (grouped scales S) as the conversion to pairs reads it: float16 scales read
+// as they are where pairs_step_of converts every step (whole steps, K a multiple of 32),
+// else widened into thread-local buffers (valid until the next call on this thread).
 template <class Wt, int S>
-void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
-              int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
-              int32_t act = jaxllm::kNoActivation) {
-  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows, depth = amx_depth(K), panel_size = Wt::panel_size(K);
-  thread_local jaxllm::LineVector<uint16_t> packed;
-  packed.resize(tiles * kAmxRows * 2 * depth);
-  uint16_t* XT = packed.data();
-  const auto pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
-  constexpr int64_t kBlock = kIsPairs<Wt> ? kAmxRowBlock : kAmxConvertedRowBlock;
+Panel<Wt> amx_kept_panel(const typename Wt::T* P, int64_t p, int64_t num_panels, int64_t K, Scales scales,
+                         Scales mins, int group_shift, bool prefetch) {
+  const int64_t panel_size = Wt::panel_size(K), groups = (K >> group_shift) * kPanel;
+  Panel<Wt> panel{P + p * panel_size, nullptr, nullptr,
+                  prefetch && p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr, group_shift};
+  if (scales.half) {
+    panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
+    if constexpr (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
+  }
+  if (!scales.half || K % (2 * kStepPairs) != 0 || !fast_step_ready<Wt, S>(panel, 0, K / 2)) {
+    panel.half_scale = panel.half_min = nullptr;
+    thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
+    panel.scale = scales.floats(p * groups, groups, wide_scales);
+    if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
+  }
+  return panel;
+}
+
+// dense_rows' bfloat16 pairs by AMX, at decode sizes (one or two tiles of x): an item is
+// a panel times the rows, a kept panel converted a step at a time
+// (amx_tiles_times_kept_panel), the panel two ahead prefetched. With an activation `act`
+// (a gated MLP's fused [gate | up] projection, N/2 columns each, a whole number of
+// panels): y is [M, N/2], act(gate) * up, each item a gate panel and its up panel: their
+// sums into two buffers, then the activation into y, so the float32 sums of the 2 N
+// columns never cross memory (docs/cpu_kernels.md).
+template <class Wt, int S>
+void amx_rows_by_panel(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int64_t K, const typename Wt::T* P,
+                       int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+                       int32_t act, const std::function<void(int64_t)>& pack) {
+  const int64_t depth = amx_depth(K), panel_size = Wt::panel_size(K);
   // panel p times tiles t0..t1-1 into y's columns p' 32.. (y of `ldy` columns)
   const auto panel_into = [&](int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy, int64_t p_out) {
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
@@ -1030,38 +1050,19 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
       amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, y, ldy, p_out, cols,
                             p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr);
     } else {
-      const int64_t groups = (K >> group_shift) * kPanel;
-      Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
-                      group_shift};
-      // float16 scales read as they are where pairs_step_of converts every step (whole steps,
-      // K a multiple of 32), else widened for the item (a copy from memory per item)
-      if (scales.half) {
-        panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
-        if constexpr (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
-      }
-      if (!scales.half || K % (2 * kStepPairs) != 0 || !fast_step_ready<Wt, S>(panel, 0, K / 2)) {
-        panel.half_scale = panel.half_min = nullptr;
-        thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
-        panel.scale = scales.floats(p * groups, groups, wide_scales);
-        if constexpr (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
-      }
-      if (t1 - t0 <= 2) return amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, y, ldy, p_out, cols);
-      thread_local jaxllm::LineVector<uint16_t> pairs;
-      pairs.resize(depth * 2 * kPanel);
-      bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
-      amx_tiles_times_panel(XT, M, K, t0, t1, pairs.data(), (K + 1) / 2, y, ldy, p_out, cols);
+      const Panel<Wt> panel = amx_kept_panel<Wt, S>(P, p, num_panels, K, scales, mins, group_shift, true);
+      amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, y, ldy, p_out, cols);
     }
   };
   if (act == jaxllm::kNoActivation) {
-    pack_then_multiply<kAmxRows, kBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    pack_then_multiply<kAmxRows, 2 * kAmxRows>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
       panel_into(p, t0, t1, Y, N, p);
     }, kAmxHooks);
     return;
   }
   const int64_t half = num_panels / 2, F = N / 2;
-  pack_then_multiply<kAmxRows, kBlock>(pool, M, half, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-    // [M][32] each, of which the item writes and reads its block's rows (in L2)
-    thread_local jaxllm::LineVector<float> gate, up;
+  pack_then_multiply<kAmxRows, 2 * kAmxRows>(pool, M, half, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    thread_local jaxllm::LineVector<float> gate, up;  // [M][32] each; the item's rows written and read
     gate.resize(M * kPanel);
     up.resize(M * kPanel);
     panel_into(p, t0, t1, gate.data(), kPanel, 0);
@@ -1069,6 +1070,85 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
     for (int64_t r = t0 * kAmxRows; r < std::min(M, t1 * kAmxRows); ++r)
       jaxllm::glu_row(gate.data() + r * kPanel, up.data() + r * kPanel, kPanel, Y + r * F + p * kPanel, act);
   }, kAmxHooks);
+}
+
+// The same from three tiles of x on (prefill chunks): an item is a row block times a group
+// of up to kAmxGroup panels (of y's; a gated projection's gate panels, each with its up
+// panel), a pair of x's tiles at a time times each panel of the group: the pair (36 KB at
+// K = 576) stays in L1 while the panels stream past it in order, where a panel per item
+// (its 36 KB in L1 and each pair of tiles streaming past it, 16 rows 1152 bytes apart)
+// ran the tile unit at about two thirds of this rate (docs/cpu_kernels.md). Kept panels
+// are converted to pairs once per item. Groups are sized for about three items a thread.
+template <class Wt, int S>
+void amx_rows_grouped(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int64_t K, const typename Wt::T* P,
+                      int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+                      int32_t act, const std::function<void(int64_t)>& pack) {
+  constexpr int64_t kBlock = kIsPairs<Wt> ? kAmxRowBlock : kAmxConvertedRowBlock;
+  const bool gated = act != jaxllm::kNoActivation;
+  const int64_t depth = amx_depth(K), panel_size = Wt::panel_size(K), pair_size = depth * 2 * kPanel;
+  const int64_t out_panels = gated ? num_panels / 2 : num_panels, ldy = gated ? N / 2 : N;
+  const int64_t blocks = (M + kBlock - 1) / kBlock;
+  const int64_t group = std::clamp<int64_t>(out_panels * blocks / (3 * pool.num_threads()), 1, kAmxGroup);
+  const int64_t groups = (out_panels + group - 1) / group;
+  pack_then_multiply<kAmxRows, kBlock>(pool, M, groups, pack, [&](int64_t g, int64_t t0, int64_t t1) {
+    const int64_t p0 = g * group, n = std::min(out_panels, p0 + group) - p0;
+    const uint16_t* w[2][kAmxGroup];  // the item's panels as pairs: [y's panel (gate)], [up]
+    thread_local jaxllm::LineVector<uint16_t> converted;
+    if constexpr (!kIsPairs<Wt>) converted.resize((gated ? 2 : 1) * n * pair_size);
+    for (int set = 0; set < (gated ? 2 : 1); ++set)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = p0 + i + set * out_panels;
+        if constexpr (kIsPairs<Wt>) {
+          w[set][i] = P + p * panel_size;
+        } else {
+          uint16_t* to = converted.data() + (set * n + i) * pair_size;
+          bf16_pairs_panel<Wt, S>(amx_kept_panel<Wt, S>(P, p, num_panels, K, scales, mins, group_shift, true), K, to);
+          w[set][i] = to;
+        }
+      }
+    alignas(64) float gate[2 * kAmxRows * kPanel], up[2 * kAmxRows * kPanel];  // a pair of tiles' sums
+    for (int64_t t = t0; t < t1; t += 2) {
+      const int64_t te = std::min(t1, t + 2), r0 = t * kAmxRows, rows = std::min(M, te * kAmxRows) - r0;
+      const uint16_t* xt = XT + t * kAmxRows * 2 * depth;  // the pair's tiles, as tiles 0 and 1 of `rows` rows
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = p0 + i;
+        // plain panels: the first pair's pass over a panel prefetches the panel two ahead
+        // (in y's order) into L2; kept ones were converted at the item's start
+        const auto ahead = [&](int set) -> const uint16_t* {
+          if constexpr (kIsPairs<Wt>)
+            return t == t0 && p + 2 < out_panels ? P + (p + 2 + set * out_panels) * panel_size : nullptr;
+          else
+            return nullptr;
+        };
+        if (!gated) {
+          const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+          amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, Y + r0 * N, N, p, cols, ahead(0));
+          continue;
+        }
+        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, gate, kPanel, 0, kPanel, ahead(0));
+        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[1][i], (K + 1) / 2, up, kPanel, 0, kPanel, ahead(1));
+        for (int64_t r = 0; r < rows; ++r)
+          jaxllm::glu_row(gate + r * kPanel, up + r * kPanel, kPanel, Y + (r0 + r) * ldy + p * kPanel, act);
+      }
+    }
+  }, kAmxHooks);
+}
+
+// dense_rows' bfloat16 pairs by AMX: plain bfloat16 panels, or grouped ones (S) each
+// weight dequantized and rounded to bfloat16; x packed per tile (amx_pack) by the same
+// parallel pass, then by panel (decode sizes) or by groups of panels (from three tiles).
+template <class Wt, int S>
+void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
+              int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+              int32_t act = jaxllm::kNoActivation) {
+  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows, depth = amx_depth(K);
+  thread_local jaxllm::LineVector<uint16_t> packed;
+  packed.resize(tiles * kAmxRows * 2 * depth);
+  uint16_t* XT = packed.data();
+  const std::function<void(int64_t)> pack = [&](int64_t t) { amx_pack(X, M, K, t, XT + t * kAmxRows * 2 * depth); };
+  if (tiles <= 2)
+    return amx_rows_by_panel<Wt, S>(pool, XT, M, K, P, num_panels, N, Y, scales, mins, group_shift, act, pack);
+  amx_rows_grouped<Wt, S>(pool, XT, M, K, P, num_panels, N, Y, scales, mins, group_shift, act, pack);
 }
 #else
 constexpr bool amx_ready() { return false; }

@@ -144,17 +144,18 @@ def test_both_bfloat16_paths_give_the_same_sums(m, k, n, weights):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (16, 576, 96), (17, 33, 40), (32, 96, 64), (45, 1536, 33),
-                                   (100, 65, 200), (200, 576, 3072), (530, 96, 64)])
+                                   (48, 96, 709), (100, 65, 200), (200, 576, 3072), (530, 96, 64)])
 @pytest.mark.parametrize("weights", ["bfloat16", "q4_1", "q8_0", "gguf_int8"])
 def test_amx_tiles_sum_the_bfloat16_products(m, k, n, weights):
     """AMX's tiles (`bf16_tiles` amx, where the CPU has them) multiply the same bfloat16
     values as vdpbf16ps and sum them in float32 in the tile unit's order: within float32
     rounding of the exact sums (float64 of the bfloat16 values), and of vdpbf16ps's.
-    Rows around the 16-row tiles and pairs of them and past an item's block of rows (96
-    for bfloat16 panels, 512 for converted ones), odd depths and depths that are not
-    whole 32-input steps (zeros past K; a kept panel of 16-input groups ends mid-step),
-    widths that are not whole panels. A kept panel's item of at most 32 rows converts it
-    a step at a time, a larger one all at once: the same pairs."""
+    Rows around the 16-row tiles and pairs of them and past an item's block of rows (512),
+    odd depths and depths that are not whole 32-input steps (zeros past K; a kept panel of
+    16-input groups ends mid-step), widths that are not whole panels, and from three tiles
+    items of several panels (23 panels: groups of 3 on two threads, the last of 2, its
+    last panel 5 columns). A kept panel's item of at most 32 rows converts it a step at a
+    time, a larger one all at once: the same pairs."""
     if not cpu_kernels.has_amx():  # the kernels build for every other test here
         pytest.skip("this CPU (or its OS) has no AMX")
     rng = np.random.default_rng(m * 100 + k)
@@ -208,20 +209,21 @@ def test_kept_blocks_on_amx_sum_their_bfloat16_values_as_plain_panels(m, weights
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("m,rows", [(64, 64), (100, 77), (530, 530), (16, 9)])
+@pytest.mark.parametrize("m,rows,f", [(64, 64, 64), (100, 77, 64), (530, 530, 64), (16, 9, 64), (200, 190, 1600)])
 @pytest.mark.parametrize("weights", ["bfloat16", "q4_1"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_the_gate_up_projection_applies_the_activation(m, rows, weights, act):
+def test_the_gate_up_projection_applies_the_activation(m, rows, f, weights, act):
     """A gated MLP's [gate | up] panels giving act(gate) * up themselves (formats.Panels.
     gated_matmul: each item a gate panel and its up panel on AMX's tiles): the same sums as
     the plain projection, then the activation (a few ulps: exp and the reciprocal computed
-    otherwise than XLA's), padding rows zeros. Blocks of rows (96 for bfloat16 panels, 512
-    for converted ones) and items of one or two tiles (converted a step at a time); the
-    other tiles (vdpbf16ps) compute the whole projection first, the same sums."""
+    otherwise than XLA's), padding rows zeros. Items of one or two tiles (converted a step
+    at a time), and from three tiles blocks of up to 512 rows times groups of gate panels,
+    each with its up panel (50 of them: groups of 8 on two threads, 4 on four, the last
+    of 2); the other tiles (vdpbf16ps) compute the whole projection first, the same sums."""
     if not cpu_kernels.has_amx():
         pytest.skip("this CPU (or its OS) has no AMX")
     rng = np.random.default_rng(m + rows)
-    k, f = 96, 64
+    k = 96
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, 2 * f)) / 4).astype(np.float32)
     if weights == "bfloat16":
