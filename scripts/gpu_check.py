@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -179,15 +180,21 @@ def run_check(check: Check, seconds_left: float, log: Path | None = None) -> Res
     check = dataclasses.replace(check, timeout=min(check.timeout, seconds_left))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **check.env)
     start = time.perf_counter()
+    # its own process group, killed whole on a timeout: a benchmark's grandchild left running
+    # would keep its GPU memory (XLA takes 75%) and every later check would run out of it
+    proc = subprocess.Popen(check.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(check.cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=check.timeout)
-        _append(log, check.name, proc.stdout + proc.stderr)
+        stdout, stderr = proc.communicate(timeout=check.timeout)
+        _append(log, check.name, stdout + stderr)
         status = "pass" if proc.returncode == 0 else "FAIL"
-        picked = [ln.strip() for ln in proc.stdout.splitlines() if check.pick and ln.startswith(check.pick)]
-        lines = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+        picked = [ln.strip() for ln in stdout.splitlines() if check.pick and ln.startswith(check.pick)]
+        lines = [ln for ln in (stdout + "\n" + stderr).splitlines() if ln.strip()]
         detail = " / ".join(" ".join(ln.split()) for ln in picked) if picked and status == "pass" else _summary(lines, status)
-    except subprocess.TimeoutExpired as e:
-        _append(log, check.name + " (timed out)", _text(e.stdout) + _text(e.stderr))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        _append(log, check.name + " (timed out)", _text(stdout) + _text(stderr))
         status, detail = "FAIL", f"timed out after {check.timeout:.0f} s"
     return Result(check.name, status, time.perf_counter() - start, detail)
 

@@ -183,6 +183,13 @@ class CompilationManager:
 
 
 
+    def layout(self, shape: StepShape) -> PackLayout:
+        """How `shape`'s inputs pack into one buffer (its executable compiled first where
+        warm-up did not: an engine started with `warm_up=False` compiles on first use)."""
+        if shape not in self.layouts:
+            self.get(shape)
+        return self.layouts[shape]
+
     def get(self, shape: StepShape):
         """The executable of `shape` (compiled now, and counted as a bug, if warm-up did not)."""
         compiled = self._compiled.get(shape)

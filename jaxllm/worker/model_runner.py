@@ -613,7 +613,7 @@ class ModelRunner:
         transfer, allowed here alone (the tests run the hot path under
         jax.transfer_guard("disallow")) and converted by the call itself, which costs
         less than an explicit jax.device_put (docs/bench-log/2026-11-22..29-cpu-serving.md)."""
-        packed, separate = self.compilation.layouts[step.shape].pack(step.inputs)
+        packed, separate = self.compilation.layout(step.shape).pack(step.inputs)
         with jax.transfer_guard_host_to_device("allow"):
             return self._run(step, packed, separate)
 
@@ -630,7 +630,7 @@ class ModelRunner:
         """The median seconds of `step`'s executable called back to back with its inputs
         already on the device: the device's share of a step (scripts/bench_host.py).
         Runs the step `reps` times over the live caches: for benchmarks only."""
-        packed, separate = jax.device_put(self.compilation.layouts[step.shape].pack(step.inputs))
+        packed, separate = jax.device_put(self.compilation.layout(step.shape).pack(step.inputs))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()

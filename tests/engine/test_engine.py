@@ -419,6 +419,27 @@ def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models
     assert not [k for k, v in vars(jaxllm.platform).items() if k.startswith("_") and isinstance(v, pathlib.Path)]
 
 
+def test_an_engine_without_warm_up_compiles_on_first_use(test_models_dir):
+    """`warm_up=False` (scripts/bench_host.py: only the buckets a configuration runs) steps
+    as a warmed-up engine does: each bucket is compiled when first called."""
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.engine.core import EngineCore
+
+    small = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=4, kv_cache_memory=8 * KV_BYTES_PER_BLOCK,
+                 num_scheduler_steps=1)
+    expected = make_llm(test_models_dir, **small).generate([[5, 6, 7, 8, 9]], greedy(5), use_tqdm=False)[0]
+    core = EngineCore(EngineConfig(model=str(test_models_dir / "llama"), attention_backend="cpu",
+                                   linear_backend="cpu", **small), progress=False, warm_up=False)
+    assert not core.runner.compilation._compiled
+    core.add_requests([EngineCoreRequest("r", [5, 6, 7, 8, 9], greedy(5), None, 0.0)])
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step().outputs for t in out.new_token_ids]
+    assert tokens == expected.outputs[0].token_ids
+    assert core.runner.num_compilations_after_warmup == 0 and core.runner.compilation._compiled
+    core.close()
+
+
 def test_warm_restart_loads_every_executable(test_models_dir, tmp_path):
     """A second process with the same compilation cache compiles nothing: every step
     executable comes from the store, and the tokens are the same."""
