@@ -181,8 +181,6 @@ class CompilationManager:
         self._compiled[shape] = compiled
         return compiled, loaded
 
-
-
     def layout(self, shape: StepShape) -> PackLayout:
         """How `shape`'s inputs pack into one buffer (its executable compiled first where
         warm-up did not: an engine started with `warm_up=False` compiles on first use)."""
