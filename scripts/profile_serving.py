@@ -12,7 +12,7 @@ kv_write, o_proj, mlp, logits, ...; what no scope names, such as the sampler and
 norms, is "other"), reading each thunk's scope from the compiled step's HLO metadata.
 
 Printed: per shape, the calls the workload made, their wall time per call, and the
-parts of one call run alone; then the workload's seconds by part (each shape's parts
+parts of one call run alone (the median of `--reps` calls); then the workload's seconds by part (each shape's parts
 times its calls) and the host's share (wall minus the device time of the calls alone).
 
     .venv/bin/python scripts/profile_serving.py
@@ -49,39 +49,79 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     return scopes
 
 
-def thunk_seconds(trace_dir: str) -> dict[str, float]:
-    """Seconds per HLO op (the thunks' `hlo_op`) in the perfetto trace under `trace_dir`."""
+CALL = "profile_serving.call"  # the annotation around each profiled call
+
+
+def _trace_events(trace_dir: str) -> list[dict]:
+    """The complete ("X") events of the perfetto trace under `trace_dir`."""
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     data = json.load(gzip.open(path))
     events = data["traceEvents"] if isinstance(data, dict) else data
-    out: dict[str, float] = collections.defaultdict(float)
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _thunks(events: list[dict]):
+    """(hlo_op, start, seconds) of each thunk among `events`."""
     for e in events:
         op = e.get("args", {}).get("hlo_op")
-        if e.get("ph") == "X" and op and not e["name"].startswith("end:"):
-            out[op] += e["dur"] * 1e-6
+        if op and not e["name"].startswith("end:"):
+            yield op, e["ts"], e["dur"] * 1e-6
+
+
+def thunk_seconds(trace_dir: str) -> dict[str, float]:
+    """Seconds per HLO op (the thunks' `hlo_op`) in the perfetto trace under `trace_dir`."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for op, _, seconds in _thunks(_trace_events(trace_dir)):
+        out[op] += seconds
     return out
 
 
+def thunk_seconds_per_call(trace_dir: str, name: str = CALL) -> list[dict[str, float]]:
+    """Seconds per HLO op of each call annotated `name` (jax.profiler.TraceAnnotation),
+    in order: the thunks that start inside its window."""
+    events = _trace_events(trace_dir)
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == name)
+    calls: list[dict[str, float]] = [collections.defaultdict(float) for _ in windows]
+    for op, start, seconds in _thunks(events):
+        i = next((i for i, (a, b) in enumerate(windows) if a <= start <= b), None)
+        if i is not None:
+            calls[i][op] += seconds
+    return calls
+
+
 def profile_shape(runner, step, reps: int, top_other: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per call of `step`'s executable alone, by scope (and "total"); and the
-    `top_other` HLO ops no scope names, with their seconds."""
+    """Seconds of `step`'s executable alone, by scope (and "total"), each the median over
+    `reps` calls (one call disturbed on a shared machine moves a mean, not a median: once
+    it put the parts' sum over the workload's wall); and the `top_other` HLO ops no
+    scope names, with their mean seconds."""
     import jax
+    import numpy as np
 
     runner.time_step_alone(step, 2)  # warm
     scopes = op_scopes(runner.compilation.get(step.shape).as_text())
+    walls = []
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
-        start = time.perf_counter()
-        runner.time_step_alone(step, reps)
-        total = (time.perf_counter() - start) / reps
+        for _ in range(reps):
+            with jax.profiler.TraceAnnotation(CALL):
+                walls.append(runner.time_step_alone(step, 1))
         jax.profiler.stop_trace()
-        per_op = thunk_seconds(d)
-    parts: dict[str, float] = collections.defaultdict(float)
-    for op, s in per_op.items():
-        parts[scopes.get(op, "other")] += s / reps
-    parts["total"] = total
-    unnamed = sorted(((s / reps, op) for op, s in per_op.items() if scopes.get(op, "other") == "other"), reverse=True)
-    return dict(parts), {op: s for s, op in unnamed[:top_other]}
+        calls = thunk_seconds_per_call(d)
+    by_call = []
+    for per_op in calls:
+        parts_of_call: dict[str, float] = collections.defaultdict(float)
+        for op, s in per_op.items():
+            parts_of_call[scopes.get(op, "other")] += s
+        by_call.append(parts_of_call)
+    names = {k for c in by_call for k in c}
+    parts = {k: float(np.median([c.get(k, 0.0) for c in by_call])) for k in names}
+    parts["total"] = float(np.median(walls))
+    per_op_mean: dict[str, float] = collections.defaultdict(float)
+    for per_op in calls:
+        for op, s in per_op.items():
+            per_op_mean[op] += s / len(calls)
+    unnamed = sorted(((s, op) for op, s in per_op_mean.items() if scopes.get(op, "other") == "other"), reverse=True)
+    return parts, {op: s for s, op in unnamed[:top_other]}
 
 
 def run(args) -> dict:
@@ -162,7 +202,7 @@ def main() -> None:
     p.add_argument("--engine-args", default="", help="engine options as `python -m jaxllm.serve` takes them")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32, help="the clients: requests running at once")
-    p.add_argument("--reps", type=int, default=5, help="calls of each step shape under the profiler")
+    p.add_argument("--reps", type=int, default=5, help="calls of each step shape under the profiler (each part: their median)")
     p.add_argument("--top-other", type=int, default=0,
                    help="also print, per shape, this many of the HLO ops no scope names (\"other\") with their ms")
     p.add_argument("--out", default=None, help="also write the report as JSON")

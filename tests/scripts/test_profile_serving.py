@@ -2,6 +2,8 @@
 (read from a compiled function's HLO metadata and JAX's own perfetto trace), and the
 engine options parsed by the server's parser."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import profile_serving
@@ -32,6 +34,32 @@ def test_thunks_are_split_by_scope(tmp_path):
     per_op = profile_serving.thunk_seconds(str(tmp_path))
     assert per_op and set(per_op) <= set(scopes)
     assert {scopes[op] for op in per_op} >= {"mlp", "attention"}
+
+
+def test_thunks_are_split_by_call(tmp_path):
+    """Each annotated call gets the thunks that ran inside it: two calls, each with the
+    scopes' ops, none outside a call counted, each call's seconds within its window."""
+    x, w = jnp.ones((256, 256)), jnp.ones((256, 256)) / 256
+    compiled = jax.jit(_scoped).lower(x, w).compile()
+    scopes = profile_serving.op_scopes(compiled.as_text())
+    compiled(x, w).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path), create_perfetto_trace=True)
+    compiled(x, w).block_until_ready()  # outside any call: not counted
+    walls = []
+    for _ in range(2):
+        with jax.profiler.TraceAnnotation(profile_serving.CALL):
+            start = time.perf_counter()
+            compiled(x, w).block_until_ready()
+            walls.append(time.perf_counter() - start)
+    jax.profiler.stop_trace()
+    calls = profile_serving.thunk_seconds_per_call(str(tmp_path))
+    whole = profile_serving.thunk_seconds(str(tmp_path))
+    assert len(calls) == 2
+    for per_op, wall in zip(calls, walls):
+        assert {scopes[op] for op in per_op} >= {"mlp", "attention"}
+        assert 0 < sum(per_op.values()) <= wall * 1.05
+    for op in whole:  # the unannotated call's thunks are in the whole trace alone
+        assert whole[op] > sum(c.get(op, 0.0) for c in calls)
 
 
 def test_engine_args_parse_as_the_server_does():
