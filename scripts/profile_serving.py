@@ -12,8 +12,9 @@ kv_write, o_proj, mlp, logits, ...; what no scope names, such as the sampler and
 norms, is "other"), reading each thunk's scope from the compiled step's HLO metadata.
 
 Printed: per shape, the calls the workload made, their wall time per call, and the
-parts of one call run alone (the median of `--reps` calls); then the workload's seconds by part (each shape's parts
-times its calls) and the host's share (wall minus the device time of the calls alone).
+parts of one call run alone (each the median of `--reps` calls); then the workload's
+seconds by part (each shape's parts times its calls) and the host's share (wall minus
+the device time of the calls alone).
 
     .venv/bin/python scripts/profile_serving.py
     .venv/bin/python scripts/profile_serving.py --engine-args "--kv-cache-dtype bfloat16" --out p.json
@@ -68,14 +69,6 @@ def _thunks(events: list[dict]):
             yield op, e["ts"], e["dur"] * 1e-6
 
 
-def thunk_seconds(trace_dir: str) -> dict[str, float]:
-    """Seconds per HLO op (the thunks' `hlo_op`) in the perfetto trace under `trace_dir`."""
-    out: dict[str, float] = collections.defaultdict(float)
-    for op, _, seconds in _thunks(_trace_events(trace_dir)):
-        out[op] += seconds
-    return out
-
-
 def thunk_seconds_per_call(trace_dir: str, name: str = CALL) -> list[dict[str, float]]:
     """Seconds per HLO op of each call annotated `name` (jax.profiler.TraceAnnotation),
     in order: the thunks that start inside its window."""
@@ -107,21 +100,23 @@ def profile_shape(runner, step, reps: int, top_other: int) -> tuple[dict[str, fl
                 walls.append(runner.time_step_alone(step, 1))
         jax.profiler.stop_trace()
         calls = thunk_seconds_per_call(d)
-    by_call = []
-    for per_op in calls:
-        parts_of_call: dict[str, float] = collections.defaultdict(float)
-        for op, s in per_op.items():
-            parts_of_call[scopes.get(op, "other")] += s
-        by_call.append(parts_of_call)
-    names = {k for c in by_call for k in c}
-    parts = {k: float(np.median([c.get(k, 0.0) for c in by_call])) for k in names}
+    by_call = [_summed(per_op, lambda op: scopes.get(op, "other")) for per_op in calls]
+    parts = {k: float(np.median([c.get(k, 0.0) for c in by_call])) for k in {k for c in by_call for k in c}}
     parts["total"] = float(np.median(walls))
-    per_op_mean: dict[str, float] = collections.defaultdict(float)
+    mean: dict[str, float] = collections.defaultdict(float)  # per op, over the calls
     for per_op in calls:
         for op, s in per_op.items():
-            per_op_mean[op] += s / len(calls)
-    unnamed = sorted(((s, op) for op, s in per_op_mean.items() if scopes.get(op, "other") == "other"), reverse=True)
+            mean[op] += s / len(calls)
+    unnamed = sorted(((s, op) for op, s in mean.items() if scopes.get(op, "other") == "other"), reverse=True)
     return parts, {op: s for s, op in unnamed[:top_other]}
+
+
+def _summed(seconds: dict[str, float], key) -> dict[str, float]:
+    """`seconds` (per op) summed by `key(op)`."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for op, s in seconds.items():
+        out[key(op)] += s
+    return out
 
 
 def run(args) -> dict:
