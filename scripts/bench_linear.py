@@ -80,24 +80,27 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
     sums; on a build without AVX512_BF16 both are the float tiles; and by AMX's tiles
     where the CPU has them), and (formats in blocks
     of 32 inputs or a multiple) with int8 and int16 activations (`activations`: integer
-    dot products)."""
+    dot products); 4-bit ones also in bfloat16 from the int16 dot layout (BF16_STEP: the
+    bfloat16 sums, from the copy int16 reads)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxllm import cpu_kernels
-    from jaxllm.models.linear import linear, pack_weight
+    from jaxllm.models.linear import bf16_tiles, linear, pack_weight
+    from jaxllm.models.params import BF16_STEP
     from jaxllm.models.quant import activation_quantization_ready, dequantize, quantize_weight
 
     rng = np.random.default_rng(0)
     print(f"{fmt_name}: GFLOP/s of the kernel multiplying kept blocks in float32 / in bfloat16, "
           "bfloat16 panels of the same matrix (bfloat16 by vdpbf16ps / by the float tiles"
           f"{'' if cpu_kernels.has_bf16_dot() else ': this build has no vdpbf16ps, both are float tiles'}), "
-          "and the blocks with int8 / int16 activations (blocks of 32 inputs or a multiple)")
+          "and the blocks with int8 / int16 activations (blocks of 32 inputs or a multiple); bf16 xdot: "
+          "4-bit blocks in bfloat16 (vdpbf16ps) from the int16 dot layout")
     amx = cpu_kernels.has_amx()
     print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bf16 dot':>9} {'bf16 fl':>9} {'panels dot':>11} "
           f"{'panels fl':>10} {'int8 x':>8} {'int16 x':>8} {'bf16/f32':>9} {'fl/dot':>7} {'int8x/f32':>10} "
-          f"{'int16x/f32':>11}" + (f" {'bf16 amx':>9} {'panels amx':>11}" if amx else ""))
+          f"{'int16x/f32':>11} {'bf16 xdot':>10} {'xdot/int16x':>12}" + (f" {'bf16 amx':>9} {'panels amx':>11}" if amx else ""))
     kernel = jax.jit(lambda x, p: linear(x, p))
     for k, n in SHAPES:
         q = quantize_weight(rng.standard_normal((k, n), np.float32), fmt_name)
@@ -106,6 +109,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
         panels = pack_weight(dequantize(q16))
         ready = activation_quantization_ready(q)
         xq = [pack_weight(q.replace(activations=a)) if ready else None for a in ("int8", "int16")]
+        xdot = bf16_tiles(xq[1], BF16_STEP) if ready and q.bits == 4 else None
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
             np.testing.assert_array_equal(np.asarray(kernel(x, bf16)), np.asarray(kernel(x, panels)))
@@ -113,14 +117,16 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
                                           np.asarray(kernel(x, bf16.replace(bf16_tiles="float"))))
             layouts = (f32, bf16, bf16.replace(bf16_tiles="float"), panels, panels.replace(bf16_tiles="float"))
             t = [timed(kernel, x, w, iters=iters) for w in layouts]
-            t += [timed(kernel, x, w, iters=iters) if w is not None else float("nan") for w in xq]
+            if xdot is not None:
+                np.testing.assert_array_equal(np.asarray(kernel(x, xdot)), np.asarray(kernel(x, bf16)))
+            t += [timed(kernel, x, w, iters=iters) if w is not None else float("nan") for w in (*xq, xdot)]
             if amx:
                 t += [timed(kernel, x, w.replace(bf16_tiles="amx"), iters=iters) for w in (bf16, panels)]
             g = [2 * m * k * n / s / 1e9 for s in t]
             best16 = min(t[1], t[2])
             print(f"{m:>5} {k:>5} {n:>6} {g[0]:>9.1f} {g[1]:>9.1f} {g[2]:>9.1f} {g[3]:>11.1f} {g[4]:>10.1f} "
                   f"{g[5]:>8.1f} {g[6]:>8.1f} {t[0] / best16:>9.2f} {t[1] / t[2]:>7.2f} {t[0] / t[5]:>10.2f} "
-                  f"{t[0] / t[6]:>11.2f}" + (f" {g[7]:>9.1f} {g[8]:>11.1f}" if amx else ""))
+                  f"{t[0] / t[6]:>11.2f} {g[7]:>10.1f} {t[6] / t[7]:>12.2f}" + (f" {g[8]:>9.1f} {g[9]:>11.1f}" if amx else ""))
 
 
 def run_experts(experts: int, fmt_name: str, rows: list[int], iters: int) -> None:

@@ -2056,6 +2056,162 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
   });
 }
 
+// bfloat16 activations over the dot layout's blocks (the *_xbf16 handlers): what the float
+// layout's blocks multiply with `bf16` (x and each dequantized weight rounded to bfloat16,
+// float32 sums: `activation_quantization` bfloat16), from the arrays the int16 handlers
+// read, so one copy of the blocks serves both, the start-up measurement picking per step
+// shape (int16 won up to ~32 rows on a Zen 4, bfloat16 from ~128:
+// docs/bench-log/2026-12-04-zen4.md). Each panel is converted to bfloat16 pairs once per
+// item, then multiplied by the BF16Pairs tiles: the same weights, pairs and order as
+// bf16_pairs_panel's from the float layout, so the same sums bit for bit.
+struct BF16Acts {};  // DenseX8's Q for these handlers
+#ifndef JAXLLM_XBF16_BLOCK
+#define JAXLLM_XBF16_BLOCK 96
+#endif
+constexpr int64_t kDotBF16RowBlock = JAXLLM_XBF16_BLOCK;
+
+// Input k of column c of a dot-layout panel: the nibble (Q4_0's still + 8) or the int8 value.
+template <int kBits>
+inline int dot_value(const uint8_t* w, int64_t k, int c) {
+  if constexpr (kBits == 8) return static_cast<int8_t>(w[(k / 4) * kDotRow + c * 4 + (k % 4)]);
+  const uint8_t byte = w[(k / 8) * kDotRow + c * 4 + (k % 4)];
+  return (k % 8) < 4 ? byte & 0x0F : byte >> 4;
+}
+
+// Inputs k0..k0+31 (one block) of a dot-layout panel as bfloat16 pairs [16][32][2], each
+// weight as scaled<S | kRoundBF16> makes it (kLanes columns a vector): any build.
+template <int kBits, int kZero, int S>
+inline void dot_pairs_block_any(const uint8_t* w, const float* sc, const float* mn, int group_shift, int64_t k0,
+                                uint16_t* out) {
+  const int64_t g = (k0 >> group_shift) * kPanel;
+  for (int64_t k = k0; k < k0 + kXBlock; ++k) {
+    for (int c = 0; c < kPanel; c += jaxllm::kLanes) {
+      f32xN q, s = loadN(sc + g + c), m{};
+      if constexpr (S == kGroupScalesMins) m = loadN(mn + g + c);
+      for (int l = 0; l < jaxllm::kLanes; ++l) q[l] = static_cast<float>(dot_value<kBits>(w, k, c + l) - kZero);
+      const f32xN v = scaled<S | kRoundBF16>(q, s, m);
+      for (int l = 0; l < jaxllm::kLanes; ++l) out[(k - k0) / 2 * 2 * kPanel + 2 * (c + l) + (k & 1)] = bf16_bits(v[l]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__) && JAXLLM_LANES == 16
+// The same with AVX512_BF16: 16 columns of a dot row (64 bytes: 4 inputs a column, as
+// bytes, or as the low and the high nibbles of 4-bit ones) widened 4 columns at a time,
+// so each column's 4 inputs lie side by side, scaled (each column's scale repeated 4
+// times), rounded by vcvtne2ps2bf16 into pairs of 8 columns, and each column's two pairs
+// split into their rows by vpermt2d.
+template <int kBits, int kZero, int S>
+inline void dot_pairs_block(const uint8_t* w, const float* sc, const float* mn, int group_shift, int64_t k0,
+                            uint16_t* out) {
+  const int64_t g = (k0 >> group_shift) * kPanel;
+  f32xN s[2][4], m[2][4] = {};
+  const __m512i quad = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 sv = _mm512_loadu_ps(sc + g + 16 * h);
+    const __m512 mv = S == kGroupScalesMins ? _mm512_loadu_ps(mn + g + 16 * h) : _mm512_setzero_ps();
+    for (int q = 0; q < 4; ++q) {
+      const __m512i four = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * q));  // columns 4q.. each 4 times
+      s[h][q] = (f32xN)_mm512_permutexvar_ps(four, sv);
+      if constexpr (S == kGroupScalesMins) m[h][q] = (f32xN)_mm512_permutexvar_ps(four, mv);
+    }
+  }
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  constexpr int kHalves = kBits == 4 ? 2 : 1, kInputs = 4 * kHalves;  // inputs a dot row holds
+  for (int i = 0; i < kDotSteps<kBits>; ++i) {  // dot row i: inputs k0 + kInputs i ..
+    for (int h = 0; h < 2; ++h) {  // columns 16h ..
+      const __m512i bytes = _mm512_loadu_si512(w + (k0 / kInputs + i) * kDotRow + 64 * h);
+      for (int half = 0; half < kHalves; ++half) {  // inputs kInputs i + 4 half .. + 3
+        const __m512i v = kBits == 8 ? bytes
+                          : half   ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)
+                                   : _mm512_and_si512(bytes, nibble);
+        const __m128i chunk[4] = {_mm512_castsi512_si128(v), _mm512_extracti32x4_epi32(v, 1),
+                                  _mm512_extracti32x4_epi32(v, 2), _mm512_extracti32x4_epi32(v, 3)};
+        f32xN f[4];
+        for (int q = 0; q < 4; ++q) {  // columns 16h + 4q .. + 3, their 4 inputs each
+          const __m512i ints = kBits == 8 ? _mm512_cvtepi8_epi32(chunk[q]) : _mm512_cvtepu8_epi32(chunk[q]);
+          f[q] = (f32xN)_mm512_cvtepi32_ps(ints);
+          if constexpr (kZero != 0) f[q] -= splatN(static_cast<float>(kZero));
+          f[q] = scaled<S>(f[q], s[h][q], m[h][q]);
+        }
+        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh((__m512)f[1], (__m512)f[0]);  // columns 16h .. + 7
+        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)f[3], (__m512)f[2]);  // 16h + 8 .. + 15
+        uint16_t* row = out + (kInputs * i + 4 * half) / 2 * 2 * kPanel + 2 * 16 * h;
+        _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, even, hi));
+        _mm512_storeu_si512(row + 2 * kPanel, _mm512_permutex2var_epi32(lo, odd, hi));
+      }
+    }
+  }
+}
+#endif
+
+// A dot-layout panel (K a multiple of 32, groups of 32 inputs or more) as bfloat16 pairs
+// [K/2][32][2], float32 scales (and mins: kMins) [K/G][32]; the panel two ahead prefetched
+// block by block.
+template <int kBits, int kZero, bool kMins>
+void dot_pairs_panel(const uint8_t* w, const float* sc, const float* mn, int group_shift, int64_t K,
+                     const uint8_t* prefetch, uint16_t* out) {
+  constexpr int S = kMins ? kGroupScalesMins : kGroupScales;
+  constexpr int64_t kBlockBytes = kDotSteps<kBits> * kDotRow;
+  for (int64_t k0 = 0; k0 < K; k0 += kXBlock) {
+    if (prefetch)
+      for (int l = 0; l < kBlockBytes / 64; ++l) __builtin_prefetch(prefetch + k0 / kXBlock * kBlockBytes + 64 * l);
+#if defined(__AVX512BF16__) && JAXLLM_LANES == 16
+    dot_pairs_block<kBits, kZero, S>(w, sc, mn, group_shift, k0, out + k0 / 2 * 2 * kPanel);
+#else
+    dot_pairs_block_any<kBits, kZero, S>(w, sc, mn, group_shift, k0, out + k0 / 2 * 2 * kPanel);
+#endif
+  }
+}
+
+// y[M, N] = x[M, K] rounded to bfloat16 @ the dot-layout panels, each weight dequantized
+// and rounded to bfloat16, by the tiles `tiles` names (BF16Tiles: vdpbf16ps where the
+// build has it, else the float tiles; the same sums); shapes checked by the caller.
+template <int kBits, int kZero, bool kMins>
+void dense_rows_dot_bf16(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P,
+                         int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
+                         int32_t tiles) {
+  with_bf16_tiles(tiles, [&](auto use_dot) {
+    using Tiles = BF16Pairs<decltype(use_dot)::value>;
+    const int64_t depth = Tiles::depth(K), panel_bytes = K / kXBlock * kDotSteps<kBits> * kDotRow;
+    const int64_t groups = (K >> group_shift) * kPanel;
+    thread_local jaxllm::LineVector<typename Tiles::X> packed;
+    packed.resize((M + kTileRows - 1) / kTileRows * kTileRows * depth);
+    typename Tiles::X* XT = packed.data();
+    const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
+    pack_then_multiply<kTileRows, kDotBF16RowBlock>(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+      thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
+      thread_local jaxllm::LineVector<uint16_t> pairs;
+      pairs.resize(Tiles::panel_size(K));
+      const float* sc = scales.floats(p * groups, groups, wide_scales);
+      const float* mn = kMins ? mins.floats(p * groups, groups, wide_mins) : nullptr;
+      dot_pairs_panel<kBits, kZero, kMins>(P + p * panel_bytes, sc, mn, group_shift, K,
+                                           p + 2 < num_panels ? P + (p + 2) * panel_bytes : nullptr, pairs.data());
+      const Panel<Tiles> panel{pairs.data(), nullptr, nullptr, nullptr};
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
+        kTileFns<Tiles, kNoScales>[rows](XT + t * kTileRows * depth, panel, depth, Y + t * kTileRows * N + p * kPanel,
+                                         N, cols);
+      }
+    });
+  });
+}
+
+// DenseX8's rows: x quantized to Q, or rounded to bfloat16 (BF16Acts).
+template <class Q, int kBits, bool kMins, int kOffset>
+void rows_x(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const uint8_t* P, int64_t num_panels,
+            int64_t N, float* Y, Scales scales, Scales mins, int group_shift, int32_t tiles) {
+  if constexpr (std::is_same_v<Q, BF16Acts>) {  // Q4_0's nibble + 8 taken off; int8 values signed as stored
+    dense_rows_dot_bf16<kBits, kBits == 4 ? kOffset : 0, kMins>(pool, X, M, K, P, num_panels, N, Y, scales, mins,
+                                                              group_shift, tiles);
+  } else {
+    dense_rows_x8<Q, kBits, kMins, kOffset>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift);
+  }
+}
+
 // Blocks in the dot layout times int8 (Q) or int16 activations: panels [P, K/8, 32, 4] uint8 (4-bit)
 // or [P, K/4, 32, 4] int8, scales (and mins) [P, K/G, 32], G a power of two >= 32
 // dividing K. With `group_sizes` (a mixture of experts, as GroupedDenseScaled): each
@@ -2063,7 +2219,7 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
 template <class Q, int kBits, bool kMins, int kOffset, ffi::DataType kPanelType>
 ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kPanelType> panels,
                    ffi::AnyBuffer scales, const ffi::AnyBuffer* mins, const ffi::Buffer<ffi::S32>* group_sizes,
-                   ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::ResultBuffer<ffi::F32> y, int32_t tiles = kDotTiles) {
   const size_t lead = group_sizes ? 1 : 0;  // the experts axis
   const auto xd = x.dimensions(), pd = panels.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 4 + lead || sd.size() != 3 + lead || yd.size() != 2 || pd[lead + 2] != kPanel ||
@@ -2086,8 +2242,8 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
   const Scales sc = scales_of(&scales), mn = scales_of(mins);
   if (!lead) {
     if (M > 0 && N > 0)
-      dense_rows_x8<Q, kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(),
-                                              sc, mn, shift);
+      rows_x<Q, kBits, kMins, kOffset>(pool, x.typed_data(), M, K, P, num_panels, N, y->typed_data(), sc, mn, shift,
+                                       tiles);
     return ffi::Error::Success();
   }
   const int64_t experts = pd[0], expert_bytes = num_panels * (K / kXBlock) * kDotSteps<kBits> * kDotRow;
@@ -2098,9 +2254,9 @@ ffi::Error DenseX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kP
     if (sizes[e] < 0 || row + sizes[e] > M)
       return ffi::Error::InvalidArgument("dense x8: group_sizes must be >= 0 and sum to at most M");
     if (sizes[e] > 0 && N > 0)
-      dense_rows_x8<Q, kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
-                                              num_panels, N, y->typed_data() + row * N,
-                                              sc.at(e * scale_size), mn.at(e * scale_size), shift);
+      rows_x<Q, kBits, kMins, kOffset>(pool, x.typed_data() + row * K, sizes[e], K, P + e * expert_bytes,
+                                       num_panels, N, y->typed_data() + row * N, sc.at(e * scale_size),
+                                       mn.at(e * scale_size), shift, tiles);
     row += sizes[e];
   }
   std::memset(y->typed_data() + row * N, 0, (M - row) * N * sizeof(float));
@@ -2149,6 +2305,34 @@ constexpr auto DenseQ8_0X8 = DenseQ8_0Xq<int8_t>, DenseQ8_0X16 = DenseQ8_0Xq<int
 constexpr auto GroupedDenseQ4_0X8 = GroupedDenseQ4_0Xq<int8_t>, GroupedDenseQ4_0X16 = GroupedDenseQ4_0Xq<int16_t>;
 constexpr auto GroupedDenseQ4_1X8 = GroupedDenseQ4_1Xq<int8_t>, GroupedDenseQ4_1X16 = GroupedDenseQ4_1Xq<int16_t>;
 constexpr auto GroupedDenseQ8_0X8 = GroupedDenseQ8_0Xq<int8_t>, GroupedDenseQ8_0X16 = GroupedDenseQ8_0Xq<int16_t>;
+// bfloat16 activations over the dot layout (BF16Acts), summed by the tiles `tiles` names
+ffi::Error DenseQ4_0XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                          ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 4, false, 8>(pool, x, panels, scales, nullptr, nullptr, y, tiles);
+}
+ffi::Error DenseQ4_1XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                          ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 4, true, 0>(pool, x, panels, scales, &mins, nullptr, y, tiles);
+}
+ffi::Error DenseQ8_0XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                          ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 8, false, 0>(pool, x, panels, scales, nullptr, nullptr, y, tiles);
+}
+ffi::Error GroupedDenseQ8_0XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                                 ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 8, false, 0>(pool, x, panels, scales, nullptr, &group_sizes, y, tiles);
+}
+ffi::Error GroupedDenseQ4_0XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                                 ffi::AnyBuffer scales, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 4, false, 8>(pool, x, panels, scales, nullptr, &group_sizes, y, tiles);
+}
+ffi::Error GroupedDenseQ4_1XBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
+                                 ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return DenseX8<BF16Acts, 4, true, 0>(pool, x, panels, scales, &mins, &group_sizes, y, tiles);
+}
 
 }  // namespace
 
@@ -2288,6 +2472,61 @@ JAXLLM_DENSE_X8(JaxllmDenseQ4_0X8, DenseQ4_0X8, ffi::U8)
 JAXLLM_DENSE_X8(JaxllmDenseQ8_0X16, DenseQ8_0X16, ffi::S8)
 JAXLLM_DENSE_X8(JaxllmDenseQ4_0X16, DenseQ4_0X16, ffi::U8)
 #undef JAXLLM_DENSE_X8
+
+// bfloat16 activations over the dot layout: Q4_0, Q4_1 (int4) and Q8_0, dense and grouped
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0XBF16, DenseQ8_0XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rounded to bfloat16
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32, K/4, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ8_0XBF16, GroupedDenseQ8_0XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [E, N/32, K/4, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0XBF16, DenseQ4_0XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rounded to bfloat16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32, K/8, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1XBF16, DenseQ4_1XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rounded to bfloat16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32, K/8, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_0XBF16, GroupedDenseQ4_0XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1XBF16, GroupedDenseQ4_1XBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4]
+                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
+                                  .Arg<ffi::AnyBuffer>()         // mins, as the scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("bf16_tiles"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1, DenseQ4_1,
                               ffi::Ffi::Bind()

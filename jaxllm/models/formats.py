@@ -74,6 +74,8 @@ TARGET_Q8_MINS = "jaxllm_dense_q8_mins"  # int8 panels, scales and mins per 16 (
 _X_FORMATS = {("uint8", False): "q4_0", ("uint8", True): "q4_1", ("int8", False): "q8_0"}
 TARGET_X8 = {(acts, dtype, mins): f"jaxllm_dense_{fmt}_x{acts[3:]}" for acts in ACTIVATION_MAX
              for (dtype, mins), fmt in _X_FORMATS.items()}
+# bfloat16 activations over the same dot layout (PackedWeight.activations "bfloat16": a step's mark)
+TARGET_X8.update({("bfloat16", dtype, mins): f"jaxllm_dense_{fmt}_xbf16" for (dtype, mins), fmt in _X_FORMATS.items()})
 TARGET_GROUPED_X8 = {key: target.replace("dense", "grouped_dense") for key, target in TARGET_X8.items()}
 
 
@@ -452,11 +454,15 @@ def _tiles(w: PackedWeight) -> np.int32:
 
 
 def _x8_call(targets: dict, x: Float[Array, "M K"], w: PackedWeight, out: jax.ShapeDtypeStruct, *extra):
-    """x (float32) times dot-layout panels through the int8- (int16-) activation handler
-    of `targets` their format picks (a mixture's: `extra` = the group sizes)."""
+    """x (float32) times dot-layout panels through the int8- (int16-, bfloat16-)
+    activation handler of `targets` their format picks (a mixture's: `extra` = the
+    group sizes); bfloat16 ones summed by the tiles `bf16_tiles` names."""
     mins = () if w.mins is None else (w.mins,)
-    target = targets[(w.activations, jnp.dtype(w.panels.dtype).name, w.mins is not None)]
-    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra)
+    key = (w.activations, jnp.dtype(w.panels.dtype).name, w.mins is not None)
+    if key not in targets:
+        raise ValueError(f"dot-layout panels: no {w.activations} activations for {key[1]} panels")
+    attrs = dict(bf16_tiles=_tiles(w)) if w.activations == "bfloat16" else {}
+    return jax.ffi.ffi_call(targets[key], out)(x.astype(jnp.float32), w.panels, w.scale, *mins, *extra, **attrs)
 
 
 def _pack_quantized_experts(w: QuantizedWeight) -> PackedWeight:

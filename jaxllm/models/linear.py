@@ -36,7 +36,17 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from jaxllm import cpu_kernels
 from jaxllm.config import LINEAR_BACKENDS
 from jaxllm.models.formats import Panels, format_of
-from jaxllm.models.params import BF16_TILES, NO_BF16, LayerParams, ModelParams, PackedWeight, QuantizedWeight, Weight
+from jaxllm.models.params import (
+    BF16_STEP,
+    BF16_TILES,
+    INT16_STEP,
+    NO_BF16,
+    LayerParams,
+    ModelParams,
+    PackedWeight,
+    QuantizedWeight,
+    Weight,
+)
 from jaxllm.models.quant import (
     ACTIVATION_MAX,
     activation_quantization_ready,
@@ -277,12 +287,20 @@ def bf16_tiles(params: PyTree, tiles: str) -> PyTree:
     where the kernels are built with AVX512_BF16, the float tiles, or AMX's where the CPU
     has them), at the speed the start-up measurement found (jaxllm.worker.autotune); or,
     `tiles` NO_BF16, kept blocks that multiply in bfloat16 multiplying in float32 instead
-    (`float_dtype`; plain bfloat16 panels as they are). Abstract ones too."""
+    (`float_dtype`; plain bfloat16 panels as they are); BF16_STEP, blocks that multiply
+    int16 activations multiplying in bfloat16 from the same arrays (INT16_STEP: as they
+    are). Abstract ones too."""
+    if tiles == INT16_STEP:
+        return params
+    if tiles == BF16_STEP:
+        return _marked(params, PackedWeight, lambda w: w.activations == "int16", activations="bfloat16",
+                       bf16_tiles="dot")
     if tiles == NO_BF16:
         return _marked(params, PackedWeight, lambda w: w.group > 0 and w.float_dtype == "bfloat16",
                        float_dtype="float32")
     if tiles not in BF16_TILES:
-        raise ValueError(f"bf16 tiles: unknown {tiles!r}; choose one of {', '.join(BF16_TILES)} or {NO_BF16}")
+        raise ValueError(f"bf16 tiles: unknown {tiles!r}; choose one of "
+                         f"{', '.join((*BF16_TILES, NO_BF16, INT16_STEP, BF16_STEP))}")
     return _marked(params, PackedWeight, bf16_tiles=tiles)
 
 

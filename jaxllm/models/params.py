@@ -75,6 +75,13 @@ BF16_TILES = ("float", "dot", "amx")
 # and dequantized weights multiplied in float32 (`float_dtype` float32: the same arrays), where
 # the start-up measurement finds it faster (few rows: docs/cpu_kernels.md).
 NO_BF16 = "none"
+# A step's choices for a float32 model's kept blocks that activation_quantization `auto`
+# multiplies with int16 activations where the kernels also have vdpbf16ps (AVX512_BF16 without
+# AMX: a Zen 4): INT16_STEP, as marked; or BF16_STEP, x and each dequantized weight rounded to
+# bfloat16 and summed by vdpbf16ps from the same dot-layout arrays (PackedWeight.activations
+# "bfloat16"), at the buckets where the start-up measurement finds that faster (many rows:
+# docs/bench-log/2026-12-04-zen4.md).
+INT16_STEP, BF16_STEP = "int16", "bfloat16"
 
 
 @struct.dataclass
@@ -99,7 +106,8 @@ class PackedWeight:
     experts: int = struct.field(pytree_node=False, default=0)  # > 0: a MoE projection, each expert's panels stacked
     float_dtype: str = struct.field(pytree_node=False, default="float32")  # a quantized one's: QuantizedWeight's
     # "int8" or "int16" (QuantizedWeight's `activations`): the dot layout, 4-bit values
-    # [out/PANEL, in/8, PANEL, 4] uint8, int8 ones [out/PANEL, in/4, PANEL, 4]
+    # [out/PANEL, in/8, PANEL, 4] uint8, int8 ones [out/PANEL, in/4, PANEL, 4]; "bfloat16": that
+    # layout multiplied as a bfloat16 model's kept blocks (a step's mark: BF16_STEP)
     activations: str = struct.field(pytree_node=False, default="float")
     # bfloat16 sums (bfloat16 panels, or a bfloat16 model's quantized ones): "dot" by vdpbf16ps where
     # the kernels are built with AVX512_BF16, "float" by the float tiles (the same sums either way),

@@ -27,7 +27,11 @@ faster:
   the same arrays; the float path won at few rows on the AMX Xeon: docs/cpu_kernels.md).
   On an Intel Xeon (Emerald Rapids) the float tiles ran 1.3-1.75x vdpbf16ps
   at 32-128 rows and 0.67-0.98x at one row; on a Zen 4 EPYC vdpbf16ps ran 1.6-1.8x the
-  float32 kernel's rate (the float tiles'), so there it should keep every bucket.
+  float32 kernel's rate (the float tiles'), so there it should keep every bucket;
+- for a float32 model's kept blocks that `auto` multiplies with int16 activations where
+  the kernels also have vdpbf16ps (a Zen 4), int16 (INT16_STEP) or bfloat16 from the same
+  dot-layout arrays (BF16_STEP: `PackedWeight.activations`), per bucket alike (int16 won
+  up to ~32 rows there, bfloat16 from ~128: docs/bench-log/2026-12-04-zen4.md).
 
 The plan (`BackendPlan`) is stored as JSON next to the compiled executables, keyed by
 everything the times depend on (environment, model shapes, buckets, the kernels'
@@ -51,7 +55,8 @@ import numpy as np
 from jaxllm.attention.kv_cache import KVCacheFormat, cache_shapes, kv_cache_format
 from jaxllm.config import ModelConfig
 from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
-from jaxllm.models.params import NO_BF16, PackedWeight, QuantizedWeight, abstract_params
+from jaxllm.models.params import BF16_STEP, INT16_STEP, NO_BF16, PackedWeight, QuantizedWeight, abstract_params
+from jaxllm.models.quant import activation_quantization_ready
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +142,16 @@ class BackendPlan:
             if head["xla"][rows] < head["cpu"][rows] * (1 + CONFIRM):
                 found.append(f"output projection cpu at {rows} rows ({head['xla'][rows] / head['cpu'][rows]:.2f}x xla)")
         return found
+
+    def describe_tiles(self) -> str:
+        """`; bfloat16 sums dot (1.10-1.30x float)` where the kernel's bfloat16 tiles were
+        measured, `; kept blocks' activations int16 at T=1-64 (...), bfloat16 at T=128-512
+        (...)` where int16 and bfloat16 were (INT16_STEP, BF16_STEP); else empty."""
+        times = self.seconds.get("bf16_tiles")
+        if not times:
+            return ""
+        what = "kept blocks' activations" if INT16_STEP in times else "bfloat16 sums"
+        return f"; {what} {self.describe('bf16_tiles')}"
 
     def describe_head(self) -> str:
         """`xla (1.29x cpu at 512 rows, 0.98x at 64)`: the output projection's layout and
@@ -334,12 +349,15 @@ class StepTimer:
     shapes, on random data (the times do not depend on the values). Weights are of
     `dtype`, hidden states of `activation_dtype` (default: `dtype`), the KV cache in
     `kv_format` (default: `dtype`'s, as `auto`); kept blocks in bfloat16 where `dtype` is
-    or `blocks_in_bf16` says so."""
+    or `blocks_in_bf16` says so, or multiplying int16 activations where `blocks_in_int16`
+    does (those of 32 inputs or a multiple: as the engine marks them)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, block_size: int, max_model_len: int,
-                 activation_dtype=None, kv_format: KVCacheFormat | None = None, blocks_in_bf16: bool = False) -> None:
+                 activation_dtype=None, kv_format: KVCacheFormat | None = None, blocks_in_bf16: bool = False,
+                 blocks_in_int16: bool = False) -> None:
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         self.blocks_in_bf16 = blocks_in_bf16 or self.dtype == jnp.bfloat16
+        self.blocks_in_int16 = blocks_in_int16
         self.activation_dtype = jnp.dtype(activation_dtype or dtype)
         self.kv_format = kv_format or kv_cache_format("auto", self.dtype)
         self.block_size, self.context = block_size, max(1, min(512, max_model_len // 2))
@@ -376,10 +394,13 @@ class StepTimer:
         weights = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
         per_layer = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights))
         copies = max(1, min(self.cfg.num_layers, -(-WEIGHT_BYTES // per_layer)))
-        def filled(w):  # kept blocks multiplying in bfloat16 as the engine marks them (linear.in_dtype)
+        def filled(w):  # kept blocks multiplying in bfloat16 (linear.in_dtype) or int16 as the engine marks them
             w = jax.tree.map(lambda a: self._filled(a.shape, a.dtype), w)
-            in_bf16 = self.blocks_in_bf16 and isinstance(w, QuantizedWeight) and w.group
-            return w.replace(float_dtype="bfloat16") if in_bf16 else w
+            if not isinstance(w, QuantizedWeight):
+                return w
+            if self.blocks_in_bf16 and w.group:
+                return w.replace(float_dtype="bfloat16")
+            return w.replace(activations="int16") if self.blocks_in_int16 and activation_quantization_ready(w) else w
 
         layout = {"cpu": pack_weight, "pallas": lambda w: pallas_weight(w, self.activation_dtype)
                   if isinstance(w, QuantizedWeight) else w}.get(backend, lambda w: w)
@@ -456,16 +477,23 @@ class StepTimer:
         return _best_of(lambda *a: fn(*a, k_scale=cache.k_scale, v_scale=cache.v_scale), *args) * cfg.num_layers
 
 
-def bf16_tile_candidates(dtype, linear: Sequence[str], float32_steps: bool = False) -> list[str]:
+def bf16_tile_candidates(dtype, linear: Sequence[str], float32_steps: bool = False,
+                         int16_steps: bool = False) -> list[str]:
     """The kernel's ways to sum a bfloat16 model's projections: vdpbf16ps and the float
     tiles where the library holds both (built with AVX512_BF16), and AMX's tiles where
     the CPU has them, when the kernel is a linear candidate; else the one it has. With
     `float32_steps` (a float32 model's kept blocks that multiply in bfloat16 because
     activation_quantization `auto` chose it) they may also multiply in float32 at a step
-    (NO_BF16, last: it wins only by more than TIE)."""
+    (NO_BF16, last: it wins only by more than TIE). With `int16_steps` (a float32
+    model's kept blocks that `auto` multiplies with int16 activations), int16 or, where
+    the library has vdpbf16ps, bfloat16 from the same arrays (INT16_STEP, BF16_STEP)."""
     from jaxllm import cpu_kernels
 
-    if jnp.dtype(dtype) != jnp.bfloat16 or "cpu" not in linear or not cpu_kernels.has_bf16_dot():
+    if "cpu" not in linear or not cpu_kernels.has_bf16_dot():
+        return [INT16_STEP] if int16_steps else ["dot"]
+    if int16_steps:
+        return [INT16_STEP, BF16_STEP]
+    if jnp.dtype(dtype) != jnp.bfloat16:
         return ["dot"]
     tiles = ["dot", "float", "amx"] if cpu_kernels.has_amx() else ["dot", "float"]
     return [*tiles, NO_BF16] if float32_steps else tiles
@@ -487,6 +515,7 @@ def backend_plan(
     before_measuring: Callable[[], object] | None = None,
     blocks_in_bf16: bool = False,
     float32_steps: bool = False,
+    blocks_in_int16: bool = False,
 ) -> BackendPlan:
     """The plan for these buckets and candidates: fixed where each kind has one
     candidate; else the one stored under `store_dir` for the same environment, model
@@ -495,12 +524,14 @@ def backend_plan(
     bfloat16 tiles to choose from (default: `bf16_tile_candidates`); `blocks_in_bf16`: a
     float32 model's kept blocks multiply in bfloat16 (activation_quantization bfloat16),
     timed so, with the tiles a bfloat16 model has, and with `float32_steps` (auto chose
-    bfloat16 for them) in float32 too (NO_BF16). `before_measuring`
+    bfloat16 for them) in float32 too (NO_BF16); `blocks_in_int16`: its kept blocks
+    multiply int16 activations (auto chose it), timed so, and in bfloat16 from the same
+    arrays where the library has vdpbf16ps (BF16_STEP). `before_measuring`
     is called first when it measures: the engine waits there for its weights' loading
     thread, which would otherwise share the cores with the timed calls and could store
     a plan of the wrong backends (docs/bench-log/2026-11-29-against-vllm.md)."""
     tiles = list(bf16_tiles) if bf16_tiles is not None else bf16_tile_candidates(
-        jnp.bfloat16 if blocks_in_bf16 else dtype, linear, blocks_in_bf16 and float32_steps)
+        jnp.bfloat16 if blocks_in_bf16 else dtype, linear, blocks_in_bf16 and float32_steps, blocks_in_int16)
     if len(attention) == 1 and len(linear) == 1 and len(tiles) == 1:
         return plan_backends(buckets, attention, linear, measure=None)
     from jaxllm.cpu_kernels.build import library_path
@@ -511,7 +542,7 @@ def backend_plan(
     store = ExecutableStore(store_dir, "backend-plan", cfg, jnp.dtype(dtype).name, activation_dtype.name, kv_format.name,
                             tuple(buckets), tuple(attention),
                             tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name,
-                            blocks_in_bf16)
+                            blocks_in_bf16, blocks_in_int16)
     stored = store.load_text("backends.json")
     if stored is not None:
         try:
@@ -524,11 +555,11 @@ def backend_plan(
         before_measuring()
     start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
-                      activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16)
+                      activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16,
+                      blocks_in_int16=blocks_in_int16)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
-    sums = f"; bfloat16 sums {plan.describe('bf16_tiles')}" if "bf16_tiles" in plan.seconds else ""
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s%s",
                 time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
-                plan.describe_head(), sums)
+                plan.describe_head(), plan.describe_tiles())
     store.save_text("backends.json", plan.to_json())
     return plan

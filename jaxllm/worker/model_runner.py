@@ -40,7 +40,7 @@ from jaxllm.models.linear import (
     linear_candidates,
     quantized_activations,
 )
-from jaxllm.models.params import ModelParams, ParamDecl, declare
+from jaxllm.models.params import INT16_STEP, ModelParams, ParamDecl, declare
 from jaxllm.models.quant import param_bytes
 from jaxllm.models.rope import model_rope_table
 from jaxllm.platform import activation_dtype
@@ -227,7 +227,8 @@ class ModelRunner:
         self._auto_activations = rc.activation_quantization == "auto"
         self.plan = self._make_plan(rc.attention_backend, rc.linear_backend, param_dtype, dtype, cache_dir,
                                     blocks_in_bf16=self._blocks_in_bf16(rc.activation_quantization, param_dtype),
-                                    float32_steps=self._auto_activations)
+                                    float32_steps=self._auto_activations,
+                                    blocks_in_int16=self._auto_activations and self._blocks_in_int16(param_dtype))
         self.activation_quantization = self._activation_quantization(rc.activation_quantization, params)
         rank = 0 if lora_config is None else lora_config.max_lora_rank
         if rank and "pallas" in self.plan.backends("linear") and (rank < 16 or rank & (rank - 1)):
@@ -268,12 +269,22 @@ class ModelRunner:
             return False
         return (auto_activations() if requested == "auto" else requested) == "bfloat16"
 
+    def _blocks_in_int16(self, param_dtype) -> bool:
+        """Whether activation_quantization auto means int16 for the projections kept in
+        blocks here (a float32 model, kernels with integer dot products but no AMX): the
+        plan then times them so, and where the kernels have vdpbf16ps, in bfloat16 from the
+        same arrays too (BF16_STEP)."""
+        return (self.config.quantization is not None and jnp.dtype(param_dtype) == jnp.float32
+                and auto_activations() == "int16")
+
     def _make_plan(self, attention_backend: str, linear_backend: str, param_dtype, dtype,
-                   cache_dir: Path | None, blocks_in_bf16: bool = False, float32_steps: bool = False) -> BackendPlan:
+                   cache_dir: Path | None, blocks_in_bf16: bool = False, float32_steps: bool = False,
+                   blocks_in_int16: bool = False) -> BackendPlan:
         """The backends of each bucket: measured on one shard's shapes where `auto`
         leaves a choice, except over several processes (their timings would differ, and
         the plans must agree: the first candidate). `float32_steps`: kept blocks that
-        auto put in bfloat16 may multiply in float32 at the buckets where that is faster."""
+        auto put in bfloat16 may multiply in float32 at the buckets where that is faster;
+        `blocks_in_int16`: kept blocks that auto puts in int16 may multiply in bfloat16."""
         attention = attention_candidates(attention_backend, head_dim=self.config.head_dim, dtype=dtype,
                                          cache_dtype=self.kv_format.dtype, block_size=self.block_size,
                                          heads=(self.config.num_heads, self.config.num_kv_heads))
@@ -281,14 +292,14 @@ class ModelRunner:
                                    quantized=self.config.quantization is not None)
         tiles = None  # measured where the kernels hold both bfloat16 paths
         if jax.process_count() > 1:
-            attention, linear, tiles = attention[:1], linear[:1], ["dot"]
+            attention, linear, tiles = attention[:1], linear[:1], [INT16_STEP if blocks_in_int16 else "dot"]
         return backend_plan(parallel.shard_config(self.config, self.tensor_parallel_size), param_dtype,
                             [(t, seq_bucket(self.max_num_seqs, t)) for t in self.shapes.token_counts], attention,
                             linear,
                             activation_dtype=dtype, block_size=self.block_size, max_model_len=self.max_model_len,
                             store_dir=store_directory(cache_dir), kv_format=self.kv_format, bf16_tiles=tiles,
                             before_measuring=self.runner_config.before_measuring, blocks_in_bf16=blocks_in_bf16,
-                            float32_steps=float32_steps)
+                            float32_steps=float32_steps, blocks_in_int16=blocks_in_int16)
 
     def _activation_quantization(self, requested: str, params: ModelParams) -> str | None:
         """What the projections kept in blocks multiply (None: float): `requested`, or
@@ -491,9 +502,8 @@ class ModelRunner:
 
     def describe_backends(self) -> str:
         head = f"; output projection {self.plan.describe_head()}" if "cpu" in self.plan.backends("linear") else ""
-        if "bf16_tiles" in self.plan.seconds:
-            head += f"; bfloat16 sums {self.plan.describe('bf16_tiles')}"
-        return f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
+        return (f"attention {self.plan.describe('attention')}; linear {self.plan.describe('linear')}{head}"
+                f"{self.plan.describe_tiles()}")
 
     def warm_up(self, progress: bool = True) -> float:
         """Load or compile every step shape (jaxllm.worker.compilation) while the KV

@@ -122,6 +122,65 @@ def test_grouped_kernel_matches_the_reference(fmt, dtype):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
+BF16_FORMATS = ["q4_0", "q4_1", "int4", "int4_g32", "q8_0"]  # the dot layout's formats
+
+
+def _tiles_here() -> list[str]:
+    """The bfloat16 tiles this build holds: vdpbf16ps with AVX512_BF16, the float ones always."""
+    from jaxllm import cpu_kernels
+
+    return ["dot", "float"] if cpu_kernels.has_bf16_dot() else ["float"]
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 128, 32), (13, 256, 40), (97, 640, 96), (200, 128, 33)])
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_bfloat16_from_the_dot_layout_is_the_float_layout_s_bfloat16(m, k, n, fmt):
+    """A step's BF16_STEP mark: int16-marked 4-bit blocks multiplied in bfloat16 from their
+    dot layout give, bit for bit, what the same blocks in the float layout give
+    multiplied in bfloat16 (activation_quantization bfloat16: x and each dequantized
+    weight rounded to bfloat16, float32 sums), by either tiles, dense and through the
+    grouped kernel (`rows`); and within float32 rounding of the float64 product of the
+    rounded values. INT16_STEP leaves the weights as they are."""
+    per_row = 4 if fmt == "q8_0" else 8
+    from jaxllm.models.linear import bf16_tiles
+    from jaxllm.models.params import BF16_STEP, INT16_STEP
+
+    w = _quantized(fmt, k, n, seed=m, activations="int16")
+    dot = bf16_tiles(pack_weight(w), BF16_STEP)
+    assert dot.activations == "bfloat16" and dot.panels.shape == (-(-n // 32), k // per_row, 32, 4)
+    assert bf16_tiles(pack_weight(w), INT16_STEP).activations == "int16"
+    flat = pack_weight(w.replace(activations="float", float_dtype="bfloat16"))
+    x = jnp.asarray(np.random.default_rng(m + k).standard_normal((m, k)).astype(np.float32))
+    rows = jnp.asarray(m - m // 3, jnp.int32)
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    exact = bf(x) @ bf(dequantize(w))
+    for tiles in _tiles_here():
+        want = np.asarray(jax.jit(linear)(x, flat.replace(bf16_tiles=tiles)))
+        got = np.asarray(jax.jit(linear)(x, dot.replace(bf16_tiles=tiles)))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6 * np.abs(exact).max())
+        want_rows = np.asarray(jax.jit(lambda a, b, r: linear(a, b, rows=r))(x, flat.replace(bf16_tiles=tiles), rows))
+        got_rows = np.asarray(jax.jit(lambda a, b, r: linear(a, b, rows=r))(x, dot.replace(bf16_tiles=tiles), rows))
+        np.testing.assert_array_equal(got_rows, want_rows)
+        assert not got_rows[int(rows):].any()
+
+
+def test_the_bfloat16_step_mark_leaves_other_weights_as_they_are():
+    """BF16_STEP marks only int16-marked blocks (4-bit and Q8_0's int8 dot layout):
+    int8-marked and float-layout blocks and plain panels keep their activations."""
+    from jaxllm.models.linear import bf16_tiles
+    from jaxllm.models.params import BF16_STEP
+
+    weights = {"q4_1": pack_weight(_quantized("q4_1", 64, 32, activations="int16")),
+               "q8_0": pack_weight(_quantized("q8_0", 64, 32, activations="int16")),
+               "int8": pack_weight(_quantized("q4_1", 64, 32, activations="int8")),
+               "float_blocks": pack_weight(_quantized("q4_1", 64, 32, activations="float")),
+               "plain": pack_weight(jnp.ones((64, 32), jnp.float32))}
+    marked = bf16_tiles(weights, BF16_STEP)
+    assert {name: w.activations for name, w in marked.items()} == {
+        "q4_1": "bfloat16", "q8_0": "bfloat16", "int8": "int8", "float_blocks": "float", "plain": "float"}
+
+
 def test_which_weights_take_int8_activations():
     """Blocks of 32 inputs or a multiple (Q8_0, Q4_0, Q4_1, int4), experts too; not int8
     with scales per column, nor the gguf_int8 container (16 inputs)."""
@@ -209,6 +268,8 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
 
     assert cpu_kernels.has_integer_dot()  # x86-64 builds: AVX2 or AVX512_VNNI (the SSE2 build: test_kernel_builds)
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
+    # int16 at every step: no bucket in bfloat16 (BF16_STEP, where measured faster: the test below)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
     path = make_test_model.write_gguf(test_models_dir / "llama", tmp_path / "llama.gguf", "Q4_1")
     llm, tokens, logprobs = _engine(path, kv_cache_dtype="float32")
     _, float_tokens, float_logprobs = _engine(path, activation_quantization="none", **REFERENCE)
@@ -229,6 +290,60 @@ def test_auto_is_int16_on_the_cpu_kernel_and_float_elsewhere(test_models_dir, tm
                                         jnp.float32) is None
     assert EngineConfig().activation_quantization == "auto"
     assert EngineConfig(activation_quantization=None).activation_quantization == "none"
+
+
+def test_auto_multiplies_its_int16_blocks_in_bfloat16_at_the_buckets_measured_faster(test_models_dir, tmp_path,
+                                                                                      monkeypatch):
+    """`auto` on a CPU with vdpbf16ps and no AMX (a Zen 4; patched so here, and on a build
+    without AVX512_BF16 the float tiles give the same sums): the plan times the int16
+    blocks as they are and in bfloat16 from the same arrays (BF16_STEP), per bucket. A
+    plan that takes bfloat16 at the larger buckets marks their steps' weights, and the
+    start-up line says where; one that takes it everywhere gives, bit for bit, the tokens
+    and logprobs of activation_quantization bfloat16 (the float layout's blocks). An
+    untied model: activation_quantization bfloat16 rounds a tied table's lookups to
+    bfloat16 too, where BF16_STEP's lookups are float32 at every bucket, as int16's."""
+    import make_test_model
+
+    from jaxllm import cpu_kernels
+    from jaxllm.models.params import BF16_STEP, INT16_STEP, PackedWeight
+
+    class FakeTimer:  # bfloat16 from `faster_from` rows
+        faster_from = 1
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):
+            return {"cpu/int16": 2.0, "cpu/bfloat16": 1.0 if t >= self.faster_from else 3.0}.get(backend, 1.0)
+
+    monkeypatch.setattr(autotune, "StepTimer", FakeTimer)
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
+    path = make_test_model.write_gguf(test_models_dir / "mistral", tmp_path / "mistral.gguf", "Q4_1")
+    options = dict(kv_cache_dtype="float32")  # each engine its own store: plans are stored by what they measure
+    llm, tokens, logprobs = _engine(path, compilation_cache_dir=str(tmp_path / "everywhere"), **options)
+    runner = llm.llm_engine.core.runner
+    assert runner.activation_quantization == "int16"
+    assert {c.bf16_tiles for c in runner.plan.choices} == {BF16_STEP}
+    _, want_tokens, want_logprobs = _engine(path, compilation_cache_dir=str(tmp_path / "bf16"),
+                                            activation_quantization="bfloat16", **options)
+    assert tokens == want_tokens
+    np.testing.assert_array_equal(logprobs, want_logprobs)
+
+    FakeTimer.faster_from = 32
+    llm = LLM(str(path), **(SMALL | options | dict(compilation_cache_dir=str(tmp_path / "larger"))))
+    runner = llm.llm_engine.core.runner
+    picks = dict(zip(runner.plan.buckets, (c.bf16_tiles for c in runner.plan.choices)))
+    assert picks[1] == INT16_STEP and picks[64] == BF16_STEP
+
+    def acts(t):
+        return {w.activations for w in jax.tree.leaves(runner.weights_of(runner.plan.for_bucket(t)),
+                                                       is_leaf=lambda x: isinstance(x, PackedWeight))
+                if isinstance(w, PackedWeight) and w.activations != "float"}
+
+    assert acts(1) == {"int16"} and acts(64) == {"bfloat16"}
+    assert "kept blocks' activations int16 at T=1-" in llm.llm_engine.core.describe()
+    assert "bfloat16 at T=" in llm.llm_engine.core.describe()
 
 
 def test_bfloat16_activations_and_auto_where_the_cpu_has_amx(test_models_dir, tmp_path, monkeypatch):

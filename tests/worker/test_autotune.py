@@ -200,7 +200,7 @@ def test_kept_blocks_may_multiply_in_float32_at_the_buckets_where_that_is_faster
     fn = jax.jit(linear)
     np.testing.assert_array_equal(np.asarray(fn(x, marked["blocks"])), np.asarray(fn(x, in_float)))
     assert (np.asarray(fn(x, in_bf16)) != np.asarray(fn(x, in_float))).any()  # bfloat16 inputs: not float32's
-    with pytest.raises(ValueError, match="unknown 'fast'; choose one of float, dot, amx or none"):
+    with pytest.raises(ValueError, match="unknown 'fast'; choose one of float, dot, amx, none, int16, bfloat16"):
         bf16_tiles(marked, "fast")
 
 # (26 s: the default run's budget) by default a measured plan's bfloat16 tiles run through an engine in
@@ -397,11 +397,15 @@ def test_kept_blocks_are_timed_in_the_dtype_they_multiply_in(test_models_dir, mo
 
     def kept(dtype, **options):
         layers = autotune.StepTimer(cfg, dtype, block_size=16, max_model_len=128, **options)._linear_weights("cpu")[0]
-        return {w.float_dtype for w in layers[0]}
+        return {(w.float_dtype, w.activations) for w in layers[0]}
 
-    assert kept(jnp.bfloat16) == {"bfloat16"}
-    assert kept(jnp.float32, blocks_in_bf16=True) == {"bfloat16"}
-    assert kept(jnp.float32) == {"float32"}
+    assert kept(jnp.bfloat16) == {("bfloat16", "float")}
+    assert kept(jnp.float32, blocks_in_bf16=True) == {("bfloat16", "float")}
+    assert kept(jnp.float32) == {("float32", "float")}
+    assert kept(jnp.float32, blocks_in_int16=True) == {("float32", "int16")}
+    # the int16 blocks timed as they are and in bfloat16 from the same arrays (BF16_STEP)
+    timer = autotune.StepTimer(cfg, jnp.float32, block_size=16, max_model_len=128, blocks_in_int16=True)
+    assert timer("linear", "cpu/int16", 32, 4) > 0 and timer("linear", "cpu/bfloat16", 32, 4) > 0
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
     assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu", "xla"]) == ["dot", "float", "amx"]
@@ -409,3 +413,7 @@ def test_kept_blocks_are_timed_in_the_dtype_they_multiply_in(test_models_dir, mo
     assert autotune.bf16_tile_candidates(jnp.bfloat16, ["xla"]) == ["dot"]
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     assert autotune.bf16_tile_candidates(jnp.bfloat16, ["cpu"]) == ["dot", "float"]
+    assert autotune.bf16_tile_candidates(jnp.float32, ["cpu"], int16_steps=True) == ["int16", "bfloat16"]
+    assert autotune.bf16_tile_candidates(jnp.float32, ["xla"], int16_steps=True) == ["int16"]
+    monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: False)
+    assert autotune.bf16_tile_candidates(jnp.float32, ["cpu"], int16_steps=True) == ["int16"]
