@@ -2065,10 +2065,11 @@ void dense_rows_x8(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, 
 // item, then multiplied by the BF16Pairs tiles: the same weights, pairs and order as
 // bf16_pairs_panel's from the float layout, so the same sums bit for bit.
 struct BF16Acts {};  // DenseX8's Q for these handlers
-#ifndef JAXLLM_XBF16_BLOCK
-#define JAXLLM_XBF16_BLOCK 96
-#endif
-constexpr int64_t kDotBF16RowBlock = JAXLLM_XBF16_BLOCK;
+// Rows per item at most: each item converts its panel, so twice the float tiles' kRowBlock
+// (x's share, 16 tiles of bfloat16 pairs, still fits a 1 MiB L2 at K = 1536): 4% faster
+// summed over SmolLM2's projections at 128-512 rows than 96 on a Zen 4
+// (docs/bench-log/2026-12-04-zen4.md).
+constexpr int64_t kDotBF16RowBlock = 2 * kRowBlock;
 
 // Input k of column c of a dot-layout panel: the nibble (Q4_0's still + 8) or the int8 value.
 template <int kBits>
