@@ -80,7 +80,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
     sums; on a build without AVX512_BF16 both are the float tiles; and by AMX's tiles
     where the CPU has them), and (formats in blocks
     of 32 inputs or a multiple) with int8 and int16 activations (`activations`: integer
-    dot products); 4-bit ones also in bfloat16 from the int16 dot layout (BF16_STEP: the
+    dot products), and those also in bfloat16 from the int16 dot layout (BF16_STEP: the
     bfloat16 sums, from the copy int16 reads)."""
     import jax
     import jax.numpy as jnp
@@ -96,7 +96,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
           "bfloat16 panels of the same matrix (bfloat16 by vdpbf16ps / by the float tiles"
           f"{'' if cpu_kernels.has_bf16_dot() else ': this build has no vdpbf16ps, both are float tiles'}), "
           "and the blocks with int8 / int16 activations (blocks of 32 inputs or a multiple); bf16 xdot: "
-          "4-bit blocks in bfloat16 (vdpbf16ps) from the int16 dot layout")
+          "the blocks in bfloat16 (vdpbf16ps) from the int16 dot layout")
     amx = cpu_kernels.has_amx()
     print(f"{'M':>5} {'K':>5} {'N':>6} {'float32':>9} {'bf16 dot':>9} {'bf16 fl':>9} {'panels dot':>11} "
           f"{'panels fl':>10} {'int8 x':>8} {'int16 x':>8} {'bf16/f32':>9} {'fl/dot':>7} {'int8x/f32':>10} "
@@ -109,7 +109,7 @@ def run_blocks(fmt_name: str, rows: list[int], iters: int) -> None:
         panels = pack_weight(dequantize(q16))
         ready = activation_quantization_ready(q)
         xq = [pack_weight(q.replace(activations=a)) if ready else None for a in ("int8", "int16")]
-        xdot = bf16_tiles(xq[1], BF16_STEP) if ready and q.bits == 4 else None
+        xdot = bf16_tiles(xq[1], BF16_STEP) if ready else None
         for m in rows:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
             np.testing.assert_array_equal(np.asarray(kernel(x, bf16)), np.asarray(kernel(x, panels)))
