@@ -2475,31 +2475,33 @@ JAXLLM_DENSE_X8(JaxllmDenseQ4_0X16, DenseQ4_0X16, ffi::U8)
 #undef JAXLLM_DENSE_X8
 
 // bfloat16 activations over the dot layout: Q4_0, Q4_1 (int4) and Q8_0, dense and grouped
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ8_0XBF16, DenseQ8_0XBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rounded to bfloat16
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [N/32, K/4, 32, 4]
-                                  .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int32_t>("bf16_tiles"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ8_0XBF16, GroupedDenseQ8_0XBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // panels [E, N/32, K/4, 32, 4]
-                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int32_t>("bf16_tiles"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_0XBF16, DenseQ4_0XBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rounded to bfloat16
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32, K/8, 32, 4]
-                                  .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int32_t>("bf16_tiles"));
+#define JAXLLM_DENSE_XBF16(NAME, FN, PANELS)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], rounded to bfloat16 */   \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [N/32, K/4|K/8, 32, 4] */   \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [N/32, K/G, 32] */          \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                        \
+                                    .Attr<int32_t>("bf16_tiles"));
+JAXLLM_DENSE_XBF16(JaxllmDenseQ8_0XBF16, DenseQ8_0XBF16, ffi::S8)
+JAXLLM_DENSE_XBF16(JaxllmDenseQ4_0XBF16, DenseQ4_0XBF16, ffi::U8)
+#undef JAXLLM_DENSE_XBF16
+
+#define JAXLLM_GROUPED_XBF16(NAME, FN, PANELS)                                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, FN,                                                                \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* x [M, K], rows sorted by expert */ \
+                                    .Arg<ffi::Buffer<PANELS>>()    /* panels [E, N/32, K/4|K/8, 32, 4] */ \
+                                    .Arg<ffi::AnyBuffer>()         /* scales [E, N/32, K/G, 32] */       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* group_sizes [E] */                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>()  /* y [M, N] */                        \
+                                    .Attr<int32_t>("bf16_tiles"));
+JAXLLM_GROUPED_XBF16(JaxllmGroupedDenseQ8_0XBF16, GroupedDenseQ8_0XBF16, ffi::S8)
+JAXLLM_GROUPED_XBF16(JaxllmGroupedDenseQ4_0XBF16, GroupedDenseQ4_0XBF16, ffi::U8)
+#undef JAXLLM_GROUPED_XBF16
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1XBF16, DenseQ4_1XBF16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -2507,15 +2509,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDenseQ4_1XBF16, DenseQ4_1XBF16,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // panels [N/32, K/8, 32, 4]
                                   .Arg<ffi::AnyBuffer>()         // scales [N/32, K/G, 32]
                                   .Arg<ffi::AnyBuffer>()         // mins, as the scales
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int32_t>("bf16_tiles"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_0XBF16, GroupedDenseQ4_0XBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // panels [E, N/32, K/8, 32, 4]
-                                  .Arg<ffi::AnyBuffer>()         // scales [E, N/32, K/G, 32]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int32_t>("bf16_tiles"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedDenseQ4_1XBF16, GroupedDenseQ4_1XBF16,
