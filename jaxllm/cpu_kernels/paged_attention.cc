@@ -20,8 +20,8 @@
 // accumulators in registers on each:
 // - decode path (fewer than kManyQueries queries per KV head): the scores of the head's
 //   query group (up to 4 heads a pass) as dot products along head_dim, a tile's kLanes
-//   partial-sum vectors folded into one vector; the same loop prefetches the rows it will
-//   read one chunk later; the values accumulated for the group's queries together, in
+//   partial-sum vectors folded into one vector; the same loop prefetches into L2 the rows
+//   it will read one chunk later; the values accumulated for the group's queries together, in
 //   slices of head_dim where a row's accumulators for all of them would not fit;
 // - prefill path: K of the chunk transposed once (kLanes x kLanes in-register
 //   transposes), then two small matrix products in register blocks sized by the
@@ -417,10 +417,14 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
       const int t = bit_reverse(i);
       V kv[C];
       for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
-      if (knext != nullptr)  // what the same loop reads one chunk later: a chunk's distance ahead
-        for (int c = 0; c < C; c += kLinePrefetchStep<R>) {  // one prefetch per 64-byte line
-          __builtin_prefetch(knext[j * kTile + t] + kLanes * c);
-          __builtin_prefetch(vnext[j * kTile + t] + kLanes * c);
+      // What the same loop reads one chunk later (a chunk's distance ahead), one prefetch
+      // per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a head's next chunk
+      // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read overflowed L1
+      // and evicted it before its reads (what L2 bought: docs/cpu_kernels.md).
+      if (knext != nullptr)
+        for (int c = 0; c < C; c += kLinePrefetchStep<R>) {
+          __builtin_prefetch(knext[j * kTile + t] + kLanes * c, 0, 2);
+          __builtin_prefetch(vnext[j * kTile + t] + kLanes * c, 0, 2);
         }
       for (int g = 0; g < GT; ++g) {
         V acc = load(q + g * D) * kv[0];
