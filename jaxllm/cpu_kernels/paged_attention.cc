@@ -419,8 +419,8 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
       for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
       // What the same loop reads one chunk later (a chunk's distance ahead), one prefetch
       // per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a head's next chunk
-      // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read overflowed L1
-      // and evicted it before its reads (what L2 bought: docs/cpu_kernels.md).
+      // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read would overflow
+      // a 32 KB L1 (why, and what L2 bought: docs/cpu_kernels.md).
       if (knext != nullptr)
         for (int c = 0; c < C; c += kLinePrefetchStep<R>) {
           __builtin_prefetch(knext[j * kTile + t] + kLanes * c, 0, 2);
