@@ -160,10 +160,12 @@ def _mosaic_attention(q, k_cache, v_cache, *args, common_prefix_blocks=None, cac
     return ragged_paged_attention_mgpu(q, k_cache, v_cache, *args, interpret=not targets_gpu(), **kwargs)
 
 
-def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
+def get_attention_fn(name: str, batch_invariant: bool = False, bf16_products: bool = False) -> AttentionFn:
     """The attention function of a backend name (one of attention_candidates');
     `batch_invariant`: the cpu kernel's mode where a row's output never depends on the
-    others (no other backend has one)."""
+    others (no other backend has one); `bf16_products`: a bfloat16 model's, whose
+    queries the cpu kernel may multiply as bfloat16 (ragged_paged_attention_cpu; the
+    other backends multiply them as they are)."""
     if batch_invariant and name != "cpu":
         raise ValueError(f"attention_backend: {name!r} is not batch-invariant (only cpu is)")
     if name == "xla":
@@ -171,8 +173,8 @@ def get_attention_fn(name: str, batch_invariant: bool = False) -> AttentionFn:
     if name == "cpu":
         from jaxllm.attention.cpu import ragged_paged_attention_cpu
 
-        return functools.partial(ragged_paged_attention_cpu, batch_invariant=True) if batch_invariant \
-            else ragged_paged_attention_cpu
+        return functools.partial(ragged_paged_attention_cpu, batch_invariant=batch_invariant,
+                                 bf16_products=bf16_products)
     if name == "pallas":
         return _pallas_attention
     if name == "mosaic":

@@ -61,6 +61,7 @@ def ragged_paged_attention_cpu(
     cache_dtype: str = "",
     causal: bool = True,
     batch_invariant: bool = False,
+    bf16_products: bool = False,
 ) -> Float[Array, "T H hd"]:
     """`common_prefix_blocks` (see AttentionMetadata): those first blocks, shared by
     every sequence, are attended once for all query rows (a matrix product per KV head),
@@ -70,7 +71,9 @@ def ragged_paged_attention_cpu(
     query sees every key of its sequence (an encoder's attention; no sliding window).
     `batch_invariant`: each row's output the same bits whatever else the call holds (every
     row by the decode path, its keys in the same chunks, no common prefix pass; slower
-    for prefill chunks)."""
+    for prefill chunks). `bf16_products`: a bfloat16 model's attention, whose queries
+    may be rounded to bfloat16: with a bfloat16 cache, on a CPU with AVX512_BF16, the
+    prefill path multiplies them so (by vdpbf16ps; float32 sums and softmax)."""
     load_kernels()
     cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
     reason = unsupported(q.shape[-1], q.dtype, cache_dtype)
@@ -91,4 +94,5 @@ def ragged_paged_attention_cpu(
         cache_dtype=cache_dtype.name,
         causal=np.int32(causal),
         invariant=np.int32(batch_invariant),
+        bf16_products=np.int32(bf16_products),
     )

@@ -33,6 +33,9 @@
 //   and OS give the tiles): scores (keys x queries) and values as tile products, the
 //   queries and the probabilities multiplied as three bfloat16 parts each, the softmax
 //   across 16 queries a vector (attend_chunk_amx).
+// - the prefill path of a bfloat16 model (`bf16_products`; a bfloat16 cache, AVX512_BF16,
+//   not on AMX): the queries and the probabilities rounded to bfloat16 and multiplied by
+//   vdpbf16ps, two elements a lane, float32 sums (score_tiles_paired, value_slice_paired).
 // What each path runs at, per machine (scripts/bench_attention.py against the XLA
 // backend): docs/cpu_kernels.md and the lab log it points to.
 //
@@ -275,6 +278,10 @@ struct Problem {
   // The prefill path multiplies on AMX's tiles (a bfloat16 cache, head_dim a multiple of
   // 64, a CPU and OS with AMX, not `invariant`): attend_chunk_amx.
   bool amx;
+  // The prefill path's scores as bfloat16 products (the `bf16_products` attribute: a
+  // bfloat16 model's; a bfloat16 cache, AVX512_BF16, head_dim a multiple of 32, not on
+  // AMX): score_tiles_paired.
+  bool bf16_products;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
   // in prefix_m, prefix_l [T][H] and prefix_o [T][H][D] starts each item.
@@ -547,6 +554,116 @@ inline void score_tiles(const float* kt, const float* qb, int j0, V (*s)[kTiles]
     for (int j = 0; j < NT; ++j) s[i][j0 + j] = acc[i][j];
 }
 
+// The scores in bfloat16 products (Problem::bf16_products): the queries rounded to
+// bfloat16, as a bfloat16 model's attention rounds them (vLLM's, or any on bfloat16
+// tensors), times the cache's bfloat16 keys as they lie, by vdpbf16ps: two elements of
+// head_dim a lane, each product exact, float32 sums (a pair's two products added in
+// turn). Twice the float32 FMAs' products an instruction; the softmax stays float32, and
+// the values are multiplied likewise (below). The keys transposed as pairs: kt2 [D/2][kChunk] words, word (d, t) holding
+// elements 2d and 2d + 1 of key t; the queries' pairs q2 [nq][D/2] likewise.
+#if defined(__AVX512BF16__)
+template <int D>
+constexpr bool kPaired = kLanes == 16 && D % (2 * kLanes) == 0;
+
+template <int D>
+inline void transpose_pairs(const BF16* const* krow, int ntiles, uint32_t* kt2) {
+  for (int j = 0; j < ntiles; ++j)
+    for (int c = 0; c < D / (2 * kLanes); ++c) {
+      V v[kLanes];  // the bits of kLanes words of each of kLanes keys
+      for (int t = 0; t < kLanes; ++t) std::memcpy(&v[t], krow[j * kTile + t] + 2 * kLanes * c, sizeof(V));
+      transpose_lanes(v);  // shuffles only: the bits move as they are
+      for (int d = 0; d < kLanes; ++d) std::memcpy(kt2 + (kLanes * c + d) * kChunk + j * kTile, &v[d], sizeof(V));
+    }
+}
+
+// score_tiles on the pairs: per step of two elements of D, NT key vectors and
+// kScoreBlock broadcast query pairs (qb2, D/2 words apart).
+template <int D, int NT>
+inline void score_tiles_paired(const uint32_t* kt2, const uint32_t* qb2, int j0, V (*s)[kTiles]) {
+  __m512 acc[kScoreBlock][NT];
+  for (int i = 0; i < kScoreBlock; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint32_t* kd = kt2 + j0 * kTile;
+  for (int d = 0; d < D / 2; ++d, kd += kChunk) {
+    __m512bh kv[NT];
+    for (int j = 0; j < NT; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kd + j * kTile);
+    for (int i = 0; i < kScoreBlock; ++i) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qb2[i * (D / 2) + d]));
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, kv[j]);
+    }
+  }
+  for (int i = 0; i < kScoreBlock; ++i)
+    for (int j = 0; j < NT; ++j) s[i][j0 + j] = (V)acc[i][j];
+}
+
+// The values likewise (Problem::bf16_products): the probabilities rounded to bfloat16,
+// as FlashAttention's on bfloat16 tensors are (the softmax's sum keeps them unrounded),
+// times the values in pairs of keys: vt2 [kChunk/2][D] words, word (k, d) holding
+// element d of keys 2k and 2k + 1 (vrow[t] past ntok: the zeros row); p2 [nq][kChunk/2]
+// words, the probabilities of keys 2k and 2k + 1.
+template <int D>
+inline void value_pairs(const BF16* const* vrow, int ntok, uint32_t* vt2) {
+  for (int k = 0; k < (ntok + 1) / 2; ++k)
+    for (int c = 0; c < D / kLanes; ++c) {
+      const auto* a = reinterpret_cast<const __m256i*>(vrow[2 * k] + kLanes * c);
+      const auto* b = reinterpret_cast<const __m256i*>(vrow[2 * k + 1] + kLanes * c);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(a));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(b));
+      _mm512_storeu_si512(vt2 + k * D + kLanes * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+// A query's kChunk probabilities (p) as kChunk/2 pairs (p2), rounded to nearest even.
+inline void probability_pairs(const float* p, uint32_t* p2) {
+  for (int k = 0; k < kChunk / 32; ++k)
+    _mm512_storeu_si512(p2 + 16 * k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 32 * k + 16),
+                                                                   _mm512_loadu_ps(p + 32 * k)));
+}
+// value_slice on the pairs: per pair of keys, the slice's vectors of vt2 and kValueBlock
+// broadcast probability pairs (pm2, kChunk/2 words apart).
+template <int D>
+inline void value_slice_paired(const uint32_t* vt2, int npairs, const uint32_t* pm2, int c0, int mb, float* ob) {
+  constexpr int QB = kValueBlock<D>, CB = kValueCols<D>;
+  __m512 acc[QB][CB];
+  for (int i = 0; i < QB; ++i)
+    for (int c = 0; c < CB; ++c)
+      acc[i][c] = i < mb ? _mm512_loadu_ps(ob + i * D + kLanes * (c0 + c)) : _mm512_setzero_ps();
+  for (int k = 0; k < npairs; ++k) {
+    __m512bh vv[CB];
+    for (int c = 0; c < CB; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt2 + k * D + kLanes * (c0 + c));
+    for (int i = 0; i < QB; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pm2[i * (kChunk / 2) + k]));
+      for (int c = 0; c < CB; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, vv[c]);
+    }
+  }
+  for (int i = 0; i < mb; ++i)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(ob + i * D + kLanes * (c0 + c), acc[i][c]);
+}
+#else
+template <int D>
+constexpr bool kPaired = false;
+#endif
+
+// The paired path's buffers (q2 null: the float path).
+struct PairedBuffers {
+  const uint32_t* q2;  // the queries' pairs (query_pairs), [nq + padding][D/2]
+  uint32_t* p2;        // the probabilities' pairs, [nq + padding][kChunk/2] (zeros past nq)
+  uint32_t* vt2;       // the chunk's values in pairs of keys, [kChunk/2][D]
+};
+
+// Whether an item's prefill path takes the paired products (built for R and D, and asked).
+template <int D, class R>
+inline bool paired_path(const Problem& pb) {
+  return kPaired<D> && std::is_same_v<R, BF16> && pb.bf16_products && !pb.amx;
+}
+
+// The queries' pairs (q2: n query vectors of D, rounded to bfloat16) of q.
+template <int D>
+inline void query_pairs(const float* q, int64_t n, uint32_t* q2) {
+  for (int64_t i = 0; i < n * D / 2; ++i)
+    q2[i] = static_cast<uint32_t>(jaxllm::bf16_bits(q[2 * i])) |
+            static_cast<uint32_t>(jaxllm::bf16_bits(q[2 * i + 1])) << 16;
+}
+
 // o[i][c0 ..] += sum_t p[i][t] * v_t[c0 ..] for kValueBlock queries (ob, D apart; pm,
 // kChunk apart) over a slice of kValueCols vectors of D from c0: per key token, the
 // slice's vectors of its value row and kValueBlock broadcasts. Rows from mb on are
@@ -585,14 +702,30 @@ inline int keys_seen(const int32_t* row_pos, int group, int m0, int n, int64_t t
 template <int D, class R>
 void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
                        int ntiles, const R* const* krow, const R* const* vrow, const float* ks, const float* vs,
-                       float* kt, float* p, const float* q, float* o, float* m, float* l) {
-  transpose_chunk<D>(krow, ks, ntiles, kt);
+                       float* kt, float* p, const float* q, const PairedBuffers& pair, float* o, float* m, float* l) {
+  [[maybe_unused]] const uint32_t* const q2 = pair.q2;
+  [[maybe_unused]] uint32_t* const kt2 = reinterpret_cast<uint32_t*>(kt);  // the paired scores' keys
+  bool paired = false;
+#if defined(__AVX512BF16__)
+  if constexpr (kPaired<D> && std::is_same_v<R, BF16>) {
+    paired = q2 != nullptr;
+    if (paired) transpose_pairs<D>(krow, ntiles, kt2);
+  }
+#endif
+  if (!paired) transpose_chunk<D>(krow, ks, ntiles, kt);
   for (int m0 = m_first; m0 < nq; m0 += kScoreBlock) {
     const int mb = std::min(kScoreBlock, nq - m0);
     const int nt = (keys_seen(row_pos, group, m0, mb, t0, ntok) + kTile - 1) / kTile;  // tiles after: masked
     alignas(64) V s[kScoreBlock][kTiles];
-    const float* qb = q + static_cast<int64_t>(m0) * D;
     int j = 0;
+#if defined(__AVX512BF16__)
+    if (paired) {
+      const uint32_t* qb2 = q2 + static_cast<int64_t>(m0) * (D / 2);
+      for (; j + kScoreTiles <= nt; j += kScoreTiles) score_tiles_paired<D, kScoreTiles>(kt2, qb2, j, s);
+      for (; j < nt; ++j) score_tiles_paired<D, 1>(kt2, qb2, j, s);
+    }
+#endif
+    const float* qb = q + static_cast<int64_t>(m0) * D;
     for (; j + kScoreTiles <= nt; j += kScoreTiles) score_tiles<D, kScoreTiles>(kt, qb, j, s);
     for (; j < nt; ++j) score_tiles<D, 1>(kt, qb, j, s);
     for (int i = 0; i < mb; ++i) {
@@ -606,6 +739,23 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
       for (int j = nt; j < ntiles; ++j) store(pq + j * kTile, splat(0.f));
     }
   }
+#if defined(__AVX512BF16__)
+  if constexpr (kPaired<D> && std::is_same_v<R, BF16>) {
+    if (paired) {
+      value_pairs<D>(vrow, ntok, pair.vt2);
+      for (int mq = m_first; mq < nq; ++mq)
+        probability_pairs(p + static_cast<int64_t>(mq) * kChunk, pair.p2 + static_cast<int64_t>(mq) * (kChunk / 2));
+      for (int m0 = m_first; m0 < nq; m0 += kValueBlock<D>) {
+        const int mb = std::min(kValueBlock<D>, nq - m0);
+        const int npairs = (keys_seen(row_pos, group, m0, mb, t0, ntok) + 1) / 2;
+        for (int c0 = 0; c0 < D / kLanes; c0 += kValueCols<D>)
+          value_slice_paired<D>(pair.vt2, npairs, pair.p2 + static_cast<int64_t>(m0) * (kChunk / 2), c0, mb,
+                                o + static_cast<int64_t>(m0) * D);
+      }
+      return;
+    }
+  }
+#endif
   for (int m0 = m_first; m0 < nq; m0 += kValueBlock<D>) {
     const int mb = std::min(kValueBlock<D>, nq - m0);
     const int nk = keys_seen(row_pos, group, m0, mb, t0, ntok);
@@ -621,6 +771,7 @@ struct Scratch {
   std::vector<int32_t> row_pos;
   jaxllm::LineVector<uint16_t> qa, vb, kc;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles and keys
   jaxllm::LineVector<uint32_t> qt;          // and the queries' parts as tiles (query_tiles)
+  jaxllm::LineVector<uint32_t> q2, p2, vt2;  // the paired path's (PairedBuffers)
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
@@ -1008,6 +1159,13 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
     for (int64_t h = 0; h < Hkv; ++h)
       queries_as_tiles<D>(sc.q.data() + h * nq_padded * D, part, nq16, sc, sc.qt.data() + h * kSplits * part / 2);
   }
+  const bool paired = many && paired_path<D, R>(pb);
+  if (paired) {
+    sc.q2.resize(Hkv * nq_padded * D / 2);
+    query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
+    sc.p2.assign(nq_padded * kChunk / 2, 0u);
+    sc.vt2.resize(kChunk / 2 * D);
+  }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
   const R* const kbase = static_cast<const R*>(pb.k);
@@ -1066,7 +1224,10 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       }
       if (many) {
         attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, ks, vs,
-                             sc.kt.data(), sc.p.data(), qh, oh, mh, lh);
+                             sc.kt.data(), sc.p.data(), qh,
+                             PairedBuffers{paired ? sc.q2.data() + h * nq_padded * D / 2 : nullptr, sc.p2.data(),
+                                           sc.vt2.data()},
+                             oh, mh, lh);
         continue;
       }
       for (int r = r_first; r < rows; ++r) {
@@ -1129,6 +1290,13 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     sc.qt.resize(kSplits * part / 2);
     queries_as_tiles<D>(sc.q.data(), part, part / D, sc, sc.qt.data());
   }
+  const bool paired = paired_path<D, R>(pb);
+  if (paired) {
+    sc.q2.resize(nq_padded * D / 2);
+    query_pairs<D>(sc.q.data(), nq_padded, sc.q2.data());
+    sc.p2.assign(nq_padded * kChunk / 2, 0u);
+    sc.vt2.resize(kChunk / 2 * D);
+  }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const int64_t token_stride = pb.num_kv_heads * D;
   const R* kh[kChunk];
@@ -1150,7 +1318,9 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
                     sc.o.data(), sc.m.data(), sc.l.data());
     else
       attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
-                           sc.p.data(), sc.q.data(), sc.o.data(), sc.m.data(), sc.l.data());
+                           sc.p.data(), sc.q.data(),
+                           PairedBuffers{paired ? sc.q2.data() : nullptr, sc.p2.data(), sc.vt2.data()}, sc.o.data(),
+                           sc.m.data(), sc.l.data());
   }
   for (int r = 0; r < it.rows; ++r)
     for (int g = 0; g < group; ++g) {
@@ -1233,7 +1403,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> common_prefix_blocks, ffi::ResultBuffer<ffi::F32> out,
                                 float sm_scale, int32_t sliding_window, float soft_cap,
-                                std::string_view cache_dtype, int32_t causal, int32_t invariant) {
+                                std::string_view cache_dtype, int32_t causal, int32_t invariant,
+                                int32_t bf16_products) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = block_tables.dimensions();
@@ -1248,7 +1419,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   Problem pb{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), k_scale.typed_data(),
              v_scale.typed_data(), out->typed_data(), kv_lens.typed_data(), block_tables.typed_data(),
              query_start_loc.typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], sm_scale,
-             sliding_window, soft_cap, causal != 0, invariant != 0, false, 0, nullptr, nullptr, nullptr};
+             sliding_window, soft_cap, causal != 0, invariant != 0, false, bf16_products != 0, 0, nullptr, nullptr,
+             nullptr};
 #ifdef JAXLLM_AMX
   pb.amx = cache_dtype == "bfloat16" && pb.head_dim % 64 == 0 && !pb.invariant && jaxllm::amx_ready();
   const jaxllm::ThreadHooks hooks = pb.amx ? jaxllm::kAmxHooks : jaxllm::ThreadHooks{};
@@ -1375,5 +1547,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, jaxllm_attention::Ragg
                                   .Attr<float>("soft_cap")
                                   .Attr<std::string_view>("cache_dtype")
                                   .Attr<int32_t>("causal")  // 0: bidirectional (an encoder)
-                                  .Attr<int32_t>("invariant"));  // 1: batch-invariant (Problem::invariant)
+                                  .Attr<int32_t>("invariant")  // 1: batch-invariant (Problem::invariant)
+                                  .Attr<int32_t>("bf16_products"));  // 1: Problem::bf16_products
 #endif

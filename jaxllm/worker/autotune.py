@@ -472,7 +472,8 @@ class StepTimer:
         args = (self._filled((t, cfg.num_heads, cfg.head_dim)), cache.k, cache.v,
                 jnp.asarray(kv_lens), jnp.asarray(tables),
                 jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)), jnp.asarray(np.int32(n)))
-        fn = jax.jit(functools.partial(get_attention_fn(backend), sm_scale=cfg.head_dim ** -0.5,
+        fn = jax.jit(functools.partial(get_attention_fn(backend, bf16_products=self.dtype == jnp.bfloat16),
+                                       sm_scale=cfg.head_dim ** -0.5,
                                        cache_dtype=cache.dtype))
         return _best_of(lambda *a: fn(*a, k_scale=cache.k_scale, v_scale=cache.v_scale), *args) * cfg.num_layers
 

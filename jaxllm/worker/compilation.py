@@ -93,7 +93,8 @@ class CompilationManager:
         kernels = "cpu" in r.plan.backends("linear") + r.plan.backends("attention") and r.mesh is None
         return {
             choice: dict(cfg=r.config, attention_fn=get_attention_fn(choice.attention,
-                                                                     r.runner_config.batch_invariant),
+                                                                     r.runner_config.batch_invariant,
+                                                                     jnp.dtype(r.param_dtype) == jnp.bfloat16),
                          argmax_fn=argmax_cpu if kernels else argmax,
                          scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=r.mesh,
                          lora_kernel="pallas" if choice.linear == "pallas" else "xla")

@@ -239,3 +239,54 @@ def test_amx_prefill_path_matches_reference(heads, sliding_window, soft_cap):
     got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, common_prefix_blocks=jnp.int32(8), **kw))(*stored)
     want = ragged_paged_attention_reference(*view, **kw)
     np.testing.assert_allclose(np.asarray(got)[:valid], np.asarray(want)[:valid], atol=2e-5, rtol=0)
+
+
+def _paired_path_runs() -> bool:
+    """Whether bf16_products changes the prefill path here: a library built with
+    AVX512_BF16, whose bfloat16-cache prefill path is not AMX's (that one keeps float32's
+    precision)."""
+    return cpu_kernels.has_bf16_dot() and not cpu_kernels.has_amx()
+
+
+@pytest.mark.parametrize("heads", [(2, 8, 64), (1, 8, 128), (1, 8, 32)], ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (50, None), (None, 5.0)])
+def test_bf16_products_prefill_path(heads, sliding_window, soft_cap):
+    """bf16_products (a bfloat16 model's attention) with a bfloat16 cache: where the
+    library has vdpbf16ps (and no AMX), the prefill path multiplies the queries (times
+    sm_scale, a power of two here, so q's own rounding) and the probabilities rounded to
+    bfloat16. So it is within the probabilities' rounding of the reference on the
+    queries rounded, and farther from the reference on them unrounded, as is the float
+    path from the rounded one (the paired path did run); the same holds
+    through the common prefix pass. Elsewhere the flag changes no bit. Groups of 8: every
+    item of these chunks takes the prefill path."""
+    hkv, group, head_dim = heads
+    kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
+    seqs = [(70, 70), (45, 200), (100, 300), (17, 80), (64, 190)]
+    args, valid = make_batch(np.random.default_rng(head_dim + hkv), seqs, block_size=16, num_kv_heads=hkv,
+                             group=group, head_dim=head_dim)
+    args = (args[0] * 3.0, *args[1:])  # peakier softmaxes: q's rounding shows
+    _paired_checks(args, valid, kw)
+    p = 8 * 16
+    shared, valid = shared_prefix_batch(np.random.default_rng(group), 8, [(20, p + 20), (45, p + 100), (33, p + 33)],
+                                        block_size=16, num_kv_heads=hkv, group=group, head_dim=head_dim)
+    _paired_checks((shared[0] * 3.0, *shared[1:]), valid, kw | dict(common_prefix_blocks=jnp.int32(8)))
+
+
+def _paired_checks(args, valid, kw):
+    stored, view = _bf16_cache(args)
+    attend = jax.jit(lambda *a, paired: cpu.ragged_paged_attention_cpu(*a, bf16_products=paired, **kw),
+                     static_argnames="paired")
+    got, floats = np.asarray(attend(*stored, paired=True)), np.asarray(attend(*stored, paired=False))
+    if not _paired_path_runs():
+        np.testing.assert_array_equal(got, floats)
+        return
+    ref_kw = {k: v for k, v in kw.items() if k != "common_prefix_blocks"}
+    rounded = np.asarray(ragged_paged_attention_reference(view[0].astype(jnp.bfloat16).astype(jnp.float32), *view[1:],
+                                                          **ref_kw))[:valid]
+    exact = np.asarray(ragged_paged_attention_reference(*view, **ref_kw))[:valid]
+    err = np.abs(got[:valid] - rounded).max()
+    assert err < 8e-3, err  # the probabilities' rounding: a relative 2^-9 of each
+    # q's rounding moves the outputs further (1.8-16x here; least under the soft cap's tanh)
+    assert np.abs(got[:valid] - exact).max() > 1.5 * err
+    assert np.abs(floats[:valid] - rounded).max() > 1.5 * err
+    np.testing.assert_array_equal(got[valid:], 0)
