@@ -278,9 +278,9 @@ struct Problem {
   // The prefill path multiplies on AMX's tiles (a bfloat16 cache, head_dim a multiple of
   // 64, a CPU and OS with AMX, not `invariant`): attend_chunk_amx.
   bool amx;
-  // The prefill path's scores as bfloat16 products (the `bf16_products` attribute: a
-  // bfloat16 model's; a bfloat16 cache, AVX512_BF16, head_dim a multiple of 32, not on
-  // AMX): score_tiles_paired.
+  // The prefill path's queries and probabilities multiplied as bfloat16 (the
+  // `bf16_products` attribute: a bfloat16 model's; a bfloat16 cache, AVX512_BF16, head_dim
+  // a multiple of 32, not on AMX): score_tiles_paired, value_slice_paired.
   bool bf16_products;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
@@ -559,8 +559,9 @@ inline void score_tiles(const float* kt, const float* qb, int j0, V (*s)[kTiles]
 // tensors), times the cache's bfloat16 keys as they lie, by vdpbf16ps: two elements of
 // head_dim a lane, each product exact, float32 sums (a pair's two products added in
 // turn). Twice the float32 FMAs' products an instruction; the softmax stays float32, and
-// the values are multiplied likewise (below). The keys transposed as pairs: kt2 [D/2][kChunk] words, word (d, t) holding
-// elements 2d and 2d + 1 of key t; the queries' pairs q2 [nq][D/2] likewise.
+// the values are multiplied likewise (below). The keys transposed as pairs: kt2
+// [D/2][kChunk] words, word (d, t) holding elements 2d and 2d + 1 of key t; the queries'
+// pairs q2 [nq][D/2] likewise.
 #if defined(__AVX512BF16__)
 template <int D>
 constexpr bool kPaired = kLanes == 16 && D % (2 * kLanes) == 0;
