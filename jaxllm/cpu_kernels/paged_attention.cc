@@ -599,19 +599,26 @@ inline void score_tiles_paired(const uint32_t* kt2, const uint32_t* qb2, int j0,
 
 // The values likewise (Problem::bf16_products): the probabilities rounded to bfloat16,
 // as FlashAttention's on bfloat16 tensors are (the softmax's sum keeps them unrounded),
-// times the values in pairs of keys: vt2 [kChunk/2][D] words, word (k, d) holding
-// element d of keys 2k and 2k + 1 (vrow[t] past ntok: the zeros row); p2 [nq][kChunk/2]
-// words, the probabilities of keys 2k and 2k + 1.
+// as pairs p2 [nq][kChunk/2] words (the probabilities of keys 2k and 2k + 1), times the
+// values in pairs of keys as the AMX path's value product takes them (value_tiles).
+//
+// The chunk's values as the value product's B tiles: vb[s][c] (step s of 32 keys, block
+// c of 16 of D) holds in row tt, for each of the block's 16 elements, keys 32 s + 2 tt
+// and + 1 side by side. Keys past ntok: zeros.
 template <int D>
-inline void value_pairs(const BF16* const* vrow, int ntok, uint32_t* vt2) {
-  for (int k = 0; k < (ntok + 1) / 2; ++k)
-    for (int c = 0; c < D / kLanes; ++c) {
-      const auto* a = reinterpret_cast<const __m256i*>(vrow[2 * k] + kLanes * c);
-      const auto* b = reinterpret_cast<const __m256i*>(vrow[2 * k + 1] + kLanes * c);
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(a));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(b));
-      _mm512_storeu_si512(vt2 + k * D + kLanes * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int t = 0; t < kChunk; t += 2) {
+    const int s = t / 32, tt = (t % 32) / 2;
+    for (int c = 0; c < D / 16; ++c) {
+      const __m256i a = t < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + 16 * c)) : zero;
+      const __m256i b = t + 1 < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t + 1] + 16 * c)) : zero;
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(vb + ((s * (D / 16) + c) * 16 + tt) * 32, _mm512_permutexvar_epi16(pairs, ab));
     }
+  }
 }
 // A query's kChunk probabilities (p) as kChunk/2 pairs (p2), rounded to nearest even.
 inline void probability_pairs(const float* p, uint32_t* p2) {
@@ -619,10 +626,11 @@ inline void probability_pairs(const float* p, uint32_t* p2) {
     _mm512_storeu_si512(p2 + 16 * k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 32 * k + 16),
                                                                    _mm512_loadu_ps(p + 32 * k)));
 }
-// value_slice on the pairs: per pair of keys, the slice's vectors of vt2 and kValueBlock
-// broadcast probability pairs (pm2, kChunk/2 words apart).
+// value_slice on the pairs: per pair of keys k, the slice's vectors of the value tiles
+// (vb: value_tiles's, 16 words of keys 2k and 2k + 1 per block c of 16 of D) and
+// kValueBlock broadcast probability pairs (pm2, kChunk/2 words apart).
 template <int D>
-inline void value_slice_paired(const uint32_t* vt2, int npairs, const uint32_t* pm2, int c0, int mb, float* ob) {
+inline void value_slice_paired(const uint16_t* vb, int npairs, const uint32_t* pm2, int c0, int mb, float* ob) {
   constexpr int QB = kValueBlock<D>, CB = kValueCols<D>;
   __m512 acc[QB][CB];
   for (int i = 0; i < QB; ++i)
@@ -630,7 +638,8 @@ inline void value_slice_paired(const uint32_t* vt2, int npairs, const uint32_t* 
       acc[i][c] = i < mb ? _mm512_loadu_ps(ob + i * D + kLanes * (c0 + c)) : _mm512_setzero_ps();
   for (int k = 0; k < npairs; ++k) {
     __m512bh vv[CB];
-    for (int c = 0; c < CB; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt2 + k * D + kLanes * (c0 + c));
+    for (int c = 0; c < CB; ++c)
+      vv[c] = (__m512bh)_mm512_loadu_si512(vb + (((k / 16) * (D / 16) + c0 + c) * 16 + k % 16) * 32);
     for (int i = 0; i < QB; ++i) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pm2[i * (kChunk / 2) + k]));
       for (int c = 0; c < CB; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w, vv[c]);
@@ -648,7 +657,7 @@ constexpr bool kPaired = false;
 struct PairedBuffers {
   const uint32_t* q2;  // the queries' pairs (query_pairs), [nq + padding][D/2]
   uint32_t* p2;        // the probabilities' pairs, [nq + padding][kChunk/2] (zeros past nq)
-  uint32_t* vt2;       // the chunk's values in pairs of keys, [kChunk/2][D]
+  uint16_t* vb;        // the chunk's values in pairs of keys (value_tiles), kChunk * D
 };
 
 // Whether an item's prefill path takes the paired products (built for R and D, and asked).
@@ -743,14 +752,14 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
 #if defined(__AVX512BF16__)
   if constexpr (kPaired<D> && std::is_same_v<R, BF16>) {
     if (paired) {
-      value_pairs<D>(vrow, ntok, pair.vt2);
+      value_tiles<D>(vrow, ntok, pair.vb);
       for (int mq = m_first; mq < nq; ++mq)
         probability_pairs(p + static_cast<int64_t>(mq) * kChunk, pair.p2 + static_cast<int64_t>(mq) * (kChunk / 2));
       for (int m0 = m_first; m0 < nq; m0 += kValueBlock<D>) {
         const int mb = std::min(kValueBlock<D>, nq - m0);
         const int npairs = (keys_seen(row_pos, group, m0, mb, t0, ntok) + 1) / 2;
         for (int c0 = 0; c0 < D / kLanes; c0 += kValueCols<D>)
-          value_slice_paired<D>(pair.vt2, npairs, pair.p2 + static_cast<int64_t>(m0) * (kChunk / 2), c0, mb,
+          value_slice_paired<D>(pair.vb, npairs, pair.p2 + static_cast<int64_t>(m0) * (kChunk / 2), c0, mb,
                                 o + static_cast<int64_t>(m0) * D);
       }
       return;
@@ -770,9 +779,10 @@ void attend_chunk_many(const Problem& pb, int nq, int group, int m_first, const 
 struct Scratch {
   jaxllm::LineVector<float> q, o, m, l, zeros, kt, p;
   std::vector<int32_t> row_pos;
-  jaxllm::LineVector<uint16_t> qa, vb, kc;  // the AMX path's: q's bfloat16 parts, a chunk's value tiles and keys
+  // the AMX path's: q's bfloat16 parts, a chunk's value tiles (the paired path's too) and keys
+  jaxllm::LineVector<uint16_t> qa, vb, kc;
   jaxllm::LineVector<uint32_t> qt;          // and the queries' parts as tiles (query_tiles)
-  jaxllm::LineVector<uint32_t> q2, p2, vt2;  // the paired path's (PairedBuffers)
+  jaxllm::LineVector<uint32_t> q2, p2;  // the paired path's (PairedBuffers; its values in vb)
 };
 
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
@@ -844,25 +854,6 @@ inline void query_tiles(const uint16_t* qa, int64_t part, int64_t nq16, uint32_t
         transpose_lanes(v);
         std::memcpy(qt + ((sp * blocks + b) * S + st) * 256, v, sizeof v);
       }
-}
-
-// The chunk's values as the value product's B tiles: vb[s][c] (step s of 32 keys, block
-// c of 16 of D) holds in row tt, for each of the block's 16 elements, keys 32 s + 2 tt
-// and + 1 side by side. Keys past ntok: zeros.
-template <int D>
-inline void value_tiles(const BF16* const* vrow, int ntok, uint16_t* vb) {
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m256i zero = _mm256_setzero_si256();
-  for (int t = 0; t < kChunk; t += 2) {
-    const int s = t / 32, tt = (t % 32) / 2;
-    for (int c = 0; c < D / 16; ++c) {
-      const __m256i a = t < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t] + 16 * c)) : zero;
-      const __m256i b = t + 1 < ntok ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[t + 1] + 16 * c)) : zero;
-      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(vb + ((s * (D / 16) + c) * 16 + tt) * 32, _mm512_permutexvar_epi16(pairs, ab));
-    }
-  }
 }
 
 // Both products' step: tiles 0-1 (sums) += the kSplits parts of an A operand (tiles 2-4:
@@ -1165,7 +1156,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
     sc.q2.resize(Hkv * nq_padded * D / 2);
     query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
     sc.p2.assign(nq_padded * kChunk / 2, 0u);
-    sc.vt2.resize(kChunk / 2 * D);
+    sc.vb.resize(kChunk * D);
   }
 
   const int32_t* table = pb.tables + static_cast<int64_t>(s) * pb.max_blocks;
@@ -1227,7 +1218,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         attend_chunk_many<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh, ks, vs,
                              sc.kt.data(), sc.p.data(), qh,
                              PairedBuffers{paired ? sc.q2.data() + h * nq_padded * D / 2 : nullptr, sc.p2.data(),
-                                           sc.vt2.data()},
+                                           sc.vb.data()},
                              oh, mh, lh);
         continue;
       }
@@ -1296,7 +1287,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     sc.q2.resize(nq_padded * D / 2);
     query_pairs<D>(sc.q.data(), nq_padded, sc.q2.data());
     sc.p2.assign(nq_padded * kChunk / 2, 0u);
-    sc.vt2.resize(kChunk / 2 * D);
+    sc.vb.resize(kChunk * D);
   }
   const int32_t* table = pb.tables;  // sequence 0's: every sequence's first blocks are these
   const int64_t token_stride = pb.num_kv_heads * D;
@@ -1320,7 +1311,7 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
     else
       attend_chunk_many<D>(pb, nq, group, 0, row_pos + it.row0, t0, ntok, ntiles, kh, vh, ks, vs, sc.kt.data(),
                            sc.p.data(), sc.q.data(),
-                           PairedBuffers{paired ? sc.q2.data() : nullptr, sc.p2.data(), sc.vt2.data()}, sc.o.data(),
+                           PairedBuffers{paired ? sc.q2.data() : nullptr, sc.p2.data(), sc.vb.data()}, sc.o.data(),
                            sc.m.data(), sc.l.data());
   }
   for (int r = 0; r < it.rows; ++r)
