@@ -59,7 +59,7 @@ def inputs(decodes: list[int], chunks: list[tuple[int, int]], rng, kv_dtype: str
             jnp.asarray(np.int32(len(seqs))))
 
 
-def run(iters: int, kv_dtype: str, resident: bool, in_order: bool = False) -> None:
+def run(iters: int, kv_dtype: str, resident: bool, in_order: bool = False, bf16_products: bool = False) -> None:
     import functools
 
     import jax
@@ -72,14 +72,21 @@ def run(iters: int, kv_dtype: str, resident: bool, in_order: bool = False) -> No
     scale = HEAD_DIM ** -0.5
     cpu = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=scale))
     xla = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=scale))
+    rounded = jax.jit(functools.partial(ragged_paged_attention_cpu, sm_scale=scale, bf16_products=True))
     print(f"KV cache {kv_dtype}; cpu GB/s: the K/V rows the sequences read, per second of the cpu kernel")
-    print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8} {'cpu GB/s':>9}")
+    extra = f" {'bf16p ms':>9} {'cpu/bf16p':>9}" if bf16_products else ""
+    print(f"{'step mix':>24} {'cpu ms':>8} {'xla ms':>8} {'xla/cpu':>8} {'cpu GB/s':>9}{extra}")
     for name, (decodes, chunks) in MIXES.items():
         args = inputs(decodes, chunks, rng, kv_dtype, resident, in_order)
         np.testing.assert_allclose(np.asarray(cpu(*args)), np.asarray(xla(*args)), rtol=1e-4, atol=1e-4)
         tc, tx = timed(cpu, *args, iters=iters), timed(xla, *args, iters=iters)
         kv_bytes = sum(int(kv) for kv in np.asarray(args[3])) * KV_HEADS * HEAD_DIM * 2 * args[1].dtype.itemsize
-        print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f} {kv_bytes / tc / 1e9:9.1f}", flush=True)
+        extra = ""
+        if bf16_products:  # a bfloat16 model's rounding: within a few bfloat16 ulps of the float path
+            np.testing.assert_allclose(np.asarray(rounded(*args)), np.asarray(cpu(*args)), rtol=0, atol=5e-2)
+            tb = timed(rounded, *args, iters=iters)
+            extra = f" {1e3 * tb:9.2f} {tc / tb:9.2f}"
+        print(f"{name:>24} {1e3 * tc:8.2f} {1e3 * tx:8.2f} {tx / tc:8.2f} {kv_bytes / tc / 1e9:9.1f}{extra}", flush=True)
 
 
 def main() -> None:
@@ -91,11 +98,14 @@ def main() -> None:
                    help="the decodes read one sequence's blocks, kept in the caches: the kernel apart from memory")
     p.add_argument("--in-order", action="store_true",
                    help="each sequence's blocks in order in the pool (a fresh server) rather than scattered")
+    p.add_argument("--bf16-products", action="store_true",
+                   help="also time the cpu kernel as a bfloat16 model runs it (queries and probabilities "
+                        "rounded to bfloat16; with --kv-cache-dtype bfloat16)")
     args = p.parse_args()
     if not reexec(args.isa):
         return
     print(describe(args.isa))
-    run(args.iters, args.kv_cache_dtype, args.resident, args.in_order)
+    run(args.iters, args.kv_cache_dtype, args.resident, args.in_order, args.bf16_products)
 
 
 if __name__ == "__main__":

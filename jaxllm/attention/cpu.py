@@ -73,7 +73,8 @@ def ragged_paged_attention_cpu(
     row by the decode path, its keys in the same chunks, no common prefix pass; slower
     for prefill chunks). `bf16_products`: a bfloat16 model's attention, whose queries
     may be rounded to bfloat16: with a bfloat16 cache, on a CPU with AVX512_BF16, the
-    prefill path multiplies them so (by vdpbf16ps; float32 sums and softmax)."""
+    prefill path multiplies them so (by vdpbf16ps, or on AMX's tiles as one bfloat16
+    part rather than three; float32 sums and softmax)."""
     load_kernels()
     cache_dtype = jnp.dtype(cache_dtype or k_cache.dtype)
     reason = unsupported(q.shape[-1], q.dtype, cache_dtype)

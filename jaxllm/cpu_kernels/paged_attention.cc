@@ -31,10 +31,11 @@
 //   and the softmax's exp is vexp's polynomial without the clamps (exp_scores).
 // - the prefill path on AMX (a bfloat16 cache, head_dim a multiple of 64, where the CPU
 //   and OS give the tiles): scores (keys x queries) and values as tile products, the
-//   queries and the probabilities multiplied as three bfloat16 parts each, the softmax
-//   across 16 queries a vector (attend_chunk_amx).
+//   queries and the probabilities multiplied as three bfloat16 parts each (one, rounded,
+//   for a bfloat16 model's: `bf16_products`), the softmax across 16 queries a vector
+//   (attend_chunk_amx).
 // - the prefill path of a bfloat16 model (`bf16_products`; a bfloat16 cache, AVX512_BF16,
-//   not on AMX): the queries and the probabilities rounded to bfloat16 and multiplied by
+//   not on AMX's path): the queries and the probabilities rounded to bfloat16 and multiplied by
 //   vdpbf16ps, two elements a lane, float32 sums (score_tiles_paired, value_slice_paired).
 // What each path runs at, per machine (scripts/bench_attention.py against the XLA
 // backend): docs/cpu_kernels.md and the lab log it points to.
@@ -279,8 +280,9 @@ struct Problem {
   // 64, a CPU and OS with AMX, not `invariant`): attend_chunk_amx.
   bool amx;
   // The prefill path's queries and probabilities multiplied as bfloat16 (the
-  // `bf16_products` attribute: a bfloat16 model's; a bfloat16 cache, AVX512_BF16, head_dim
-  // a multiple of 32, not on AMX): score_tiles_paired, value_slice_paired.
+  // `bf16_products` attribute: a bfloat16 model's; a bfloat16 cache): on AMX as one part
+  // each (attend_chunk_amx<D, 1>), else with AVX512_BF16 and head_dim a multiple of 32
+  // by vdpbf16ps (score_tiles_paired, value_slice_paired).
   bool bf16_products;
   // The common prefix pass (0 tokens: none): keys [0, prefix_tokens) of every sequence
   // are the same blocks, attended once for all query rows; its state per (row, head)
@@ -788,9 +790,11 @@ struct Scratch {
 constexpr int kManyQueries = 8;  // an item with at least this many queries per KV head takes the prefill path
 constexpr int kPadQueries = 32;  // >= kScoreBlock and every kValueBlock
 static_assert(kPadQueries >= kScoreBlock && kPadQueries >= kValueBlock<16>);  // D = 16: the largest
-constexpr int kSplits = 3;       // the AMX path's bfloat16 parts of a float32 operand
+// The AMX path's bfloat16 parts of a float32 operand (the queries, the probabilities):
+// three keep float32's precision; one, a bfloat16 model's (Problem::bf16_products), rounds
+// them as the paired path does. Tiles 2-4 and 4-6 hold at most three.
+constexpr int kFloatParts = 3;
 constexpr int kAmxQueries = 16;  // and its queries per tile of sums
-static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three parts (tiles 2-4, 4-6)");
 
 #ifdef JAXLLM_AMX
 // The prefill path on AMX's tiles (bfloat16 caches, D a multiple of 64). Per item and KV
@@ -800,52 +804,55 @@ static_assert(kSplits >= 1 && kSplits <= 3, "the AMX path holds at most three pa
 // sums, a key a row), the online softmax with a query a lane (softmax_transposed: no
 // reduction across lanes), and the probabilities, transposed back, times the values
 // (D / 16 tiles of sums), added to the outputs. The keys and values are bfloat16 already;
-// the queries and the probabilities are float32, so each is multiplied as kSplits
-// bfloat16 parts (x = a + b + c to float32's 24 bits: a and b the top 8 significant bits
-// of what the parts before left, truncated, so each difference is exact; c the rest, at
-// most 8 bits, so its rounding is exact): the products are exact and summed in float32 by
-// the tile unit, so the outputs agree with the float paths' to float32's rounding (in
-// another order), not to bfloat16's.
+// the queries and the probabilities are float32, so each is multiplied as P
+// bfloat16 parts. With kFloatParts (x = a + b + c to float32's 24 bits: a and b the top 8
+// significant bits of what the parts before left, truncated, so each difference is exact;
+// c the rest, at most 8 bits, so its rounding is exact) the products are exact and summed
+// in float32 by the tile unit, so the outputs agree with the float paths' to float32's
+// rounding (in another order), not to bfloat16's. With one part (a bfloat16 model's,
+// Problem::bf16_products) each is rounded to bfloat16, as the paired path does.
 
-// x[0, n) (n a multiple of 16) as its kSplits bfloat16 parts (each part but the last x's
+// x[0, n) (n a multiple of 16) as its P bfloat16 parts (each part but the last x's
 // remainder with its low 16 bits cleared, the last the remainder rounded), `stride`
 // elements apart; 32 at a time, two vectors to one vcvtne2ps2bf16, where n allows.
 inline __m512 truncated_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-// 32 values (lo, hi) as their kSplits parts, out[0, 32) of each part, `stride` elements apart.
+// 32 values (lo, hi) as their P parts, out[0, 32) of each part, `stride` elements apart.
+template <int P>
 inline void split_two_bf16(__m512 lo, __m512 hi, uint16_t* out, int64_t stride) {
-  for (int s = 0; s + 1 < kSplits; ++s) {
+  for (int s = 0; s + 1 < P; ++s) {
     const __m512 a = truncated_bf16(lo), b = truncated_bf16(hi);
     _mm512_storeu_si512(out + s * stride, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     lo = _mm512_sub_ps(lo, a);
     hi = _mm512_sub_ps(hi, b);
   }
-  _mm512_storeu_si512(out + (kSplits - 1) * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  _mm512_storeu_si512(out + (P - 1) * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
+template <int P>
 inline void split_bf16(const float* x, int64_t n, uint16_t* out, int64_t stride) {
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) split_two_bf16(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i + 16), out + i, stride);
+  for (; i + 32 <= n; i += 32) split_two_bf16<P>(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i + 16), out + i, stride);
   for (; i < n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
-    for (int s = 0; s + 1 < kSplits; ++s) {
+    for (int s = 0; s + 1 < P; ++s) {
       const __m512 a = truncated_bf16(v);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + s * stride + i), (__m256i)_mm512_cvtneps_pbh(a));
       v = _mm512_sub_ps(v, a);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (kSplits - 1) * stride + i), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (P - 1) * stride + i), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
 
-// The queries' parts (qa: kSplits parts `part` elements apart, nq16 rows of D) as the
+// The queries' parts (qa: P parts `part` elements apart, nq16 rows of D) as the
 // score product's B tiles: qt[part][b][st] (queries 16 b.., step st of 32 of D) holds in
 // row kk, column n the pair of elements 32 st + 2 kk, + 1 of query 16 b + n (one 32-bit
 // word): each 16 x 16 block of the queries' words transposed. Once per item and KV head.
-template <int D>
+template <int D, int P>
 inline void query_tiles(const uint16_t* qa, int64_t part, int64_t nq16, uint32_t* qt) {
   constexpr int S = D / 32;
   const int64_t blocks = nq16 / kAmxQueries;
-  for (int sp = 0; sp < kSplits; ++sp)
+  for (int sp = 0; sp < P; ++sp)
     for (int64_t b = 0; b < blocks; ++b)
       for (int st = 0; st < S; ++st) {
         V v[kLanes];
@@ -856,24 +863,25 @@ inline void query_tiles(const uint16_t* qa, int64_t part, int64_t nq16, uint32_t
       }
 }
 
-// Both products' step: tiles 0-1 (sums) += the kSplits parts of an A operand (tiles 2-4:
+// Both products' step: tiles 0-1 (sums) += the P parts of an A operand (tiles 2-4:
 // rows `lda` bytes apart, the parts `part` elements apart) times two B tiles (5-6: 16 rows
 // of 64 bytes at b0, b1). The two sums' products alternate, so each waits on its previous
 // part's product one product later rather than at once (a tile of sums takes each part in
 // turn, in the same order as before: the same sums).
+template <int P>
 inline void two_tiles_step(const uint16_t* a, int64_t lda, int64_t part, const void* b0, const void* b1) {
   _tile_loadd(2, a, lda);
-  if constexpr (kSplits > 1) _tile_loadd(3, a + part, lda);
-  if constexpr (kSplits > 2) _tile_loadd(4, a + 2 * part, lda);
+  if constexpr (P > 1) _tile_loadd(3, a + part, lda);
+  if constexpr (P > 2) _tile_loadd(4, a + 2 * part, lda);
   _tile_loadd(5, b0, 64);
   _tile_loadd(6, b1, 64);
   _tile_dpbf16ps(0, 2, 5);
   _tile_dpbf16ps(1, 2, 6);
-  if constexpr (kSplits > 1) {
+  if constexpr (P > 1) {
     _tile_dpbf16ps(0, 3, 5);
     _tile_dpbf16ps(1, 3, 6);
   }
-  if constexpr (kSplits > 2) {
+  if constexpr (P > 2) {
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 6);
   }
@@ -891,8 +899,8 @@ inline void store_two_tiles(float* out, int64_t ld) {
   do {                                                              \
     _tile_loadd(7, kc + (J) * kTile * D + 32 * s, D * 2);           \
     _tile_dpbf16ps(J, 7, 4);                                        \
-    if constexpr (kSplits > 1) _tile_dpbf16ps(J, 7, 5);             \
-    if constexpr (kSplits > 2) _tile_dpbf16ps(J, 7, 6);             \
+    if constexpr (P > 1) _tile_dpbf16ps(J, 7, 5);             \
+    if constexpr (P > 2) _tile_dpbf16ps(J, 7, 6);             \
   } while (0)
 #define JAXLLM_STORE_KEY_TILE(J) _tile_stored(J, st + (J) * kTile * kAmxQueries, kAmxQueries * 4)
 
@@ -901,14 +909,14 @@ inline void store_two_tiles(float* out, int64_t ld) {
 // the keys as A tiles): per step of 32 of D, the parts' three B tiles, then each key tile
 // once (tile 7) times all three, into tiles 0-3. The same products summed in the same
 // order as queries times transposed keys would be (a step's parts in turn).
-template <int D>
+template <int D, int P>
 inline void amx_scores_transposed(const uint32_t* qt, int64_t qpart, const uint16_t* kc, int nt, float* st) {
   constexpr int S = D / 32;
   jaxllm::zero_four_tiles();
   for (int s = 0; s < S; ++s) {
     _tile_loadd(4, qt + s * 256, 64);
-    if constexpr (kSplits > 1) _tile_loadd(5, qt + qpart + s * 256, 64);
-    if constexpr (kSplits > 2) _tile_loadd(6, qt + 2 * qpart + s * 256, 64);
+    if constexpr (P > 1) _tile_loadd(5, qt + qpart + s * 256, 64);
+    if constexpr (P > 2) _tile_loadd(6, qt + 2 * qpart + s * 256, 64);
     JAXLLM_KEY_TILE_PRODUCTS(0);
     if (nt > 1) JAXLLM_KEY_TILE_PRODUCTS(1);
     if (nt > 2) JAXLLM_KEY_TILE_PRODUCTS(2);
@@ -926,14 +934,14 @@ inline void amx_scores_transposed(const uint32_t* qt, int64_t qpart, const uint1
 constexpr int64_t kProbabilityPart = (kChunk / 32) * kAmxQueries * 32;
 
 // pv [16][D] = the probabilities (pa) times the chunk's values (vb), over `steps` steps of 32 keys.
-template <int D>
+template <int D, int P>
 inline void amx_values(const uint16_t* pa, int steps, const uint16_t* vb, float* pv) {
   constexpr int C = D / 16;
   for (int c = 0; c < C; c += 2) {  // blocks c, c + 1 of D
     _tile_zero(0);
     _tile_zero(1);
     for (int s = 0; s < steps; ++s)  // block c of D, step s: vb[s][c]
-      two_tiles_step(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c) * 16 * 32,
+      two_tiles_step<P>(pa + s * kAmxQueries * 32, 64, kProbabilityPart, vb + (s * C + c) * 16 * 32,
                      vb + (s * C + c + 1) * 16 * 32);
     store_two_tiles(pv + 16 * c, D * 4);
   }
@@ -952,7 +960,7 @@ constexpr int32_t kNoPosition = -(1 << 30);
 // a 16 x 16 block at a time, go to the value product's A tiles as their parts (pa, the
 // chunk's first ceil(nt / 2) steps of 32 keys; zeros where not visible). False if no
 // lane sees a key.
-template <int D>
+template <int D, int P>
 inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, const Problem& pb, float* m,
                                float* l, int lanes, float* o, uint16_t* pa) {
   static_assert(kLanes == kAmxQueries, "a lane per query of the block");
@@ -998,7 +1006,7 @@ inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, c
     block(2 * s, lo);
     block(2 * s + 1, hi);
     for (int i = 0; i < kAmxQueries; ++i)
-      split_two_bf16(reinterpret_cast<__m512>(lo[i]), reinterpret_cast<__m512>(hi[i]), pa + (s * kAmxQueries + i) * 32,
+      split_two_bf16<P>(reinterpret_cast<__m512>(lo[i]), reinterpret_cast<__m512>(hi[i]), pa + (s * kAmxQueries + i) * 32,
                      kProbabilityPart);
   }
   return true;
@@ -1010,7 +1018,7 @@ inline bool softmax_transposed(float* st, int nt, int64_t t0, int ntok, M pos, c
 // queries: the scores transposed (keys x queries: the chunk's keys, gathered, are the A
 // tiles as they lie), the softmax across the block's queries (softmax_transposed), then
 // the probabilities, transposed back, times the values.
-template <int D>
+template <int D, int P>
 void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const int32_t* row_pos, int64_t t0, int ntok,
                       int ntiles, const BF16* const* krow, const BF16* const* vrow, const uint32_t* qt, int64_t qpart,
                       Scratch& sc, float* o, float* m, float* l) {
@@ -1020,18 +1028,18 @@ void attend_chunk_amx(const Problem& pb, int nq, int group, int m_first, const i
   sc.vb.resize(kChunk / 32 * (D / 16) * 16 * 32);
   value_tiles<D>(vrow, ntok, sc.vb.data());
   alignas(64) float st[kChunk * kAmxQueries], pv[kAmxQueries * D];
-  alignas(64) uint16_t pa[kSplits * kProbabilityPart];
+  alignas(64) uint16_t pa[P * kProbabilityPart];
   for (int m0 = m_first / kAmxQueries * kAmxQueries; m0 < nq; m0 += kAmxQueries) {
     const int first = std::max(m0, m_first), mb = std::min(kAmxQueries, nq - m0);
     const int nk = keys_seen(row_pos, group, first, m0 + mb - first, t0, ntok);
     if (nk == 0) continue;
     const int nt = (nk + kTile - 1) / kTile;
-    amx_scores_transposed<D>(qt + (m0 / kAmxQueries) * S * 256, qpart, sc.kc.data(), nt, st);
+    amx_scores_transposed<D, P>(qt + (m0 / kAmxQueries) * S * 256, qpart, sc.kc.data(), nt, st);
     M pos;
     for (int i = 0; i < kLanes; ++i) pos[i] = i < mb && m0 + i >= m_first ? row_pos[(m0 + i) / group] : kNoPosition;
-    if (!softmax_transposed<D>(st, nt, t0, ntok, pos, pb, m + m0, l + m0, mb, o + static_cast<int64_t>(m0) * D, pa))
+    if (!softmax_transposed<D, P>(st, nt, t0, ntok, pos, pb, m + m0, l + m0, mb, o + static_cast<int64_t>(m0) * D, pa))
       continue;
-    amx_values<D>(pa, (nk + 31) / 32, sc.vb.data(), pv);
+    amx_values<D, P>(pa, (nk + 31) / 32, sc.vb.data(), pv);
     for (int i = first - m0; i < mb; ++i) {
       float* oq = o + static_cast<int64_t>(m0 + i) * D;
       for (int c = 0; c < D / kLanes; ++c) store(oq + kLanes * c, load(oq + kLanes * c) + load(pv + i * D + kLanes * c));
@@ -1050,15 +1058,22 @@ inline bool amx_attention(const Problem& pb) {
   return false;
 }
 
-// The queries' kSplits parts as attend_amx's tiles, qt (query_tiles): n floats, nq16 rows
-// of D; qa holds the parts meanwhile.
-template <int D>
-inline void queries_as_tiles(const float* q, int64_t n, int64_t nq16, Scratch& sc, uint32_t* qt) {
+// The queries' parts as attend_amx's tiles, qt (query_tiles): n floats, nq16 rows of D;
+// qa holds the parts meanwhile. One part for a bfloat16 model's, else kFloatParts.
+template <int D, int P>
+inline void queries_as_parts(const float* q, int64_t n, int64_t nq16, Scratch& sc, uint32_t* qt) {
 #ifdef JAXLLM_AMX
-  sc.qa.resize(kSplits * n);
-  split_bf16(q, n, sc.qa.data(), n);
-  query_tiles<D>(sc.qa.data(), n, nq16, qt);
+  sc.qa.resize(P * n);
+  split_bf16<P>(q, n, sc.qa.data(), n);
+  query_tiles<D, P>(sc.qa.data(), n, nq16, qt);
 #endif
+}
+template <int D>
+inline void queries_as_tiles(const Problem& pb, const float* q, int64_t n, int64_t nq16, Scratch& sc, uint32_t* qt) {
+  if (pb.bf16_products)
+    queries_as_parts<D, 1>(q, n, nq16, sc, qt);
+  else
+    queries_as_parts<D, kFloatParts>(q, n, nq16, sc, qt);
 }
 
 // attend_chunk_amx where it is built for R and D (amx_attention: the callers ask only then).
@@ -1067,8 +1082,13 @@ inline void attend_amx(const Problem& pb, int nq, int group, int m_first, const 
                        int ntok, int ntiles, const R* const* krow, const R* const* vrow, const uint32_t* qt,
                        int64_t qpart, Scratch& sc, float* o, float* m, float* l) {
 #ifdef JAXLLM_AMX
-  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0)
-    attend_chunk_amx<D>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qt, qpart, sc, o, m, l);
+  if constexpr (std::is_same_v<R, BF16> && D % 64 == 0) {
+    if (pb.bf16_products)
+      attend_chunk_amx<D, 1>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qt, qpart, sc, o, m, l);
+    else
+      attend_chunk_amx<D, kFloatParts>(pb, nq, group, m_first, row_pos, t0, ntok, ntiles, krow, vrow, qt, qpart, sc,
+                                       o, m, l);
+  }
 #endif
 }
 
@@ -1147,9 +1167,10 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t nq16 = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries, part = nq16 * D;
   const bool amx = many && amx_attention<D, R>(pb);
   if (amx) {
-    sc.qt.resize(Hkv * kSplits * part / 2);
+    sc.qt.resize(Hkv * kFloatParts * part / 2);
     for (int64_t h = 0; h < Hkv; ++h)
-      queries_as_tiles<D>(sc.q.data() + h * nq_padded * D, part, nq16, sc, sc.qt.data() + h * kSplits * part / 2);
+      queries_as_tiles<D>(pb, sc.q.data() + h * nq_padded * D, part, nq16, sc,
+                          sc.qt.data() + h * kFloatParts * part / 2);
   }
   const bool paired = many && paired_path<D, R>(pb);
   if (paired) {
@@ -1211,7 +1232,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
       float* lh = sc.l.data() + h * nq;
       if (amx) {
         attend_amx<D>(pb, nq, group, r_first * group, sc.row_pos.data(), t0, ntok, ntiles, kh, vh,
-                      sc.qt.data() + h * kSplits * part / 2, part / 2, sc, oh, mh, lh);
+                      sc.qt.data() + h * kFloatParts * part / 2, part / 2, sc, oh, mh, lh);
         continue;
       }
       if (many) {
@@ -1279,8 +1300,8 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
   const int64_t part = (nq + kAmxQueries - 1) / kAmxQueries * kAmxQueries * D;
   const bool amx = amx_attention<D, R>(pb);
   if (amx) {
-    sc.qt.resize(kSplits * part / 2);
-    queries_as_tiles<D>(sc.q.data(), part, part / D, sc, sc.qt.data());
+    sc.qt.resize(kFloatParts * part / 2);
+    queries_as_tiles<D>(pb, sc.q.data(), part, part / D, sc, sc.qt.data());
   }
   const bool paired = paired_path<D, R>(pb);
   if (paired) {

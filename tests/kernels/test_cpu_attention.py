@@ -243,21 +243,20 @@ def test_amx_prefill_path_matches_reference(heads, sliding_window, soft_cap):
 
 def _paired_path_runs() -> bool:
     """Whether bf16_products changes the prefill path here: a library built with
-    AVX512_BF16, whose bfloat16-cache prefill path is not AMX's (that one keeps float32's
-    precision)."""
-    return cpu_kernels.has_bf16_dot() and not cpu_kernels.has_amx()
+    AVX512_BF16 (vdpbf16ps, or on AMX one bfloat16 part each instead of three)."""
+    return cpu_kernels.has_bf16_dot()
 
 
 @pytest.mark.parametrize("heads", [(2, 8, 64), (1, 8, 128), (1, 8, 32)], ids=lambda h: f"hkv{h[0]}-g{h[1]}-d{h[2]}")
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (50, None), (None, 5.0)])
 def test_bf16_products_prefill_path(heads, sliding_window, soft_cap):
     """bf16_products (a bfloat16 model's attention) with a bfloat16 cache: where the
-    library has vdpbf16ps (and no AMX), the prefill path multiplies the queries (times
-    sm_scale, a power of two here, so q's own rounding) and the probabilities rounded to
-    bfloat16. So it is within the probabilities' rounding of the reference on the
-    queries rounded, and farther from the reference on them unrounded, as is the float
-    path from the rounded one (the paired path did run); the same holds
-    through the common prefix pass. Elsewhere the flag changes no bit. Groups of 8: every
+    library has vdpbf16ps (on AMX: its tiles, at head_dim 64 and 128), the prefill path
+    multiplies the queries (times sm_scale, a power of two here, so q's own rounding) and
+    the probabilities rounded to bfloat16. So it is within the probabilities' rounding of
+    the reference on the queries rounded, and farther from the reference on them
+    unrounded, as is the float path from the rounded one (the rounding path did run); the
+    same holds through the common prefix pass. Elsewhere the flag changes no bit. Groups of 8: every
     item of these chunks takes the prefill path."""
     hkv, group, head_dim = heads
     kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
