@@ -209,8 +209,9 @@ def plan_backends(
     Linear backends mix across buckets only where that gains MIXED_GAIN (a second copy
     of the weights). With several `bf16_tiles` and the kernel a linear candidate, the
     kernel's tiles are chosen first, per bucket alike, and the kernel's time is that of
-    the tiles chosen (`measure` names the kernel with float tiles `cpu/float`, with
-    AMX's `cpu/amx`). Where a choice off the default wins by less than CONFIRM
+    the tiles chosen, timed once more beside the other linear candidates (the faster of
+    its two times; `measure` names the kernel with float tiles `cpu/float`, with AMX's
+    `cpu/amx`). Where a choice off the default wins by less than CONFIRM
     (`BackendPlan.unsure`), everything is measured once more and chosen again on each
     call's faster time of the two rounds: load only slows a call, and a plan measured
     in a busy moment is stored and reused (docs/bench-log/2026-12-03-xeon-amx.md)."""
@@ -258,10 +259,11 @@ def _plan_round(buckets, attention, linear, measure, bf16_tiles) -> BackendPlan:
         seconds[kind] = {b: {} for b in candidates}
         for t, s in sample:  # candidates alternate: a busy moment of a shared machine hits both
             for b in candidates:
-                if kind == "linear" and b == "cpu" and "bf16_tiles" in seconds:  # measured with its tiles
-                    seconds[kind][b][t] = seconds["bf16_tiles"][tiles_at[t]][t]
-                else:
-                    seconds[kind][b][t] = measure(kind, b, t, s)
+                # the kernel with its tiles, timed again beside the others (measure keeps each
+                # call's faster time): from the tiles' pass alone, a busy moment between the two
+                # passes flipped prefill buckets to XLA (docs/bench-log/2026-12-05-xeon-amx.md)
+                tiles = "bf16_tiles" in seconds and kind == "linear" and b == "cpu"
+                seconds[kind][b][t] = measure(kind, _kernel(tiles_at[t]) if tiles else b, t, s)
         best_at = _fastest_at(sample, candidates, seconds[kind])
         if kind == "linear":
             best_at = _one_layout_unless_worth_two(best_at, seconds[kind], candidates)

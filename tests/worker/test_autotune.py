@@ -131,8 +131,9 @@ def test_the_bfloat16_tiles_are_chosen_per_bucket():
     """Where the kernels hold both bfloat16 paths (the same sums): the kernel's
     projections timed with each at the sampled buckets, each bucket taking the faster
     (vdpbf16ps, the first, unless the float tiles beat it by more than TIE); the
-    kernel's time in the cpu/xla choice is that of its tiles (not measured again), and
-    the output projection is measured with the largest bucket's tiles."""
+    kernel's time in the cpu/xla choice is that of its tiles, timed again beside XLA's
+    (the faster of the two: a busy moment between the passes does not hand a bucket to
+    XLA), and the output projection is measured with the largest bucket's tiles."""
     buckets = [(t, 8) for t in (1, 2, 4, 8, 16, 32)]  # measured: 1, 4, 16, 32
     calls = []
 
@@ -143,7 +144,18 @@ def test_the_bfloat16_tiles_are_chosen_per_bucket():
         return t * (1.0 if backend == "cpu" else 0.8 if kind == "linear" else 2.0)
 
     plan = plan_backends(buckets, ["xla"], ["cpu", "xla"], measure, bf16_tiles=["dot", "float"])
-    assert sorted(b for k, b, _ in calls if k == "linear") == ["cpu"] * 4 + ["cpu/float"] * 4 + ["xla"] * 4
+    linear_calls = [(b, t) for k, b, t in calls if k == "linear"]
+    assert sorted(b for b, _ in linear_calls) == ["cpu"] * 6 + ["cpu/float"] * 6 + ["xla"] * 4
+    # the second pass: each bucket's chosen tiles, then XLA
+    assert linear_calls[8:] == [("cpu", 1), ("xla", 1), ("cpu/float", 4), ("xla", 4), ("cpu/float", 16), ("xla", 16),
+                                ("cpu", 32), ("xla", 32)]
+    first_pass = []
+
+    def busy_at_16(kind, backend, t, s):  # the float tiles' first call at T=16 in a busy moment: 0.9 t
+        first_pass.append(backend)
+        return measure(kind, backend, t, s) * (1.5 if len(first_pass) <= 8 and (backend, t) == ("cpu/float", 16) else 1)
+
+    assert plan_backends(buckets, ["xla"], ["cpu", "xla"], busy_at_16, bf16_tiles=["dot", "float"]).choices == plan.choices
     assert [c.bf16_tiles for c in plan.choices] == ["dot", "dot", "float", "float", "float", "dot"]
     # the kernel's time, its tiles': 0.6 t against XLA's 0.8 t where it takes the float tiles
     assert [c.linear for c in plan.choices] == ["xla", "xla", "cpu", "cpu", "cpu", "xla"]
