@@ -122,6 +122,23 @@ class BackendPlan:
         source = "measured twice" if self.source == "measured" and self.rounds == 2 else self.source
         return ", ".join(parts) + (f" [{source}]" if times else "")
 
+    def bf16_products(self, param_dtype) -> bool:
+        """Whether the cpu attention kernel multiplies a model's queries and probabilities
+        as bfloat16 (ragged_paged_attention_cpu's `bf16_products`): a bfloat16 model's,
+        unless this plan timed the kernel's projections at its largest measured bucket
+        faster with the float tiles than with vdpbf16ps by more than TIE, with no AMX
+        tiles among the candidates: the attention's paired path (vdpbf16ps) then ran
+        slower than its float path too (an Intel Xeon without AMX for the process:
+        docs/bench-log/2026-12-05-xeon-amx.md). Unmeasured, yes (the kernel rounds only
+        where the library has vdpbf16ps)."""
+        if jnp.dtype(param_dtype) != jnp.bfloat16:
+            return False
+        times = self.seconds.get("bf16_tiles", {})
+        if "amx" in times or not {"dot", "float"} <= times.keys():
+            return True
+        t = max(times["dot"])
+        return times["float"][t] * (1 + TIE) >= times["dot"][t]
+
     def unsure(self) -> list[str]:
         """The measured choices off their default (a kind's first candidate; for the
         output projection, XLA's layout) that win by less than CONFIRM, which a busy

@@ -94,7 +94,7 @@ class CompilationManager:
         return {
             choice: dict(cfg=r.config, attention_fn=get_attention_fn(choice.attention,
                                                                      r.runner_config.batch_invariant,
-                                                                     jnp.dtype(r.param_dtype) == jnp.bfloat16),
+                                                                     r.plan.bf16_products(r.param_dtype)),
                          argmax_fn=argmax_cpu if kernels else argmax,
                          scores_fn=token_scores_cpu if kernels else compute_logprobs, mesh=r.mesh,
                          lora_kernel="pallas" if choice.linear == "pallas" else "xla")
@@ -127,7 +127,8 @@ class CompilationManager:
         images = () if r.images is None else (jax.ShapeDtypeStruct(r.images.table.shape, r.images.table.dtype),)
         args = (r.weights_of(choice), r.rope, r._abstract_caches, r.history, *r._lora_args(abstract=True), *images)
         invariant = ("batch_invariant",) if r.runner_config.batch_invariant else ()
-        return ExecutableStore(directory, "model_step", r.config, r.kv_groups, choice.attention, *invariant,
+        rounded = ("bf16_products",) if r.plan.bf16_products(r.param_dtype) else ()  # the attention's attribute
+        return ExecutableStore(directory, "model_step", r.config, r.kv_groups, choice.attention, *invariant, *rounded,
                                choice.linear,
                                shapes_and_dtypes(args), jax.tree.structure(args), self._mesh_key(),
                                devices=self._devices())

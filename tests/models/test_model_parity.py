@@ -167,9 +167,10 @@ def test_engine_bfloat16_on_cpu_scores_like_rounded_hf(test_models_dir):
     assert runner.kv_caches[0].k.dtype == np.float32
     held = [getattr(w.layers[0].wqkv, "panels", w.layers[0].wqkv) for w in runner.weights.values()]  # packed or plain
     assert all(a.dtype == np.dtype("bfloat16") for a in held)
-    # its attention may multiply in bfloat16 (the kernel does so with a bfloat16 cache only:
-    # tests/kernels/test_cpu_attention.py)
-    assert all(step["attention_fn"].keywords["bf16_products"] for step in runner.compilation._steps.values())
+    # its attention may multiply in bfloat16 where the plan found vdpbf16ps (or AMX) fast (the
+    # kernel does so with a bfloat16 cache only: tests/kernels/test_cpu_attention.py)
+    rounds = runner.plan.bf16_products(runner.param_dtype)
+    assert all(step["attention_fn"].keywords["bf16_products"] == rounds for step in runner.compilation._steps.values())
     ids = llm.get_tokenizer().encode(PROMPT)
     (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     got = np.array([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])

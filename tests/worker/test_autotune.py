@@ -120,6 +120,24 @@ def test_a_narrow_win_off_the_default_is_measured_again_on_the_faster_times():
     assert len(calls) == 2 * len(measured_buckets(BUCKETS))
 
 
+def test_a_bfloat16_models_attention_rounds_unless_vdpbf16ps_measured_slow():
+    """bf16_products: a bfloat16 model's, unless the plan timed the kernel's projections at
+    its largest bucket faster with the float tiles than with vdpbf16ps by more than TIE
+    and had no AMX tiles to choose (an Intel CPU without AMX, where the attention's
+    paired path ran 0.66-0.76x its float path); whichever backend then ran the
+    projections (XLA's there: the tiles chosen would say "dot"). A float32 model, never."""
+    choices = (StepBackends("cpu", "cpu"), StepBackends("cpu", "xla"))
+    def plan(dot, float_, amx=None):
+        tiles = {"dot": {8: 1.0, 512: dot}, "float": {8: 2.0, 512: float_}} | ({"amx": {8: 1, 512: amx}} if amx else {})
+        return BackendPlan((8, 512), choices, {"bf16_tiles": tiles}, "measured")
+    assert plan(dot=100.0, float_=60.0).bf16_products(jnp.bfloat16) is False  # float 1.7x
+    assert plan(dot=100.0, float_=99.0).bf16_products(jnp.bfloat16) is True  # within TIE
+    assert plan(dot=100.0, float_=120.0).bf16_products(jnp.bfloat16) is True
+    assert plan(dot=100.0, float_=60.0, amx=30.0).bf16_products(jnp.bfloat16) is True  # the AMX path
+    assert BackendPlan((8,), choices[:1]).bf16_products("bfloat16") is True  # unmeasured
+    assert plan(dot=100.0, float_=120.0).bf16_products(jnp.float32) is False
+
+
 def test_ties_keep_the_first_candidate_and_one_candidate_is_not_measured():
     plan = plan_backends(BUCKETS, ["cpu", "xla"], ["xla"], lambda k, b, t, s: 1.0 if b == "cpu" else 0.99)
     assert {c.attention for c in plan.choices} == {"cpu"}  # 1% faster: within the tie margin
