@@ -256,8 +256,8 @@ def test_bf16_products_prefill_path(heads, sliding_window, soft_cap):
     the probabilities rounded to bfloat16. So it is within the probabilities' rounding of
     the reference on the queries rounded, and farther from the reference on them
     unrounded, as is the float path from the rounded one (the rounding path did run); the
-    same holds through the common prefix pass. Elsewhere the flag changes no bit. Groups of 8: every
-    item of these chunks takes the prefill path."""
+    same holds through the common prefix pass. Elsewhere the flag changes no bit. Groups
+    of 8: every item of these chunks takes the prefill path."""
     hkv, group, head_dim = heads
     kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
     seqs = [(70, 70), (45, 200), (100, 300), (17, 80), (64, 190)]

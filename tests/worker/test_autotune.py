@@ -124,7 +124,7 @@ def test_a_bfloat16_models_attention_rounds_unless_vdpbf16ps_measured_slow():
     """bf16_products: a bfloat16 model's, unless the plan timed the kernel's projections at
     its largest bucket faster with the float tiles than with vdpbf16ps by more than TIE
     and had no AMX tiles to choose (an Intel CPU without AMX, where the attention's
-    paired path ran 0.66-0.76x its float path); whichever backend then ran the
+    paired path ran 0.66-0.88x its float path); whichever backend then ran the
     projections (XLA's there: the tiles chosen would say "dot"). A float32 model, never."""
     choices = (StepBackends("cpu", "cpu"), StepBackends("cpu", "xla"))
     def plan(dot, float_, amx=None):
