@@ -61,10 +61,8 @@ from jaxllm.models.quant import activation_quantization_ready
 logger = logging.getLogger(__name__)
 
 TIE = 0.02  # within 2%, the first candidate (the kernel) is kept: no flapping on noise
-# a choice off the default that wins by less is measured a second time: on a shared 2-vCPU
-# host a call's best time swung by up to 2x between minutes, and busy moments handed prefill
-# buckets to XLA by 1.03-1.25x where the kernel was 1.2-1.8x faster
-# (docs/bench-log/2026-12-05-xeon-amx.md)
+# a choice off the default that wins by less is measured a second time: a shared host's busy
+# moments made up such wins (docs/bench-log/2026-12-05-xeon-amx.md)
 CONFIRM = 0.50
 MIXED_GAIN = 0.05  # two weight layouts only for a 5% gain over the best single linear backend
 WEIGHT_BYTES = 64 << 20  # distinct weights a linear measurement streams through
