@@ -903,16 +903,23 @@ void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
 // bytes per row) times `pairs` pairs of a panel of pairs `w` ([pairs][32][2], from the
 // same step), into tiles 0-3. With `next` (the panel two ahead), each step also prefetches
 // into L2 the 2 KB step of it that `share` gives (into L1 measured slower:
-// docs/bench-log/2026-12-03-xeon-amx.md).
-template <bool kTwo>
+// docs/bench-log/2026-12-03-xeon-amx.md). kStreamW: the panel's tiles loaded with the
+// streaming hint (tileloaddt1), so that a panel streaming past x's tiles evicts less of
+// them from L1 (docs/bench-log/2026-12-05-xeon-amx.md).
+template <bool kTwo, bool kStreamW = false>
 inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs,
                       const uint16_t* next = nullptr, PrefetchShare share = {}) {
   for (int64_t j = 0; j < pairs; j += kAmxPairs) {
     if (next != nullptr)
       for (int l = 0; l < kAmxPairs * 2 * kPanel * 2 / 64; ++l)
         __builtin_prefetch(next + share.at(j / kAmxPairs) * kAmxPairs * 2 * kPanel + 32 * l, 0, 2);
-    _tile_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
-    _tile_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
+    if constexpr (kStreamW) {
+      _tile_stream_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
+      _tile_stream_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
+    } else {
+      _tile_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
+      _tile_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
+    }
     _tile_loadd(4, x0 + 2 * j, stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -947,9 +954,11 @@ inline void amx_store(float* Y, int64_t M, int64_t N, int64_t t, int64_t p, int 
 
 // Tiles t0..t1-1 of x (XT, packed by amx_pack) times a panel of pairs `w` with `pairs`
 // pairs in memory (the steps past them read zeros), into y; each pass over the panel (two
-// tiles of x) prefetches its share of `next` (amx_steps).
+// tiles of x) prefetches its share of `next` and, with `stream`, loads the panel with the
+// streaming hint (amx_steps).
 void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0, int64_t t1, const uint16_t* w,
-                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols, const uint16_t* next = nullptr) {
+                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols, const uint16_t* next = nullptr,
+                           bool stream = false) {
   const int64_t depth = amx_depth(K), whole = pairs / kAmxPairs * kAmxPairs;
   const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
   alignas(64) uint16_t tail[kAmxPairs * 2 * kPanel];  // the last step's pairs, zeros past `pairs`
@@ -966,7 +975,10 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
     if (t + 1 < t1) {
       _tile_zero(2);
       _tile_zero(3);
-      amx_steps<true>(x0, x0 + tile_size, stride, w, whole, next, share);
+      if (stream)
+        amx_steps<true, true>(x0, x0 + tile_size, stride, w, whole, next, share);
+      else
+        amx_steps<true>(x0, x0 + tile_size, stride, w, whole, next, share);
       if (whole < depth) amx_steps<true>(x0 + 2 * whole, x0 + tile_size + 2 * whole, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
       amx_store<true>(Y, M, N, t + 1, p, cols, out);
@@ -1090,6 +1102,9 @@ void amx_rows_grouped(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int6
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   const int64_t group = std::clamp<int64_t>(out_panels * blocks / (3 * pool.num_threads()), 1, kAmxGroup);
   const int64_t groups = (out_panels + group - 1) / group;
+  // plain panels stream past the pair of x's tiles (kept ones, converted at the item's
+  // start, measured mixed with the streaming hint: docs/bench-log/2026-12-05-xeon-amx.md)
+  constexpr bool stream = kIsPairs<Wt>;
   pack_then_multiply<kAmxRows, kBlock>(pool, M, groups, pack, [&](int64_t g, int64_t t0, int64_t t1) {
     const int64_t p0 = g * group, n = std::min(out_panels, p0 + group) - p0;
     const uint16_t* w[2][kAmxGroup];  // the item's panels as pairs: [y's panel (gate)], [up]
@@ -1122,11 +1137,11 @@ void amx_rows_grouped(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int6
         };
         if (!gated) {
           const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-          amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, Y + r0 * N, N, p, cols, ahead(0));
+          amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, Y + r0 * N, N, p, cols, ahead(0), stream);
           continue;
         }
-        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, gate, kPanel, 0, kPanel, ahead(0));
-        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[1][i], (K + 1) / 2, up, kPanel, 0, kPanel, ahead(1));
+        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, gate, kPanel, 0, kPanel, ahead(0), stream);
+        amx_tiles_times_panel(xt, rows, K, 0, te - t, w[1][i], (K + 1) / 2, up, kPanel, 0, kPanel, ahead(1), stream);
         for (int64_t r = 0; r < rows; ++r)
           jaxllm::glu_row(gate + r * kPanel, up + r * kPanel, kPanel, Y + (r0 + r) * ldy + p * kPanel, act);
       }
