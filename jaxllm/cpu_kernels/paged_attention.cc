@@ -1098,12 +1098,19 @@ inline void prefetch_rows(const float* base, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-// Offset (in elements) of the cached row of the token at `pos`, through a block table;
-// block ids are clamped into the pool.
-inline int64_t token_offset(const Problem& pb, const int32_t* table, int64_t pos) {
+// The cache rows (block * BS + offset) of tokens [t0, t0 + n) through a block table, one
+// division for all of them; block ids are clamped into the pool.
+inline void token_rows(const Problem& pb, const int32_t* table, int64_t t0, int n, int64_t* rows) {
   const int64_t BS = pb.block_size;
-  const int64_t block = std::min<int64_t>(std::max<int64_t>(table[pos / BS], 0), pb.num_blocks - 1);
-  return (block * BS + pos % BS) * pb.num_kv_heads * pb.head_dim;
+  int64_t b = t0 / BS, within = t0 % BS;
+  int64_t base = std::min<int64_t>(std::max<int64_t>(table[b], 0), pb.num_blocks - 1) * BS;
+  for (int t = 0; t < n; ++t) {
+    rows[t] = base + within;
+    if (++within == BS && t + 1 < n) {
+      within = 0;
+      base = std::min<int64_t>(std::max<int64_t>(table[++b], 0), pb.num_blocks - 1) * BS;
+    }
+  }
 }
 
 // A scaled cache's scales of KV head h for the chunk's rows (row -1: padding, scale 0).
@@ -1121,7 +1128,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   const int group = static_cast<int>(H / Hkv);
   const int rows = it.rows;
   const int nq = rows * group;
-  const int64_t nq_padded = nq + kPadQueries;  // the prefill path's blocks read past nq
+  const bool many = nq >= kManyQueries && !pb.invariant;
+  const int64_t nq_padded = many ? nq + kPadQueries : nq;  // the prefill path's blocks read past nq
   const int64_t row_stride = H * D;  // floats per query row
   const int64_t token_stride = Hkv * D;  // floats per cached token
   const int32_t s = it.seq;
@@ -1134,7 +1142,6 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   int64_t k_first = pb.prefix_tokens;  // the common prefix pass did the keys before it
   if (pb.window > 0) k_first = std::max<int64_t>(k_first, qpos0 - pb.window + 1);
   if (pb.invariant) k_first = k_first / kChunk * kChunk;  // the chunks skipped are invisible to every row
-  const bool many = nq >= kManyQueries && !pb.invariant;
 
   sc.q.assign(Hkv * nq_padded * D, 0.f);
   sc.o.assign(Hkv * nq_padded * D, 0.f);
@@ -1197,24 +1204,17 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
   for (int64_t t0 = k_first / kTile * kTile; t0 < kv_end; t0 += kChunk) {
     const int ntok = static_cast<int>(std::min<int64_t>(kChunk, kv_end - t0));
     const int ntiles = (ntok + kTile - 1) / kTile;
+    int64_t rows_now[kChunk], rows_next[kChunk];
+    token_rows(pb, table, t0, ntok, rows_now);
+    const int64_t t1 = t0 + kChunk;  // the next chunk's tokens, for prefetching
+    const int nnext = static_cast<int>(std::clamp<int64_t>(kv_end - t1, 0, kChunk));
+    if (nnext > 0) token_rows(pb, table, t1, nnext, rows_next);
     for (int t = 0; t < ntiles * kTile; ++t) {
-      if (t < ntok) {
-        const int64_t off = token_offset(pb, table, t0 + t);
-        krow[t] = kbase + off;
-        vrow[t] = vbase + off;
-        row[t] = off / token_stride;
-      } else {
-        krow[t] = vrow[t] = zeros;
-        row[t] = -1;
-      }
-      const int64_t next = t0 + kChunk + t;  // the same token of the next chunk, for prefetching
-      if (next < kv_end) {
-        const int64_t off = token_offset(pb, table, next);
-        knext[t] = kbase + off;
-        vnext[t] = vbase + off;
-      } else {
-        knext[t] = vnext[t] = zeros;
-      }
+      row[t] = t < ntok ? rows_now[t] : -1;
+      krow[t] = t < ntok ? kbase + rows_now[t] * token_stride : zeros;
+      vrow[t] = t < ntok ? vbase + rows_now[t] * token_stride : zeros;
+      knext[t] = t < nnext ? kbase + rows_next[t] * token_stride : zeros;
+      vnext[t] = t < nnext ? vbase + rows_next[t] * token_stride : zeros;
     }
     // Rows whose position is before the chunk see none of it (causal).
     const int r_first = pb.causal ? static_cast<int>(std::max<int64_t>(0, t0 - qpos0)) : 0;
@@ -1319,11 +1319,10 @@ void run_prefix_item(const Problem& pb, const PrefixItem& it, const int32_t* row
   for (int64_t t0 = it.k0; t0 < it.k1; t0 += kChunk) {
     const int ntok = static_cast<int>(std::min<int64_t>(kChunk, it.k1 - t0));
     const int ntiles = (ntok + kTile - 1) / kTile;  // k1 - k0 is a multiple of kTile
+    token_rows(pb, table, t0, ntok, row);
     for (int t = 0; t < ntok; ++t) {
-      const int64_t off = token_offset(pb, table, t0 + t);
-      kh[t] = static_cast<const R*>(pb.k) + off + h * D;
-      vh[t] = static_cast<const R*>(pb.v) + off + h * D;
-      row[t] = off / token_stride;
+      kh[t] = static_cast<const R*>(pb.k) + row[t] * token_stride + h * D;
+      vh[t] = static_cast<const R*>(pb.v) + row[t] * token_stride + h * D;
     }
     if constexpr (kScaled<R>) gather_scales(pb, row, ntok, h, ks, vs);
     if (amx)
