@@ -676,6 +676,147 @@ inline void query_pairs(const float* q, int64_t n, uint32_t* q2) {
             static_cast<uint32_t>(jaxllm::bf16_bits(q[2 * i + 1])) << 16;
 }
 
+#if defined(__AVX512BF16__)
+// The decode path of a bfloat16 model (Problem::bf16_products) on a bfloat16 cache: as
+// attend_chunk, the products rounded as the paired prefill path's are. Scores: the
+// query's pairs (q2, its D/2 words; the g-th query D/2 words on) times each key row as
+// it lies, two elements a lane by vdpbf16ps, the tile's partial-sum vectors folded as
+// attend_chunk's. Values: the probabilities as pairs of keys (keys 2k, 2k + 1 in word
+// k), times the value rows of keys 2k and 2k + 1 interleaved element by element
+// (vpunpcklwd / vpunpckhwd of 32 elements of each: elements 0-3, 8-11, 16-19, 24-27 of the
+// 32 in `lo`, the others in `hi`), the outputs' accumulators loaded and stored in that
+// order (outputs_in_pair_order, outputs_from_pair_order).
+inline void outputs_in_pair_order(const float* o, __m512& lo, __m512& hi) {
+  const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
+  lo = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  hi = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+}
+inline void outputs_from_pair_order(__m512 lo, __m512 hi, float* o) {
+  const __m512 a = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 b = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm512_storeu_ps(o, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0)));
+  _mm512_storeu_ps(o + 16, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+// The scores of GT queries (pairs q2) against the chunk's keys, into s (as attend_chunk's).
+template <int D, int GT>
+inline void paired_decode_scores(const uint32_t* q2, const BF16* const* krow, const BF16* const* knext,
+                                 const BF16* const* vnext, int ntiles, V (*s)[kTiles]) {
+  constexpr int C = D / 32;  // vectors of 32 elements a row
+  for (int j = 0; j < ntiles; ++j) {
+    V level[GT][kFoldLevels];
+#pragma GCC unroll 16
+    for (int i = 0; i < kTile; ++i) {
+      const int t = bit_reverse(i);
+      __m512bh kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow[j * kTile + t] + 32 * c);
+      if (knext != nullptr)  // attend_chunk's prefetch of the next chunk
+        for (int b = 0; b < D * 2; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(knext[j * kTile + t]) + b, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(vnext[j * kTile + t]) + b, 0, 2);
+        }
+      for (int g = 0; g < GT; ++g) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+          sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q2 + g * (D / 2) + 16 * c), kv[c]);
+        V acc = reinterpret_cast<V>(sum);
+        int L = 0;
+        for (; (i >> L) & 1; ++L) acc = fold_pair(L, level[g][L], acc);
+        if (L < kFoldLevels) level[g][L] = acc;
+        else s[g][j] = acc;
+      }
+    }
+  }
+}
+
+// o[g] += the probabilities' pairs (p2[g], kChunk/2 words) times the values of keys
+// [0, 2 npairs), in slices of 64 elements of D (GT x 4 accumulators).
+template <int D, int GT>
+inline void paired_decode_values(const uint32_t (*p2)[kChunk / 2], const BF16* const* vrow, int npairs, float* o) {
+  constexpr int CS = std::min(D / 32, 2);  // 32-element blocks of D a slice
+  for (int c0 = 0; c0 < D / 32; c0 += CS) {
+    __m512 acc[GT][CS][2];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < CS; ++c) outputs_in_pair_order(o + g * D + 32 * (c0 + c), acc[g][c][0], acc[g][c][1]);
+    for (int k = 0; k < npairs; ++k) {
+      __m512bh lo[CS], hi[CS];
+      for (int c = 0; c < CS; ++c) {
+        const __m512i a = _mm512_loadu_si512(vrow[2 * k] + 32 * (c0 + c));
+        const __m512i b = _mm512_loadu_si512(vrow[2 * k + 1] + 32 * (c0 + c));
+        lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int g = 0; g < GT; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(p2[g][k]));
+        for (int c = 0; c < CS; ++c) {
+          acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], w, lo[c]);
+          acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], w, hi[c]);
+        }
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < CS; ++c) outputs_from_pair_order(acc[g][c][0], acc[g][c][1], o + g * D + 32 * (c0 + c));
+  }
+}
+
+template <int D, int GT>
+inline void attend_chunk_paired(const Problem& pb, const uint32_t* q2, const BF16* const* krow,
+                                const BF16* const* vrow, const BF16* const* knext, const BF16* const* vnext,
+                                int ntok, int ntiles, const M* vis, float* o, float* m, float* l) {
+  V s[GT][kTiles];
+  paired_decode_scores<D, GT>(q2, krow, knext, vnext, ntiles, s);
+  alignas(64) float p[GT][kChunk];
+  bool any = false;
+  for (int g = 0; g < GT; ++g) any |= softmax_update<D>(s[g], vis, ntiles, pb.soft_cap, m[g], l[g], o + g * D, p[g]);
+  if (!any) return;
+  alignas(64) uint32_t p2[GT][kChunk / 2];  // keys past the last tile: probability 0
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < ntiles; j += 2) {
+      const __m512 lo = _mm512_load_ps(p[g] + j * kTile);
+      const __m512 hi = j + 1 < ntiles ? _mm512_load_ps(p[g] + (j + 1) * kTile) : _mm512_setzero_ps();
+      _mm512_store_si512(p2[g] + j * kTile / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  paired_decode_values<D, GT>(p2, vrow, (ntok + 1) / 2, o);  // an odd ntok's last pair: a zero row at 0
+}
+#endif
+
+// attend_group on the paired path (attend_chunk_paired): q2 the group's query pairs.
+template <int D, class R>
+inline void attend_group_paired(const Problem& pb, int group, const uint32_t* q2, const R* const* krow,
+                                const R* const* vrow, const R* const* knext, const R* const* vnext, int ntok,
+                                int ntiles, const M* vis, float* o, float* m, float* l) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<R, BF16> && kPaired<D>) {
+    constexpr int H2 = D / 2;
+    int g = 0;
+    for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)  // the first call prefetches
+      attend_chunk_paired<D, kGroupTile>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D,
+                                         m + g, l + g);
+    switch (group - g) {
+      case 3:
+        attend_chunk_paired<D, 3>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+        break;
+      case 2:
+        attend_chunk_paired<D, 2>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+        break;
+      case 1:
+        attend_chunk_paired<D, 1>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
+        break;
+      default: break;
+    }
+  }
+#endif
+}
+
+// Whether an item's decode path takes the paired products (built for R and D, and asked),
+// not where the process has AMX: those Xeons run vdpbf16ps at a quarter of the FMAs'
+// instruction rate, and this path took 1.06-1.10x the float path's time there
+// (docs/bench-log/2026-12-05-xeon-amx.md).
+template <int D, class R>
+inline bool paired_decode(const Problem& pb) {
+  return kPaired<D> && std::is_same_v<R, BF16> && pb.bf16_products && !pb.amx;
+}
+
 // o[i][c0 ..] += sum_t p[i][t] * v_t[c0 ..] for kValueBlock queries (ob, D apart; pm,
 // kChunk apart) over a slice of kValueCols vectors of D from c0: per key token, the
 // slice's vectors of its value row and kValueBlock broadcasts. Rows from mb on are
@@ -1180,6 +1321,11 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
                           sc.qt.data() + h * kFloatParts * part / 2);
   }
   const bool paired = many && paired_path<D, R>(pb);
+  const bool paired_dec = !many && paired_decode<D, R>(pb);
+  if (paired_dec) {
+    sc.q2.resize(Hkv * nq_padded * D / 2);
+    query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
+  }
   if (paired) {
     sc.q2.resize(Hkv * nq_padded * D / 2);
     query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
@@ -1249,6 +1395,12 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
         M vis[kTiles];
         visible_chunk(t0, ntok, ntiles, qpos, pb.window, vis);
         const bool first = r == r_first;  // one row per chunk prefetches the next chunk
+        if (paired_dec) {
+          attend_group_paired<D>(pb, group, sc.q2.data() + (h * nq_padded + r * group) * (D / 2), kh, vh,
+                                 first ? kn : nullptr, first ? vn : nullptr, ntok, ntiles, vis, oh + r * group * D,
+                                 mh + r * group, lh + r * group);
+          continue;
+        }
         attend_group<D>(pb, group, qh + r * group * D, kh, vh, first ? kn : nullptr, first ? vn : nullptr, ks, vs,
                         ntok, ntiles, vis, oh + r * group * D, mh + r * group, lh + r * group);
       }

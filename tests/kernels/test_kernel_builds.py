@@ -55,11 +55,21 @@ QUICK = [
 ]
 
 
+PAIRED = [
+    "tests/kernels/test_cpu_attention.py::test_bf16_products_prefill_path",
+    "tests/kernels/test_cpu_attention.py::test_bf16_products_decode_path",
+    "tests/models/test_linear.py::test_both_bfloat16_paths_give_the_same_sums",
+]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
 @pytest.mark.parametrize("march,tests", [
     pytest.param("x86-64-v3", QUICK, id="x86-64-v3", marks=pytest.mark.slow),  # AVX2 + FMA
     pytest.param("x86-64-v3", TESTS, id="x86-64-v3-all", marks=pytest.mark.slow),
     pytest.param("x86-64", TESTS, id="x86-64", marks=pytest.mark.slow),  # SSE2
+    # AVX-512 with BF16 and no AMX (a Zen 4 or 5's bfloat16 instructions; gcc 12 has no
+    # znver4): the attention's paired paths, which an AMX Xeon's native build skips
+    pytest.param("cooperlake", PAIRED, id="cooperlake", marks=pytest.mark.slow),
 ])
 def test_kernel_tests_pass_under_the_build(march, tests):
     env = {**os.environ, "JAXLLM_CPU_MARCH": march}
