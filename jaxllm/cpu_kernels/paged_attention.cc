@@ -50,6 +50,7 @@
 #include <limits>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -142,6 +143,36 @@ inline V load_row<float>(const float* p) {
 template <>
 inline V load_row<BF16>(const BF16* p) {
   return bit_cast_vec<V>(widen_u16(p) << 16);
+}
+
+// A bfloat16 cache's decode path reads 2 kLanes elements of a row at once as its even and
+// its odd elements (a shift and a mask of one load: no widening shuffle), the queries and
+// the outputs' accumulators taken in that order (even_odd_blocks; interleaved back after).
+template <int D, class R>
+constexpr bool kEvenOdd = std::is_same_v<R, BF16> && (D / kLanes) % 2 == 0;
+inline void load_even_odd(const BF16* p, V& even, V& odd) {
+  const u32xN x = load_elems<u32xN>(p);
+  even = bit_cast_vec<V>(x << 16);
+  odd = bit_cast_vec<V>(x & 0xFFFF0000u);
+}
+template <size_t... I>
+inline void deinterleave(V a, V b, V& even, V& odd, std::index_sequence<I...>) {
+  even = __builtin_shufflevector(a, b, (2 * I)...);
+  odd = __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+template <size_t... I>
+inline void interleave_pairs(V even, V odd, V& a, V& b, std::index_sequence<I...>) {
+  a = __builtin_shufflevector(even, odd, ((I % 2) ? kLanes + I / 2 : I / 2)...);
+  b = __builtin_shufflevector(even, odd, ((I % 2) ? kLanes + kLanes / 2 + I / 2 : kLanes / 2 + I / 2)...);
+}
+// x's blocks of 2 kLanes floats (n of them) as their even elements, then their odd ones.
+inline void even_odd_blocks(float* x, int64_t n) {
+  for (int64_t b = 0; b < n; ++b, x += 2 * kLanes) {
+    V e, o;
+    deinterleave(load(x), load(x + kLanes), e, o, std::make_index_sequence<kLanes>{});
+    store(x, e);
+    store(x + kLanes, o);
+  }
 }
 template <>
 inline V load_row<F16>(const F16* p) {
@@ -385,20 +416,40 @@ inline void accumulate_values(const R* const* vrow, int ntok, const float (*p)[k
   constexpr int CV = value_slice<C, GV>();
   for (int g0 = 0; g0 < G; g0 += GV) {
     for (int c0 = 0; c0 < C; c0 += CV) {
+      constexpr bool eo = kEvenOdd<D, R> && CV % 2 == 0;  // each output's sum as before, in another lane
+      constexpr auto lanes = std::make_index_sequence<kLanes>{};
       V acc[GV][CV];
       for (int g = 0; g < GV; ++g)
-        for (int c = 0; c < CV; ++c)
-          acc[g][c] = g0 + g < G ? load(o + (g0 + g) * D + kLanes * (c0 + c)) : splat(0.f);
+        for (int c = 0; c < CV; ++c) {
+          const float* og = o + (g0 + g) * D + kLanes * (c0 + c);
+          if (g0 + g >= G) acc[g][c] = splat(0.f);
+          else if constexpr (eo) {
+            if (c % 2 == 0) deinterleave(load(og), load(og + kLanes), acc[g][c], acc[g][c + 1], lanes);
+          } else acc[g][c] = load(og);
+        }
       for (int t = 0; t < ntok; ++t) {
         V vv[CV];
-        for (int c = 0; c < CV; ++c) vv[c] = load_row(vrow[t] + kLanes * (c0 + c));
+        if constexpr (eo)
+          for (int c = 0; c < CV; c += 2) load_even_odd(vrow[t] + kLanes * (c0 + c), vv[c], vv[c + 1]);
+        else
+          for (int c = 0; c < CV; ++c) vv[c] = load_row(vrow[t] + kLanes * (c0 + c));
         for (int g = 0; g < GV; ++g) {
           const V w = splat(g0 + g < G ? p[g0 + g][t] : 0.f);
           for (int c = 0; c < CV; ++c) acc[g][c] += w * vv[c];
         }
       }
       for (int g = 0; g < GV && g0 + g < G; ++g)
-        for (int c = 0; c < CV; ++c) store(o + (g0 + g) * D + kLanes * (c0 + c), acc[g][c]);
+        for (int c = 0; c < CV; ++c) {
+          float* og = o + (g0 + g) * D + kLanes * (c0 + c);
+          if constexpr (eo) {
+            if (c % 2 == 0) {
+              V a, b;
+              interleave_pairs(acc[g][c], acc[g][c + 1], a, b, lanes);
+              store(og, a);
+              store(og + kLanes, b);
+            }
+          } else store(og, acc[g][c]);
+        }
     }
   }
 }
@@ -425,7 +476,10 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
     for (int i = 0; i < kTile; ++i) {
       const int t = bit_reverse(i);
       V kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
+      if constexpr (kEvenOdd<D, R>)  // q's blocks in the same order (even_odd_blocks)
+        for (int c = 0; c < C; c += 2) load_even_odd(krow[j * kTile + t] + kLanes * c, kv[c], kv[c + 1]);
+      else
+        for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
       // What the same loop reads one chunk later (a chunk's distance ahead), one prefetch
       // per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a head's next chunk
       // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read would overflow
@@ -1326,6 +1380,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& sc) {
     sc.q2.resize(Hkv * nq_padded * D / 2);
     query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
   }
+  if constexpr (kEvenOdd<D, R>)
+    if (!many && !paired_dec) even_odd_blocks(sc.q.data(), Hkv * nq_padded * D / (2 * kLanes));  // attend_chunk's order
   if (paired) {
     sc.q2.resize(Hkv * nq_padded * D / 2);
     query_pairs<D>(sc.q.data(), Hkv * nq_padded, sc.q2.data());
