@@ -19,7 +19,8 @@
 // AVX-512, 8 with AVX2, 4 with SSE or NEON: simd.h), so every loop below keeps its
 // accumulators in registers on each:
 // - decode path (fewer than kManyQueries queries per KV head): the scores of the head's
-//   query group (up to 4 heads a pass) as dot products along head_dim, a tile's kLanes
+//   query group (up to 4 heads a pass) as dot products along head_dim (a bfloat16 row's
+//   even and odd elements apart: load_even_odd), a tile's kLanes
 //   partial-sum vectors folded into one vector; the same loop prefetches into L2 the rows
 //   it will read one chunk later; the values accumulated for the group's queries together, in
 //   slices of head_dim where a row's accumulators for all of them would not fit;
