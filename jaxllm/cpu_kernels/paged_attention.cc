@@ -864,9 +864,10 @@ inline void attend_group_paired(const Problem& pb, int group, const uint32_t* q2
 }
 
 // Whether an item's decode path takes the paired products (built for R and D, and asked),
-// not where the process has AMX: those Xeons run vdpbf16ps at a quarter of the FMAs'
-// instruction rate, and this path took 1.06-1.10x the float path's time there
-// (docs/bench-log/2026-12-05-xeon-amx.md).
+// not where the AMX prefill path runs (Problem::amx): those Xeons run vdpbf16ps at a
+// quarter of the FMAs' instruction rate, and this path took 1.06-1.10x the float path's
+// time there (docs/bench-log/2026-12-05-xeon-amx.md). At a head_dim the AMX path does not
+// take (not a multiple of 64) it runs there too.
 template <int D, class R>
 inline bool paired_decode(const Problem& pb) {
   return kPaired<D> && std::is_same_v<R, BF16> && pb.bf16_products && !pb.amx;
