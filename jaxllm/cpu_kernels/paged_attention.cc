@@ -455,9 +455,25 @@ inline void accumulate_values(const R* const* vrow, int ntok, const float (*p)[k
   }
 }
 
-// Vectors of kLanes elements of R per 64-byte cache line (at least 1).
-template <class R>
-constexpr int kLinePrefetchStep = 64 / (kLanes * sizeof(R)) > 0 ? 64 / (kLanes * sizeof(R)) : 1;
+// One token's K and V rows (D elements each) prefetched into L2 (locality 2: prefetcht1),
+// one prefetch per 64-byte line: the decode paths' read of the next chunk.
+template <int D, class R>
+inline void prefetch_rows_l2(const R* k, const R* v) {
+  for (int b = 0; b < D * static_cast<int>(sizeof(R)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k) + b, 0, 2);
+    __builtin_prefetch(reinterpret_cast<const char*>(v) + b, 0, 2);
+  }
+}
+
+// Slot i's partial sums (acc) joined to a tile's fold (the tree above: slot i, token
+// bit_reverse(i), joins level L when bit L of i is set; level: one vector per level),
+// the tile's sums going to `sums` with its last slot.
+inline void fold_slot(int i, V acc, V* level, V& sums) {
+  int L = 0;
+  for (; (i >> L) & 1; ++L) acc = fold_pair(L, level[L], acc);
+  if (L < kFoldLevels) level[L] = acc;
+  else sums = acc;
+}
 
 // Decode path: one KV head's GT query vectors (of one row) against a chunk of keys.
 // Scores as dot products along D, each tile's kLanes partial-sum vectors folded into one.
@@ -485,18 +501,11 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
       // per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a head's next chunk
       // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read would overflow
       // a 32 KB L1 (why, and what L2 bought: docs/cpu_kernels.md).
-      if (knext != nullptr)
-        for (int c = 0; c < C; c += kLinePrefetchStep<R>) {
-          __builtin_prefetch(knext[j * kTile + t] + kLanes * c, 0, 2);
-          __builtin_prefetch(vnext[j * kTile + t] + kLanes * c, 0, 2);
-        }
+      if (knext != nullptr) prefetch_rows_l2<D>(knext[j * kTile + t], vnext[j * kTile + t]);
       for (int g = 0; g < GT; ++g) {
         V acc = load(q + g * D) * kv[0];
         for (int c = 1; c < C; ++c) acc += load(q + g * D + kLanes * c) * kv[c];
-        int L = 0;
-        for (; (i >> L) & 1; ++L) acc = fold_pair(L, level[g][L], acc);
-        if (L < kFoldLevels) level[g][L] = acc;
-        else s[g][j] = acc;
+        fold_slot(i, acc, level[g], s[g][j]);
       }
     }
     if constexpr (kScaled<R>)
@@ -515,27 +524,30 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
 // registers (their query vectors are read as memory operands).
 constexpr int kGroupTile = kLanes >= 8 ? 4 : 1;
 
-// A KV head's whole query group of one row, in calls of at most kGroupTile query heads.
+// A KV head's whole query group of one row, in calls of at most kGroupTile query heads:
+// call(std::integral_constant<int, GT>, g, knext, vnext) for the GT heads from g, the
+// first call's prefetching the next chunk (knext, vnext; null for the others).
+template <class R, class Call>
+inline void in_group_calls(int group, const R* const* knext, const R* const* vnext, Call&& call) {
+  int g = 0;
+  for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)
+    call(std::integral_constant<int, kGroupTile>{}, g, knext, vnext);
+  switch (group - g) {
+    case 3: call(std::integral_constant<int, 3>{}, g, knext, vnext); break;
+    case 2: call(std::integral_constant<int, 2>{}, g, knext, vnext); break;
+    case 1: call(std::integral_constant<int, 1>{}, g, knext, vnext); break;
+    default: break;
+  }
+}
+
 template <int D, class R>
 inline void attend_group(const Problem& pb, int group, const float* q, const R* const* krow, const R* const* vrow,
                          const R* const* knext, const R* const* vnext, const float* ks, const float* vs, int ntok,
                          int ntiles, const M* vis, float* o, float* m, float* l) {
-  int g = 0;
-  for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)  // the first call prefetches
-    attend_chunk<D, kGroupTile>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g,
-                                l + g);
-  switch (group - g) {
-    case 3:
-      attend_chunk<D, 3>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
-      break;
-    case 2:
-      attend_chunk<D, 2>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
-      break;
-    case 1:
-      attend_chunk<D, 1>(pb, q + g * D, krow, vrow, knext, vnext, ks, vs, ntok, ntiles, vis, o + g * D, m + g, l + g);
-      break;
-    default: break;
-  }
+  in_group_calls(group, knext, vnext, [&](auto gt, int g, const R* const* kn, const R* const* vn) {
+    attend_chunk<D, decltype(gt)::value>(pb, q + g * D, krow, vrow, kn, vn, ks, vs, ntok, ntiles, vis, o + g * D,
+                                         m + g, l + g);
+  });
 }
 
 // kLanes rows of kLanes floats (row t at rows[t]) transposed into out[d * stride + t]:
@@ -765,20 +777,12 @@ inline void paired_decode_scores(const uint32_t* q2, const BF16* const* krow, co
       const int t = bit_reverse(i);
       __m512bh kv[C];
       for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow[j * kTile + t] + 32 * c);
-      if (knext != nullptr)  // attend_chunk's prefetch of the next chunk
-        for (int b = 0; b < D * 2; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(knext[j * kTile + t]) + b, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(vnext[j * kTile + t]) + b, 0, 2);
-        }
+      if (knext != nullptr) prefetch_rows_l2<D>(knext[j * kTile + t], vnext[j * kTile + t]);  // as attend_chunk
       for (int g = 0; g < GT; ++g) {
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c)
           sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q2 + g * (D / 2) + 16 * c), kv[c]);
-        V acc = reinterpret_cast<V>(sum);
-        int L = 0;
-        for (; (i >> L) & 1; ++L) acc = fold_pair(L, level[g][L], acc);
-        if (L < kFoldLevels) level[g][L] = acc;
-        else s[g][j] = acc;
+        fold_slot(i, reinterpret_cast<V>(sum), level[g], s[g][j]);
       }
     }
   }
@@ -841,33 +845,18 @@ inline void attend_group_paired(const Problem& pb, int group, const uint32_t* q2
                                 const R* const* vrow, const R* const* knext, const R* const* vnext, int ntok,
                                 int ntiles, const M* vis, float* o, float* m, float* l) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<R, BF16> && kPaired<D>) {
-    constexpr int H2 = D / 2;
-    int g = 0;
-    for (; g + kGroupTile <= group; g += kGroupTile, knext = vnext = nullptr)  // the first call prefetches
-      attend_chunk_paired<D, kGroupTile>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D,
-                                         m + g, l + g);
-    switch (group - g) {
-      case 3:
-        attend_chunk_paired<D, 3>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
-        break;
-      case 2:
-        attend_chunk_paired<D, 2>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
-        break;
-      case 1:
-        attend_chunk_paired<D, 1>(pb, q2 + g * H2, krow, vrow, knext, vnext, ntok, ntiles, vis, o + g * D, m + g, l + g);
-        break;
-      default: break;
-    }
-  }
+  if constexpr (std::is_same_v<R, BF16> && kPaired<D>)
+    in_group_calls(group, knext, vnext, [&](auto gt, int g, const R* const* kn, const R* const* vn) {
+      attend_chunk_paired<D, decltype(gt)::value>(pb, q2 + g * (D / 2), krow, vrow, kn, vn, ntok, ntiles, vis,
+                                                  o + g * D, m + g, l + g);
+    });
 #endif
 }
 
 // Whether an item's decode path takes the paired products (built for R and D, and asked),
-// not where the AMX prefill path runs (Problem::amx): those Xeons run vdpbf16ps at a
-// quarter of the FMAs' instruction rate, and this path took 1.06-1.10x the float path's
-// time there (docs/bench-log/2026-12-05-xeon-amx.md). At a head_dim the AMX path does not
-// take (not a multiple of 64) it runs there too.
+// not where the AMX prefill path runs (Problem::amx): those Xeons issue vdpbf16ps far
+// slower than FMAs and this path lost to the float one there (docs/cpu_kernels.md and its
+// log). At a head_dim the AMX path does not take (not a multiple of 64) it runs there too.
 template <int D, class R>
 inline bool paired_decode(const Problem& pb) {
   return kPaired<D> && std::is_same_v<R, BF16> && pb.bf16_products && !pb.amx;
