@@ -37,7 +37,8 @@
 //   (attend_chunk_amx).
 // - the prefill path of a bfloat16 model (`bf16_products`; a bfloat16 cache, AVX512_BF16,
 //   not on AMX's path): the queries and the probabilities rounded to bfloat16 and multiplied by
-//   vdpbf16ps, two elements a lane, float32 sums (score_tiles_paired, value_slice_paired).
+//   vdpbf16ps, two elements a lane, float32 sums (score_tiles_paired, value_slice_paired);
+//   its decode path likewise where the AMX path does not run (attend_chunk_paired).
 // What each path runs at, per machine (scripts/bench_attention.py against the XLA
 // backend): docs/cpu_kernels.md and the lab log it points to.
 //
