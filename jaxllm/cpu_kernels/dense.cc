@@ -1190,14 +1190,6 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       return amx_rows<Wt, S>(pool, X, M, K, P, num_panels, N, Y, scales, mins, group_shift, act);
   }
 #endif
-  if (act != jaxllm::kNoActivation) {  // other tiles: all 2F columns' sums first, then the activation
-    thread_local jaxllm::LineVector<float> sums;
-    sums.resize(M * N);
-    dense_rows<Wt, S, B>(pool, X, M, K, P, num_panels, N, sums.data(), scales, mins, group_shift, amx);
-    const int64_t F = N / 2;
-    for (int64_t r = 0; r < M; ++r) jaxllm::glu_row(sums.data() + r * N, sums.data() + r * N + F, F, Y + r * F, act);
-    return;
-  }
   using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
@@ -1205,7 +1197,8 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   packed.resize(tiles * kTileRows * depth);
   typename Tiles::X* XT = packed.data();
   const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
-  pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+  // panel p times tiles t0..t1-1 into y's rows (`ldy` apart) from column `col`
+  const auto panel_into = [&](int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy, int64_t col) {
     const int64_t groups = (K >> group_shift) * kPanel;  // a panel's scales
     Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
                     group_shift};
@@ -1227,10 +1220,10 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
       for (int64_t t = t0; t < t1; ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-        float* yt = Y + t * kTileRows * N + p * kPanel;
-        tile_fns[rows](XT + t * kTileRows * depth, spread(pan, t - t0, t1 - t0, depth), depth, yt, N, cols);
+        float* yt = y + t * kTileRows * ldy + col;
+        tile_fns[rows](XT + t * kTileRows * depth, spread(pan, t - t0, t1 - t0, depth), depth, yt, ldy, cols);
         if constexpr (S == kColumnScales)
-          scale_columns(yt, N, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
+          scale_columns(yt, ldy, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
       }
     };
     if constexpr (kBF16) {
@@ -1259,6 +1252,24 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
       }
       tiles_times(kTileFns<Wt, S>, panel);
     }
+  };
+  if (act == jaxllm::kNoActivation) {
+    pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+      panel_into(p, t0, t1, Y, N, p * kPanel);
+    });
+    return;
+  }
+  // a gated MLP's [gate | up]: each item a gate panel and its up panel, their sums into two
+  // buffers of the block's rows (in L2), then act(gate) * up into y [M, N/2]
+  const int64_t half = num_panels / 2, F = N / 2;
+  pack_then_multiply(pool, M, half, pack, [&](int64_t p, int64_t t0, int64_t t1) {
+    thread_local jaxllm::LineVector<float> gate, up;  // [M][32] each; the block's rows written and read
+    gate.resize(M * kPanel);
+    up.resize(M * kPanel);
+    panel_into(p, t0, t1, gate.data(), kPanel, 0);
+    panel_into(p + half, t0, t1, up.data(), kPanel, 0);
+    for (int64_t r = t0 * kTileRows; r < std::min(M, t1 * kTileRows); ++r)
+      jaxllm::glu_row(gate.data() + r * kPanel, up.data() + r * kPanel, kPanel, Y + r * F + p * kPanel, act);
   });
 }
 
@@ -1481,8 +1492,9 @@ ffi::Error GroupedDenseBlocksMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                   int32_t bf16_tiles) {
   return GroupedDenseScaled<Wt, kGroupScalesMins>(pool, x, panels, &scales, &mins, group_sizes, y, bf16, bf16_tiles);
 }
-// A gated MLP's fused [gate | up] projection, act(gate) * up by its tiles (amx_rows; y
-// [M, F]): Q4_1 blocks and bfloat16 panels, as their plain handlers.
+// A gated MLP's fused [gate | up] projection, act(gate) * up by its tiles (amx_rows, or
+// dense_rows' items of a gate and an up panel; y [M, F]): Q4_1 blocks and bfloat16
+// panels, as their plain handlers.
 ffi::Error GroupedDenseQ4_1Gated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> panels,
                                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::ResultBuffer<ffi::F32> y, bool bf16, int32_t bf16_tiles, int32_t act) {

@@ -219,7 +219,8 @@ def test_the_gate_up_projection_applies_the_activation(m, rows, f, weights, act)
     otherwise than XLA's), padding rows zeros. Items of one or two tiles (converted a step
     at a time), and from three tiles blocks of up to 512 rows times groups of gate panels,
     each with its up panel (50 of them: groups of 8 on two threads, 4 on four, the last
-    of 2); the other tiles (vdpbf16ps) compute the whole projection first, the same sums."""
+    of 2); the other tiles (vdpbf16ps) in items of a gate panel and its up panel too, the
+    same sums."""
     if not cpu_kernels.has_amx():
         pytest.skip("this CPU (or its OS) has no AMX")
     rng = np.random.default_rng(m + rows)
