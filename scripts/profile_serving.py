@@ -11,10 +11,14 @@ time by the model's named scopes (jaxllm/models/llama.py: qkv_proj, attention,
 kv_write, o_proj, mlp, logits, ...; what no scope names, such as the sampler and the
 norms, is "other"), reading each thunk's scope from the compiled step's HLO metadata.
 
-Printed: per shape, the calls the workload made, their wall time per call, and the
-parts of one call run alone (each the median of `--reps` calls); then the workload's
-seconds by part (each shape's parts times its calls) and the host's share (wall minus
-the device time of the calls alone).
+Printed: per shape, the calls the workload made, their time per call from dispatch to
+result ("in flight": under async scheduling it includes the rest of the call before, so
+these overlap and sum past the wall), one call run alone ("total": the median of
+`--reps` calls without the profiler; "traced": the same under it, which slows the
+thunks) and its parts under the profiler (each the median of `--reps` calls; they sum
+to about the traced time); then the workload's seconds by part (each
+shape's parts times its calls) and the host's share (wall minus the untraced time of
+the calls alone).
 
     .venv/bin/python scripts/profile_serving.py
     .venv/bin/python scripts/profile_serving.py --engine-args "--kv-cache-dtype bfloat16" --out p.json
@@ -92,6 +96,7 @@ def profile_shape(runner, step, reps: int, top_other: int) -> tuple[dict[str, fl
 
     runner.time_step_alone(step, 2)  # warm
     scopes = op_scopes(runner.compilation.get(step.shape).as_text())
+    untraced = [runner.time_step_alone(step, 1) for _ in range(reps)]
     walls = []
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
@@ -102,7 +107,7 @@ def profile_shape(runner, step, reps: int, top_other: int) -> tuple[dict[str, fl
         calls = thunk_seconds_per_call(d)
     by_call = [_summed(per_op, lambda op: scopes.get(op, "other")) for per_op in calls]
     parts = {k: float(np.median([c.get(k, 0.0) for c in by_call])) for k in {k for c in by_call for k in c}}
-    parts["total"] = float(np.median(walls))
+    parts["total"], parts["traced"] = float(np.median(untraced)), float(np.median(walls))
     mean: dict[str, float] = collections.defaultdict(float)  # per op, over the calls
     for per_op in calls:
         for op, s in per_op.items():
@@ -153,7 +158,7 @@ def run(args) -> dict:
         key = (shape.tokens, shape.seqs) + ((shape.decode_steps,) if shape.decode_steps > 1 else ())
         calls, seconds = st.steps_per_bucket.get(key, 0), st.seconds_per_bucket.get(key, 0.0)
         parts, other = profile_shape(runner, step, args.reps, args.top_other)
-        shapes.append({"shape": "x".join(map(str, key)), "calls": calls, "wall_ms": 1e3 * seconds / max(calls, 1),
+        shapes.append({"shape": "x".join(map(str, key)), "calls": calls, "in_flight_ms": 1e3 * seconds / max(calls, 1),
                        "alone_ms": {k: 1e3 * v for k, v in parts.items()},
                        "other_ops_ms": {k: 1e3 * v for k, v in other.items()}})
     totals: dict[str, float] = collections.defaultdict(float)
@@ -177,16 +182,16 @@ def engine_overrides(text: str) -> dict:
 
 
 def print_report(r: dict) -> None:
-    cols = ["total", *SCOPES, "other"]
-    cols = [c for c in cols if c == "total" or any(c in s["alone_ms"] for s in r["shapes"])]
+    cols = ["total", "traced", *SCOPES, "other"]
+    cols = [c for c in cols if c in ("total", "traced") or any(c in s["alone_ms"] for s in r["shapes"])]
     print(r["engine"])
     print(f"\nworkload: {r['output_tokens']} output tokens in {r['wall_s']:.1f} s = {r['output_tok_s']:.1f} tok/s")
-    print(f"\n{'shape':>10} {'calls':>5} {'wall ms':>8} | alone ms: " + " ".join(f"{c:>9}" for c in cols))
+    print(f"\n{'shape':>10} {'calls':>5} {'in flight':>9} | alone ms: " + " ".join(f"{c:>9}" for c in cols))
     for s in r["shapes"]:
-        print(f"{s['shape']:>10} {s['calls']:5d} {s['wall_ms']:8.1f} |           "
+        print(f"{s['shape']:>10} {s['calls']:5d} {s['in_flight_ms']:9.1f} |           "
               + " ".join(f"{s['alone_ms'].get(c, 0.0):9.2f}" for c in cols))
         if s.get("other_ops_ms"):
-            print(" " * 31 + "other: " + ", ".join(f"{op} {ms:.2f}" for op, ms in s["other_ops_ms"].items()))
+            print(" " * 32 + "other: " + ", ".join(f"{op} {ms:.2f}" for op, ms in s["other_ops_ms"].items()))
     w = r["workload_seconds"]
     print(f"\nworkload seconds: wall {r['wall_s']:.2f}; host and gaps {r['host_s']:.2f}; "
           + "; ".join(f"{c} {w.get(c, 0.0):.2f} ({w.get(c, 0.0) / r['wall_s']:.0%})" for c in cols))
