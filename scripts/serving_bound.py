@@ -6,16 +6,16 @@ cost, per precision, a fixed number of FLOPs (bench_vllm.workload_flops) and, in
 decode steps, a fixed number of bytes: every weight once a step, and every cached K/V row
 of every running sequence once a step. This script counts both, measures this machine's
 rates in the same run (each precision's peak as bench_vllm measures it: the best 512 x
-2048 x 2048 product; the memory's rate: two threads streaming a 1 GiB array, and two
-threads reading it in random blocks of one layer's K or V block (16 tokens x 3 KV heads x
-64 x 2 bytes), as the decode attention does), and prints two bounds per precision:
+2048 x 2048 product; the memory's rate: two threads streaming a 1 GiB array), and prints
+two bounds per precision:
 
 - `overlapped`: the time if every byte moved while the arithmetic ran (the larger of all
   FLOPs at the peak and all bytes at the streaming rate): no engine can beat it;
-- `in turn`: the FLOPs at the peak plus the decode attention's K/V reads at the streaming
-  rate, as engines run them (a step's attention reads its K/V with nearly no FLOPs,
-  between projections that are bound by their FLOPs; scattered blocks read slower than
-  a stream, so this too is generous).
+- `in turn`: the FLOPs at the peak or the decode steps' weights at the streaming rate,
+  whichever takes longer (the projections), plus the decode attention's K/V reads at the
+  streaming rate, as engines run them (a step's attention reads its K/V with nearly no
+  FLOPs, between the projections; the larger of the two sums, not of each step's, and
+  scattered blocks read slower than a stream, so this too is generous).
 
 Given a `make bench` result (`--vllm`), each target is also printed as a share of each
 bound: the rate a target asks for, divided by the bound. The decode steps are counted as
@@ -46,13 +46,14 @@ KV_BYTES = {"float32": 4, "bfloat16": 2, "default": 2}
 
 
 def stream_rate(threads: int = 2, size: int = 1 << 30) -> float:
-    """The rate `threads` threads read a `size`-byte array at, each summing its share
-    (numpy releases the GIL): GB/s, the best of 3."""
+    """The rate `threads` threads read a `size`-byte array at, each taking its share's
+    max (numpy releases the GIL; its vectorized max keeps up with the memory, where its
+    pairwise sum ran at about half a C loop's rate): GB/s, the best of 3."""
     data = np.ones(size // 4, np.float32)
     share = len(data) // threads
     best = float("inf")
     for _ in range(3):
-        parts = [threading.Thread(target=lambda i: data[i * share:(i + 1) * share].sum(), args=(i,))
+        parts = [threading.Thread(target=lambda i: data[i * share:(i + 1) * share].max(), args=(i,))
                  for i in range(threads)]
         start = time.perf_counter()
         for t in parts:
@@ -109,7 +110,7 @@ def main() -> None:
         kv_token = 2 * layers * kv_heads * head_dim * KV_BYTES[name]
         weights = params * WEIGHT_BYTES[name]
         overlapped = max(flops / (peak * 1e9), (len(steps) * weights + contexts * kv_token) / (stream * 1e9))
-        in_turn = flops / (peak * 1e9) + contexts * kv_token / (stream * 1e9)
+        in_turn = max(flops / (peak * 1e9), len(steps) * weights / (stream * 1e9)) + contexts * kv_token / (stream * 1e9)
         label, factor = TARGETS[name]
         rates = [r[label]["output_token_throughput"] for r in rounds if label in r]
         target = factor * float(np.mean(rates)) if rates else None
