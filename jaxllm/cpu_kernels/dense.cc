@@ -1174,6 +1174,8 @@ constexpr bool amx_ready() { return false; }
 // kRoundBF16 (x and the dequantized weights rounded to bfloat16, float32 sums, as a
 // bfloat16 model's plain weights multiply: BF16Pairs' float tiles) with kBF16Dot
 // (vdpbf16ps; the same sums in the same order either way, however a panel is converted).
+// With an activation `act` (a gated MLP's [gate | up], F = N/2 columns each, whole panels):
+// y [M, F] = act(gate) * up, each item a gate panel and its up panel (amx_rows alike).
 template <class Wt, int S, int B = 0>
 void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const typename Wt::T* P,
                 int64_t num_panels, int64_t N, float* Y, Scales scales, Scales mins, int group_shift,
