@@ -1169,6 +1169,87 @@ void amx_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, const
 constexpr bool amx_ready() { return false; }
 #endif
 
+// One dense_rows call as its items read it: x packed for the tiles (XT, `depth` steps a
+// row), the panels (P) and their scales.
+template <class Wt, class Tiles>
+struct DenseCall {
+  const typename Tiles::X* XT;
+  int64_t M, K, depth, num_panels, N;
+  const typename Wt::T* P;
+  Scales scales, mins;
+  int group_shift;
+};
+
+// Panel p as an item of tiles t0..t1-1 reads it: the panel two ahead to prefetch, and
+// its scales: float16 ones read as they are, a group's at a time, by a one-tile item's
+// tile or a panel's conversion for several; else widened for the item (bfloat16 pairs,
+// narrow passes that read scales from memory).
+template <class Wt, int S, int B, class Tiles>
+Panel<Wt> item_panel(const DenseCall<Wt, Tiles>& c, int64_t p, int64_t t0, int64_t t1) {
+  constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins, kDot = (B & kBF16Dot) != 0;
+  const int64_t groups = (c.K >> c.group_shift) * kPanel, panel_size = Wt::panel_size(c.K);
+  Panel<Wt> panel{c.P + p * panel_size, nullptr, nullptr, p + 2 < c.num_panels ? c.P + (p + 2) * panel_size : nullptr,
+                  c.group_shift};
+  const int rows0 = static_cast<int>(std::min<int64_t>(kTileRows, c.M - t0 * kTileRows));  // the first tile's
+  const bool halves = t1 - t0 > 1 ? Wt::kConvertPanel  // converted once, a group at a time
+                                  : scales_in_registers<S>(rows0);
+  if (kGrouped && c.scales.half && halves && !kDot) {
+    panel.half_scale = static_cast<const uint16_t*>(c.scales.data) + p * groups;
+    if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(c.mins.data) + p * groups;
+  } else if (kGrouped) {
+    thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
+    panel.scale = c.scales.floats(p * groups, groups, wide_scales);
+    if (S == kGroupScalesMins) panel.min = c.mins.floats(p * groups, groups, wide_mins);
+  }
+  return panel;
+}
+
+// Tiles t0..t1-1 of a call times panel p into y's rows (`ldy` apart) from column `col`:
+// one tile converts the panel in registers, several have it converted once (to bfloat16
+// pairs for vdpbf16ps, else to float32 weights, rounded to bfloat16 for a bfloat16 B).
+template <class Wt, int S, int B, class Tiles>
+void panel_times_tiles(const DenseCall<Wt, Tiles>& c, int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy,
+                       int64_t col) {
+  constexpr bool kBF16 = B != 0, kDot = (B & kBF16Dot) != 0;
+  const Panel<Wt> panel = item_panel<Wt, S, B>(c, p, t0, t1);
+  const int cols = static_cast<int>(std::min<int64_t>(kPanel, c.N - p * kPanel));
+  auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
+    for (int64_t t = t0; t < t1; ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, c.M - t * kTileRows));
+      float* yt = y + t * kTileRows * ldy + col;
+      tile_fns[rows](c.XT + t * kTileRows * c.depth, spread(pan, t - t0, t1 - t0, c.depth), c.depth, yt, ldy, cols);
+      if constexpr (S == kColumnScales)
+        scale_columns(yt, ldy, rows, cols, static_cast<const float*>(c.scales.data) + p * kPanel);
+    }
+  };
+  if constexpr (kBF16) {
+    if (t1 - t0 == 1) {  // one tile: converted in registers
+      tiles_times(kTileFns<Wt, S | B>, panel);
+    } else if constexpr (kDot) {  // several: the panel converted to bfloat16 pairs once
+      thread_local jaxllm::LineVector<uint16_t> pairs;
+      pairs.resize(Tiles::panel_size(c.K));  // Tiles: BF16Pairs<true>
+      bf16_pairs_panel<Wt, S>(panel, c.K, pairs.data());
+      tiles_times(kTileFns<Tiles, kNoScales>, Panel<Tiles>{pairs.data(), nullptr, nullptr, nullptr});
+    } else {  // or to float32 weights rounded to bfloat16 (in the float tiles' order), for float tiles
+      thread_local jaxllm::LineVector<float> converted;
+      converted.resize(c.K * kPanel);
+      dequantize_panel<Wt, S | kRoundBF16>(panel, c.K, converted.data());
+      tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
+    }
+  } else {
+    if constexpr (Wt::kConvertPanel) {
+      if (t1 - t0 > 1) {  // several tiles: the panel converted once (all `depth` steps), then float tiles
+        thread_local jaxllm::LineVector<float> converted;
+        converted.resize(c.depth * kPanel);
+        dequantize_panel<Wt, S>(panel, c.depth, converted.data());
+        tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
+        return;
+      }
+    }
+    tiles_times(kTileFns<Wt, S>, panel);
+  }
+}
+
 // y[M, N] = x[M, K] @ the panels (num_panels of them, N columns), shapes checked by the
 // caller; one parallel pass over the pack and multiply items. B (grouped panels): 0, or
 // kRoundBF16 (x and the dequantized weights rounded to bfloat16, float32 sums, as a
@@ -1184,7 +1265,6 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     std::memset(Y, 0, M * (act == jaxllm::kNoActivation ? N : N / 2) * sizeof(float));
     return;
   }
-  constexpr bool kGrouped = S == kGroupScales || S == kGroupScalesMins;
   constexpr bool kBF16 = B != 0, kDot = (B & kBF16Dot) != 0;
 #ifdef JAXLLM_AMX
   if constexpr (kDot || std::is_same_v<Wt, BF16Pairs<true>>) {
@@ -1193,71 +1273,15 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
   }
 #endif
   using Tiles = std::conditional_t<kBF16, BF16Pairs<kDot>, Wt>;  // how x is packed, which tiles multiply
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t depth = Tiles::depth(K), panel_size = Wt::panel_size(K);
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, depth = Tiles::depth(K);
   thread_local jaxllm::LineVector<typename Tiles::X> packed;
   packed.resize(tiles * kTileRows * depth);
   typename Tiles::X* XT = packed.data();
   const auto pack = [&](int64_t t) { Tiles::pack(X, M, K, t, XT + t * kTileRows * depth); };
-  // panel p times tiles t0..t1-1 into y's rows (`ldy` apart) from column `col`
-  const auto panel_into = [&](int64_t p, int64_t t0, int64_t t1, float* y, int64_t ldy, int64_t col) {
-    const int64_t groups = (K >> group_shift) * kPanel;  // a panel's scales
-    Panel<Wt> panel{P + p * panel_size, nullptr, nullptr, p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr,
-                    group_shift};
-    // float16 scales: read as they are, a group's at a time, by a one-tile item's tile
-    // or a panel's conversion for several; else widened for the item (bfloat16 pairs,
-    // narrow passes that read scales from memory)
-    const int rows0 = static_cast<int>(std::min<int64_t>(kTileRows, M - t0 * kTileRows));  // the first tile's
-    const bool halves = t1 - t0 > 1 ? Wt::kConvertPanel  // converted once, a group at a time
-                                    : scales_in_registers<S>(rows0);
-    if (kGrouped && scales.half && halves && !kDot) {
-      panel.half_scale = static_cast<const uint16_t*>(scales.data) + p * groups;
-      if (S == kGroupScalesMins) panel.half_min = static_cast<const uint16_t*>(mins.data) + p * groups;
-    } else if (kGrouped) {
-      thread_local jaxllm::LineVector<float> wide_scales, wide_mins;
-      panel.scale = scales.floats(p * groups, groups, wide_scales);
-      if (S == kGroupScalesMins) panel.min = mins.floats(p * groups, groups, wide_mins);
-    }
-    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-    auto tiles_times = [&](const auto* tile_fns, auto pan) {  // the block's tiles times `pan`
-      for (int64_t t = t0; t < t1; ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - t * kTileRows));
-        float* yt = y + t * kTileRows * ldy + col;
-        tile_fns[rows](XT + t * kTileRows * depth, spread(pan, t - t0, t1 - t0, depth), depth, yt, ldy, cols);
-        if constexpr (S == kColumnScales)
-          scale_columns(yt, ldy, rows, cols, static_cast<const float*>(scales.data) + p * kPanel);
-      }
-    };
-    if constexpr (kBF16) {
-      if (t1 - t0 == 1) {  // one tile: converted in registers
-        tiles_times(kTileFns<Wt, S | B>, panel);
-      } else if constexpr (kDot) {  // several: the panel converted to bfloat16 pairs once
-        thread_local jaxllm::LineVector<uint16_t> pairs;
-        pairs.resize(Tiles::panel_size(K));  // Tiles: BF16Pairs<true>
-        bf16_pairs_panel<Wt, S>(panel, K, pairs.data());
-        tiles_times(kTileFns<Tiles, kNoScales>, Panel<Tiles>{pairs.data(), nullptr, nullptr, nullptr});
-      } else {  // or to float32 weights rounded to bfloat16 (in the float tiles' order), for float tiles
-        thread_local jaxllm::LineVector<float> converted;
-        converted.resize(K * kPanel);
-        dequantize_panel<Wt, S | kRoundBF16>(panel, K, converted.data());
-        tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
-      }
-    } else {
-      if constexpr (Wt::kConvertPanel) {
-        if (t1 - t0 > 1) {  // several tiles: the panel converted once (all `depth` steps), then float tiles
-          thread_local jaxllm::LineVector<float> converted;
-          converted.resize(depth * kPanel);
-          dequantize_panel<Wt, S>(panel, depth, converted.data());
-          tiles_times(kTileFns<F32Weights, kNoScales>, Panel<F32Weights>{converted.data(), nullptr, nullptr, nullptr});
-          return;
-        }
-      }
-      tiles_times(kTileFns<Wt, S>, panel);
-    }
-  };
+  const DenseCall<Wt, Tiles> call{XT, M, K, depth, num_panels, N, P, scales, mins, group_shift};
   if (act == jaxllm::kNoActivation) {
     pack_then_multiply(pool, M, num_panels, pack, [&](int64_t p, int64_t t0, int64_t t1) {
-      panel_into(p, t0, t1, Y, N, p * kPanel);
+      panel_times_tiles<Wt, S, B>(call, p, t0, t1, Y, N, p * kPanel);
     });
     return;
   }
@@ -1268,8 +1292,8 @@ void dense_rows(ffi::ThreadPool& pool, const float* X, int64_t M, int64_t K, con
     thread_local jaxllm::LineVector<float> gate, up;  // [M][32] each; the block's rows written and read
     gate.resize(M * kPanel);
     up.resize(M * kPanel);
-    panel_into(p, t0, t1, gate.data(), kPanel, 0);
-    panel_into(p + half, t0, t1, up.data(), kPanel, 0);
+    panel_times_tiles<Wt, S, B>(call, p, t0, t1, gate.data(), kPanel, 0);
+    panel_times_tiles<Wt, S, B>(call, p + half, t0, t1, up.data(), kPanel, 0);
     for (int64_t r = t0 * kTileRows; r < std::min(M, t1 * kTileRows); ++r)
       jaxllm::glu_row(gate.data() + r * kPanel, up.data() + r * kPanel, kPanel, Y + r * F + p * kPanel, act);
   });
