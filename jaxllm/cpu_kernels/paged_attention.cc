@@ -476,6 +476,30 @@ inline void fold_slot(int i, V acc, V* level, V& sums) {
   else sums = acc;
 }
 
+// The decode paths' scores of GT queries against a chunk's first ntiles tiles of keys:
+// partial(row, sums) gives a key row's GT partial-sum vectors (the path's dot products),
+// each tile's kLanes of them folded into one as they come (fold_slot: slot i, token
+// bit_reverse(i), so at most one vector per level and query is live; the same sums in
+// the same order), into s[g][tile]. The same loop prefetches what it reads one chunk
+// later, one prefetch per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a
+// head's next chunk (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read
+// would overflow a 32 KB L1 (why, and what L2 bought: docs/cpu_kernels.md).
+template <int D, int GT, class R, class Partial>
+inline void fold_scores(const R* const* krow, const R* const* knext, const R* const* vnext, int ntiles,
+                        V (*s)[kTiles], Partial&& partial) {
+  for (int j = 0; j < ntiles; ++j) {
+    V level[GT][kFoldLevels];
+#pragma GCC unroll 16
+    for (int i = 0; i < kTile; ++i) {
+      const int t = bit_reverse(i);
+      V sums[GT];
+      partial(krow[j * kTile + t], sums);
+      if (knext != nullptr) prefetch_rows_l2<D>(knext[j * kTile + t], vnext[j * kTile + t]);
+      for (int g = 0; g < GT; ++g) fold_slot(i, sums[g], level[g], s[g][j]);
+    }
+  }
+}
+
 // Decode path: one KV head's GT query vectors (of one row) against a chunk of keys.
 // Scores as dot products along D, each tile's kLanes partial-sum vectors folded into one.
 // Scaled (int8) caches: ks, vs hold the chunk's key and value rows' scales.
@@ -485,33 +509,21 @@ inline void attend_chunk(const Problem& pb, const float* q, const R* const* krow
                          int ntiles, const M* vis, float* o, float* m, float* l) {
   constexpr int C = D / kLanes;
   V s[GT][kTiles];
-  for (int j = 0; j < ntiles; ++j) {
-    // The tile's kLanes partial-sum vectors folded as they come, in the tree above:
-    // slot i (token bit_reverse(i)) joins the fold of level L when bit L of i is set, so
-    // at most one vector per level and query is live (the same sums in the same order).
-    V level[GT][kFoldLevels];
-#pragma GCC unroll 16
-    for (int i = 0; i < kTile; ++i) {
-      const int t = bit_reverse(i);
-      V kv[C];
-      if constexpr (kEvenOdd<D, R>)  // q's blocks in the same order (even_odd_blocks)
-        for (int c = 0; c < C; c += 2) load_even_odd(krow[j * kTile + t] + kLanes * c, kv[c], kv[c + 1]);
-      else
-        for (int c = 0; c < C; ++c) kv[c] = load_row(krow[j * kTile + t] + kLanes * c);
-      // What the same loop reads one chunk later (a chunk's distance ahead), one prefetch
-      // per 64-byte line, into L2 (locality 2: prefetcht1), not L1: a head's next chunk
-      // (16 KB of K and V at D = 64 in bfloat16) beside the chunk being read would overflow
-      // a 32 KB L1 (why, and what L2 bought: docs/cpu_kernels.md).
-      if (knext != nullptr) prefetch_rows_l2<D>(knext[j * kTile + t], vnext[j * kTile + t]);
-      for (int g = 0; g < GT; ++g) {
-        V acc = load(q + g * D) * kv[0];
-        for (int c = 1; c < C; ++c) acc += load(q + g * D + kLanes * c) * kv[c];
-        fold_slot(i, acc, level[g], s[g][j]);
-      }
+  fold_scores<D, GT>(krow, knext, vnext, ntiles, s, [&](const R* row, V* sums) {
+    V kv[C];
+    if constexpr (kEvenOdd<D, R>)  // q's blocks in the same order (even_odd_blocks)
+      for (int c = 0; c < C; c += 2) load_even_odd(row + kLanes * c, kv[c], kv[c + 1]);
+    else
+      for (int c = 0; c < C; ++c) kv[c] = load_row(row + kLanes * c);
+    for (int g = 0; g < GT; ++g) {
+      V acc = load(q + g * D) * kv[0];
+      for (int c = 1; c < C; ++c) acc += load(q + g * D + kLanes * c) * kv[c];
+      sums[g] = acc;
     }
-    if constexpr (kScaled<R>)
-      for (int g = 0; g < GT; ++g) s[g][j] *= load(ks + j * kTile);
-  }
+  });
+  if constexpr (kScaled<R>)
+    for (int g = 0; g < GT; ++g)
+      for (int j = 0; j < ntiles; ++j) s[g][j] *= load(ks + j * kTile);
   alignas(64) float p[GT][kChunk];
   bool any = false;
   for (int g = 0; g < GT; ++g) any |= softmax_update<D>(s[g], vis, ntiles, pb.soft_cap, m[g], l[g], o + g * D, p[g]);
@@ -771,22 +783,16 @@ template <int D, int GT>
 inline void paired_decode_scores(const uint32_t* q2, const BF16* const* krow, const BF16* const* knext,
                                  const BF16* const* vnext, int ntiles, V (*s)[kTiles]) {
   constexpr int C = D / 32;  // vectors of 32 elements a row
-  for (int j = 0; j < ntiles; ++j) {
-    V level[GT][kFoldLevels];
-#pragma GCC unroll 16
-    for (int i = 0; i < kTile; ++i) {
-      const int t = bit_reverse(i);
-      __m512bh kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow[j * kTile + t] + 32 * c);
-      if (knext != nullptr) prefetch_rows_l2<D>(knext[j * kTile + t], vnext[j * kTile + t]);  // as attend_chunk
-      for (int g = 0; g < GT; ++g) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c)
-          sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q2 + g * (D / 2) + 16 * c), kv[c]);
-        fold_slot(i, reinterpret_cast<V>(sum), level[g], s[g][j]);
-      }
+  fold_scores<D, GT>(krow, knext, vnext, ntiles, s, [&](const BF16* row, V* sums) {
+    __m512bh kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+    for (int g = 0; g < GT; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q2 + g * (D / 2) + 16 * c), kv[c]);
+      sums[g] = reinterpret_cast<V>(sum);
     }
-  }
+  });
 }
 
 // o[g] += the probabilities' pairs (p2[g], kChunk/2 words) times the values of keys
