@@ -48,7 +48,8 @@ KV_BYTES = {"float32": 4, "bfloat16": 2, "default": 2}
 def stream_rate(threads: int = 2, size: int = 1 << 30) -> float:
     """The rate `threads` threads read a `size`-byte array at, each taking its share's
     max (numpy releases the GIL; its vectorized max keeps up with the memory, where its
-    pairwise sum ran at about half a C loop's rate): GB/s, the best of 3."""
+    pairwise sum is bound by its own additions: docs/bench-log/2026-12-05-xeon-amx.md):
+    GB/s, the best of 3."""
     data = np.ones(size // 4, np.float32)
     share = len(data) // threads
     best = float("inf")
