@@ -618,8 +618,13 @@ inline void pairs_step_of(const Panel<Wt>& p, int64_t j, uint16_t* out) {
   const std::array<f32xN, 4> sc = lanes(p.scale, p.half_scale);
   std::array<f32xN, 4> mn = {};
   if constexpr ((S & ~kBF16Flags) == kGroupScalesMins) mn = lanes(p.min, p.half_min);
+  // the bytes 4 steps on, into L1 (past the panel's end, the next panel's: where the panel has
+  // a panel two ahead to prefetch, the memory past it is the call's); the panel two ahead
+  // itself, spread over the steps, measured 1.8% slower in the defaults' workload on the AMX
+  // Xeon (docs/bench-log/2026-12-05-xeon-amx.md)
   if (p.prefetch)
-    for (int l = 0; l < 2 * kStepPairs * Wt::kRow / 64; ++l) __builtin_prefetch(p.prefetch + 2 * j * Wt::kRow + 64 * l);
+    for (int l = 0; l < 2 * kStepPairs * Wt::kRow / 64; ++l)
+      __builtin_prefetch(p.w + 2 * (j + 4 * kStepPairs) * Wt::kRow + 64 * l);
   for (int i = 0; i < kStepPairs; ++i) {
     const auto* row = p.w + 2 * (j + i) * Wt::kRow;
     const std::array<__m512i, 4> q = pair_values<Wt>(row, row + Wt::kRow);
@@ -901,18 +906,22 @@ void amx_pack(const float* x, int64_t M, int64_t K, int64_t t, uint16_t* xt) {
 
 // Sums of one or two tiles of x (x0, x1: their first row at the first step; `stride`
 // bytes per row) times `pairs` pairs of a panel of pairs `w` ([pairs][32][2], from the
-// same step), into tiles 0-3. With `next` (the panel two ahead), each step also prefetches
-// into L2 the 2 KB step of it that `share` gives (into L1 measured slower:
-// docs/bench-log/2026-12-03-xeon-amx.md). kStreamW: the panel's tiles loaded with the
+// same step), into tiles 0-3. With `ahead`, each step also prefetches into L2 the 2 KB that
+// lie kAmxAhead past it in memory (past the panel's end, the next panel's, which a thread's
+// next item usually is; into L1 measured slower: docs/bench-log/2026-12-03-xeon-amx.md;
+// where it had prefetched the panel two ahead, spread over the pass, the weights' reads
+// waited at the start of each call and of each thread's run of items:
+// docs/bench-log/2026-12-05-xeon-amx.md). kStreamW: the panel's tiles loaded with the
 // streaming hint (tileloaddt1), so that a panel streaming past x's tiles evicts less of
 // them from L1 (docs/bench-log/2026-12-05-xeon-amx.md).
+constexpr int64_t kAmxAhead = 4 * kAmxPairs * 2 * kPanel;  // 4 steps (8 KB), in bfloat16 elements
 template <bool kTwo, bool kStreamW = false>
 inline void amx_steps(const uint16_t* x0, const uint16_t* x1, int64_t stride, const uint16_t* w, int64_t pairs,
-                      const uint16_t* next = nullptr, PrefetchShare share = {}) {
+                      bool ahead = false) {
   for (int64_t j = 0; j < pairs; j += kAmxPairs) {
-    if (next != nullptr)
+    if (ahead)
       for (int l = 0; l < kAmxPairs * 2 * kPanel * 2 / 64; ++l)
-        __builtin_prefetch(next + share.at(j / kAmxPairs) * kAmxPairs * 2 * kPanel + 32 * l, 0, 2);
+        __builtin_prefetch(w + j * 2 * kPanel + kAmxAhead + 32 * l, 0, 2);
     if constexpr (kStreamW) {
       _tile_stream_loadd(6, w + j * 2 * kPanel, 4 * kPanel);
       _tile_stream_loadd(7, w + j * 2 * kPanel + kPanel, 4 * kPanel);
@@ -953,11 +962,12 @@ inline void amx_store(float* Y, int64_t M, int64_t N, int64_t t, int64_t p, int 
 }
 
 // Tiles t0..t1-1 of x (XT, packed by amx_pack) times a panel of pairs `w` with `pairs`
-// pairs in memory (the steps past them read zeros), into y; each pass over the panel (two
-// tiles of x) prefetches its share of `next` and, with `stream`, loads the panel with the
-// streaming hint (amx_steps).
+// pairs in memory (the steps past them read zeros), into y; with `ahead` (the memory after
+// the panel holds the call's next panel) each pass over the panel (two tiles of x)
+// prefetches ahead of its reads, and with `stream` it loads the panel with the streaming
+// hint (amx_steps).
 void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0, int64_t t1, const uint16_t* w,
-                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols, const uint16_t* next = nullptr,
+                           int64_t pairs, float* Y, int64_t N, int64_t p, int cols, bool ahead = false,
                            bool stream = false) {
   const int64_t depth = amx_depth(K), whole = pairs / kAmxPairs * kAmxPairs;
   const int64_t tile_size = kAmxRows * 2 * depth, stride = 2 * depth * sizeof(uint16_t);
@@ -969,21 +979,20 @@ void amx_tiles_times_panel(const uint16_t* XT, int64_t M, int64_t K, int64_t t0,
   alignas(64) float out[kAmxRows * kPanel];
   for (int64_t t = t0; t < t1; t += 2) {
     const uint16_t* x0 = XT + t * tile_size;
-    const PrefetchShare share = PrefetchShare{}.spread((t - t0) / 2, (t1 - t0 + 1) / 2, whole / kAmxPairs);
     _tile_zero(0);
     _tile_zero(1);
     if (t + 1 < t1) {
       _tile_zero(2);
       _tile_zero(3);
       if (stream)
-        amx_steps<true, true>(x0, x0 + tile_size, stride, w, whole, next, share);
+        amx_steps<true, true>(x0, x0 + tile_size, stride, w, whole, ahead);
       else
-        amx_steps<true>(x0, x0 + tile_size, stride, w, whole, next, share);
+        amx_steps<true>(x0, x0 + tile_size, stride, w, whole, ahead);
       if (whole < depth) amx_steps<true>(x0 + 2 * whole, x0 + tile_size + 2 * whole, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
       amx_store<true>(Y, M, N, t + 1, p, cols, out);
     } else {
-      amx_steps<false>(x0, nullptr, stride, w, whole, next, share);
+      amx_steps<false>(x0, nullptr, stride, w, whole, ahead);
       if (whole < depth) amx_steps<false>(x0 + 2 * whole, nullptr, stride, tail, kAmxPairs);
       amx_store<false>(Y, M, N, t, p, cols, out);
     }
@@ -1045,7 +1054,8 @@ Panel<Wt> amx_kept_panel(const typename Wt::T* P, int64_t p, int64_t num_panels,
 
 // dense_rows' bfloat16 pairs by AMX, at decode sizes (one or two tiles of x): an item is
 // a panel times the rows, a kept panel converted a step at a time
-// (amx_tiles_times_kept_panel), the panel two ahead prefetched. With an activation `act`
+// (amx_tiles_times_kept_panel); plain panels prefetched ahead of their reads (amx_steps), kept
+// ones two panels ahead (pairs_step_of). With an activation `act`
 // (a gated MLP's fused [gate | up] projection, N/2 columns each, a whole number of
 // panels): y is [M, N/2], act(gate) * up, each item a gate panel and its up panel: their
 // sums into two buffers, then the activation into y, so the float32 sums of the 2 N
@@ -1060,7 +1070,7 @@ void amx_rows_by_panel(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     if constexpr (kIsPairs<Wt>) {
       amx_tiles_times_panel(XT, M, K, t0, t1, P + p * panel_size, (K + 1) / 2, y, ldy, p_out, cols,
-                            p + 2 < num_panels ? P + (p + 2) * panel_size : nullptr);
+                            p + 1 < num_panels);
     } else {
       const Panel<Wt> panel = amx_kept_panel<Wt, S>(P, p, num_panels, K, scales, mins, group_shift, true);
       amx_tiles_times_kept_panel<Wt, S>(XT, M, K, t0, t1, panel, y, ldy, p_out, cols);
@@ -1127,14 +1137,9 @@ void amx_rows_grouped(ffi::ThreadPool& pool, const uint16_t* XT, int64_t M, int6
       const uint16_t* xt = XT + t * kAmxRows * 2 * depth;  // the pair's tiles, as tiles 0 and 1 of `rows` rows
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = p0 + i;
-        // plain panels: the first pair's pass over a panel prefetches the panel two ahead
-        // (in y's order) into L2; kept ones were converted at the item's start
-        const auto ahead = [&](int set) -> const uint16_t* {
-          if constexpr (kIsPairs<Wt>)
-            return t == t0 && p + 2 < out_panels ? P + (p + 2 + set * out_panels) * panel_size : nullptr;
-          else
-            return nullptr;
-        };
+        // plain panels: the first pair's pass over a panel prefetches ahead of its reads into
+        // L2; kept ones were converted at the item's start
+        const auto ahead = [&](int set) { return kIsPairs<Wt> && t == t0 && p + set * out_panels + 1 < num_panels; };
         if (!gated) {
           const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
           amx_tiles_times_panel(xt, rows, K, 0, te - t, w[0][i], (K + 1) / 2, Y + r0 * N, N, p, cols, ahead(0), stream);
