@@ -1054,8 +1054,8 @@ Panel<Wt> amx_kept_panel(const typename Wt::T* P, int64_t p, int64_t num_panels,
 
 // dense_rows' bfloat16 pairs by AMX, at decode sizes (one or two tiles of x): an item is
 // a panel times the rows, a kept panel converted a step at a time
-// (amx_tiles_times_kept_panel); plain panels prefetched ahead of their reads (amx_steps), kept
-// ones two panels ahead (pairs_step_of). With an activation `act`
+// (amx_tiles_times_kept_panel); both prefetch a few steps ahead of their reads (amx_steps,
+// pairs_step_of). With an activation `act`
 // (a gated MLP's fused [gate | up] projection, N/2 columns each, a whole number of
 // panels): y is [M, N/2], act(gate) * up, each item a gate panel and its up panel: their
 // sums into two buffers, then the activation into y, so the float32 sums of the 2 N
