@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_eval import export_hf_folder
 from bench_serving import standard_dataset
 from bench_vllm import ROOT, model_flops_per_token, peak_gflops, workload_flops
 
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     args = ap.parse_args()
 
-    folder = ROOT / "build" / "smollm2-hf"
+    folder = export_hf_folder(ROOT / "build" / "smollm2-hf", None)  # as bench_vllm.py makes it
     cfg = json.loads((folder / "config.json").read_text())
     requests = standard_dataset(args.num_prompts)
     flops = workload_flops(requests, model_flops_per_token(folder))
