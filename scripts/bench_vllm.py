@@ -37,6 +37,7 @@ falls on both sides of each comparison; each jaxllm run's ratio is then given pe
     python scripts/bench_vllm.py --out bench_results/vllm_standard
     python scripts/bench_vllm.py --isa avx2 --out bench_results/vllm_standard_avx2  # both as on an AVX2-only CPU
     python scripts/bench_vllm.py --rounds 2 --out bench_results/vllm_standard   # vLLM, jaxllm, ..., then back
+    python scripts/bench_vllm.py --precision float32 --rounds 4 --out bench_results/vllm_float32  # one pair, 4x
 """
 
 from __future__ import annotations
@@ -266,6 +267,10 @@ def main() -> None:
     p.add_argument("--also", action="append", default=[], metavar="FLAGS",
                    help="one more jaxllm run with these flags, after the others, compared with vLLM's default "
                         "(an A/B of a candidate default in the same run); repeatable")
+    p.add_argument("--precision", action="append", choices=("float32", "bfloat16", "default"),
+                   help="only the runs of this precision (repeatable; the defaults bring vLLM's bfloat16 run, "
+                        "their baseline): e.g. `--precision float32 --rounds 4`, more rounds of one comparison "
+                        "in the time of a whole run")
     p.add_argument("--rounds", type=int, default=1,
                    help="the runs this many times, every other round in reverse order (so a host's drift over the "
                         "run falls on both sides of each comparison); each ratio per round, and their geometric mean")
@@ -274,7 +279,7 @@ def main() -> None:
         p.error("--rounds: at least 1")
     if not reexec(args.isa):
         return
-    runs = RUNS + tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in args.also)
+    runs = selected_runs(args.precision, args.also)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -302,6 +307,15 @@ def main() -> None:
     print_table(results)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     print("wrote", out.with_suffix(".json"))
+
+
+def selected_runs(precisions: list[str] | None, also: list[str]) -> tuple:
+    """RUNS of these precisions (all without any), then a run per `--also` flags; vLLM's
+    bfloat16 run kept wherever a run of the defaults' precision is, their baseline."""
+    extra = tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in also)
+    wanted = set(precisions or ("float32", "bfloat16", "default")) | ({"default"} if extra else set())
+    baseline = {"bfloat16"} if "default" in wanted else set()
+    return tuple(r for r in RUNS if r[3] in wanted or (r[1] == "vllm" and r[3] in baseline)) + extra
 
 
 def serve_and_measure(server: str, flags: str, python: str | None, folder: Path, max_concurrency: int, requests,

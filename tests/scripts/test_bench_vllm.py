@@ -161,3 +161,16 @@ def test_rounds_run_back_and_forth_and_give_each_rounds_ratio(faked, monkeypatch
     results = json.loads(out.with_suffix(".json").read_text())
     assert [len(r) for r in results["rounds"]] == [6, 6]
     assert results["runs"] == results["rounds"][0]
+
+
+def test_precision_keeps_its_runs_and_the_defaults_baseline():
+    """`--precision`: only those rows (and vLLM's bfloat16 where the defaults need it)."""
+    def labels(precisions, also=()):
+        return [r[0] for r in bench_vllm.selected_runs(precisions, list(also))]
+
+    assert labels(["float32"]) == ["vLLM CPU, float32", "jaxllm, float32 (vLLM's precision)"]
+    assert labels(["default"]) == ["vLLM CPU, bfloat16 (its default here)", "jaxllm defaults"]
+    assert labels(["float32"], ["--kv-cache-dtype float32"]) == [
+        "vLLM CPU, float32", "jaxllm, float32 (vLLM's precision)", "vLLM CPU, bfloat16 (its default here)",
+        "jaxllm defaults", "jaxllm --kv-cache-dtype float32"]
+    assert labels(None) == [r[0] for r in bench_vllm.RUNS]
