@@ -310,12 +310,13 @@ def main() -> None:
 
 
 def selected_runs(precisions: list[str] | None, also: list[str]) -> tuple:
-    """RUNS of these precisions (all without any), then a run per `--also` flags; vLLM's
-    bfloat16 run kept wherever a run of the defaults' precision is, their baseline."""
+    """RUNS of these precisions (all without any), then a run per `--also` flags. An `--also`
+    run is a candidate default, so it brings the defaults' runs (the A/B it is for); the
+    defaults bring vLLM's bfloat16 run, their baseline."""
     extra = tuple((f"jaxllm {flags}", "jaxllm", flags, "default") for flags in also)
     wanted = set(precisions or ("float32", "bfloat16", "default")) | ({"default"} if extra else set())
-    baseline = {"bfloat16"} if "default" in wanted else set()
-    return tuple(r for r in RUNS if r[3] in wanted or (r[1] == "vllm" and r[3] in baseline)) + extra
+    defaults_baseline = {"bfloat16"} if "default" in wanted else set()
+    return tuple(r for r in RUNS if r[3] in wanted or (r[1] == "vllm" and r[3] in defaults_baseline)) + extra
 
 
 def serve_and_measure(server: str, flags: str, python: str | None, folder: Path, max_concurrency: int, requests,
