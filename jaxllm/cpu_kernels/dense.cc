@@ -328,14 +328,20 @@ bool scales_in_registers(int rows) {
 // block's tiles, the narrow tiles' row groups and halves), spread(i, n, steps) gives pass i
 // of n its 1/n of them, one every n steps, so the next panels' reads overlap all of the
 // item's arithmetic rather than its first pass, which left the memory idle for the rest.
-// The float tiles ask for their row at every step, so each row n times (measured faster
-// than once); the integer tiles, bound by their arithmetic, once (`starts`), as many
-// prefetches as before. Measurements: docs/bench-log/2026-12-03-xeon-amx.md.
+// The wide float tiles ask for their row at every step, so each row n times (measured
+// faster than once); the narrow ones (AVX2, NEON) at every fourth step where that still
+// asks for every row (`step_mask`: their 12 FMAs a step left the request's address
+// arithmetic ~5% of a prefill projection on the Zen 3); the integer tiles, bound by their
+// arithmetic, once (`starts`), as many prefetches as before. Measurements:
+// docs/bench-log/2026-12-03-xeon-amx.md, docs/bench-log/2026-12-07-zen3-avx2.md.
 struct PrefetchShare {
   int64_t first = 0;       // 16.16 fixed point, as `rate`
   int64_t rate = 1 << 16;  // rows a step
   int64_t at(int64_t k) const { return (first + k * rate) >> 16; }
   bool starts(int64_t k) const { return k == 0 || at(k) != at(k - 1); }  // a row not asked for yet
+  // Asking at the steps k with (k & step_mask()) == 0 asks for every row: every fourth
+  // step where a row lasts four steps or more, else every step.
+  int64_t step_mask() const { return rate <= (1 << 14) ? 3 : 0; }
   PrefetchShare spread(int64_t i, int64_t n, int64_t steps) const { return {first + i * steps * rate / n, rate / n}; }
 };
 
@@ -427,11 +433,12 @@ void narrow_tile(const float* xt, int g, const Panel<Wt>& p, int h, int64_t K, f
   for (int i = 0; i < G; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = f32xN{};
   const auto steps = [&](int64_t k0, int64_t k1, auto weights) {  // inputs k0..k1-1, weights(k, v)
+    const int64_t mask = p.share.step_mask();
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k1; ++k) {
       f32xN w[V];
       for (int v = 0; v < V; ++v) w[v] = weights(k, C * h + v * jaxllm::kLanes);
-      if (p.prefetch) prefetch_row<Wt>(p.prefetch, p.share.at(k));
+      if (p.prefetch && (k & mask) == 0) prefetch_row<Wt>(p.prefetch, p.share.at(k));
       for (int i = 0; i < G; ++i) {
         const f32xN xv = splatN(xt[k * kTileRows + g + i]);
         for (int v = 0; v < V; ++v) acc[i][v] += xv * w[v];
