@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -312,8 +313,43 @@ def format_cpu_seconds(cpu: dict) -> str:
 # ------------------------------------------------------------------ server
 
 
+def cpu_busy(seconds: float = 1.0) -> float:
+    """The share of the machine's CPU time that was not idle over the next `seconds`
+    (/proc/stat; 0.0 where there is none)."""
+    def sample() -> tuple[int, int]:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
+
+
+def wait_for_quiet(busy_below: float = 0.10, at_most_s: float = 60.0) -> None:
+    """Until the machine is idle (under `busy_below` of its CPU busy for a second), at most
+    `at_most_s`: a server started beside other work (a server before it still exiting)
+    would measure its backends in that moment, and its stored plan outlive it (a jaxllm
+    start-up beside vLLM's exit once chose XLA's dot at 256-448 rows, 1.6-1.9x too slow:
+    docs/bench-log/2026-12-07-zen3-avx2.md). Says so where it waited or gave up."""
+    start = time.perf_counter()
+    busy = cpu_busy()
+    while busy >= busy_below and time.perf_counter() - start < at_most_s:
+        busy = cpu_busy()
+    waited = time.perf_counter() - start
+    if busy >= busy_below:
+        print(f"the CPU is still {100 * busy:.0f}% busy after {waited:.0f} s; starting anyway", flush=True)
+    elif waited > 1.5:
+        print(f"waited {waited:.0f} s for the CPU to go idle", flush=True)
+
+
 class LaunchedServer:
-    """`python -m jaxllm.serve` in a subprocess, for the length of a `with`."""
+    """`python -m jaxllm.serve` in a subprocess, for the length of a `with`: started once
+    the machine is idle, in a session of its own, and stopped with every process of it
+    (a server's workers too, such as vLLM's engine core)."""
 
     def __init__(self, args: str, log_path: Path | None = None) -> None:
         with socket.socket() as s:
@@ -347,7 +383,7 @@ class LaunchedServer:
     def __enter__(self) -> LaunchedServer:
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = self.launch(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in self.proc.stdout:
             self.startup_lines.append(line)
             if "jaxllm ready" in line:
@@ -363,9 +399,32 @@ class LaunchedServer:
         print(f"server ready in {self.startup_s:.1f} s", flush=True)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def launch(self, **popen) -> subprocess.Popen:
+        """`self.cmd` started (with `popen`'s arguments) once the CPU is idle, in a new
+        session: its process group is the server and whatever it starts."""
+        wait_for_quiet()
+        return subprocess.Popen(self.cmd, start_new_session=True, **popen)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM to the server, then wait until no process of its group is left (its
+        workers exit as it shuts them down; SIGKILL to the group past `timeout`): waiting
+        for the server process alone let a worker still exiting share the cores with the
+        next server's start-up."""
+        deadline = time.monotonic() + timeout
         self.proc.terminate()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        while True:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL if time.monotonic() > deadline else 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
         if self._drainer is not None:  # the rest of its output in the log before the caller reads it
             self._drainer.join(10)
 
@@ -388,9 +447,9 @@ class LaunchedLlamaServer(LaunchedServer):
         start = time.perf_counter()
         if self.log_path:
             with open(self.log_path, "w") as log:  # the child keeps its own descriptor
-                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+                self.proc = self.launch(stdout=log, stderr=subprocess.STDOUT)
         else:
-            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self.proc = self.launch(stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         while True:
             try:
                 if httpx.get(f"{self.url}/health").status_code == 200:

@@ -83,7 +83,7 @@ class LaunchedVenvServer(LaunchedServer):
         print("launching:", " ".join(self.cmd), flush=True)
         start = time.perf_counter()
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = self.launch(stdout=log, stderr=subprocess.STDOUT, env=self.env)
         while not _healthy(self.url):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (see {self.log_path})")

@@ -166,3 +166,26 @@ def test_the_kv_sampler_polls_once_a_second_and_stops_with_the_run(monkeypatch):
     monkeypatch.setattr(bench_serving, "KV_POLL_SECONDS", 60.0)
     samples = asyncio.run(run())
     assert Client.gets == 1 and samples == [{"jaxllm:kv_cache_blocks_used": 7.0}]
+
+
+def test_a_stopped_server_leaves_no_process_of_its_group(monkeypatch):
+    """stop() waits out the server's workers too (a child the server left running is
+    killed past the timeout), so the next server does not start beside them."""
+    import os
+    import subprocess
+
+    monkeypatch.setattr(bench_serving, "wait_for_quiet", lambda: None)
+    launched = bench_serving.LaunchedServer("")
+    launched.cmd = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60']); "
+                    "print('up', flush=True); time.sleep(60)"]
+    launched.proc = launched.launch(stdout=subprocess.PIPE, text=True)
+    assert launched.proc.stdout.readline() == "up\n"
+    start = time.monotonic()
+    launched.stop(timeout=1.0)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ProcessLookupError):
+        os.killpg(launched.proc.pid, 0)
+
+
+def test_cpu_busy_is_a_share():
+    assert 0.0 <= bench_serving.cpu_busy(0.2) <= 1.0
