@@ -45,7 +45,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -71,38 +70,6 @@ REPEATS = 3  # best of at least this many calls,
 MIN_SECONDS = 0.1  # or of as many as take this long,
 MAX_REPEATS = 50  # but no more than this many
 COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by reading its weights
-# other processes busy for more than this share of one core on average while the backends
-# were measured: the plan is used but not stored (measured again at the next start)
-OTHERS_BUSY = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuClock:
-    """A reading of the wall clock, the machine's busy CPU seconds (/proc/stat: all but
-    idle and iowait, every core; 0 where there is none) and this process's own."""
-
-    wall: float
-    machine: float
-    own: float
-
-    @classmethod
-    def now(cls) -> CpuClock:
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(v) for v in f.readline().split()[1:]]
-            machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            machine = 0.0
-        own = os.times()
-        return cls(time.perf_counter(), machine, own.user + own.system)
-
-    def others_busy_since(self, start: CpuClock) -> float:
-        """Cores other processes kept busy on average from `start` to this reading (0
-        where /proc/stat is missing or the span under a second, too short to tell)."""
-        wall = self.wall - start.wall
-        if wall < 1.0 or self.machine == 0.0:
-            return 0.0
-        return max(0.0, (self.machine - start.machine) - (self.own - start.own)) / wall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,19 +578,13 @@ def backend_plan(
             logger.warning("ignoring an unreadable stored backend plan (%s)", e)
     if before_measuring is not None:
         before_measuring()
-    start = CpuClock.now()
+    start = time.perf_counter()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
                       activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16,
                       blocks_in_int16=blocks_in_int16)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
-    end = CpuClock.now()
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s%s",
-                end.wall - start.wall, plan.describe("attention"), plan.describe("linear"),
+                time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
                 plan.describe_head(), plan.describe_tiles())
-    others = end.others_busy_since(start)
-    if others > OTHERS_BUSY:  # a server still exiting beside a benchmark's next one made up a 1.6-1.9x win
-        logger.warning("other processes kept %.2f cores busy while the backends were measured: this plan is used "
-                       "but not stored, and the next start measures again", others)
-        return plan
     store.save_text("backends.json", plan.to_json())
     return plan
