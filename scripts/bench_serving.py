@@ -333,8 +333,9 @@ def wait_for_quiet(busy_below: float = 0.10, at_most_s: float = 60.0) -> None:
     """Until the machine is idle (under `busy_below` of its CPU busy for a second), at most
     `at_most_s`: a server started beside other work (a server before it still exiting)
     would measure its backends in that moment, and its stored plan outlive it (a jaxllm
-    start-up beside vLLM's exit once chose XLA's dot at 256-448 rows, 1.6-1.9x too slow:
-    docs/bench-log/2026-12-07-zen3-avx2.md). Says so where it waited or gave up."""
+    start-up in a busy moment right after vLLM's server once chose XLA's dot at 256-448
+    rows, 1.6-1.9x too slow: docs/bench-log/2026-12-07-zen3-avx2.md). Says so where it
+    waited or gave up."""
     start = time.perf_counter()
     busy = cpu_busy()
     while busy >= busy_below and time.perf_counter() - start < at_most_s:
@@ -408,8 +409,8 @@ class LaunchedServer:
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM to the server, then wait until no process of its group is left (its
         workers exit as it shuts them down; SIGKILL to the group past `timeout`): waiting
-        for the server process alone let a worker still exiting share the cores with the
-        next server's start-up."""
+        for the server process alone could leave a worker still exiting beside the next
+        server's start-up."""
         deadline = time.monotonic() + timeout
         self.proc.terminate()
         try:
