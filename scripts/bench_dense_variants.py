@@ -33,7 +33,7 @@ SHAPES = "512,576,960;512,576,3072;512,1536,576;32,576,3072"
 
 
 def build(source: Path, out: Path) -> None:
-    """`source` (a dense.cc) as a harness library at `out`."""
+    """`source` (a dense.cc) as a harness library at `out`, with the kernels' compiler and flags."""
     import jax
 
     from jaxllm.cpu_kernels.build import _compiler, flags
@@ -41,6 +41,13 @@ def build(source: Path, out: Path) -> None:
     cmd = [_compiler(), *flags(), "-isystem", jax.ffi.include_dir(), f"-I{KERNELS}", f'-DDENSE_CC="{source}"',
            str(HERE / "harness_lib.cc"), "-o", str(out), "-pthread"]
     subprocess.run(cmd, check=True)
+
+
+def build_driver(out: Path) -> None:
+    """harness_main.cc, the driver that loads the libraries, at `out` (the same compiler)."""
+    from jaxllm.cpu_kernels.build import _compiler
+
+    subprocess.run([_compiler(), "-O2", str(HERE / "harness_main.cc"), "-o", str(out), "-ldl"], check=True)
 
 
 def main() -> None:
@@ -69,7 +76,7 @@ def main() -> None:
             libs.append(d / f"variant-{i}.so")
             build(source, libs[-1])
         driver = d / "harness"
-        subprocess.run(["g++", "-O2", str(HERE / "harness_main.cc"), "-o", str(driver), "-ldl"], check=True)
+        build_driver(driver)
         subprocess.run([str(driver), str(args.threads), str(args.reps), args.shapes, *map(str, libs)], check=True)
 
 

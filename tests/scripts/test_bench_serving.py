@@ -190,3 +190,13 @@ def test_a_stopped_server_leaves_no_process_of_its_group(monkeypatch):
 
 def test_cpu_busy_is_a_share():
     assert 0.0 <= bench_serving.cpu_busy(0.2) <= 1.0
+
+
+def test_wait_for_quiet_waits_for_an_idle_reading_and_gives_up_saying_so(monkeypatch, capsys):
+    readings = iter([0.9, 0.5, 0.05, 0.9])
+    monkeypatch.setattr(bench_serving, "cpu_busy", lambda: next(readings))
+    bench_serving.wait_for_quiet(busy_below=0.1, at_most_s=60)
+    assert next(readings) == 0.9  # stopped at the first idle reading, the third
+    monkeypatch.setattr(bench_serving, "cpu_busy", lambda: 0.9)
+    bench_serving.wait_for_quiet(busy_below=0.1, at_most_s=0.0)
+    assert "still 90% busy" in capsys.readouterr().out
