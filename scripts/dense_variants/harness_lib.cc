@@ -36,7 +36,9 @@ Job& job_for(int64_t M, int64_t K, int64_t N) {
   return *jobs.back();
 }
 
-// Items part, part + parts, ... of the call, in dense_rows' order (block-major).
+// Items part, part + parts, ... of the call, in dense_rows' order (block-major): the row
+// blocks as pack_then_multiply makes them, written again here because dense_rows runs on
+// XLA's thread pool (an ffi::ThreadPool), which this harness has none of.
 void items(Job& j, int part, int parts) {
   const int64_t tiles = (j.M + kTileRows - 1) / kTileRows, num_panels = j.N / kPanel;
   const int64_t blocks = (j.M + kRowBlock - 1) / kRowBlock, per_block = (tiles + blocks - 1) / blocks;
