@@ -99,6 +99,17 @@ def host_cpu() -> str:
     return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
 
 
+def busy_cpu_seconds() -> float | None:
+    """The machine's busy CPU seconds so far, every core together (/proc/stat: all but
+    idle and iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # Compute capability 9.x: wgmma is Hopper's (Blackwell multiplies by tcgen05 instead).
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 

@@ -36,7 +36,10 @@ faster:
 The plan (`BackendPlan`) is stored as JSON next to the compiled executables, keyed by
 everything the times depend on (environment, model shapes, buckets, the kernels'
 build), so a warm start reuses it; the engine's start-up line prints it, with the
-times. An explicit `attention_backend` / `linear_backend` is never measured.
+times. A plan measured while other processes kept the CPU busy (their time would have
+been charged to whichever candidate ran beside them) says so there, and is measured
+again by the first later start that finds the CPU quiet (`OTHERS_BUSY`). An explicit
+`attention_backend` / `linear_backend` is never measured.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -57,6 +61,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
 from jaxllm.models.params import BF16_STEP, INT16_STEP, NO_BF16, PackedWeight, QuantizedWeight, abstract_params
 from jaxllm.models.quant import activation_quantization_ready
+from jaxllm.platform import busy_cpu_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,37 @@ REPEATS = 3  # best of at least this many calls,
 MIN_SECONDS = 0.1  # or of as many as take this long,
 MAX_REPEATS = 50  # but no more than this many
 COMPUTE_BOUND_ROWS = 64  # from here a projection is bound by FLOPs, not by reading its weights
+# Other processes kept more than this many cores busy on average while a plan was measured:
+# it is stored marked so, and a later start that finds them quiet (over QUIET_SAMPLE_S)
+# measures again. A server started while another was still exiting once chose XLA's dot at
+# 256-448 rows, 1.6-1.9x slower there, and each later start reused that plan
+# (docs/bench-log/2026-12-07-zen3-avx2.md); under a test suite's parallel workers every start
+# is busy, and reusing the stored plan there spares each one a measurement and its compiles.
+OTHERS_BUSY = 0.25
+QUIET_SAMPLE_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuClock:
+    """A reading of the wall clock, the machine's busy CPU seconds (None where the OS
+    does not say: jaxllm.platform.busy_cpu_seconds) and this process's own."""
+
+    wall: float
+    machine: float | None
+    own: float
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        own = os.times()
+        return cls(time.perf_counter(), busy_cpu_seconds(), own.user + own.system)
+
+    def others_busy_since(self, start: CpuClock) -> float:
+        """Cores other processes kept busy on average from `start` to this reading (0
+        where the machine's busy time is unknown)."""
+        wall = self.wall - start.wall
+        if wall <= 0 or self.machine is None or start.machine is None:
+            return 0.0
+        return max(0.0, (self.machine - start.machine) - (self.own - start.own)) / wall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +133,7 @@ class BackendPlan:
     # kernel ("cpu"), or left to XLA ("xla": a tied one contracts with the embedding, no copy)
     head: str = "cpu"
     rounds: int = 1  # measured twice where the first round's choices were unsure
+    others_busy: float = 0.0  # cores other processes kept busy, on average, while it was measured
 
     def for_bucket(self, t: int) -> StepBackends:
         return self.choices[self.buckets.index(t)]
@@ -125,6 +162,8 @@ class BackendPlan:
                 why = f" ({min(ratios):.2f}-{max(ratios):.2f}x {other})"
             parts.append(f"{backend}{where}{why}")
         source = "measured twice" if self.source == "measured" and self.rounds == 2 else self.source
+        if self.others_busy > OTHERS_BUSY:
+            source += f" while others kept {self.others_busy:.2f} cores busy"
         return ", ".join(parts) + (f" [{source}]" if times else "")
 
     def bf16_products(self, param_dtype) -> bool:
@@ -189,7 +228,8 @@ class BackendPlan:
 
     def to_json(self) -> str:
         return json.dumps({"buckets": self.buckets, "choices": [dataclasses.asdict(c) for c in self.choices],
-                           "seconds": self.seconds, "head": self.head, "rounds": self.rounds})
+                           "seconds": self.seconds, "head": self.head, "rounds": self.rounds,
+                           "others_busy": self.others_busy})
 
     @classmethod
     def from_json(cls, text: str) -> BackendPlan:
@@ -197,7 +237,7 @@ class BackendPlan:
         seconds = {kind: {b: {int(t): v for t, v in per.items()} for b, per in by.items()}
                    for kind, by in d["seconds"].items()}
         return cls(tuple(d["buckets"]), tuple(StepBackends(**c) for c in d["choices"]), seconds, "stored",
-                   d.get("head", "cpu"), d.get("rounds", 1))
+                   d.get("head", "cpu"), d.get("rounds", 1), d.get("others_busy", 0.0))
 
 
 def _runs(values: list[str | None]) -> list[tuple[str | None, int, int]]:
@@ -568,23 +608,54 @@ def backend_plan(
                             tuple(buckets), tuple(attention),
                             tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name,
                             blocks_in_bf16, blocks_in_int16)
-    stored = store.load_text("backends.json")
-    if stored is not None:
-        try:
-            plan = BackendPlan.from_json(stored)
-            if plan.buckets == tuple(t for t, _ in buckets):
-                return plan
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("ignoring an unreadable stored backend plan (%s)", e)
+    stored = _stored_plan(store, buckets)
+    if stored is not None and not _measure_again(stored):
+        return stored
     if before_measuring is not None:
         before_measuring()
-    start = time.perf_counter()
+    start = CpuClock.now()
     timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
                       activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16,
                       blocks_in_int16=blocks_in_int16)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
+    end = CpuClock.now()
+    plan = dataclasses.replace(plan, others_busy=round(end.others_busy_since(start), 2))
     logger.info("measured the backends in %.1f s: attention %s; linear %s; output projection %s%s",
-                time.perf_counter() - start, plan.describe("attention"), plan.describe("linear"),
+                end.wall - start.wall, plan.describe("attention"), plan.describe("linear"),
                 plan.describe_head(), plan.describe_tiles())
+    if plan.others_busy > OTHERS_BUSY:
+        logger.warning("other processes kept %.2f cores busy while the backends were measured: the plan is "
+                       "stored, and a later start that finds the CPU quiet measures them again", plan.others_busy)
     store.save_text("backends.json", plan.to_json())
     return plan
+
+
+def _stored_plan(store, buckets: Sequence[tuple[int, int]]) -> BackendPlan | None:
+    """The plan stored for these buckets, if any (an unreadable one is ignored, saying so)."""
+    stored = store.load_text("backends.json")
+    if stored is None:
+        return None
+    try:
+        plan = BackendPlan.from_json(stored)
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring an unreadable stored backend plan (%s)", e)
+        return None
+    return plan if plan.buckets == tuple(t for t, _ in buckets) else None
+
+
+def _measure_again(stored: BackendPlan) -> bool:
+    """Whether a stored plan is measured again: only one measured while other processes
+    kept the CPU busy, and only if they are quiet now (QUIET_SAMPLE_S of this process
+    waiting)."""
+    if stored.others_busy <= OTHERS_BUSY:
+        return False
+    start = CpuClock.now()
+    time.sleep(QUIET_SAMPLE_S)
+    now = CpuClock.now().others_busy_since(start)
+    if now > OTHERS_BUSY:
+        logger.info("the stored backend plan was measured while other processes kept %.2f cores busy; they keep "
+                    "%.2f busy now: using it", stored.others_busy, now)
+        return False
+    logger.info("the stored backend plan was measured while other processes kept %.2f cores busy; the CPU is "
+                "quiet now: measuring again", stored.others_busy)
+    return True
