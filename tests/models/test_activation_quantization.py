@@ -320,7 +320,9 @@ def test_auto_multiplies_its_int16_blocks_in_bfloat16_at_the_buckets_measured_fa
     monkeypatch.setattr(cpu_kernels, "has_bf16_dot", lambda: True)
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     path = make_test_model.write_gguf(test_models_dir / "mistral", tmp_path / "mistral.gguf", "Q4_1")
-    options = dict(kv_cache_dtype="float32")  # each engine its own store: plans are stored by what they measure
+    # each engine its own store (plans are stored by what they measure); single decode steps:
+    # no decode loops to compile (the steps' weights are what differs)
+    options = dict(kv_cache_dtype="float32") | REFERENCE
     llm, tokens, logprobs = _engine(path, compilation_cache_dir=str(tmp_path / "everywhere"), **options)
     runner = llm.llm_engine.core.runner
     assert runner.activation_quantization == "int16"
