@@ -315,18 +315,15 @@ def format_cpu_seconds(cpu: dict) -> str:
 
 def cpu_busy(seconds: float = 1.0) -> float:
     """The share of the machine's CPU time that was not idle over the next `seconds`
-    (/proc/stat; 0.0 where there is none)."""
-    def sample() -> tuple[int, int]:
-        try:
-            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except OSError:
-            return 0, 0
-        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+    (jaxllm.platform.busy_cpu_seconds; 0.0 where the OS does not say)."""
+    from jaxllm.platform import busy_cpu_seconds  # here: --isa re-runs the script before JAX starts
 
-    total0, idle0 = sample()
+    start, busy0 = time.perf_counter(), busy_cpu_seconds()
     time.sleep(seconds)
-    total1, idle1 = sample()
-    return 1 - (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
+    wall, busy1 = time.perf_counter() - start, busy_cpu_seconds()
+    if busy0 is None or busy1 is None:
+        return 0.0
+    return min(1.0, max(0.0, (busy1 - busy0) / (wall * (os.cpu_count() or 1))))
 
 
 def wait_for_quiet(busy_below: float = 0.10, at_most_s: float = 60.0) -> None:

@@ -188,8 +188,18 @@ def test_a_stopped_server_leaves_no_process_of_its_group(monkeypatch):
         os.killpg(launched.proc.pid, 0)
 
 
-def test_cpu_busy_is_a_share():
-    assert 0.0 <= bench_serving.cpu_busy(0.2) <= 1.0
+def test_cpu_busy_is_a_share_that_counts_a_spinning_process():
+    import os
+    import subprocess
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy = bench_serving.cpu_busy(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0.7 / (os.cpu_count() or 1) <= busy <= 1.0  # at least the spinner's core (most of it)
 
 
 def test_wait_for_quiet_waits_for_an_idle_reading_and_gives_up_saying_so(monkeypatch, capsys):
