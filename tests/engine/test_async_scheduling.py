@@ -141,7 +141,8 @@ def test_the_server_with_async_scheduling(test_models_dir, tmp_path, engines):
     same way; completions, several prompts and a stream, give the offline synchronous
     engine's text."""
     sync, _ = engines
-    server = Server(test_models_dir / "llama", tmp_path, "--async-scheduling", "--served-model-name", "tiny")
+    server = Server(test_models_dir / "llama", tmp_path, "--async-scheduling", "--served-model-name", "tiny",
+                    measure=True)
     try:
         client = server.client()
         prompts = [PROMPTS[i] for i in (1, 4, 7)]

@@ -48,7 +48,7 @@ def offline_texts(folder, prompts: list[list[int]]) -> list[str]:
 @pytest.mark.slow  # two engine core processes to start and compile: ~50 s
 def test_dp2_tp2_through_the_server_equals_one_device(test_models_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "-tp", "2", "--served-model-name", "tiny")
+    server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "-tp", "2", "--served-model-name", "tiny", measure=True)
     try:
         served = served_texts(server, PROMPTS)
         queried = [replica_metric(server, "vllm:prefix_cache_queries_total", i) for i in (0, 1)]

@@ -90,7 +90,7 @@ def test_an_engine_over_two_nodes_serves_and_fails_loudly(cluster, test_models_d
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     server = Server(test_models_dir / "llama", tmp_path, "--distributed-executor-backend", "ray",
                     "--num-processes", "2", "--pipeline-parallel-size", "2", "--served-model-name", "tiny",
-                    "--dtype", "float32", *FEW_SHAPES)
+                    "--dtype", "float32", *FEW_SHAPES, measure=True)  # auto over the nodes: one_process's
     try:
         def complete(ids):
             body = {"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -130,7 +130,7 @@ def test_replicas_on_the_cluster_serve_as_one(cluster, test_models_dir, tmp_path
     monkeypatch.setenv("RAY_ADDRESS", cluster)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     server = Server(test_models_dir / "llama", tmp_path, "-dp", "2", "--data-parallel-backend", "ray",
-                    "--served-model-name", "tiny")
+                    "--served-model-name", "tiny", measure=True)
     try:
         served = served_texts(server, PROMPTS)
         queried = [replica_metric(server, "vllm:prefix_cache_queries_total", i) for i in (0, 1)]

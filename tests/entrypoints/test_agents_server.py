@@ -323,7 +323,7 @@ def test_an_openai_agent_runs_its_tools_to_a_final_answer(server, ids):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     s = Server(None, tmp_path_factory.mktemp("smollm2_agents"), "--max-model-len", "2048", "--kv-cache-memory",
-               "64MiB", "--served-model-name", "smol", "--tool-call-parser", "hermes")
+               "64MiB", "--served-model-name", "smol", "--tool-call-parser", "hermes", measure=True)
     yield s
     s.stop()
 

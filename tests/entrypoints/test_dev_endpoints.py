@@ -22,7 +22,7 @@ BODY = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, 
 @pytest.fixture(scope="module")
 def server(test_models_dir, shared_cache_dir):
     s = Server(test_models_dir / "llama", shared_cache_dir, "--server-dev-mode", "--enable-sleep-mode",
-               "--served-model-name", "tiny")
+               "--served-model-name", "tiny", measure=True)  # tests/entrypoints/test_server.py's server's engine
     yield s
     s.stop()
 
@@ -40,7 +40,7 @@ def text(server) -> str:
 
 def offline(server, folder) -> LLM:
     """An engine of the server's options and cache (its executables: nothing compiled)."""
-    return LLM(str(folder), **offline_options(server.cache_dir))
+    return LLM(str(folder), **offline_options(server))
 
 
 def test_sleep_wake_and_weights_from_a_path(server, test_models_dir, tmp_path):

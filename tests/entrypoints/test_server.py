@@ -46,7 +46,7 @@ def cache_dir(shared_cache_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(test_models_dir, cache_dir):
     s = Server(test_models_dir / "llama", cache_dir, "--max-waiting-requests", "64", "--served-model-name", "tiny",
-               "--tool-call-parser", "hermes")
+               "--tool-call-parser", "hermes", measure=True)
     yield s
     s.stop()
 
@@ -878,7 +878,8 @@ def test_chat_template_errors_are_400(test_models_dir, cache_dir):
     """A chat template that refuses the messages (raise_exception) is the client's
     error, in the OpenAI shape (it was Starlette's plain-text 500)."""
     s = Server(test_models_dir / "llama", cache_dir, "--chat-template",
-               "{{ raise_exception('this template takes no user turns') }}", api_key=None)
+               "{{ raise_exception('this template takes no user turns') }}", api_key=None,
+               measure=True)  # the main server's engine: its plan and executables load
     try:
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -964,7 +965,8 @@ def lm_eval_run(server, task: str, limit: int) -> list[dict]:
     api = LocalCompletionsAPI(model="tiny", base_url=f"{server.url}/v1/completions", tokenizer_backend="remote",
                               auth_token=API_KEY, batch_size=4, max_length=256, max_retries=1)
     results = lm_eval.simple_evaluate(model=api, tasks=[task], limit=limit, log_samples=True,
-                                      task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)))
+                                      task_manager=TaskManager(include_path=str(LM_EVAL_TASKS),
+                                                               include_defaults=False))  # lm-eval's own: 13 s to index
     return results["samples"][task]
 
 
@@ -976,13 +978,17 @@ def test_lm_eval_multiple_choice_scores_equal_offline(server, offline):
     tokenizer = offline.get_tokenizer()
     samples = lm_eval_run(server, "jaxllm_facts_mc", limit=12)
     assert len(samples) == 12
+    pairs = [(tokenizer.encode(context, add_special_tokens=False),
+              tokenizer.encode(context + continuation, add_special_tokens=False))
+             for s in samples for context, continuation in s["arguments"]]
+    outs = offline.generate([whole for _, whole in pairs], SamplingParams(max_tokens=0, prompt_logprobs=0),
+                            use_tqdm=False)  # one batch: each prompt's logprobs are its own (batch invariance)
+    wants = iter(sum(out.prompt_logprobs[p][whole[p]].logprob for p in range(len(ctx), len(whole)))
+                 for (ctx, whole), out in zip(pairs, outs, strict=True))
     for s in samples:
         ours = []
-        for (context, continuation), (loglik, _greedy) in zip(s["arguments"], s["filtered_resps"]):
-            ctx = tokenizer.encode(context, add_special_tokens=False)
-            whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-            out = offline.generate([whole], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)[0]
-            want = sum(out.prompt_logprobs[p][whole[p]].logprob for p in range(len(ctx), len(whole)))
+        for loglik, _greedy in s["filtered_resps"]:
+            want = next(wants)
             assert float(loglik) == pytest.approx(want, abs=1e-4)
             assert want < 0  # a real score: the defect this guards against summed nothing
             ours.append(want)
@@ -995,9 +1001,7 @@ def test_lm_eval_generation_equals_offline(server, offline):
 
     samples = lm_eval_run(server, "jaxllm_facts_gen", limit=6)
     tokenizer = offline.get_tokenizer()
-    for s in samples:
-        context = s["arguments"][0][0]
-        ids = tokenizer.encode(context, add_special_tokens=False)
-        params = SamplingParams(temperature=0, max_tokens=16, stop=["\n", tokenizer.eos_token])
-        want = offline.generate([ids], params, use_tqdm=False)[0].outputs[0].text
-        assert s["resps"][0][0] == want
+    params = SamplingParams(temperature=0, max_tokens=16, stop=["\n", tokenizer.eos_token])
+    outs = offline.generate([tokenizer.encode(s["arguments"][0][0], add_special_tokens=False) for s in samples],
+                            params, use_tqdm=False)
+    assert [s["resps"][0][0] for s in samples] == [out.outputs[0].text for out in outs]

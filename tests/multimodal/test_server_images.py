@@ -63,7 +63,7 @@ def test_gemma3_chat_with_images_answers_as_the_offline_engine(gemma_server, vis
                      messages(image_part(data_url(picture(1))), image_part(data_url(picture(2), "JPEG")))]
     got = [client.chat.completions.create(model="gemma", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = LLM(str(vision_models_dir / "gemma3_vlm"), **offline_options(gemma_server.cache_dir))
+    offline = LLM(str(vision_models_dir / "gemma3_vlm"), **offline_options(gemma_server))
     want = offline.chat(conversations, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]
     assert [g.usage.prompt_tokens for g in got] == [len(w.prompt_token_ids) for w in want]
@@ -77,7 +77,7 @@ def test_chat_with_images_answers_as_the_offline_engine(server, vision_models_di
                      messages(image_part((server.media / "cat.png").as_uri()))]
     got = [client.chat.completions.create(model="llava", messages=m, extra_body={"ignore_eos": True}, **params)
            for m in conversations]
-    offline = LLM(str(vision_models_dir / "llava"), **offline_options(server.cache_dir, limit_mm_per_prompt={"image": 2}))
+    offline = LLM(str(vision_models_dir / "llava"), **offline_options(server, limit_mm_per_prompt={"image": 2}))
     same = conversations[:2] + [messages({"type": "image_pil", "image_pil": Image.open(server.media / "cat.png")})]
     want = offline.chat(same, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
     assert [g.choices[0].message.content for g in got] == [w.outputs[0].text for w in want]

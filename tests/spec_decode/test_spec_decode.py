@@ -436,7 +436,7 @@ def test_server_speculates_as_configured(test_models_dir, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False)
     expected = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
-    server = Server(test_models_dir / "llama", tmp_path, "--speculative-config", json.dumps(NGRAM))
+    server = Server(test_models_dir / "llama", tmp_path, "--speculative-config", json.dumps(NGRAM), measure=True)
     try:
         client = server.client()
         for prompt, want in zip(prompts, expected):
