@@ -4,11 +4,12 @@ backends that can run, and where compiled executables are kept (the weights' dty
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import jax
@@ -99,15 +100,60 @@ def host_cpu() -> str:
     return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
 
 
-def busy_cpu_seconds() -> float | None:
-    """The machine's busy CPU seconds so far, every core together (/proc/stat: all but
-    idle and iowait); None where there is no /proc/stat."""
+def busy_cpu_seconds(cpus: Collection[int] | None = None) -> float | None:
+    """The busy CPU seconds so far of the cores `cpus` (None: every core), from /proc/stat
+    (all but idle and iowait); None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+            return busy_ticks(f.read(), cpus) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def busy_ticks(stat: str, cpus: Collection[int] | None = None) -> int:
+    """The busy ticks in /proc/stat's text `stat` of the cores `cpus` (its `cpuN` lines),
+    or of every core (its first line, `cpu`, their sum) where `cpus` is None."""
+    rows = [line.split() for line in stat.splitlines() if line.startswith("cpu")]
+    rows = rows[:1] if cpus is None else [row for row in rows[1:] if int(row[0][3:]) in cpus]
+    busy = 0
+    for row in rows:
+        ticks = [int(v) for v in row[1:]]
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy
+
+
+def usable_cpus() -> frozenset[int] | None:
+    """The cores this process may run on (its affinity: `taskset`, a container's cpuset),
+    None where that is every core online, or where the OS does not say."""
+    try:
+        cpus = frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    return None if len(cpus) >= (os.cpu_count() or 0) else cpus
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, on_wait: Callable[[], object] | None = None):
+    """Held while inside: an exclusive lock on the file `path` (made if missing), which
+    other processes wait for (`on_wait` is called first when this one has to); none where
+    the platform has no fcntl or `path` cannot be opened for writing (a read-only cache:
+    each process then goes on alone)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+        yield
 
 
 # Compute capability 9.x: wgmma is Hopper's (Blackwell multiplies by tcgen05 instead).

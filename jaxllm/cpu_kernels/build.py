@@ -84,6 +84,8 @@ def library_path() -> Path:
     """The built library, compiling it first if no build for this machine is kept."""
     import jax.ffi
 
+    from jaxllm.platform import exclusive_lock
+
     compiler = _compiler()
     include_dir = jax.ffi.include_dir()
     name = f"{LIBRARY}-{_key(compiler, include_dir)}.so"
@@ -91,25 +93,15 @@ def library_path() -> Path:
         path = root / name
         if path.is_file():
             return path
+        lock = root / f".{name}.lock"
         try:
             root.mkdir(parents=True, exist_ok=True)
-            lock = open(root / f".{name}.lock", "a")
+            open(lock, "a").close()
         except OSError:
             continue  # a read-only cache directory: build in the temp directory instead
-        with lock:
-            _lock(lock)  # processes starting together (a server's, pytest's workers) build it once
+        with exclusive_lock(lock):  # processes starting together (a server's, pytest's workers) build it once
             return path if path.is_file() else _compile(compiler, include_dir, path)
     raise KernelBuildError(f"no writable directory to build {name} in")
-
-
-def _lock(file) -> None:
-    """Wait for an exclusive lock on `file` (released when it is closed); none where the
-    platform has no fcntl (each process then builds its own copy, as before)."""
-    try:
-        import fcntl
-    except ImportError:
-        return
-    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:

@@ -61,7 +61,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.linear import bf16_tiles as mark_bf16_tiles
 from jaxllm.models.params import BF16_STEP, INT16_STEP, NO_BF16, PackedWeight, QuantizedWeight, abstract_params
 from jaxllm.models.quant import activation_quantization_ready
-from jaxllm.platform import busy_cpu_seconds
+from jaxllm.platform import busy_cpu_seconds, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ QUIET_SAMPLE_S = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class CpuClock:
-    """A reading of the wall clock, the machine's busy CPU seconds (None where the OS
-    does not say: jaxllm.platform.busy_cpu_seconds) and this process's own."""
+    """A reading of the wall clock, the busy CPU seconds of the cores this process may
+    run on (None where the OS does not say: jaxllm.platform.busy_cpu_seconds; a process
+    pinned to other cores is not a neighbour) and this process's own."""
 
     wall: float
     machine: float | None
@@ -97,7 +98,7 @@ class CpuClock:
     @classmethod
     def now(cls) -> CpuClock:
         own = os.times()
-        return cls(time.perf_counter(), busy_cpu_seconds(), own.user + own.system)
+        return cls(time.perf_counter(), busy_cpu_seconds(usable_cpus()), own.user + own.system)
 
     def others_busy_since(self, start: CpuClock) -> float:
         """Cores other processes kept busy on average from `start` to this reading (0
@@ -608,15 +609,23 @@ def backend_plan(
                             tuple(buckets), tuple(attention),
                             tuple(linear), tuple(tiles), block_size, max_model_len, library_path().name,
                             blocks_in_bf16, blocks_in_int16)
-    stored = _stored_plan(store, buckets)
-    if stored is not None and not _measure_again(stored):
-        return stored
-    if before_measuring is not None:
-        before_measuring()
+    with store.lock("backends.json", on_wait=lambda: logger.info(
+            "another process is measuring the backends of this model and these buckets: waiting for its plan")):
+        stored = _stored_plan(store, buckets)
+        if stored is not None and not _measure_again(stored):
+            return stored
+        if before_measuring is not None:
+            before_measuring()
+        timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
+                          activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16,
+                          blocks_in_int16=blocks_in_int16)
+        return _measured_plan(store, buckets, attention, linear, timer, tiles)
+
+
+def _measured_plan(store, buckets, attention, linear, timer, tiles) -> BackendPlan:
+    """The plan measured now with `timer`, logged and stored (marked with the cores other
+    processes kept busy meanwhile)."""
     start = CpuClock.now()
-    timer = StepTimer(cfg, dtype, block_size=block_size, max_model_len=max_model_len,
-                      activation_dtype=activation_dtype, kv_format=kv_format, blocks_in_bf16=blocks_in_bf16,
-                      blocks_in_int16=blocks_in_int16)
     plan = plan_backends(buckets, attention, linear, timer, tiles)
     end = CpuClock.now()
     plan = dataclasses.replace(plan, others_busy=round(end.others_busy_since(start), 2))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm.platform import host_cpu
+from jaxllm.platform import exclusive_lock, host_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,14 @@ class ExecutableStore:
             self._write(path, text.encode())
         except OSError as e:  # a read-only cache
             logger.warning("cannot store %s (%s)", path, e)
+
+    def lock(self, name: str, on_wait=None):
+        """A context held while one process makes what `name` stores (the backend plan:
+        engines starting together, data-parallel replicas, measure it one after the other
+        rather than beside each other; `on_wait` called where this one waits); a store
+        without a directory holds none."""
+        path = self._path(name)
+        return contextlib.nullcontext() if path is None else exclusive_lock(path.with_suffix(".lock"), on_wait)
 
     def _write(self, path: Path, blob: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

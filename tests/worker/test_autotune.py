@@ -3,7 +3,9 @@ given times, the stored plan reused, and an engine whose buckets run different
 backends giving the tokens a single-backend engine gives."""
 
 import dataclasses
+import logging
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -545,3 +547,83 @@ def test_the_cpu_clock_counts_other_processes_cores():
     assert autotune.CpuClock(4.0, None, 11.0).others_busy_since(start) == 0.0  # an OS that does not say
     now = autotune.CpuClock.now()
     assert now.own >= 0 and now.machine is not None and now.machine >= 0
+
+
+STAT = """cpu  100 0 50 1000 10 0 5 0 0 0
+cpu0 60 0 30 400 5 0 5 0 0 0
+cpu1 40 0 20 600 5 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_busy_ticks_are_those_of_the_cores_asked_for():
+    """/proc/stat's busy ticks (all but idle and iowait): every core's from its first line,
+    or the named cores' `cpuN` lines alone; on this machine the cores' lines sum to the
+    first line's (a process pinned to other cores is not counted as a neighbour)."""
+    from jaxllm.platform import busy_ticks
+
+    assert (busy_ticks(STAT), busy_ticks(STAT, {0}), busy_ticks(STAT, {1}), busy_ticks(STAT, {0, 1})) == (155, 95, 60, 155)
+    assert busy_ticks(STAT, set()) == 0
+    stat = Path("/proc/stat").read_text() if Path("/proc/stat").exists() else pytest.skip("no /proc/stat")
+    cores = {int(line.split()[0][3:]) for line in stat.splitlines() if line[:3] == "cpu" and line[3].isdigit()}
+    assert busy_ticks(stat, cores) == pytest.approx(busy_ticks(stat), rel=1e-3, abs=len(cores))
+
+
+def test_the_cpu_clock_reads_the_cores_this_process_may_run_on(monkeypatch):
+    asked = []
+    monkeypatch.setattr(autotune, "usable_cpus", lambda: frozenset({0}))
+    monkeypatch.setattr(autotune, "busy_cpu_seconds", lambda cpus=None: asked.append(cpus) or 7.0)
+    assert autotune.CpuClock.now().machine == 7.0 and asked == [frozenset({0})]
+
+
+def test_starts_measuring_the_same_plan_together_measure_it_once(test_models_dir, tmp_path, monkeypatch, caplog):
+    """Two engines of the same model and buckets measuring at once (data-parallel replicas on
+    one machine; servers started together): the second waits for the first's plan, saying
+    so, and takes it instead of measuring beside it."""
+    import threading
+
+    from jaxllm.loaders import load_model
+
+    measuring, waiting, measured = threading.Event(), threading.Event(), []
+
+    class SlowTimer:  # the first start's measurement lasts until the second waits for it
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, kind, backend, t, s):
+            measuring.set()
+            assert waiting.wait(60)
+            measured.append((kind, backend, t))
+            return 1.0 if backend == "cpu" else 2.0
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for its plan" in record.getMessage():
+                waiting.set()
+
+    monkeypatch.setattr(autotune, "StepTimer", SlowTimer)
+    cfg = load_model(test_models_dir / "llama", dtype="float32").config
+    caplog.set_level("INFO", logger=autotune.__name__)
+    handler = Waiting()
+    autotune.logger.addHandler(handler)
+    plans = {}
+
+    def plan(name):
+        plans[name] = autotune.backend_plan(cfg, jnp.float32, BUCKETS, ["cpu", "xla"], ["cpu", "xla"], block_size=16,
+                                            max_model_len=128, store_dir=tmp_path)
+
+    first = threading.Thread(target=plan, args=("first",))
+    first.start()
+    try:
+        assert measuring.wait(60)
+        plan("second")  # flock: each open of the lock file is its own holder, in one process as in two
+    finally:
+        waiting.set()
+        first.join()
+        autotune.logger.removeHandler(handler)
+    runs = len(measured)
+    assert plans["first"].source == "measured" and plans["second"].source == "stored"
+    assert plans["second"].choices == plans["first"].choices
+    assert "another process is measuring the backends of this model and these buckets" in caplog.text
+    plan("third")
+    assert len(measured) == runs and plans["third"].source == "stored"
