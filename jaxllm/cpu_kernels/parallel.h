@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -61,6 +62,9 @@ struct ParallelWork {
   }
 };
 
+// How long parallel_for's caller yields while the helpers finish before it sleeps.
+constexpr int kYieldMicros = 50;
+
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> task,
                          ThreadHooks hooks = {}, bool guided = false) {
   if (n <= 0) return;
@@ -72,7 +76,20 @@ inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<vo
   work->share = guided ? 2 * (helpers + 1) : 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
-  while (work->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  // The caller, done with its claims, waits for the helpers' last tasks: yielding for a
+  // moment (each helper on a core of its own ends within microseconds of it), then
+  // sleeping a moment at a time. A helper the OS put aside mid-task (another process on
+  // its core) otherwise waited out that process's time slice while the caller kept its
+  // own core busy yielding to no one; a sleeping caller leaves its core to the helper or
+  // to that process. Measured beside a spinning process and on a quiet CPU:
+  // docs/bench-log/2026-12-07-zen3-avx2.md ("The kernels' wait for their helpers").
+  const auto yield_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kYieldMicros);
+  while (work->done.load(std::memory_order_acquire) < n) {
+    if (std::chrono::steady_clock::now() < yield_until)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(1));
+  }
 }
 
 }  // namespace jaxllm
