@@ -987,6 +987,7 @@ def test_lm_eval_multiple_choice_scores_equal_offline(server, offline):
                  for (ctx, whole), out in zip(pairs, outs, strict=True))
     for s in samples:
         ours = []
+        assert len(s["filtered_resps"]) == len(s["arguments"])  # a score per choice, in the choices' order
         for loglik, _greedy in s["filtered_resps"]:
             want = next(wants)
             assert float(loglik) == pytest.approx(want, abs=1e-4)
