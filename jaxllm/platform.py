@@ -144,6 +144,8 @@ def exclusive_lock(path: Path, on_wait: Callable[[], object] | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         file = open(path, "a")
     except (ImportError, OSError):
+        file = None
+    if file is None:  # (the body runs outside the handler: its errors are not chained to this one)
         yield
         return
     with file:

@@ -38,7 +38,9 @@ everything the times depend on (environment, model shapes, buckets, the kernels'
 build), so a warm start reuses it; the engine's start-up line prints it, with the
 times. A plan measured while other processes kept the CPU busy (their time would have
 been charged to whichever candidate ran beside them) says so there, and is measured
-again by the first later start that finds the CPU quiet (`OTHERS_BUSY`). An explicit
+again by the first later start that finds the CPU quiet (`OTHERS_BUSY`). Engines that
+would measure the same plan at once (data-parallel replicas on one machine) take turns:
+the others wait on a lock file beside it and take the stored plan. An explicit
 `attention_backend` / `linear_backend` is never measured.
 """
 

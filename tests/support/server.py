@@ -24,6 +24,7 @@ PINNED = dict(attention_backend="cpu", linear_backend="cpu")
 
 
 def flags(options: dict) -> list[str]:
+    """Engine options as the server's command-line flags (max_model_len=256: --max-model-len 256)."""
     return [arg for name, value in options.items() for arg in ("--" + name.replace("_", "-"), str(value))]
 
 
