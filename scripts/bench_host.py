@@ -117,8 +117,8 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
     from jaxllm.messages import EngineCoreRequest
     from jaxllm.sampling_params import SamplingParams
 
-    multi = {}
-    if "num_scheduler_steps" in {f.name for f in dataclasses.fields(EngineConfig)}:
+    multi, fields = {}, {f.name for f in dataclasses.fields(EngineConfig)}
+    if "num_scheduler_steps" in fields:
         multi = {"num_scheduler_steps": decode_steps}
     elif decode_steps > 1:
         return None  # a tree without multi-step decode
@@ -126,14 +126,16 @@ def run_config(model: Path, num_seqs: int, steps: int, async_scheduling: bool, d
     # room for the prompts' admission (over many steps at 256 sequences: the decodes take the budget first),
     # settling and the timed steps, so no request finishes while timed
     max_model_len = 128 + steps + 8 * decode_steps
+    # only the buckets this configuration runs, compiled on first use (a full warm-up of the
+    # 1B model's buckets took minutes a configuration on the H200); none of them while timed.
+    # An older tree takes it as EngineCore's argument, or not at all.
+    lazy = {"warm_up": False} if "warm_up" in fields else {}
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(num_seqs, 64), kv_cache_memory=kv_cache_memory, dtype=dtype,
                           async_scheduling=async_scheduling, enable_prefix_caching=False,
-                          compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"), **multi)
-    # only the buckets this configuration runs, compiled on first use (a full warm-up of the
-    # 1B model's buckets took minutes a configuration on the H200); none of them while timed
-    lazy = {"warm_up": False} if "warm_up" in inspect.signature(EngineCore).parameters else {}
-    core = EngineCore(config, progress=False, **lazy)
+                          compilation_cache_dir=os.environ.get("BENCH_HOST_CACHE"), **multi, **lazy)
+    old_lazy = {"warm_up": False} if "warm_up" in inspect.signature(EngineCore).parameters else {}
+    core = EngineCore(config, progress=False, **old_lazy)
     params = SamplingParams(max_tokens=max_model_len - prompt_len, ignore_eos=True, temperature=0.0)
     core.add_requests([EngineCoreRequest(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(prompt_len)], params, None,
                                          time.time()) for i in range(num_seqs)])

@@ -140,6 +140,10 @@ class EngineConfig:
               "structured outputs apply after the thinking", tuple(REASONING_PARSERS))
     compilation_cache_dir: str | None = _option(None, "where compiled steps and converted models are kept "
                                                       "(default ~/.cache/jaxllm/xla)")
+    warm_up: bool = _option(True, "compile (or load from the compilation cache) every step shape at start-up, so no "
+                                  "request waits for a compile; --no-warm-up compiles each shape at the first step "
+                                  "that needs it: a quicker start where a few prompts run (a notebook, a test), each "
+                                  "new shape's first step slower")
     served_model_name: str | None = _option(None, "the model name clients use (default: from --model)")
     tensor_parallel_size: int = _option(1, "devices to shard the model over, by heads (tensor parallelism)",
                                         aliases=("-tp",))

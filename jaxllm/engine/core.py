@@ -227,8 +227,8 @@ def encoder_cache_plan(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, warm_up: bool = True,
-                 progress: bool = True, placement: Placement | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, *, progress: bool = True,
+                 placement: Placement | None = None) -> None:
         """`placement`: this core is a process other than 0 of an engine over several
         (a Ray worker: jaxllm.engine.ray_executor); process 0 places the others itself."""
         self.config = config
@@ -260,9 +260,9 @@ class EngineCore:
         path = self.model.path if model is not None else model_path(config.model)
         self._checkpoint_kv_scales = kv_cache_scales(path, cfg.num_layers)
         if config.runner_type(cfg, is_sentence_transformers(path)) == "pooling":
-            self._start_pooling(config, cfg, params, loading, cache_dir, warm_up)
+            self._start_pooling(config, cfg, params, loading, cache_dir)
         else:
-            self._start_generate(config, cfg, params, loading, cache_dir, warm_up, progress)
+            self._start_generate(config, cfg, params, loading, cache_dir, progress)
         # The runner holds the weights from here (packed copies for linear_backend cpu):
         # this reference would keep a second copy alive.
         self.model = dataclasses.replace(self.model, params=None)
@@ -298,7 +298,7 @@ class EngineCore:
         return dataclasses.replace(kv_format, layer_scaled=True)
 
     def _start_generate(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
-                        warm_up: bool, progress: bool) -> None:
+                        progress: bool) -> None:
         """The KV cache, scheduler and model runner of a generating engine; `params`
         abstract while `loading` (a future) reads the weights."""
         check_tensor_parallel(cfg, config.tensor_parallel_size)
@@ -349,7 +349,7 @@ class EngineCore:
             layout_pool = concurrent.futures.ThreadPoolExecutor(1, "model-layout")
             laid_out = layout_pool.submit(lambda: self.runner.layout_params(loading.result().params))
             layout_pool.shutdown(wait=False)
-        self.warmup_seconds = self.runner.warm_up(progress) if warm_up else 0.0
+        self.warmup_seconds = self.runner.warm_up(progress) if config.warm_up else 0.0
         if loading is not None:
             self.model = loading.result()
             if self.model.config != cfg:
@@ -359,8 +359,7 @@ class EngineCore:
             self.runner.set_vision_params(self.model.vision_params)
             self.model = dataclasses.replace(self.model, vision_params=None)  # the runner's now
 
-    def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path,
-                       warm_up: bool) -> None:
+    def _start_pooling(self, config: EngineConfig, cfg: ModelConfig, params, loading, cache_dir: Path) -> None:
         """The scheduler and pooling runner of an engine serving embeddings. An encoder
         keeps no KV cache: its block pool only counts each step's tokens, and a prompt
         is pooled whole in one step (the step's budget is at least max_model_len)."""
@@ -399,9 +398,7 @@ class EngineCore:
             config.max_num_seqs, budget, self.max_model_len, self.pooler, config.linear_backend,
             config.attention_backend, config.block_size, cache_dir))
         self.runs_async = False
-        self.warmup_seconds = self.runner.warm_up(self.model.params) if warm_up else 0.0
-        if not warm_up:
-            self.runner.set_params(self.model.params)
+        self.warmup_seconds = self.runner.warm_up(self.model.params, compile_buckets=config.warm_up)
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         """The tokenizer's text of `token_ids` (a beam search's stop strings)."""
@@ -433,7 +430,8 @@ class EngineCore:
             num_blocks, bs, self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
             attention_backend=config.attention_backend, linear_backend=config.linear_backend,
             cache_dir=target.cache_dir, kv_cache_dtype=config.kv_cache_dtype, hybrid_kv_cache=False))
-        runner.warm_up(progress=False)
+        if config.warm_up:
+            runner.warm_up(progress=False)
         manager = KVCacheManager(num_blocks, bs, enable_caching=False)
         return DraftModelProposer(runner, manager, k, config.max_num_batched_tokens)
 

@@ -56,8 +56,9 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
         raise
     try:
         model = core.model
-        print(f"model {model.path.name} loaded in {model.load_seconds:.1f} s; {core.describe()}; "
-              f"compiled in {core.warmup_seconds:.1f} s", flush=True)
+        compiled = (f"compiled in {core.warmup_seconds:.1f} s" if config.warm_up
+                    else "each step shape compiled at its first step (warm_up off)")
+        print(f"model {model.path.name} loaded in {model.load_seconds:.1f} s; {core.describe()}; {compiled}", flush=True)
         tokenizer_dir = tempfile.mkdtemp(prefix="jaxllm-tokenizer-")
         model.tokenizer.save_pretrained(tokenizer_dir)
         ready = EngineCoreReady(

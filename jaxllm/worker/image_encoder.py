@@ -4,7 +4,8 @@ and the vision tower's executables that fill it.
 The table holds `num_slots * tokens_per_image` embedding rows (the language model's
 activation dtype), plus one slot that padding writes into. A step's images
 (`SchedulerOutput.encoder_inputs`) are encoded before the step, a batch of up to
-`max_images` per call, padded to a power of two (each size compiled at warm-up), each
+`max_images` per call, padded to a power of two (each size compiled at warm-up, or at
+its first call without one), each
 image's rows written at its slot; the step then reads each image token's row
 (jaxllm.models.llama.ImageRows). The scheduler decides the slots
 (jaxllm.core.encoder_cache_manager).
@@ -47,12 +48,18 @@ class ImageEncoder:
 
     def warm_up(self) -> None:
         """Compile the encoder for every batch size."""
-        c, s = self.cfg.num_channels, self.cfg.image_size
         for b in self.buckets:
+            self._executable(b)
+
+    def _executable(self, b: int):
+        """The encoder compiled for batches of `b` images (now, if not yet)."""
+        if b not in self._compiled:
+            c, s = self.cfg.num_channels, self.cfg.image_size
             self._compiled[b] = self._jitted.lower(
                 self.abstract_params, jax.ShapeDtypeStruct(self.table.shape, self.table.dtype),
                 jax.ShapeDtypeStruct((b, c, s, s), jnp.float32),
                 jax.ShapeDtypeStruct((b * self.cfg.tokens_per_image,), jnp.int32)).compile()
+        return self._compiled[b]
 
     def encode(self, inputs: list[EncoderInput]) -> None:
         """Encode a step's images into their slots (before the step is dispatched)."""
@@ -66,5 +73,5 @@ class ImageEncoder:
                 pixels[i], slots[i] = pixel_values(item.image), item.slot
             rows = (slots[:, None] * t + np.arange(t, dtype=np.int32)).reshape(-1)
             with jax.transfer_guard_host_to_device("allow"):
-                self.table = self._compiled[b](self.params, self.table, pixels, rows)
+                self.table = self._executable(b)(self.params, self.table, pixels, rows)
             self.num_encoded += len(chunk)

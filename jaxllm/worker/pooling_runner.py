@@ -224,12 +224,13 @@ class PoolingRunner:
             self.num_loaded_executables += loaded
         return self._compiled[key]
 
-    def warm_up(self, loaded=None) -> float:
-        """Load or compile every bucket (two at a time); where `auto` leaves several
-        attention or linear backends (a CPU: the C++ kernels and XLA), first the fastest
-        pair on the largest bucket, measured once and kept with the executables.
-        `loaded`: the weights (for the measurement) when they were not given at
-        construction. Returns seconds."""
+    def warm_up(self, loaded=None, compile_buckets: bool = True) -> float:
+        """Load or compile every bucket (two at a time; with `compile_buckets` False,
+        each at its first step instead); where `auto` leaves several attention or
+        linear backends (a CPU: the C++ kernels and XLA), first the fastest pair on the
+        largest bucket, measured once and kept with the executables. `loaded`: the
+        weights (for the measurement) when they were not given at construction.
+        Returns seconds."""
         start = time.perf_counter()
         loaded = loaded if loaded is not None else self.params
         if len(self.plans) > 1 and loaded is not None:
@@ -238,7 +239,7 @@ class PoolingRunner:
             self.plan = stored or self._measure(loaded)
             record.save_text("plan", str(self.plan))
         with concurrent.futures.ThreadPoolExecutor(2) as pool_:
-            list(pool_.map(lambda t: self._executable(self.plan, t), self.token_buckets))
+            list(pool_.map(lambda t: self._executable(self.plan, t), self.token_buckets if compile_buckets else ()))
         self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.plan}
         self._caches = {self.plan.attention: self.step_cache}  # the others' memory freed
         if loaded is not None:

@@ -16,6 +16,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request
 from jaxllm.engine.config import EngineConfig
 from jaxllm.kv_cache_groups import cdiv, kv_cache_groups
+from tests.support.llm import LAZY
 
 GEMMA3_270M = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
 
@@ -314,7 +315,7 @@ def _generate(path, total: int, memory: str, disable: bool, attention: str, deco
     # one step shape fewer to compile than 32
     llm = LLM(str(path), max_model_len=total, max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
               kv_cache_memory=memory, disable_hybrid_kv_cache_manager=disable, attention_backend=attention,
-              linear_backend="xla", progress=False,
+              linear_backend="xla", progress=False, **LAZY,
               num_scheduler_steps=decode_steps or EngineConfig().num_scheduler_steps)
     engine = llm.llm_engine
     prompts = [list(range(3, 11)), list(range(40, 45))]
@@ -369,7 +370,7 @@ def test_engine_prefix_hits_in_every_group(test_models_dir):
     for disable in (False, True):
         llm = LLM(str(test_models_dir / "gemma3"), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
                   block_size=4, disable_hybrid_kv_cache_manager=disable, enable_prefix_caching=not disable,
-                  attention_backend="cpu", linear_backend="xla", progress=False)
+                  attention_backend="cpu", linear_backend="xla", progress=False, **LAZY)
         outs[disable] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
                          for p in prompts]  # one by one: each later one finds the earlier ones' blocks
         if not disable:
@@ -393,7 +394,7 @@ def test_engine_prompt_scoring_reuses_whole_blocks(test_models_dir):
     for caching in (True, False):
         llm = LLM(str(test_models_dir / "gemma3"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                   block_size=4, enable_prefix_caching=caching, attention_backend="cpu", linear_backend="xla",
-                  progress=False)
+                  progress=False, **LAZY)
         outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
         scores[caching] = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
         if caching:  # whole blocks whose rows are recorded: at least the second prompt's 12

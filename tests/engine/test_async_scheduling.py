@@ -16,7 +16,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.config import EngineConfig
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.support import multidevice
-from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY, assert_no_leaks, make_llm
 from tests.support.outputs import PROMPTS, assert_same_outputs, greedy, run_outputs, varied_params
 from tests.support.server import Server
 
@@ -168,7 +168,7 @@ def test_sliding_windows_and_the_hybrid_cache(test_models_dir, arch):
     prompts = PROMPTS + [p[:30] * 3 for p in PROMPTS[5:]]
     runs, _ = _sync_then_async(prompts, greedy(40, ignore_eos=True), lambda **o: LLM(
         str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
-        kv_cache_memory=4 * 2**20, attention_backend="cpu", linear_backend="cpu", progress=False, **o))
+        kv_cache_memory=4 * 2**20, attention_backend="cpu", linear_backend="cpu", progress=False, **LAZY, **o))
     assert [r[0] for r in runs[1]] == [r[0] for r in runs[0]]
 
 

@@ -15,7 +15,7 @@ import transformers
 
 from jaxllm import LLM
 from jaxllm.sampling_params import BeamSearchParams, SamplingParams
-from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY, assert_no_leaks, make_llm
 
 SLOW_CASES = ("mistral", "qwen2", "gemma3")
 EOS = 2  # the test models' EOS
@@ -94,7 +94,7 @@ def test_beams_are_transformers_beams(test_models_dir, arch, prompts, llm, hf):
     min_tokens holding it back too): HF's sequences, order and scores."""
     if arch != "llama":
         llm = LLM(str(test_models_dir / arch), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-                  attention_backend="cpu", progress=False)
+                  attention_backend="cpu", progress=False, **LAZY)
         hf = transformers.AutoModelForCausalLM.from_pretrained(test_models_dir / arch, dtype=torch.float32)
     for width in (1, 2, 4, 8):
         assert_same_as_hf(hf, llm, prompts, BeamSearchParams(width, 10))

@@ -12,6 +12,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine.core_client import host_device_flags
 from jaxllm.engine.dp_client import replica_env, sum_stats
 from jaxllm.messages import SchedulerStats
+from tests.support.llm import LAZY
 from tests.support.server import Server
 
 
@@ -40,7 +41,7 @@ def served_texts(server: Server, prompts: list[list[int]]) -> list[str]:
 
 def offline_texts(folder, prompts: list[list[int]]) -> list[str]:
     """The same completions from one engine in this process."""
-    llm = LLM(str(folder), max_model_len=256, progress=False)
+    llm = LLM(str(folder), max_model_len=256, progress=False, **LAZY)
     return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                     SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
 

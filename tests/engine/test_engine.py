@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from jaxllm import LLM, SamplingParams
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.worker.buckets import StepShape
-from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY, assert_no_leaks, make_llm
 
 
 def workload(n: int, seed: int = 0):
@@ -420,23 +420,29 @@ def test_two_engines_in_one_process_keep_their_own_compilation_cache(test_models
 
 
 def test_an_engine_without_warm_up_compiles_on_first_use(test_models_dir):
-    """`warm_up=False` (scripts/bench_host.py: only the buckets a configuration runs) steps
-    as a warmed-up engine does: each bucket is compiled when first called."""
+    """`warm_up=False` (`--no-warm-up`; the test engines' default, tests/support/llm.py) steps
+    as a warmed-up engine does: each bucket is compiled when first called, the others
+    never; warm-up compiles every one."""
     from jaxllm.engine.config import EngineConfig
     from jaxllm.engine.core import EngineCore
 
-    small = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=4, kv_cache_memory=8 * KV_BYTES_PER_BLOCK,
+    small = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=8, kv_cache_memory=8 * KV_BYTES_PER_BLOCK,
                  num_scheduler_steps=1)
-    expected = make_llm(test_models_dir, **small).generate([[5, 6, 7, 8, 9]], greedy(5), use_tqdm=False)[0]
+    warm = make_llm(test_models_dir, warm_up=True, **small)
+    expected = warm.generate([[5, 6, 7, 8, 9]], greedy(5), use_tqdm=False)[0]
+    assert set(warm.llm_engine.core.runner.compilation._compiled) == set(warm.llm_engine.core.runner.buckets)
     core = EngineCore(EngineConfig(model=str(test_models_dir / "llama"), attention_backend="cpu",
-                                   linear_backend="cpu", **small), progress=False, warm_up=False)
-    assert not core.runner.compilation._compiled
+                                   linear_backend="cpu", warm_up=False, **small), progress=False)
+    assert not core.runner.compilation._compiled and core.warmup_seconds == 0
     core.add_requests([EngineCoreRequest("r", [5, 6, 7, 8, 9], greedy(5), None, 0.0)])
     tokens = []
     while core.has_unfinished_requests():
         tokens += [t for out in core.step().outputs for t in out.new_token_ids]
     assert tokens == expected.outputs[0].token_ids
-    assert core.runner.num_compilations_after_warmup == 0 and core.runner.compilation._compiled
+    # the 5-token prompt in one step of bucket 8, then lone decodes (1); bucket 4 never compiled
+    assert [shape.tokens for shape in core.runner.buckets] == [1, 4, 8]
+    assert sorted(shape.tokens for shape in core.runner.compilation._compiled) == [1, 8]
+    assert core.runner.num_compilations_after_warmup == 0
     core.close()
 
 
@@ -565,7 +571,7 @@ def test_fp8_kv_cache_reads_a_checkpoints_scales(test_models_dir, tmp_path):
     float32 cache's; a checkpoint with them for some layers only is refused by name."""
     folder, k, v = scaled_checkpoint(test_models_dir, tmp_path)
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory="1MiB",
-              kv_cache_dtype="fp8", attention_backend="cpu", linear_backend="cpu", progress=False)
+              kv_cache_dtype="fp8", attention_backend="cpu", linear_backend="cpu", progress=False, **LAZY)
     core = llm.llm_engine.core
     assert "the checkpoint's scales" in core.describe()
     np.testing.assert_array_equal([np.asarray(c.k_layer_scale) for c in core.runner.kv_caches], np.repeat(k[:, None], 2, 1))
@@ -610,7 +616,7 @@ def test_a_one_token_step_writes_the_kv_cache_in_place(test_models_dir, name):
     import jax
 
     llm = LLM(str(test_models_dir / name), max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32,
-              attention_backend="cpu", progress=False)
+              attention_backend="cpu", progress=False, **LAZY)
     runner = llm.llm_engine.core.runner
     shapes = {tuple(a.shape) for a in jax.tree.leaves(runner.kv_caches)}
     shapes |= {(s[0] * s[1], *s[2:]) for s in shapes}  # the flat [slots, ...] view the write scatters into

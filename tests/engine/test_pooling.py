@@ -11,6 +11,7 @@ import pytest
 
 from jaxllm import LLM, PoolingParams
 from jaxllm.loaders.default_model import all_minilm_l6_v2_path
+from tests.support.llm import LAZY
 
 PARITY = 0.99999  # cosine to sentence-transformers' embeddings (issue 61)
 # Heavier variants (each its own engine) run with -m slow: the folder's MEAN and ALL poolers and the
@@ -41,7 +42,7 @@ def minilm(minilm_folder, tmp_path_factory):
     # backends auto (measured: the pooling runner's plan), steps of up to 256 tokens (the model's length: its
     # longest input in one step) and 8 sequences: 9 buckets to compile, not 13, the plans timed at 256 tokens
     return LLM(str(minilm_folder), max_num_batched_tokens=256, max_num_seqs=8,
-               compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), progress=False)
+               compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), progress=False, **LAZY)
 
 
 def cosines(a, b) -> np.ndarray:
@@ -117,7 +118,7 @@ def test_poolers_equal_numpy_over_hf(bert_folder, pooler, tmp_path):
     and ALL, each from HF BertModel's hidden states; max_model_len from max_seq_length."""
     llm = LLM(str(bert_folder), runner="pooling", pooler_config=pooler, max_num_batched_tokens=64,
               max_num_seqs=8, compilation_cache_dir=str(tmp_path), linear_backend="xla", attention_backend="cpu",
-              progress=False)  # backends named: nothing measured (the MiniLM engine above measures)
+              progress=False, **LAZY)  # backends named: nothing measured (the MiniLM engine above measures)
     core = llm.llm_engine.core
     assert core.max_model_len == 48
     kind = core.pooler.pooling_type
@@ -167,7 +168,7 @@ def test_decoder_embedders_equal_hf_hidden_states(test_models_dir, arch, pooler,
     folder = test_models_dir / arch
     llm = LLM(str(folder), runner="pooling", pooler_config=pooler, max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=128, compilation_cache_dir=str(tmp_path), linear_backend="cpu",
-              attention_backend="cpu", progress=False)
+              attention_backend="cpu", progress=False, **LAZY)
     pooler = llm.llm_engine.core.pooler
     texts = ["Instruct: find the capital\nQuery: France", "Hello world! How are you today? " * 3, "one"]
     outputs = llm.embed(texts, use_tqdm=False)
@@ -193,7 +194,7 @@ def test_smollm2_as_an_embedder_equals_hf_on_its_weights(tmp_path):
     from jaxllm.loaders.hf import save_hf_folder
 
     llm = LLM(runner="pooling", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
-              compilation_cache_dir=str(tmp_path / "xla"), progress=False)
+              compilation_cache_dir=str(tmp_path / "xla"), progress=False, **LAZY)
     assert llm.llm_engine.core.pooler.pooling_type == "LAST"
     texts = ["The capital of France is Paris.", "def fibonacci(n):"]
     got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
@@ -218,7 +219,7 @@ def test_gemma3_270m_as_an_embedder_equals_hf_on_its_weights(tmp_path):
     from jaxllm.loaders.hf import save_hf_folder
 
     llm = LLM("gemma-3-270m", runner="pooling", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
-              compilation_cache_dir=str(tmp_path / "xla"), progress=False)
+              compilation_cache_dir=str(tmp_path / "xla"), progress=False, **LAZY)
     texts = ["The capital of France is Paris.", " ".join(f"item {i} weighs {i * 7 % 31} grams" for i in range(20))]
     got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     model = load_model("gemma-3-270m")

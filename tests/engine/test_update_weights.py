@@ -14,7 +14,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.loaders.hf import save_hf_folder
 from jaxllm.loaders.weights import params_to_hf_tensors
-from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY, assert_no_leaks, make_llm
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
@@ -66,7 +66,8 @@ def test_pytree_and_hf_names_equal_loading_the_weights(test_models_dir, tmp_path
 def _options() -> dict:
     """make_llm's engine (its executables are the same)."""
     return dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
-                kv_cache_memory=64 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu", progress=False)
+                kv_cache_memory=64 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu", progress=False,
+                **LAZY)
 
 
 def test_a_mismatch_is_refused_whole(test_models_dir):

@@ -50,6 +50,8 @@ def cosines(a, b) -> np.ndarray:
 def test_startup_says_pooling(server):
     assert "runner pooling (MEAN, normalized); max_model_len=256" in server.output()
     assert "attention cpu, linear cpu;" in server.output()
+    # a test server's --no-warm-up (tests/support/server.py)
+    assert "; each step shape compiled at its first step (warm_up off)" in server.output()
 
 
 def test_openai_client_embeddings_equal_sentence_transformers(server, oracle):

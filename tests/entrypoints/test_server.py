@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.llm import LAZY
 from tests.support.server import API_KEY, Server
 
 
@@ -74,7 +75,7 @@ def test_startup_output(server):
     out = server.output()
     assert re.search(r"model llama loaded in [\d.]+ s; dtype float32 \(auto: the checkpoint's float32\); "
                      r"KV cache \(float32, auto: the model's dtype\): \d+ blocks of 16 tokens = \d+ tokens", out)
-    assert "compiling buckets" in out
+    assert "compiling buckets" in out and re.search(r"; compiled in [\d.]+ s\n", out)  # warmed up, as a user's
     assert f"serving tiny at http://127.0.0.1:{server.port}/v1" in out
 
 
@@ -220,7 +221,7 @@ def offline(server, test_models_dir, cache_dir):
     server's store): the oracle for what the server returns."""
     from jaxllm import LLM
     return LLM(str(test_models_dir / "llama"), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-               kv_cache_memory="4MiB", compilation_cache_dir=str(cache_dir), progress=False)
+               kv_cache_memory="4MiB", compilation_cache_dir=str(cache_dir), progress=False, **LAZY)
 
 
 def offline_scores(offline, ids: list[int], k: int, max_tokens: int = 1):

@@ -11,6 +11,7 @@ import pytest
 from jaxllm import LLM, cpu_kernels
 from jaxllm.loaders import load_model
 from jaxllm.loaders.dtype import checkpoint_dtype, choose_dtype
+from tests.support.llm import LAZY
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -65,6 +66,6 @@ def test_a_bfloat16_checkpoint_loads_and_starts_as_auto_chooses(test_models_dir,
     want = jnp.bfloat16 if cpu_kernels.has_bf16_dot() else jnp.float32
     assert load_model(folder).params.layers[0].wqkv.dtype == want
     llm = LLM(str(folder), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=4, attention_backend="cpu",
-              linear_backend="xla", num_scheduler_steps=1, progress=False)  # two step shapes: the start is the point
+              linear_backend="xla", num_scheduler_steps=1, progress=False, **LAZY)  # two step shapes: the start is the point
     assert llm.llm_engine.core.describe().startswith(f"dtype {jnp.dtype(want).name} (auto: a bfloat16 checkpoint")
     assert load_model(test_models_dir / "llama").params.layers[0].wqkv.dtype == jnp.float32

@@ -16,6 +16,7 @@ from jaxllm.loaders import load_model
 from jaxllm.lora.peft import load_adapter
 from jaxllm.lora.request import LoRAConfig
 from jaxllm.models.lora import lora_partition_specs
+from tests.support.llm import LAZY
 
 peft = pytest.importorskip("peft")
 
@@ -40,7 +41,7 @@ def make_llm(test_models_dir, **options):
     """A 32-token budget (chunked prefill), a 24-block pool, adapters of rank <= 8."""
     config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
                   kv_cache_memory=25 * KV_BYTES_PER_BLOCK, enable_lora=True, max_loras=2, max_lora_rank=8,
-                  attention_backend="cpu", linear_backend="cpu", progress=False)  # nothing measured at start-up
+                  attention_backend="cpu", linear_backend="cpu", progress=False, **LAZY)  # nothing measured at start-up
     return LLM(str(test_models_dir / "llama"), **(config | options))
 
 

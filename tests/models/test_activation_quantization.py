@@ -26,11 +26,13 @@ from jaxllm.models.quant import (
     quantized_activation_matmul,
 )
 from jaxllm.worker import autotune
+from tests.support.llm import LAZY
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int4", "int4_g64", "int4_g32"]
 ACTIVATIONS = ["int8", "int16"]
 LARGEST = {"int8": 127, "int16": 32767}
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False)
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, attention_backend="cpu", progress=False,
+             **LAZY)
 REFERENCE = dict(num_scheduler_steps=1)  # an oracle engine decodes by single steps: no decode loops to compile
 
 
@@ -451,7 +453,7 @@ def test_kv_cache_dtype_auto(test_models_dir, tmp_path, monkeypatch):
     assert chosen(kv="float32") == ("float32", "as asked")
     assert chosen(kv="int8")[0] == "int8"
     core = EngineCore(EngineConfig(model=str(path), attention_backend="cpu", linear_backend="cpu", max_model_len=256,
-                                   kv_cache_memory="8MiB", compilation_cache_dir=str(tmp_path / "xla")), warm_up=False)
+                                   kv_cache_memory="8MiB", compilation_cache_dir=str(tmp_path / "xla"), warm_up=False))
     assert core.runner.kv_format.name == "bfloat16" and core.runner.activation_quantization == "int16"
     assert core.cache.num_blocks == (8 << 20) // (16 * 2 * 2 * core.runner.config.num_layers * core.runner.config.num_kv_heads
                                                * core.runner.config.head_dim)

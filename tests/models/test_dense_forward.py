@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model
 from jaxllm.models.dense import sequence_logprobs
-from tests.support.llm import KV_BYTES_PER_BLOCK
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY
 
 
 def hf_logprobs(folder, ids: list[int]) -> np.ndarray:
@@ -48,7 +48,7 @@ def test_equals_the_engines_logprobs(test_models_dir, backends):
     issue 64's target of 1e-6, not met yet."""
     attention, linear = backends
     llm = LLM(str(test_models_dir / "llama"), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-              kv_cache_memory="1MiB", attention_backend=attention, linear_backend=linear, progress=False)
+              kv_cache_memory="1MiB", attention_backend=attention, linear_backend=linear, progress=False, **LAZY)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (9, 40, 23)]
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=0, prompt_logprobs=0,
@@ -94,7 +94,7 @@ def invariant_llm(test_models_dir):
     below, so some are preempted and computed again."""
     return LLM(str(test_models_dir / "llama"), max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32,
                kv_cache_memory=7 * KV_BYTES_PER_BLOCK, batch_invariant=True, dtype="float32", quantization="none",
-               progress=False)
+               progress=False, **LAZY)
 
 
 def test_batch_invariant_engine_equals_the_trainers_bits(invariant_llm, test_models_dir):

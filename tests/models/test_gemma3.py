@@ -12,6 +12,7 @@ from jaxllm.loaders import load_model
 from jaxllm.loaders.default_model import model_path
 from jaxllm.loaders.gguf_loader import GGUFFile
 from jaxllm.loaders.hf import save_hf_folder
+from tests.support.llm import LAZY
 from tests.support.paged_driver import PagedDriver
 
 
@@ -99,7 +100,7 @@ def test_its_kept_blocks_give_the_file_dequantized_bit_for_bit():
     runs = []
     for quantization in (None, "none"):
         llm = LLM("gemma-3-270m", quantization=quantization, max_model_len=256, max_num_seqs=2,
-                  max_num_batched_tokens=64, attention_backend="cpu", linear_backend="cpu", progress=False)
+                  max_num_batched_tokens=64, attention_backend="cpu", linear_backend="cpu", progress=False, **LAZY)
         cfg = llm.llm_engine.core.model.config
         if quantization is None:
             assert collections.Counter(f for _, f in cfg.tensor_quantization) == {"q8_0": 36, "int4_g32": 27}
@@ -124,7 +125,7 @@ def test_hybrid_kv_cache_engine_equals_keeping_every_block():
     runs = []
     for disable in (False, True):
         llm = LLM("gemma-3-270m", max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=256,
-                  disable_hybrid_kv_cache_manager=disable, progress=False)
+                  disable_hybrid_kv_cache_manager=disable, progress=False, **LAZY)
         out = llm.generate([text], params, use_tqdm=False)[0]
         runs.append((out.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
                      [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]))

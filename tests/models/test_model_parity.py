@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from jaxllm.loaders import load_model
 from jaxllm.models.linear import pack_params
+from tests.support.llm import LAZY
 from tests.support.models import ARCHITECTURES, MOE
 from tests.support.paged_driver import PagedDriver
 
@@ -195,7 +196,7 @@ def test_moe_engine_greedy_matches_hf(test_models_dir, name):
     path = test_models_dir / name
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, attention_backend="cpu",
-              linear_backend="cpu", progress=False)  # the kernels named: nothing measured at start-up
+              linear_backend="cpu", progress=False, **LAZY)  # the kernels named: nothing measured at start-up
     ids = llm.get_tokenizer().encode(PROMPT)
     config = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = hf.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()

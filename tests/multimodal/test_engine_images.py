@@ -17,6 +17,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.loaders import load_model
+from tests.support.llm import LAZY
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -49,7 +50,7 @@ def hf_greedy(hf, prompt: dict, n: int = 8) -> tuple[list[int], list[int]]:
 def make(llava, **options) -> LLM:
     """A small engine (few step shapes, the backends given: nothing measured at start-up)."""
     return LLM(str(llava), **dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="1MiB",
-                                  attention_backend="cpu", linear_backend="cpu", progress=False,
+                                  attention_backend="cpu", linear_backend="cpu", progress=False, **LAZY,
                                   limit_mm_per_prompt={"image": 2}) | options)
 
 

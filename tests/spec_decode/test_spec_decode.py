@@ -21,6 +21,7 @@ from jaxllm.messages import ModelRunnerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
+from tests.support.llm import LAZY
 
 
 def test_config_defaults_follow_vllm():
@@ -210,7 +211,7 @@ def make_llm(test_models_dir, **options):
     """Budget of 32 tokens (chunked prefill, drafts cut short) and a 24-block pool (preemption)."""
     config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
                   kv_cache_memory=25 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu",
-                  progress=False)  # nothing measured at start-up
+                  progress=False, **LAZY)  # nothing measured at start-up
     return LLM(str(test_models_dir / "llama"), **(config | options))
 
 
@@ -387,7 +388,7 @@ def test_greedy_identical_under_the_hybrid_cache(test_models_dir, attention):
     for spec in (None, NGRAM):
         llm = LLM(str(test_models_dir / "gemma3"), max_model_len=160, max_num_seqs=2, max_num_batched_tokens=32,
                   block_size=4, kv_cache_memory="96KiB", attention_backend=attention, linear_backend="xla",
-                  speculative_config=spec, progress=False)
+                  speculative_config=spec, progress=False, **LAZY)
         outputs.append([o.outputs[0].token_ids for o in run(llm, prompts, params)])
     assert outputs[0] == outputs[1]
     assert llm.llm_engine.core.scheduler.spec_stats.num_accepted_tokens > 0
@@ -434,7 +435,7 @@ def test_server_speculates_as_configured(test_models_dir, tmp_path):
 
     prompts = repetitive_prompts(3, 5)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    reference = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False)
+    reference = LLM(str(test_models_dir / "llama"), max_model_len=256, progress=False, **LAZY)
     expected = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
     server = Server(test_models_dir / "llama", tmp_path, "--speculative-config", json.dumps(NGRAM), measure=True)
     try:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import StructuredOutputsParams
-from tests.support.llm import KV_BYTES_PER_BLOCK, assert_no_leaks, make_llm
+from tests.support.llm import KV_BYTES_PER_BLOCK, LAZY, assert_no_leaks, make_llm
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -204,7 +204,7 @@ def test_smollm2_json_schemas_validate(count):
     # no backend measuring, few buckets: the 15-minute budget; no decode loops (a constrained request never runs
     # one: its next bitmask needs each token)
     llm = LLM(max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=min(count, 8), attention_backend="cpu",
-              linear_backend="cpu", num_scheduler_steps=1, progress=False)
+              linear_backend="cpu", num_scheduler_steps=1, progress=False, **LAZY)
     messages = [[{"role": "user", "content": f"Give me a JSON object with the fields {', '.join(s['properties'])}."}]
                 for s in schemas]
     params = [constrained(seed=i, temperature=0.7, max_tokens=256, json=s) for i, s in enumerate(schemas)]

@@ -9,10 +9,17 @@ from jaxllm import LLM, SamplingParams
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 64 * 4  # block_size x (K,V) x layers x kv_size x float32
 
 
+# Test engines compile each step shape at its first step (`warm_up=False`): a test runs a few of
+# them, and the step executables are the run's costliest compiles on a clean machine. Warm-up's
+# own tests ask for it: warm_up=True.
+LAZY = dict(warm_up=False)
+
+
 def make_llm(test_models_dir, **options):
     config = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, block_size=16,
                   kv_cache_memory=64 * KV_BYTES_PER_BLOCK, attention_backend="cpu", linear_backend="cpu",
-                  progress=False)  # nothing measured at start-up (tests/worker/test_autotune.py covers `auto`)
+                  progress=False,  # nothing measured at start-up (tests/worker/test_autotune.py covers `auto`)
+                  **LAZY)
     return LLM(str(test_models_dir / "llama"), **(config | options))
 
 
@@ -26,9 +33,10 @@ def assert_no_leaks(llm: LLM) -> None:
 
 
 # engines with few step shapes (six: 1, 4, 8 and 16 tokens, decode loops of 1 and 4 sequences;
-# a longer prompt is chunked) and no attention measurement: the tests are of the weights, and
-# each compiled shape costs about a second of the test budget
-SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, attention_backend="cpu", progress=False)
+# a longer prompt is chunked), no attention measurement, and each shape compiled at its first
+# step: the tests are of the weights, and each compiled shape costs seconds of the test budget
+SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, attention_backend="cpu", progress=False,
+             **LAZY)
 
 
 def engine_numbers(path, quantization, linear_backend, dtype="float32") -> np.ndarray:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxllm.engine.core_client import host_device_flags
+from tests.support.llm import LAZY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +156,7 @@ def tp_engine_matches(folder: str, size: str, attention: str = "auto", dtype: st
         shard = shard_config(cfg, tp)
         kv_block = KV_CACHE_FORMATS["float32"].token_bytes(shard.num_layers, shard.num_kv_heads, shard.head_dim) * 16
         return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                    kv_cache_memory=10 * kv_block, progress=False, attention_backend=attention, dtype=dtype)
+                    kv_cache_memory=10 * kv_block, progress=False, **LAZY, attention_backend=attention, dtype=dtype)
 
     runs = []
     for tp in (1, int(size)):
@@ -194,7 +195,7 @@ def lora_matches(folder: str, adapters_dir: str, tensor: str, pipeline: str = "1
     runs = []
     for p, t in ((1, 1), (pp, tp)):
         llm = LLM(folder, tensor_parallel_size=t, pipeline_parallel_size=p, enable_lora=True, max_loras=2,
-                  max_lora_rank=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False)
+                  max_lora_rank=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, progress=False, **LAZY)
         runs.append(llm.generate(prompts, params, use_tqdm=False, lora_request=requests))
         runner = llm.llm_engine.core.runner
         assert runner.num_compilations_after_warmup == 0
@@ -287,7 +288,7 @@ def pp_engine_matches(folder: str, pipeline: str, tensor: str = "1", attention: 
         shard, slots = shard_config(cfg, tp), pl.cache_slots(pl.StagePlan(cfg.num_layers, pp), groups).count
         kv_block = KV_CACHE_FORMATS["float32"].token_bytes(slots, shard.num_kv_heads, shard.head_dim) * 16
         return dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-                    kv_cache_memory=10 * groups.num_groups * kv_block, kv_cache_dtype="float32", progress=False,
+                    kv_cache_memory=10 * groups.num_groups * kv_block, kv_cache_dtype="float32", progress=False, **LAZY,
                     attention_backend=attention, dtype="float32", linear_backend="xla",
                     activation_quantization="none")  # the stages' arithmetic: XLA's dot of float activations
 
@@ -352,7 +353,7 @@ def engine_tokens(folder: str, attention: str, dtype: str, out: str, quantizatio
 
     prompts, params = shared_prefix_batch()
     llm = LLM(folder, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-              attention_backend=attention, dtype=dtype, quantization=quantization, progress=False)
+              attention_backend=attention, dtype=dtype, quantization=quantization, progress=False, **LAZY)
     outs = llm.generate(prompts, params, use_tqdm=False)
     rows = [{"tokens": o.outputs[0].token_ids,
              "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
@@ -475,7 +476,7 @@ def tp_update_weights(folder: str, size: str) -> None:
     from tests.engine.test_update_weights import trained
 
     prompts, params = shared_prefix_batch()
-    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, progress=False,
+    options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, progress=False, **LAZY,
                    attention_backend="cpu", linear_backend="xla")
     loaded = load_model(folder, "float32")
     new = trained(loaded.params, seed=7)

@@ -9,6 +9,7 @@ import json
 import os
 
 from jaxllm.engine.core_client import host_device_flags
+from tests.support.llm import LAZY
 from tests.support.multidevice import MULTIHOST_PROMPTS, run_check
 
 NODE_MEMORY = 128 * 2**20  # each node's object store: the steps are small
@@ -48,7 +49,7 @@ def greedy_options(**options) -> dict:
                 # the backends `auto` takes over the nodes (the kernel's packed weights are not sharded), given:
                 # nothing measured at start-up
                 attention_backend="cpu", linear_backend="xla",
-                dtype="float32", progress=False, **options)
+                dtype="float32", progress=False, **LAZY | options)
 
 
 def engine_tokens(folder: str, pipeline: str, tensor: str, processes: str, adapters: str = "", update: str = ""

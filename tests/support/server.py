@@ -14,6 +14,8 @@ from pathlib import Path
 
 import openai
 
+from tests.support.llm import LAZY
+
 API_KEY = "test-key"
 # the engine options every test server starts with (before its extra flags)
 OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="4MiB")
@@ -21,6 +23,8 @@ OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, kv_
 # start-up (~10 s of both cores for each new configuration); tests/entrypoints/test_server.py's
 # main server starts as a user's does (`auto`, measured) and tests/worker/test_autotune.py covers it
 PINNED = dict(attention_backend="cpu", linear_backend="cpu")
+# and it compiles each step shape at its first step (tests/support/llm.py's LAZY, as a flag)
+LAZY_FLAGS = ("--no-warm-up",)
 
 
 def flags(options: dict) -> list[str]:
@@ -32,7 +36,7 @@ def offline_options(server: Server, **options) -> dict:
     """LLM options of a test server's engine (OPTIONS, its pinned backends, `options` for
     its extra flags) and its compilation cache: an offline engine of the same model shapes
     loads what the server compiled (and the plan it measured) instead of compiling again."""
-    return OPTIONS | server.pinned | dict(compilation_cache_dir=str(server.cache_dir), progress=False) | options
+    return OPTIONS | server.pinned | dict(compilation_cache_dir=str(server.cache_dir), progress=False) | LAZY | options
 
 
 def free_port() -> int:
@@ -45,13 +49,14 @@ class Server:
     def __init__(self, model: Path | None, cache_dir: Path, *extra: str, api_key: str | None = API_KEY,
                  measure: bool = False) -> None:
         """`model` None: the embedded default (SmolLM2-135M-Instruct). `measure`: the
-        backends `auto`, as a user's server starts, rather than PINNED (where `extra`
-        names no backend)."""
+        backends `auto` and every step shape compiled at start-up, as a user's server
+        starts, rather than PINNED (where `extra` names no backend) and LAZY_FLAGS."""
         self.port, self.cache_dir = free_port(), cache_dir
         self.url = f"http://127.0.0.1:{self.port}"
         self.pinned = {} if measure else {k: v for k, v in PINNED.items() if flags({k: v})[0] not in extra}
         args = [sys.executable, "-m", "jaxllm.serve", *(["--model", str(model)] if model else []), "--port", str(self.port),
-                *flags(OPTIONS | self.pinned), "--compilation-cache-dir", str(cache_dir), *extra]
+                *flags(OPTIONS | self.pinned), *(() if measure else LAZY_FLAGS), "--compilation-cache-dir", str(cache_dir),
+                *extra]
         if api_key:
             args += ["--api-key", api_key]
         self.log = open(cache_dir / f"server-{self.port}.log", "w+")
