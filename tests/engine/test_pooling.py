@@ -39,8 +39,9 @@ def sentence_transformer(minilm_folder):
 
 @pytest.fixture(scope="module")
 def minilm(minilm_folder, tmp_path_factory):
-    # backends auto (measured: the pooling runner's plan), steps of up to 256 tokens (the model's length: its
-    # longest input in one step) and 8 sequences: 9 buckets to compile, not 13, the plans timed at 256 tokens
+    # backends auto (measured: the pooling runner's plan, without warm-up too), steps of up to 256 tokens (the
+    # model's length: its longest input in one step) and 8 sequences: 9 buckets, not 13, compiled as the steps
+    # meet them, the plans timed at 256 tokens
     return LLM(str(minilm_folder), max_num_batched_tokens=256, max_num_seqs=8,
                compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), progress=False, **LAZY)
 
@@ -55,6 +56,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm, sentence_transfor
     truncates: to 256 tokens, [SEP] kept), all normalized, to cosine >= 0.99999."""
     core = minilm.llm_engine.core
     assert (core.pooler.pooling_type, core.pooler.normalize, core.max_model_len) == ("MEAN", True, 256)
+    assert len(core.runner.measured) == len(core.runner.plans) > 1  # chosen by measurement, warm-up or not
     texts = [*TEXTS, LONG]
     want = sentence_transformer.encode(texts, batch_size=32)
     batched = np.array([o.outputs.embedding for o in minilm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=False)])
