@@ -158,6 +158,25 @@ def exclusive_lock(path: Path, on_wait: Callable[[], object] | None = None):
         yield
 
 
+def prune_least_recently_used(entries, keep: int, remove: Callable[[Path], object], spare_seconds: float = 0.0) -> None:
+    """`remove` all but the `keep` most recently used of the cache `entries` (paths; by
+    modification time, which a use refreshes), sparing those used in the last
+    `spare_seconds` (another process may be reading them). Another thread or process
+    may prune the same entries meanwhile."""
+    import time
+
+    stamped = []
+    for path in entries:
+        try:
+            stamped.append((path.stat().st_mtime, path))
+        except FileNotFoundError:  # pruned by someone else meanwhile
+            continue
+    recent = time.time() - spare_seconds
+    for mtime, old in sorted(stamped)[:max(0, len(stamped) - keep)]:
+        if mtime < recent:
+            remove(old)
+
+
 # Compute capability 9.x: wgmma is Hopper's (Blackwell multiplies by tcgen05 instead).
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 

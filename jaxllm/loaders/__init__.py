@@ -3,6 +3,7 @@ checkpoint folder, or nothing (the embedded SmolLM2)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -26,6 +27,7 @@ from jaxllm.loaders.weights import CheckpointError
 from jaxllm.models.params import ModelParams, QuantizedWeight, declare, map_declared
 from jaxllm.models.quant import check_quantization, dequantize, quantize_params, quantized_config
 from jaxllm.models.vision_params import VisionParams
+from jaxllm.platform import prune_least_recently_used
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ def _folder_to_read(path: Path, dtype, conversion_cache_dir: str | Path | None,
     if path.is_file() and path.suffix == ".gguf":
         converted = _converted_path(path, dtype, conversion_cache_dir, quantization)
         if converted is not None and is_converted_checkpoint(converted):
+            with contextlib.suppress(OSError):
+                os.utime(converted)  # recently used: pruned last
             return converted
     return None
 
@@ -216,6 +220,11 @@ def _dequantized(cfg: ModelConfig, params: ModelParams, dtype, on_host: bool) ->
 # float16; 7: a mixed GGUF's projections in the tightest exact container, tensor_quantization),
 # must not restore an older conversion (floats where blocks are now kept; a tree orbax cannot map).
 CONVERSION_FORMAT = 7
+# Converted GGUFs kept (each a whole model's weights): the least recently used beyond these are
+# deleted when one is stored, but none used in the last SPARE_SECONDS (a process may be reading it).
+# A GGUF's key has its path and mtime, so a reinstalled or rewritten file is converted anew.
+MAX_CONVERSIONS = 8
+SPARE_SECONDS = 600.0
 
 
 def _converted_path(gguf: Path, dtype, cache_dir: str | Path | None, quantization: str | None = None) -> Path | None:
@@ -237,3 +246,6 @@ def _save_conversion(folder: Path, cfg, params, tokenizer, source: Path) -> None
     except OSError as e:
         logger.warning("could not keep a converted checkpoint of %s in %s: %s", source, folder, e)
         shutil.rmtree(tmp, ignore_errors=True)
+        return
+    kept = (p for p in folder.parent.iterdir() if ".tmp" not in p.name and is_converted_checkpoint(p))
+    prune_least_recently_used(kept, MAX_CONVERSIONS, lambda old: shutil.rmtree(old, ignore_errors=True), SPARE_SECONDS)

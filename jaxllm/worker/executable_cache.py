@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllm.platform import exclusive_lock, host_cpu
+from jaxllm.platform import exclusive_lock, host_cpu, prune_least_recently_used
 
 logger = logging.getLogger(__name__)
 
@@ -230,11 +230,4 @@ class ExecutableStore:
     def _prune(self) -> None:
         """Keep the MAX_ENTRIES most recently used; another thread or process (warm-up
         compiles on threads; test workers share the cache) may prune the same files."""
-        entries = []
-        for p in self.directory.glob("*.bin"):
-            try:
-                entries.append((p.stat().st_mtime, p))
-            except FileNotFoundError:  # pruned by someone else meanwhile
-                continue
-        for _, old in sorted(entries)[:-MAX_ENTRIES]:
-            old.unlink(missing_ok=True)
+        prune_least_recently_used(self.directory.glob("*.bin"), MAX_ENTRIES, lambda old: old.unlink(missing_ok=True))

@@ -257,6 +257,31 @@ def test_gguf_conversion_cache(test_models_dir, tmp_path, monkeypatch):
     assert len(list(cache.iterdir())) == 2
 
 
+def test_the_conversion_cache_keeps_the_most_recently_used(test_models_dir, tmp_path, monkeypatch):
+    """Each rewritten or reinstalled GGUF is a new conversion (its key has the file's
+    mtime): storing one deletes the least recently used beyond MAX_CONVERSIONS, a load
+    counting as a use, and spares those used in the last SPARE_SECONDS."""
+    import os
+
+    import jaxllm.loaders
+
+    monkeypatch.setattr(jaxllm.loaders, "MAX_CONVERSIONS", 2)
+    monkeypatch.setattr(jaxllm.loaders, "SPARE_SECONDS", 0.0)
+    cache = tmp_path / "converted"
+    ggufs = [make_test_model.write_gguf(test_models_dir / "llama", tmp_path / f"m{i}.gguf") for i in range(3)]
+    entries = {}
+    for i, path in enumerate(ggufs[:2]):
+        load_model(path, conversion_cache_dir=cache)
+        (entries[i],) = set(cache.iterdir()) - set(entries.values())
+        os.utime(entries[i], (1000 + i, 1000 + i))  # m0 used before m1
+    load_model(ggufs[0], conversion_cache_dir=cache)  # restored: m0 is now the more recent
+    load_model(ggufs[2], conversion_cache_dir=cache)  # a third: m1's is deleted
+    assert entries[0].is_dir() and not entries[1].exists() and len(list(cache.iterdir())) == 2
+    monkeypatch.setattr(jaxllm.loaders, "SPARE_SECONDS", 3600.0)  # every entry used within the hour: none deleted
+    load_model(ggufs[1], conversion_cache_dir=cache)
+    assert len(list(cache.iterdir())) == 3
+
+
 def test_peek_model_config_agrees_with_load_model(test_models_dir, tmp_path):
     """The engine compiles from the peeked config while the weights load: it must be
     the config load_model returns, and None whenever reading it would mean parsing."""
