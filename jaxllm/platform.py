@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
@@ -163,8 +164,6 @@ def prune_least_recently_used(entries, keep: int, remove: Callable[[Path], objec
     modification time, which a use refreshes), sparing those used in the last
     `spare_seconds` (another process may be reading them). Another thread or process
     may prune the same entries meanwhile."""
-    import time
-
     stamped = []
     for path in entries:
         try:

@@ -238,8 +238,9 @@ class PoolingRunner:
             stored = {str(p): p for p in self.plans}.get(record.load_text("plan") or "")
             self.plan = stored or self._measure(loaded)
             record.save_text("plan", str(self.plan))
-        with concurrent.futures.ThreadPoolExecutor(2) as pool_:
-            list(pool_.map(lambda t: self._executable(self.plan, t), self.token_buckets if compile_buckets else ()))
+        if compile_buckets:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool_:
+                list(pool_.map(lambda t: self._executable(self.plan, t), self.token_buckets))
         self._compiled = {k: v for k, v in self._compiled.items() if k[0] == self.plan}
         self._caches = {self.plan.attention: self.step_cache}  # the others' memory freed
         if loaded is not None:
