@@ -5,7 +5,8 @@ against the FFI headers of the installed jaxlib, for the host CPU (-march=native
 ISA level $JAXLLM_CPU_MARCH names, e.g. x86-64-v3 for AVX2 + FMA), and
 kept in `<cache>/jaxllm-kernels/` keyed by the source, the flags, the compiler, jaxlib
 and the CPU: a later start loads it at once, and processes starting together (pytest's
-workers, a server's) wait on a lock for one build. No compiler, or a failed build, raises
+workers, a server's) wait on a lock for one build. A build deletes the least recently
+loaded beyond MAX_LIBRARIES. No compiler, or a failed build, raises
 KernelBuildError with the compiler's message; the `auto` attention and linear backends
 then fall back to XLA (jaxllm.attention.backends, jaxllm.models.linear).
 """
@@ -41,6 +42,11 @@ def flags() -> tuple[str, ...]:
     return ("-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 SUBDIR = "jaxllm-kernels"
+# Builds kept per directory (one per source change, ISA level, compiler, jaxlib or CPU):
+# when one is built, the least recently loaded beyond these are deleted, but none loaded
+# in the last SPARE_SECONDS (a process may be loading it; one loaded stays mapped).
+MAX_LIBRARIES = 8
+SPARE_SECONDS = 600.0
 
 
 class KernelBuildError(RuntimeError):
@@ -91,7 +97,7 @@ def library_path() -> Path:
     name = f"{LIBRARY}-{_key(compiler, include_dir)}.so"
     for root in (_cache_root(), Path(tempfile.gettempdir()) / SUBDIR):
         path = root / name
-        if path.is_file():
+        if _used(path):
             return path
         lock = root / f".{name}.lock"
         try:
@@ -100,8 +106,36 @@ def library_path() -> Path:
         except OSError:
             continue  # a read-only cache directory: build in the temp directory instead
         with exclusive_lock(lock):  # processes starting together (a server's, pytest's workers) build it once
-            return path if path.is_file() else _compile(compiler, include_dir, path)
+            if _used(path):
+                return path
+            _compile(compiler, include_dir, path)
+        _prune(root)
+        return path
     raise KernelBuildError(f"no writable directory to build {name} in")
+
+
+def _used(path: Path) -> bool:
+    """Whether the library is built; if so, its time refreshed as a use (for _prune; a
+    read-only directory keeps the old time)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return path.is_file()
+    return True
+
+
+def _prune(root: Path) -> None:
+    """Delete the least recently used builds in `root` beyond MAX_LIBRARIES, with their
+    lock files."""
+    from jaxllm.platform import prune_least_recently_used
+
+    def remove(old: Path) -> None:
+        old.unlink(missing_ok=True)
+        (root / f".{old.name}.lock").unlink(missing_ok=True)
+
+    prune_least_recently_used(root.glob(f"{LIBRARY}-*.so"), MAX_LIBRARIES, remove, SPARE_SECONDS)
 
 
 def _compile(compiler: str, include_dir: str, path: Path) -> Path:

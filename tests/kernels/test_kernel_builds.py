@@ -116,3 +116,31 @@ def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatc
     for t in threads:
         t.join()
     assert len(builds) == 1 and len(found) == 3 and len(set(found)) == 1 and found[0].read_bytes() == b"library"
+
+
+def test_a_build_deletes_the_least_recently_loaded_beyond_the_bound(tmp_path, monkeypatch):
+    """Each source change (and ISA level, compiler, jaxlib) builds a library of its own:
+    a build deletes the least recently loaded beyond MAX_LIBRARIES, with their lock
+    files; loading one refreshes its time."""
+    import time
+
+    from jaxllm.cpu_kernels import build
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_compile", lambda compiler, include_dir, path: path.write_bytes(b"library"))
+    hour = 3600
+    old = [tmp_path / f"{build.LIBRARY}-old{i}.so" for i in range(build.MAX_LIBRARIES + 2)]
+    for i, path in enumerate(old):  # old0 the least recently used
+        path.write_bytes(b"old")
+        (tmp_path / f".{path.name}.lock").touch()
+        os.utime(path, (time.time() - (100 - i) * hour,) * 2)
+    os.utime(old[1], None)  # loaded a moment ago by another process
+    new = build.library_path.__wrapped__()
+    kept = sorted(p.name for p in tmp_path.glob(f"{build.LIBRARY}-*.so"))
+    # the new one, the one just loaded, and the 6 most recent of the rest
+    assert kept == sorted([new.name, old[1].name, *(p.name for p in old[4:])])
+    assert sorted(p.name for p in tmp_path.glob(".*.lock")) == sorted(f".{name}.lock" for name in kept)
+
+    os.utime(new, (time.time() - 300 * hour,) * 2)
+    assert build.library_path.__wrapped__() == new  # loaded, not built again
+    assert time.time() - new.stat().st_mtime < 60
