@@ -9,10 +9,11 @@ max_model_len against the model and the pool, and compiles every bucket at start
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -649,6 +650,21 @@ class EngineCore:
         return self.scheduler.has_work() or self._in_flight is not None
 
     # ------------------------------------------------------------------ pause
+
+    def watch_compiles(self, while_compiling: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Enter `while_compiling()` around each compile at first use (without warm-up, a
+        step shape, a block-copy size, an image batch, a draft model's or a pooling
+        model's bucket is compiled at the first step that needs it): the core's process
+        says meanwhile that it is alive (jaxllm.engine.core_proc)."""
+        if isinstance(self.runner, PoolingRunner):
+            self.runner.while_compiling = while_compiling
+            return
+        runners = [self.runner] + ([self.runner.proposer.runner]
+                                   if isinstance(self.runner.proposer, DraftModelProposer) else [])
+        for runner in runners:
+            runner.compilation.while_compiling = while_compiling
+            if runner.images is not None:
+                runner.images.while_compiling = while_compiling
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> EngineCoreOutputs:
         """Stop scheduling requests that arrive from now on until resume() (vLLM's

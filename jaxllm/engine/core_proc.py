@@ -1,6 +1,7 @@
 """The engine core in its own process: load, compile, then loop — take requests and
 aborts from the frontend, step while there is work, send outputs after every step
-(and a heartbeat with the scheduler stats every second while idle).
+(and a heartbeat with the scheduler stats every second while idle, and a bare one
+every second while a step compiles a shape at first use).
 
 The process exits when the frontend says shutdown or goes away (end of pipe), so it
 never outlives the server. It ignores SIGINT: a Ctrl-C reaches the whole process group,
@@ -9,6 +10,7 @@ and shutting down is the frontend's call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import tempfile
@@ -78,7 +80,9 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
             images_per_prompt=config.images_per_prompt,
         )
         conn.send_bytes(wire.encode(wire.READY, ready))
-        EngineCoreLoop(core, conn).run()
+        loop = EngineCoreLoop(core, conn)
+        core.watch_compiles(loop.compiling)
+        loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend is gone: nothing left to serve
     except Exception:
@@ -105,6 +109,7 @@ class EngineCoreLoop:
         self.core = core
         self.conn = conn
         self.last_sent = time.monotonic()
+        self._sending = threading.Lock()  # the loop's and `compiling`'s heartbeat thread's messages
 
     def run(self) -> None:
         while True:
@@ -125,13 +130,13 @@ class EngineCoreLoop:
                 self.core.add_requests(payload)
             except ValueError as e:
                 for request in payload:
-                    self.conn.send_bytes(wire.encode(wire.REJECTED, EngineCoreRejection(request.request_id, str(e))))
+                    self._send_bytes(wire.encode(wire.REJECTED, EngineCoreRejection(request.request_id, str(e))))
         elif kind == wire.ABORT:
             self.core.abort_requests(payload)
         elif kind == wire.LORA:
-            self.conn.send_bytes(wire.encode(wire.LORA_RESULT, self._update_lora(payload)))
+            self._send_bytes(wire.encode(wire.LORA_RESULT, self._update_lora(payload)))
         elif kind == wire.UTILITY:
-            self.conn.send_bytes(wire.encode(wire.UTILITY_RESULT, self._utility(payload)))
+            self._send_bytes(wire.encode(wire.UTILITY_RESULT, self._utility(payload)))
         elif kind == wire.SHUTDOWN:
             return False
         return True
@@ -161,5 +166,32 @@ class EngineCoreLoop:
         return UtilityResult(call.op_id, value=value)
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
-        self.conn.send_bytes(wire.encode(wire.OUTPUTS, outputs))
-        self.last_sent = time.monotonic()
+        self._send_bytes(wire.encode(wire.OUTPUTS, outputs))
+
+    def _send_bytes(self, message: bytes) -> None:
+        with self._sending:
+            self.conn.send_bytes(message)
+            self.last_sent = time.monotonic()
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Around a compile at first use (EngineCore.watch_compiles): a bare heartbeat
+        every HEARTBEAT_SECONDS from a thread of its own, so that the frontend, which
+        takes a busy core's silence for `--engine-hang-timeout` as a hang, does not take
+        a long compile for one."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_SECONDS):
+                try:
+                    self._send(EngineCoreOutputs([]))
+                except OSError:
+                    return  # the frontend is gone: the loop finds out too
+
+        thread = threading.Thread(target=beat, name="compile heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()

@@ -10,11 +10,13 @@ shapes, mesh and input builder; vLLM's tpu-inference splits its runner the same 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import logging
 import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -67,6 +69,9 @@ class CompilationManager:
         compiled every start)."""
         self.runner = runner
         self._steps = self._step_functions()
+        # entered around each compile at first use (an engine without warm-up): the engine
+        # core's process says it is alive meanwhile (jaxllm.engine.core_proc)
+        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # a step's block copies (at most one per admitted request), padded to a bucket
         copies = (pipeline.staged_copy_blocks(runner.mesh, runner._abstract_caches)
                   if runner.pipeline_parallel_size > 1 else copy_blocks)  # a stage's block ids are its own
@@ -197,7 +202,8 @@ class CompilationManager:
             if self.warmed_up:
                 self.num_compilations_after_warmup += 1
                 logger.error("compiling bucket %s after warm-up: a bug", shape)
-            compiled, _ = self._compile(shape)
+            with self.while_compiling():
+                compiled, _ = self._compile(shape)
         return compiled
 
     def copy_executable(self, c: int):
@@ -206,8 +212,9 @@ class CompilationManager:
         compiled = self._compiled_copies.get(c)
         if compiled is None:
             pairs = jax.ShapeDtypeStruct((c,), jnp.int32)
-            compiled, _ = load_or_compile(
-                self._copy_store, f"copy-c{c}",
-                lambda: self._copy_blocks.lower(self.runner._abstract_caches, pairs, pairs))
+            with self.while_compiling():
+                compiled, _ = load_or_compile(
+                    self._copy_store, f"copy-c{c}",
+                    lambda: self._copy_blocks.lower(self.runner._abstract_caches, pairs, pairs))
             self._compiled_copies[c] = compiled
         return compiled

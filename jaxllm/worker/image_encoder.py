@@ -13,7 +13,9 @@ image's rows written at its slot; the step then reads each image token's row
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ class ImageEncoder:
         self._jitted = jax.jit(functools.partial(encode_into, cfg=cfg), donate_argnums=(1,))
         self._compiled: dict[int, object] = {}
         self.num_encoded = 0
+        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # as the steps'
 
     def warm_up(self) -> None:
         """Compile the encoder for every batch size."""
@@ -55,10 +58,11 @@ class ImageEncoder:
         """The encoder compiled for batches of `b` images (now, if not yet)."""
         if b not in self._compiled:
             c, s = self.cfg.num_channels, self.cfg.image_size
-            self._compiled[b] = self._jitted.lower(
-                self.abstract_params, jax.ShapeDtypeStruct(self.table.shape, self.table.dtype),
-                jax.ShapeDtypeStruct((b, c, s, s), jnp.float32),
-                jax.ShapeDtypeStruct((b * self.cfg.tokens_per_image,), jnp.int32)).compile()
+            with self.while_compiling():
+                self._compiled[b] = self._jitted.lower(
+                    self.abstract_params, jax.ShapeDtypeStruct(self.table.shape, self.table.dtype),
+                    jax.ShapeDtypeStruct((b, c, s, s), jnp.float32),
+                    jax.ShapeDtypeStruct((b * self.cfg.tokens_per_image,), jnp.int32)).compile()
         return self._compiled[b]
 
     def encode(self, inputs: list[EncoderInput]) -> None:

@@ -18,11 +18,13 @@ Normalize).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -163,6 +165,8 @@ class PoolingRunner:
         self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.params = None if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else params
         self._compiled: dict[tuple[Plan, int], object] = {}
+        # entered around each compile at first use, as the generating runner's (jaxllm.worker.compilation)
+        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.measured: dict[Plan, float] = {}  # seconds per step of the largest bucket, by plan (auto)
         self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
@@ -220,7 +224,8 @@ class PoolingRunner:
                                          pooling_type=kind)
                 lower = lambda: jax.jit(step, donate_argnums=(2,)).trace(params, c.rope, c.abstract_caches,
                                                                          inputs).lower()
-            self._compiled[key], loaded = load_or_compile(self._store(plan), f"t{tokens}-s{seqs}", lower)
+            with self.while_compiling():
+                self._compiled[key], loaded = load_or_compile(self._store(plan), f"t{tokens}-s{seqs}", lower)
             self.num_loaded_executables += loaded
         return self._compiled[key]
 

@@ -2,6 +2,7 @@
 chunking, preemption or prefix caching; seeds; stop conditions; zero compilations
 after warm-up; no leaked KV blocks; validation before anything is queued."""
 
+import contextlib
 import pathlib
 
 import numpy as np
@@ -434,6 +435,15 @@ def test_an_engine_without_warm_up_compiles_on_first_use(test_models_dir):
     core = EngineCore(EngineConfig(model=str(test_models_dir / "llama"), attention_backend="cpu",
                                    linear_backend="cpu", warm_up=False, **small), progress=False)
     assert not core.runner.compilation._compiled and core.warmup_seconds == 0
+    compiled_within = []  # what each compile the core was told of added (watch_compiles)
+
+    @contextlib.contextmanager
+    def watching():
+        before = set(core.runner.compilation._compiled)
+        yield
+        compiled_within.append(set(core.runner.compilation._compiled) - before)
+
+    core.watch_compiles(watching)
     core.add_requests([EngineCoreRequest("r", [5, 6, 7, 8, 9], greedy(5), None, 0.0)])
     tokens = []
     while core.has_unfinished_requests():
@@ -442,6 +452,7 @@ def test_an_engine_without_warm_up_compiles_on_first_use(test_models_dir):
     # the 5-token prompt in one step of bucket 8, then lone decodes (1); bucket 4 never compiled
     assert [shape.tokens for shape in core.runner.buckets] == [1, 4, 8]
     assert sorted(shape.tokens for shape in core.runner.compilation._compiled) == [1, 8]
+    assert [[shape.tokens for shape in added] for added in compiled_within] == [[8], [1]]
     assert core.runner.num_compilations_after_warmup == 0
     core.close()
 

@@ -893,7 +893,7 @@ def test_chat_template_errors_are_400(test_models_dir, cache_dir):
 def test_dead_engine_core(test_models_dir, cache_dir):
     # single decode steps, the slower way: its two requests of 1,000 tokens must still run when the core
     # is killed, so it decodes only between the signals below
-    # warmed up: a step compiling a shape for longer than the 1.5 s would read as a hang
+    # warmed up, so that the signals below stop steps, not a compile at first use (which sends heartbeats)
     s = Server(test_models_dir / "llama", cache_dir, "--max-model-len", "1024", "--engine-hang-timeout", "1.5",
                "--num-scheduler-steps", "1", "--warm-up", api_key=None)
     try:
