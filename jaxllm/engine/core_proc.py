@@ -1,7 +1,7 @@
 """The engine core in its own process: load, compile, then loop — take requests and
 aborts from the frontend, step while there is work, send outputs after every step
 (and a heartbeat with the scheduler stats every second while idle, and a bare one
-every second while a step compiles a shape at first use).
+four times a second while a step compiles a shape at first use).
 
 The process exits when the frontend says shutdown or goes away (end of pipe), so it
 never outlives the server. It ignores SIGINT: a Ctrl-C reaches the whole process group,
@@ -175,18 +175,21 @@ class EngineCoreLoop:
 
     @contextlib.contextmanager
     def compiling(self):
-        """Around a compile at first use (EngineCore.watch_compiles): a bare heartbeat
-        every HEARTBEAT_SECONDS from a thread of its own, so that the frontend, which
-        takes a busy core's silence for `--engine-hang-timeout` as a hang, does not take
-        a long compile for one."""
+        """Around a compile at first use (EngineCore.watch_compiles): a bare heartbeat as
+        it starts and every quarter of HEARTBEAT_SECONDS until it ends, from a thread of
+        its own, so that the frontend, which takes a busy core's silence for
+        `--engine-hang-timeout` (over HEARTBEAT_SECONDS) as a hang, does not take a long
+        compile, or a step's few compiles with its other work between them, for one."""
         done = threading.Event()
 
         def beat() -> None:
-            while not done.wait(HEARTBEAT_SECONDS):
+            while True:
                 try:
                     self._send(EngineCoreOutputs([]))
                 except OSError:
                     return  # the frontend is gone: the loop finds out too
+                if done.wait(HEARTBEAT_SECONDS / 4):
+                    return
 
         thread = threading.Thread(target=beat, name="compile heartbeat", daemon=True)
         thread.start()
