@@ -159,6 +159,11 @@ def exclusive_lock(path: Path, on_wait: Callable[[], object] | None = None):
         yield
 
 
+# What an engine enters around each compile at first use (EngineCore.watch_compiles; the
+# runners' `while_compiling`, contextlib.nullcontext unless watched).
+CompileHook = Callable[[], contextlib.AbstractContextManager]
+
+
 def prune_least_recently_used(entries, keep: int, remove: Callable[[Path], object], spare_seconds: float = 0.0) -> None:
     """`remove` all but the `keep` most recently used of the cache `entries` (paths; by
     modification time, which a use refreshes), sparing those used in the last

@@ -9,11 +9,10 @@ max_model_len against the model and the pool, and compiles every bucket at start
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from jaxllm.models.parallel import check_tensor_parallel, shard_config
 from jaxllm.models.params import ModelParams, abstract_params
 from jaxllm.models.pipeline import StagePlan, cache_slots, check_pipeline_parallel
 from jaxllm.models.quant import quantize_params, quantized_config
-from jaxllm.platform import compilation_cache_path
+from jaxllm.platform import CompileHook, compilation_cache_path
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.reasoning import PARSERS as REASONING_PARSERS
 from jaxllm.reasoning import ThinkingState
@@ -651,7 +650,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ pause
 
-    def watch_compiles(self, while_compiling: Callable[[], contextlib.AbstractContextManager]) -> None:
+    def watch_compiles(self, while_compiling: CompileHook) -> None:
         """Enter `while_compiling()` around each compile at first use (without warm-up, a
         step shape, a block-copy size, an image batch, a draft model's or a pooling
         model's bucket is compiled at the first step that needs it): the core's process

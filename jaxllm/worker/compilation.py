@@ -16,7 +16,6 @@ import hashlib
 import logging
 import time
 import typing
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from jaxllm.attention.backends import get_attention_fn
 from jaxllm.attention.kv_cache import copy_blocks
 from jaxllm.models import parallel, pipeline
+from jaxllm.platform import CompileHook
 from jaxllm.sample.sampler import argmax, argmax_cpu, compute_logprobs, token_scores_cpu
 from jaxllm.worker.autotune import StepBackends
 from jaxllm.worker.buckets import StepShape
@@ -71,7 +71,7 @@ class CompilationManager:
         self._steps = self._step_functions()
         # entered around each compile at first use (an engine without warm-up): the engine
         # core's process says it is alive meanwhile (jaxllm.engine.core_proc)
-        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.while_compiling: CompileHook = contextlib.nullcontext
         # a step's block copies (at most one per admitted request), padded to a bucket
         copies = (pipeline.staged_copy_blocks(runner.mesh, runner._abstract_caches)
                   if runner.pipeline_parallel_size > 1 else copy_blocks)  # a stage's block ids are its own

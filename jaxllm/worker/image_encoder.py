@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from jaxllm.models.params import map_declared
 from jaxllm.models.vision import encode_images
 from jaxllm.models.vision_params import VisionParams, declare_vision
 from jaxllm.multimodal.inputs import pixel_values
+from jaxllm.platform import CompileHook
 from jaxllm.vision_config import VisionConfig
 
 
@@ -47,7 +47,7 @@ class ImageEncoder:
         self._jitted = jax.jit(functools.partial(encode_into, cfg=cfg), donate_argnums=(1,))
         self._compiled: dict[int, object] = {}
         self.num_encoded = 0
-        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # as the steps'
+        self.while_compiling: CompileHook = contextlib.nullcontext  # as the steps'
 
     def warm_up(self) -> None:
         """Compile the encoder for every batch size."""

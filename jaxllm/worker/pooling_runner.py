@@ -24,7 +24,6 @@ import functools
 import logging
 import time
 import typing
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -44,7 +43,7 @@ from jaxllm.models.bert_params import BertLayerParams, BertParams
 from jaxllm.models.linear import layout_params, linear_candidates, pack_weight
 from jaxllm.models.params import ModelParams
 from jaxllm.models.rope import RopeTable, model_rope_table
-from jaxllm.platform import activation_dtype
+from jaxllm.platform import CompileHook, activation_dtype
 from jaxllm.pooling_params import PoolerConfig
 from jaxllm.worker.buckets import seq_bucket, token_buckets
 from jaxllm.worker.compilation import load_or_compile, shapes_and_dtypes
@@ -166,7 +165,7 @@ class PoolingRunner:
         self.params = None if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct) else params
         self._compiled: dict[tuple[Plan, int], object] = {}
         # entered around each compile at first use, as the generating runner's (jaxllm.worker.compilation)
-        self.while_compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.while_compiling: CompileHook = contextlib.nullcontext
         self.measured: dict[Plan, float] = {}  # seconds per step of the largest bucket, by plan (auto)
         self.num_loaded_executables = 0
         self.lora = None  # no adapters on pooling models
