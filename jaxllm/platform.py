@@ -104,23 +104,41 @@ def host_cpu() -> str:
 def busy_cpu_seconds(cpus: Collection[int] | None = None) -> float | None:
     """The busy CPU seconds so far of the cores `cpus` (None: every core), from /proc/stat
     (all but idle and iowait); None where there is no /proc/stat."""
+    return _stat_seconds(busy_ticks, cpus)
+
+
+def stolen_cpu_seconds() -> float | None:
+    """The CPU seconds so far that a hypervisor ran something else while this machine's
+    cores had work (/proc/stat's steal, every core); None where there is no /proc/stat."""
+    return _stat_seconds(steal_ticks, None)
+
+
+def _stat_seconds(ticks, cpus: Collection[int] | None) -> float | None:
     try:
         with open("/proc/stat") as f:
-            return busy_ticks(f.read(), cpus) / os.sysconf("SC_CLK_TCK")
+            return ticks(f.read(), cpus) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _stat_rows(stat: str, cpus: Collection[int] | None) -> list[list[int]]:
+    """/proc/stat's tick columns (user nice system idle iowait irq softirq steal ...) of the
+    cores `cpus` (their `cpuN` lines), or of every core (the first line, their sum)."""
+    rows = [line.split() for line in stat.splitlines() if line.startswith("cpu")]
+    rows = rows[:1] if cpus is None else [row for row in rows[1:] if int(row[0][3:]) in cpus]
+    return [[int(v) for v in row[1:]] for row in rows]
 
 
 def busy_ticks(stat: str, cpus: Collection[int] | None = None) -> int:
     """The busy ticks in /proc/stat's text `stat` of the cores `cpus` (its `cpuN` lines),
     or of every core (its first line, `cpu`, their sum) where `cpus` is None."""
-    rows = [line.split() for line in stat.splitlines() if line.startswith("cpu")]
-    rows = rows[:1] if cpus is None else [row for row in rows[1:] if int(row[0][3:]) in cpus]
-    busy = 0
-    for row in rows:
-        ticks = [int(v) for v in row[1:]]
-        busy += sum(ticks) - ticks[3] - ticks[4]
-    return busy
+    return sum(sum(ticks) - ticks[3] - ticks[4] for ticks in _stat_rows(stat, cpus))
+
+
+def steal_ticks(stat: str, cpus: Collection[int] | None = None) -> int:
+    """The stolen ticks (the eighth column) in /proc/stat's text `stat`, as busy_ticks reads
+    its rows; 0 where a kernel's lines are too short to have the column."""
+    return sum(ticks[7] if len(ticks) > 7 else 0 for ticks in _stat_rows(stat, cpus))
 
 
 def usable_cpus() -> frozenset[int] | None:

@@ -285,19 +285,30 @@ def process_tree_cpu_seconds(pid: int) -> dict[str, float]:
 class CpuSeconds:
     """The CPU seconds a server's processes (`pid` and its descendants) and this client
     spent inside the `with` block: on a 2-core host they share the cores with the engine,
-    so a server's frontend is part of what its throughput costs."""
+    so a server's frontend is part of what its throughput costs. Also the seconds the
+    hypervisor took from this machine's cores meanwhile ("stolen": a shared host's slow
+    phases, where a 2-core guest can be left about one core)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.result = pid, {}
 
     def __enter__(self) -> CpuSeconds:
         self.server0, self.client0, self.wall0 = process_tree_cpu_seconds(self.pid), _own_cpu_seconds(), time.perf_counter()
+        self.stolen0 = _stolen_cpu_seconds()
         return self
 
     def __exit__(self, *exc) -> None:
-        server1 = process_tree_cpu_seconds(self.pid)
+        server1, stolen1 = process_tree_cpu_seconds(self.pid), _stolen_cpu_seconds()
         self.result = {"server": {k: v - self.server0.get(k, 0.0) for k, v in server1.items()},
                        "client": _own_cpu_seconds() - self.client0, "wall": time.perf_counter() - self.wall0}
+        if self.stolen0 is not None and stolen1 is not None:
+            self.result |= {"stolen": stolen1 - self.stolen0, "cores": os.cpu_count() or 1}
+
+
+def _stolen_cpu_seconds() -> float | None:
+    from jaxllm.platform import stolen_cpu_seconds  # here: --isa re-runs the script before JAX starts
+
+    return stolen_cpu_seconds()
 
 
 def _own_cpu_seconds() -> float:
@@ -307,7 +318,11 @@ def _own_cpu_seconds() -> float:
 
 def format_cpu_seconds(cpu: dict) -> str:
     parts = [f"{k} {v:.1f}" for k, v in sorted(cpu["server"].items(), key=lambda kv: -kv[1]) if v >= 0.05]
-    return f"CPU s in {cpu['wall']:.1f} s: " + ", ".join(parts) + f"; client {cpu['client']:.1f}"
+    line = f"CPU s in {cpu['wall']:.1f} s: " + ", ".join(parts) + f"; client {cpu['client']:.1f}"
+    if "stolen" in cpu:
+        share = cpu["stolen"] / max(cpu["wall"] * cpu["cores"], 1e-9)
+        line += f"; stolen by the host {cpu['stolen']:.1f} ({100 * share:.0f}% of {cpu['cores']} cores)"
+    return line
 
 
 # ------------------------------------------------------------------ server

@@ -27,7 +27,9 @@ the kernel, with the activations `auto` gives). A peak is the best call of each,
 higher of the two measurements: a shared host's other tenants only ever slow a call
 down, so a median, or one moment of the run, would understate the peak and overstate
 every share of it. Each run also records who used the cores (`cpu_s`): the CPU
-seconds of the server's processes (frontend, engine) and of this client over the run.
+seconds of the server's processes (frontend, engine) and of this client over the run, and
+those the hypervisor stole from the machine's cores (the table's last column: a run its host
+left about one core of two is told apart from the engine's own speed).
 
 A shared host's speed drifts over a run by more than the margins measured here. With
 `--rounds N` the runs are repeated, every other round in reverse order, so that the drift
@@ -351,10 +353,11 @@ def round_ratios(results: dict, label: str) -> list[float]:
 
 def print_table(results: dict) -> None:
     """A row per run: its output rate, latencies, rate against vLLM's and share of its precision's
-    peak, the means over the rounds where there are several, with each round's ratio."""
+    peak, the means over the rounds where there are several, with each round's ratio and the
+    share of the cores' time the host stole during each round's run."""
     peaks, rounds = results["peak_gflops"], results["rounds"]
     print(f"\n{'server':<42} {'output tok/s':>12} {'TPOT p50':>9} {'TTFT p50':>9} {'vs vLLM':>8} {'GFLOP/s':>8}"
-          f" {'of peak':>8}" + ("  vs vLLM by round" if len(rounds) > 1 else ""))
+          f" {'of peak':>8}" + ("  vs vLLM by round" if len(rounds) > 1 else "") + "  stolen")
     for label in results["runs"]:
         runs = [r[label] for r in rounds if label in r]
         mean = {k: float(np.mean([r[k] for r in runs])) for k in ("output_token_throughput", "gflops")}
@@ -362,8 +365,16 @@ def print_table(results: dict) -> None:
         ratios = round_ratios(results, label)
         ratio = f"{float(np.exp(np.mean(np.log(ratios)))):.2f}x" if ratios else "-"
         by_round = "  " + " ".join(f"{x:.2f}x" for x in ratios) if len(rounds) > 1 else ""
+        stolen = " ".join(f"{stolen_share(r):.0%}" if stolen_share(r) is not None else "-" for r in runs)
         print(f"{label:<42} {mean['output_token_throughput']:>12.1f} {tpot:>7.0f}ms {ttft:>7.0f}ms {ratio:>8} "
-              f"{mean['gflops']:>8.0f} {mean['gflops'] / peaks[runs[0]['precision']]:>7.0%}{by_round}")
+              f"{mean['gflops']:>8.0f} {mean['gflops'] / peaks[runs[0]['precision']]:>7.0%}{by_round}  {stolen}")
+
+
+def stolen_share(run: dict) -> float | None:
+    """The share of the machine's core time the host stole during the run (bench_serving.CpuSeconds;
+    None where the run did not record it)."""
+    cpu = run.get("cpu_s", {})
+    return cpu["stolen"] / (cpu["wall"] * cpu["cores"]) if "stolen" in cpu else None
 
 
 if __name__ == "__main__":

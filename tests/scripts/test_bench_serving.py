@@ -5,6 +5,7 @@ the first's output throughput to the second's; combinations it cannot compare re
 import json
 import sys
 import time
+from pathlib import Path
 
 import bench_serving
 import pytest
@@ -121,6 +122,15 @@ def test_cpu_seconds_counts_a_child_s_work_under_its_parent():
     assert 0.55 <= next(iter(children.values())) <= 0.9
     assert cpu.result["server"]["server"] < 0.4
     assert 2.5 <= cpu.result["wall"] < 5
+    if Path("/proc/stat").exists():  # and what the host took from the machine's cores meanwhile
+        assert 0 <= cpu.result["stolen"] <= cpu.result["wall"] * cpu.result["cores"]
+
+
+def test_the_cpu_line_says_what_the_host_stole():
+    cpu = {"server": {"server": 1.0, "python 7": 30.0}, "client": 1.5, "wall": 20.0}
+    assert bench_serving.format_cpu_seconds(cpu) == "CPU s in 20.0 s: python 7 30.0, server 1.0; client 1.5"
+    line = bench_serving.format_cpu_seconds(cpu | {"stolen": 8.0, "cores": 2})
+    assert line.endswith("; client 1.5; stolen by the host 8.0 (20% of 2 cores)")
 
 
 def test_a_launched_server_keeps_its_start_up_lines_in_the_log(tmp_path, monkeypatch):

@@ -569,6 +569,17 @@ def test_busy_ticks_are_those_of_the_cores_asked_for():
     assert busy_ticks(stat, cores) == pytest.approx(busy_ticks(stat), rel=1e-3, abs=len(cores))
 
 
+def test_stolen_ticks_are_the_eighth_column():
+    """/proc/stat's steal (the hypervisor's share of a guest's cores, which the benchmarks
+    record per run): every core's, or the named cores'; a line without the column, none."""
+    from jaxllm.platform import busy_ticks, steal_ticks
+
+    stat = "cpu  100 0 50 1000 10 0 5 40 0 0\ncpu0 60 0 30 400 5 0 5 30 0 0\ncpu1 40 0 20 600 5 0 0 10 0 0\n"
+    assert (steal_ticks(stat), steal_ticks(stat, {0}), steal_ticks(stat, {1})) == (40, 30, 10)
+    assert busy_ticks(stat) == 195  # stolen time is not this machine's idle time
+    assert steal_ticks("cpu  100 0 50 1000 10 0 5\n") == 0
+
+
 def test_the_cpu_clock_reads_the_cores_this_process_may_run_on(monkeypatch):
     asked = []
     monkeypatch.setattr(autotune, "usable_cpus", lambda: frozenset({0}))
