@@ -286,8 +286,8 @@ class CpuSeconds:
     """The CPU seconds a server's processes (`pid` and its descendants) and this client
     spent inside the `with` block: on a 2-core host they share the cores with the engine,
     so a server's frontend is part of what its throughput costs. Also the seconds the
-    hypervisor took from this machine's cores meanwhile ("stolen": a shared host's slow
-    phases, where a 2-core guest can be left about one core)."""
+    hypervisor took from this machine's cores meanwhile ("stolen": a shared host can run
+    other guests on them; stolen_share)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.result = pid, {}
@@ -319,10 +319,15 @@ def _own_cpu_seconds() -> float:
 def format_cpu_seconds(cpu: dict) -> str:
     parts = [f"{k} {v:.1f}" for k, v in sorted(cpu["server"].items(), key=lambda kv: -kv[1]) if v >= 0.05]
     line = f"CPU s in {cpu['wall']:.1f} s: " + ", ".join(parts) + f"; client {cpu['client']:.1f}"
-    if "stolen" in cpu:
-        share = cpu["stolen"] / max(cpu["wall"] * cpu["cores"], 1e-9)
-        line += f"; stolen by the host {cpu['stolen']:.1f} ({100 * share:.0f}% of {cpu['cores']} cores)"
+    if stolen_share(cpu) is not None:
+        line += f"; stolen by the host {cpu['stolen']:.1f} ({stolen_share(cpu):.0%} of {cpu['cores']} cores)"
     return line
+
+
+def stolen_share(cpu: dict) -> float | None:
+    """The share of the machine's core time the host stole over a CpuSeconds result `cpu`
+    (None where it was not recorded)."""
+    return cpu["stolen"] / max(cpu["wall"] * cpu["cores"], 1e-9) if "stolen" in cpu else None
 
 
 # ------------------------------------------------------------------ server

@@ -56,7 +56,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from bench_eval import export_hf_folder
-from bench_serving import CpuSeconds, LaunchedServer, benchmark, print_summary, standard_dataset
+from bench_serving import CpuSeconds, LaunchedServer, benchmark, print_summary, standard_dataset, stolen_share
 from isa_build import ISAS, describe, reexec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,16 +365,11 @@ def print_table(results: dict) -> None:
         ratios = round_ratios(results, label)
         ratio = f"{float(np.exp(np.mean(np.log(ratios)))):.2f}x" if ratios else "-"
         by_round = "  " + " ".join(f"{x:.2f}x" for x in ratios) if len(rounds) > 1 else ""
-        stolen = " ".join(f"{stolen_share(r):.0%}" if stolen_share(r) is not None else "-" for r in runs)
+        shares = [stolen_share(r.get("cpu_s", {})) for r in runs]
+        stolen = " ".join("-" if share is None else f"{share:.0%}" for share in shares)
         print(f"{label:<42} {mean['output_token_throughput']:>12.1f} {tpot:>7.0f}ms {ttft:>7.0f}ms {ratio:>8} "
               f"{mean['gflops']:>8.0f} {mean['gflops'] / peaks[runs[0]['precision']]:>7.0%}{by_round}  {stolen}")
 
-
-def stolen_share(run: dict) -> float | None:
-    """The share of the machine's core time the host stole during the run (bench_serving.CpuSeconds;
-    None where the run did not record it)."""
-    cpu = run.get("cpu_s", {})
-    return cpu["stolen"] / (cpu["wall"] * cpu["cores"]) if "stolen" in cpu else None
 
 
 if __name__ == "__main__":
