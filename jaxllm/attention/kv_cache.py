@@ -138,11 +138,13 @@ def cache_shapes(fmt: KVCacheFormat, num_layers: int, num_blocks: int, block_siz
     return tuple(KVCache(k, k, scale, scale, layer, layer, fmt.bits_of()) for _ in range(num_layers))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)
 def _zeros(shape: tuple[int, ...], dtype, sharding):
     """A program filling an array of `shape` with zeros where `sharding` places it, one per
     kind of array: every layer's K (and V) is alike, so one compile serves them all, where a
-    program per array compiled ~60 times an engine (~2-3 s of a start, on a 2-vCPU CPU)."""
+    program per array compiled ~60 times an engine (~2-3 s of a start, on a 2-vCPU CPU).
+    Bounded: a process that builds engine after engine (a notebook, a training loop's
+    rollouts), each with a pool sized anew, does not keep every size's program."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
